@@ -1,0 +1,91 @@
+"""The only place that calls `response_sender.send`: every request ends with exactly one FINAL.
+
+A Responder wraps one request's response sender. `send_chunk` streams outputs, `send_final` ends the
+request (with or without outputs) and `send_error` ends it with an error; after the FINAL every further
+call is a no-op, so racing paths (a stop string found while the engine reports a cancel) cannot send
+twice or send after the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from mstar_common import wire
+
+logger = logging.getLogger(__name__)
+
+
+class Responder:
+    __slots__ = ("_sender", "_request", "is_closed", "request_id")
+
+    def __init__(self, request, request_id: str):
+        self._request = request
+        self._sender = request.get_response_sender()
+        self.request_id = request_id
+        self.is_closed = False
+
+    def send_chunk(self, outputs: dict[str, np.ndarray]) -> None:
+        if not self.is_closed:
+            self._send(_response(outputs), 0)
+
+    def send_final(self, outputs: dict[str, np.ndarray] | None = None) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if outputs:
+            self._send(_response(outputs), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def send_error(self, message: str) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        error = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+        self._send(error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def send_invalid(self, detail: str) -> None:
+        """The client's fault: the proxy turns this prefix into an HTTP 400."""
+        logger.info("[%s] refused: %s", self.request_id, detail)
+        self.send_error(wire.invalid_request_message(detail))
+
+    def send_server_error(self, exc: BaseException | str) -> str:
+        """A server fault: log the cause under an error id and send the client only the id."""
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("[%s] error id %s: %s", self.request_id, error_id, exc, exc_info=isinstance(exc, BaseException))
+        self.send_error(f"{wire.SERVER_ERROR_PREFIX}{error_id})")
+        return error_id
+
+    def is_cancelled(self) -> bool:
+        try:
+            return bool(self._sender.is_cancelled())
+        except Exception:  # the stub raises once the request is gone
+            return True
+
+    def _send(self, response, flags: int) -> None:
+        try:
+            if response is None:
+                self._sender.send(flags=flags)
+            else:
+                self._sender.send(response, flags=flags)
+        except Exception as exc:  # a cancelled or released request; nothing else can be sent to it
+            self.is_closed = True
+            logger.debug("[%s] send failed: %s", self.request_id, exc)
+
+
+def _response(outputs: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
+
+
+def request_inputs(request, names) -> dict[str, np.ndarray]:
+    """The request's tensors among `names`, as numpy arrays; absent optional inputs are left out."""
+    inputs = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs

@@ -1,0 +1,47 @@
+"""Resolve a deployment's `checkpoint` to a local HF-format directory, offline.
+
+Accepted forms:
+  builtin:<name>    a tiny random checkpoint the family builds locally on first use (demo and tests)
+  /a/local/dir      a directory holding config.json + *.safetensors (+ tokenizer files)
+  org/name          a repository already in the local Hugging Face cache (never downloaded here)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MSTAR_CACHE_DIR", Path.home() / ".cache" / "mstar"))
+
+
+def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> Path:
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX):]
+        if name not in builtins:
+            raise FileNotFoundError(f"checkpoint: unknown builtin {name!r}; available: {sorted(builtins)}")
+        return builtins[name](cache_dir() / "builtin" / name)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"checkpoint: {spec} has no config.json (expected an HF-format directory)")
+        return path
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _from_hf_cache(spec)
+    raise FileNotFoundError(f"checkpoint: {spec} is not a directory, a builtin:<name> or a cached HF repo id")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # the hub raises several types for "not cached"
+        raise FileNotFoundError(
+            f"checkpoint: {repo_id} is not in the local Hugging Face cache and nothing is downloaded at serve "
+            f"time; fetch it first (e.g. `huggingface-cli download {repo_id}`) or give a local directory"
+        ) from exc

@@ -1,0 +1,145 @@
+"""`mstar`: serve a deployment, generate its model repository, check it, build a tiny checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from mstar_common.config import DeploymentError, load_deployment
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = PROJECT_ROOT / "configs"
+DEFAULT_DEPLOYMENT = CONFIGS / "qwen3.yaml"
+
+
+def resolve_target(target: str) -> Path:
+    """A deployment YAML path, or a family/deployment key naming configs/<key>.yaml."""
+    path = Path(target)
+    if path.suffix in (".yaml", ".yml"):
+        return path
+    candidate = CONFIGS / f"{target}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+    raise DeploymentError(f"unknown model {target!r}: no configs/{target}.yaml; available: {known}")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    dep = load_deployment(resolve_target(args.deployment))
+    print(f"ok: {dep.name} (family {dep.family}, components {sorted(dep.components)})")
+    return 0
+
+
+def cmd_gen_repo(args: argparse.Namespace) -> int:
+    from mstar_common.repository import generate_repository
+
+    dep = generate_repository(resolve_target(args.deployment), args.out)
+    print(f"wrote {args.out} for {dep.name}")
+    return 0
+
+
+def cmd_build_checkpoint(args: argparse.Namespace) -> int:
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+
+    family = get_family(args.family)
+    path = resolve_checkpoint(args.checkpoint, family.builtin_checkpoints)
+    print(path)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+    from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
+    from mstar_common.repository import entry_model, generate_repository
+
+    path = resolve_target(args.target)
+    dep = load_deployment(path)
+    print(f"[mstar] deployment {dep.name} ({path}) is valid", flush=True)
+    checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+    print(f"[mstar] checkpoint: {checkpoint}", flush=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{dep.name}-"))
+    repo = run_dir / "model_repository"
+    generate_repository(path, repo)
+    s = dep.server
+    ports = Ports(http=s.http_port, grpc=s.grpc_port, metrics=s.metrics_port, proxy=args.port or s.proxy_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    triton = proxy = None
+    try:
+        triton = start_triton(repo, dep, ports, run_dir / "tritonserver.log")
+        print(f"[mstar] tritonserver starting (log: {run_dir / 'tritonserver.log'})", flush=True)
+        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, args.timeout, "tritonserver")
+        if not args.no_proxy:
+            entry = entry_model(dep)
+            proxy = start_proxy(dep, entry, ports, run_dir / "proxy.log", host=args.host)
+            wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, args.timeout, "proxy")
+        _print_urls(dep, ports, args, run_dir)
+        while not stop.is_set():
+            if triton.poll() is not None or (proxy is not None and proxy.poll() is not None):
+                print("[mstar] a server process exited; shutting down", file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+        print("\n[mstar] shutting down", flush=True)
+        return 0
+    finally:
+        stop_process(proxy)
+        stop_process(triton)
+
+
+def _print_urls(dep, ports, args, run_dir: Path) -> None:
+    from mstar_common.repository import entry_model
+
+    host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
+    lines = [
+        f"[mstar] serving {dep.name}",
+        f"  OpenAI API   http://{host}:{ports.proxy}/v1   (model: {dep.name})" if not args.no_proxy else "",
+        f"  health       http://{host}:{ports.proxy}/health" if not args.no_proxy else "",
+        f"  Triton gRPC  127.0.0.1:{ports.grpc}   (model: {entry_model(dep)})",
+        f"  Triton HTTP  http://127.0.0.1:{ports.http}",
+        f"  metrics      http://127.0.0.1:{ports.metrics}/metrics",
+        f"  logs         {run_dir}",
+        "  Ctrl-C stops both servers.",
+    ]
+    print("\n".join(line for line in lines if line), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mstar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="validate, generate the repository, start tritonserver + the proxy")
+    p.add_argument("target", nargs="?", default=str(DEFAULT_DEPLOYMENT), help="family key or deployment YAML")
+    p.add_argument("--host", default="127.0.0.1", help="proxy bind address")
+    p.add_argument("--port", type=int, default=None, help="proxy port (default: server.proxy_port)")
+    p.add_argument("--no-proxy", action="store_true", help="start tritonserver only")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("gen-repo", help="deployment YAML -> Triton model repository")
+    p.add_argument("deployment")
+    p.add_argument("--out", default="model_repository")
+    p.set_defaults(func=cmd_gen_repo)
+    p = sub.add_parser("check", help="validate a deployment")
+    p.add_argument("deployment")
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("build-checkpoint", help="build (or find) a builtin tiny checkpoint and print its path")
+    p.add_argument("family")
+    p.add_argument("checkpoint", help="e.g. builtin:qwen3-tiny")
+    p.set_defaults(func=cmd_build_checkpoint)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (DeploymentError, FileNotFoundError) as exc:
+        print(f"mstar: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

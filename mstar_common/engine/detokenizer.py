@@ -1,0 +1,57 @@
+"""Incremental, byte-safe detokenization of a token stream (spec/ENGINE.md §3.1 "Output path").
+
+Byte-level BPE can split one UTF-8 character across tokens, so decoding a token on its own may end in
+U+FFFD. Each push decodes a short window: a few already-emitted tokens for context plus the unread ones,
+and emits the text past what the context alone decodes to. A window whose text ends in U+FFFD is held back
+until the character completes. Decoding the context too (rather than only the new tokens) keeps
+start-of-text effects, such as a decoder stripping a leading space, out of mid-stream deltas.
+"""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+_NUM_CONTEXT_TOKENS = 4  # emitted tokens kept in the window; enough context for merges and space handling
+
+
+class IncrementalDetokenizer:
+    """Turns pushed token ids into newly completed text.
+
+    `push(ids)` returns the text completed by these ids (possibly ""); `flush()` returns what is still held
+    back at the end of the stream, U+FFFD included if the stream really ended mid-character. Each push
+    costs O(window), not O(output): the window holds at most `_NUM_CONTEXT_TOKENS` emitted tokens plus the
+    tokens not yet emitted.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []
+        self._num_read = 0  # leading window tokens whose text was already emitted
+
+    def push(self, token_ids: list[int]) -> str:
+        self._window.extend(token_ids)
+        prefix_text, text = self._decode_window()
+        if text.endswith(_REPLACEMENT):
+            return ""  # an incomplete character: wait for the bytes that finish it
+        # Advance even when nothing new decoded (e.g. skipped special tokens), so such runs never pile up.
+        self._advance()
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        prefix_text, text = self._decode_window()
+        self._window, self._num_read = [], 0
+        return text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        prefix_text = self._decode(self._window[: self._num_read])
+        return prefix_text, self._decode(self._window)
+
+    def _advance(self) -> None:
+        """Everything in the window is emitted; keep its tail as context for the next push."""
+        self._window = self._window[-_NUM_CONTEXT_TOKENS:]
+        self._num_read = len(self._window)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -1,0 +1,166 @@
+"""From engine tokens to client responses, off the step loop.
+
+The engine's loop thread only queues (request id, new tokens, finish) per step. The pump thread drains
+the queue, merges everything pending for a stream into one response (so a stream that falls behind gets
+several tokens per response instead of a backlog), detokenizes byte-safely, applies stop strings (and
+cancels the engine request when one matches), and polls client cancellation at a bounded rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from mstar_common import wire
+from mstar_common.engine.detokenizer import IncrementalDetokenizer
+from mstar_common.engine.stop_strings import StopStringMatcher
+from mstar_common.engine.types import FinishReason
+
+logger = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.05  # how often live streams are asked whether their client went away
+
+
+class Sink(Protocol):
+    """One request's response channel (backends.responder.Responder on Triton)."""
+
+    is_closed: bool
+
+    def send_chunk(self, outputs: dict[str, np.ndarray]) -> None: ...
+    def send_final(self, outputs: dict[str, np.ndarray] | None = None) -> None: ...
+    def send_server_error(self, exc: BaseException | str) -> str: ...
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class TextStream:
+    request_id: str
+    sink: Sink
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+    num_prompt_tokens: int
+    num_completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+    def update(self, new_ids: list[int], finish: FinishReason | None) -> tuple[dict[str, np.ndarray], str | None]:
+        """Outputs for the new tokens, and the finish reason if this is the stream's last response."""
+        self.num_completion_tokens += len(new_ids)
+        text = self.detokenizer.push(new_ids)
+        if finish is not None:
+            text += self.detokenizer.flush()
+        reason = finish.value if finish is not None else None
+        if self.stops is not None:
+            text, is_hit = self.stops.feed(text)
+            if is_hit:
+                reason = FinishReason.STOP.value
+            elif finish is not None:
+                text += self.stops.flush()
+        outputs = {
+            wire.TEXT_OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_),
+            wire.TOKEN_IDS: np.asarray(new_ids, dtype=np.int32),
+            wire.FINISH_REASON: np.array([(reason or "").encode()], dtype=np.object_),
+            wire.PROMPT_TOKENS: np.array([self.num_prompt_tokens], dtype=np.int32),
+            wire.COMPLETION_TOKENS: np.array([self.num_completion_tokens], dtype=np.int32),
+        }
+        return outputs, reason
+
+
+class OutputPump:
+    def __init__(self, engine: Any, name: str = "output-pump"):
+        self._engine = engine
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, TextStream] = {}
+        self._lock = threading.Lock()
+        self._is_running = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._next_cancel_poll = 0.0
+
+    def start(self) -> None:
+        self._is_running = True
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._is_running = False
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def register(self, stream: TextStream) -> None:
+        with self._lock:
+            self._streams[stream.request_id] = stream
+
+    def unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def on_output(self, request_id: str, new_ids: list[int], finish: FinishReason | None, error: str | None) -> None:
+        """The engine callback (step-loop thread): queue only."""
+        self._queue.put((request_id, list(new_ids), finish, error))
+
+    def _run(self) -> None:
+        while self._is_running:
+            try:
+                first = self._queue.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                first = None
+            batch = [first] if first is not None else []
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    batch.append(item)
+            try:
+                self._deliver(_merge(batch))
+                self._poll_cancellations()
+            except Exception:  # never let one bad stream stop every other stream's output
+                logger.exception("output pump iteration failed")
+
+    def _deliver(self, merged: dict[str, tuple[list[int], FinishReason | None, str | None]]) -> None:
+        for request_id, (new_ids, finish, error) in merged.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # already ended (e.g. a stop string matched before the engine saw the cancel)
+            if error is not None:
+                self.unregister(request_id)
+                stream.sink.send_server_error(error)
+                continue
+            outputs, reason = stream.update(new_ids, finish)
+            if reason is None:
+                stream.sink.send_chunk(outputs)
+                continue
+            self.unregister(request_id)
+            if finish is None:  # a stop string ended the stream: the engine is still decoding it
+                self._engine.cancel(request_id)
+            stream.sink.send_final(outputs)
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        if now < self._next_cancel_poll:
+            return
+        self._next_cancel_poll = now + CANCEL_POLL_S
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if stream.sink.is_closed or stream.sink.is_cancelled():
+                logger.info("[%s] client cancelled; freeing its resources", stream.request_id)
+                self._engine.cancel(stream.request_id)
+
+
+def _merge(batch: list[tuple]) -> dict[str, tuple[list[int], FinishReason | None, str | None]]:
+    merged: dict[str, tuple[list[int], FinishReason | None, str | None]] = {}
+    for request_id, new_ids, finish, error in batch:
+        ids, _, prev_error = merged.get(request_id, ([], None, None))
+        merged[request_id] = (ids + new_ids, finish, error or prev_error)
+    return merged

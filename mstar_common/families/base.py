@@ -1,0 +1,23 @@
+"""What a model family provides to the generator, the validator and the Triton nodes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mstar_common.config import Deployment
+from mstar_common.graph import FamilyGraph
+
+
+class Family(ABC):
+    name: ClassVar[str]  # registry key == YAML `family:` == package directory name
+    graph: ClassVar[FamilyGraph]
+    builtin_checkpoints: ClassVar[dict[str, Any]] = {}  # name -> callable(out_dir) -> Path
+
+    def validate_deployment(self, dep: Deployment, source: str) -> None:
+        """Family checks beyond the generic schema (raise config.DeploymentError naming the key)."""
+
+    @abstractmethod
+    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
+        """Load one component's runtime (weights, resources, engine) for a Triton instance."""

@@ -1,0 +1,98 @@
+"""The Qwen3 family: deployment checks and the component builder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
+from mstar_common.families.base import Family
+from mstar_common.families.qwen3.graph import GRAPH
+from mstar_common.families.text import TextLMRuntime
+
+logger = logging.getLogger(__name__)
+
+MODEL_KWARGS = {
+    "dtype": "weights and activations: float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on gpu)",
+    "default_max_tokens": "output cap for requests that set no max_tokens (default 256)",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _build_tiny(out_dir: Path) -> Path:
+    from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(out_dir)
+
+
+class Qwen3Family(Family):
+    name: ClassVar[str] = "qwen3"
+    graph = GRAPH
+    builtin_checkpoints: ClassVar[dict[str, Any]] = {"qwen3-tiny": _build_tiny}
+
+    def validate_deployment(self, dep: Deployment, source: str) -> None:
+        if unknown := sorted(set(dep.model_kwargs) - set(MODEL_KWARGS)):
+            raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {MODEL_KWARGS}")
+        dtype = dep.model_kwargs.get("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            raise DeploymentError(f"{source}: model_kwargs.dtype: must be one of {list(DTYPES)}, got {dtype!r}")
+        default_max = dep.model_kwargs.get("default_max_tokens", 256)
+        if isinstance(default_max, bool) or not isinstance(default_max, int) or default_max < 1:
+            raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1")
+        check_kv_pool_holds_cap(dep, source)
+
+    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> TextLMRuntime:
+        if component != "llm":
+            raise KeyError(f"qwen3 has no component {component!r}")
+        from transformers import AutoTokenizer
+
+        from mstar_common.engine.ar_engine import AREngine
+        from mstar_common.engine.types import EngineConfig
+        from mstar_common.families.qwen3.loader import load_qwen3
+
+        dtype = dep.model_kwargs.get("dtype") or ("float32" if device == "cpu" else "bfloat16")
+        model, hf_config = load_qwen3(checkpoint, dtype=dtype, device=device)
+        max_positions = int(hf_config.get("max_position_embeddings", dep.resources.max_model_len))
+        if dep.resources.max_model_len > max_positions:
+            raise DeploymentError(
+                f"resources.max_model_len: {dep.resources.max_model_len} exceeds the checkpoint's "
+                f"max_position_embeddings={max_positions}"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        kv = dep.resources.kv_cache
+        config = EngineConfig(
+            num_kv_pages=kv.num_pages,
+            page_size=kv.page_size,
+            max_num_seqs=dep.max_concurrent_requests,
+            max_batch_tokens=dep.resources.max_batch_tokens,
+            max_model_len=dep.resources.max_model_len,
+            dtype=dtype,
+            device=device,
+        )
+        eos_ids = _eos_ids(checkpoint, hf_config, tokenizer)
+        engine = AREngine(model, config, eos_token_ids=eos_ids, vocab_size=int(hf_config["vocab_size"]))
+        logger.info("[qwen3/llm] loaded %s on %s (%s), eos=%s", checkpoint.name, device, dtype, eos_ids)
+        return TextLMRuntime(
+            engine=engine,
+            tokenizer=tokenizer,
+            vocab_size=int(hf_config["vocab_size"]),
+            max_model_len=dep.resources.max_model_len,
+            default_max_tokens=int(dep.model_kwargs.get("default_max_tokens", 256)),
+        )
+
+
+def _eos_ids(checkpoint: Path, hf_config: dict, tokenizer: Any) -> list[int]:
+    """EOS ids from generation_config.json (what `generate` stops on), else config.json, else the tokenizer."""
+    import json
+
+    gen_path = checkpoint / "generation_config.json"
+    eos = None
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in ids if i is not None]

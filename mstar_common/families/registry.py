@@ -1,0 +1,22 @@
+"""The explicit family registry: YAML `family:` -> Family class. No import-time discovery."""
+
+from __future__ import annotations
+
+from mstar_common.families.base import Family
+
+
+def _families() -> dict[str, type[Family]]:
+    from mstar_common.families.qwen3.family import Qwen3Family
+
+    return {Qwen3Family.name: Qwen3Family}
+
+
+def get_family(name: str) -> Family:
+    families = _families()
+    if name not in families:
+        raise KeyError(f"unknown family {name!r}; available: {sorted(families)}")
+    return families[name]()
+
+
+def family_names() -> list[str]:
+    return sorted(_families())

@@ -1,0 +1,150 @@
+"""The text-generation component shared by causal-LM families (Qwen3 now; Llama-style backbones later).
+
+It turns wire inputs (numpy arrays keyed by tensor name, see mstar_common/wire.py) into prompt ids and
+SamplingParams, refusing bad input with a ValueError that names the field and the rule, and bundles the
+engine with the checkpoint's tokenizer for the Triton node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mstar_common import wire
+from mstar_common.engine.stop_strings import validate_stops
+from mstar_common.engine.types import SamplingParams
+from mstar_common.graph import TensorSpec
+
+TEXT_LM_INPUTS = (
+    TensorSpec(wire.TEXT_INPUT, "BYTES"),
+    TensorSpec(wire.MESSAGES, "BYTES"),
+    TensorSpec(wire.INPUT_IDS, "INT32", (-1,)),
+    TensorSpec(wire.CHAT_TEMPLATE_KWARGS, "BYTES"),
+    *(TensorSpec(name, dtype) for name, (dtype, _) in wire.SAMPLING_INPUTS.items()),
+    TensorSpec(wire.STOP, "BYTES", (-1,)),
+    TensorSpec(wire.STOP_TOKEN_IDS, "INT32", (-1,)),
+)
+TEXT_LM_OUTPUTS = (
+    TensorSpec(wire.TEXT_OUTPUT, "BYTES"),
+    TensorSpec(wire.TOKEN_IDS, "INT32", (-1,)),
+    TensorSpec(wire.FINISH_REASON, "BYTES"),
+    TensorSpec(wire.PROMPT_TOKENS, "INT32"),
+    TensorSpec(wire.COMPLETION_TOKENS, "INT32"),
+)
+
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(slots=True)
+class TextRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TextLMRuntime:
+    """What a text LM Triton instance runs: the engine and the tokenizer that frames its requests."""
+
+    engine: Any  # mstar_common.engine.ar_engine.AREngine
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    default_max_tokens: int
+
+    def parse_request(self, inputs: dict[str, np.ndarray]) -> TextRequest:
+        prompt_ids = self._prompt_ids(inputs)
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len={self.max_model_len}"
+            )
+        params = sampling_params_from_inputs(inputs, default_max_tokens=min(self.default_max_tokens, room))
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
+                f"max_model_len={self.max_model_len} (at most {room})"
+            )
+        params.validate(self.vocab_size)
+        stops = [_decode(s) for s in inputs[wire.STOP].reshape(-1)] if wire.STOP in inputs else []
+        validate_stops(stops)
+        return TextRequest(prompt_ids, params, stops)
+
+    def _prompt_ids(self, inputs: dict[str, np.ndarray]) -> list[int]:
+        given = [n for n in (wire.TEXT_INPUT, wire.MESSAGES, wire.INPUT_IDS) if n in inputs]
+        if len(given) != 1:
+            raise ValueError(f"prompt: give exactly one of text_input, messages, input_ids (got {given or 'none'})")
+        if wire.INPUT_IDS in inputs:
+            ids = [int(i) for i in inputs[wire.INPUT_IDS].reshape(-1)]
+            if bad := [i for i in ids if not 0 <= i < self.vocab_size]:
+                raise ValueError(f"input_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            return ids
+        if wire.TEXT_INPUT in inputs:
+            return list(self.tokenizer.encode(_scalar_text(inputs, wire.TEXT_INPUT), add_special_tokens=False))
+        messages = _json(inputs, wire.MESSAGES)
+        template_kwargs = _json(inputs, wire.CHAT_TEMPLATE_KWARGS) if wire.CHAT_TEMPLATE_KWARGS in inputs else {}
+        if not isinstance(template_kwargs, dict):
+            raise ValueError("chat_template_kwargs: must be a JSON object")
+        return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list of {role, content} objects")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ValueError(f"messages[{i}]: must be an object with a string 'role'")
+        if msg["role"] not in ("system", "user", "assistant", "developer"):
+            raise ValueError(f"messages[{i}].role: must be system, user, assistant or developer, got {msg['role']!r}")
+        if not isinstance(msg.get("content"), str):
+            raise ValueError(f"messages[{i}].content: must be a string for a text-only model")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def sampling_params_from_inputs(inputs: dict[str, np.ndarray], default_max_tokens: int) -> SamplingParams:
+    values: dict[str, Any] = {"max_tokens": default_max_tokens}
+    for name in wire.SAMPLING_INPUTS:
+        if name in inputs:
+            arr = inputs[name].reshape(-1)
+            if arr.size != 1:
+                raise ValueError(f"{name}: expected one value, got {arr.size}")
+            values[name] = arr[0].item()
+    if wire.STOP_TOKEN_IDS in inputs:
+        ids = [int(i) for i in inputs[wire.STOP_TOKEN_IDS].reshape(-1)]
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        values["stop_token_ids"] = ids
+    if "ignore_eos" in values:
+        values["ignore_eos"] = bool(values["ignore_eos"])
+    return SamplingParams(**values)
+
+
+def _decode(value: Any) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("text inputs must be UTF-8") from None
+    return str(value)
+
+
+def _scalar_text(inputs: dict[str, np.ndarray], name: str) -> str:
+    arr = inputs[name].reshape(-1)
+    if arr.size != 1:
+        raise ValueError(f"{name}: expected one string, got {arr.size}")
+    return _decode(arr[0])
+
+
+def _json(inputs: dict[str, np.ndarray], name: str) -> Any:
+    try:
+        return json.loads(_scalar_text(inputs, name))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None

@@ -1,0 +1,93 @@
+"""Start and stop tritonserver (and the proxy) for a deployment: used by `mstar serve` and the tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from mstar_common.config import Deployment
+from mstar_common.triton_env import find_triton, server_command, server_env
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+    proxy: int
+
+
+def triton_args(repo: Path, dep: Deployment, ports: Ports) -> list[str]:
+    s = dep.server
+    return [
+        f"--model-repository={repo}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        "--http-address=127.0.0.1",
+        "--grpc-address=127.0.0.1",
+        f"--backend-config=python,shm-default-byte-size={s.shm_default_byte_size}",
+        f"--backend-config=python,shm-growth-byte-size={s.shm_growth_byte_size}",
+        f"--backend-config=python,stub-timeout-seconds={s.stub_timeout_seconds}",
+        "--exit-timeout-secs=20",
+        "--log-verbose=0",
+    ]
+
+
+def start_triton(repo: Path, dep: Deployment, ports: Ports, log_path: Path) -> subprocess.Popen:
+    install = find_triton()
+    cmd = server_command(install, triton_args(repo, dep, ports))
+    log = log_path.open("ab")
+    logger.info("starting tritonserver: %s", " ".join(cmd))
+    return subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_proxy(dep: Deployment, entry_model: str, ports: Ports, log_path: Path, host: str = "127.0.0.1") -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "mstar_common.proxy",
+        "--triton-url", f"127.0.0.1:{ports.grpc}",
+        "--host", host,
+        "--port", str(ports.proxy),
+        "--model", f"{dep.name}={entry_model}",
+    ]  # fmt: skip
+    log = log_path.open("ab")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not ready at {url} after {timeout:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float = 25.0) -> None:
+    """SIGTERM the process group we started, then SIGKILL after `grace` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        pass

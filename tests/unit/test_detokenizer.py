@@ -1,0 +1,91 @@
+"""Incremental detokenization on a byte-level BPE trained offline, where multi-byte chars split across tokens."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from mstar_common.engine.detokenizer import IncrementalDetokenizer
+
+EOS = "<|endoftext|>"
+CORPUS = [
+    "Hello world, café naïve résumé déjà vu.",
+    "中文字符测试，你好世界。",
+    "Emoji 😀🎉👍🏽 party 🇫🇷!",
+    "The quick brown fox jumps over the lazy dog.",
+]
+TEXT = "Bonjour café! 中文字符 😀👍🏽🇫🇷 fin. Naïve résumé: 你好世界。🎉 ok"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[EOS]
+    )
+    model.train_from_iterator(CORPUS * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token=EOS)
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int) -> list[str]:
+    deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return deltas + [detok.flush()]
+
+
+def test_tokenizer_really_splits_characters(tokenizer):
+    """Guards the test itself: some tokens decode alone to U+FFFD."""
+    assert any("\ufffd" in tokenizer.decode([i]) for i in tokenizer.encode(TEXT))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 1000])
+def test_deltas_concatenate_to_full_decode(tokenizer, chunk):
+    ids = tokenizer.encode(TEXT)
+    deltas = _stream(IncrementalDetokenizer(tokenizer), ids, chunk)
+    assert "".join(deltas) == tokenizer.decode(ids) == TEXT
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tokenizer, skip):
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids = tokenizer.encode("café ") + [eos] + tokenizer.encode("中文") + [eos, eos]
+    deltas = _stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip), ids, 1)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert (EOS in "".join(deltas)) is not skip
+
+
+def test_flush_releases_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("ok 😀")
+    detok = IncrementalDetokenizer(tokenizer)
+    emitted = detok.push(ids[:-1])  # the emoji is missing its last byte
+    assert "\ufffd" not in emitted
+    assert emitted + detok.flush() == tokenizer.decode(ids[:-1])
+
+
+def test_reloaded_tokenizer(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    ids = reloaded.encode(TEXT)
+    assert "".join(_stream(IncrementalDetokenizer(reloaded), ids, 1)) == TEXT
+
+
+class _SpyTokenizer:
+    """Records how many ids each decode call sees."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.max_decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.max_decoded = max(self.max_decoded, len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_window_stays_bounded(tokenizer):
+    """A long stream never decodes more than a short window, so each push is O(new tokens)."""
+    ids = tokenizer.encode(TEXT) * 50
+    spy = _SpyTokenizer(tokenizer)
+    assert "".join(_stream(IncrementalDetokenizer(spy), ids, 1)) == TEXT * 50
+    assert spy.max_decoded <= 12
