@@ -12,9 +12,12 @@ every admitted request ends with exactly one FINAL, through backends/responder.p
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import logging
+import signal
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <stub pid>` dumps every thread
         self.model_name = args["model_name"]
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
@@ -52,6 +56,8 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self.pump.start()
         self.engine.start()
+        self.metrics = EngineMetrics(self.engine, labels={"model": self.model_name, "device": device})
+        self.metrics.start()
         logger.info("[%s] ready on %s", self.model_name, device)
 
     def execute(self, requests: list) -> None:
@@ -89,5 +95,43 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("[%s] shutting down", self.model_name)
+        self.metrics.stop()
         self.engine.shutdown()
         self.pump.stop()
+
+
+class EngineMetrics:
+    """Engine gauges on Triton's Prometheus endpoint (/metrics), sampled every METRICS_PERIOD_S."""
+
+    METRICS_PERIOD_S = 0.1
+    GAUGES = {
+        "num_running": ("mstar_requests_running", "requests in the engine's running batch"),
+        "num_waiting": ("mstar_requests_waiting", "requests queued for admission"),
+        "num_used_pages": ("mstar_kv_pages_used", "paged-KV pages holding tokens"),
+        "num_reserved_pages": ("mstar_kv_pages_reserved", "paged-KV pages reserved by admitted requests"),
+        "num_free_pages": ("mstar_kv_pages_free", "paged-KV pages free"),
+    }
+
+    def __init__(self, engine, labels: dict[str, str]):
+        self._engine = engine
+        self._stop = threading.Event()
+        self._gauges = {}
+        self._families = []  # a MetricFamily must outlive its Metrics
+        for key, (name, description) in self.GAUGES.items():
+            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+            self._families.append(family)
+            self._gauges[key] = family.Metric(labels=labels)
+        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.METRICS_PERIOD_S):
+            stats = self._engine.stats()
+            for key, gauge in self._gauges.items():
+                gauge.set(float(stats.get(key, 0)))

@@ -1,0 +1,135 @@
+"""`MStarClient`: a small synchronous client for the proxy's native `/generate` route (httpx).
+
+    client = MStarClient("http://localhost:8000")
+    client.chat("What is the capital of France?").text
+    for event in client.chat("Tell me a story", stream=True):
+        print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from mstar_common.client.types import ChatEvent, ChatResult, MStarError
+
+_STATUS_BY_TYPE = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
+
+
+class MStarClient:
+    def __init__(
+        self,
+        base_url: str = "http://localhost:8000",
+        timeout: float | None = 600.0,
+        *,
+        model: str | None = None,
+        http_client: httpx.Client | None = None,
+    ):
+        """`model`: default model name (optional when the server serves one). `http_client`: use this
+        httpx.Client (e.g. a Starlette TestClient) instead of opening one to `base_url`."""
+        self.model = model
+        self._is_owner = http_client is None
+        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout)
+
+    def chat(
+        self, prompt_or_messages: str | list[dict[str, Any]], stream: bool = False, *, model: str | None = None,
+        **knobs: Any,
+    ) -> ChatResult | Iterator[ChatEvent]:
+        """Chat with the model (its chat template applies). `knobs` are generation knobs (max_tokens,
+        temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ignore_eos, enable_thinking,
+        chat_template_kwargs, return_token_ids)."""
+        if isinstance(prompt_or_messages, str):
+            messages = [{"role": "user", "content": prompt_or_messages}]
+        else:
+            messages = list(prompt_or_messages)
+        return self._generate({"model_kwargs": {**knobs, "messages": messages}}, stream, model)
+
+    def generate(
+        self, text: str, stream: bool = False, *, model: str | None = None, **model_kwargs: Any
+    ) -> ChatResult | Iterator[ChatEvent]:
+        """Native /generate with `text` and `model_kwargs`."""
+        return self._generate({"text": text, "model_kwargs": model_kwargs}, stream, model)
+
+    def models(self) -> list[str]:
+        return [card["id"] for card in self._json(self._http.get("/v1/models"))["data"]]
+
+    def health(self) -> bool:
+        """True when the proxy reports Triton live and every served model ready."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def close(self) -> None:
+        if self._is_owner:
+            self._http.close()
+
+    def __enter__(self) -> MStarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # internals
+
+    def _generate(self, payload: dict[str, Any], stream: bool, model: str | None) -> ChatResult | Iterator[ChatEvent]:
+        body = {**payload, "streaming": stream, "output_modalities": ["text"]}
+        if model or self.model:
+            body["model"] = model or self.model
+        if stream:
+            return self._stream(body)
+        data = self._json(self._http.post("/generate", json=body))
+        return ChatResult(
+            text="".join(data["outputs"]["text"]),
+            finish_reason=data["finish_reason"],
+            usage=data.get("usage", {}),
+            token_ids=data.get("token_ids"),
+        )
+
+    def _stream(self, body: dict[str, Any]) -> Iterator[ChatEvent]:
+        response = self._http.send(self._http.build_request("POST", "/generate", json=body), stream=True)
+        if response.status_code != 200:
+            response.read()
+            response.close()
+            raise _error(response)
+        return _events(response)
+
+    @staticmethod
+    def _json(response: httpx.Response) -> dict[str, Any]:
+        if response.status_code != 200:
+            raise _error(response)
+        return response.json()
+
+
+def _events(response: httpx.Response) -> Iterator[ChatEvent]:
+    try:
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
+            yield ChatEvent(
+                text=event.get("text", ""),
+                finish_reason=event.get("finish_reason"),
+                token_ids=event.get("token_ids"),
+                usage=event.get("usage"),
+            )
+        raise MStarError(502, "the stream ended without [DONE]")
+    finally:
+        response.close()  # also when the caller stops early: the server then cancels the request
+
+
+def _error(response: httpx.Response) -> MStarError:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text or response.reason_phrase
+    return MStarError(response.status_code, message)

@@ -1,0 +1,159 @@
+"""The OpenAI-compatible proxy: `create_app(settings)` builds the FastAPI app in front of Triton.
+
+Request path: RequestContext middleware (request id, body cap, last-resort 500) -> route (validate, build
+the GenerationRequest, refuse what cannot be honoured) -> ServingContext (one Triton gRPC stream) -> JSON
+or SSE.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mstar_common.proxy import protocol, serving_chat, serving_completions, serving_generate
+from mstar_common.proxy.errors import APIError, BodyTooLarge, install_error_handlers, server_error
+from mstar_common.proxy.serving_common import ServingContext, TritonClient
+from mstar_common.proxy.triton_stream import TritonStreamClient
+
+logger = logging.getLogger(__name__)
+
+MODEL_KINDS = ("text",)
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str  # the OpenAI `model` clients send
+    triton_model: str  # the Triton entry model, e.g. "qwen3_llm"
+    kind: str = "text"  # family kind; decides which routes and fields apply
+
+
+@dataclass(slots=True)
+class ProxySettings:
+    triton_url: str = "127.0.0.1:8001"  # Triton gRPC endpoint
+    models: list[ServedModel] = field(default_factory=list)
+    request_timeout_s: float | None = 600.0  # whole-request deadline on the Triton stream; None: none
+    max_body_bytes: int = 16 * 1024 * 1024
+    health_timeout_s: float = 2.0  # per Triton health RPC
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("ProxySettings.models: serve at least one model")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ProxySettings.models: duplicate model names in {names}")
+        for m in self.models:
+            if m.kind not in MODEL_KINDS:
+                raise ValueError(f"ProxySettings.models[{m.name!r}].kind must be one of {MODEL_KINDS}, got {m.kind!r}")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"ProxySettings.max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"ProxySettings.request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+
+
+class RequestContext:
+    """ASGI middleware: request id (honoured or generated, echoed), body size cap, last-resort 500."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        id_header = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
+        is_started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal is_started
+            if message["type"] == "http.response.start":
+                is_started = True
+                message = {**message, "headers": [*message.get("headers", []), id_header]}
+            await send(message)
+
+        async def reply(error: APIError) -> None:
+            await error.response()(scope, receive, send_with_id)
+
+        if not _REQUEST_ID.fullmatch(request_id):
+            id_header = (REQUEST_ID_HEADER.encode(), b"invalid")
+            return await reply(APIError(400, f"header '{REQUEST_ID_HEADER}' must be 1-128 characters of "
+                                             "[A-Za-z0-9._:-]", param=REQUEST_ID_HEADER))
+        if _content_length(headers) > self.max_body_bytes:
+            return await reply(APIError(413, str(BodyTooLarge(self.max_body_bytes).detail)))
+        scope.setdefault("state", {})["request_id"] = request_id
+        try:
+            await self.app(scope, self._capped(receive), send_with_id)
+        except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error id
+            if is_started:
+                raise
+            where = f"{scope.get('method')} {scope.get('path')}"
+            await reply(server_error(f"unhandled {type(exc).__name__} in {where}: {exc}", exc_info=exc))
+
+    def _capped(self, receive: Receive) -> Receive:
+        num_bytes = 0
+
+        async def capped() -> Message:
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        return capped
+
+
+def _content_length(headers: dict[str, str]) -> int:
+    try:
+        return int(headers.get("content-length") or 0)
+    except ValueError:
+        return 0  # malformed: the server's parser refuses it; the receive cap still applies
+
+
+def create_app(settings: ProxySettings, triton: TritonClient | None = None) -> FastAPI:
+    """The proxy app. `triton` replaces the real gRPC client (tests pass a fake)."""
+    client: TritonClient = triton or TritonStreamClient(settings.triton_url, health_timeout_s=settings.health_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await client.close()
+
+    app = FastAPI(title="M* on Triton", lifespan=lifespan)
+    app.state.serving = ServingContext(settings, client)
+    install_error_handlers(app)
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes)
+    for module in (serving_chat, serving_completions, serving_generate):
+        app.include_router(module.router)
+    _add_info_routes(app)
+    return app
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request):
+        ctx: ServingContext = request.app.state.serving
+        if await ctx.triton.is_ready([m.triton_model for m in ctx.models.values()]):
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        ctx: ServingContext = request.app.state.serving
+        return {"object": "list", "data": [protocol.model_card(name, ctx.created) for name in ctx.models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        ctx: ServingContext = request.app.state.serving
+        return protocol.model_card(ctx.resolve(model_id).name, ctx.created)

@@ -1,0 +1,156 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}`, and the handlers that produce them.
+
+A client's fault is a 4xx whose message names the field and the rule. A server fault is a 500 that carries
+only a scrubbed message and an error id; the original message is logged under that id.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mstar_common.proxy.triton_stream import TritonInvalidRequest, TritonServerError, TritonTimeout, TritonUnavailable
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+_MAX_ERRORS_SHOWN = 3
+_MAX_INPUT_REPR = 60
+
+
+class APIError(Exception):
+    """An error response. Raise it anywhere in request handling; the handler renders it."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def server_error(
+    original: str, *, status: int = 500, public: str = "internal server error", exc_info: BaseException | None = None
+) -> APIError:
+    """A server fault: log `original` under a fresh error id and return an error that shows only the id."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error("[proxy] error id %s: %s", error_id, original, exc_info=exc_info)
+    return APIError(status, f"{public} (error id {error_id})", code=error_id)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from the receive channel; a FastAPI HTTPException so FastAPI's body parsing re-raises it as is."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+# validation errors -> one readable 400
+
+
+def field_path(loc: tuple | list) -> str:
+    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = field_path(error.get("loc", ()))
+    kind = error.get("type", "")
+    msg = str(error.get("msg", "invalid value"))
+    if kind == "extra_forbidden":
+        return f"unknown field '{path}'"
+    if kind == "missing":
+        return f"'{path}' is required"
+    if kind == "json_invalid":
+        return f"request body is not valid JSON: {error.get('ctx', {}).get('error', msg)}"
+    msg = msg.removeprefix("Value error, ")
+    text = f"{path}: {msg}" if path else msg
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        shown = repr(error.get("input"))
+        if len(shown) > _MAX_INPUT_REPR:
+            shown = shown[:_MAX_INPUT_REPR] + "..."
+        text += f", got {shown}"
+    return text
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    messages = [_describe(e) for e in errors[:_MAX_ERRORS_SHOWN]]
+    if len(errors) > _MAX_ERRORS_SHOWN:
+        messages.append(f"and {len(errors) - _MAX_ERRORS_SHOWN} more")
+    is_field_error = errors and errors[0].get("type") != "json_invalid"
+    param = field_path(errors[0].get("loc", ())) if is_field_error else None
+    return invalid_request("; ".join(messages), param=param or None)
+
+
+def from_pydantic(exc: ValidationError, prefix: tuple = ()) -> APIError:
+    errors = [{**e, "loc": (*prefix, *e["loc"])} for e in exc.errors()]
+    return validation_error(errors)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code >= 500:
+            return server_error(str(exc.detail), status=exc.status_code).response()
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+
+def from_exception(exc: BaseException, timeout_s: float | None = None) -> APIError:
+    """Map an error raised while serving (a Triton error or a bug) to the response the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, TritonInvalidRequest):
+        return invalid_request(str(exc))
+    if isinstance(exc, TritonTimeout):
+        limit = f" of {timeout_s:g} s" if timeout_s else ""
+        return APIError(504, f"the request did not finish within the proxy's time limit{limit}")
+    if isinstance(exc, TritonUnavailable):
+        return server_error(f"triton unavailable: {exc}", status=503, public="inference server unavailable")
+    if isinstance(exc, TritonServerError):
+        return server_error(f"triton: {exc}")
+    return server_error(f"{type(exc).__name__}: {exc}", exc_info=exc)

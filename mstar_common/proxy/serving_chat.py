@@ -1,0 +1,54 @@
+"""POST /v1/chat/completions: OpenAI chat over a text family's entry model (chat template applied there)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from mstar_common.proxy import protocol
+from mstar_common.proxy.serving_common import Completion, ServingContext
+from mstar_common.proxy.sse import SSEResponse, sse_body
+from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
+
+router = APIRouter()
+
+
+def chat_generation(body: protocol.ChatCompletionRequest) -> GenerationRequest:
+    protocol.refuse_unsupported_chat(body)
+    if body.max_tokens is None and body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
+    return body.to_generation(
+        messages=protocol.text_messages(body.messages, body.model),
+        chat_template_kwargs=protocol.template_kwargs(body.chat_template_kwargs, body.enable_thinking),
+    )
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: protocol.ChatCompletionRequest, request: Request):
+    ctx: ServingContext = request.app.state.serving
+    served = ctx.resolve(body.model)
+    gen = chat_generation(body)
+    rid, created = f"chatcmpl-{request.state.request_id}", protocol.now()
+    if body.stream:
+        stream = await ctx.stream(request, served, gen)
+        events = _chunks(stream, rid, body.model, created, body.include_usage)
+        return SSEResponse(sse_body(events, ctx.settings.request_timeout_s))
+    done = await ctx.complete(request, served, gen)
+    return protocol.chat_completion(rid, body.model, created, done.text, done.finish, done.usage)
+
+
+async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, created: int, include_usage: bool):
+    """role chunk -> content chunks -> finish chunk [-> usage chunk]."""
+    done = Completion()
+    try:
+        yield protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""})
+        async for response in stream:
+            done.add(response)
+            if response.text:
+                yield protocol.chat_chunk(rid, model, created, {"content": response.text})
+        yield protocol.chat_chunk(rid, model, created, {}, done.finish)
+        if include_usage:
+            yield protocol.usage_chunk(rid, model, created, "chat.completion.chunk", done.usage)
+    finally:
+        await stream.aclose()

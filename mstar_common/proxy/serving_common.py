@@ -1,0 +1,159 @@
+"""What every route shares: model lookup, running one Triton stream, and noticing a client that left."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from fastapi import Request
+
+from mstar_common.proxy.errors import APIError, from_exception
+from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
+
+if TYPE_CHECKING:
+    from mstar_common.proxy.app import ProxySettings, ServedModel
+
+T = TypeVar("T")
+
+
+class TritonClient(Protocol):
+    """The interface the routes use; `TritonStreamClient` implements it, tests inject fakes."""
+
+    def generate(
+        self, model: str, request_id: str, gen: GenerationRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[StreamResponse]: ...
+
+    async def is_ready(self, models: list[str]) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class ClientDisconnected(APIError):
+    def __init__(self) -> None:
+        super().__init__(499, "client closed the request")
+
+
+@dataclass(slots=True)
+class Completion:
+    """A generation folded from its stream of responses."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, response: StreamResponse) -> None:
+        self.text += response.text
+        self.token_ids.extend(response.token_ids)
+        if response.finish_reason:
+            self.finish_reason = response.finish_reason
+        if response.prompt_tokens is not None:
+            self.prompt_tokens = response.prompt_tokens
+        if response.completion_tokens is not None:
+            self.completion_tokens = response.completion_tokens
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    @property
+    def finish(self) -> str:
+        return self.finish_reason or "stop"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (and so its Triton request) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
+
+
+class ServingContext:
+    """Per-app state the routes share (kept on `app.state.serving`)."""
+
+    def __init__(self, settings: ProxySettings, triton: TritonClient):
+        self.settings = settings
+        self.triton = triton
+        self.models = {m.name: m for m in settings.models}
+        self.created = int(time.time())
+
+    def resolve(self, name: str | None, param: str = "model") -> ServedModel:
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise APIError(400, f"'{param}' is required: this server serves {sorted(self.models)}", param=param)
+        if name not in self.models:
+            raise APIError(404, f"model '{name}' does not exist; served models: {sorted(self.models)}",
+                           param=param, code="model_not_found")
+        return self.models[name]
+
+    def _open(self, served: ServedModel, request_id: str, gen: GenerationRequest) -> AsyncIterator[StreamResponse]:
+        return self.triton.generate(served.triton_model, request_id, gen, self.settings.request_timeout_s)
+
+    def _error(self, exc: BaseException) -> APIError:
+        return from_exception(exc, self.settings.request_timeout_s)
+
+    async def complete(self, request: Request, served: ServedModel, gen: GenerationRequest) -> Completion:
+        """Run a request to its end and fold it into one Completion."""
+
+        async def collect() -> Completion:
+            completion = Completion()
+            stream = self._open(served, request.state.request_id, gen)
+            try:
+                async for response in stream:
+                    completion.add(response)
+            finally:
+                await stream.aclose()
+            return completion
+
+        try:
+            return await until_disconnect(request, collect())
+        except Exception as exc:
+            raise self._error(exc) from None
+
+    async def stream(
+        self, request: Request, served: ServedModel, gen: GenerationRequest
+    ) -> AsyncIterator[StreamResponse]:
+        """Open a stream and wait for its first response, so a refused request is still a plain 4xx."""
+        stream = self._open(served, request.state.request_id, gen)
+        try:
+            first = await until_disconnect(request, anext(stream, None))
+        except BaseException as exc:
+            await stream.aclose()
+            if isinstance(exc, Exception):
+                raise self._error(exc) from None
+            raise
+        return _prepend(first, stream)
+
+
+async def _prepend(first: StreamResponse | None, rest: AsyncIterator[StreamResponse]) -> AsyncIterator[Any]:
+    try:
+        if first is not None:
+            yield first
+            if first.is_final:
+                return
+        async for response in rest:
+            yield response
+    finally:
+        await rest.aclose()

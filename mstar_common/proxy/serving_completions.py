@@ -1,0 +1,58 @@
+"""POST /v1/completions: raw-prompt completion (no chat template) over a text family's entry model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from mstar_common.proxy import protocol
+from mstar_common.proxy.errors import invalid_request
+from mstar_common.proxy.serving_common import Completion, ServingContext
+from mstar_common.proxy.sse import SSEResponse, sse_body
+from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
+
+router = APIRouter()
+
+
+def _prompt_text(prompt: object) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid_request("'prompt' must be a string (or a list holding one string); batched and token-id "
+                              "prompts are not served", param="prompt")
+    return prompt
+
+
+def completion_generation(body: protocol.CompletionRequest) -> GenerationRequest:
+    protocol.refuse_unsupported_completion(body)
+    return body.to_generation(text=_prompt_text(body.prompt))
+
+
+@router.post("/v1/completions")
+async def create_completion(body: protocol.CompletionRequest, request: Request):
+    ctx: ServingContext = request.app.state.serving
+    served = ctx.resolve(body.model)
+    gen = completion_generation(body)
+    rid, created = f"cmpl-{request.state.request_id}", protocol.now()
+    if body.stream:
+        stream = await ctx.stream(request, served, gen)
+        events = _chunks(stream, rid, body.model, created, body.include_usage)
+        return SSEResponse(sse_body(events, ctx.settings.request_timeout_s))
+    done = await ctx.complete(request, served, gen)
+    return protocol.text_completion(rid, body.model, created, done.text, done.finish, done.usage)
+
+
+async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, created: int, include_usage: bool):
+    """text chunks -> finish chunk [-> usage chunk]."""
+    done = Completion()
+    try:
+        async for response in stream:
+            done.add(response)
+            if response.text:
+                yield protocol.text_completion(rid, model, created, response.text, None)
+        yield protocol.text_completion(rid, model, created, "", done.finish)
+        if include_usage:
+            yield protocol.usage_chunk(rid, model, created, "text_completion", done.usage)
+    finally:
+        await stream.aclose()

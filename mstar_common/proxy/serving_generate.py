@@ -1,0 +1,166 @@
+"""POST /generate: the native route, as a multipart form or a JSON body.
+
+Fields: `text`, `model` (optional when one model is served), `streaming`, `input_modalities`,
+`output_modalities`, `model_kwargs` (a JSON object, or a JSON string of one: generation knobs, `messages`,
+`chat_template_kwargs`, `enable_thinking`, `return_token_ids`). `text` is sent as one user message, so the
+checkpoint's chat template applies; `model_kwargs.messages` replaces it with a whole conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from mstar_common.proxy import protocol
+from mstar_common.proxy.errors import from_pydantic, invalid_request
+from mstar_common.proxy.serving_common import Completion, ServingContext
+from mstar_common.proxy.sse import SSEResponse, sse_body
+from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
+
+router = APIRouter()
+
+_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+_LIST_FIELDS = ("input_modalities", "output_modalities")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
+TEXT_MODALITIES = ["text"]
+
+
+# reading the body
+
+
+def _json_object(raw: str | bytes, field: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_request(f"'{field}' is not valid JSON: {error}", param=field) from None
+    if not isinstance(value, dict):
+        raise invalid_request(f"'{field}' must be a JSON object, got {type(value).__name__}", param=field)
+    return value
+
+
+def _form_modalities(values: list[str]) -> list[str]:
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            out.extend(_json_list(value))
+        else:
+            out.extend(v.strip() for v in value.split(",") if v.strip())
+    return out
+
+
+def _json_list(value: str) -> list[Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise invalid_request(f"modalities are not valid JSON: {error}", param="output_modalities") from None
+    return parsed if isinstance(parsed, list) else [parsed]
+
+
+def _form_bool(value: str, field: str) -> bool:
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise invalid_request(f"'{field}' must be true or false, got {value!r}", param=field)
+
+
+async def _form_fields(request: Request) -> dict[str, Any]:
+    form = await request.form()
+    fields: dict[str, Any] = {}
+    for key in dict.fromkeys(form.keys()):
+        values = form.getlist(key)
+        if any(isinstance(v, UploadFile) for v in values):
+            raise invalid_request(f"'{key}': media uploads are not supported: the served models are text-only",
+                                  param=key)
+        if key in _LIST_FIELDS:
+            fields[key] = _form_modalities(values)
+        elif len(values) > 1:
+            raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
+        elif key == "streaming":
+            fields[key] = _form_bool(values[0], key)
+        elif key == "model_kwargs":
+            fields[key] = _json_object(values[0], key) if values[0].strip() else {}
+        else:
+            fields[key] = values[0]
+    return fields
+
+
+async def read_generate_request(request: Request) -> protocol.GenerateRequest:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in _FORM_TYPES:
+        fields = await _form_fields(request)
+    else:
+        fields = _json_object(await request.body(), "body")
+        if isinstance(fields.get("model_kwargs"), str):
+            fields["model_kwargs"] = _json_object(fields["model_kwargs"], "model_kwargs")
+    try:
+        return protocol.GenerateRequest.model_validate(fields)
+    except ValidationError as error:
+        raise from_pydantic(error) from None
+
+
+# building the Triton request
+
+
+def _check_modalities(req: protocol.GenerateRequest, model: str) -> None:
+    for field in _LIST_FIELDS:
+        values = getattr(req, field)
+        if values is not None and (not values or set(values) - set(TEXT_MODALITIES)):
+            raise invalid_request(f"'{field}': model '{model}' supports only {TEXT_MODALITIES}, got {values}",
+                                  param=field)
+
+
+def generate_generation(req: protocol.GenerateRequest, model: str) -> GenerationRequest:
+    _check_modalities(req, model)
+    kwargs = req.model_kwargs
+    if kwargs.messages is not None:
+        if req.text:
+            raise invalid_request("send either 'text' or 'model_kwargs.messages', not both", param="text")
+        messages = protocol.text_messages(kwargs.messages, model, field="model_kwargs.messages")
+    elif req.text is None:
+        raise invalid_request("'text' is required (or 'model_kwargs.messages')", param="text")
+    else:
+        messages = [{"role": "user", "content": req.text}]
+    return kwargs.to_generation(
+        messages=messages, chat_template_kwargs=protocol.template_kwargs(kwargs.chat_template_kwargs,
+                                                                        kwargs.enable_thinking)
+    )
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    ctx: ServingContext = request.app.state.serving
+    req = await read_generate_request(request)
+    served = ctx.resolve(req.model)
+    gen = generate_generation(req, served.name)
+    rid, with_ids = request.state.request_id, req.model_kwargs.return_token_ids
+    if req.streaming:
+        stream = await ctx.stream(request, served, gen)
+        return SSEResponse(sse_body(_events(stream, with_ids), ctx.settings.request_timeout_s))
+    done = await ctx.complete(request, served, gen)
+    body = {"id": rid, "model": served.name, "outputs": {"text": [done.text]}, "finish_reason": done.finish,
+            "usage": done.usage}
+    if with_ids:
+        body["token_ids"] = done.token_ids
+    return body
+
+
+async def _events(stream: AsyncIterator[StreamResponse], with_ids: bool):
+    """{"text", "token_ids"?} per response -> {"finish_reason", "usage"}."""
+    done = Completion()
+    try:
+        async for response in stream:
+            done.add(response)
+            if response.text or (with_ids and response.token_ids):
+                event: dict[str, Any] = {"text": response.text}
+                if with_ids:
+                    event["token_ids"] = response.token_ids
+                yield event
+        yield {"finish_reason": done.finish, "usage": done.usage}
+    finally:
+        await stream.aclose()

@@ -1,0 +1,67 @@
+"""Server-sent events: framing, the terminal error event, and a response that notices a disconnect at once.
+
+Starlette's StreamingResponse (ASGI >= 2.4) learns of a disconnect only when its next write fails, which can
+be many seconds into a slow generation. `SSEResponse` always listens for `http.disconnect` and then closes
+the body iterator, which closes the Triton stream beneath it, which cancels the request in Triton.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mstar_common.proxy.errors import from_exception
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_frame(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def sse_body(events: AsyncIterator[dict[str, Any]], timeout_s: float | None = None) -> AsyncIterator[bytes]:
+    """Frame events, then `[DONE]`; an error mid-stream becomes one `{"error": ...}` event and ends the stream."""
+    try:
+        async for event in events:
+            yield sse_frame(event)
+        yield DONE
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the client as an error event
+        yield sse_frame(from_exception(exc, timeout_s).body())
+    finally:
+        await events.aclose()
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        super().__init__(content, headers={"Cache-Control": "no-cache", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:  # the client went away while we wrote
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

@@ -1,0 +1,239 @@
+"""The proxy's only path to Triton: one request per gRPC stream, responses parsed per `mstar_common.wire`.
+
+`TritonStreamClient.generate()` is an async generator. Closing it early (the HTTP client went away, or the
+task was cancelled) cancels the gRPC call, which Triton turns into a cancellation of the request, so the
+entry model frees its resources. All requests share one gRPC channel, opened lazily inside the event loop.
+
+Tests substitute any object with the same `generate`, `is_ready` and `close` coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
+
+from mstar_common import wire
+
+logger = logging.getLogger(__name__)
+
+_FINAL_PARAM = "triton_final_response"
+_EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What the proxy asks an entry model for; exactly one of text / messages / input_ids is set."""
+
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    sampling: dict[str, int | float | bool] = field(default_factory=dict)  # keys from wire.SAMPLING_INPUTS
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamResponse:
+    """One streamed response: the new text and tokens since the previous one."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # set on the last data response only
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    is_final: bool = False
+
+
+class TritonError(Exception):
+    """Base of the errors `generate` raises; the message is what Triton (or gRPC) said."""
+
+
+class TritonInvalidRequest(TritonError):
+    """The entry model refused the request (the client's fault); the message has the prefix removed."""
+
+
+class TritonServerError(TritonError):
+    pass
+
+
+class TritonUnavailable(TritonError):
+    pass
+
+
+class TritonTimeout(TritonError):
+    pass
+
+
+# request building
+
+
+def _bytes_tensor(values: list[str]) -> np.ndarray:
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+
+
+def build_inputs(gen: GenerationRequest) -> list[tuple[str, str, np.ndarray]]:
+    """The request's input tensors as (name, Triton datatype, array), per `wire`: scalars are shape [1]."""
+    inputs: list[tuple[str, str, np.ndarray]] = []
+    if gen.text is not None:
+        inputs.append((wire.TEXT_INPUT, "BYTES", _bytes_tensor([gen.text])))
+    if gen.messages is not None:
+        inputs.append((wire.MESSAGES, "BYTES", _bytes_tensor([json.dumps(gen.messages, ensure_ascii=False)])))
+    if gen.input_ids is not None:
+        inputs.append((wire.INPUT_IDS, "INT32", np.asarray(gen.input_ids, dtype=np.int32)))
+    if gen.chat_template_kwargs:
+        kwargs_json = json.dumps(gen.chat_template_kwargs, ensure_ascii=False)
+        inputs.append((wire.CHAT_TEMPLATE_KWARGS, "BYTES", _bytes_tensor([kwargs_json])))
+    for name, value in gen.sampling.items():
+        datatype, np_dtype = wire.SAMPLING_INPUTS[name]
+        inputs.append((name, datatype, np.asarray([value], dtype=np_dtype)))
+    if gen.stop:
+        inputs.append((wire.STOP, "BYTES", _bytes_tensor(gen.stop)))
+    if gen.stop_token_ids:
+        inputs.append((wire.STOP_TOKEN_IDS, "INT32", np.asarray(gen.stop_token_ids, dtype=np.int32)))
+    return inputs
+
+
+def _raw_contents(datatype: str, array: np.ndarray) -> bytes:
+    if datatype == "BYTES":
+        serialized = serialize_byte_tensor(array)
+        return serialized.item() if serialized.size > 0 else b""
+    return np.ascontiguousarray(array).tobytes()
+
+
+def build_request(model: str, request_id: str, gen: GenerationRequest) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name, datatype, array in build_inputs(gen):
+        request.inputs.append(
+            service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=list(array.shape))
+        )
+        request.raw_input_contents.append(_raw_contents(datatype, array))
+    # The entry model may end a stream with a flags-only FINAL; ask Triton to forward it as an empty response.
+    request.parameters[_EMPTY_FINAL_PARAM].bool_param = True
+    return request
+
+
+# response parsing
+
+
+def _scalar(result: InferResult, name: str) -> Any:
+    array = result.as_numpy(name)
+    if array is None or array.size == 0:
+        return None
+    return array.reshape(-1)[0]
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamResponse:
+    if message.error_message:
+        if wire.is_invalid_request(message.error_message):
+            raise TritonInvalidRequest(wire.strip_invalid_prefix(message.error_message))
+        raise TritonServerError(message.error_message)
+    response = message.infer_response
+    params = response.parameters
+    is_final = _FINAL_PARAM in params and params[_FINAL_PARAM].bool_param
+    if not response.outputs:
+        return StreamResponse(is_final=is_final)
+    result = InferResult(response)
+    token_ids = result.as_numpy(wire.TOKEN_IDS)
+    prompt_tokens = _scalar(result, wire.PROMPT_TOKENS)
+    completion_tokens = _scalar(result, wire.COMPLETION_TOKENS)
+    return StreamResponse(
+        text=_text(_scalar(result, wire.TEXT_OUTPUT)),
+        token_ids=[] if token_ids is None else [int(t) for t in token_ids.reshape(-1)],
+        finish_reason=_text(_scalar(result, wire.FINISH_REASON)) or None,
+        prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
+        completion_tokens=None if completion_tokens is None else int(completion_tokens),
+        is_final=is_final,
+    )
+
+
+def _from_rpc_error(error: grpc.aio.AioRpcError) -> TritonError:
+    code, details = error.code(), error.details() or str(error.code())
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TritonTimeout(details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return TritonUnavailable(details)
+    if wire.is_invalid_request(details):
+        return TritonInvalidRequest(wire.strip_invalid_prefix(details))
+    return TritonServerError(f"gRPC {code.name}: {details}")
+
+
+# the client
+
+
+class TritonStreamClient:
+    def __init__(self, url: str, *, health_timeout_s: float = 2.0):
+        self.url = url
+        self.health_timeout_s = health_timeout_s
+        self._client: InferenceServerClient | None = None
+
+    def _connection(self) -> InferenceServerClient:
+        if self._client is None:  # grpc.aio binds a channel to the running loop, so open it from inside one
+            self._client = InferenceServerClient(self.url)
+        return self._client
+
+    async def generate(
+        self, model: str, request_id: str, gen: GenerationRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[StreamResponse]:
+        """Send one request and yield its responses up to and including the final one."""
+        request = build_request(model, request_id, gen)
+        is_done = asyncio.Event()
+
+        async def requests():
+            yield request
+            await is_done.wait()  # keep our side open until the final response: no early half-close
+
+        # aio's public stream_infer refuses the reserved `triton_*` request parameters that
+        # build_request sets, so call the stub of the client's (shared) channel directly.
+        call = self._connection()._client_stub.ModelStreamInfer(requests(), timeout=timeout_s)
+        is_finished = False
+        try:
+            async for message in call:
+                response = parse_response(message)
+                is_finished = response.is_final
+                yield response
+                if is_finished:
+                    return
+            raise TritonServerError(f"stream for request {request_id} ended without a final response")
+        except grpc.aio.AioRpcError as error:
+            is_finished = True
+            raise _from_rpc_error(error) from None
+        finally:
+            is_done.set()
+            if not is_finished:
+                call.cancel()  # the consumer left or failed: Triton cancels the request
+
+    async def is_ready(self, models: list[str]) -> bool:
+        """True when the server is live and every given model is ready."""
+        client, timeout = self._connection(), self.health_timeout_s
+        try:
+            if not await client.is_server_live(client_timeout=timeout):
+                return False
+            for model in models:
+                if not await client.is_model_ready(model, client_timeout=timeout):
+                    return False
+        except (InferenceServerException, grpc.aio.AioRpcError) as error:
+            logger.warning("[proxy] triton health check failed: %s", error)
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None

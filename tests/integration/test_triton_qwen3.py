@@ -1,0 +1,80 @@
+"""Qwen3 through a real tritonserver: greedy tokens equal transformers `generate`, alone and 8 at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.triton_stream import run_stream
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox jumps over the lazy dog",
+    "a",
+    "Serving engineers measure time to first token and inter-token latency.",
+    "1 2 3 4 5 6 7 8 9 10",
+    "What is the capital of France?",
+    "GPU",
+    "Continuous batching mixes prefill chunks with decodes in one step.",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(served.checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(str(served.checkpoint), dtype=torch.float32).eval()
+    expected = {}
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected[prompt] = (ids, out[0, len(ids):].tolist())
+    return tokenizer, expected
+
+
+def _request(ids):
+    return {"input_ids": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+
+
+def test_greedy_tokens_equal_transformers_one_at_a_time(served, reference):
+    _, expected = reference
+    for i, prompt in enumerate(PROMPTS[:4]):
+        ids, want = expected[prompt]
+        got = run_stream(served.grpc_url, served.entry, {f"solo-{i}": _request(ids)})[f"solo-{i}"]
+        assert got.error is None
+        assert got.token_ids == want, prompt
+
+
+def test_greedy_tokens_equal_transformers_eight_at_once(served, reference):
+    _, expected = reference
+    requests = {f"batch-{i}": _request(expected[p][0]) for i, p in enumerate(PROMPTS)}
+    got = run_stream(served.grpc_url, served.entry, requests)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[f"batch-{i}"].error is None
+        assert got[f"batch-{i}"].token_ids == expected[prompt][1], prompt
+        want_reason = "stop" if len(expected[prompt][1]) < MAX_TOKENS else "length"
+        assert got[f"batch-{i}"].finish_reason == want_reason
+
+
+def test_text_input_streams_decoded_text(served, reference):
+    tokenizer, expected = reference
+    prompt = PROMPTS[1]
+    got = run_stream(served.grpc_url, served.entry, {"t": {"text_input": prompt, "max_tokens": MAX_TOKENS,
+                                                            "temperature": 0.0}})["t"]
+    assert got.token_ids == expected[prompt][1]
+    assert got.text == tokenizer.decode(got.token_ids, skip_special_tokens=True)
+
+
+def test_invalid_request_is_refused_and_server_keeps_serving(served, reference):
+    _, expected = reference
+    got = run_stream(served.grpc_url, served.entry, {"bad": {"input_ids": [1, 2], "temperature": -1.0}})["bad"]
+    assert got.error is not None and "invalid_request" in got.error and "temperature" in got.error
+    got = run_stream(served.grpc_url, served.entry, {"bad2": {"input_ids": [1], "max_tokens": 10_000}})["bad2"]
+    assert "max_tokens" in got.error and "max_model_len" in got.error
+    ids, want = expected[PROMPTS[0]]
+    assert run_stream(served.grpc_url, served.entry, {"ok": _request(ids)})["ok"].token_ids == want

@@ -1,0 +1,293 @@
+"""Completions, native /generate, info routes, error mapping, body cap, request ids and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mstar_common import wire
+from mstar_common.proxy.app import ServedModel
+from mstar_common.proxy.triton_stream import (
+    StreamResponse,
+    TritonInvalidRequest,
+    TritonServerError,
+    TritonTimeout,
+    TritonUnavailable,
+)
+from tests.unit.proxy_fake_triton import HANG, FakeTriton, make_app, text_script
+from tests.unit.test_proxy_chat import MESSAGES, sse_events
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def client_for(fake: FakeTriton | None = None, **settings) -> tuple[TestClient, FakeTriton]:
+    app, fake = make_app(fake, **settings)
+    return TestClient(app), fake
+
+
+# /v1/completions
+
+
+def test_completions_non_stream_and_stream():
+    client, fake = client_for()
+    r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "Once", "max_tokens": 3, "seed": 1})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "Hello, world" and body["usage"]["completion_tokens"] == 3
+    assert fake.requests[-1].tensors[wire.TEXT_INPUT][2][0] == b"Once"
+    assert wire.MESSAGES not in fake.requests[-1].tensors
+
+    r = client.post("/v1/completions", json={"model": "qwen3", "prompt": ["Once"], "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "Hello, world"
+    assert events[-3]["choices"][0]["finish_reason"] == "stop" and events[-2]["usage"]["total_tokens"] == 8
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2, 3]}, "prompt"), ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"), ({"logprobs": 1}, "logprobs"), ({"suffix": "x"}, "suffix"), ({"n": 3}, "n"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"), ({"frequency_penalty": 0.2}, "frequency_penalty"),
+])
+def test_completions_refusals(body, field):
+    client, fake = client_for()
+    r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert fake.requests == []
+
+
+# /generate
+
+
+def test_generate_json_non_stream_with_token_ids():
+    client, fake = client_for()
+    r = client.post("/generate", json={"text": "Hi", "model_kwargs": {"max_tokens": 4, "return_token_ids": True,
+                                                                     "enable_thinking": False}})
+    body = r.json()
+    assert r.status_code == 200, r.text
+    assert body["outputs"] == {"text": ["Hello, world"]} and body["model"] == "qwen3"
+    assert body["finish_reason"] == "stop" and body["token_ids"] == [100, 101, 102]
+    assert body["usage"]["total_tokens"] == 8 and body["id"] == r.headers["x-request-id"]
+    tensors = fake.requests[-1].tensors
+    assert json.loads(tensors[wire.MESSAGES][2][0]) == [{"role": "user", "content": "Hi"}]
+    assert tensors["max_tokens"][2][0] == 4
+
+
+def test_generate_multipart_stream():
+    client, fake = client_for()
+    form = {"text": "Hi", "model": "qwen3", "streaming": "true", "output_modalities": '["text"]',
+            "model_kwargs": json.dumps({"temperature": 0.2, "return_token_ids": True, "stop": "x"})}
+    r = client.post("/generate", files={key: (None, value) for key, value in form.items()})  # multipart fields
+    assert r.status_code == 200, r.text
+    assert r.request.headers["content-type"].startswith("multipart/form-data")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert [e["text"] for e in events[:-2]] == ["Hello", ",", " world"]
+    assert [e["token_ids"] for e in events[:-2]] == [[100], [101], [102]]
+    assert events[-2] == {"finish_reason": "stop", "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                                                             "total_tokens": 8}}
+    assert fake.requests[-1].tensors["temperature"][2][0] == pytest.approx(0.2)
+
+
+def test_generate_multipart_with_messages_and_string_model_kwargs_in_json():
+    client, fake = client_for()
+    kwargs = json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+    assert client.post("/generate", data={"model_kwargs": kwargs}).status_code == 200
+    assert client.post("/generate", json={"model_kwargs": kwargs}).status_code == 200
+    assert json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])[0] == {"role": "system", "content": "s"}
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"text": "x", "output_modalities": ["audio"]}, "output_modalities"),
+    ({"text": "x", "model_kwargs": {"top_k": "3"}}, "model_kwargs.top_k"),
+    ({"text": "x", "model_kwargs": {"frob": 1}}, "model_kwargs.frob"),
+    ({"text": "x", "model_kwargs": "{not json"}, "model_kwargs"),
+    ({"text": "x", "colour": "red"}, "colour"),
+    ({"model_kwargs": {}}, "text"),
+    ({"text": "x", "model_kwargs": {"messages": MESSAGES}}, "text"),
+    ({"text": "x", "model": "nope"}, "model"),
+])
+def test_generate_refusals(body, field):
+    client, fake = client_for()
+    r = client.post("/generate", json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == field, r.text
+    assert fake.requests == []
+
+
+def test_generate_multipart_refusals():
+    client, _ = client_for()
+    r = client.post("/generate", data={"text": "x"}, files={"files": ("a.png", b"\x89PNG", "image/png")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "files"
+    r = client.post("/generate", data={"text": "x", "streaming": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "streaming"
+    r = client.post("/generate", data={"text": "x", "output_modalities": "text,video"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "output_modalities"
+
+
+def test_generate_model_is_required_when_several_are_served():
+    client, fake = client_for(models=[ServedModel("a", "a_llm"), ServedModel("b", "b_llm")])
+    assert client.post("/generate", json={"text": "x"}).status_code == 400
+    assert client.post("/generate", json={"text": "x", "model": "b"}).status_code == 200
+    assert fake.requests[-1].model == "b_llm"
+
+
+# info routes
+
+
+def test_models_and_health():
+    fake = FakeTriton()
+    client, _ = client_for(fake)
+    assert client.get("/v1/models").json()["data"][0]["id"] == "qwen3"
+    assert client.get("/v1/models/qwen3").json()["object"] == "model"
+    assert client.get("/v1/models/nope").status_code == 404
+    assert client.get("/health").json() == {"status": "ok"}
+    fake.is_server_ready = False
+    assert client.get("/health").status_code == 503
+
+
+# error mapping
+
+
+def test_triton_invalid_request_is_400():
+    client, _ = client_for(FakeTriton(script=[TritonInvalidRequest("prompt + max_tokens exceeds the window (4096)")]))
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={"model": "qwen3", "messages": MESSAGES, "stream": stream})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "prompt + max_tokens exceeds the window (4096)"
+
+
+def test_triton_server_error_is_500_with_logged_error_id(caplog):
+    client, _ = client_for(FakeTriton(script=[TritonServerError("internal error (error id t1): CUDA OOM at x.py")]))
+    with caplog.at_level(logging.ERROR, logger="mstar_common.proxy"):
+        r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x"})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert "CUDA" not in error["message"] and error["code"] in error["message"]
+    assert any(error["code"] in rec.getMessage() and "CUDA OOM" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parametrize("exc, status", [(TritonTimeout("deadline"), 504), (TritonUnavailable("refused"), 503),
+                                         (RuntimeError("bug"), 500)])
+def test_other_triton_failures(exc, status):
+    client, _ = client_for(FakeTriton(script=[exc]))
+    r = client.post("/generate", json={"text": "x"})
+    assert r.status_code == status and "error" in r.json()
+
+
+def test_error_mid_stream_is_an_error_event_then_end():
+    script = [StreamResponse(text="partial"), TritonServerError("boom in step loop")]
+    client, _ = client_for(FakeTriton(script=script))
+    r = client.post("/v1/chat/completions", json={"model": "qwen3", "messages": MESSAGES, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[1]["choices"][0]["delta"]["content"] == "partial"
+    assert events[-1]["error"]["type"] == "server_error" and "boom" not in events[-1]["error"]["message"]
+    assert "[DONE]" not in events
+
+
+# body cap and request ids
+
+
+def test_body_over_the_cap_is_413():
+    client, fake = client_for(max_body_bytes=200)
+    r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x" * 500})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+    def chunked():  # no content-length: the cap is enforced while reading
+        yield b'{"model": "qwen3", "prompt": "'
+        yield b"x" * 500 + b'"}'
+
+    r = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = client.post("/generate", data={"text": "x" * 500})
+    assert r.status_code == 413
+    assert fake.requests == []
+
+
+def test_request_id_is_honoured_sent_to_triton_and_echoed():
+    client, fake = client_for()
+    r = client.post("/v1/chat/completions", json={"model": "qwen3", "messages": MESSAGES},
+                    headers={"x-request-id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "chatcmpl-abc-123"
+    assert fake.requests[-1].request_id == "abc-123"
+    r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x"})
+    assert len(r.headers["x-request-id"]) == 32 and fake.requests[-1].request_id == r.headers["x-request-id"]
+    r = client.get("/health", headers={"x-request-id": "bad id with spaces"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
+
+
+# client disconnects, driven at the ASGI level so the disconnect lands at a known point
+
+
+async def drive(app, path: str, body: dict, disconnect_after_body_chunks: int) -> list[dict]:
+    """Run one request; the client disconnects after it has seen `disconnect_after_body_chunks` body chunks."""
+    sent: list[dict] = []
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    gone = asyncio.Event()
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        num_chunks = sum(1 for m in sent if m["type"] == "http.response.body" and m.get("body"))
+        if num_chunks >= disconnect_after_body_chunks:
+            gone.set()
+
+    if disconnect_after_body_chunks == 0:
+        gone.set()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"gone-1")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return sent
+
+
+@pytest.mark.anyio
+async def test_disconnect_mid_stream_cancels_the_triton_request():
+    fake = FakeTriton(script=[StreamResponse(text="tok"), HANG])
+    app, _ = make_app(fake)
+    body = {"model": "qwen3", "messages": MESSAGES, "stream": True}
+    sent = await drive(app, "/v1/chat/completions", body, disconnect_after_body_chunks=2)  # role chunk + "tok"
+    assert b"tok" in b"".join(m.get("body", b"") for m in sent)
+    assert fake.cancelled == ["gone-1"]
+
+
+@pytest.mark.anyio
+async def test_disconnect_before_first_token_and_in_non_stream_cancels():
+    for stream, path, body in [(True, "/generate", {"text": "x", "streaming": True}),
+                               (False, "/v1/completions", {"model": "qwen3", "prompt": "x"})]:
+        fake = FakeTriton(script=[HANG], started=asyncio.Event())
+        app, _ = make_app(fake)
+        await drive(app, path, body, disconnect_after_body_chunks=0)
+        assert fake.cancelled == ["gone-1"], (stream, path)
+
+
+def test_fake_script_helper_ends_with_empty_final():
+    assert text_script("a")[-1].is_final and text_script("a")[-2].finish_reason == "stop"
+
+
+def test_a_bug_in_a_route_is_a_scrubbed_500(monkeypatch, caplog):
+    from mstar_common.proxy import serving_chat
+
+    def broken(_body):
+        raise KeyError("secret internals")
+
+    monkeypatch.setattr(serving_chat, "chat_generation", broken)
+    client, _ = client_for()
+    with caplog.at_level(logging.ERROR, logger="mstar_common.proxy"):
+        r = client.post("/v1/chat/completions", json={"model": "qwen3", "messages": MESSAGES})
+    assert r.status_code == 500 and "secret" not in r.text and r.headers["x-request-id"]
+    assert any(r.json()["error"]["code"] in rec.getMessage() for rec in caplog.records)

@@ -1,0 +1,69 @@
+"""MStarClient against the app (in-process transport) with a fake Triton."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mstar_common import wire
+from mstar_common.client import ChatEvent, ChatResult, MStarClient, MStarError
+from mstar_common.proxy.triton_stream import StreamResponse, TritonInvalidRequest, TritonServerError
+from tests.unit.proxy_fake_triton import FakeTriton, make_app
+
+
+def sdk(fake: FakeTriton | None = None) -> tuple[MStarClient, FakeTriton]:
+    app, fake = make_app(fake)
+    return MStarClient(http_client=TestClient(app)), fake
+
+
+def test_chat_non_stream():
+    client, fake = sdk()
+    result = client.chat("What is 2+2?", max_tokens=5, temperature=0, return_token_ids=True)
+    assert isinstance(result, ChatResult)
+    assert result.text == "Hello, world" and result.finish_reason == "stop"
+    assert result.usage["total_tokens"] == 8 and result.token_ids == [100, 101, 102]
+    tensors = fake.requests[-1].tensors
+    assert json.loads(tensors[wire.MESSAGES][2][0]) == [{"role": "user", "content": "What is 2+2?"}]
+    assert tensors["max_tokens"][2][0] == 5
+
+
+def test_chat_stream_and_messages():
+    client, fake = sdk()
+    events = list(client.chat([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], stream=True))
+    assert all(isinstance(e, ChatEvent) for e in events)
+    assert "".join(e.text for e in events) == "Hello, world"
+    assert events[-1].finish_reason == "stop" and events[-1].usage["completion_tokens"] == 3
+    assert len(json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])) == 2
+
+
+def test_generate_models_health():
+    fake = FakeTriton()
+    client, _ = sdk(fake)
+    assert client.generate("Hi", seed=3).text == "Hello, world"
+    assert fake.requests[-1].tensors["seed"][2][0] == 3
+    assert client.models() == ["qwen3"]
+    assert client.health() is True
+    fake.is_server_ready = False
+    assert client.health() is False
+    assert MStarClient("http://127.0.0.1:1", timeout=1).health() is False
+
+
+def test_errors_raise_mstar_error():
+    client, _ = sdk()
+    with pytest.raises(MStarError) as info:
+        client.chat("x", top_p=0)
+    assert info.value.status == 400 and "top_p" in info.value.message
+    with pytest.raises(MStarError) as info:
+        client.chat("x", model="nope")
+    assert info.value.status == 404
+    client, _ = sdk(FakeTriton(script=[TritonInvalidRequest("prompt too long")]))
+    with pytest.raises(MStarError, match="prompt too long"):
+        client.chat("x", stream=True)
+    client, _ = sdk(FakeTriton(script=[StreamResponse(text="a"), TritonServerError("boom")]))
+    stream = client.chat("x", stream=True)
+    assert next(stream).text == "a"
+    with pytest.raises(MStarError) as info:
+        list(stream)
+    assert info.value.status == 500 and "error id" in info.value.message

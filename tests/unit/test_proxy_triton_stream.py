@@ -1,0 +1,187 @@
+"""The real Triton client: request tensors per wire.py, response parsing, and a gRPC round trip (in-process
+fake server speaking Triton's GRPCInferenceService) including cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import serialize_byte_tensor
+
+from mstar_common import wire
+from mstar_common.proxy.triton_stream import (
+    GenerationRequest,
+    TritonInvalidRequest,
+    TritonServerError,
+    TritonStreamClient,
+    build_request,
+    parse_response,
+)
+from tests.unit.proxy_fake_triton import decode_tensors
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def test_build_request_tensors_follow_wire():
+    gen = GenerationRequest(
+        messages=[{"role": "user", "content": "héllo"}],
+        chat_template_kwargs={"enable_thinking": False},
+        sampling={"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1,
+                  "repetition_penalty": 1.1, "seed": 2**40, "ignore_eos": True},
+        stop=["\n\n", "END"],
+        stop_token_ids=[3, 9],
+    )
+    request = build_request("qwen3_llm", "req-1", gen)
+    assert request.model_name == "qwen3_llm" and request.id == "req-1"
+    assert request.parameters["triton_enable_empty_final_response"].bool_param is True
+    tensors = decode_tensors(request)
+
+    datatype, shape, value = tensors[wire.MESSAGES]
+    assert (datatype, shape) == ("BYTES", [1])
+    assert json.loads(value[0].decode()) == [{"role": "user", "content": "héllo"}]
+    assert tensors[wire.CHAT_TEMPLATE_KWARGS][:2] == ("BYTES", [1])
+    assert json.loads(tensors[wire.CHAT_TEMPLATE_KWARGS][2][0]) == {"enable_thinking": False}
+    for name, (triton_dtype, np_dtype) in wire.SAMPLING_INPUTS.items():
+        datatype, shape, value = tensors[name]
+        assert (datatype, shape, value.dtype) == (triton_dtype, [1], np.dtype(np_dtype)), name
+        assert value[0] == pytest.approx(gen.sampling[name], rel=1e-6)
+    assert tensors[wire.STOP][:2] == ("BYTES", [2]) and list(tensors[wire.STOP][2]) == [b"\n\n", b"END"]
+    assert tensors[wire.STOP_TOKEN_IDS][:2] == ("INT32", [2]) and list(tensors[wire.STOP_TOKEN_IDS][2]) == [3, 9]
+    assert wire.TEXT_INPUT not in tensors and wire.INPUT_IDS not in tensors
+
+
+def test_build_request_text_and_ids_only_sends_what_is_set():
+    tensors = decode_tensors(build_request("m", "r", GenerationRequest(text="abc")))
+    assert list(tensors) == [wire.TEXT_INPUT]
+    assert tensors[wire.TEXT_INPUT][:2] == ("BYTES", [1]) and tensors[wire.TEXT_INPUT][2][0] == b"abc"
+    tensors = decode_tensors(build_request("m", "r", GenerationRequest(input_ids=[1, 2, 3])))
+    assert tensors[wire.INPUT_IDS][:2] == ("INT32", [3]) and list(tensors[wire.INPUT_IDS][2]) == [1, 2, 3]
+
+
+def _bytes_raw(values: list[str]) -> bytes:
+    return serialize_byte_tensor(np.array([v.encode() for v in values], dtype=np.object_)).item()
+
+
+def data_response(text: str, ids: list[int], finish: str = "", completion: int = 1, final: bool = False):
+    out = service_pb2.ModelInferResponse
+    tensors = [
+        (wire.TEXT_OUTPUT, "BYTES", [1], _bytes_raw([text])),
+        (wire.TOKEN_IDS, "INT32", [len(ids)], np.asarray(ids, np.int32).tobytes()),
+        (wire.FINISH_REASON, "BYTES", [1], _bytes_raw([finish])),
+        (wire.PROMPT_TOKENS, "INT32", [1], np.asarray([4], np.int32).tobytes()),
+        (wire.COMPLETION_TOKENS, "INT32", [1], np.asarray([completion], np.int32).tobytes()),
+    ]
+    outputs = [out.InferOutputTensor(name=n, datatype=d, shape=s) for n, d, s, _ in tensors]
+    response = out(model_name="m", outputs=outputs, raw_output_contents=[raw for *_, raw in tensors])
+    response.parameters["triton_final_response"].bool_param = final
+    return service_pb2.ModelStreamInferResponse(infer_response=response)
+
+
+def empty_final():
+    response = service_pb2.ModelInferResponse(model_name="m")
+    response.parameters["triton_final_response"].bool_param = True
+    return service_pb2.ModelStreamInferResponse(infer_response=response)
+
+
+def test_parse_response():
+    parsed = parse_response(data_response("hé", [5, 6], completion=2))
+    assert (parsed.text, parsed.token_ids, parsed.finish_reason) == ("hé", [5, 6], None)
+    assert (parsed.prompt_tokens, parsed.completion_tokens, parsed.is_final) == (4, 2, False)
+    assert parse_response(data_response("", [], finish="length", final=True)).finish_reason == "length"
+    final = parse_response(empty_final())
+    assert final.is_final and final.text == "" and final.token_ids == []
+    with pytest.raises(TritonInvalidRequest, match=r"^top_p must be in"):
+        message = "in qwen3_llm: " + wire.invalid_request_message("top_p must be in (0, 1]")
+        parse_response(service_pb2.ModelStreamInferResponse(error_message=message))
+    with pytest.raises(TritonServerError, match="error id"):
+        parse_response(service_pb2.ModelStreamInferResponse(error_message="internal error (error id 1): x"))
+
+
+class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Streams by model name: "ok" -> two tokens + empty final; "bad" -> invalid request; "slow" -> one token
+    and then waits for cancellation."""
+
+    def __init__(self):
+        self.received: list[service_pb2.ModelInferRequest] = []
+        self.cancelled = asyncio.Event()
+
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ModelReady(self, request, context):
+        return service_pb2.ModelReadyResponse(ready=request.name in ("ok", "bad", "slow"))
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for request in request_iterator:
+            self.received.append(request)
+            if request.model_name == "bad":
+                yield service_pb2.ModelStreamInferResponse(error_message=wire.invalid_request_message("no prompt"))
+            elif request.model_name == "slow":
+                yield data_response("a", [1])
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    raise
+            else:
+                yield data_response("a", [1])
+                yield data_response("b", [2], finish="stop", completion=2)
+                yield empty_final()
+
+
+@pytest.fixture
+async def grpc_server():
+    server = grpc.aio.server()
+    servicer = FakeTritonServicer()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}", servicer
+    await server.stop(None)
+
+
+@pytest.mark.anyio
+async def test_client_streams_to_final_and_checks_health(grpc_server):
+    url, servicer = grpc_server
+    client = TritonStreamClient(url)
+    try:
+        responses = [r async for r in client.generate("ok", "rid-7", GenerationRequest(text="hi"), timeout_s=10)]
+        assert [r.text for r in responses] == ["a", "b", ""]
+        assert responses[1].finish_reason == "stop" and responses[-1].is_final
+        assert servicer.received[0].id == "rid-7" and servicer.received[0].inputs[0].name == wire.TEXT_INPUT
+        assert await client.is_ready(["ok", "slow"])
+        assert not await client.is_ready(["ok", "missing"])
+        with pytest.raises(TritonInvalidRequest, match="no prompt"):
+            async for _ in client.generate("bad", "rid-8", GenerationRequest(text="hi")):
+                pass
+    finally:
+        await client.close()
+
+
+@pytest.mark.anyio
+async def test_closing_the_stream_cancels_the_grpc_call(grpc_server):
+    url, servicer = grpc_server
+    client = TritonStreamClient(url)
+    try:
+        stream = client.generate("slow", "rid-9", GenerationRequest(text="hi"))
+        assert (await anext(stream)).text == "a"
+        await stream.aclose()
+        await asyncio.wait_for(servicer.cancelled.wait(), 5)
+    finally:
+        await client.close()
+
+
+@pytest.mark.anyio
+async def test_unreachable_triton_is_not_ready():
+    client = TritonStreamClient("127.0.0.1:1", health_timeout_s=0.5)
+    try:
+        assert not await client.is_ready(["ok"])
+    finally:
+        await client.close()

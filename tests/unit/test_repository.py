@@ -1,0 +1,68 @@
+"""The generator: deterministic, in sync with the committed repository, pbtxt that Triton reads."""
+
+import filecmp
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mstar_common.cli import DEFAULT_DEPLOYMENT, PROJECT_ROOT
+from mstar_common.config import load_deployment
+from mstar_common.graph import Component, FamilyGraph, Loop, Sequential, Step, TensorSpec, Walk
+from mstar_common.repository import _ensemble_pbtxt, entry_model, generate_repository, render_repository
+
+COMMITTED = PROJECT_ROOT / "model_repository"
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_committed_repository_matches_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(PROJECT_ROOT)
+    out = tmp_path / "model_repository"
+    generate_repository(Path("configs") / DEFAULT_DEPLOYMENT.name, out)
+    committed = {k: v for k, v in _tree(COMMITTED).items() if k != "README.md"}
+    assert committed == _tree(out), "model_repository/ is stale: run `mstar gen-repo configs/qwen3.yaml`"
+
+
+def test_generation_is_deterministic():
+    dep = load_deployment(DEFAULT_DEPLOYMENT)
+    assert render_repository(dep, "x.yaml") == render_repository(dep, "x.yaml")
+
+
+def test_component_config_carries_placement_and_deployment():
+    dep = load_deployment(DEFAULT_DEPLOYMENT)
+    dep.components["llm"].placement.device = "gpu"
+    dep.components["llm"].placement.gpus = [0, 1]
+    dep.components["llm"].placement.instances = 2
+    text = render_repository(dep, "x.yaml")["qwen3_llm/config.pbtxt"]
+    assert "model_transaction_policy { decoupled: true }" in text
+    assert text.count("kind: KIND_GPU count: 2") == 2 and "gpus: [ 1 ]" in text
+    raw = re.search(r'key: "deployment" value \{ string_value: "(.*)" \}', text).group(1)
+    restored = json.loads(raw.replace('\\"', '"').replace("\\\\", "\\"))
+    assert restored["family"] == "qwen3" and restored["components"]["llm"]["placement"]["gpus"] == [0, 1]
+
+
+def test_entry_model_of_a_loop_walk_is_its_component():
+    assert entry_model(load_deployment(DEFAULT_DEPLOYMENT)) == "qwen3_llm"
+
+
+def test_static_dag_walks_render_as_ensembles():
+    enc = Component("enc", "stateless", (TensorSpec("image", "FP32", (-1,)),), (TensorSpec("latent", "FP32", (-1,)),))
+    dec = Component("dec", "stateless", (TensorSpec("latent", "FP32", (-1,)),), (TensorSpec("pixels", "FP32", (-1,)),))
+    walk = Walk("roundtrip", Sequential((Step("enc"), Step("dec"))), entry="enc")
+    graph = FamilyGraph({"enc": enc, "dec": dec}, {"roundtrip": walk})
+    text = _ensemble_pbtxt("fam_roundtrip", "fam", walk, graph)
+    assert 'platform: "ensemble"' in text
+    assert 'name: "image"' in text and 'name: "pixels"' in text and 'input [\n  { name: "latent"' not in text
+    assert text.index('model_name: "fam_enc"') < text.index('model_name: "fam_dec"')
+
+
+def test_graph_refuses_inconsistent_declarations():
+    llm = Component("llm", "autoregressive")
+    with pytest.raises(ValueError, match="undeclared components"):
+        FamilyGraph({"llm": llm}, {"w": Walk("w", Loop(Step("other"), "eos"), entry="other")})
+    with pytest.raises(ValueError, match="on no walk"):
+        FamilyGraph({"llm": llm, "x": Component("x", "stateless")}, {"w": Walk("w", Step("llm"), entry="llm")})
