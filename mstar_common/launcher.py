@@ -52,7 +52,9 @@ def start_triton(repo: Path, dep: Deployment, ports: Ports, log_path: Path) -> s
     return subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_proxy(dep: Deployment, entry_model: str, ports: Ports, log_path: Path, host: str = "127.0.0.1") -> subprocess.Popen:
+def start_proxy(
+    dep: Deployment, entry_model: str, ports: Ports, log_path: Path, host: str = "127.0.0.1"
+) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "mstar_common.proxy",
         "--triton-url", f"127.0.0.1:{ports.grpc}",

@@ -15,6 +15,7 @@ class Family(ABC):
     graph: ClassVar[FamilyGraph]
     builtin_checkpoints: ClassVar[dict[str, Any]] = {}  # name -> callable(out_dir) -> Path
 
+    @abstractmethod
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         """Family checks beyond the generic schema (raise config.DeploymentError naming the key)."""
 

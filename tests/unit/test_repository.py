@@ -1,6 +1,5 @@
 """The generator: deterministic, in sync with the committed repository, pbtxt that Triton reads."""
 
-import filecmp
 import json
 import re
 from pathlib import Path

@@ -1,0 +1,108 @@
+"""Continuous batching with chunked prefill, FIFO admission by KV footprint, no preemption.
+
+Each step packs, within `max_batch_tokens`: every running decode (one token each), then prefill chunks of
+admitted sequences still prefilling (oldest first), then newly admitted sequences from the head of the
+queue while `max_num_seqs` and the unreserved KV pages allow. Admission is strictly FIFO: when the head of
+the queue does not fit, later requests wait behind it (no overtaking, so a long prompt is never starved).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from mstar_common.engine.kv_cache import PageAllocator
+from mstar_common.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at its `num_computed_tokens`, computed this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """Whether this chunk reaches the sequence's last token, so the row produces a token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.chunks.append(ScheduledChunk(seq, num_tokens))
+        self.num_tokens += num_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_batch_tokens: int) -> None:
+        self.allocator = allocator
+        self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def footprint(self, seq: Sequence) -> int:
+        return self.allocator.pages_for(seq.max_num_tokens)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_batch_tokens
+        # decode
+        for seq in self.running:
+            if seq.num_uncomputed_tokens == 1 and budget > 0:
+                budget -= self._take(plan, seq, 1)
+        # prefill of admitted sequences
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
+                budget -= self._take(plan, seq, min(seq.num_uncomputed_tokens, budget))
+        # admission
+        while self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
+            seq = self._admit()
+            budget -= self._take(plan, seq, min(seq.num_uncomputed_tokens, budget))
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop `seq` from the queues and free its pages; harmless for a sequence already finished."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.page_table)
+        seq.status = SequenceStatus.FINISHED
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        return len(self.running) < self.max_num_seqs and self.allocator.can_allocate(self.footprint(seq))
+
+    def _admit(self) -> Sequence:
+        seq = self.waiting.popleft()
+        self.allocator.allocate(seq.page_table, self.footprint(seq))
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def _take(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> int:
+        self.allocator.grow(seq.page_table, seq.num_computed_tokens + num_tokens)
+        plan.add(seq, num_tokens)
+        return num_tokens

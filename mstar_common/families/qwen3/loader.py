@@ -1,0 +1,131 @@
+"""Loads an HF Qwen3 checkpoint (config.json + safetensors, single file or sharded) into `Qwen3ForCausalLM`.
+
+Coverage is checked both ways: a parameter the checkpoint does not fill, or a checkpoint tensor nothing
+reads, fails the load with the names. With tied embeddings the checkpoint may omit `lm_head.weight` (HF
+`save_pretrained` does) or carry a copy, which must then equal the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from mstar_common.engine.attention import AttentionBackend
+from mstar_common.families.qwen3.modeling import Qwen3Config, Qwen3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_TYPES = ("qwen3",)
+_TIED_HEAD = "lm_head.weight"
+_MAX_NAMES_SHOWN = 10
+
+
+def load_qwen3(
+    checkpoint_dir: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_backend: AttentionBackend | None = None,
+) -> tuple[Qwen3ForCausalLM, dict[str, Any]]:
+    """Build the model on `device` in `dtype` from the checkpoint; returns it (in eval mode) and config.json."""
+    path = Path(checkpoint_dir)
+    hf_config = json.loads((path / "config.json").read_text())
+    if hf_config.get("model_type") not in _MODEL_TYPES:
+        raise ValueError(f"config.json model_type must be one of {_MODEL_TYPES}, got {hf_config.get('model_type')!r}")
+    config = Qwen3Config.from_hf(hf_config)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config, attn_backend)
+    # Build on meta and materialise uninitialised: random init of a real-size model would cost seconds.
+    model = model.to(dtype=resolve_dtype(dtype)).to_empty(device=device)
+    model.tie_weights()
+    _fill(model, path)
+    logger.info("loaded Qwen3 (%d layers, hidden %d, vocab %d) from %s", config.num_hidden_layers,
+                config.hidden_size, config.vocab_size, path.name)
+    return model.eval(), hf_config
+
+
+def read_eos_token_ids(checkpoint_dir: str | Path, hf_config: dict[str, Any] | None = None) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (`eos_token_id` may be an int or a list)."""
+    path = Path(checkpoint_dir)
+    generation = path / "generation_config.json"
+    sources = [json.loads(generation.read_text())] if generation.exists() else []
+    sources.append(hf_config if hf_config is not None else json.loads((path / "config.json").read_text()))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@torch.no_grad()
+def _fill(model: Qwen3ForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())  # a tied lm_head is deduplicated away here
+    is_tied = model.config.tie_word_embeddings
+    filled: set[str] = set()
+    unused: list[str] = []
+    tied_copy: torch.Tensor | None = None
+    for name, tensor in _iter_tensors(path):
+        if name in params:
+            _copy(params[name], tensor, name)
+            filled.add(name)
+        elif is_tied and name == _TIED_HEAD:
+            tied_copy = tensor
+        else:
+            unused.append(name)
+    missing = sorted(set(params) - filled)
+    if missing or unused:
+        raise ValueError(f"checkpoint {path.name} does not match Qwen3ForCausalLM: "
+                         f"missing parameters {_names(missing)}; unused checkpoint tensors {_names(sorted(unused))}")
+    if tied_copy is not None and not torch.equal(tied_copy.to(params["model.embed_tokens.weight"]),
+                                                 params["model.embed_tokens.weight"]):
+        raise ValueError("tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
+                         "model.embed_tokens.weight")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.copy_(tensor)
+
+
+def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in seen:
+                    raise ValueError(f"checkpoint tensor {name} appears in more than one shard")
+                seen.add(name)
+                yield name, reader.get_tensor(name)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path.name}")
+    return files
+
+
+def _names(names: list[str]) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    return shown + (f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else "")

@@ -1,0 +1,72 @@
+"""GQA self-attention over packed varlen tokens with a paged KV cache (Qwen3, Llama, and their kin).
+
+Projections follow the HF layout (`q_proj`, `k_proj`, `v_proj`, `o_proj`, optional per-head `q_norm`/`k_norm`)
+so checkpoints load by name. The attention itself is delegated to an `AttentionBackend`, which owns the
+paged-KV write and the causal read; this layer never sees pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mstar_common.engine.attention import AttentionBackend, AttentionMetadata
+from mstar_common.layers.norm import RMSNorm
+from mstar_common.layers.rotary import apply_rotary
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """What every attention layer of one forward shares: RoPE angles of the packed positions and the batch."""
+
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor  # [T, head_dim]
+    metadata: AttentionMetadata
+    backend: AttentionBackend
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qk_norm: bool,
+        rms_norm_eps: float = 1e-6,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
+                             f"({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        # Qwen3 normalises each head of q and k before RoPE; Llama does not.
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self, hidden: torch.Tensor, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """`hidden` `[T, hidden_size]` -> `[T, hidden_size]`; writes this step's K/V into `kv` (this layer's pool)."""
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = apply_rotary(query, ctx.cos, ctx.sin)
+        key = apply_rotary(key, ctx.cos, ctx.sin)
+        k_cache, v_cache = kv
+        ctx.backend.write_kv(key, value, k_cache, v_cache, ctx.metadata)
+        out = ctx.backend.attend(query, k_cache, v_cache, ctx.metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

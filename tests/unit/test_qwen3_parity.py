@@ -1,0 +1,198 @@
+"""Qwen3 parity with transformers on the tiny checkpoint: prefill, packed rows, paged decode, loader coverage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mstar_common.engine.attention import build_attention_metadata
+from mstar_common.engine.kv_cache import KVCache, PageAllocator, PageTable
+from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
+from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+from mstar_common.layers.rotary import rope_theta_from_config
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.getbasetemp() / "qwen3_tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return transformers.Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_qwen3(checkpoint, dtype="float32", device="cpu")[0]
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 400, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).logits[0]
+
+
+class PagedRunner:
+    """Drives the model directly over a paged pool: each call computes the next chunk of each sequence."""
+
+    def __init__(self, model, page_size: int = 4, num_pages: int = 64) -> None:
+        self.model, self.page_size = model, page_size
+        self.cache = KVCache(model.kv_spec, num_pages, page_size, torch.float32, "cpu")
+        self.allocator = PageAllocator(num_pages, page_size)
+
+    def new_table(self, max_tokens: int) -> PageTable:
+        table = PageTable()
+        self.allocator.allocate(table, self.allocator.pages_for(max_tokens))
+        return table
+
+    @torch.no_grad()
+    def forward(self, chunks: list[tuple[PageTable, list[int], int]]) -> torch.Tensor:
+        """chunks: (table, new token ids, tokens already cached) per row -> logits of every packed token."""
+        ids, positions = [], []
+        for table, new_ids, start in chunks:
+            self.allocator.grow(table, start + len(new_ids))
+            ids += new_ids
+            positions += range(start, start + len(new_ids))
+        metadata = build_attention_metadata(
+            [len(n) for _, n, _ in chunks], [s + len(n) for _, n, s in chunks], [t.pages for t, _, _ in chunks],
+            page_size=self.page_size, sink_page=self.cache.sink_page, device="cpu",
+        )
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), metadata, self.cache)
+        return self.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("length", [1, 7, 64])
+def test_prefill_logits_match_transformers(model, hf_model, length):
+    ids = _prompt(length, seed=length)
+    runner = PagedRunner(model)
+    logits = runner.forward([(runner.new_table(length), ids, 0)])
+    torch.testing.assert_close(logits, _hf_logits(hf_model, ids), atol=ATOL, rtol=0)
+
+
+def test_packed_rows_match_separate_forwards(model, hf_model):
+    prompts = [_prompt(n, seed=n) for n in (5, 1, 23)]
+    runner = PagedRunner(model)
+    logits = runner.forward([(runner.new_table(len(p)), p, 0) for p in prompts])
+    expected = torch.cat([_hf_logits(hf_model, p) for p in prompts])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_then_decode_matches_full_forward(model, hf_model):
+    """Prefill in uneven chunks, then feed tokens one at a time through the paged KV (page size 3)."""
+    ids = _prompt(40, seed=3)
+    full = _hf_logits(hf_model, ids)
+    runner = PagedRunner(model, page_size=3)
+    table = runner.new_table(len(ids))
+    pieces, start = [], 0
+    for size in (5, 11, 2):  # chunked prefill of the first 18 tokens
+        pieces.append(runner.forward([(table, ids[start: start + size], start)]))
+        start += size
+    for position in range(start, len(ids)):  # decode
+        pieces.append(runner.forward([(table, [ids[position]], position)]))
+    torch.testing.assert_close(torch.cat(pieces), full, atol=ATOL, rtol=0)
+
+
+def test_untied_checkpoint_loads_and_matches(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "untied", seed=1, tie_word_embeddings=False)
+    model, config = load_qwen3(path)
+    assert config["tie_word_embeddings"] is False
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = _prompt(12, seed=5)
+    runner = PagedRunner(model)
+    torch.testing.assert_close(runner.forward([(runner.new_table(12), ids, 0)]), _hf_logits(hf, ids), atol=ATOL,
+                               rtol=0)
+
+
+def test_tied_checkpoint_shares_the_embedding(model, checkpoint):
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert read_eos_token_ids(checkpoint) == [2, 0]
+
+
+def test_sharded_checkpoint_loads(hf_model, checkpoint, model, tmp_path):
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    loaded, _ = load_qwen3(sharded)
+    for name, param in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], param, atol=0, rtol=0)
+
+
+def _copy_checkpoint(checkpoint: Path, dst: Path, edit) -> Path:
+    shutil.copytree(checkpoint, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_loader_refuses_a_missing_tensor(checkpoint, tmp_path):
+    name = "model.layers.1.self_attn.k_norm.weight"
+    path = _copy_checkpoint(checkpoint, tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"missing parameters {name}; unused checkpoint tensors none"):
+        load_qwen3(path)
+
+
+def test_loader_refuses_an_extra_tensor(checkpoint, tmp_path):
+    path = _copy_checkpoint(checkpoint, tmp_path / "extra",
+                            lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    expected = r"missing parameters none; unused checkpoint tensors model.layers.0.mlp.extra"
+    with pytest.raises(ValueError, match=expected):
+        load_qwen3(path)
+
+
+def test_loader_refuses_a_tied_head_that_differs(checkpoint, tmp_path):
+    def add_head(tensors):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1.0
+
+    path = _copy_checkpoint(checkpoint, tmp_path / "tied_differs", add_head)
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        load_qwen3(path)
+
+
+def test_loader_refuses_a_wrong_shape(checkpoint, tmp_path):
+    name = "model.norm.weight"
+    path = _copy_checkpoint(checkpoint, tmp_path / "shape", lambda t: t.update({name: torch.ones(3)}))
+    with pytest.raises(ValueError, match=rf"{name} has shape \(3,\)"):
+        load_qwen3(path)
+
+
+def test_loader_refuses_scaled_rope(checkpoint, tmp_path):
+    path = tmp_path / "yarn"
+    shutil.copytree(checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"rope_parameters.rope_type='yarn' is not supported"):
+        load_qwen3(path)
+
+
+def test_rope_config_forms():
+    assert rope_theta_from_config({"rope_theta": 10000.0, "rope_scaling": None}) == 10000.0
+    assert rope_theta_from_config({"rope_parameters": {"rope_type": "default", "rope_theta": 5.0}}) == 5.0
+    with pytest.raises(ValueError, match="rope_scaling.rope_type='llama3'"):
+        rope_theta_from_config({"rope_theta": 1.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_bfloat16_forward_tracks_float32(checkpoint, model):
+    bf16, _ = load_qwen3(checkpoint, dtype="bfloat16")
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = _prompt(16, seed=9)
+    runner32, runner16 = PagedRunner(model), PagedRunner(bf16)
+    runner16.cache = KVCache(bf16.kv_spec, 64, 4, torch.bfloat16, "cpu")
+    logits32 = runner32.forward([(runner32.new_table(16), ids, 0)])
+    logits16 = runner16.forward([(runner16.new_table(16), ids, 0)]).float()
+    assert torch.nn.functional.cosine_similarity(logits16, logits32, dim=-1).min() > 0.99
