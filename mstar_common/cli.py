@@ -68,7 +68,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     repo = run_dir / "model_repository"
     generate_repository(path, repo)
     s = dep.server
-    ports = Ports(http=s.http_port, grpc=s.grpc_port, metrics=s.metrics_port, proxy=args.port or s.proxy_port)
+    ports = Ports(
+        http=args.http_port or s.http_port,
+        grpc=args.grpc_port or s.grpc_port,
+        metrics=args.metrics_port or s.metrics_port,
+        proxy=args.port or s.proxy_port,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -118,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", nargs="?", default=str(DEFAULT_DEPLOYMENT), help="family key or deployment YAML")
     p.add_argument("--host", default="127.0.0.1", help="proxy bind address")
     p.add_argument("--port", type=int, default=None, help="proxy port (default: server.proxy_port)")
+    p.add_argument("--http-port", type=int, default=None, help="Triton HTTP port (default: server.http_port)")
+    p.add_argument("--grpc-port", type=int, default=None, help="Triton gRPC port (default: server.grpc_port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Triton metrics port (default: server.metrics_port)")
     p.add_argument("--no-proxy", action="store_true", help="start tritonserver only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     p.set_defaults(func=cmd_serve)

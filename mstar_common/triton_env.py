@@ -72,8 +72,13 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
 
 
 def server_command(install: TritonInstall, args: list[str]) -> list[str]:
-    has_backend_dir = any(a.startswith("--backend-directory") for a in args)
-    extra = [] if has_backend_dir else [f"--backend-directory={install.backend_dir}"]
+    extra = []
+    if not any(a.startswith("--backend-directory") for a in args):
+        extra.append(f"--backend-directory={install.backend_dir}")
+    if not any("shm-region-prefix-name" in a for a in args):
+        # The Python backend names its shared-memory regions from this prefix; two servers on one host with
+        # the default prefix collide and their stubs are declared unhealthy.
+        extra.append(f"--backend-config=python,shm-region-prefix-name=mstar{os.getpid()}_{os.urandom(3).hex()}_")
     return [str(install.binary), *extra, *args]
 
 

@@ -1,0 +1,51 @@
+"""`mstar serve`: validates, starts tritonserver + proxy, serves, and shuts both down on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.server
+
+
+def test_serve_starts_both_and_stops_cleanly_on_sigterm(tmp_path):
+    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
+    cmd = [sys.executable, "-m", "mstar_common.cli", "serve", "qwen3", "--timeout", "240"]
+    cmd += [f"--{name}={port}" for name, port in ports.items()]
+    env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 240
+        while not any("Ctrl-C stops both servers" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        assert any(f"http://localhost:{ports['port']}/v1" in line for line in lines), "".join(lines)
+        base = f"http://127.0.0.1:{ports['port']}"
+        reply = httpx.post(base + "/v1/completions", json={"model": "qwen3-tiny", "prompt": "hi", "max_tokens": 3})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        for port in (ports["port"], ports["http-port"]):
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_serve_refuses_a_bad_deployment_before_starting(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nfamily: qwen3\ncheckpoint: builtin:qwen3-tiny\ncomponents: {}\n")
+    out = subprocess.run([sys.executable, "-m", "mstar_common.cli", "serve", str(bad)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "components: missing ['llm']" in out.stderr
