@@ -7,11 +7,17 @@ A step packs the rows' new tokens back to back (`[T, ...]`, varlen). Row `r` own
 `query_start_loc[r]:query_start_loc[r + 1]`; its context after this step's writes holds `context_lens[r]`
 tokens, the row's new tokens being the last ones. Attention is causal: the new token at position `p` sees
 context positions `<= p`. A decode row is simply a row with one new token.
+
+Backends: `TorchPagedAttention` (the reference; per-row loops over host lists), `TorchStaticAttention` (plain
+torch with fixed shapes and device-only metadata, so it can be captured; the CPU stand-in for graph tests) and
+`TritonPagedAttention` (`kernels/`: split-K decode, ragged prefill, fused q/k-norm + RoPE + KV write), the
+portable GPU path. `select_attention_backend` picks one for a device.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +38,11 @@ class AttentionMetadata:
     max_context_len: int
     query_start_loc_host: list[int]
     context_lens_host: list[int]
+    # Set for the graph-safe backends (static shapes; host lists above are then not to be read):
+    is_decode: bool = False  # every row has exactly one new token (decode kernel)
+    work_rows: torch.Tensor | None = None  # [N] int32: prefill work items (row, first query), row -1 = padding
+    work_firsts: torch.Tensor | None = None  # [N] int32
+    request_slots: torch.Tensor | None = None  # [B] int32: each row's model-owned slot (scheduler.RequestHooks)
 
     @property
     def num_rows(self) -> int:
@@ -40,6 +51,30 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_host[-1]
+
+
+PREFILL_BLOCK_M = 64  # queries per work item of the ragged prefill kernel
+
+
+def prefill_work_capacity(num_tokens: int, num_rows: int) -> int:
+    """Work items a step of at most `num_tokens` tokens over at most `num_rows` rows can need."""
+    return -(-num_tokens // PREFILL_BLOCK_M) + min(num_rows, num_tokens)
+
+
+def build_prefill_work(query_lens: Sequence[int], capacity: int | None = None) -> tuple[list[int], list[int]]:
+    """(row, first query) per PREFILL_BLOCK_M block of each row's queries, padded to `capacity` with row -1."""
+    rows: list[int] = []
+    firsts: list[int] = []
+    for row, n in enumerate(query_lens):
+        for first in range(0, n, PREFILL_BLOCK_M):
+            rows.append(row)
+            firsts.append(first)
+    if capacity is not None:
+        if len(rows) > capacity:
+            raise ValueError(f"{len(rows)} prefill work items exceed the capacity {capacity}")
+        rows += [-1] * (capacity - len(rows))
+        firsts += [0] * (capacity - len(firsts))
+    return rows, firsts
 
 
 def build_attention_metadata(
@@ -60,6 +95,7 @@ def build_attention_metadata(
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
     max_pages = max((math.ceil(c / page_size) for c in context_lens), default=0)
     block_tables = [list(pages[:max_pages]) + [sink_page] * (max_pages - len(pages)) for pages in page_tables]
+    work_rows, work_firsts = build_prefill_work(query_lens)
     return AttentionMetadata(
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
@@ -69,6 +105,9 @@ def build_attention_metadata(
         max_context_len=max(context_lens, default=0),
         query_start_loc_host=query_start_loc,
         context_lens_host=list(context_lens),
+        is_decode=bool(query_lens) and all(n == 1 for n in query_lens),
+        work_rows=torch.tensor(work_rows, dtype=torch.int32, device=device),
+        work_firsts=torch.tensor(work_firsts, dtype=torch.int32, device=device),
     )
 
 
@@ -82,8 +121,27 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
+    is_graph_safe: bool = False  # reads only device tensors with static shapes (can be CUDA-graph captured)
+
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook, no-op by default
         """Per-step planning (e.g. FlashInfer's plan) shared by all layers; the reference needs none."""
+
+    def prologue(self, qkv: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        """Packed `qkv` `[T, (Hq + 2 Hkv) * D]` -> rotated query `[T, Hq, D]`, after per-head q/k norm (when the
+        layer has one), RoPE and writing k/v to the layer's pool. The eager reference; backends may fuse it."""
+        from mstar_common.layers.rotary import apply_rotary
+
+        num_tokens, heads, kv_heads, dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        query = query.reshape(num_tokens, heads, dim)
+        key = key.reshape(num_tokens, kv_heads, dim)
+        value = value.reshape(num_tokens, kv_heads, dim)
+        if layer.q_norm is not None:
+            query, key = layer.q_norm(query), layer.k_norm(key)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        self.write_kv(key, value, kv[0], kv[1], metadata)
+        return query
 
     @abstractmethod
     def write_kv(
@@ -116,7 +174,7 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:
-        slots = metadata.slot_mapping
+        slots = metadata.slot_mapping.long()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
@@ -154,3 +212,103 @@ def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
         attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(0, 1)
+
+
+class TorchStaticAttention(TorchPagedAttention):
+    """Plain torch with static shapes and device-only metadata: graph safe, any device.
+
+    Every token attends over its row's whole block-table width with a mask, so the cost grows with the
+    table width; it exists to test graph capture and padding on the CPU, and as a fallback without Triton.
+    """
+
+    name = "torch_static"
+    is_graph_safe = True
+
+    def attend(self, query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        qsl, ctx = metadata.query_start_loc.long(), metadata.context_lens.long()
+        num_rows = ctx.shape[0]
+        token = torch.arange(num_tokens, device=query.device)
+        row = (torch.searchsorted(qsl[1: num_rows + 1], token, right=True)).clamp_max(num_rows - 1)
+        q_pos = ctx[row] - (qsl[row + 1] - token)  # padding tokens get a position the mask handles
+        pages = metadata.block_tables.long()[row]  # [T, W]
+        key = k_cache[pages].flatten(1, 2)  # [T, W * page, Hkv, D]
+        value = v_cache[pages].flatten(1, 2)
+        group = query.shape[1] // k_cache.shape[2]
+        key, value = key.repeat_interleave(group, dim=2), value.repeat_interleave(group, dim=2)
+        scores = torch.einsum("thd,tnhd->thn", query.float(), key.float()) * scale
+        visible = torch.arange(key.shape[1], device=query.device)[None, :] <= q_pos.clamp_min(0)[:, None]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        return torch.einsum("thn,tnhd->thd", scores.softmax(-1), value.float()).to(query.dtype)
+
+
+class TritonPagedAttention(AttentionBackend):
+    """The portable GPU path: Triton kernels from `kernels/`, graph safe.
+
+    Decode steps (`metadata.is_decode`) use the split-K paged decode kernel; every other step uses the ragged
+    paged prefill kernel over the metadata's work list. `fused_prologue` runs q/k norm + RoPE + KV write as
+    one kernel instead of the eager ops.
+    """
+
+    name = "triton"
+    is_graph_safe = True
+
+    def __init__(self, fused_prologue: bool = True) -> None:
+        self.fused_prologue = fused_prologue
+
+    def prologue(self, qkv, layer, cos, sin, kv, metadata) -> torch.Tensor:
+        if not self.fused_prologue:
+            return super().prologue(qkv, layer, cos, sin, kv, metadata)
+        from kernels.qk_norm_rope_kv import qk_norm_rope_kv
+
+        has_norm = layer.q_norm is not None
+        return qk_norm_rope_kv(
+            qkv, cos, sin, layer.q_norm.weight if has_norm else None, layer.k_norm.weight if has_norm else None,
+            layer.q_norm.eps if has_norm else 0.0, kv[0], kv[1], metadata.slot_mapping,
+            layer.num_heads, layer.num_kv_heads, layer.head_dim,
+        )
+
+    def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:
+        from kernels.qk_norm_rope_kv import store_kv
+
+        store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
+        if metadata.is_decode:
+            from kernels.paged_decode_attention import paged_decode_attention
+
+            return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
+                                          scale)
+        from kernels.paged_prefill_attention import paged_prefill_attention
+
+        if metadata.work_rows is None:
+            raise ValueError("the Triton prefill kernel needs metadata.work_rows (build_attention_metadata sets it)")
+        return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.context_lens,
+                                       metadata.block_tables, metadata.work_rows, metadata.work_firsts, scale)
+
+
+BACKENDS = ("auto", "torch", "torch_static", "triton", "triton_unfused")
+
+
+def select_attention_backend(device: torch.device | str, name: str = "auto") -> AttentionBackend:
+    """`auto`: the Triton kernels on CUDA when `triton` imports, else the torch reference."""
+    device = torch.device(device)
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {list(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _has_triton() else "torch"
+    if name.startswith("triton") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
+    if name == "torch":
+        return TorchPagedAttention()
+    if name == "torch_static":
+        return TorchStaticAttention()
+    return TritonPagedAttention(fused_prologue=name == "triton")
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,21 +1,38 @@
-"""Runs one scheduled step: packs the chunks into varlen inputs, runs the model, samples the sampling rows."""
+"""Runs scheduled steps: packs the chunks into varlen inputs, runs the model (replaying a captured CUDA graph
+when the step fits a bucket, eager otherwise), samples, and hands back one token per sampling row.
+
+Launch and collect. `launch(plan)` enqueues a whole step and returns a `PendingStep` at once;
+`PendingStep.tokens()` waits for that step's tokens, the one host sync of a step. The engine launches step
+N+1 before it collects step N: a decode row whose newest token is still on the device (a placeholder `-1` at
+the end of its token list, `seq.pending_row` its row in step N) gets it by a device-side gather from step N's
+tokens, so the host prepares step N+1 while step N runs. `run(plan)` is launch-then-collect.
+
+Sampling. On CUDA every filter runs on the device from per-row parameter tensors (`kernels/sampling.py`),
+inside the graph when one is replayed; the draw is keyed by (request seed, output index). On the CPU the
+`Sampler` (torch generators) is used. A repetition penalty reads the host-side history, so such a step is
+sampled eagerly and the engine does not overlap it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
 from mstar_common.engine.kv_cache import KVCache, KVSpec
-from mstar_common.engine.sampler import Sampler
+from mstar_common.engine.sampler import Sampler, apply_repetition_penalty
 from mstar_common.engine.scheduler import StepPlan
 from mstar_common.engine.sequence import Sequence
 
+PLACEHOLDER = -1  # a sampled token still on the device
+_SEED_MIX = 0x9E3779B97F4A7C15
+_INT63 = (1 << 63) - 1
+
 
 class CausalLM(Protocol):
-    """What the engine needs from a decoder-only model (see `families/qwen3/modeling.py`)."""
+    """What the engine needs from a decoder-only model (see `layers/causal_lm.py`)."""
 
     kv_spec: KVSpec
     max_position_embeddings: int
@@ -30,58 +47,199 @@ class CausalLM(Protocol):
 
 
 @dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [B'] int64: packed index of the last token of each sampling row
-    sampling_seqs: list[Sequence]
+class HostBatch:
+    """One step's inputs on the host, in plan order."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    page_tables: list[list[int]] = field(default_factory=list)
+    request_slots: list[int] = field(default_factory=list)  # each row's `seq.request_slot`
+    sample_indices: list[int] = field(default_factory=list)  # packed index of each sampling row's last token
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    gather_dst: list[int] = field(default_factory=list)  # packed index whose id is the previous step's ...
+    gather_src: list[int] = field(default_factory=list)  # ... token of this row
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @property
+    def is_greedy(self) -> bool:
+        return all(seq.params.is_greedy for seq in self.sampling_seqs)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the rows' token history on the host (repetition penalty)."""
+        return any(seq.params.repetition_penalty != 1.0 for seq in self.sampling_seqs)
+
+
+@dataclass(slots=True)
+class SamplingColumns:
+    """Per-row sampling parameters as host lists; the device sampler's inputs."""
+
+    is_greedy: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int]
+
+
+def sampling_columns(seqs: list[Sequence], vocab_size: int) -> SamplingColumns:
+    cols = SamplingColumns([], [], [], [], [], [])
+    for seq in seqs:
+        p = seq.params
+        greedy = p.is_greedy
+        cols.is_greedy.append(int(greedy))
+        cols.temperature.append(1.0 if greedy else p.temperature)
+        cols.top_k.append(p.top_k if 0 < p.top_k < vocab_size and not greedy else vocab_size)
+        cols.top_p.append(1.0 if greedy else p.top_p)
+        cols.min_p.append(0.0 if greedy else p.min_p)
+        # The draw for output index i of a request depends only on (its seed, i).
+        cols.seeds.append((seq.seed * _SEED_MIX + seq.num_output_tokens) & _INT63)
+    return cols
+
+
+class PendingStep:
+    """A launched step: `tokens()` waits for it and returns one token per sampling row, in plan order."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, event=None) -> None:
+        self.seqs = seqs
+        self.indices: list[int] = []  # where each row's token goes in its token list (set by the engine)
+        self._tokens, self._event = tokens, event
+
+    def tokens(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tokens.tolist()
+
+
+class TokenReadback:
+    """Copies each step's tokens into one of two pinned host buffers without blocking, behind an event.
+
+    Two buffers suffice: the engine collects step N before it launches step N+2.
+    """
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self._buffers = [torch.empty(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._parity = 0
+        self.device = device
+
+    def start(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingStep:
+        buffer = self._buffers[self._parity][: len(seqs)]
+        self._parity ^= 1
+        buffer.copy_(tokens[: len(seqs)], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(seqs, buffer, event)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 vocab_size: int | None = None, graphs=None) -> None:
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
+        self.vocab_size = vocab_size
+        self.graphs = graphs  # a CudaGraphRunner (engine/cuda_graph.py), or None
+        self.is_device_sampling = device.type == "cuda" or (graphs is not None and graphs.is_device_sampling)
+        self.has_request_slots = hasattr(model, "admit_request")
+        self._process_logits = getattr(model, "process_logits", None)  # a model's own logits rules, if any
+        self._last_tokens: torch.Tensor | None = None  # device tokens of the last launched step
+        self._readback = TokenReadback(max_rows=4096, device=device) if device.type == "cuda" else None
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[int]:
         """One token per sampling row of `plan`, in plan order (rows that only prefill produce nothing)."""
-        inputs = self.prepare(plan)
-        self.model.attn_backend.prepare(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_cache)
-        if not inputs.sampling_seqs:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.sample_indices]).float()
-        seqs = inputs.sampling_seqs
-        tokens = self.sampler.sample(
-            logits, [s.params for s in seqs], [s.generator for s in seqs], [s.token_ids for s in seqs]
-        )
-        return tokens.tolist()
+        return self.launch(plan).tokens()
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_indices: list[int] = []
-        sampling_seqs: list[Sequence] = []
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        batch = self.prepare(plan)
+        tokens = None
+        if self.graphs is not None:
+            tokens = self.graphs.try_replay(batch, self._last_tokens, self.sample)
+        if tokens is None:
+            tokens = self._run_eager(batch)
+        self._last_tokens = tokens
+        if self._readback is not None:
+            return self._readback.start(batch.sampling_seqs, tokens)
+        # A replay's tokens live in a static buffer the next replay overwrites.
+        return PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
+
+    def prepare(self, plan: StepPlan) -> HostBatch:
+        batch = HostBatch()
+        page_size = self.kv_cache.page_size
         for chunk in plan.chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
             end = start + chunk.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            ids = seq.token_ids[start:end]
+            if ids[-1] == PLACEHOLDER:  # only ever a decode row's newest token
+                batch.gather_dst.append(len(batch.input_ids) + len(ids) - 1)
+                batch.gather_src.append(seq.pending_row)
+                ids[-1] = 0
+            batch.input_ids += ids
+            batch.positions += range(start, end)
+            pages = seq.page_table.pages
+            batch.slot_mapping += [pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
+            batch.query_lens.append(chunk.num_tokens)
+            batch.context_lens.append(end)
+            batch.page_tables.append(seq.page_table.pages)
+            batch.request_slots.append(seq.request_slot)
             if chunk.is_sampling:
-                sample_indices.append(len(input_ids) - 1)
-                sampling_seqs.append(seq)
+                batch.sample_indices.append(len(batch.input_ids) - 1)
+                batch.sampling_seqs.append(seq)
+        return batch
+
+    def _run_eager(self, batch: HostBatch) -> torch.Tensor:
+        device = self.device
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=device)
+        if batch.gather_dst:
+            dst = torch.tensor(batch.gather_dst, dtype=torch.int64, device=device)
+            src = torch.tensor(batch.gather_src, dtype=torch.int64, device=device)
+            input_ids[dst] = self._last_tokens[src].to(torch.int64)
         metadata = build_attention_metadata(
-            query_lens=[c.num_tokens for c in plan.chunks],
-            context_lens=[c.seq.num_computed_tokens + c.num_tokens for c in plan.chunks],
-            page_tables=[c.seq.page_table.pages for c in plan.chunks],
-            page_size=self.kv_cache.page_size,
-            sink_page=self.kv_cache.sink_page,
-            device=self.device,
+            batch.query_lens, batch.context_lens, batch.page_tables,
+            page_size=self.kv_cache.page_size, sink_page=self.kv_cache.sink_page, device=device,
         )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            metadata=metadata,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=self.device),
-            sampling_seqs=sampling_seqs,
+        if self.has_request_slots:
+            metadata.request_slots = torch.tensor(batch.request_slots, dtype=torch.int32, device=device)
+        self.model.attn_backend.prepare(metadata)
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=device)
+        hidden = self.model(input_ids, positions, metadata, self.kv_cache)
+        if not batch.sampling_seqs:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        sample_indices = torch.tensor(batch.sample_indices, dtype=torch.int64, device=device)
+        logits = self.model.compute_logits(hidden[sample_indices]).float()
+        return self.sample(logits, batch.sampling_seqs)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`logits` `[B, V]` fp32 (may be modified) -> one token per row, after the model's own logits rules."""
+        if self._process_logits is not None:
+            logits = self._process_logits(logits, seqs)
+        if not self.is_device_sampling:
+            return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                       [s.token_ids for s in seqs])
+        logits = apply_repetition_penalty(logits, [s.params.repetition_penalty for s in seqs],
+                                          [s.token_ids for s in seqs])
+        cols = sampling_columns(seqs, logits.shape[-1])
+        if all(cols.is_greedy):
+            return logits.argmax(dim=-1)
+        from kernels.sampling import sample_on_device
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
+
+        return sample_on_device(
+            logits, column(cols.is_greedy, torch.bool), column(cols.temperature, torch.float32),
+            column(cols.top_k, torch.int32), column(cols.top_p, torch.float32), column(cols.min_p, torch.float32),
+            column(cols.seeds, torch.int64),
         )

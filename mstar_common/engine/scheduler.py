@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from mstar_common.engine.kv_cache import PageAllocator
 from mstar_common.engine.sequence import Sequence, SequenceStatus
@@ -45,9 +46,22 @@ class StepPlan:
         return not self.chunks
 
 
+class RequestHooks(Protocol):
+    """Optional model hooks for a per-request resource beside the KV pages (e.g. Whisper's cross-KV slot):
+    admission also waits for `can_admit_request()`, `admit_request(seq.request_state)` returns the slot
+    (`metadata.request_slots` carries it per row), and `release_request(slot)` runs when the sequence ends."""
+
+    def can_admit_request(self) -> bool: ...
+    def admit_request(self, state: Any) -> int: ...
+    def release_request(self, slot: int) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_batch_tokens: int,
+                 request_hooks: RequestHooks | None = None) -> None:
         self.allocator = allocator
+        self.request_hooks = request_hooks
+        self.refused: list[tuple[Sequence, str]] = []  # admitted but refused by `admit_request`; the engine ends them
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
@@ -69,9 +83,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_batch_tokens
-        # decode
+        # decode (a sequence whose last output is already launched only awaits its LENGTH stop)
         for seq in self.running:
-            if seq.num_uncomputed_tokens == 1 and budget > 0:
+            if seq.num_uncomputed_tokens == 1 and budget > 0 and seq.num_output_tokens < seq.params.max_tokens:
                 budget -= self._take(plan, seq, 1)
         # prefill of admitted sequences
         for seq in self.running:
@@ -80,7 +94,8 @@ class Scheduler:
         # admission
         while self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
             seq = self._admit()
-            budget -= self._take(plan, seq, min(seq.num_uncomputed_tokens, budget))
+            if seq is not None:
+                budget -= self._take(plan, seq, min(seq.num_uncomputed_tokens, budget))
         return plan
 
     def finish(self, seq: Sequence) -> None:
@@ -90,13 +105,25 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.page_table)
+        if seq.request_slot >= 0 and self.request_hooks is not None:
+            self.request_hooks.release_request(seq.request_slot)
+            seq.request_slot = -1
         seq.status = SequenceStatus.FINISHED
 
     def _can_admit(self, seq: Sequence) -> bool:
+        if self.request_hooks is not None and not self.request_hooks.can_admit_request():
+            return False
         return len(self.running) < self.max_num_seqs and self.allocator.can_allocate(self.footprint(seq))
 
-    def _admit(self) -> Sequence:
+    def _admit(self) -> Sequence | None:
         seq = self.waiting.popleft()
+        if self.request_hooks is not None:
+            try:
+                seq.request_slot = self.request_hooks.admit_request(seq.request_state)
+            except Exception as exc:  # noqa: BLE001 - a bad request state fails that request only
+                logger.exception("admitting request %r failed", seq.request_id)
+                self.refused.append((seq, f"{type(exc).__name__}: {exc}"))
+                return None
         self.allocator.allocate(seq.page_table, self.footprint(seq))
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

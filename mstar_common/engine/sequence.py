@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -28,6 +29,9 @@ class Sequence:
     Prefill and decode are one rule: each step computes some of the tokens whose KV is not yet cached
     (`token_ids[num_computed_tokens:]`); when a step reaches the last token, that row samples the next one.
     A decode step is just the case with one uncomputed token (the last sampled one).
+
+    While a launched step's token is not yet back on the host, `token_ids` ends with a placeholder (-1) and
+    `num_computed_tokens` already counts the launched chunk (see `model_runner.py`).
     """
 
     request_id: str
@@ -36,7 +40,11 @@ class Sequence:
     params: SamplingParams
     on_output: OutputCallback
     generator: torch.Generator | None = None
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    seed: int = 0  # keys the on-device draws (the request's seed, or one the engine drew for it)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or being written by a launched step)
+    pending_row: int = -1  # this sequence's row in the in-flight step's tokens while its newest token is pending
+    request_state: Any = None  # a model's own per-request state (see `RequestHooks` in scheduler.py)
+    request_slot: int = -1  # the slot the model's `admit_request` gave this sequence
     page_table: PageTable = field(default_factory=PageTable)
     status: SequenceStatus = SequenceStatus.WAITING
 

@@ -1,8 +1,9 @@
 """GQA self-attention over packed varlen tokens with a paged KV cache (Qwen3, Llama, and their kin).
 
 Projections follow the HF layout (`q_proj`, `k_proj`, `v_proj`, `o_proj`, optional per-head `q_norm`/`k_norm`)
-so checkpoints load by name. The attention itself is delegated to an `AttentionBackend`, which owns the
-paged-KV write and the causal read; this layer never sees pages.
+so checkpoints load by name; `fuse_qkv()` then packs q/k/v into one `qkv_proj` GEMM. The rest is delegated to
+an `AttentionBackend`: its `prologue` (q/k norm, RoPE, paged-KV write; fused into one kernel on the Triton
+backend) and its `attend` (the causal read); this layer never sees pages.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 from torch import nn
 
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata
+from mstar_common.layers.linear import concat_linears
 from mstar_common.layers.norm import RMSNorm
-from mstar_common.layers.rotary import apply_rotary
 
 
 @dataclass(slots=True)
@@ -50,23 +51,25 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qkv_proj: nn.Linear | None = None
         # Qwen3 normalises each head of q and k before RoPE; Llama does not.
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+
+    def fuse_qkv(self) -> None:
+        if self.qkv_proj is None:
+            self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self, hidden: torch.Tensor, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """`hidden` `[T, hidden_size]` -> `[T, hidden_size]`; writes this step's K/V into `kv` (this layer's pool)."""
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query = apply_rotary(query, ctx.cos, ctx.sin)
-        key = apply_rotary(key, ctx.cos, ctx.sin)
-        k_cache, v_cache = kv
-        ctx.backend.write_kv(key, value, k_cache, v_cache, ctx.metadata)
-        out = ctx.backend.attend(query, k_cache, v_cache, ctx.metadata, self.scale)
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(hidden)
+        else:
+            qkv = torch.cat((self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), dim=-1)
+        query = ctx.backend.prologue(qkv, self, ctx.cos, ctx.sin, kv, ctx.metadata)
+        out = ctx.backend.attend(query, kv[0], kv[1], ctx.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -1,4 +1,8 @@
-"""Pre-norm transformer decoder layer: `h += attn(norm(h)); h += mlp(norm(h))`, shared by Qwen3 and Llama."""
+"""Pre-norm transformer decoder layer, shared by Qwen3 and Llama.
+
+The residual stream is carried beside the hidden states (`(hidden, residual)` in and out), so each norm can
+fold in the preceding residual add: `residual += x; x = norm(residual)` is one op (one kernel on CUDA).
+"""
 
 from __future__ import annotations
 
@@ -41,7 +45,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx, kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual` None on the first layer. Returns the MLP output and the residual stream before it."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, ctx, kv)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual

@@ -1,10 +1,16 @@
-"""Gated SiLU MLP (SwiGLU): `down(silu(gate(x)) * up(x))`, as in Llama and Qwen."""
+"""Gated SiLU MLP (SwiGLU): `down(silu(gate(x)) * up(x))`, as in Llama and Qwen.
+
+Loaded with HF's separate `gate_proj`/`up_proj`; `fuse_gate_up()` packs them into one `gate_up_proj` GEMM
+(one weight read, one launch), and `use_kernel` runs the activation as one Triton launch.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mstar_common.layers.linear import concat_linears
 
 
 class GatedMLP(nn.Module):
@@ -13,6 +19,21 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+        self.use_kernel = False
+
+    def fuse_gate_up(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.use_kernel and gate_up.is_cuda:
+            from kernels.silu_mul import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,4 +1,9 @@
-"""RMSNorm with the reference numerics: normalise in fp32, cast back, then scale by the weight."""
+"""RMSNorm with the reference numerics: normalise in fp32, cast back, then scale by the weight.
+
+`forward(x, residual)` also does the pre-norm residual add: `residual = residual + x; return norm(residual),
+residual`. With `use_kernel` set (CUDA, `enable_fused_ops`), both run as one Triton launch that updates
+`residual` in place; the eager torch ops are the reference.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_kernel = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_kernel and x.is_cuda and x.dim() == 2:
+            from kernels.rmsnorm import rms_norm
+
+            out = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         # The variance is taken in fp32 even for bf16 activations: a bf16 mean of squares loses the scale.
         x32 = x.float()

@@ -1,12 +1,13 @@
-"""Rotary position embedding (RoPE), rotate-half layout, default (unscaled) frequencies only.
+"""Rotary position embedding (RoPE), rotate-half layout: default frequencies, and Llama-3 frequency scaling.
 
-Scaled variants (linear, dynamic, yarn, llama3, longrope, ...) change the frequencies or the attention scale;
-serving such a checkpoint with plain RoPE would give silently wrong answers, so `rope_theta_from_config`
-refuses them by name.
+Other scaled variants (linear, dynamic, yarn, longrope, ...) change the frequencies or the attention scale;
+serving such a checkpoint with plain RoPE would give silently wrong answers, so the config readers refuse
+them by name (`rope_theta_from_config` refuses every scaling, `rope_from_config` all but `llama3`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 _UNSCALED_ROPE_TYPES = ("default", None)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def rope_theta_from_config(config: Mapping[str, Any]) -> float:
@@ -33,6 +35,33 @@ def rope_theta_from_config(config: Mapping[str, Any]) -> float:
     return float(theta)
 
 
+def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
+    """(theta, llama3 scaling or None) from an HF config dict; any scaling but `llama3` is refused."""
+    section = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = section.get("rope_type", section.get("type"))
+    if rope_type == "llama3":
+        if missing := [k for k in _LLAMA3_KEYS if k not in section]:
+            raise ValueError(f"rope_type='llama3' needs {missing}")
+        theta = section.get("rope_theta", config.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+        return float(theta), {k: float(section[k]) for k in _LLAMA3_KEYS}
+    return rope_theta_from_config(config), None
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, float]) -> torch.Tensor:
+    """Llama-3 scaling: wavelengths above `original / low_freq_factor` slow down by `factor`, those below
+    `original / high_freq_factor` stay, and the band between is interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    is_between = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(is_between, blended, out)
+
+
 class RotaryEmbedding(nn.Module):
     """Computes (cos, sin) `[T, head_dim]` for packed positions; `apply_rotary` rotates q and k with them.
 
@@ -40,12 +69,13 @@ class RotaryEmbedding(nn.Module):
     from a table: it is as cheap, needs no max length, and matches the reference's fp32 arithmetic exactly.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, llama3_scaling: Mapping[str, float] | None = None) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         self.head_dim = head_dim
         self.theta = theta
+        self.llama3_scaling = llama3_scaling
         # Not a buffer: it is derived from the config, so it must survive meta-device construction and
         # never appears in (or is expected from) a checkpoint.
         self._inv_freq: torch.Tensor | None = None
@@ -53,7 +83,10 @@ class RotaryEmbedding(nn.Module):
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
             exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-            self._inv_freq = (1.0 / (self.theta**exponent)).to(device)
+            inv_freq = 1.0 / (self.theta**exponent)
+            if self.llama3_scaling is not None:
+                inv_freq = llama3_inv_freq(inv_freq, self.llama3_scaling)
+            self._inv_freq = inv_freq.to(device)
         return self._inv_freq
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +95,8 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        scaled = ", llama3 scaling" if self.llama3_scaling is not None else ""
+        return f"head_dim={self.head_dim}, theta={self.theta}{scaled}"
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,11 @@ def load_qwen3(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | None = None,
+    fuse_projections: bool = True,
 ) -> tuple[Qwen3ForCausalLM, dict[str, Any]]:
-    """Build the model on `device` in `dtype` from the checkpoint; returns it (in eval mode) and config.json."""
+    """Build the model on `device` in `dtype` from the checkpoint; returns it (in eval mode) and config.json.
+
+    With `fuse_projections` (the default) q/k/v and gate/up are packed into single GEMMs after loading."""
     path = Path(checkpoint_dir)
     hf_config = json.loads((path / "config.json").read_text())
     if hf_config.get("model_type") not in _MODEL_TYPES:
@@ -41,10 +44,7 @@ def load_qwen3(
     config = Qwen3Config.from_hf(hf_config)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config, attn_backend)
-    # Build on meta and materialise uninitialised: random init of a real-size model would cost seconds.
-    model = model.to(dtype=resolve_dtype(dtype)).to_empty(device=device)
-    model.tie_weights()
-    _fill(model, path)
+    materialize_and_fill(model, path, dtype, device, fuse_projections)
     logger.info("loaded Qwen3 (%d layers, hidden %d, vocab %d) from %s", config.num_hidden_layers,
                 config.hidden_size, config.vocab_size, path.name)
     return model.eval(), hf_config
@@ -71,10 +71,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def materialize_and_fill(model: torch.nn.Module, path: Path, dtype: str | torch.dtype, device: str | torch.device,
+                         fuse_projections: bool) -> None:
+    """Give a meta-built `DecoderOnlyLM` real storage on `device`, fill it from `path` by HF names (coverage
+    checked both ways), then optionally pack its projections."""
+    # Built on meta and materialised uninitialised: random init of a real-size model would cost seconds.
+    model.to(dtype=resolve_dtype(dtype)).to_empty(device=device)
+    model.tie_weights()
+    _fill(model, path)
+    if fuse_projections:
+        model.fuse_projections()
+
+
 @torch.no_grad()
-def _fill(model: Qwen3ForCausalLM, path: Path) -> None:
+def _fill(model: torch.nn.Module, path: Path) -> None:
     params = dict(model.named_parameters())  # a tied lm_head is deduplicated away here
-    is_tied = model.config.tie_word_embeddings
+    is_tied = model.tie_word_embeddings
     filled: set[str] = set()
     unused: list[str] = []
     tied_copy: torch.Tensor | None = None
@@ -88,7 +100,7 @@ def _fill(model: Qwen3ForCausalLM, path: Path) -> None:
             unused.append(name)
     missing = sorted(set(params) - filled)
     if missing or unused:
-        raise ValueError(f"checkpoint {path.name} does not match Qwen3ForCausalLM: "
+        raise ValueError(f"checkpoint {path.name} does not match {type(model).__name__}: "
                          f"missing parameters {_names(missing)}; unused checkpoint tensors {_names(sorted(unused))}")
     if tied_copy is not None and not torch.equal(tied_copy.to(params["model.embed_tokens.weight"]),
                                                  params["model.embed_tokens.weight"]):

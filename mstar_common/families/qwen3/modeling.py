@@ -13,15 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
-from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from mstar_common.engine.kv_cache import KVCache, KVSpec
-from mstar_common.layers.attention import AttentionContext
-from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig
-from mstar_common.layers.norm import RMSNorm
-from mstar_common.layers.rotary import RotaryEmbedding, rope_theta_from_config
+from mstar_common.engine.attention import AttentionBackend
+from mstar_common.layers.causal_lm import DecoderOnlyLM
+from mstar_common.layers.decoder import DecoderLayerConfig
+from mstar_common.layers.rotary import rope_theta_from_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,49 +73,10 @@ class Qwen3Config:
         )
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layer_config = config.decoder_layer()
-        self.layers = nn.ModuleList(DecoderLayer(layer_config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
-
-    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, kv_cache: KVCache) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, ctx, kv_cache.layer(index))
-        return self.norm(hidden)
-
-
-class Qwen3ForCausalLM(nn.Module):
-    """Implements the engine's `CausalLM` contract (`mstar_common/engine/model_runner.py`)."""
+class Qwen3ForCausalLM(DecoderOnlyLM):
+    """Qwen3 on the shared decoder-only LM (`mstar_common/layers/causal_lm.py`)."""
 
     def __init__(self, config: Qwen3Config, attn_backend: AttentionBackend | None = None) -> None:
-        super().__init__()
+        super().__init__(config.decoder_layer(), config.num_hidden_layers, config.vocab_size, config.rope_theta,
+                         config.max_position_embeddings, config.tie_word_embeddings, attn_backend)
         self.config = config
-        self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        self.max_position_embeddings = config.max_position_embeddings
-        self.attn_backend = attn_backend or TorchPagedAttention()
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share `lm_head.weight` with the input embedding when the config ties them (call again after
-        `to_empty`, which gives every module its own new tensor)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """`input_ids`/`positions` `[T]` (packed rows) -> final-norm hidden states `[T, hidden_size]`."""
-        dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = self.model.rotary(positions, dtype)
-        ctx = AttentionContext(cos=cos, sin=sin, metadata=attn_metadata, backend=self.attn_backend)
-        return self.model(input_ids, ctx, kv_cache)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, hidden_size]` -> `[B, vocab_size]` in the model dtype (the runner upcasts to fp32)."""
-        return self.lm_head(hidden)

@@ -1,0 +1,140 @@
+"""Paged decode attention (one query token per row), split over the context for parallelism (flash-decoding).
+
+Grid `(rows, kv_heads, splits)`: each program takes the `GROUP` query heads that share one KV head (GQA,
+padded to 16 rows for `tl.dot`) and one contiguous share of the row's context, looked up token by token through
+the row's block table, so any page size works. With one split it writes the output directly; otherwise a
+second kernel merges the splits' partial softmax states. The grid depends only on the row count, never on the
+context lengths (read on the device), so the launch is CUDA-graph safe.
+
+Layouts: query/out `[B, Hq, D]`; caches `[P, page, Hkv, D]`; `block_tables` `[B, W]` int32; `context_lens` `[B]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+BLOCK_N = 64  # context tokens per inner iteration
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                         stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head, stride_bt,
+                         scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + row)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        t = n0 + tl.arange(0, BLOCK)
+        t_mask = t < end
+        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        offs = (page * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    g_mask = (g < GROUP)[:, None]
+    if NUM_SPLITS == 1:
+        out = acc / lsum[:, None]
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask)
+    else:
+        # partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
+        num_q_heads = tl.num_programs(1) * GROUP
+        part = (row * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g < GROUP)
+        tl.store(part_ml_ptr + part * 2 + 1, lsum, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = row * tl.num_programs(1) + head
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2)
+    lsum = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+    acc = tl.load(part_acc_ptr + (base * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Splits per row so that about two waves of programs fill the GPU (a power of two, 1..32)."""
+    want = max(1, (2 * num_sms) // max(1, num_rows * num_kv_heads))
+    return min(32, 1 << (want.bit_length() - 1))
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.stride(0) == page_size * k_cache.stride(1), "each page must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
+    assert context_lens.shape == (num_rows,) and block_tables.dtype == context_lens.dtype == torch.int32
+    group = num_heads // num_kv_heads
+    splits = num_splits or decode_num_splits(num_rows, num_kv_heads)
+    out = torch.empty_like(query)
+    if num_rows == 0:
+        return out
+    part_acc = part_ml = out  # unused with one split
+    if splits > 1:
+        part_acc = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(num_rows, num_kv_heads, splits)](
+        query, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), scale * _LOG2E,
+        PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK=BLOCK_N, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),
+                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits, num_warps=4)
+    return out
+
+
+def paged_decode_attention_ref(query, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+    """Plain torch: gather each row's context and run softmax attention in fp32."""
+    out = torch.empty_like(query)
+    page_size = k_cache.shape[1]
+    group = query.shape[1] // k_cache.shape[2]
+    for row in range(query.shape[0]):
+        n = int(context_lens[row])
+        pages = block_tables[row, : -(-n // page_size)].long()
+        key = k_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        value = v_cache[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[row].float(), key) * scale
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), value).to(query.dtype)
+    return out

@@ -1,0 +1,147 @@
+"""The attention prologue in one launch: per-head q/k RMSNorm (optional) + RoPE + paged KV write.
+
+Input is the packed projection `qkv` `[T, (Hq + 2 Hkv) * D]` (q heads, then k heads, then v heads). Output is
+the rotated query `[T, Hq, D]`; the rotated key and the value are written to the paged caches at
+`slot_mapping[t]`. `cos`/`sin` `[T, D]` are the step's RoPE tables in the activation dtype (rotate-half layout,
+so each half repeats). Roundings follow the unfused torch ops (norm, weight multiply, `x*cos`, `rot*sin`, sum),
+so the fused path gives the same bits as the eager layers in nearly every case.
+
+`store_kv` is the plain KV write (no norm, no RoPE) used by the unfused path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._rounding import round_to
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                            stride_tok, stride_cos, stride_qo_tok, stride_slot, stride_kv_head, eps,
+                            NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HAS_NORM: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    base = qkv_ptr + tok * stride_tok + head * HEAD_DIM
+    x1 = tl.load(base + d)
+    x2 = tl.load(base + HALF + d)
+    dtype = x1.dtype
+    is_q = head < NUM_Q_HEADS
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)) / HEAD_DIM
+        rstd = tl.rsqrt(var + eps)
+        w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
+        a1 = round_to(round_to(a1 * rstd, dtype) * w1, dtype)
+        a2 = round_to(round_to(a2 * rstd, dtype) * w2, dtype)
+    c = tl.load(cos_ptr + tok * stride_cos + d).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_cos + d).to(tl.float32)
+    out1 = (round_to(a1 * c, dtype) - round_to(a2 * s, dtype)).to(dtype)
+    out2 = (round_to(a2 * c, dtype) + round_to(a1 * s, dtype)).to(dtype)
+    if is_q:
+        q_base = q_out_ptr + tok * stride_qo_tok + head * HEAD_DIM
+        tl.store(q_base + d, out1)
+        tl.store(q_base + HALF + d, out2)
+    else:
+        kv_head = head - NUM_Q_HEADS
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        k_base = k_cache_ptr + slot * stride_slot + kv_head * stride_kv_head
+        tl.store(k_base + d, out1)
+        tl.store(k_base + HALF + d, out2)
+        dd = tl.arange(0, HEAD_DIM)
+        v = tl.load(qkv_ptr + tok * stride_tok + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dd)
+        tl.store(v_cache_ptr + slot * stride_slot + kv_head * stride_kv_head + dd, v)
+
+
+def _check_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    assert cache.dim() == 4 and cache.shape[2:] == (num_kv_heads, head_dim), "cache must be [P, page, Hkv, D]"
+    assert cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+                    k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Returns the rotated query `[T, Hq, D]`; writes rotated k and v into the caches."""
+    num_tokens = qkv.shape[0]
+    assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
+    assert slot_mapping.shape == (num_tokens,) and head_dim % 2 == 0 and (head_dim & (head_dim - 1)) == 0
+    _check_cache(k_cache, num_kv_heads, head_dim)
+    assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype == qkv.dtype
+    has_norm = q_weight is not None
+    query = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return query
+    qw = q_weight if has_norm else cos
+    kw = k_weight if has_norm else cos
+    _qk_norm_rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, num_warps=1,
+    )
+    return query
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def qk_norm_rope_kv_ref(qkv, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, num_heads,
+                        num_kv_heads, head_dim) -> torch.Tensor:
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q, k = _rms(q, q_weight, eps), _rms(k, k_weight, eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k_tok, stride_k_head, stride_v_tok,
+                     stride_v_head, stride_slot, stride_kv_head, HEAD_DIM: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    dst = slot * stride_slot + head * stride_kv_head + d
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + tok * stride_k_tok + head * stride_k_head + d))
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + tok * stride_v_tok + head * stride_v_head + d))
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """`key`/`value` `[T, Hkv, D]` (unit stride on D) -> the caches at `slot_mapping` `[T]`."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and key.stride(2) == 1 and value.stride(2) == 1
+    assert slot_mapping.shape == (num_tokens,) and (head_dim & (head_dim - 1)) == 0
+    _check_cache(k_cache, num_kv_heads, head_dim)
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(1), k_cache.stride(2), HEAD_DIM=head_dim, num_warps=1,
+    )
+
+
+def store_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)

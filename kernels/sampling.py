@@ -1,0 +1,62 @@
+"""On-device sampling for captured steps: per-row parameters live in device buffers, no host reads.
+
+`sample_on_device` applies temperature, top-k, top-p and min-p to every row (a row with them off passes through
+unchanged), then draws by an exponential race whose noise comes from a counter-based RNG keyed by the row's
+seed: `argmax(logits - log(-log(U)))`, `U = rand(seed_row, token)`. The host sets each row's seed to a mix of
+the request's seed and the row's output index, so a token depends only on (seed, step, logits), never on the
+batch or on whether the step was replayed from a graph. Greedy rows take the argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
+
+
+@triton.jit
+def _gumbel_race_kernel(logits_ptr, seed_ptr, out_ptr, stride_l, stride_o, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    seed = tl.load(seed_ptr + row)
+    u = tl.rand(seed, cols)
+    u = tl.maximum(u, 1.1754943508222875e-38)
+    noise = -tl.log(-tl.log(u))
+    logit = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, logit + noise, mask=mask)
+
+
+def gumbel_race(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """`logits + Gumbel(seed_row, col)` `[B, V]` fp32; its argmax is a draw from softmax(logits)."""
+    assert logits.dim() == 2 and logits.stride(1) == 1 and seeds.shape == (logits.shape[0],)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    if logits.shape[0] == 0:
+        return out
+    block = 4096
+    _gumbel_race_kernel[(logits.shape[0], triton.cdiv(logits.shape[1], block))](
+        logits, seeds, out, logits.stride(0), out.stride(0), logits.shape[1], BLOCK=block, num_warps=8,
+    )
+    return out
+
+
+def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]` fp32). Graph safe."""
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / temperature[:, None]
+    filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
+    filtered = apply_min_p(filtered, min_p[:, None])
+    sampled = gumbel_race(filtered, seeds).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def sample_on_device_ref(logits, is_greedy, temperature, top_k, top_p, min_p, seeds):
+    """The same filters with torch's own RNG (statistically equal, not bit-equal, to `sample_on_device`)."""
+    greedy = logits.argmax(dim=-1)
+    filtered = apply_min_p(apply_top_k_top_p(logits / temperature[:, None], top_k[:, None].long(), top_p[:, None]),
+                           min_p[:, None])
+    noise = torch.empty_like(filtered).exponential_().clamp_min_(torch.finfo(torch.float32).tiny).log()
+    return torch.where(is_greedy, greedy, (filtered - noise).argmax(dim=-1))

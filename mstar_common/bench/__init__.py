@@ -1,0 +1,3 @@
+"""Serving benchmarks: closed-loop and Poisson workloads against Triton (gRPC streaming) or the OpenAI proxy,
+an HF `generate` baseline on the same checkpoint, and the weight-streaming floor. `scripts/bench.py` drives it.
+"""

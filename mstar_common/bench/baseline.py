@@ -1,0 +1,83 @@
+"""The yardsticks measured in the same run: HF `generate` on the same checkpoint and lengths, the GPU's read
+bandwidth, and the weight-streaming floor (weight bytes / read bandwidth: no decode step can be faster).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+def read_bandwidth(device: str = "cuda", gib: int = 4, repeats: int = 20) -> dict:
+    """Device read bandwidth (a sum over `gib` GiB of bf16, bytes read / time) and copy bandwidth (r + w)."""
+    x = torch.randn(gib * 2**30 // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        return sorted(times)[len(times) // 2]
+
+    nbytes = x.numel() * x.element_size()
+    read_s = timed(lambda: x.sum(dtype=torch.float32))
+    copy_s = timed(lambda: y.copy_(x))
+    return {"read_tb_per_s": nbytes / read_s / 1e12, "copy_rw_tb_per_s": 2 * nbytes / copy_s / 1e12}
+
+
+def weight_bytes(checkpoint: str | Path) -> int:
+    """Bytes a decode step must read: every weight once (a tied head is the embedding, read once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - not a mapping
+                info = reader.get_slice(name)
+                numel = 1
+                for d in info.get_shape():
+                    numel *= d
+                total += numel * {"BF16": 2, "F16": 2, "F32": 4}[info.get_dtype()]
+    return total
+
+
+@torch.inference_mode()
+def hf_generate(checkpoint: str | Path, prompt_len: int, output_len: int, batch_sizes: list[int],
+                device: str = "cuda") -> list[dict]:
+    """HF `generate` (greedy, exactly `output_len` tokens) per batch size: wall time and output tok/s."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval()
+    results = []
+    for batch in batch_sizes:
+        ids = torch.randint(3, 400, (batch, prompt_len), device=device, generator=None)
+        mask = torch.ones_like(ids)
+
+        def gen(n: int, ids=ids, mask=mask):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)
+
+        gen(4)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen(8)
+        torch.cuda.synchronize()
+        t8 = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = gen(output_len)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        assert out.shape[1] == prompt_len + output_len
+        results.append({"batch": batch, "wall_s": wall, "output_tok_per_s": batch * output_len / wall,
+                        "itl_ms": (wall - t8) / (output_len - 8) * 1e3})
+    return results

@@ -1,0 +1,44 @@
+"""Random-weight checkpoints at real shapes (for GPU performance runs; weights cost the same as real ones).
+
+Built with transformers' own classes on the GPU in bf16, saved as HF safetensors, with the tiny tokenizer
+(random output ids it does not know decode to nothing, which costs the same as real text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=40960),
+    # Llama-3.2-3B uses llama3 RoPE scaling; plain RoPE at theta 5e5 costs the same per step.
+    "llama-3.2-3b": dict(family="llama", hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=8192, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500_000.0, max_position_embeddings=131072),
+}
+
+
+def build_random_checkpoint(name: str, out_dir: str | Path, device: str = "cuda") -> Path:
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+
+    shape = dict(SHAPES[name])
+    family = shape.pop("family")
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(**shape, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_cls(config).to(torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0, do_sample=False)
+    model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,189 @@
+"""Load generators: closed-loop concurrency and Poisson open-loop arrivals.
+
+`TritonDriver` streams to the entry model over tritonclient gRPC (one bidirectional stream per client,
+`max_streams` clients round-robin); `OpenAIDriver` posts streaming `/v1/completions` to the proxy. Both
+record, per request, the send time and each response's arrival time and token count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import random
+import threading
+import time
+
+import numpy as np
+
+from mstar_common import wire
+from mstar_common.bench.metrics import RequestRecord
+
+
+def _triton_inputs(request: dict):
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in request.items():
+        if name in (wire.INPUT_IDS, wire.STOP_TOKEN_IDS):
+            arr, dtype = np.asarray(value, dtype=np.int32), "INT32"
+        elif name in wire.SAMPLING_INPUTS:
+            dtype, np_dtype = wire.SAMPLING_INPUTS[name]
+            arr = np.asarray([value], dtype=np_dtype)
+        else:
+            arr, dtype = np.asarray([str(value).encode()], dtype=np.object_), "BYTES"
+        tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+        tensor.set_data_from_numpy(arr)
+        inputs.append(tensor)
+    return inputs
+
+
+class TritonDriver:
+    def __init__(self, url: str, model: str, max_streams: int = 4) -> None:
+        self.url, self.model, self.max_streams = url, model, max_streams
+
+    def run(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
+            seed: int = 0, timeout_s: float = 600.0) -> list[RequestRecord]:
+        """Closed loop with `concurrency` in flight, or Poisson arrivals at `rate` requests/s."""
+        import tritonclient.grpc as grpcclient
+
+        records: dict[str, RequestRecord] = {}
+        done: queue.Queue = queue.Queue()
+        lock = threading.Lock()
+
+        def on_response(result, error) -> None:
+            now = time.perf_counter()
+            if error is not None:  # tritonclient gives no request id with a stream error
+                with lock:
+                    rid = next((r for r, rec in records.items() if rec.end is None), None)
+                    if rid is not None:
+                        records[rid].error, records[rid].end = str(error), now
+                if rid is not None:
+                    done.put(rid)
+                return
+            response = result.get_response()
+            ids = result.as_numpy(wire.TOKEN_IDS)
+            rec = records[response.id]
+            if ids is not None:
+                rec.chunks.append((now, int(ids.size)))
+            if response.parameters["triton_final_response"].bool_param:
+                rec.end = now
+                done.put(response.id)
+
+        clients = [grpcclient.InferenceServerClient(self.url) for _ in range(self.max_streams)]
+        for client in clients:
+            client.start_stream(callback=on_response)
+        try:
+            def send(index: int) -> None:
+                rid = f"r{index}"
+                with lock:
+                    records[rid] = RequestRecord(start=time.perf_counter())
+                clients[index % len(clients)].async_stream_infer(
+                    self.model, _triton_inputs(requests[index]), request_id=rid, enable_empty_final_response=True)
+
+            _drive(len(requests), send, done, concurrency, rate, seed, timeout_s)
+        finally:
+            for client in clients:
+                client.stop_stream()
+                client.close()
+        return [records[f"r{i}"] for i in range(len(requests)) if f"r{i}" in records]
+
+
+def _drive(count: int, send, done: queue.Queue, concurrency: int | None, rate: float | None, seed: int,
+           timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    num_done = 0
+    if rate is not None:
+        rng = random.Random(seed)
+        next_at = time.perf_counter()
+        for index in range(count):
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            send(index)
+            next_at += rng.expovariate(rate)
+    else:
+        for index in range(min(concurrency or 1, count)):
+            send(index)
+    num_sent = count if rate is not None else min(concurrency or 1, count)
+    while num_done < count:
+        try:
+            done.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"{count - num_done} requests unfinished after {timeout_s:.0f} s") from None
+        num_done += 1
+        if num_sent < count:
+            send(num_sent)
+            num_sent += 1
+
+
+class OpenAIDriver:
+    """Streaming `/v1/completions` against the proxy; prompts are text of the workload's token length."""
+
+    def __init__(self, base_url: str, model: str, prompt_text) -> None:
+        self.base_url, self.model, self.prompt_text = base_url.rstrip("/"), model, prompt_text
+
+    def run(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
+            seed: int = 0, timeout_s: float = 600.0) -> list[RequestRecord]:
+        return asyncio.run(self._run(requests, concurrency, rate, seed, timeout_s))
+
+    async def _run(self, requests, concurrency, rate, seed, timeout_s) -> list[RequestRecord]:
+        import httpx
+
+        records = [RequestRecord(start=0.0) for _ in requests]
+        limits = httpx.Limits(max_connections=max(concurrency or 1, 64))
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+            if rate is not None:
+                rng = random.Random(seed)
+                tasks = []
+                for index in range(len(requests)):
+                    tasks.append(asyncio.create_task(self._one(client, requests[index], records[index])))
+                    await asyncio.sleep(rng.expovariate(rate))
+                await asyncio.gather(*tasks)
+            else:
+                cursor = iter(range(len(requests)))
+
+                async def worker() -> None:
+                    for index in cursor:
+                        await self._one(client, requests[index], records[index])
+
+                await asyncio.gather(*(worker() for _ in range(min(concurrency or 1, len(requests)))))
+        return records
+
+    async def _one(self, client, request: dict, rec: RequestRecord) -> None:
+        body = {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
+                "max_tokens": request["max_tokens"], "ignore_eos": request["ignore_eos"],
+                "temperature": request["temperature"], "stream_options": {"include_usage": True}}
+        rec.start = time.perf_counter()
+        try:
+            async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    rec.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return
+                usage = None
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if chunk.get("choices"):
+                        rec.chunks.append((time.perf_counter(), 1))
+                if usage and rec.chunks:  # spread the counted tokens over the chunks that carried them
+                    per = usage["completion_tokens"] / len(rec.chunks)
+                    rec.chunks = [(t, 0) for t, _ in rec.chunks]
+                    rec.chunks = _spread(rec.chunks, per, usage["completion_tokens"])
+        except Exception as exc:  # noqa: BLE001 - recorded per request
+            rec.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            rec.end = time.perf_counter()
+
+
+def _spread(chunks: list[tuple[float, int]], per: float, total: int) -> list[tuple[float, int]]:
+    out, given = [], 0
+    for i, (t, _) in enumerate(chunks):
+        n = round(per * (i + 1)) - given
+        out.append((t, n))
+        given += n
+    out[-1] = (out[-1][0], out[-1][1] + total - given)
+    return out

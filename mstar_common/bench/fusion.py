@@ -1,0 +1,121 @@
+"""Decode-step GPU time per configuration: what each fusion buys, measured by replaying a captured step.
+
+For each config (attention backend, fused norms/activation) and batch size, the model is captured as a
+decode graph over rows of `context_len` tokens, and the replay is timed with CUDA events (median of 50):
+the GPU time of one decode step with no host in it. The eager step (no graph) is timed too, host included.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIGS = {  # name -> (attention backend, fused norms + activation)
+    "fused (triton prologue + norm + act)": ("triton", True),
+    "unfused prologue": ("triton_unfused", True),
+    "unfused norm + act": ("triton", False),
+    "all unfused": ("triton_unfused", False),
+}
+
+
+@dataclass
+class _Seq:
+    """The fields of a `Sequence` the runner reads when it samples a row."""
+
+    params: object
+    seed: int = 0
+    num_output_tokens: int = 0
+    generator: object = None
+    token_ids: tuple = ()
+
+
+def _decode_batch(rows: int, context_len: int, page_size: int):
+    from mstar_common.engine.model_runner import HostBatch
+    from mstar_common.engine.types import SamplingParams
+
+    pages_per_row = -(-context_len // page_size)
+    batch = HostBatch()
+    for row in range(rows):
+        pages = list(range(row * pages_per_row, (row + 1) * pages_per_row))
+        pos = context_len - 1
+        batch.input_ids.append(11 + row)
+        batch.positions.append(pos)
+        batch.slot_mapping.append(pages[pos // page_size] * page_size + pos % page_size)
+        batch.query_lens.append(1)
+        batch.context_lens.append(context_len)
+        batch.page_tables.append(pages)
+        batch.sample_indices.append(row)
+        batch.sampling_seqs.append(_Seq(SamplingParams(temperature=0.0)))
+    return batch
+
+
+@torch.inference_mode()
+def measure(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
+            page_size: int = 64) -> list[dict]:
+    from mstar_common.engine.attention import select_attention_backend
+    from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
+    from mstar_common.engine.kv_cache import KVCache
+    from mstar_common.engine.model_runner import ModelRunner
+    from mstar_common.engine.sampler import Sampler
+
+    if family == "llama":
+        from mstar_common.families.llama.loader import load_llama as load
+    else:
+        from mstar_common.families.qwen3.loader import load_qwen3 as load
+    model, config = load(checkpoint, dtype="bfloat16", device="cuda")
+    num_pages = max(batch_sizes) * -(-context_len // page_size) + 1
+    kv_cache = KVCache(model.kv_spec, num_pages, page_size, torch.bfloat16, "cuda")
+    kv_cache._pool.normal_()  # attend over real-looking values, not zeros
+    results = []
+    for name, (backend, fused_ops) in CONFIGS.items():
+        model.attn_backend = select_attention_backend("cuda", backend)
+        model.enable_fused_ops(fused_ops)
+        graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, [64], capture_sampling=False),
+                                 max(batch_sizes), 4096, config["vocab_size"], torch.device("cuda"))
+        graphs.capture()
+        runner = ModelRunner(model, kv_cache, Sampler(), torch.device("cuda"), config["vocab_size"])
+        for rows in batch_sizes:
+            batch = _decode_batch(rows, context_len, page_size)
+            key = graphs.pick(batch)
+            graphs._fill(graphs.buffers.host_views(0), batch, key)
+            graphs.buffers.copy_in(0, rows, with_sampling=False)
+            graph_ms = _time_cuda(graphs.graphs[key].replay)
+            eager_ms = _time_host(lambda batch=batch, runner=runner: runner._run_eager(batch))
+            results.append({"config": name, "batch": rows, "graph_step_ms": graph_ms, "eager_step_ms": eager_ms})
+            print(f"[fusion] {family} {name:40s} batch {rows:3d}: graph {graph_ms:.3f} ms, eager {eager_ms:.3f} ms",
+                  flush=True)
+        del graphs
+        torch.cuda.empty_cache()
+    del model, kv_cache
+    torch.cuda.empty_cache()
+    return results
+
+
+def _time_cuda(fn, repeats: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def _time_host(fn, repeats: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,125 @@
+"""Benchmark results -> JSON, a markdown table and one PNG figure per model (matplotlib, the `bench` extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def _load(run: dict) -> str:
+    return f"c={run['concurrency']}" if run.get("concurrency") is not None else f"{run['rate']:g} req/s"
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"Hardware: {meta.get('hardware')}; {meta.get('software')}; date {meta.get('date')}.", "",
+             f"Command: `{meta.get('command')}`", ""]
+    for name, model in results["models"].items():
+        lines += [f"### {name}", ""]
+        bw = model.get("bandwidth") or {}
+        if model.get("floor_ms") is not None:
+            lines.append(f"Weights {model['weight_bytes'] / 1e9:.3f} GB; read bandwidth {bw['read_tb_per_s']:.2f} TB/s "
+                         f"(copy {bw['copy_rw_tb_per_s']:.2f} TB/s read+write); weight-streaming floor "
+                         f"**{model['floor_ms']:.3f} ms** per decode step.")
+        if model.get("startup_s") is not None:
+            lines.append(f"Server start to ready (load, graph capture): {model['startup_s']:.0f} s.")
+        lines += ["", "| target | load | requests | req/s | output tok/s | TTFT p50 / p90 / p99 ms "
+                  "| ITL p50 / p90 / p99 ms | tokens/response | errors |", "|---|---|---|---|---|---|---|---|---|"]
+        for run in model.get("runs", []):
+            s = run["summary"]
+            ttft, itl = s["ttft_ms"], s["itl_ms"]
+            lines.append(
+                f"| {run['target']} | {_load(run)} | {s['num_requests']} | {_fmt(s['requests_per_s'])} "
+                f"| {_fmt(s['output_tok_per_s'], 0)} | {_fmt(ttft['p50'])} / {_fmt(ttft['p90'])} / {_fmt(ttft['p99'])} "
+                f"| {_fmt(itl['p50'], 3)} / {_fmt(itl['p90'], 3)} / {_fmt(itl['p99'], 3)} "
+                f"| {_fmt(s['tokens_per_response'])} | {s['num_errors']} |")
+        for hf in model.get("hf_generate", []):
+            lines.append(f"| HF generate | batch {hf['batch']} | {hf['batch']} | - | {_fmt(hf['output_tok_per_s'], 0)} "
+                         f"| - | {_fmt(hf['itl_ms'], 3)} (mean) | - | 0 |")
+        lines += [""] + [f"- {line}" for line in comparisons(model)] + [""]
+    return "\n".join(lines)
+
+
+def comparisons(model: dict) -> list[str]:
+    """The headline ratios: ITL at c=1 against the floor, output tok/s against HF at the same batch."""
+    out = []
+    closed = {r["concurrency"]: r["summary"] for r in model.get("runs", [])
+              if r["target"] == "triton" and r.get("concurrency") is not None}
+    hf = {h["batch"]: h for h in model.get("hf_generate", [])}
+    if 1 in closed and closed[1]["itl_ms"]["p50"] is not None:
+        itl = closed[1]["itl_ms"]["p50"]
+        floor = model.get("floor_ms")
+        ratio = f" = {itl / floor:.2f}x the floor" if floor else ""
+        out.append(f"c=1 decode ITL p50 through Triton: {itl:.3f} ms{ratio}")
+    for conc in sorted(closed):
+        if conc in hf:
+            ours, theirs = closed[conc]["output_tok_per_s"], hf[conc]["output_tok_per_s"]
+            out.append(f"c={conc}: {ours:,.0f} output tok/s vs HF generate batch {conc}: {theirs:,.0f} tok/s "
+                       f"= {ours / theirs:.1f}x")
+    for check, value in (model.get("checks") or {}).items():
+        out.append(f"{check}: {value}")
+    return out
+
+
+def plot(name: str, model: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for target, marker in (("triton", "o"), ("openai", "s")):
+        runs = sorted((r for r in model.get("runs", []) if r["target"] == target and r.get("concurrency")),
+                      key=lambda r: r["concurrency"])
+        if not runs:
+            continue
+        conc = [r["concurrency"] for r in runs]
+        axes[0].plot(conc, [r["summary"]["output_tok_per_s"] for r in runs], marker=marker, label=f"ours ({target})")
+        for q, style in (("p50", "-"), ("p99", "--")):
+            axes[1].plot(conc, [r["summary"]["itl_ms"][q] for r in runs], style, marker=marker, label=f"{target} {q}")
+    hf = model.get("hf_generate", [])
+    if hf:
+        axes[0].plot([h["batch"] for h in hf], [h["output_tok_per_s"] for h in hf], "x--", label="HF generate")
+    if model.get("floor_ms"):
+        axes[1].axhline(model["floor_ms"], color="gray", linestyle=":", label="weight-streaming floor")
+    poisson = sorted((r for r in model.get("runs", []) if r.get("rate") is not None), key=lambda r: r["rate"])
+    for target in ("triton", "openai"):
+        runs = [r for r in poisson if r["target"] == target]
+        if runs:
+            axes[2].plot([r["rate"] for r in runs], [r["summary"]["ttft_ms"]["p50"] for r in runs], "o-",
+                         label=f"{target} TTFT p50")
+            axes[2].plot([r["rate"] for r in runs], [r["summary"]["ttft_ms"]["p99"] for r in runs], "o--",
+                         label=f"{target} TTFT p99")
+    titles = ("output tok/s vs concurrency", "ITL (ms) vs concurrency", "TTFT (ms) vs Poisson rate (req/s)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(f"{name}: {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(results: dict, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "results.md"]
+    written[0].write_text(json.dumps(results, indent=1))
+    written[1].write_text(markdown(results))
+    for name, model in results["models"].items():
+        path = out / f"{name.replace('.', '_')}.png"
+        if plot(name, model, path):
+            written.append(path)
+    return written

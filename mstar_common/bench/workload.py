@@ -1,0 +1,61 @@
+"""Workloads: fixed-length prompts and outputs, and their perf_analyzer input-data files.
+
+A workload is one prompt length, one output length (`ignore_eos`, so every request decodes exactly that
+many tokens) and greedy or sampled decoding. The same requests are written as perf_analyzer input-data JSON
+(`perf_analyzer_configs/`), and `load_perf_analyzer_data` reads such a file back into requests, so our
+harness and perf_analyzer send the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPT_ID_RANGE = (3, 400)  # ids every checkpoint here knows (the tiny tokenizer has ~400 tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    prompt_len: int = 512
+    output_len: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+
+    def requests(self, count: int) -> list[dict]:
+        """`count` requests (tensor name -> value, see mstar_common/wire.py), deterministic per seed."""
+        rng = random.Random(self.seed)
+        out = []
+        for _ in range(count):
+            ids = [rng.randrange(*PROMPT_ID_RANGE) for _ in range(self.prompt_len)]
+            out.append({"input_ids": ids, "max_tokens": self.output_len, "ignore_eos": True,
+                        "temperature": self.temperature})
+        return out
+
+
+def perf_analyzer_data(requests: list[dict]) -> dict:
+    """perf_analyzer `--input-data` JSON for the entry model's tensors (one entry per request)."""
+    data = []
+    for req in requests:
+        data.append({
+            "input_ids": {"content": req["input_ids"], "shape": [len(req["input_ids"])]},
+            "max_tokens": [req["max_tokens"]],
+            "ignore_eos": [req["ignore_eos"]],
+            "temperature": [req["temperature"]],
+        })
+    return {"data": data}
+
+
+def load_perf_analyzer_data(path: str | Path) -> list[dict]:
+    """Requests from a perf_analyzer input-data file written by `perf_analyzer_data`."""
+    raw = json.loads(Path(path).read_text())
+    requests = []
+    for entry in raw["data"]:
+        req = {}
+        for name, value in entry.items():
+            content = value["content"] if isinstance(value, dict) else value
+            req[name] = content if name == "input_ids" else content[0]
+        requests.append(req)
+    return requests

@@ -1,0 +1,354 @@
+"""Captured CUDA graphs for the autoregressive step: capture once at startup, replay when a step fits a bucket.
+
+Buckets. Pure-decode steps are captured per row count (`decode_buckets`, e.g. 1, 2, 4, 8, 16, 24, ... 256);
+prefill and mixed steps per packed-token count (`token_buckets`), with up to `min(max_rows, tokens)` rows.
+A step pads up to the smallest bucket that holds it: padding tokens write the KV sink page, padding rows
+attend one sink token and their samples are dropped. Anything larger runs eager.
+
+Variants. Each bucket is captured greedy (argmax) and, with `capture_sampling`, sampling (temperature,
+top-k, top-p, min-p and seeded draws on the device from parameter buffers): the whole step, sampling
+included, is one replay. Steps that need the host-side token history (repetition penalty) run eager. A model
+with its own logits rules (`process_logits`) is captured up to the logits; its rules and the sampler run on
+the replay's logits.
+
+Buffers. Every input of every graph is a view into three static device buffers (int32, fp32, int64) with
+one named layout; the host fills a pinned mirror (two, alternating, so a fill never races the previous
+step's copy) and one copy per buffer moves a step's inputs. Outputs land in `out_tokens`. All graphs share
+one memory pool and are captured largest first.
+
+On a CPU (tests), `FakeGraph` stands in for `torch.cuda.CUDAGraph`: it re-runs the captured closure, which
+exercises the same buffers, padding and bucketing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mstar_common.engine.attention import AttentionMetadata, build_prefill_work, prefill_work_capacity
+from mstar_common.engine.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+DECODE = "decode"
+MIXED = "mixed"
+
+
+def default_decode_buckets(max_rows: int) -> list[int]:
+    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    return sorted({b for b in ladder if b < max_rows} | {max_rows})
+
+
+def default_token_buckets(max_tokens: int) -> list[int]:
+    ladder = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    return sorted({b for b in ladder if b < max_tokens} | {max_tokens})
+
+
+@dataclass(slots=True)
+class GraphConfig:
+    decode_buckets: list[int]  # row counts captured for pure-decode steps
+    token_buckets: list[int]  # packed-token counts captured for prefill and mixed steps
+    capture_sampling: bool = True  # also capture the on-device sampling variant of each bucket
+
+
+class FakeGraph:
+    """`torch.cuda.CUDAGraph` stand-in for CPU tests: `replay()` re-runs the closure captured."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Named regions of one flat buffer."""
+
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    size: int = 0
+
+    def add(self, name: str, length: int) -> None:
+        self.offsets[name] = (self.size, length)
+        self.size += length
+
+
+class StepBuffers:
+    """The static inputs and outputs of every graph, as views into three flat device buffers."""
+
+    def __init__(self, max_rows: int, max_tokens: int, max_pages: int, device: torch.device) -> None:
+        self.max_rows, self.max_tokens, self.max_pages = max_rows, max_tokens, max_pages
+        self.work_capacity = prefill_work_capacity(max_tokens, max_rows)
+        ints, floats, longs = _Layout(), _Layout(), _Layout()
+        for name, length in (("query_start_loc", max_rows + 1), ("context_lens", max_rows), ("request_slots", max_rows),
+                             ("sample_indices", max_rows), ("is_greedy", max_rows), ("top_k", max_rows),
+                             ("gather_dst", max_rows), ("gather_src", max_rows), ("work_rows", self.work_capacity),
+                             ("work_firsts", self.work_capacity), ("input_ids", max_tokens),
+                             ("positions", max_tokens), ("slot_mapping", max_tokens),
+                             ("block_tables", max_rows * max_pages)):  # block tables last: copies end early
+            ints.add(name, length)
+        for name in ("temperature", "top_p", "min_p"):
+            floats.add(name, max_rows)
+        longs.add("seeds", max_rows)
+        self.layouts = {"ints": ints, "floats": floats, "longs": longs}
+        dtypes = {"ints": torch.int32, "floats": torch.float32, "longs": torch.int64}
+        self.device = {k: torch.zeros(lay.size, dtype=dtypes[k], device=device) for k, lay in self.layouts.items()}
+        pin = device.type == "cuda"
+        self.host = [{k: torch.zeros(lay.size, dtype=dtypes[k], pin_memory=pin) for k, lay in self.layouts.items()}
+                     for _ in range(2)]
+        self.views = {}
+        for key, lay in self.layouts.items():
+            for name, (start, length) in lay.offsets.items():
+                self.views[name] = self.device[key][start:start + length]
+        self.views["block_tables"] = self.views["block_tables"].view(max_rows, max_pages)
+        self.out_tokens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self._host_views = [self._make_host_views(parity) for parity in range(2)]
+
+    def host_views(self, parity: int) -> dict[str, np.ndarray]:
+        return self._host_views[parity]
+
+    def _make_host_views(self, parity: int) -> dict[str, np.ndarray]:
+        views = {}
+        for key, lay in self.layouts.items():
+            array = self.host[parity][key].numpy()
+            for name, (start, length) in lay.offsets.items():
+                views[name] = array[start:start + length]
+        return views
+
+    def copy_in(self, parity: int, num_rows: int, with_sampling: bool) -> None:
+        """Host mirror -> device, the int buffer up to the last block-table row in use."""
+        start, _ = self.layouts["ints"].offsets["block_tables"]
+        end = start + num_rows * self.max_pages
+        self.device["ints"][:end].copy_(self.host[parity]["ints"][:end], non_blocking=True)
+        if with_sampling:
+            for key in ("floats", "longs"):
+                self.device[key].copy_(self.host[parity][key], non_blocking=True)
+
+
+class CudaGraphRunner:
+    def __init__(self, model, kv_cache: KVCache, config: GraphConfig, max_rows: int, max_model_len: int,
+                 vocab_size: int, device: torch.device) -> None:
+        if not model.attn_backend.is_graph_safe:
+            raise ValueError(f"attention backend {model.attn_backend.name!r} cannot be captured in a CUDA graph; "
+                             f"use 'triton' (or 'torch_static')")
+        self.model, self.kv_cache, self.config, self.device = model, kv_cache, config, device
+        self.vocab_size = vocab_size
+        self.decode_buckets = sorted(b for b in set(config.decode_buckets) if 1 <= b <= max_rows)
+        self.token_buckets = sorted(b for b in set(config.token_buckets) if b >= 1)
+        max_tokens = max(self.token_buckets + self.decode_buckets)
+        self.max_rows = max_rows
+        self.buffers = StepBuffers(max_rows, max_tokens, -(-max_model_len // kv_cache.page_size), device)
+        self.is_device_sampling = device.type == "cuda"
+        self.graphs: dict[tuple[str, int, bool], object] = {}
+        self._parity = 0
+        self.sink_slot = kv_cache.sink_page * kv_cache.page_size
+        self.num_replays = 0
+        self.samples_in_graph = not hasattr(model, "process_logits")
+        self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, vocab_size, device=device)
+        self.has_request_slots = hasattr(model, "admit_request")
+
+    # ---- capture ---------------------------------------------------------------------------------------------
+
+    def keys(self) -> list[tuple[str, int, bool]]:
+        variants = [False, True] if self.config.capture_sampling and self.samples_in_graph else [False]
+        mixed = [(MIXED, t, v) for t in reversed(self.token_buckets) for v in variants]
+        decode = [(DECODE, b, v) for b in reversed(self.decode_buckets) for v in variants]
+        return mixed + decode  # largest first: later graphs fit in the pool the first ones grew
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        keys = self.keys()
+        is_cuda = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if is_cuda else None
+        started = time.perf_counter()
+        logger.info("[cuda graphs] capturing %d graphs: decode rows %s, prefill/mixed tokens %s, sampling %s",
+                    len(keys), self.decode_buckets, self.token_buckets, self.config.capture_sampling)
+        for index, key in enumerate(keys, 1):
+            t0 = time.perf_counter()
+            self._fill_padding(key)
+            fn = self._step_fn(*key)
+            if is_cuda:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    fn()  # warm-up: JIT-compiles the Triton kernels and sizes the allocator outside capture
+                    fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn()
+            else:
+                graph = FakeGraph(fn)
+            self.graphs[key] = graph
+            logger.info("[cuda graphs] %d/%d %s %d%s captured in %.2f s", index, len(keys), key[0], key[1],
+                        " (sampling)" if key[2] else "", time.perf_counter() - t0)
+        if is_cuda:
+            torch.cuda.synchronize()
+        logger.info("[cuda graphs] %d graphs captured in %.1f s", len(keys), time.perf_counter() - started)
+
+    def _step_fn(self, kind: str, size: int, sampling: bool):
+        v = self.buffers.views
+        model, kv_cache = self.model, self.kv_cache
+        rows, tokens = self._shape(kind, size)
+        work = prefill_work_capacity(tokens, rows)
+        metadata = AttentionMetadata(
+            query_start_loc=v["query_start_loc"][: rows + 1], context_lens=v["context_lens"][:rows],
+            block_tables=v["block_tables"][:rows], slot_mapping=v["slot_mapping"][:tokens],
+            max_query_len=1 if kind == DECODE else tokens, max_context_len=0,
+            query_start_loc_host=[], context_lens_host=[], is_decode=kind == DECODE,
+            work_rows=v["work_rows"][:work], work_firsts=v["work_firsts"][:work],
+            request_slots=v["request_slots"][:rows] if self.has_request_slots else None,
+        )
+        out = self.buffers.out_tokens[:rows]
+        logits_out = None if self.logits_out is None else self.logits_out[:rows]
+
+        def step() -> None:
+            hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
+            if kind == MIXED:
+                hidden = hidden[v["sample_indices"][:rows]]
+            logits = model.compute_logits(hidden).float()
+            if logits_out is not None:  # the model's logits rules and the sampler run after the replay
+                logits_out.copy_(logits)
+                return
+            if sampling:
+                from kernels.sampling import sample_on_device
+
+                sampled = sample_on_device(logits, v["is_greedy"][:rows] != 0, v["temperature"][:rows],
+                                           v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows],
+                                           v["seeds"][:rows])
+            else:
+                sampled = logits.argmax(dim=-1)
+            out.copy_(sampled)
+
+        return step
+
+    def _shape(self, kind: str, size: int) -> tuple[int, int]:
+        """(rows, tokens) of a bucket."""
+        return (size, size) if kind == DECODE else (min(self.max_rows, size), size)
+
+    # ---- replay ----------------------------------------------------------------------------------------------
+
+    def pick(self, batch) -> tuple[str, int, bool] | None:
+        """The smallest captured bucket that holds `batch`, or None (run it eager)."""
+        sampling = False
+        if self.samples_in_graph:
+            if batch.needs_history:
+                return None
+            sampling = not batch.is_greedy
+            if sampling and not self.config.capture_sampling:
+                return None
+        if batch.is_decode:
+            i = bisect_left(self.decode_buckets, batch.num_rows)
+            if i < len(self.decode_buckets):
+                return DECODE, self.decode_buckets[i], sampling
+        i = bisect_left(self.token_buckets, batch.num_tokens)
+        if i < len(self.token_buckets) and batch.num_rows <= self._shape(MIXED, self.token_buckets[i])[0]:
+            return MIXED, self.token_buckets[i], sampling
+        return None
+
+    def try_replay(self, batch, last_tokens: torch.Tensor | None, sample=None) -> torch.Tensor | None:
+        """Replay the bucket that holds `batch` and return its tokens (device), or None if none does.
+        `sample(logits, seqs)` samples after the replay when the model has its own logits rules."""
+        key = self.pick(batch)
+        if key is None or key not in self.graphs:
+            return None
+        parity, self._parity = self._parity, self._parity ^ 1
+        rows, _ = self._shape(key[0], key[1])
+        self._fill(self.buffers.host_views(parity), batch, key)
+        self.buffers.copy_in(parity, rows, with_sampling=key[2])
+        v = self.buffers.views
+        if batch.gather_dst:
+            num = len(batch.gather_dst)
+            v["input_ids"][v["gather_dst"][:num]] = last_tokens[v["gather_src"][:num]].to(torch.int32)
+        self.graphs[key].replay()
+        self.num_replays += 1
+        num_sampling = len(batch.sampling_seqs)
+        if self.logits_out is not None:
+            return sample(self.logits_out[:num_sampling], batch.sampling_seqs)
+        return self.buffers.out_tokens[:num_sampling]
+
+    def _fill(self, h: dict[str, np.ndarray], batch, key: tuple[str, int, bool]) -> None:
+        kind, size, sampling = key
+        rows, tokens = self._shape(kind, size)
+        num_tokens, num_rows, width = batch.num_tokens, batch.num_rows, self.buffers.max_pages
+        h["input_ids"][:num_tokens] = batch.input_ids
+        h["input_ids"][num_tokens:tokens] = 0
+        h["positions"][:num_tokens] = batch.positions
+        h["positions"][num_tokens:tokens] = 0
+        h["slot_mapping"][:num_tokens] = batch.slot_mapping
+        h["slot_mapping"][num_tokens:tokens] = self.sink_slot
+        h["query_start_loc"][0] = 0
+        np.cumsum(batch.query_lens, out=h["query_start_loc"][1: num_rows + 1])
+        h["query_start_loc"][num_rows + 1: rows + 1] = num_tokens
+        h["context_lens"][:num_rows] = batch.context_lens
+        h["context_lens"][num_rows:rows] = 1
+        if self.has_request_slots:  # padding rows read slot 0's cross state and are dropped
+            h["request_slots"][:num_rows] = batch.request_slots
+            h["request_slots"][num_rows:rows] = 0
+        table = h["block_tables"]
+        for row, pages in enumerate(batch.page_tables):
+            table[row * width: row * width + len(pages)] = pages
+        table[num_rows * width: rows * width: width] = self.kv_cache.sink_page
+        num_sampling = len(batch.sampling_seqs)
+        h["sample_indices"][:num_sampling] = batch.sample_indices
+        h["sample_indices"][num_sampling:rows] = 0
+        if batch.gather_dst:
+            h["gather_dst"][: len(batch.gather_dst)] = batch.gather_dst
+            h["gather_src"][: len(batch.gather_src)] = batch.gather_src
+        if kind == MIXED:
+            work_rows, work_firsts = build_prefill_work(batch.query_lens, prefill_work_capacity(tokens, rows))
+            h["work_rows"][: len(work_rows)] = work_rows
+            h["work_firsts"][: len(work_firsts)] = work_firsts
+        if sampling:
+            self._fill_sampling(h, batch, rows)
+
+    def _fill_sampling(self, h: dict[str, np.ndarray], batch, rows: int) -> None:
+        from mstar_common.engine.model_runner import sampling_columns
+
+        cols = sampling_columns(batch.sampling_seqs, self.vocab_size)
+        n = len(cols.seeds)
+        for name, values, pad in (("is_greedy", cols.is_greedy, 1), ("temperature", cols.temperature, 1.0),
+                                  ("top_k", cols.top_k, self.vocab_size), ("top_p", cols.top_p, 1.0),
+                                  ("min_p", cols.min_p, 0.0), ("seeds", cols.seeds, 0)):
+            h[name][:n] = values
+            h[name][n:rows] = pad
+
+    def _fill_padding(self, key: tuple[str, int, bool]) -> None:
+        """Safe inputs for capture: every token writes the sink, every row reads one sink token."""
+        kind, size, sampling = key
+        rows, tokens = self._shape(kind, size)
+
+        class _Empty:
+            input_ids = positions = slot_mapping = sample_indices = gather_dst = gather_src = request_slots = []
+            query_lens = context_lens = page_tables = sampling_seqs = []
+            num_tokens = num_rows = 0
+
+        host = self.buffers.host_views(0)
+        self._fill(host, _Empty, (kind, size, False))
+        if sampling:
+            self._fill_sampling(host, _Empty, rows)
+        self.buffers.copy_in(0, rows, with_sampling=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def configure_fast_path(model, component, device: str, max_rows: int, max_tokens: int) -> GraphConfig | None:
+    """Apply a component's GPU knobs (`config.ComponentConfig`) to a loaded model: its attention backend and
+    fused ops; returns the graph buckets to capture, or None (no graphs: CPU, or `cuda_graphs: false`)."""
+    from mstar_common.engine.attention import _has_triton, select_attention_backend
+
+    model.attn_backend = select_attention_backend(device, component.attention_backend)
+    is_cuda = torch.device(device).type == "cuda"
+    model.enable_fused_ops(bool(component.fused_ops and is_cuda and _has_triton()))
+    if not (component.cuda_graphs and is_cuda):
+        return None
+    return GraphConfig(
+        decode_buckets=component.decode_buckets or default_decode_buckets(max_rows),
+        token_buckets=component.prefill_token_buckets or default_token_buckets(max_tokens),
+        capture_sampling=component.capture_sampling,
+    )

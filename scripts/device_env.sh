@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sourced by the device scripts after `source .device/prepare.sh`: picks the two Pythons of the device.
+# The server runs in the prepared venv (numpy 1.x for the Python-backend stub). transformers' model classes
+# need the image's own numpy 2.x stack (its scipy), so checkpoints, HF generate and the tests use that Python.
+PY=python
+IMAGE_SITE=$(cat /tmp/mstar-venv/lib/python3*/site-packages/image-packages.pth 2>/dev/null)
+IMAGE_PY=${IMAGE_SITE%/lib/*}/bin/python3
+[ -x "$IMAGE_PY" ] || IMAGE_PY=python3
+# transformers imports sklearn.metrics (for assisted generation) on the way to AutoTokenizer, and the image's
+# scikit-learn/scipy fail under NumPy 1.x; serving never uses it, so the server's venv gets a stand-in.
+VENV_SITE=$(ls -d /tmp/mstar-venv/lib/python3*/site-packages 2>/dev/null)
+if [ -n "$VENV_SITE" ]; then
+  cat > "$VENV_SITE/mstar_sklearn_shim.py" <<'SHIM'
+import importlib.machinery
+import sys
+import types
+
+
+def _module(name):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    module.__path__ = []
+    return module
+
+
+def _roc_curve(*args, **kwargs):
+    raise RuntimeError("scikit-learn is not usable beside NumPy 1.x in this environment")
+
+
+if "sklearn" not in sys.modules:
+    sklearn, metrics = _module("sklearn"), _module("sklearn.metrics")
+    metrics.roc_curve = _roc_curve
+    sklearn.metrics = metrics
+    sys.modules["sklearn"], sys.modules["sklearn.metrics"] = sklearn, metrics
+SHIM
+  echo "import mstar_sklearn_shim" > "$VENV_SITE/00-mstar-sklearn-shim.pth"
+fi
+

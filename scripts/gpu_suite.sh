@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU suite, in one device call: serving benchmarks (Triton gRPC + OpenAI proxy, the HF generate baseline
+# and the weight-streaming floor) on random-weight checkpoints at the real Qwen3-0.6B and Llama-3.2-3B shapes,
+# then the kernel and graph tests and the fusion micro-benchmark. Results land in $OUT:
+#   suite.log  results.json  results.md  <model>.png  fusion.json  server_logs.tar.gz
+# Usage (device): source .device/prepare.sh && bash scripts/gpu_suite.sh [--bench-only]
+# Every stage has its own time limit and the report is rewritten after each benchmark, so a stage that fails
+# or runs out of time never costs the figures already taken.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mstar-gpu-out}
+WORK=/tmp/mstar-gpu
+mkdir -p "$OUT" "$WORK/logs"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MSTAR_CACHE_DIR=$WORK/cache
+export MSTAR_BENCH_LOG_DIR=$WORK/logs TOKENIZERS_PARALLELISM=false
+exec > >(tee -a "$OUT/suite.log") 2>&1
+T0=$(date +%s)
+stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
+
+source "$(dirname "$0")/device_env.sh"
+
+stage "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+$IMAGE_PY -c "import torch, triton, transformers, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
+$PY -c "from transformers import AutoTokenizer; import numpy; print('server venv: AutoTokenizer imports, numpy', numpy.__version__)"
+
+stage "random-weight checkpoints at real shapes"
+timeout 150 $IMAGE_PY -c "
+from mstar_common.bench.checkpoints import build_random_checkpoint
+for name in ('qwen3-0.6b', 'llama-3.2-3b'):
+    print(build_random_checkpoint(name, '$WORK/' + name))
+"
+
+# The buckets cover this load (c = 1, 8, 64; 512-token prompts, up to 8 per 4096-token step).
+LOAD=(--prompt-len 512 --output-len 256 --concurrency 1 8 64 --rates 8 --proxy-concurrency 1
+      --requests-per-level 2 --check-eager 2 --no-capture-sampling
+      --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 4096)
+BASE=(--prompt-len 512 --output-len 256 --floor --hf-baseline --hf-batch 1 64)
+report() {
+  $PY scripts/bench.py report $(ls "$WORK"/qwen3.json "$WORK"/llama.json 2>/dev/null) --out "$OUT" \
+    --command-line "bash scripts/gpu_suite.sh: scripts/bench.py serve ${LOAD[*]}; scripts/bench.py baseline ${BASE[*]}" \
+    || echo "STAGE FAILED: report"
+}
+bench() {  # name family seconds [load overrides...]
+  local name=$1 family=$2 seconds=$3
+  shift 3
+  stage "serving benchmark: $name"
+  timeout "$seconds" $PY scripts/bench.py serve --family "$family" --checkpoint "$WORK/$name" --name "$name" \
+    --out "$WORK/$family.json" "${LOAD[@]}" "$@" || echo "STAGE FAILED: $name benchmark"
+  stage "floor and HF generate baseline: $name"
+  timeout 60 $IMAGE_PY scripts/bench.py baseline --checkpoint "$WORK/$name" --name "$name" --out "$WORK/$family.json" \
+    "${BASE[@]}" || echo "STAGE FAILED: $name baseline"
+  report
+}
+bench qwen3-0.6b qwen3 110
+# The Llama run keeps the two loads the targets name (c=1, c=64) to fit the device budget.
+bench llama-3.2-3b llama 100 --concurrency 1 64 --rates --proxy-concurrency --check-eager 0
+[ "${1:-}" = "--bench-only" ] && { tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null; exit 0; }
+
+stage "kernel and graph tests"
+MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 100 $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider \
+  || echo "STAGE FAILED: gpu tests"
+
+stage "fusion micro-benchmark (decode-step GPU time per configuration)"
+timeout 60 $IMAGE_PY -c "
+import json
+from mstar_common.bench.fusion import measure
+rows = measure('$WORK/qwen3-0.6b', 'qwen3', [1, 64])
+json.dump(rows, open('$OUT/fusion.json', 'w'), indent=1)
+rows += measure('$WORK/llama-3.2-3b', 'llama', [1])
+json.dump(rows, open('$OUT/fusion.json', 'w'), indent=1)
+" || echo "STAGE FAILED: fusion"
+
+tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null
+stage "done"

@@ -1,0 +1,107 @@
+"""Fused norm/activation/prologue kernels and the on-device sampler vs their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
+
+pytest.importorskip("triton")
+pytestmark = GPU_ONLY
+
+from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_kv, store_kv_ref  # noqa: E402
+from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
+from kernels.sampling import sample_on_device  # noqa: E402
+from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+from mstar_common.layers.rotary import RotaryEmbedding  # noqa: E402
+
+TOL = 3e-2 if IS_INTERPRETED else 1e-2  # the interpreter truncates to bf16, compounding over roundings
+DTYPES = sweep([torch.bfloat16, torch.float32], [torch.bfloat16, torch.float32])
+
+
+def _randn(*shape, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("hidden", sweep([1024, 3072, 5000], [64, 96]))
+@pytest.mark.parametrize("num_tokens", sweep([1, 300], [1, 5]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(hidden, num_tokens, dtype):
+    gen = torch.Generator().manual_seed(hidden + num_tokens)
+    x, weight = _randn(num_tokens, hidden, dtype=dtype, gen=gen), _randn(hidden, dtype=dtype, gen=gen)
+    assert rel_err(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6)) < TOL
+    residual = _randn(num_tokens, hidden, dtype=dtype, gen=gen)
+    res_out, res_ref = residual.clone(), residual.clone()
+    out, ref = rms_norm(x, weight, 1e-6, res_out), rms_norm_ref(x, weight, 1e-6, res_ref)
+    # The interpreter truncates to bf16 instead of rounding to nearest, so bit-level checks are GPU-only.
+    assert IS_INTERPRETED or torch.equal(res_out, res_ref)  # the residual add is rounded exactly like torch's
+    assert rel_err(out, ref) < TOL
+    # Same roundings as the reference: nearly every element bit-equal.
+    if dtype == torch.bfloat16 and not IS_INTERPRETED:
+        assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("inter", sweep([3072, 8192], [48, 128]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(inter, dtype):
+    x = _randn(9, 2 * inter, dtype=dtype, gen=torch.Generator().manual_seed(inter))
+    out, ref = silu_mul(x), silu_mul_ref(x)
+    assert rel_err(out, ref) < TOL
+    if dtype == torch.bfloat16 and not IS_INTERPRETED:
+        assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", sweep([(128, 16, 8), (128, 24, 8), (64, 8, 2)],
+                                                                     [(64, 4, 2), (128, 2, 1)]))
+@pytest.mark.parametrize("has_norm", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_kv_write(head_dim, num_heads, num_kv_heads, has_norm, dtype):
+    gen = torch.Generator().manual_seed(head_dim * num_heads)
+    num_tokens, page_size, num_pages = sweep(37, 6), 16, 8
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen, scale=3.0)
+    positions = torch.randint(0, 40000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 1e6)(positions, dtype)
+    qw = _randn(head_dim, dtype=dtype, gen=gen) if has_norm else None
+    kw = _randn(head_dim, dtype=dtype, gen=gen) if has_norm else None
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].to(torch.int32).to(DEVICE)
+    caches = [torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+    q = qk_norm_rope_kv(qkv, cos, sin, qw, kw, 1e-6, caches[0], caches[1], slots, num_heads, num_kv_heads, head_dim)
+    q_ref = qk_norm_rope_kv_ref(qkv, cos, sin, qw, kw, 1e-6, caches[2], caches[3], slots, num_heads, num_kv_heads,
+                                head_dim)
+    assert rel_err(q, q_ref) < TOL and rel_err(caches[0], caches[2]) < TOL
+    assert torch.equal(caches[1], caches[3])  # v is copied verbatim
+    if dtype == torch.bfloat16 and not IS_INTERPRETED:
+        assert (q != q_ref).float().mean() < 0.01 and (caches[0] != caches[2]).float().mean() < 0.01
+
+
+def test_store_kv_writes_exactly_the_mapped_slots():
+    gen = torch.Generator().manual_seed(3)
+    key, value = _randn(10, 2, 64, dtype=torch.bfloat16, gen=gen), _randn(10, 2, 64, dtype=torch.bfloat16, gen=gen)
+    slots = torch.randperm(64, generator=gen)[:10].to(torch.int32).to(DEVICE)
+    caches = [torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    store_kv(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_device_sampler_greedy_filters_and_seeds():
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = sweep(151936, 1000), 6
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(DEVICE)
+    col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    is_greedy = col([True, False, False, False, False, False], torch.bool)
+    temperature = col([1.0, 1.0, 0.7, 1.0, 1.0, 1.0], torch.float32)
+    top_k = col([vocab, 1, vocab, 5, vocab, vocab], torch.int32)
+    top_p = col([1.0, 1.0, 1.0, 1.0, 1e-6, 1.0], torch.float32)
+    min_p = col([0.0, 0.0, 0.0, 0.0, 0.0, 0.999], torch.float32)
+    seeds = col([1, 2, 3, 4, 5, 6], torch.int64)
+    args = (logits, is_greedy, temperature, top_k, top_p, min_p, seeds)
+    tokens = sample_on_device(*args)
+    argmax = logits.argmax(-1)
+    assert tokens[0] == argmax[0] and tokens[1] == argmax[1] and tokens[4] == argmax[4] and tokens[5] == argmax[5]
+    assert int(tokens[3]) in logits[3].topk(5).indices.tolist()
+    assert torch.equal(tokens, sample_on_device(*args))  # same seeds, same tokens
+    draws = torch.stack([sample_on_device(logits[2:3], is_greedy[2:3], temperature[2:3], top_k[2:3], top_p[2:3],
+                                          min_p[2:3], col([s], torch.int64)) for s in range(200)])
+    assert len(set(draws.flatten().tolist())) > 20  # different seeds, different draws

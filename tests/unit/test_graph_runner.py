@@ -1,0 +1,105 @@
+"""The CUDA-graph step runner and the overlapped step loop, on the CPU.
+
+`FakeGraph` re-runs each captured closure, and the graph-safe `torch_static` backend reads only the static
+buffers, so these tests exercise what a replay does on a GPU (bucket choice, padding rows and tokens, the
+device-side gather of pending tokens, launch-before-collect) and check the tokens against transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar_common.engine.ar_engine import AREngine
+from mstar_common.engine.attention import TorchStaticAttention
+from mstar_common.engine.cuda_graph import GraphConfig, default_decode_buckets, default_token_buckets
+from mstar_common.engine.types import EngineConfig, FinishReason, SamplingParams
+from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
+from tests.unit.test_ar_engine import (  # noqa: F401 - fixtures
+    Collector,
+    assert_pool_empty,
+    checkpoint,
+    greedy,
+    no_call_after_a_final,
+    prompts,
+    reference,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def static_model(checkpoint):  # noqa: F811
+    model, config = load_qwen3(checkpoint, attn_backend=TorchStaticAttention())
+    return model, read_eos_token_ids(checkpoint, config), config["vocab_size"]
+
+
+def make_engine(static_model, graphs: GraphConfig | None, overlap: bool, **overrides) -> AREngine:
+    config = {"num_kv_pages": 128, "page_size": 4, "max_num_seqs": 8, "max_batch_tokens": 64, "max_model_len": 96,
+              **overrides}
+    model, eos, vocab = static_model
+    return AREngine(model, EngineConfig(**config), eos_token_ids=eos, vocab_size=vocab, graphs=graphs,
+                    overlap=overlap)
+
+
+def run_all(engine: AREngine, prompts, params: SamplingParams, stagger: int = 0) -> Collector:  # noqa: F811
+    collector = Collector()
+    pending = list(enumerate(prompts))
+    for step in range(10_000):
+        while pending and (stagger == 0 or step % stagger == 0):
+            index, ids = pending.pop(0)
+            engine.add_request(str(index), ids, params, collector)
+            if stagger:
+                break
+        if not engine.step() and not pending:
+            break
+    assert_pool_empty(engine)
+    return collector
+
+
+GRAPHS = GraphConfig(decode_buckets=[1, 2, 4, 8], token_buckets=[16, 64], capture_sampling=False)
+
+
+@pytest.mark.parametrize(("overlap", "stagger"), [(False, 0), (True, 3)])
+def test_replayed_steps_match_transformers(static_model, prompts, reference, overlap, stagger):  # noqa: F811
+    engine = make_engine(static_model, GRAPHS, overlap)
+    collector = run_all(engine, prompts, greedy(), stagger)
+    for index, expected in enumerate(reference):
+        assert collector.streams[str(index)].tokens == expected, index
+        assert len(collector.streams[str(index)].finals) == 1
+    assert engine.runner.graphs.num_replays > 0
+    assert len(engine.runner.graphs.graphs) == 2 + 4
+
+
+def test_overlapped_eager_steps_match_transformers(static_model, prompts, reference):  # noqa: F811
+    collector = run_all(make_engine(static_model, None, overlap=True), prompts, greedy())
+    assert [collector.streams[str(i)].tokens for i in range(len(reference))] == reference
+
+
+def test_overlap_never_schedules_past_max_tokens(static_model, prompts):  # noqa: F811
+    engine = make_engine(static_model, GRAPHS, overlap=True)
+    collector = run_all(engine, prompts, greedy(max_tokens=5, ignore_eos=True))
+    for index in range(len(prompts)):
+        assert len(collector.streams[str(index)].tokens) == 5
+        assert collector.reason(str(index)) is FinishReason.LENGTH
+
+
+def test_sampled_and_penalised_requests_fall_back_to_eager(static_model, prompts):  # noqa: F811
+    engine = make_engine(static_model, GRAPHS, overlap=True)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, repetition_penalty=1.2, ignore_eos=True)
+    first = run_all(engine, prompts[:3], params)
+    second = run_all(make_engine(static_model, None, overlap=False), prompts[:3], params)
+    assert [first.streams[str(i)].tokens for i in range(3)] == [second.streams[str(i)].tokens for i in range(3)]
+    assert engine.runner.graphs.num_replays == 0
+
+
+def test_default_buckets_cover_the_limits():
+    assert default_decode_buckets(256)[:4] == [1, 2, 4, 8] and default_decode_buckets(256)[-1] == 256
+    assert default_decode_buckets(5) == [1, 2, 4, 5]
+    assert default_token_buckets(4096)[-1] == 4096 and default_token_buckets(100) == [64, 100]
+
+
+def test_graph_capture_refuses_a_backend_that_cannot_be_captured(static_model, checkpoint):  # noqa: F811
+    model, config = load_qwen3(checkpoint)  # the per-row reference backend
+    with pytest.raises(ValueError, match="cannot be captured"):
+        AREngine(model, EngineConfig(num_kv_pages=16, page_size=4), eos_token_ids=[0], vocab_size=config["vocab_size"],
+                 graphs=GRAPHS)
