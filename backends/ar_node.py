@@ -6,8 +6,10 @@ sampling knobs; streamed outputs text_output, token_ids, finish_reason, prompt_t
 Threads: Triton calls `execute` with new requests; it only parses, validates and enqueues, then returns.
 The engine's step loop (one background thread) batches every running request into each step: prefill
 chunks and decodes together over the paged KV cache. The output pump (a second thread) turns tokens
-into responses. A request refused at parse time gets one error response (an `invalid_request:` message);
-every admitted request ends with exactly one FINAL, through backends/responder.py.
+into responses. A request refused at parse time gets one error response (an `invalid_request:` message),
+one the component has no room for an `overloaded:` or `unavailable:` one (mstar_common/engine/admission.py);
+every admitted request ends with exactly one FINAL, through backends/responder.py. A request's Triton
+`timeout` (microseconds, as tritonclient and the proxy set it) is its server-side deadline.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import itertools
 import json
 import logging
 import signal
-import threading
 
 import triton_python_backend_utils as pb_utils
 
+from backends.metrics import ComponentMetrics
 from backends.responder import Responder, request_inputs
 from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.config import deployment_from_dict
+from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.output_pump import OutputPump, TextStream
 from mstar_common.engine.stop_strings import StopStringMatcher
@@ -56,7 +59,8 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self.pump.start()
         self.engine.start()
-        self.metrics = EngineMetrics(self.engine, labels={"model": self.model_name, "device": device})
+        labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": device}
+        self.metrics = ComponentMetrics(self.engine, self.pump.latency, labels)
         self.metrics.start()
         logger.info("[%s] ready on %s", self.model_name, device)
 
@@ -85,7 +89,15 @@ class TritonPythonModel:
         )
         self.pump.register(stream)
         try:
-            self.engine.add_request(request_id, text_request.prompt_ids, text_request.params, self.pump.on_output)
+            # A model with per-request state (whisper's decoder: its cross-attention input) gets it from the parse.
+            state = getattr(text_request, "request_state", None)
+            extra = {} if state is None else {"request_state": state}
+            self.engine.add_request(request_id, text_request.prompt_ids, text_request.params, self.pump.on_output,
+                                    timeout_s=_timeout_s(request), **extra)
+        except AdmissionRefused as exc:
+            self.pump.unregister(request_id)
+            logger.debug("[%s] refused: %s", request_id, exc)  # counted in mstar_requests_overloaded_total
+            responder.send_error(exc.wire_message)
         except ValueError as exc:
             self.pump.unregister(request_id)
             responder.send_invalid(str(exc))
@@ -100,38 +112,10 @@ class TritonPythonModel:
         self.pump.stop()
 
 
-class EngineMetrics:
-    """Engine gauges on Triton's Prometheus endpoint (/metrics), sampled every METRICS_PERIOD_S."""
-
-    METRICS_PERIOD_S = 0.1
-    GAUGES = {
-        "num_running": ("mstar_requests_running", "requests in the engine's running batch"),
-        "num_waiting": ("mstar_requests_waiting", "requests queued for admission"),
-        "num_used_pages": ("mstar_kv_pages_used", "paged-KV pages holding tokens"),
-        "num_reserved_pages": ("mstar_kv_pages_reserved", "paged-KV pages reserved by admitted requests"),
-        "num_free_pages": ("mstar_kv_pages_free", "paged-KV pages free"),
-    }
-
-    def __init__(self, engine, labels: dict[str, str]):
-        self._engine = engine
-        self._stop = threading.Event()
-        self._gauges = {}
-        self._families = []  # a MetricFamily must outlive its Metrics
-        for key, (name, description) in self.GAUGES.items():
-            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
-            self._families.append(family)
-            self._gauges[key] = family.Metric(labels=labels)
-        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.METRICS_PERIOD_S):
-            stats = self._engine.stats()
-            for key, gauge in self._gauges.items():
-                gauge.set(float(stats.get(key, 0)))
+def _timeout_s(request) -> float | None:
+    """The request's Triton timeout (microseconds; 0 = none) in seconds."""
+    try:
+        timeout_us = int(request.timeout())
+    except Exception:  # noqa: BLE001 - an older stub without timeout(): no client deadline
+        return None
+    return timeout_us / 1e6 if timeout_us > 0 else None

@@ -2,7 +2,8 @@
 
 Accepted forms:
   builtin:<name>    a tiny random checkpoint the family builds locally on first use (demo and tests)
-  /a/local/dir      a directory holding config.json + *.safetensors (+ tokenizer files)
+  /a/local/dir      a directory holding config.json + *.safetensors (+ tokenizer files), or a diffusers
+                    pipeline (model_index.json + one folder per component)
   org/name          a repository already in the local Hugging Face cache (never downloaded here)
 """
 
@@ -24,11 +25,15 @@ def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -
         name = spec[len(BUILTIN_PREFIX):]
         if name not in builtins:
             raise FileNotFoundError(f"checkpoint: unknown builtin {name!r}; available: {sorted(builtins)}")
-        return builtins[name](cache_dir() / "builtin" / name)
+        out = cache_dir() / "builtin" / name
+        if _is_checkpoint_dir(out):  # builders rename a finished build into place, so present means complete
+            return out
+        return builtins[name](out)
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"checkpoint: {spec} has no config.json (expected an HF-format directory)")
+        if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"checkpoint: {spec} has no config.json (transformers layout) or model_index.json "
+                                    "(diffusers layout)")
         return path
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return _from_hf_cache(spec)
@@ -45,3 +50,7 @@ def _from_hf_cache(repo_id: str) -> Path:
             f"checkpoint: {repo_id} is not in the local Hugging Face cache and nothing is downloaded at serve "
             f"time; fetch it first (e.g. `huggingface-cli download {repo_id}`) or give a local directory"
         ) from exc
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "model_index.json").is_file()

@@ -56,8 +56,9 @@ def cmd_build_checkpoint(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
-    from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
+    from mstar_common.launcher import Ports, start_proxy, stop_process, wait_ready
     from mstar_common.repository import entry_model, generate_repository
+    from mstar_common.supervisor import TritonSupervisor
 
     path = resolve_target(args.target)
     dep = load_deployment(path)
@@ -77,26 +78,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    triton = proxy = None
+    proxy = None
+    triton = TritonSupervisor(repo, dep, ports, run_dir / "tritonserver.log", ready_timeout_s=args.timeout)
     try:
-        triton = start_triton(repo, dep, ports, run_dir / "tritonserver.log")
         print(f"[mstar] tritonserver starting (log: {run_dir / 'tritonserver.log'})", flush=True)
-        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, args.timeout, "tritonserver")
+        triton.start()
+        if s.restart_on_fault:
+            triton.watch()  # relaunches tritonserver when it or a stub dies (docs/reliability.md)
         if not args.no_proxy:
             entry = entry_model(dep)
             proxy = start_proxy(dep, entry, ports, run_dir / "proxy.log", host=args.host)
             wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, args.timeout, "proxy")
         _print_urls(dep, ports, args, run_dir)
         while not stop.is_set():
-            if triton.poll() is not None or (proxy is not None and proxy.poll() is not None):
-                print("[mstar] a server process exited; shutting down", file=sys.stderr)
+            if triton.is_failed or (not s.restart_on_fault and triton.proc.poll() is not None):
+                print("[mstar] tritonserver keeps failing; shutting down", file=sys.stderr)
+                return 1
+            if proxy is not None and proxy.poll() is not None:
+                print("[mstar] the proxy exited; shutting down", file=sys.stderr)
                 return 1
             stop.wait(0.5)
-        print("\n[mstar] shutting down", flush=True)
+        print("\n[mstar] draining in-flight requests, then shutting down", flush=True)
         return 0
     finally:
-        stop_process(proxy)
-        stop_process(triton)
+        # Both get SIGTERM at once: neither takes new work, in-flight requests finish (drain_timeout_s).
+        if proxy is not None and proxy.poll() is None:
+            proxy.send_signal(signal.SIGTERM)
+        triton.stop()
+        stop_process(proxy, grace=s.drain_timeout_s + 5)
 
 
 def _print_urls(dep, ports, args, run_dir: Path) -> None:

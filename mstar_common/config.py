@@ -45,6 +45,12 @@ class Placement:
 class ComponentConfig:
     placement: Placement = field(default_factory=Placement)
     cuda_graphs: bool = False  # capture decode/prefill graphs at startup (GPU only)
+    # Autoregressive components (engine/cuda_graph.py); None = the engine's default ladder.
+    decode_buckets: list[int] | None = None  # rows captured for decode steps (default 1, 2, 4, 8, 16, 24, 32, ...)
+    prefill_token_buckets: list[int] | None = None  # packed tokens captured for prefill/mixed steps (64 ... 4096)
+    capture_sampling: bool = True  # also capture the on-device sampling variant of each bucket
+    attention_backend: str = "auto"  # auto | triton | triton_unfused | torch | torch_static (engine/attention.py)
+    fused_ops: bool = True  # Triton kernels for residual-add+RMSNorm and SiLU*up on the GPU
 
 
 @dataclass(slots=True)
@@ -61,8 +67,30 @@ class Resources:
 
 
 @dataclass(slots=True)
+class AdmissionConfig:
+    """What happens past `max_concurrent_requests` (per component instance; see engine/admission.py)."""
+
+    max_queue: int | None = None  # requests queued beyond the cap before a 429; None: 4 x max_concurrent_requests
+    queue_timeout_s: float | None = 60.0  # longest wait for admission before a 503; None: no limit
+    request_timeout_s: float | None = 600.0  # server-side deadline (and ceiling of a client's); None: none
+    retry_after_s: int = 1  # Retry-After the proxy sends with a 429 or 503
+
+    def resolved_max_queue(self, max_concurrent_requests: int) -> int:
+        return 4 * max_concurrent_requests if self.max_queue is None else self.max_queue
+
+
+@dataclass(slots=True)
+class LimitsConfig:
+    """Input caps the proxy enforces before anything reaches Triton (400/413 naming the limit)."""
+
+    max_body_bytes: int = 16 * 1024 * 1024  # a larger request body is a 413
+    max_upload_s: float = 600.0  # longest audio/video upload, in seconds of media
+    allow_remote_urls: bool = False  # media given as http(s) URLs are fetched only when true
+
+
+@dataclass(slots=True)
 class ServerConfig:
-    """Ports and Python-backend sizing used by `mstar serve` (the committed repository ignores them)."""
+    """Ports, Python-backend sizing and process supervision used by `mstar serve` (docs/reliability.md)."""
 
     proxy_port: int = 8000
     http_port: int = 8010
@@ -71,6 +99,9 @@ class ServerConfig:
     shm_default_byte_size: int = 16 * 1024 * 1024  # Python-backend shared-memory region per stub
     shm_growth_byte_size: int = 16 * 1024 * 1024
     stub_timeout_seconds: int = 120
+    drain_timeout_s: int = 30  # on shutdown, in-flight requests get this long to finish
+    restart_on_fault: bool = True  # relaunch tritonserver when it or one of its stubs dies
+    max_restarts: int = 5  # crash loop guard: give up after this many restarts within 10 minutes
 
 
 @dataclass(slots=True)
@@ -81,6 +112,8 @@ class Deployment:
     components: dict[str, ComponentConfig] = field(default_factory=dict)
     resources: Resources = field(default_factory=Resources)
     max_concurrent_requests: int = 16
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -115,6 +148,7 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
     _check_positive(source, "resources.kv_cache.page_size", dep.resources.kv_cache.page_size)
     _check_positive(source, "resources.max_model_len", dep.resources.max_model_len)
     _check_positive(source, "resources.max_batch_tokens", dep.resources.max_batch_tokens)
+    _check_service_limits(dep, source)
     try:
         family = get_family(dep.family)
     except KeyError as exc:
@@ -129,6 +163,14 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
         comp.placement.check(f"{source}: components.{name}.placement")
         if comp.cuda_graphs and comp.placement.device != "gpu":
             raise DeploymentError(f"{source}: components.{name}.cuda_graphs: needs a gpu placement")
+        for key in ("decode_buckets", "prefill_token_buckets"):
+            buckets = getattr(comp, key)
+            if buckets is not None and (not buckets or min(buckets) < 1):
+                raise DeploymentError(f"{source}: components.{name}.{key}: must be a non-empty list of integers >= 1")
+        backends = ("auto", "triton", "triton_unfused", "torch", "torch_static")
+        if comp.attention_backend not in backends:
+            raise DeploymentError(f"{source}: components.{name}.attention_backend: must be one of {list(backends)}, "
+                                  f"got {comp.attention_backend!r}")
     family.validate_deployment(dep, source)
 
 
@@ -148,6 +190,29 @@ def check_kv_pool_holds_cap(dep: Deployment, source: str) -> None:
 def _check_positive(source: str, key: str, value: int) -> None:
     if value < 1:
         raise DeploymentError(f"{source}: {key}: must be >= 1, got {value}")
+
+
+def _check_service_limits(dep: Deployment, source: str) -> None:
+    adm, lim, srv = dep.admission, dep.limits, dep.server
+    if adm.max_queue is not None and adm.max_queue < 0:
+        raise DeploymentError(f"{source}: admission.max_queue: must be >= 0 (0: refuse past the cap), got "
+                              f"{adm.max_queue}")
+    for key in ("queue_timeout_s", "request_timeout_s"):
+        value = getattr(adm, key)
+        if value is not None and not 0 < value < math.inf:
+            raise DeploymentError(f"{source}: admission.{key}: must be a finite number > 0, or null for no "
+                                  f"limit, got {value}")
+    _check_positive(source, "admission.retry_after_s", adm.retry_after_s)
+    _check_positive(source, "limits.max_body_bytes", lim.max_body_bytes)
+    if not 0 < lim.max_upload_s < math.inf:
+        raise DeploymentError(f"{source}: limits.max_upload_s: must be a finite number > 0, got {lim.max_upload_s}")
+    for key in ("shm_default_byte_size", "shm_growth_byte_size", "stub_timeout_seconds", "drain_timeout_s"):
+        _check_positive(source, f"server.{key}", getattr(srv, key))
+    if srv.shm_default_byte_size < 1024 * 1024:
+        raise DeploymentError(f"{source}: server.shm_default_byte_size: must be >= 1 MiB (1048576), got "
+                              f"{srv.shm_default_byte_size}")
+    if srv.max_restarts < 0:
+        raise DeploymentError(f"{source}: server.max_restarts: must be >= 0, got {srv.max_restarts}")
 
 
 # --- strict mapping -> dataclass conversion -------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mstar_common.config import Deployment
+from mstar_common.families.registry import get_family
 from mstar_common.triton_env import find_triton, server_command, server_env
 
 logger = logging.getLogger(__name__)
@@ -39,14 +40,16 @@ def triton_args(repo: Path, dep: Deployment, ports: Ports) -> list[str]:
         f"--backend-config=python,shm-default-byte-size={s.shm_default_byte_size}",
         f"--backend-config=python,shm-growth-byte-size={s.shm_growth_byte_size}",
         f"--backend-config=python,stub-timeout-seconds={s.stub_timeout_seconds}",
-        "--exit-timeout-secs=20",
+        f"--exit-timeout-secs={s.drain_timeout_s}",
         "--log-verbose=0",
     ]
 
 
-def start_triton(repo: Path, dep: Deployment, ports: Ports, log_path: Path) -> subprocess.Popen:
+def start_triton(
+    repo: Path, dep: Deployment, ports: Ports, log_path: Path, extra_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
     install = find_triton()
-    cmd = server_command(install, triton_args(repo, dep, ports))
+    cmd = server_command(install, [*triton_args(repo, dep, ports), *extra_args])
     log = log_path.open("ab")
     logger.info("starting tritonserver: %s", " ".join(cmd))
     return subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -60,10 +63,24 @@ def start_proxy(
         "--triton-url", f"127.0.0.1:{ports.grpc}",
         "--host", host,
         "--port", str(ports.proxy),
-        "--model", f"{dep.name}={entry_model}",
+        "--model", f"{dep.name}={entry_model}:{get_family(dep.family).proxy_kind}",
+        *proxy_limit_args(dep),
     ]  # fmt: skip
     log = log_path.open("ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def proxy_limit_args(dep: Deployment) -> list[str]:
+    """The deployment's admission and input limits as proxy flags."""
+    adm, lim = dep.admission, dep.limits
+    args = [
+        "--request-timeout-s", str(adm.request_timeout_s or 0),
+        "--retry-after-s", str(adm.retry_after_s),
+        "--max-body-bytes", str(lim.max_body_bytes),
+        "--max-upload-s", str(lim.max_upload_s),
+        "--drain-timeout-s", str(dep.server.drain_timeout_s),
+    ]  # fmt: skip
+    return args + (["--allow-remote-urls"] if lim.allow_remote_urls else [])
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:

@@ -8,32 +8,48 @@ directly without starting the thread.
 Outputs. After each step, `on_output(request_id, [token], finish_reason, error)` is called once per row that
 produced a token. Every request gets exactly one call with `finish_reason` set (STOP, LENGTH, CANCELLED or
 ERROR), and its pages are freed before that call is made.
+
+Overlap (on CUDA). Each `step()` launches the next step before it collects the previous one, so the host
+schedules and packs step N+1 while the GPU runs step N; the only host sync is reading step N's tokens. Rows
+awaiting a token carry a placeholder (see `model_runner.py`); a row that stops on EOS costs one wasted row in
+the step already launched, and a row's LENGTH stop is known in advance, so it is never over-scheduled. Steps
+whose sampling reads the token history (repetition penalty) wait for the previous step first. On the CPU the
+step is synchronous: launch, collect, deliver.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+import random
 import threading
+import time
 import uuid
 from collections.abc import Sequence as SequenceOf
+from typing import Any
 
 import torch
 
+from mstar_common.engine.admission import Admission, EngineUnavailable
+from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
 from mstar_common.engine.kv_cache import KVCache, PageAllocator
-from mstar_common.engine.model_runner import CausalLM, ModelRunner
+from mstar_common.engine.model_runner import PLACEHOLDER, CausalLM, ModelRunner, PendingStep
 from mstar_common.engine.sampler import Sampler, make_generator
 from mstar_common.engine.scheduler import Scheduler, StepPlan
-from mstar_common.engine.sequence import OutputCallback, Sequence
+from mstar_common.engine.sequence import OutputCallback, Sequence, SequenceStatus
 from mstar_common.engine.types import AdmissionError, EngineConfig, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPIRY_WAIT_S = 0.05  # an idle loop with live (waiting) requests wakes this often to check their limits
 
 
 class AREngine:
-    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: SequenceOf[int], vocab_size: int) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: SequenceOf[int], vocab_size: int,
+                 graphs: GraphConfig | None = None, overlap: bool | None = None) -> None:
+        """`graphs`: capture CUDA graphs for these buckets at startup (CUDA, or the CPU stand-in in tests).
+        `overlap`: launch step N+1 before collecting step N (default: on CUDA only)."""
         _check_config(config)
         self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(config.device)
@@ -43,8 +59,20 @@ class AREngine:
         _check_model_placement(model, dtype, self.device)
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
         self.kv_cache = KVCache(model.kv_spec, config.num_kv_pages, config.page_size, dtype, self.device)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device)
+        hooks = model if hasattr(model, "admit_request") else None  # scheduler.RequestHooks
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens, hooks)
+        self._needs_history = getattr(model, "logits_need_history", None)
+        graph_runner = None
+        if graphs is not None:
+            graph_runner = CudaGraphRunner(model, self.kv_cache, graphs, config.max_num_seqs, self.max_model_len,
+                                           vocab_size, self.device)
+            graph_runner.capture()
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device, vocab_size, graph_runner)
+        self.is_overlapped = self.device.type == "cuda" if overlap is None else overlap
+        self._pending: PendingStep | None = None  # the launched step not yet collected (overlap only)
+        self._seeds = random.Random()
+        self.admission = Admission(config.max_num_seqs, config.max_queue, config.queue_timeout_s,
+                                   config.request_timeout_s)
         self.num_steps = 0
         self._cond = threading.Condition()  # guards _inbox, _cancels, _live, _is_stopping, _is_closed
         self._inbox: list[Sequence] = []
@@ -57,17 +85,25 @@ class AREngine:
     # ---- caller threads -------------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback,
+        timeout_s: float | None = None, request_state: Any = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError/AdmissionError naming the field and the rule."""
+        """Validate and queue a request; raises ValueError/AdmissionError naming the field and the rule, and
+        AdmissionRefused (EngineOverloaded, EngineUnavailable) when the component cannot take it now.
+        `timeout_s` is the client's deadline (capped by the config's request_timeout_s). `request_state` is the
+        model's own per-request state (its `admit_request` hook and `process_logits` read it)."""
         prompt_ids = self._validate(prompt_ids, params)
         generator = make_generator(params.seed, self.device)
         seq = Sequence(request_id, prompt_ids, len(prompt_ids), params, on_output, generator)
+        seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        seq.request_state = request_state
         with self._cond:
             if self._is_closed:
-                raise RuntimeError("the engine is shut down and accepts no requests")
+                raise EngineUnavailable("the component is shut down and accepts no requests")
             if request_id in self._live:
                 raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+            self.admission.check_capacity(len(self._live))
+            self.admission.track(request_id, time.monotonic(), timeout_s)
             self._live[request_id] = seq
             self._inbox.append(seq)
             self._cond.notify()
@@ -110,15 +146,20 @@ class AREngine:
             "num_reserved_pages": self.allocator.num_reserved_pages,
             "num_free_pages": self.allocator.num_free_pages,
             "num_steps": self.num_steps,
+            "num_refused": self.admission.num_refused,
+            "num_expired": self.admission.num_expired,
         }
 
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> bool:
         """Intake, schedule, run, deliver. Returns whether anything was done."""
+        if self.is_overlapped:
+            return self._step_overlapped()
         with self._step_lock:
             did_intake = self._intake()
-            plan = self.scheduler.schedule()
+            did_intake |= self._expire()
+            plan = self._schedule()
             if plan.is_empty:
                 return did_intake
             self.num_steps += 1
@@ -126,6 +167,70 @@ class AREngine:
             if tokens is not None:
                 self._postprocess(plan, tokens)
             return True
+
+    def _step_overlapped(self) -> bool:
+        """Launch step N+1, then collect and deliver step N."""
+        with self._step_lock:
+            did_intake = self._intake()
+            did_intake |= self._expire()
+            previous, self._pending = self._pending, None
+            if previous is not None and self._needs_host_tokens():
+                self._collect(previous)
+                previous = None
+            plan = self._schedule()
+            if not plan.is_empty:
+                self.num_steps += 1
+                self._pending = self._launch(plan)
+            if previous is not None:
+                self._collect(previous)
+            return did_intake or not plan.is_empty or previous is not None
+
+    def _schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        refused, self.scheduler.refused = self.scheduler.refused, []
+        for seq, error in refused:
+            self._finish(seq, FinishReason.ERROR, error=error)
+        return plan
+
+    def _needs_host_tokens(self) -> bool:
+        """Whether the next step's sampling reads token values still on the device (so it cannot overlap)."""
+        needs_history = self._needs_history
+        return any(seq.params.repetition_penalty != 1.0 or (needs_history is not None and needs_history(seq))
+                   for seq in self.scheduler.running)
+
+    def _launch(self, plan: StepPlan) -> PendingStep | None:
+        try:
+            pending = self.runner.launch(plan)
+        except Exception:
+            self._fail_step(plan)
+            return None
+        for chunk in plan.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        for row, seq in enumerate(pending.seqs):
+            pending.indices.append(len(seq.token_ids))
+            seq.token_ids.append(PLACEHOLDER)
+            seq.pending_row = row
+        return pending
+
+    def _collect(self, pending: PendingStep) -> None:
+        try:
+            tokens = pending.tokens()
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            logger.exception("collecting step tokens failed (error id %s)", error_id)
+            for seq in pending.seqs:
+                self._finish(seq, FinishReason.ERROR, error=f"engine step failed (error id {error_id})")
+            return
+        for seq, index, token in zip(pending.seqs, pending.indices, tokens, strict=True):
+            if seq.is_finished:
+                continue  # stopped (or cancelled) while this step was in flight: its row was wasted
+            seq.token_ids[index] = token
+            reason = self._finish_reason(seq, token, index + 1 - seq.num_prompt_tokens)
+            if reason is None:
+                self._deliver(seq, [token], None, None)
+            else:
+                del seq.token_ids[index + 1:]
+                self._finish(seq, reason, [token])
 
     def _intake(self) -> bool:
         with self._cond:
@@ -138,17 +243,33 @@ class AREngine:
             self._finish(seq, FinishReason.CANCELLED)
         return bool(new or cancels)
 
+    def _expire(self) -> bool:
+        """End requests past their queue wait or deadline (an error naming the limit); frees their pages."""
+        with self._cond:
+            expired = self.admission.expired(time.monotonic(), self._is_waiting)
+            seqs = [(self._live[rid], error) for rid, error in expired if rid in self._live]
+        for seq, error in seqs:
+            self._finish(seq, FinishReason.ERROR, error=error)
+        return bool(seqs)
+
+    def _is_waiting(self, request_id: str) -> bool:
+        seq = self._live.get(request_id)
+        return seq is not None and seq.status is SequenceStatus.WAITING
+
     def _run(self, plan: StepPlan) -> list[int] | None:
         try:
             return self.runner.run(plan)
         except Exception:
-            # The batch's KV and outputs are unknown now: fail exactly the rows of this step, keep the rest.
-            error_id = uuid.uuid4().hex[:12]
-            logger.exception("step %d failed (error id %s); failing its %d requests",
-                             self.num_steps, error_id, len(plan.chunks))
-            for chunk in plan.chunks:
-                self._finish(chunk.seq, FinishReason.ERROR, error=f"engine step failed (error id {error_id})")
+            self._fail_step(plan)
             return None
+
+    def _fail_step(self, plan: StepPlan) -> None:
+        # The batch's KV and outputs are unknown now: fail exactly the rows of this step, keep the rest.
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("step %d failed (error id %s); failing its %d requests",
+                         self.num_steps, error_id, len(plan.chunks))
+        for chunk in plan.chunks:
+            self._finish(chunk.seq, FinishReason.ERROR, error=f"engine step failed (error id {error_id})")
 
     def _postprocess(self, plan: StepPlan, tokens: list[int]) -> None:
         sampling = [chunk.seq for chunk in plan.chunks if chunk.is_sampling]
@@ -156,17 +277,18 @@ class AREngine:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         for seq, token in zip(sampling, tokens, strict=True):
             seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, seq.num_output_tokens)
             if reason is None:
                 self._deliver(seq, [token], None, None)
             else:
                 self._finish(seq, reason, [token])
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int) -> FinishReason | None:
+        """Why `seq` ends at `token`, its `num_output_tokens`-th output, or None."""
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens:
+        if num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -178,6 +300,7 @@ class AREngine:
         self.scheduler.finish(seq)
         with self._cond:
             self._live.pop(seq.request_id, None)
+            self.admission.forget(seq.request_id)
         self._deliver(seq, tokens or [], reason, error)
 
     def _deliver(self, seq: Sequence, tokens: list[int], reason: FinishReason | None, error: str | None) -> None:
@@ -206,8 +329,11 @@ class AREngine:
 
     def _wait_for_work(self) -> None:
         with self._cond:
-            while not (self._is_stopping or self._inbox or self._cancels):
-                self._cond.wait()
+            while not (self._is_stopping or self._inbox or self._cancels or self._pending is not None):
+                # Queued requests that cannot be admitted still need their queue limits checked.
+                self._cond.wait(EXPIRY_WAIT_S if self._live else None)
+                if self._live:
+                    return
 
     def _cancel_everything(self) -> None:
         with self._step_lock:
@@ -270,6 +396,13 @@ def _check_config(config: EngineConfig) -> None:
                          f"({config.max_num_seqs})")
     if config.dtype not in _DTYPES:
         raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+    if config.max_queue is not None and (isinstance(config.max_queue, bool) or not isinstance(config.max_queue, int)
+                                         or config.max_queue < 0):
+        raise ValueError(f"EngineConfig.max_queue must be None or an integer >= 0, got {config.max_queue!r}")
+    for name in ("queue_timeout_s", "request_timeout_s"):
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            raise ValueError(f"EngineConfig.{name} must be None or a finite number > 0, got {value!r}")
 
 
 def _resolve_max_model_len(model: CausalLM, config: EngineConfig) -> int:

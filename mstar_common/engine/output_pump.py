@@ -4,6 +4,10 @@ The engine's loop thread only queues (request id, new tokens, finish) per step. 
 the queue, merges everything pending for a stream into one response (so a stream that falls behind gets
 several tokens per response instead of a backlog), detokenizes byte-safely, applies stop strings (and
 cancels the engine request when one matches), and polls client cancellation at a bounded rate.
+
+A cancelled request gets no more output: the poll that notices it closes the stream with a flags-only FINAL
+(the handshake Triton needs to release the request) and then cancels it in the engine. Latency samples
+(time to first token, inter-token latency) go to `latency` for the metrics exporter.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +39,7 @@ class Sink(Protocol):
 
     def send_chunk(self, outputs: dict[str, np.ndarray]) -> None: ...
     def send_final(self, outputs: dict[str, np.ndarray] | None = None) -> None: ...
+    def send_error(self, message: str) -> None: ...
     def send_server_error(self, exc: BaseException | str) -> str: ...
     def is_cancelled(self) -> bool: ...
 
@@ -47,6 +53,18 @@ class TextStream:
     num_prompt_tokens: int
     num_completion_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    last_output: float | None = None  # when the previous tokens were sent
+
+    def record_latency(self, latency: LatencySamples, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        now = time.monotonic()
+        if self.last_output is None:
+            latency.ttft.append(now - self.arrival)
+        else:
+            latency.itl.append((now - self.last_output) / num_tokens)  # a coalesced response spreads its gap
+        self.last_output = now
 
     def update(self, new_ids: list[int], finish: FinishReason | None) -> tuple[dict[str, np.ndarray], str | None]:
         """Outputs for the new tokens, and the finish reason if this is the stream's last response."""
@@ -71,9 +89,20 @@ class TextStream:
         return outputs, reason
 
 
+class LatencySamples:
+    """Seconds, appended by the pump thread and drained by the metrics exporter (bounded: oldest dropped)."""
+
+    MAX_SAMPLES = 100_000
+
+    def __init__(self) -> None:
+        self.ttft: deque[float] = deque(maxlen=self.MAX_SAMPLES)
+        self.itl: deque[float] = deque(maxlen=self.MAX_SAMPLES)
+
+
 class OutputPump:
     def __init__(self, engine: Any, name: str = "output-pump"):
         self._engine = engine
+        self.latency = LatencySamples()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, TextStream] = {}
         self._lock = threading.Lock()
@@ -134,8 +163,13 @@ class OutputPump:
                 continue  # already ended (e.g. a stop string matched before the engine saw the cancel)
             if error is not None:
                 self.unregister(request_id)
-                stream.sink.send_server_error(error)
+                if wire.error_class(error) is not None:  # a limit the client hit (deadline, queue wait)
+                    logger.info("[%s] ended: %s", request_id, error)
+                    stream.sink.send_error(error)
+                else:
+                    stream.sink.send_server_error(error)
                 continue
+            stream.record_latency(self.latency, len(new_ids))
             outputs, reason = stream.update(new_ids, finish)
             if reason is None:
                 stream.sink.send_chunk(outputs)
@@ -155,6 +189,8 @@ class OutputPump:
         for stream in streams:
             if stream.sink.is_closed or stream.sink.is_cancelled():
                 logger.info("[%s] client cancelled; freeing its resources", stream.request_id)
+                self.unregister(stream.request_id)
+                stream.sink.send_final()  # flags only: nothing more reaches a cancelled request
                 self._engine.cancel(stream.request_id)
 
 

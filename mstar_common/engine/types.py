@@ -95,6 +95,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output cap; None: the checkpoint's max_position_embeddings
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"
+    max_queue: int | None = None  # requests waiting beyond max_num_seqs before new ones are refused; None: no cap
+    queue_timeout_s: float | None = None  # the longest a request waits for admission; None: no limit
+    request_timeout_s: float | None = None  # default (and ceiling) of a request's deadline; None: no limit
 
 
 class AdmissionError(ValueError):

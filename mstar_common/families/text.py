@@ -54,6 +54,11 @@ class TextLMRuntime:
     vocab_size: int
     max_model_len: int
     default_max_tokens: int
+    max_text_bytes: int = 0  # a prompt text longer than this cannot fit max_model_len; 0: from the tokenizer
+
+    def __post_init__(self) -> None:
+        if not self.max_text_bytes:
+            self.max_text_bytes = self.max_model_len * _max_token_bytes(self.tokenizer)
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> TextRequest:
         prompt_ids = self._prompt_ids(inputs)
@@ -79,6 +84,7 @@ class TextLMRuntime:
         given = [n for n in (wire.TEXT_INPUT, wire.MESSAGES, wire.INPUT_IDS) if n in inputs]
         if len(given) != 1:
             raise ValueError(f"prompt: give exactly one of text_input, messages, input_ids (got {given or 'none'})")
+        self._check_prompt_size(inputs)
         if wire.INPUT_IDS in inputs:
             ids = [int(i) for i in inputs[wire.INPUT_IDS].reshape(-1)]
             if bad := [i for i in ids if not 0 <= i < self.vocab_size]:
@@ -91,6 +97,30 @@ class TextLMRuntime:
         if not isinstance(template_kwargs, dict):
             raise ValueError("chat_template_kwargs: must be a JSON object")
         return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
+
+
+    def _check_prompt_size(self, inputs: dict[str, np.ndarray]) -> None:
+        """Refuse a prompt that cannot fit max_model_len before spending time on it (tokenizing 16 MB of text
+        would stall this instance's request intake)."""
+        if wire.INPUT_IDS in inputs and inputs[wire.INPUT_IDS].size >= self.max_model_len:
+            raise ValueError(f"input_ids: {inputs[wire.INPUT_IDS].size} ids leave no room for output within "
+                             f"max_model_len={self.max_model_len}")
+        # JSON may escape every character as \uXXXX (6 bytes); the chat template adds a little.
+        limits = {wire.TEXT_INPUT: self.max_text_bytes, wire.MESSAGES: 6 * self.max_text_bytes + 65536}
+        for name, limit in limits.items():
+            if name in inputs:
+                size = sum(len(v) if isinstance(v, bytes) else len(str(v)) for v in inputs[name].reshape(-1))
+                if size > limit:
+                    raise ValueError(f"{name}: {size} bytes cannot fit max_model_len={self.max_model_len} tokens "
+                                     f"(at most {limit} bytes)")
+
+
+def _max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token stands for (byte-level BPE maps each byte to one char)."""
+    try:
+        return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return 1024
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 
@@ -31,6 +32,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve Triton entry model TRITON_MODEL as OpenAI model NAME (repeatable)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0, help="0: no limit")
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429 or 503")
+    parser.add_argument("--max-upload-s", type=float, default=600.0, help="longest media upload, seconds")
+    parser.add_argument("--allow-remote-urls", action="store_true",
+                        default=os.environ.get("MSTAR_ALLOW_REMOTE") == "1",
+                        help="fetch media given as http(s) URLs (default: MSTAR_ALLOW_REMOTE=1)")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="on SIGTERM, in-flight requests get this long to finish")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
 
@@ -40,8 +48,12 @@ def main(argv: list[str] | None = None) -> None:
         models=args.model,
         request_timeout_s=args.request_timeout_s or None,
         max_body_bytes=args.max_body_bytes,
+        retry_after_s=args.retry_after_s,
+        max_upload_s=args.max_upload_s,
+        allow_remote_urls=args.allow_remote_urls,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout_s)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mstar_common.proxy.triton_stream import TritonInvalidRequest, TritonServerError, TritonTimeout, TritonUnavailable
+from mstar_common.proxy.triton_stream import (
+    TritonInvalidRequest,
+    TritonOverloaded,
+    TritonRefusedNow,
+    TritonServerError,
+    TritonTimeout,
+    TritonUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +32,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_exceeded",
     499: "invalid_request_error",
     503: "service_unavailable",
     504: "timeout",
@@ -36,12 +44,14 @@ _MAX_INPUT_REPR = 60
 class APIError(Exception):
     """An error response. Raise it anywhere in request handling; the handler renders it."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     @property
     def type(self) -> str:
@@ -51,7 +61,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(message: str, param: str | None = None) -> APIError:
@@ -140,17 +150,24 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail)).response()
 
 
-def from_exception(exc: BaseException, timeout_s: float | None = None) -> APIError:
+def from_exception(exc: BaseException, timeout_s: float | None = None, retry_after_s: int = 1) -> APIError:
     """Map an error raised while serving (a Triton error or a bug) to the response the client gets."""
     if isinstance(exc, APIError):
         return exc
+    retry = {"Retry-After": str(retry_after_s)}
     if isinstance(exc, TritonInvalidRequest):
         return invalid_request(str(exc))
+    if isinstance(exc, TritonOverloaded):
+        return APIError(429, f"the server is at capacity: {exc}", code="overloaded", headers=retry)
     if isinstance(exc, TritonTimeout):
         limit = f" of {timeout_s:g} s" if timeout_s else ""
-        return APIError(504, f"the request did not finish within the proxy's time limit{limit}")
+        return APIError(504, f"the request did not finish within its time limit{limit}", code="deadline_exceeded")
+    if isinstance(exc, TritonRefusedNow):
+        return APIError(503, str(exc), code="unavailable", headers=retry)
     if isinstance(exc, TritonUnavailable):
-        return server_error(f"triton unavailable: {exc}", status=503, public="inference server unavailable")
+        error = server_error(f"triton unavailable: {exc}", status=503, public="inference server unavailable")
+        error.headers = retry
+        return error
     if isinstance(exc, TritonServerError):
         return server_error(f"triton: {exc}")
     return server_error(f"{type(exc).__name__}: {exc}", exc_info=exc)

@@ -98,21 +98,27 @@ class ServingContext:
         self.models = {m.name: m for m in settings.models}
         self.created = int(time.time())
 
-    def resolve(self, name: str | None, param: str = "model") -> ServedModel:
+    def resolve(self, name: str | None, param: str = "model", kinds: tuple[str, ...] = ("text",)) -> ServedModel:
+        """The served model `name`, which must be of one of `kinds` (the route's: text or speech)."""
         if name is None:
             if len(self.models) == 1:
-                return next(iter(self.models.values()))
-            raise APIError(400, f"'{param}' is required: this server serves {sorted(self.models)}", param=param)
+                name = next(iter(self.models))
+            else:
+                raise APIError(400, f"'{param}' is required: this server serves {sorted(self.models)}", param=param)
         if name not in self.models:
             raise APIError(404, f"model '{name}' does not exist; served models: {sorted(self.models)}",
                            param=param, code="model_not_found")
-        return self.models[name]
+        served = self.models[name]
+        if served.kind not in kinds:
+            raise APIError(400, f"model '{name}' is a {served.kind} model; this route serves {' or '.join(kinds)} "
+                                "models", param=param)
+        return served
 
     def _open(self, served: ServedModel, request_id: str, gen: GenerationRequest) -> AsyncIterator[StreamResponse]:
         return self.triton.generate(served.triton_model, request_id, gen, self.settings.request_timeout_s)
 
     def _error(self, exc: BaseException) -> APIError:
-        return from_exception(exc, self.settings.request_timeout_s)
+        return from_exception(exc, self.settings.request_timeout_s, self.settings.retry_after_s)
 
     async def complete(self, request: Request, served: ServedModel, gen: GenerationRequest) -> Completion:
         """Run a request to its end and fold it into one Completion."""

@@ -89,3 +89,27 @@ def test_model_kwargs_are_checked_by_the_family():
 
 def test_cuda_graphs_need_a_gpu():
     _refused(_with(components__llm={"cuda_graphs": True}), "cuda_graphs: needs a gpu placement")
+
+
+def test_admission_limits_and_server_keys_load_and_resolve():
+    dep = deployment_from_dict(_with(admission={"max_queue": 8, "queue_timeout_s": 5, "request_timeout_s": None},
+                                     limits={"allow_remote_urls": True}, server={"drain_timeout_s": 3}))
+    assert dep.admission.max_queue == 8 and dep.admission.queue_timeout_s == 5.0
+    assert dep.admission.request_timeout_s is None and dep.limits.allow_remote_urls
+    assert deployment_from_dict(copy.deepcopy(BASE)).admission.resolved_max_queue(16) == 64
+
+
+@pytest.mark.parametrize("changes, fragments", [
+    ({"admission__max_queue": -1}, ("admission.max_queue", ">= 0")),
+    ({"admission__queue_timeout_s": 0}, ("admission.queue_timeout_s", "> 0")),
+    ({"admission__request_timeout_s": "soon"}, ("admission.request_timeout_s", "number")),
+    ({"admission__retry_after_s": 0}, ("admission.retry_after_s", ">= 1")),
+    ({"admission__queue": 3}, ("admission", "unknown key(s) ['queue']")),
+    ({"limits__max_body_bytes": 0}, ("limits.max_body_bytes", ">= 1")),
+    ({"limits__max_upload_s": -1}, ("limits.max_upload_s", "> 0")),
+    ({"server__shm_default_byte_size": 1000}, ("server.shm_default_byte_size", "1 MiB")),
+    ({"server__stub_timeout_seconds": 0}, ("server.stub_timeout_seconds", ">= 1")),
+    ({"server__max_restarts": -1}, ("server.max_restarts", ">= 0")),
+])
+def test_admission_limits_and_server_refusals_name_the_key(changes, fragments):
+    _refused(_with(**changes), *fragments)

@@ -42,17 +42,24 @@ class Qwen3Family(Family):
             raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1")
         check_kv_pool_holds_cap(dep, source)
 
+    def load_model(self, checkpoint: Path, dtype: str, device: str) -> tuple[Any, dict]:
+        from mstar_common.families.qwen3.loader import load_qwen3
+
+        return load_qwen3(checkpoint, dtype=dtype, device=device)
+
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> TextLMRuntime:
         if component != "llm":
-            raise KeyError(f"qwen3 has no component {component!r}")
+            raise KeyError(f"{self.name} has no component {component!r}")
         from transformers import AutoTokenizer
 
         from mstar_common.engine.ar_engine import AREngine
+        from mstar_common.engine.cuda_graph import configure_fast_path
         from mstar_common.engine.types import EngineConfig
-        from mstar_common.families.qwen3.loader import load_qwen3
 
         dtype = dep.model_kwargs.get("dtype") or ("float32" if device == "cpu" else "bfloat16")
-        model, hf_config = load_qwen3(checkpoint, dtype=dtype, device=device)
+        model, hf_config = self.load_model(checkpoint, dtype, device)
+        graphs = configure_fast_path(model, dep.components[component], device, dep.max_concurrent_requests,
+                                     dep.resources.max_batch_tokens)
         max_positions = int(hf_config.get("max_position_embeddings", dep.resources.max_model_len))
         if dep.resources.max_model_len > max_positions:
             raise DeploymentError(
@@ -69,10 +76,14 @@ class Qwen3Family(Family):
             max_model_len=dep.resources.max_model_len,
             dtype=dtype,
             device=device,
+            max_queue=dep.admission.resolved_max_queue(dep.max_concurrent_requests),
+            queue_timeout_s=dep.admission.queue_timeout_s,
+            request_timeout_s=dep.admission.request_timeout_s,
         )
         eos_ids = _eos_ids(checkpoint, hf_config, tokenizer)
-        engine = AREngine(model, config, eos_token_ids=eos_ids, vocab_size=int(hf_config["vocab_size"]))
-        logger.info("[qwen3/llm] loaded %s on %s (%s), eos=%s", checkpoint.name, device, dtype, eos_ids)
+        engine = AREngine(model, config, eos_token_ids=eos_ids, vocab_size=int(hf_config["vocab_size"]), graphs=graphs)
+        logger.info("[%s/llm] loaded %s on %s (%s, attention %s), eos=%s", self.name, checkpoint.name, device, dtype,
+                    model.attn_backend.name, eos_ids)
         return TextLMRuntime(
             engine=engine,
             tokenizer=tokenizer,

@@ -1,0 +1,104 @@
+"""Per-component metrics on Triton's Prometheus endpoint (/metrics), next to Triton's own `nv_*` series.
+
+A background thread samples `engine.stats()` every PERIOD_S into gauges and counters, and drains the
+latency samples the output thread collected into histograms, so the step loop and the output thread never
+make a metrics IPC call themselves. Every series carries the labels `model` and `instance` (one per Triton
+instance). docs/metrics.md lists the series and what they mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import triton_python_backend_utils as pb_utils
+
+logger = logging.getLogger(__name__)
+
+PERIOD_S = 0.1
+
+# stats key -> (series, help): the value as it is now
+GAUGES = {
+    "num_running": ("mstar_requests_running", "requests admitted to the component (running batch)"),
+    "num_waiting": ("mstar_requests_waiting", "requests queued for admission (queue depth)"),
+    "num_used_pages": ("mstar_kv_pages_used", "paged-KV pages holding tokens"),
+    "num_reserved_pages": ("mstar_kv_pages_reserved", "paged-KV pages reserved by admitted requests"),
+    "num_free_pages": ("mstar_kv_pages_free", "paged-KV pages free"),
+    "num_used_state_slots": ("mstar_state_slots_used", "recurrent-state pool slots held (0: no state pool)"),
+    "num_codec_streams": ("mstar_codec_streams", "speech streams holding codec state (0: no codec edge)"),
+}
+# stats key -> (series, help): a running total, exported as a counter
+COUNTERS = {
+    "num_steps": ("mstar_engine_steps_total", "engine steps run (rate() gives steps per second)"),
+    "num_graph_steps": ("mstar_graph_steps_total", "engine steps replayed from a captured CUDA graph"),
+    "num_refused": ("mstar_requests_overloaded_total", "requests refused because the queue was full (429)"),
+    "num_expired": ("mstar_requests_expired_total", "requests ended by their deadline or queue wait limit"),
+}
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+# LatencySamples attribute -> (series, help)
+HISTOGRAMS = {
+    "ttft": ("mstar_time_to_first_token_seconds", "request arrival at the component -> first output sent"),
+    "itl": ("mstar_inter_token_latency_seconds", "gap between outputs of one stream, per token"),
+    "first_audio": ("mstar_time_to_first_audio_seconds", "request arrival -> first audio chunk sent"),
+}
+
+
+class ComponentMetrics:
+    def __init__(self, engine, latency, labels: dict[str, str]):
+        self._engine, self._latency = engine, latency
+        self._stop = threading.Event()
+        self._families = []  # a MetricFamily must outlive its Metrics
+        self._gauges = {k: self._metric(n, h, pb_utils.MetricFamily.GAUGE, labels) for k, (n, h) in GAUGES.items()}
+        self._counters = {k: self._metric(n, h, pb_utils.MetricFamily.COUNTER, labels)
+                          for k, (n, h) in COUNTERS.items()}
+        self._histograms = {k: self._metric(n, h, pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS)
+                            for k, (n, h) in HISTOGRAMS.items() if hasattr(latency, k)}
+        self._steps_per_s = self._metric("mstar_engine_steps_per_second", "engine steps per second, last second",
+                                         pb_utils.MetricFamily.GAUGE, labels)
+        self._totals = dict.fromkeys(COUNTERS, 0)
+        self._step_window: deque[tuple[float, int]] = deque()
+        self._thread = threading.Thread(target=self._run, name="component-metrics", daemon=True)
+
+    def _metric(self, name: str, help_text: str, kind, labels: dict[str, str], buckets=None):
+        family = pb_utils.MetricFamily(name=name, description=help_text, kind=kind)
+        self._families.append(family)
+        return family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(PERIOD_S):
+            try:
+                self.sample()
+            except Exception:  # metrics must never take the component down
+                logger.exception("metrics sample failed")
+
+    def sample(self) -> None:
+        stats = self._engine.stats()
+        for key, gauge in self._gauges.items():
+            gauge.set(float(stats.get(key, 0)))
+        for key, counter in self._counters.items():
+            total = int(stats.get(key, 0))
+            if total > self._totals[key]:
+                counter.increment(float(total - self._totals[key]))
+                self._totals[key] = total
+        for key, histogram in self._histograms.items():
+            samples = getattr(self._latency, key)
+            while samples:
+                histogram.observe(samples.popleft())
+        self._sample_step_rate(int(stats.get("num_steps", 0)))
+
+    def _sample_step_rate(self, num_steps: int) -> None:
+        now = time.monotonic()
+        self._step_window.append((now, num_steps))
+        while now - self._step_window[0][0] > 1.0:
+            self._step_window.popleft()
+        t0, s0 = self._step_window[0]
+        self._steps_per_s.set((num_steps - s0) / (now - t0) if now > t0 else 0.0)

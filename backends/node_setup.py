@@ -1,0 +1,50 @@
+"""What every component node reads in `initialize`: its config parameters, deployment, family and device."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.config import Deployment, deployment_from_dict
+from mstar_common.families.base import Family
+from mstar_common.families.registry import get_family
+from mstar_common.graph import Component
+
+
+@dataclass(slots=True)
+class NodeSetup:
+    model_name: str
+    deployment: Deployment
+    family: Family
+    component: Component
+    checkpoint: Path
+    device: str
+
+    def build(self):
+        """The family's runtime for this component on this instance's device."""
+        return self.family.build_component(self.component.name, self.deployment, self.checkpoint, self.device)
+
+
+def load_node(args: dict, *, kind: str) -> NodeSetup:
+    """Check the Triton contract (decoupled, parameters, component kind) and resolve the checkpoint."""
+    model_name = args["model_name"]
+    model_config = json.loads(args["model_config"])
+    if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+        raise pb_utils.TritonModelException(f"{model_name}: a {kind} node must be decoupled")
+    params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    for key in ("family", "component", "deployment"):
+        if key not in params:
+            raise pb_utils.TritonModelException(f"{model_name}: config.pbtxt lacks parameter {key!r}")
+    deployment = deployment_from_dict(json.loads(params["deployment"]), source=model_name)
+    family = get_family(params["family"])
+    component = family.graph.components[params["component"]]
+    if component.kind != kind:
+        raise pb_utils.TritonModelException(f"{model_name}: component {component.name!r} is a {component.kind!r} "
+                                            f"component, not {kind!r}")
+    checkpoint = resolve_checkpoint(deployment.checkpoint, family.builtin_checkpoints)
+    device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
+    return NodeSetup(model_name, deployment, family, component, checkpoint, device)

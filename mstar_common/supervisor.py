@@ -1,0 +1,179 @@
+"""Keep a deployment's tritonserver serving: relaunch it when it, or one of its Python stubs, dies.
+
+Why a relaunch. Triton 2.51's Python backend does not restart a dead stub (the upstream restart code was
+removed, and the model keeps reporting ready). Requests that were in flight on the dead stub never get a
+final response, and new ones fail with "Stub process ... is not healthy". Reloading just that model through
+the repository API brings new requests back, but the in-flight ones keep hanging and hold the old model
+version (and its shared memory) forever. Killing the server's process group instead ends every in-flight
+stream at once (gRPC clients, the proxy included, get an error: the proxy answers 500 with an error id),
+frees the stubs' shared memory, and a fresh server serves again after one model load.
+
+The supervisor watches the server process and the stubs it spawned (children of the server, found in
+/proc) every `poll_s`. On a death it logs an error id, kills what is left of the process group, removes
+the shared-memory regions named by its own region prefix, and relaunches on the same ports. More than
+`max_restarts` relaunches within RESTART_WINDOW_S is a crash loop: it gives up and reports failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from mstar_common.config import Deployment
+from mstar_common.launcher import Ports, start_triton, wait_ready
+
+logger = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 600.0
+STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True, slots=True)
+class Stub:
+    pid: int
+    model: str  # the Triton model whose instance this stub runs
+
+
+def find_stubs(server_pid: int) -> dict[int, Stub]:
+    """The live (non-zombie) Python-backend stubs whose parent is `server_pid`."""
+    stubs = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after the closing parenthesis
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) != server_pid or state in ("Z", "X") or not argv[0].endswith(STUB_BINARY.encode()):
+            continue
+        model = Path(argv[1].decode(errors="replace")).parent.parent.name if len(argv) > 1 else "?"
+        stubs[int(entry)] = Stub(int(entry), model)
+    return stubs
+
+
+class TritonSupervisor:
+    def __init__(self, repo: Path, dep: Deployment, ports: Ports, log_path: Path, *,
+                 ready_timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        self.repo, self.dep, self.ports, self.log_path = repo, dep, ports, log_path
+        self.ready_timeout_s, self.poll_s = ready_timeout_s, poll_s
+        self.proc: subprocess.Popen | None = None
+        self.stubs: dict[int, Stub] = {}
+        self.num_restarts = 0
+        self.is_failed = False
+        self._restarts: deque[float] = deque()
+        self._shm_prefix = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ready_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.http}/v2/health/ready"
+
+    def start(self) -> None:
+        """Launch tritonserver and wait until it is ready (raises if it is not)."""
+        with self._lock:
+            self._launch()
+
+    def watch(self) -> None:
+        """Check for deaths in a background thread until `stop`."""
+        self._thread = threading.Thread(target=self._watch, name="triton-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_s: float | None = None) -> None:
+        """SIGTERM: Triton refuses new requests and lets in-flight ones finish for up to its exit timeout
+        (server.drain_timeout_s); SIGKILL whatever is left after `drain_s` more seconds."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        with self._lock:
+            self._kill(signal.SIGTERM, self.dep.server.drain_timeout_s + 10 if drain_s is None else drain_s)
+
+    def check(self) -> bool:
+        """One supervision pass; returns whether a fault was found (and the server relaunched)."""
+        with self._lock:
+            if self._stop.is_set() or self.is_failed or self.proc is None:
+                return False
+            fault = self._fault()
+            if fault is None:
+                return False
+            error_id = uuid.uuid4().hex[:12]
+            logger.error("[supervisor] error id %s: %s; in-flight requests on it fail; relaunching tritonserver",
+                         error_id, fault)
+            self._restart()
+            return True
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.check()
+            except Exception:  # keep supervising; a failed relaunch is retried on the next pass
+                logger.exception("[supervisor] relaunch failed")
+
+    def _fault(self) -> str | None:
+        if self.proc.poll() is not None:
+            return f"tritonserver (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+        alive = find_stubs(self.proc.pid)
+        if dead := [stub for pid, stub in self.stubs.items() if pid not in alive]:
+            return "Python stub(s) died: " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead)
+        return None
+
+    def _restart(self) -> None:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        self._kill(signal.SIGKILL, 10)
+        if len(self._restarts) >= self.dep.server.max_restarts:
+            self.is_failed = True
+            logger.error("[supervisor] %d relaunches within %.0f s: giving up (crash loop)", len(self._restarts),
+                         RESTART_WINDOW_S)
+            return
+        self._restarts.append(now)
+        self.num_restarts += 1
+        self._launch()
+
+    def _launch(self) -> None:
+        self._shm_prefix = f"mstar{os.getpid()}_{uuid.uuid4().hex[:6]}_"
+        prefix_arg = f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}"
+        self.proc = start_triton(self.repo, self.dep, self.ports, self.log_path, extra_args=(prefix_arg,))
+        wait_ready(self.ready_url, self.proc, self.ready_timeout_s, "tritonserver")
+        self.stubs = find_stubs(self.proc.pid)
+        logger.info("[supervisor] tritonserver pid %d ready with %d stub(s): %s", self.proc.pid, len(self.stubs),
+                    sorted({s.model for s in self.stubs.values()}))
+
+    def _kill(self, sig: int, grace_s: float) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None:
+                os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+            os.killpg(proc.pid, signal.SIGKILL)  # stubs left behind by a server that died first
+        except ProcessLookupError:
+            pass
+        self._remove_shm()
+
+    def _remove_shm(self) -> None:
+        if not self._shm_prefix or not SHM_DIR.is_dir():
+            return
+        for region in SHM_DIR.glob(self._shm_prefix + "*"):
+            region.unlink(missing_ok=True)

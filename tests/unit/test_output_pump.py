@@ -1,0 +1,103 @@
+"""The output pump: a cancelled request gets nothing but the closing FINAL, limit errors keep their prefix,
+server faults are scrubbed to an error id, and latency samples are recorded."""
+
+from __future__ import annotations
+
+import time
+
+from mstar_common import wire
+from mstar_common.engine.output_pump import OutputPump, TextStream
+from mstar_common.engine.types import FinishReason
+
+
+class FakeTokenizer:
+    def decode(self, ids, **_):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(97 + i % 26) for i in ids]
+
+
+class FakeSink:
+    def __init__(self):
+        self.sent: list[tuple[str, object]] = []
+        self.is_closed = False
+        self.cancelled = False
+
+    def send_chunk(self, outputs):
+        self.sent.append(("chunk", outputs))
+
+    def send_final(self, outputs=None):
+        self.is_closed = True
+        self.sent.append(("final", outputs))
+
+    def send_error(self, message):
+        self.is_closed = True
+        self.sent.append(("error", message))
+
+    def send_server_error(self, exc):
+        self.is_closed = True
+        self.sent.append(("server_error", str(exc)))
+        return "id"
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class FakeEngine:
+    def __init__(self):
+        self.cancelled: list[str] = []
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+def _stream(request_id, sink):
+    from mstar_common.engine.detokenizer import IncrementalDetokenizer
+
+    return TextStream(request_id, sink, IncrementalDetokenizer(FakeTokenizer()), None, 3)
+
+
+def _run(pump, until, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_cancelled_stream_gets_only_a_flags_only_final_then_nothing():
+    engine, sink = FakeEngine(), FakeSink()
+    pump = OutputPump(engine)
+    pump.register(_stream("r", sink))
+    pump.start()
+    try:
+        pump.on_output("r", [1], None, None)
+        _run(pump, lambda: len(sink.sent) == 1)
+        sink.cancelled = True
+        _run(pump, lambda: engine.cancelled == ["r"])
+        assert sink.sent[-1] == ("final", None)
+        pump.on_output("r", [2, 3], None, None)  # the engine's last step before it saw the cancel
+        pump.on_output("r", [], FinishReason.CANCELLED, None)
+        time.sleep(0.2)
+        assert [kind for kind, _ in sink.sent] == ["chunk", "final"]
+    finally:
+        pump.stop()
+
+
+def test_limit_errors_keep_their_prefix_and_faults_are_scrubbed():
+    engine, limited, faulty = FakeEngine(), FakeSink(), FakeSink()
+    pump = OutputPump(engine)
+    pump.register(_stream("limited", limited))
+    pump.register(_stream("faulty", faulty))
+    pump.start()
+    try:
+        pump.on_output("limited", [1], None, None)
+        _run(pump, lambda: len(limited.sent) == 1)
+        pump.on_output("limited", [], FinishReason.ERROR, wire.DEADLINE_PREFIX + "deadline of 2 s")
+        pump.on_output("faulty", [], FinishReason.ERROR, "engine step failed (error id x)")
+        _run(pump, lambda: limited.is_closed and faulty.is_closed)
+    finally:
+        pump.stop()
+    assert limited.sent[-1] == ("error", wire.DEADLINE_PREFIX + "deadline of 2 s")
+    assert faulty.sent[-1][0] == "server_error"
+    assert len(pump.latency.ttft) == 1 and len(pump.latency.itl) == 0
