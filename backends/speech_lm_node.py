@@ -1,0 +1,115 @@
+"""Triton node for a speech LM component (decoupled): the decode loop, and the stream edge to its codec.
+
+I/O contract: the speech tensors in mstar_common/wire.py (in: text_input, voice, sampling knobs; streamed
+out: audio_chunk PCM16, sample_rate, token_ids, finish_reason, prompt/completion token counts). A request
+refused at parse time gets one `invalid_request:` error; every admitted request ends with exactly one FINAL.
+
+Threads: `execute` only parses, validates and enqueues. The engine's step loop (one thread) batches every
+running request into each prefill/decode step over the paged KV cache. The codec pump (a second thread)
+turns each step's tokens into codec windows, sends all of a step's windows to the codec component in ONE
+BLS request, and streams the decoded PCM to each request's response sender.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import to_dlpack
+
+from backends.ar_node import _timeout_s
+from backends.metrics import ComponentMetrics
+from backends.node_setup import load_node
+from backends.responder import Responder, request_inputs
+from mstar_common import wire
+from mstar_common.engine.admission import AdmissionRefused
+from mstar_common.engine.codec_pump import AudioStream, CodecPump
+from mstar_common.families.orpheus.codes import SpeechChunker
+
+logger = logging.getLogger(__name__)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup = load_node(args, kind="speech_lm")
+        self.model_name = setup.model_name
+        self.input_names = [spec.name for spec in setup.component.inputs]
+        self.runtime = setup.build()
+        self.engine = self.runtime.engine
+        self.pump = CodecPump(self.engine, BLSCodec(self.runtime.codec_model), name=f"{self.model_name}-codec")
+        self._ids = itertools.count()
+        self.pump.start()
+        self.engine.start()
+        labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": setup.device}
+        self.metrics = ComponentMetrics(self, self.pump.latency, labels)
+        self.metrics.start()
+        logger.info("[%s] ready on %s; codec model %s", self.model_name, setup.device, self.runtime.codec_model)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def stats(self) -> dict:
+        """The engine's stats plus the codec edge's (read by the metrics thread)."""
+        return {**self.engine.stats(), "num_codec_streams": self.pump.num_streams}
+
+    def _submit(self, request) -> None:
+        request_id = f"{request.request_id() or 'tts'}#{next(self._ids)}"
+        responder = Responder(request, request_id)
+        try:
+            speech = self.runtime.parse_request(request_inputs(request, self.input_names))
+        except ValueError as exc:
+            responder.send_invalid(str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a tokenizer fault must not take down the node
+            responder.send_server_error(exc)
+            return
+        chunker = SpeechChunker(self.runtime.layout, self.runtime.frame_rule)
+        self.pump.register(AudioStream(request_id, responder, chunker, self.runtime.sample_rate,
+                                       num_prompt_tokens=len(speech.prompt_ids)))
+        try:
+            self.engine.add_request(request_id, speech.prompt_ids, speech.params, self.pump.on_output,
+                                    timeout_s=_timeout_s(request))
+        except AdmissionRefused as exc:
+            self.pump.unregister(request_id)
+            responder.send_error(exc.wire_message)
+        except ValueError as exc:
+            self.pump.unregister(request_id)
+            responder.send_invalid(str(exc))
+        except Exception as exc:  # noqa: BLE001
+            self.pump.unregister(request_id)
+            responder.send_server_error(exc)
+
+    def finalize(self) -> None:
+        logger.info("[%s] shutting down", self.model_name)
+        self.metrics.stop()
+        self.engine.shutdown()
+        self.pump.stop()
+
+
+class BLSCodec:
+    """The codec side of the stream edge: one BLS request per call, carrying the step's whole batch."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def decode(self, windows: np.ndarray) -> np.ndarray:
+        tensor = pb_utils.Tensor.from_dlpack(wire.CODEC_WINDOWS, to_dlpack(torch.from_numpy(windows)))
+        request = pb_utils.InferenceRequest(model_name=self.model_name, inputs=[tensor],
+                                            requested_output_names=[wire.CODEC_AUDIO])
+        audio = None
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+            output = pb_utils.get_output_tensor_by_name(response, wire.CODEC_AUDIO)
+            if output is not None:
+                audio = torch.from_dlpack(output.to_dlpack()).to("cpu", copy=True).numpy()
+        if audio is None or len(audio) != len(windows):
+            raise RuntimeError(f"{self.model_name}: expected audio for {len(windows)} windows, got "
+                               f"{None if audio is None else len(audio)}")
+        return audio

@@ -1,0 +1,143 @@
+"""LM tokens -> codec windows -> audio responses, one codec call per step (the StreamEdge of a speech walk).
+
+The engine's loop thread only queues each row's new tokens (`on_output`, inherited from OutputPump). This
+pump drains everything queued, which is one engine step or several when the codec is the slower side,
+feeds each stream's chunker, and sends every window that became ready, across all streams, to the codec
+in ONE call (on Triton a BLS request to the codec component): hops are per step, never per request or per
+token, and the codec sees the whole step's batch. Each stream then gets its audio in play order, as soon
+as it is decoded (several frames per response when it fell behind), and a finished stream's FINAL follows
+its last audio.
+
+Cancellation: the inherited poll drops the stream (its chunker is the stream's codec state, so nothing of
+it is decoded any more), closes the request and cancels it in the engine, which frees its KV pages within
+a step. Errors the engine reports end a stream by the text pump's rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from mstar_common import wire
+from mstar_common.engine.output_pump import LatencySamples, OutputPump, Sink
+from mstar_common.engine.types import FinishReason
+
+logger = logging.getLogger(__name__)
+
+PCM_SCALE = 32767  # float [-1, 1] -> int16, truncating toward zero as the reference does
+
+
+class Chunker(Protocol):
+    """One stream's codec state: tokens in, codec windows out (see families/orpheus/codes.py)."""
+
+    def push(self, token_ids: list[int]) -> np.ndarray: ...
+    def close(self) -> np.ndarray: ...
+
+
+class Codec(Protocol):
+    """`decode(windows [N, ...]) -> audio [N, samples]` float32; one call per step."""
+
+    def decode(self, windows: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(slots=True)
+class AudioStream:
+    request_id: str
+    sink: Sink
+    chunker: Chunker
+    sample_rate: int
+    num_prompt_tokens: int
+    num_completion_tokens: int = 0
+    pending_ids: list[int] = field(default_factory=list)  # tokens not yet reported in a response
+    arrival: float = field(default_factory=time.monotonic)
+    is_audio_started: bool = False
+
+    def outputs(self, audio: np.ndarray, finish: FinishReason | None) -> dict[str, np.ndarray]:
+        pcm = (audio.reshape(-1) * PCM_SCALE).astype(np.int16)
+        token_ids, self.pending_ids = self.pending_ids, []
+        return {
+            wire.AUDIO_CHUNK: pcm,
+            wire.SAMPLE_RATE: np.array([self.sample_rate], dtype=np.int32),
+            wire.TOKEN_IDS: np.asarray(token_ids, dtype=np.int32),
+            wire.FINISH_REASON: np.array([(finish.value if finish else "").encode()], dtype=np.object_),
+            wire.PROMPT_TOKENS: np.array([self.num_prompt_tokens], dtype=np.int32),
+            wire.COMPLETION_TOKENS: np.array([self.num_completion_tokens], dtype=np.int32),
+        }
+
+
+class SpeechLatency(LatencySamples):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_audio: deque[float] = deque(maxlen=self.MAX_SAMPLES)  # arrival -> first audio sent, seconds
+
+
+@dataclass(slots=True)
+class _Ready:
+    stream: AudioStream
+    finish: FinishReason | None
+    windows: np.ndarray
+
+
+class CodecPump(OutputPump):
+    def __init__(self, engine: Any, codec: Codec, name: str = "codec-pump") -> None:
+        super().__init__(engine, name=name)
+        self.latency = SpeechLatency()
+        self._codec = codec
+        self.num_codec_calls = 0
+        self.num_windows = 0
+
+    def _deliver(self, merged: dict[str, tuple[list[int], FinishReason | None, str | None]]) -> None:
+        ready: list[_Ready] = []
+        for request_id, (new_ids, finish, error) in merged.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if error is not None:  # the text pump's rule: a client-facing limit or a server fault
+                super()._deliver({request_id: (new_ids, finish, error)})
+                continue
+            if finish is FinishReason.CANCELLED:  # dropped without decoding what it still held
+                self.unregister(request_id)
+                stream.sink.send_final()
+                continue
+            stream.num_completion_tokens += len(new_ids)
+            stream.pending_ids += new_ids
+            windows = stream.chunker.push(new_ids)
+            if finish is not None:
+                windows = np.concatenate([windows, stream.chunker.close()])
+            if len(windows) or finish is not None:
+                ready.append(_Ready(stream, finish, windows))
+        if ready:
+            self._decode_and_send(ready)
+
+    def _decode_and_send(self, ready: list[_Ready]) -> None:
+        batch = [r.windows for r in ready if len(r.windows)]
+        try:
+            audio = self._codec.decode(np.concatenate(batch)) if batch else np.zeros((0, 0), np.float32)
+        except Exception as exc:  # noqa: BLE001 - the streams of this step end; the pump keeps serving others
+            logger.exception("codec call for %d streams failed", len(ready))
+            for r in ready:
+                self.unregister(r.stream.request_id)
+                if r.finish is None:
+                    self._engine.cancel(r.stream.request_id)
+                r.stream.sink.send_server_error(exc)
+            return
+        if batch:
+            self.num_codec_calls += 1
+            self.num_windows += len(audio)
+        offset = 0
+        for r in ready:
+            chunk, offset = audio[offset:offset + len(r.windows)], offset + len(r.windows)
+            outputs = r.stream.outputs(chunk, r.finish)
+            if len(chunk) and not r.stream.is_audio_started:
+                r.stream.is_audio_started = True
+                self.latency.first_audio.append(time.monotonic() - r.stream.arrival)
+            if r.finish is None:
+                r.stream.sink.send_chunk(outputs)
+                continue
+            self.unregister(r.stream.request_id)
+            r.stream.sink.send_final(outputs)

@@ -1,0 +1,119 @@
+"""The SNAC component's runtime: a batch of 28-token windows in, each window's played frame out.
+
+Windows `[N, 4, 7]` (codes per frame, positions 0..6) are split into the three SNAC levels as the reference
+does (level 0: position 0; level 1: positions 1, 4; level 2: positions 2, 3, 5, 6, frame by frame), decoded
+together and cut to the window's second frame (`samples_per_frame` samples from `LOOKBACK_FRAMES`).
+
+On a GPU the decode of each batch bucket (1, 2, 4, 8, 16, ... up to `max_batch`) is a captured CUDA graph:
+a batch is padded up to its bucket (padding rows decode code 0 and are discarded). Buckets are captured
+largest first and share one memory pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mstar_common.families.orpheus.codes import LOOKBACK_FRAMES, WINDOW_FRAMES
+from mstar_common.families.orpheus.snac import SnacDecoder
+from mstar_common.families.orpheus.tokens import CODEBOOK_SIZE, CODES_PER_FRAME
+
+logger = logging.getLogger(__name__)
+
+LEVEL_POSITIONS = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions feeding SNAC levels 0, 1, 2
+
+
+def window_codes(windows: torch.Tensor) -> list[torch.Tensor]:
+    """`[N, F, 7]` frames -> SNAC codes per level `[N, F]`, `[N, 2F]`, `[N, 4F]` (int64)."""
+    windows = windows.long()
+    # Stacked slices, not list indexing: a list index is a host tensor, which CUDA-graph capture refuses.
+    return [torch.stack([windows[:, :, p] for p in pos], dim=-1).reshape(windows.shape[0], -1)
+            for pos in LEVEL_POSITIONS]
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    buckets = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(buckets) | {max_batch})
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    windows: torch.Tensor  # static input [bucket, 4, 7] int32
+    audio: torch.Tensor  # static output [bucket, samples_per_frame]
+
+
+@dataclass
+class SnacCodec:
+    """The codec contract of `backends/codec_node.py`: `decode(np [N,4,7] int32) -> np [N, S] fp32`, `check`."""
+
+    decoder: SnacDecoder
+    device: torch.device
+    max_batch: int = 64  # windows per decoder run (larger batches run in slices)
+    use_cuda_graphs: bool = False
+    graphs: dict[int, _Graph] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.samples_per_frame = self.decoder.samples_per_code * 4  # 4 finest codes per frame
+        if self.use_cuda_graphs:
+            self.capture()
+
+    @property
+    def sample_rate(self) -> int:
+        return self.decoder.sampling_rate
+
+    def check(self, windows: np.ndarray) -> None:
+        check_windows(windows)
+
+    def decode(self, windows: np.ndarray) -> np.ndarray:
+        check_windows(windows)
+        out = np.empty((windows.shape[0], self.samples_per_frame), dtype=np.float32)
+        for start in range(0, windows.shape[0], self.max_batch):
+            part = torch.from_numpy(np.ascontiguousarray(windows[start:start + self.max_batch]))
+            out[start:start + len(part)] = self._run(part).float().cpu().numpy()
+        return out
+
+    @torch.inference_mode()
+    def _run(self, windows: torch.Tensor) -> torch.Tensor:
+        num = windows.shape[0]
+        bucket = next((b for b in sorted(self.graphs) if b >= num), None)
+        if bucket is None:  # eager
+            return self.played_frames(windows.to(self.device))
+        graph = self.graphs[bucket]
+        graph.windows[:num].copy_(windows, non_blocking=True)
+        graph.windows[num:].zero_()
+        graph.graph.replay()
+        return graph.audio[:num]
+
+    def played_frames(self, windows: torch.Tensor) -> torch.Tensor:
+        """`[N, 4, 7]` windows on the device -> `[N, samples_per_frame]`: each window's second frame."""
+        audio = self.decoder(window_codes(windows))
+        start = LOOKBACK_FRAMES * self.samples_per_frame
+        return audio[:, 0, start:start + self.samples_per_frame]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per bucket, largest first, sharing one memory pool."""
+        pool = None
+        for bucket in sorted(graph_buckets(self.max_batch), reverse=True):
+            windows = torch.zeros((bucket, WINDOW_FRAMES, CODES_PER_FRAME), dtype=torch.int32, device=self.device)
+            for _ in range(2):  # warm up (cuDNN algorithm choice, allocator) outside the graph
+                self.played_frames(windows)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                audio = self.played_frames(windows)
+            pool = graph.pool()
+            self.graphs[bucket] = _Graph(graph, windows, audio)
+        logger.info("[orpheus/snac] captured CUDA graphs for batch buckets %s", sorted(self.graphs))
+
+
+def check_windows(windows: np.ndarray) -> None:
+    """Refuse what the decoder must never see (a caller bug, not a client error: the LM node builds windows)."""
+    if windows.ndim != 3 or windows.shape[1:] != (WINDOW_FRAMES, CODES_PER_FRAME):
+        raise ValueError(f"codes: expected [N, {WINDOW_FRAMES}, {CODES_PER_FRAME}] windows, got {windows.shape}")
+    if windows.size and (windows.min() < 0 or windows.max() >= CODEBOOK_SIZE):
+        raise ValueError(f"codes: SNAC codes must be in [0, {CODEBOOK_SIZE}), got [{windows.min()}, {windows.max()}]")

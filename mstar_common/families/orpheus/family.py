@@ -1,0 +1,138 @@
+"""The Orpheus family: deployment checks and the builders of its two components (`lm`, `snac`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
+from mstar_common.families.base import Family
+from mstar_common.families.orpheus.codes import FRAME_RULES
+from mstar_common.families.orpheus.graph import GRAPH
+from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
+
+logger = logging.getLogger(__name__)
+
+MODEL_KWARGS = {
+    "dtype": "LM weights: float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on gpu)",
+    "codec_dtype": "SNAC weights: float32 | bfloat16 (default float32)",
+    "codec_checkpoint": "SNAC checkpoint dir or cached repo id (default: <checkpoint>/snac)",
+    "codec_noise": "SNAC NoiseBlocks on/off (default: the codec checkpoint's `noise`)",
+    "codec_max_batch": "windows per SNAC run, the largest CUDA-graph bucket (default 64)",
+    "default_max_tokens": "audio-token cap for requests that set no max_tokens (default 1200, ~14 s)",
+    "max_input_tokens": "cap on the tokenized input text (default 1024)",
+    "voices": "the checkpoint's voice names (default: the fine-tuned checkpoints' eight)",
+    "default_voice": "voice for requests that name none (default tara)",
+    "frame_rule": "strict (drop malformed frames) | wrap (random-weight demos and benchmarks only)",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+_POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens")
+
+
+def _builtin(preset: str):
+    def build(out_dir: Path) -> Path:
+        from mstar_common.families.orpheus.tiny import build_orpheus_checkpoint
+
+        return build_orpheus_checkpoint(out_dir, preset)
+
+    return build
+
+
+class OrpheusFamily(Family):
+    name: ClassVar[str] = "orpheus"
+    graph = GRAPH
+    proxy_kind: ClassVar[str] = "speech"
+    builtin_checkpoints: ClassVar[dict[str, Any]] = {"orpheus-tiny": _builtin("tiny"),
+                                                      "orpheus-3b-random": _builtin("3b")}
+
+    def validate_deployment(self, dep: Deployment, source: str) -> None:
+        kw = dep.model_kwargs
+        if unknown := sorted(set(kw) - set(MODEL_KWARGS)):
+            raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {MODEL_KWARGS}")
+        for key, allowed in (("dtype", DTYPES), ("codec_dtype", DTYPES[:2]), ("frame_rule", FRAME_RULES)):
+            if key in kw and kw[key] not in allowed:
+                raise DeploymentError(f"{source}: model_kwargs.{key}: must be one of {list(allowed)}, got {kw[key]!r}")
+        for key in _POSITIVE_INTS:
+            if key in kw and (isinstance(kw[key], bool) or not isinstance(kw[key], int) or kw[key] < 1):
+                raise DeploymentError(f"{source}: model_kwargs.{key}: must be an integer >= 1, got {kw[key]!r}")
+        if "codec_noise" in kw and not isinstance(kw["codec_noise"], bool):
+            raise DeploymentError(f"{source}: model_kwargs.codec_noise: must be true or false")
+        voices = kw.get("voices", list(VOICES))
+        if not isinstance(voices, list) or not voices or not all(isinstance(v, str) and v for v in voices):
+            raise DeploymentError(f"{source}: model_kwargs.voices: must be a non-empty list of names")
+        if kw.get("default_voice", DEFAULT_VOICE) not in voices:
+            raise DeploymentError(f"{source}: model_kwargs.default_voice: {kw.get('default_voice', DEFAULT_VOICE)!r} "
+                                  f"is not one of voices {voices}")
+        check_kv_pool_holds_cap(dep, source)
+
+    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
+        if component == "lm":
+            return _build_lm(dep, checkpoint, device)
+        if component == "snac":
+            return _build_snac(dep, checkpoint, device)
+        raise KeyError(f"orpheus has no component {component!r}")
+
+
+def codec_checkpoint(dep: Deployment, checkpoint: Path) -> Path:
+    from mstar_common.checkpoints import resolve_checkpoint
+
+    spec = dep.model_kwargs.get("codec_checkpoint")
+    if spec is None:
+        path = checkpoint / "snac"
+        if not (path / "config.json").is_file():
+            raise DeploymentError(f"model_kwargs.codec_checkpoint: not set, and {checkpoint.name} has no snac/ "
+                                  "directory (e.g. set it to hubertsiuzdak/snac_24khz)")
+        return path
+    return resolve_checkpoint(spec, OrpheusFamily.builtin_checkpoints)
+
+
+def _build_lm(dep: Deployment, checkpoint: Path, device: str):
+    from transformers import AutoTokenizer
+
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.types import EngineConfig
+    from mstar_common.families.orpheus.llama import load_llama
+    from mstar_common.families.orpheus.lm import AudioTokenLM, OrpheusLMRuntime
+    from mstar_common.families.orpheus.tokens import TokenLayout
+    from mstar_common.repository import model_name
+
+    kw = dep.model_kwargs
+    dtype = kw.get("dtype") or ("float32" if device == "cpu" else "bfloat16")
+    llama, hf_config = load_llama(checkpoint, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    layout = TokenLayout.from_tokenizer(tokenizer, int(hf_config["vocab_size"]))
+    kv = dep.resources.kv_cache
+    config = EngineConfig(
+        num_kv_pages=kv.num_pages, page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
+        max_batch_tokens=dep.resources.max_batch_tokens, max_model_len=dep.resources.max_model_len,
+        dtype=dtype, device=device, max_queue=dep.admission.resolved_max_queue(dep.max_concurrent_requests),
+        queue_timeout_s=dep.admission.queue_timeout_s, request_timeout_s=dep.admission.request_timeout_s,
+    )
+    model = AudioTokenLM(llama, layout.custom_start, layout.vocab_size)
+    engine = AREngine(model, config, eos_token_ids=layout.stop_token_ids, vocab_size=layout.vocab_size)
+    snac_config = json.loads((codec_checkpoint(dep, checkpoint) / "config.json").read_text())
+    logger.info("[orpheus/lm] loaded %s on %s (%s)", checkpoint.name, device, dtype)
+    return OrpheusLMRuntime(
+        engine=engine, tokenizer=tokenizer, layout=layout,
+        voices=tuple(kw.get("voices", VOICES)), default_voice=kw.get("default_voice", DEFAULT_VOICE),
+        max_input_tokens=kw.get("max_input_tokens", 1024), default_max_tokens=kw.get("default_max_tokens", 1200),
+        frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
+        sample_rate=int(snac_config.get("sampling_rate", 24000)),
+    )
+
+
+def _build_snac(dep: Deployment, checkpoint: Path, device: str):
+    import torch
+
+    from mstar_common.families.orpheus.codec import SnacCodec
+    from mstar_common.families.orpheus.snac import load_snac_decoder
+
+    kw = dep.model_kwargs
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kw.get("codec_dtype", "float32")]
+    decoder = load_snac_decoder(codec_checkpoint(dep, checkpoint), dtype=dtype, device=device,
+                                noise=kw.get("codec_noise"))
+    use_graphs = dep.components["snac"].cuda_graphs and device.startswith("cuda")
+    logger.info("[orpheus/snac] loaded on %s (%s), cuda graphs %s", device, dtype, use_graphs)
+    return SnacCodec(decoder, torch.device(device), max_batch=kw.get("codec_max_batch", 64), use_cuda_graphs=use_graphs)

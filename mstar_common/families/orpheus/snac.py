@@ -1,0 +1,203 @@
+"""SNAC 24 kHz decoder (codes -> waveform): the decoder half of `snac.SNAC`, weight norm folded at load.
+
+    codes  level 0 [B, F] · level 1 [B, 2F] · level 2 [B, 4F]            (F frames of 7 codes)
+      └─ per level: codebook row ▸ out_proj (1×1) ▸ repeat ×stride (4, 2, 1) ─ sum ─▶ z [B, 768, 4F]
+    z ─ depthwise conv7 ▸ conv1×1 ─▶ [B, 1024, 4F]
+      ─ 4 × DecoderBlock(snake ▸ transposed conv ↑8/8/4/2 ▸ noise ▸ 3 residual units, dilation 1/3/9)
+      ─ snake ▸ conv7 ▸ tanh ─▶ audio [B, 1, 4F × 512]                    (24 kHz, 2048 samples per frame)
+
+Module names mirror the `snac` package (`quantizer.quantizers.N.*`, `decoder.model.N.*`), so a SNAC checkpoint
+(`config.json` + `pytorch_model.bin` or `*.safetensors`, weight-norm tensors in either the old `weight_g/_v`
+or the parametrization naming) loads by name; its encoder is not read. Only the 24 kHz architecture (no local
+attention) is served.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ARCHITECTURE_KEYS = ("sampling_rate", "encoder_dim", "encoder_rates", "latent_dim", "decoder_dim", "decoder_rates",
+                     "attn_window_size", "codebook_size", "codebook_dim", "vq_strides", "noise", "depthwise")
+SNAC_24KHZ = {  # hubertsiuzdak/snac_24khz (19.8M parameters; the decoder alone is most of them)
+    "sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "latent_dim": None,
+    "decoder_dim": 1024, "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,
+    "codebook_dim": 8, "vq_strides": [4, 2, 1], "noise": True, "depthwise": True,
+}
+
+
+class Snake1d(nn.Module):
+    """`x + sin(alpha x)^2 / alpha`, per channel."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class NoiseBlock(nn.Module):
+    """Adds `randn(B, 1, T) * linear(x)`: the checkpoint's `noise=True` makes every decode draw fresh noise.
+    `is_enabled=False` (a deployment's `codec_noise: false`) keeps the weights, so names still load, and adds
+    nothing."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Conv1d(dim, dim, kernel_size=1, bias=False)
+        self.is_enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_enabled:
+            return x
+        noise = torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
+        return x + noise * self.linear(x)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int, groups: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake1d(dim),
+            nn.Conv1d(dim, dim, kernel_size=7, dilation=dilation, padding=3 * dilation, groups=groups),
+            Snake1d(dim),
+            nn.Conv1d(dim, dim, kernel_size=1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)  # "same" padding: no crop needed
+
+
+def _decoder_block(in_dim: int, out_dim: int, stride: int, noise: bool, groups: int) -> nn.Sequential:
+    layers: list[nn.Module] = [
+        Snake1d(in_dim),
+        nn.ConvTranspose1d(in_dim, out_dim, kernel_size=2 * stride, stride=stride, padding=math.ceil(stride / 2),
+                           output_padding=stride % 2),
+    ]
+    if noise:
+        layers.append(NoiseBlock(out_dim))
+    layers += [ResidualUnit(out_dim, d, groups) for d in (1, 3, 9)]
+    block = nn.Sequential()
+    block.block = nn.Sequential(*layers)  # the package nests each DecoderBlock's layers under `.block`
+    return block
+
+
+class SnacQuantizer(nn.Module):
+    """`ResidualVectorQuantize.from_codes`: sum over levels of the projected codebook rows."""
+
+    def __init__(self, latent_dim: int, codebook_size: int, codebook_dim: int, strides: list[int]) -> None:
+        super().__init__()
+        self.strides = list(strides)
+        self.quantizers = nn.ModuleList()
+        for _ in strides:
+            level = nn.Module()
+            level.codebook = nn.Embedding(codebook_size, codebook_dim)
+            level.out_proj = nn.Conv1d(codebook_dim, latent_dim, kernel_size=1)
+            self.quantizers.append(level)
+
+    def forward(self, codes: list[torch.Tensor]) -> torch.Tensor:
+        z = None
+        for level, stride, code in zip(self.quantizers, self.strides, codes, strict=True):
+            z_i = level.out_proj(level.codebook(code).transpose(1, 2)).repeat_interleave(stride, dim=-1)
+            z = z_i if z is None else z + z_i
+        return z
+
+
+class SnacDecoder(nn.Module):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        config = check_config(config)
+        latent = config["latent_dim"] or config["encoder_dim"] * 2 ** len(config["encoder_rates"])
+        channels, rates, depthwise = config["decoder_dim"], config["decoder_rates"], config["depthwise"]
+        self.sampling_rate = config["sampling_rate"]
+        self.vq_strides = list(config["vq_strides"])
+        self.hop_length = math.prod(rates)
+        self.quantizer = SnacQuantizer(latent, config["codebook_size"], config["codebook_dim"], self.vq_strides)
+        if depthwise:
+            layers: list[nn.Module] = [nn.Conv1d(latent, latent, kernel_size=7, padding=3, groups=latent),
+                                       nn.Conv1d(latent, channels, kernel_size=1)]
+        else:
+            layers = [nn.Conv1d(latent, channels, kernel_size=7, padding=3)]
+        for i, stride in enumerate(rates):
+            out_dim = channels // 2 ** (i + 1)
+            layers.append(_decoder_block(channels // 2**i, out_dim, stride, config["noise"],
+                                         out_dim if depthwise else 1))
+        layers += [Snake1d(out_dim), nn.Conv1d(out_dim, 1, kernel_size=7, padding=3), nn.Tanh()]
+        self.decoder = nn.Module()
+        self.decoder.model = nn.Sequential(*layers)
+
+    @property
+    def samples_per_code(self) -> int:
+        """Samples per code of the finest level (level 2 of 24 kHz SNAC: 512)."""
+        return self.hop_length * self.vq_strides[-1]
+
+    def forward(self, codes: list[torch.Tensor]) -> torch.Tensor:
+        """`snac.SNAC.decode`: codes per level `[B, T_i]` (int64) -> audio `[B, 1, T_0 * stride_0 * hop]`."""
+        return self.decoder.model(self.quantizer(codes))
+
+
+def check_config(config: dict[str, Any]) -> dict[str, Any]:
+    merged = {**SNAC_24KHZ, **{k: v for k, v in config.items() if k in ARCHITECTURE_KEYS}}
+    if unknown := sorted(set(config) - set(ARCHITECTURE_KEYS)):
+        raise ValueError(f"SNAC config.json: unknown key(s) {unknown}")
+    if merged["attn_window_size"] is not None:
+        raise ValueError(f"SNAC config.json attn_window_size={merged['attn_window_size']}: only the 24 kHz "
+                         "architecture (no local attention) is served")
+    return merged
+
+
+def load_snac_decoder(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                      noise: bool | None = None) -> SnacDecoder:
+    """Build the decoder from a SNAC checkpoint directory; `noise=False` turns the checkpoint's NoiseBlocks off."""
+    path = Path(path)
+    model = SnacDecoder(json.loads((path / "config.json").read_text()))
+    if noise is not None:
+        for module in model.modules():
+            if isinstance(module, NoiseBlock):
+                module.is_enabled = noise
+    params = dict(model.named_parameters())
+    state = dict(_fold_weight_norm(_read_state(path)))
+    decoder_state = {k: v for k, v in state.items() if not k.startswith("encoder.") and "in_proj" not in k}
+    missing, unused = sorted(set(params) - set(decoder_state)), sorted(set(decoder_state) - set(params))
+    if missing or unused:
+        raise ValueError(f"SNAC checkpoint {path.name}: missing {missing[:8]}, unused {unused[:8]}")
+    with torch.no_grad():
+        for name, tensor in decoder_state.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"SNAC checkpoint tensor {name}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    bin_path = path / "pytorch_model.bin"
+    if not bin_path.is_file():
+        raise FileNotFoundError(f"SNAC checkpoint {path.name}: no *.safetensors or pytorch_model.bin")
+    return torch.load(bin_path, map_location="cpu", weights_only=True)
+
+
+def _fold_weight_norm(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`g * v / ||v||` (norm over every dim but 0, as `weight_norm(dim=0)`) -> plain `.weight` tensors."""
+    pairs = {".weight_g": ".weight_v", ".parametrizations.weight.original0": ".parametrizations.weight.original1"}
+    for name, tensor in state.items():
+        for g_suffix, v_suffix in pairs.items():
+            if name.endswith(v_suffix):
+                break
+            if name.endswith(g_suffix):
+                base = name[: -len(g_suffix)]
+                yield base + ".weight", torch._weight_norm(state[base + v_suffix], tensor, 0)
+                break
+        else:
+            yield name, tensor

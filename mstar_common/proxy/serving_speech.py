@@ -1,0 +1,258 @@
+"""Speech: POST /v1/audio/speech (OpenAI), GET /v1/audio/voices, and /generate with output_modalities=["audio"].
+
+/v1/audio/speech body: `model`, `input`, `voice`, `response_format` (wav (default) | pcm | flac | mp3 | opus),
+`stream` (extra field: audio bytes sent as they are decoded; wav and pcm only), `stream_format` ("audio" or
+"sse": `speech.audio.delta` events with base64 PCM16, then `speech.audio.done`), and the sampling knobs as
+extra fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, ignore_eos). `speed`
+other than 1 and `instructions` are refused (Orpheus takes emotion tags inline in `input`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
+from mstar_common.proxy import protocol
+from mstar_common.proxy.errors import from_exception, invalid_request
+from mstar_common.proxy.serving_common import ServingContext, until_disconnect
+from mstar_common.proxy.sse import SSEResponse, sse_body
+from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit; the entry model also caps the input's tokens
+FORMATS = {  # response_format -> (soundfile format, subtype, media type); pcm is raw PCM16 LE
+    "wav": ("WAV", "PCM_16", "audio/wav"),
+    "flac": ("FLAC", "PCM_16", "audio/flac"),
+    "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"),
+    "opus": ("OGG", "OPUS", "audio/opus"),
+    "pcm": (None, None, "audio/pcm"),
+}
+STREAM_FORMATS = ("wav", "pcm")
+SPEECH_KINDS = ("speech",)
+
+
+class SpeechRequest(protocol.SamplingFields):
+    model: str | None = None
+    input: str
+    voice: str | None = None
+    response_format: str = "wav"
+    speed: float | None = None
+    instructions: str | None = None
+    stream_format: Literal["audio", "sse"] = "audio"
+    stream: bool = False
+
+
+@dataclass(slots=True)
+class Speech:
+    """A speech stream folded into one result."""
+
+    chunks: list[np.ndarray] = field(default_factory=list)
+    sample_rate: int = 24000
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, response: StreamResponse) -> None:
+        if response.audio is not None and response.audio.size:
+            self.chunks.append(response.audio.astype(np.int16, copy=False))
+        if response.sample_rate:
+            self.sample_rate = response.sample_rate
+        self.token_ids += response.token_ids
+        self.finish_reason = response.finish_reason or self.finish_reason
+        self.prompt_tokens = response.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = response.completion_tokens or self.completion_tokens
+
+    @property
+    def pcm(self) -> np.ndarray:
+        return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return protocol.usage(self.prompt_tokens, self.completion_tokens)
+
+
+def encode_audio(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    container, subtype, _ = FORMATS[fmt]
+    if container is None:
+        return pcm.astype("<i2").tobytes()
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, pcm, sample_rate, format=container, subtype=subtype)
+    return out.getvalue()
+
+
+def streaming_wav_header(sample_rate: int) -> bytes:
+    """A PCM16 mono WAV header whose sizes say 'unknown' (0xFFFFFFFF), for a body of unknown length."""
+    unknown = 0xFFFFFFFF
+    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate,
+            sample_rate * 2, 2, 16) + b"data" + struct.pack("<I", unknown))
+
+
+def _speech_generation(body: SpeechRequest) -> GenerationRequest:
+    if not body.input.strip():
+        raise invalid_request("'input' must not be empty", param="input")
+    if len(body.input) > MAX_INPUT_CHARS:
+        raise invalid_request(f"'input' is {len(body.input)} characters; the limit is {MAX_INPUT_CHARS}", param="input")
+    if body.response_format not in FORMATS:
+        raise invalid_request(f"'response_format' must be one of {list(FORMATS)}, got {body.response_format!r}",
+                              param="response_format")
+    if body.speed not in (None, 1, 1.0):
+        raise invalid_request(f"'speed' is not supported: only 1.0, got {body.speed}", param="speed")
+    if body.instructions:
+        raise invalid_request("'instructions' is not supported: put emotion tags such as <laugh> in 'input'",
+                              param="instructions")
+    if body.stop or body.stop_token_ids:
+        raise invalid_request("'stop' and 'stop_token_ids' do not apply to speech", param="stop")
+    if body.stream and body.stream_format == "audio" and body.response_format not in STREAM_FORMATS:
+        raise invalid_request(f"'stream': response_format must be one of {list(STREAM_FORMATS)} to stream, got "
+                              f"{body.response_format!r}", param="response_format")
+    return body.to_generation(text=body.input, voice=body.voice)
+
+
+@router.post("/v1/audio/speech")
+async def create_speech(body: SpeechRequest, request: Request):
+    ctx: ServingContext = request.app.state.serving
+    served = ctx.resolve(body.model, kinds=SPEECH_KINDS)
+    gen = _speech_generation(body)
+    if body.stream_format == "sse":
+        stream = await ctx.stream(request, served, gen)
+        return SSEResponse(sse_body(_speech_events(stream), ctx.settings.request_timeout_s))
+    if body.stream:
+        stream = await ctx.stream(request, served, gen)
+        return AudioStreamResponse(_audio_bytes(stream, body.response_format), FORMATS[body.response_format][2])
+    speech = await collect(ctx, request, served, gen)
+    return Response(encode_audio(speech.pcm, speech.sample_rate, body.response_format),
+                    media_type=FORMATS[body.response_format][2])
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(request: Request, model: str | None = None):
+    ctx: ServingContext = request.app.state.serving
+    served = ctx.resolve(model, kinds=SPEECH_KINDS)
+    try:
+        params = await ctx.triton.model_parameters(served.triton_model)
+    except Exception as exc:  # noqa: BLE001
+        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+    kwargs = json.loads(params.get("deployment", "{}")).get("model_kwargs", {})
+    return {"model": served.name, "voices": list(kwargs.get("voices", VOICES)),
+            "default_voice": kwargs.get("default_voice", DEFAULT_VOICE)}
+
+
+async def collect(ctx: ServingContext, request: Request, served, gen: GenerationRequest) -> Speech:
+    async def run() -> Speech:
+        speech = Speech()
+        stream = await ctx.stream(request, served, gen)
+        try:
+            async for response in stream:
+                speech.add(response)
+        finally:
+            await stream.aclose()
+        return speech
+
+    try:
+        return await until_disconnect(request, run())
+    except Exception as exc:
+        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+
+
+class AudioStreamResponse(SSEResponse):
+    """Audio bytes as they are decoded; a client that leaves cancels the request at once (as for SSE)."""
+
+    def __init__(self, content: AsyncIterator[bytes], media_type: str):
+        self.media_type = media_type
+        super().__init__(content)
+
+
+async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> AsyncIterator[bytes]:
+    is_started = False
+    try:
+        async for response in stream:
+            if fmt == "wav" and not is_started:
+                yield streaming_wav_header(response.sample_rate or 24000)
+            is_started = True
+            if response.audio is not None and response.audio.size:
+                yield response.audio.astype("<i2").tobytes()
+    except Exception as exc:  # noqa: BLE001 - mid-stream there is no status left to send: end the body
+        from_exception(exc)  # logs a server fault under an error id
+    finally:
+        await stream.aclose()
+
+
+async def _speech_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator[dict[str, Any]]:
+    speech = Speech()
+    try:
+        async for response in stream:
+            speech.add(response)
+            if response.audio is not None and response.audio.size:
+                pcm = response.audio.astype("<i2").tobytes()
+                yield {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
+        yield {"type": "speech.audio.done", "usage": speech.usage}
+    finally:
+        await stream.aclose()
+
+
+# native /generate with output_modalities=["audio"]
+
+
+def generate_generation(req: protocol.GenerateRequest, model: str) -> GenerationRequest:
+    if req.output_modalities not in (None, ["audio"]):
+        raise invalid_request(f"'output_modalities': model '{model}' produces only ['audio'], got "
+                              f"{req.output_modalities}", param="output_modalities")
+    if req.input_modalities not in (None, ["text"]):
+        raise invalid_request(f"'input_modalities': model '{model}' takes only ['text'], got {req.input_modalities}",
+                              param="input_modalities")
+    kw = req.model_kwargs
+    for name in ("messages", "chat_template_kwargs", "enable_thinking", "stop", "stop_token_ids"):
+        if getattr(kw, name):
+            raise invalid_request(f"'model_kwargs.{name}' does not apply to speech", param=f"model_kwargs.{name}")
+    if not (req.text or "").strip():
+        raise invalid_request("'text' is required and must not be empty", param="text")
+    return kw.to_generation(text=req.text, voice=kw.voice)
+
+
+async def generate_speech(request: Request, ctx: ServingContext, served, req: protocol.GenerateRequest):
+    gen = generate_generation(req, served.name)
+    with_ids = req.model_kwargs.return_token_ids
+    if req.streaming:
+        stream = await ctx.stream(request, served, gen)
+        return SSEResponse(sse_body(_generate_events(stream, with_ids), ctx.settings.request_timeout_s))
+    speech = await collect(ctx, request, served, gen)
+    audio = {"format": "wav", "sample_rate": speech.sample_rate,
+             "data": base64.b64encode(encode_audio(speech.pcm, speech.sample_rate, "wav")).decode()}
+    body = {"id": request.state.request_id, "model": served.name, "outputs": {"audio": [audio]},
+            "finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
+    if with_ids:
+        body["token_ids"] = speech.token_ids
+    return body
+
+
+async def _generate_events(stream: AsyncIterator[StreamResponse], with_ids: bool):
+    """{"audio": base64 PCM16, "sample_rate"[, "token_ids"]} per chunk -> {"finish_reason", "usage"}."""
+    speech = Speech()
+    try:
+        async for response in stream:
+            speech.add(response)
+            if response.audio is not None and response.audio.size:
+                event: dict[str, Any] = {"audio": base64.b64encode(response.audio.astype("<i2").tobytes()).decode(),
+                                         "sample_rate": speech.sample_rate}
+                if with_ids:
+                    event["token_ids"] = response.token_ids
+                yield event
+        yield {"finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
+    finally:
+        await stream.aclose()

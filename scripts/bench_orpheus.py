@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Orpheus serving benchmark: first audio, real-time streams, audio-s/s and RTF, against HF generate + snac.
+
+On the H200 (after `source .device/prepare.sh`):
+    python scripts/bench_orpheus.py                     # configs/orpheus_3b_gpu.yaml, builtin:orpheus-3b-random
+CPU smoke (CI): python scripts/bench_orpheus.py --smoke [--triton-url HOST:PORT --checkpoint DIR]
+
+Every request speaks a fixed number of audio tokens (`--tokens`, default 1200: ignore_eos, max_tokens) with the
+reference's sampling (temperature 0.6, top_p 0.8, repetition_penalty 1.3). Random weights almost never put a
+token in the band its frame position needs, so the deployment runs `frame_rule: wrap` (every audio token
+counts; the decode and codec work is what a real checkpoint costs). Per concurrency c (closed batch of c
+streams started together) it reports first audio p50/p90, the streams that stay ahead of real time (playback
+from the first chunk, total stall < 10 ms), audio-s/s across streams and RTF (stream wall time / audio
+seconds). The baseline is HF `generate` (same restriction to the custom rows, same sampling) with the
+reference's SNAC decoding (a 28-token window every 7 tokens, batched across the rows of each step), in the
+same process after the server stops. Results go to --out as JSON and to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 2048
+MAX_STALL_S = 0.010
+TEXT = "Hey there, my name is Tara, and I'm a speech generation model that can sound like a person."
+
+
+@dataclass
+class StreamLog:
+    start: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, samples)
+    error: str | None = None
+
+    @property
+    def audio_s(self) -> float:
+        return sum(n for _, n in self.arrivals) / SAMPLE_RATE
+
+    def stall_s(self) -> float:
+        """Playback from the first chunk: total time the player waits for audio."""
+        if not self.arrivals:
+            return float("inf")
+        clock, stall = self.arrivals[0][0], 0.0
+        for arrival, samples in self.arrivals:
+            stall += max(0.0, arrival - clock)
+            clock = max(clock, arrival) + samples / SAMPLE_RATE
+        return stall
+
+
+@dataclass
+class Result:
+    system: str
+    concurrency: int
+    wall_s: float
+    first_audio_p50_ms: float
+    first_audio_p90_ms: float
+    streams_real_time: int
+    audio_s: float
+    audio_s_per_s: float
+    rtf_p50: float
+    errors: int
+
+
+def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
+    ok = [log for log in logs if log.error is None and log.arrivals]
+    first = [log.arrivals[0][0] * 1e3 for log in ok] or [float("nan")]
+    audio = sum(log.audio_s for log in ok)
+    rtf = [log.arrivals[-1][0] / log.audio_s for log in ok if log.audio_s] or [float("nan")]
+    return Result(system, len(logs), round(wall, 3), round(float(np.percentile(first, 50)), 1),
+                  round(float(np.percentile(first, 90)), 1), sum(log.stall_s() < MAX_STALL_S for log in ok),
+                  round(audio, 2), round(audio / wall, 2), round(float(np.median(rtf)), 3), len(logs) - len(ok))
+
+
+# ---- the served system (tritonclient gRPC streaming, one stream per request) -------------------------------
+
+
+def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog) -> None:
+    import tritonclient.grpc as grpcclient
+
+    from mstar_common import wire
+
+    values = {wire.TEXT_INPUT: (np.array([TEXT.encode()], dtype=np.object_), "BYTES"),
+              "max_tokens": (np.array([tokens], np.int32), "INT32"), "ignore_eos": (np.array([True]), "BOOL"),
+              "seed": (np.array([seed], np.int64), "INT64")}
+    inputs = []
+    for name, (arr, dtype) in values.items():
+        tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+        tensor.set_data_from_numpy(arr)
+        inputs.append(tensor)
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((time.perf_counter(), result, error)))
+    try:
+        client.async_stream_infer(model, inputs, request_id=str(seed), enable_empty_final_response=True)
+        while True:
+            now, result, error = results.get(timeout=600)
+            if error is not None:
+                log.error = str(error)
+                return
+            audio = result.as_numpy(wire.AUDIO_CHUNK)
+            if audio is not None and audio.size:
+                log.arrivals.append((now - log.start, int(audio.size)))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def bench_served(url: str, model: str, concurrency: int, tokens: int) -> Result:
+    start = time.perf_counter()
+    logs = [StreamLog(start) for _ in range(concurrency)]
+    threads = [threading.Thread(target=_stream, args=(url, model, tokens, i, logs[i])) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarize("mstar-triton", logs, time.perf_counter() - start)
+
+
+def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path):
+    from mstar_common.config import deployment_from_dict
+    from mstar_common.launcher import Ports, start_triton, wait_ready
+    from mstar_common.repository import entry_model, render_repository
+    from tests.integration.conftest import free_port
+
+    raw = yaml.safe_load(config.read_text())
+    if checkpoint:
+        raw["checkpoint"] = checkpoint
+        raw["model_kwargs"].pop("codec_checkpoint", None)  # a builtin carries its SNAC in snac/
+    raw["model_kwargs"]["frame_rule"] = "wrap"
+    raw["max_concurrent_requests"] = max(raw.get("max_concurrent_requests", 1), max_concurrency)
+    dep = deployment_from_dict(raw, source=config.name)
+    repo = workdir / "model_repository"
+    for rel, text in render_repository(dep, config.name).items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
+    log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR", workdir)) / "orpheus_tritonserver.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = start_triton(repo, dep, ports, log)
+    wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", proc, 1800, "tritonserver")
+    return proc, f"127.0.0.1:{ports.grpc}", entry_model(dep), dep
+
+
+# ---- the baseline: HF generate + the reference's SNAC window decoding ----------------------------------------
+
+
+def bench_baseline(checkpoint: Path, concurrency: int, tokens: int, device: str) -> Result:
+    import torch
+    from snac import SNAC
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation.streamers import BaseStreamer
+
+    from mstar_common.families.orpheus.tokens import TokenLayout
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).to(device).eval()
+    snac = SNAC.from_pretrained(str(checkpoint / "snac")).to(device).eval()
+    layout = TokenLayout.from_tokenizer(tokenizer, model.config.vocab_size)
+    prompt = torch.tensor([layout.prompt_ids(tokenizer, TEXT, "tara")] * concurrency, device=device)
+
+    class Decoder(BaseStreamer):
+        """The reference's tokens_decoder per row: a window of the last 28 codes every 7th code past 27."""
+
+        def __init__(self) -> None:
+            self.codes = [[] for _ in range(concurrency)]
+            self.is_prompt = True
+
+        def put(self, value):
+            if self.is_prompt:
+                self.is_prompt = False
+                return
+            ready = []
+            for row, token in enumerate(value.reshape(-1).tolist()):
+                index = token - layout.audio_start
+                if 0 <= index < 7 * 4096:
+                    self.codes[row].append(index % 4096)
+                    if len(self.codes[row]) % 7 == 0 and len(self.codes[row]) > 27:
+                        ready.append(row)
+            if ready:
+                w = torch.tensor([self.codes[r][-28:] for r in ready], device=device).reshape(-1, 4, 7)
+                levels = [w[:, :, list(p)].reshape(len(ready), -1) for p in ((0,), (1, 4), (2, 3, 5, 6))]
+                with torch.inference_mode():
+                    snac.decode(levels)[:, 0, 2048:4096].float().cpu()
+                now = time.perf_counter()
+                for r in ready:
+                    logs[r].arrivals.append((now - start, SAMPLES_PER_FRAME))
+
+        def end(self):
+            pass
+
+    def restrict(_ids, scores):
+        scores[:, :layout.custom_start] = float("-inf")
+        return scores
+
+    with torch.inference_mode():  # warm-up (kernels, allocator) outside the timing
+        model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=layout.eot)
+    start = time.perf_counter()
+    logs = [StreamLog(start) for _ in range(concurrency)]
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, temperature=0.6,
+                       top_p=0.8, repetition_penalty=1.3, logits_processor=[restrict], streamer=Decoder(),
+                       pad_token_id=layout.eot)
+    return summarize("hf-generate+snac", logs, time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "orpheus_3b_gpu.yaml")
+    parser.add_argument("--checkpoint", default="builtin:orpheus-3b-random",
+                        help="deployment checkpoint (builtin:... or a dir); the baseline loads the same")
+    parser.add_argument("--triton-url", help="use a server already running this deployment (skip starting one)")
+    parser.add_argument("--model", default="orpheus_lm", help="the Triton entry model (with --triton-url)")
+    parser.add_argument("--tokens", type=int, default=1200)
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--baseline-concurrency", default="1,16,64", help="empty: skip the baseline")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.config, args.tokens, args.warmup = ROOT / "configs" / "orpheus.yaml", 70, 1
+        args.concurrency, args.baseline_concurrency = "1,2", "1"
+        if args.checkpoint.startswith("builtin:orpheus-3b"):
+            args.checkpoint = "builtin:orpheus-tiny"
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    baseline = [int(c) for c in args.baseline_concurrency.split(",") if c]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+    from mstar_common.launcher import stop_process
+
+    checkpoint = resolve_checkpoint(args.checkpoint, get_family("orpheus").builtin_checkpoints)
+    results: list[Result] = []
+    proc, url, model = None, args.triton_url, args.model
+    with tempfile.TemporaryDirectory(prefix="bench-orpheus-") as workdir:
+        try:
+            if not concurrencies:  # baseline only (e.g. under another Python environment)
+                pass
+            elif url is None:
+                proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir))
+            if concurrencies:
+                bench_served(url, model, args.warmup, min(args.tokens, 140))
+            for c in concurrencies:
+                results.append(bench_served(url, model, c, args.tokens))
+                print(json.dumps(asdict(results[-1])), flush=True)
+        finally:
+            stop_process(proc)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for c in baseline:
+        results.append(bench_baseline(checkpoint, c, args.tokens, device))
+        print(json.dumps(asdict(results[-1])), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"tokens": args.tokens, "config": str(args.config), "checkpoint": args.checkpoint, "device": device,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "date": time.strftime("%Y-%m-%d")}
+    args.out.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+    _print_table(results)
+    return 0
+
+
+def _print_table(results: list[Result]) -> None:
+    print(f"{'system':18} {'c':>4} {'first p50 ms':>12} {'real-time':>9} {'audio-s/s':>9} {'RTF p50':>8} {'err':>4}")
+    for r in results:
+        real_time = f"{r.streams_real_time}/{r.concurrency}"
+        print(f"{r.system:18} {r.concurrency:>4} {r.first_audio_p50_ms:>12.1f} {real_time:>9} {r.audio_s_per_s:>9.2f}"
+              f" {r.rtf_p50:>8.3f} {r.errors:>4}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

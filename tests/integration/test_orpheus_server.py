@@ -1,0 +1,281 @@
+"""Orpheus TTS through a real tritonserver (tiny random Llama + tiny random SNAC 24 kHz on the CPU) and the
+proxy: OpenAI speech streaming, 8 concurrent streams, cancellation, SDK, native /generate, and the served
+PCM against the `snac` package decoding the served tokens (tolerance: 1 PCM16 LSB)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import re
+import struct
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+import torch
+import tritonclient.grpc as grpcclient
+import yaml
+
+from mstar import MStarClient
+from mstar_common import wire
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.cli import CONFIGS
+from mstar_common.config import deployment_from_dict
+from mstar_common.families.registry import get_family
+from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
+from mstar_common.repository import entry_model, render_repository
+from tests.integration.conftest import Served, free_port
+
+pytestmark = pytest.mark.server
+SAMPLES_PER_FRAME = 2048
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory) -> Served:
+    root = tmp_path_factory.mktemp("orpheus")
+    dep = deployment_from_dict(yaml.safe_load((CONFIGS / "orpheus.yaml").read_text()), source="orpheus.yaml")
+    previous = os.environ.get("MSTAR_CACHE_DIR")
+    os.environ["MSTAR_CACHE_DIR"] = str(root / "cache")  # the stubs inherit it at start
+    triton = proxy = None
+    try:
+        checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+        repo = root / "model_repository"
+        for rel, text in render_repository(dep, "orpheus.yaml").items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+        triton = start_triton(repo, dep, ports, root / "tritonserver.log")
+        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, 240, "tritonserver")
+        proxy = start_proxy(dep, entry_model(dep), ports, root / "proxy.log")
+        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
+        yield Served(dep, ports, checkpoint, entry_model(dep), root)
+    except Exception:
+        for log in ("tritonserver.log", "proxy.log"):
+            if (root / log).is_file():
+                print(f"----- {log} -----\n{(root / log).read_text()[-6000:]}")
+        raise
+    finally:
+        stop_process(proxy)
+        stop_process(triton)
+        if previous is None:
+            os.environ.pop("MSTAR_CACHE_DIR", None)
+        else:
+            os.environ["MSTAR_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="module")
+def oai(tts):
+    return openai.OpenAI(base_url=tts.proxy_url + "/v1", api_key="none", max_retries=0)
+
+
+def _metric(tts, name: str) -> float:
+    text = urllib.request.urlopen(tts.metrics_url, timeout=5).read().decode()
+    values = [float(v) for v in re.findall(rf'^{name}{{[^}}]*model="orpheus_lm"[^}}]*}} (\S+)$', text, re.M)]
+    assert values, f"{name} not exported"
+    return sum(values)
+
+
+@dataclass
+class Heard:
+    pcm: list[np.ndarray] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str | None = None
+
+
+def _speak(tts, request_id: str, **values) -> Heard:
+    """One request on a tritonclient gRPC stream; PCM chunks as they come."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(tts.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = []
+    for name, value in values.items():
+        if name in (wire.TEXT_INPUT, wire.VOICE):
+            arr, dtype = np.array([value.encode()], dtype=np.object_), "BYTES"
+        else:
+            dtype, np_dtype = wire.SAMPLING_INPUTS[name]
+            arr = np.array([value], dtype=np_dtype)
+        tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+        tensor.set_data_from_numpy(arr)
+        inputs.append(tensor)
+    heard = Heard()
+    try:
+        client.async_stream_infer(tts.entry, inputs, request_id=request_id, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                heard.error = str(error)
+                return heard
+            if result.as_numpy(wire.AUDIO_CHUNK) is not None:
+                heard.pcm.append(result.as_numpy(wire.AUDIO_CHUNK))
+                heard.token_ids += result.as_numpy(wire.TOKEN_IDS).tolist()
+                heard.finish_reason = result.as_numpy(wire.FINISH_REASON)[0].decode() or heard.finish_reason
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return heard
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _reference_pcm(checkpoint, token_ids: list[int], audio_start: int) -> np.ndarray:
+    """The `snac` package decoding the served tokens: `wrap` codes, 28-token windows, edges repeated."""
+    from snac import SNAC
+
+    snac = SNAC.from_pretrained(str(checkpoint / "snac")).eval()
+    codes = [(t - audio_start) % 4096 for t in token_ids if audio_start <= t < audio_start + 7 * 4096]
+    frames = np.array(codes[: len(codes) // 7 * 7]).reshape(-1, 7)
+    out = []
+    for f in range(len(frames)):
+        w = frames[[min(max(i, 0), len(frames) - 1) for i in range(f - 1, f + 3)]]
+        levels = [torch.tensor(w[:, list(p)].reshape(1, -1)) for p in ((0,), (1, 4), (2, 3, 5, 6))]
+        with torch.inference_mode():
+            audio = snac.decode(levels)[0, 0, SAMPLES_PER_FRAME:2 * SAMPLES_PER_FRAME].numpy()
+        out.append((audio * 32767).astype(np.int16))
+    return np.concatenate(out)
+
+
+def test_served_pcm_equals_snac_decoding_the_served_tokens(tts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    heard = _speak(tts, "parity", text_input="Hello there", voice="tara", max_tokens=56, temperature=0.0,
+                   ignore_eos=True)
+    assert heard.error is None and heard.finish_reason == "length" and len(heard.token_ids) == 56
+    tokenizer = AutoTokenizer.from_pretrained(str(tts.checkpoint))
+    start = tokenizer.convert_tokens_to_ids("<custom_token_0>")
+    pcm = np.concatenate(heard.pcm)
+    assert pcm.dtype == np.int16 and len(pcm) == 8 * SAMPLES_PER_FRAME
+    want = _reference_pcm(tts.checkpoint, heard.token_ids, start + 10)
+    assert np.abs(pcm.astype(np.int32) - want).max() <= 1
+    # the served greedy tokens are transformers' (custom rows only)
+    model = AutoModelForCausalLM.from_pretrained(str(tts.checkpoint), dtype=torch.float32).eval()
+    prompt = [start + 3, tokenizer.bos_token_id, *tokenizer.encode("tara: Hello there", add_special_tokens=False),
+              tokenizer.convert_tokens_to_ids("<|eot_id|>"), start + 4, start + 5, start + 1]
+
+    def restrict(_ids, scores):
+        scores[:, :start] = float("-inf")
+        return scores
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=56, min_new_tokens=56, do_sample=False,
+                             repetition_penalty=1.3, logits_processor=[restrict])  # the served default penalty
+    assert heard.token_ids == out[0, len(prompt):].tolist()
+
+
+def test_openai_streamed_speech_is_valid_wav_and_pcm(tts, oai):
+    extra = {"stream": True, "max_tokens": 70, "ignore_eos": True, "seed": 5}
+    with oai.audio.speech.with_streaming_response.create(model=tts.dep.name, input="Hi there", voice="leah",
+                                                         response_format="wav", extra_body=extra) as response:
+        assert response.headers["content-type"].startswith("audio/wav")
+        body = b"".join(response.iter_bytes())
+    assert body[:4] == b"RIFF" and body[8:16] == b"WAVEfmt " and body[36:40] == b"data"
+    channels, rate, _, _, bits = struct.unpack("<HIIHH", body[22:36])
+    assert (channels, rate, bits) == (1, 24000, 16)
+    num_frames, rest = divmod(len(body) - 44, SAMPLES_PER_FRAME * 2)
+    assert rest == 0 and num_frames in (9, 10)  # 70 tokens; a sampled marker token (p ~ 1e-3) costs a frame
+    with oai.audio.speech.with_streaming_response.create(model=tts.dep.name, input="Hi there", voice="leah",
+                                                         response_format="pcm", extra_body=extra) as response:
+        pcm = b"".join(response.iter_bytes())
+    def lsb(a: bytes, b: bytes) -> int:  # the codec batches differ between runs: float rounding moves 1 LSB
+        return int(np.abs(np.frombuffer(a, "<i2").astype(np.int32) - np.frombuffer(b, "<i2")).max())
+
+    assert len(pcm) == len(body) - 44 and lsb(pcm, body[44:]) <= 1  # same seed, same audio
+    whole = oai.audio.speech.create(model=tts.dep.name, input="Hi there", voice="leah", response_format="flac",
+                                    extra_body={k: v for k, v in extra.items() if k != "stream"})
+    audio, rate = soundfile.read(io.BytesIO(whole.content), dtype="int16")
+    assert rate == 24000 and len(audio.tobytes()) == len(pcm) and lsb(audio.tobytes(), pcm) <= 1
+
+
+def test_eight_concurrent_streams(tts, oai):
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            with oai.audio.speech.with_streaming_response.create(
+                model=tts.dep.name, input=f"Stream number {i}", voice="tara", response_format="pcm",
+                extra_body={"stream": True, "max_tokens": 42 + 7 * i, "ignore_eos": True, "temperature": 1.0},
+            ) as response:
+                results[i] = b"".join(response.iter_bytes())
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and sorted(results) == list(range(8))
+    for i, pcm in results.items():  # 42 + 7i tokens; a sampled marker token (p ~ 1e-3 each) costs a frame
+        num_frames, rest = divmod(len(pcm), SAMPLES_PER_FRAME * 2)
+        assert rest == 0 and num_frames in (5 + i, 6 + i), (i, len(pcm))
+
+
+def test_cancelled_stream_frees_its_pages_and_codec_state(tts, oai):
+    with oai.audio.speech.with_streaming_response.create(
+        model=tts.dep.name, input="A long story", voice="tara", response_format="pcm",
+        extra_body={"stream": True, "max_tokens": 1200, "ignore_eos": True},
+    ) as response:
+        first = next(response.iter_bytes())
+        assert first
+        assert _metric(tts, "mstar_codec_streams") == 1 and _metric(tts, "mstar_kv_pages_used") > 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if (_metric(tts, "mstar_codec_streams"), _metric(tts, "mstar_kv_pages_used"),
+                _metric(tts, "mstar_kv_pages_reserved")) == (0, 0, 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the cancelled stream still holds KV pages or codec state")
+
+
+def test_sdk_tts_and_native_generate(tts, tmp_path):
+    client = MStarClient(tts.proxy_url)
+    result = client.tts("Hello there", voice="dan", max_tokens=35, ignore_eos=True, return_token_ids=True)
+    path = result.to_wav(tmp_path / "out.wav")
+    audio, rate = soundfile.read(path, dtype="int16")
+    assert rate == 24000 and len(audio) == 5 * SAMPLES_PER_FRAME and len(result.token_ids) == 35
+    body = {"text": "Hi", "output_modalities": ["audio"], "streaming": True,
+            "model_kwargs": {"max_tokens": 21, "ignore_eos": True, "voice": "mia"}}
+    with httpx.stream("POST", tts.proxy_url + "/generate", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+
+
+def test_bad_requests_are_400s_and_voices_are_listed(tts, oai):
+    cases = [({"input": ""}, "'input' must not be empty"),
+             ({"input": "hi", "voice": "bob"}, "available voices: ['tara'"),
+             ({"input": "word " * 400}, "exceeds the limit of 256 tokens"),
+             ({"input": "hi", "response_format": "aac"}, "response_format")]
+    for fields, message in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.audio.speech.create(model=tts.dep.name, **{"voice": "tara", **fields})
+        assert message in str(info.value), (fields, str(info.value))
+    voices = httpx.get(tts.proxy_url + "/v1/audio/voices").json()
+    assert voices["voices"][0] == "tara" and voices["default_voice"] == "tara"
+    with pytest.raises(openai.BadRequestError, match="speech model"):
+        oai.chat.completions.create(model=tts.dep.name, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_bench_script_smoke_mode(tts, tmp_path):
+    """scripts/bench_orpheus.py --smoke against this server (the GPU run starts its own at real shapes)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_orpheus", CONFIGS.parent / "scripts" / "bench_orpheus.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--triton-url", tts.grpc_url, "--checkpoint", str(tts.checkpoint),
+                       "--out", str(out)]) == 0
+    results = {(r["system"], r["concurrency"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {("mstar-triton", 1), ("mstar-triton", 2), ("hf-generate+snac", 1)}
+    served = results[("mstar-triton", 2)]
+    assert served["errors"] == 0 and served["audio_s"] == pytest.approx(2 * 10 * SAMPLES_PER_FRAME / 24000, abs=0.01)
+    assert results[("hf-generate+snac", 1)]["audio_s"] > 0

@@ -1,0 +1,108 @@
+"""The speech stream edge: one codec call per drained step carrying every stream's ready windows, audio in
+play order, FINAL after the last audio, cancellation drops codec state, a codec fault ends only its streams."""
+
+import numpy as np
+
+from mstar_common import wire
+from mstar_common.engine.codec_pump import AudioStream, CodecPump
+from mstar_common.engine.types import FinishReason
+from mstar_common.families.orpheus.codes import SpeechChunker
+from mstar_common.families.orpheus.tokens import CODEBOOK_SIZE, TokenLayout
+
+LAYOUT = TokenLayout(custom_start=1000, vocab_size=1000 + 10 + 7 * 4096, bos=1, eot=2)
+S = 4  # samples per played frame in this fake
+
+
+class FakeCodec:
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def decode(self, windows):
+        self.calls.append(len(windows))
+        if self.fail:
+            raise RuntimeError("codec down")
+        return np.repeat(windows[:, 1, :1].astype(np.float32) / CODEBOOK_SIZE, S, axis=1)  # played frame's code 0
+
+
+class FakeSink:
+    def __init__(self):
+        self.chunks, self.final, self.error, self.is_closed, self.cancelled = [], None, None, False, False
+
+    def send_chunk(self, outputs):
+        self.chunks.append(outputs)
+
+    def send_final(self, outputs=None):
+        self.final, self.is_closed = outputs or {}, True
+
+    def send_error(self, message):
+        self.error, self.is_closed = message, True
+
+    def send_server_error(self, exc):
+        self.error, self.is_closed = str(exc), True
+        return "id"
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class FakeEngine:
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+def frame_tokens(code0, n):
+    return [LAYOUT.audio_start + p * CODEBOOK_SIZE + (code0 + f if p == 0 else 0) for f in range(n) for p in range(7)]
+
+
+def make(codec=None):
+    engine, codec = FakeEngine(), codec or FakeCodec()
+    pump = CodecPump(engine, codec)
+    sinks = {rid: FakeSink() for rid in ("a", "b")}
+    for rid, sink in sinks.items():
+        pump.register(AudioStream(rid, sink, SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
+    return pump, engine, codec, sinks
+
+
+def pcm_codes(outputs):
+    return (outputs[wire.AUDIO_CHUNK][::S].astype(np.float64) * CODEBOOK_SIZE / 32767).round().astype(int).tolist()
+
+
+def test_one_codec_call_per_step_carries_every_ready_stream():
+    pump, _, codec, sinks = make()
+    a, b = frame_tokens(100, 4), frame_tokens(200, 3)
+    pump._deliver({"a": (a[:21], None, None), "b": (b[:20], None, None)})  # a: 3 frames -> 1 window; b: none
+    assert codec.calls == [1] and len(sinks["a"].chunks) == 1 and not sinks["b"].chunks
+    pump._deliver({"a": (a[21:], None, None), "b": (b[20:], None, None)})  # both ready in one step
+    assert codec.calls == [1, 2]
+    assert pcm_codes(sinks["a"].chunks[1]) == [101] and pcm_codes(sinks["b"].chunks[0]) == [200]
+    assert sinks["b"].chunks[0][wire.TOKEN_IDS].tolist() == b  # tokens ride with the next audio
+
+
+def test_finish_flushes_the_tail_then_sends_final_once():
+    pump, _, codec, sinks = make()
+    tokens = frame_tokens(10, 3)
+    pump._deliver({"a": (tokens, FinishReason.STOP, None)})
+    assert codec.calls == [3] and not sinks["a"].chunks
+    final = sinks["a"].final
+    assert pcm_codes(final) == [10, 11, 12] and final[wire.FINISH_REASON][0] == b"stop"
+    assert final[wire.COMPLETION_TOKENS][0] == 21 and pump.num_streams == 1  # "b" still live
+    assert len(pump.latency.first_audio) == 1
+
+
+def test_cancelled_stream_is_dropped_without_decoding():
+    pump, engine, codec, sinks = make()
+    pump._deliver({"a": (frame_tokens(1, 2), None, None)})
+    sinks["a"].cancelled = True
+    pump._poll_cancellations()
+    assert engine.cancelled == ["a"] and pump.num_streams == 1 and sinks["a"].is_closed
+    pump._deliver({"a": ([], FinishReason.CANCELLED, None)})  # the engine's report arrives a step later
+    assert codec.calls == []
+
+
+def test_codec_fault_ends_its_streams_and_cancels_them_in_the_engine():
+    pump, engine, _, sinks = make(FakeCodec(fail=True))
+    pump._deliver({"a": (frame_tokens(1, 3), None, None)})
+    assert "codec down" in sinks["a"].error and engine.cancelled == ["a"] and pump.num_streams == 1

@@ -1,0 +1,103 @@
+"""The Orpheus LM component: greedy audio tokens equal transformers on a tiny random Llama (custom-token
+restriction applied to the reference logits too), the head's text rows are -inf, and request refusals."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+from mstar_common import wire
+from mstar_common.cli import CONFIGS
+from mstar_common.config import load_deployment
+from mstar_common.engine.types import SamplingParams
+from mstar_common.families.orpheus.family import OrpheusFamily
+from mstar_common.families.orpheus.tiny import build_orpheus_checkpoint
+
+TEXTS = ["Hello there, how are you?", "a", "The quick brown fox jumps over the lazy dog"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    checkpoint = build_orpheus_checkpoint(tmp_path_factory.mktemp("orpheus") / "tiny")
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    return OrpheusFamily().build_component("lm", dep, checkpoint, "cpu"), checkpoint
+
+
+def _run(engine, requests):
+    out = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params, lambda r, t, f, e: out[r].extend(t))
+    while engine.step():
+        pass
+    return out
+
+
+def test_greedy_audio_tokens_equal_transformers_with_the_restriction(runtime):
+    rt, checkpoint = runtime
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    start = rt.layout.custom_start
+
+    def restrict(_ids, scores):
+        scores[:, :start] = float("-inf")
+        return scores
+
+    prompts = {f"r{i}": rt.layout.prompt_ids(rt.tokenizer, text, "tara") for i, text in enumerate(TEXTS)}
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    got = _run(rt.engine, {rid: (p, greedy) for rid, p in prompts.items()})  # all three batched together
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                      logits_processor=LogitsProcessorList([restrict]),
+                                      eos_token_id=rt.layout.stop_token_ids)
+        assert got[rid] == want[0, len(prompt):].tolist(), rid
+        assert all(t >= start for t in got[rid])
+
+
+def test_head_computes_custom_rows_and_sampling_stays_in_them(runtime):
+    rt, _ = runtime
+    model, layout = rt.engine.runner.model, rt.layout
+    hidden = torch.randn(3, model.lm.model.embed_tokens.weight.shape[1])
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (3, layout.vocab_size) and logits.dtype == torch.float32
+    assert torch.isinf(logits[:, :layout.custom_start]).all() and torch.isfinite(logits[:, layout.custom_start:]).all()
+    full = model.lm.lm_head(hidden).float()
+    torch.testing.assert_close(logits[:, layout.custom_start:], full[:, layout.custom_start:])
+    prompt = layout.prompt_ids(rt.tokenizer, "hi", "leo")
+    params = SamplingParams(max_tokens=30, temperature=1.5, top_p=1.0, seed=7, ignore_eos=True)
+    tokens = _run(rt.engine, {"s": (prompt, params)})["s"]
+    assert len(tokens) == 30 and min(tokens) >= layout.custom_start
+
+
+def _inputs(text=None, **values):
+    inputs = {} if text is None else {wire.TEXT_INPUT: np.array([text.encode()], dtype=object)}
+    for name, value in values.items():
+        if name == wire.VOICE:
+            inputs[name] = np.array([value.encode()], dtype=object)
+        else:
+            dtype = wire.SAMPLING_INPUTS[name][1]
+            inputs[name] = np.array([value], dtype=dtype)
+    return inputs
+
+
+def test_parse_applies_the_reference_sampling_defaults(runtime):
+    rt, _ = runtime
+    speech = rt.parse_request(_inputs("Hello", voice="zoe", seed=3))
+    assert speech.voice == "zoe" and speech.params.seed == 3
+    assert (speech.params.temperature, speech.params.top_p) == pytest.approx((0.6, 0.8))
+    assert speech.params.repetition_penalty == pytest.approx(1.3) and speech.params.max_tokens == 1200
+    assert speech.prompt_ids[-1] == rt.layout.marker(1)  # start_of_speech
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    (_inputs(None), "text_input: required"),
+    (_inputs("   "), "text_input: must not be empty"),
+    (_inputs("hi", voice="bob"), "voice: unknown voice 'bob'; available voices: ['tara'"),
+    (_inputs("word " * 300), "exceeds the limit of 256 tokens"),
+    (_inputs("hi", max_tokens=5000), "max_tokens: 5000"),
+    (_inputs("hi", temperature=-1.0), "temperature"),
+])
+def test_bad_requests_are_refused_naming_the_field(runtime, inputs, message):
+    rt, _ = runtime
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        rt.parse_request(inputs)

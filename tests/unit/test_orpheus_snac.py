@@ -1,0 +1,137 @@
+"""The SNAC component against the `snac` package's decoder, on the same random 24 kHz weights.
+
+Tolerance: max |diff| <= 1e-5 on the float waveform (tanh output in [-1, 1]); measured 0.0 on this CPU.
+Windows follow the chunk policy stated in families/orpheus/codes.py; the reference pipeline below rebuilds
+it from the `snac` package alone.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_common.families.orpheus.codec import SnacCodec, window_codes
+from mstar_common.families.orpheus.codes import SpeechChunker
+from mstar_common.families.orpheus.snac import SNAC_24KHZ, load_snac_decoder
+from mstar_common.families.orpheus.tokens import CODEBOOK_SIZE, TokenLayout
+
+snac = pytest.importorskip("snac")
+ATOL = 1e-5
+SAMPLES_PER_FRAME = 2048
+
+
+def _save(tmp_path, config, seed, old_naming=False):
+    torch.manual_seed(seed)
+    model = snac.SNAC(**config).eval()
+    state = model.state_dict()
+    if old_naming:  # the published checkpoint's `weight_g`/`weight_v` (torch.nn.utils.weight_norm) names
+        state = {k.replace(".parametrizations.weight.original0", ".weight_g")
+                  .replace(".parametrizations.weight.original1", ".weight_v"): v for k, v in state.items()}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    return model
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The real 24 kHz architecture (19.8M parameters), noise off."""
+    path = tmp_path_factory.mktemp("snac24")
+    reference = _save(path, {**SNAC_24KHZ, "noise": False}, seed=0, old_naming=True)
+    return reference, SnacCodec(load_snac_decoder(path), torch.device("cpu"), max_batch=8)
+
+
+def _reference_window(reference, window: np.ndarray) -> np.ndarray:
+    """The reference's convert_to_audio on one 28-token window: decode, keep samples 2048:4096."""
+    frame = window.reshape(-1)
+    codes = [torch.tensor([[frame[7 * j] for j in range(4)]]),
+             torch.tensor([[frame[7 * j + k] for j in range(4) for k in (1, 4)]]),
+             torch.tensor([[frame[7 * j + k] for j in range(4) for k in (2, 3, 5, 6)]])]
+    with torch.inference_mode():
+        return reference.decode(codes)[0, 0, 2048:4096].numpy()
+
+
+def test_decoder_equals_snac_decode(full):
+    reference, codec = full
+    codes = [torch.randint(0, CODEBOOK_SIZE, (2, 4 * s)) for s in (1, 2, 4)]
+    with torch.inference_mode():
+        want, got = reference.decode(codes), codec.decoder(codes)
+    assert got.shape == want.shape == (2, 1, 4 * 4 * 512)
+    assert (got - want).abs().max().item() <= ATOL
+
+
+def test_each_window_equals_the_reference_window(full):
+    reference, codec = full
+    windows = np.random.default_rng(1).integers(0, CODEBOOK_SIZE, size=(2, 4, 7)).astype(np.int32)
+    got = codec.decode(windows)
+    assert got.shape == (2, SAMPLES_PER_FRAME) and got.dtype == np.float32
+    for row in range(2):
+        np.testing.assert_allclose(got[row], _reference_window(reference, windows[row]), atol=ATOL, rtol=0)
+
+
+def test_a_whole_stream_equals_the_reference_pipeline(full):
+    """Tokens of 4 frames through the chunker and the batched codec == per-frame reference decodes (both edges)."""
+    reference, codec = full
+    layout = TokenLayout(custom_start=100, vocab_size=100 + 10 + 7 * CODEBOOK_SIZE, bos=1, eot=2)
+    frames = np.random.default_rng(2).integers(0, CODEBOOK_SIZE, size=(4, 7))
+    tokens = [layout.audio_start + pos * CODEBOOK_SIZE + int(c) for f in frames for pos, c in enumerate(f)]
+    chunker = SpeechChunker(layout)
+    audio = np.concatenate([codec.decode(w) for w in (chunker.push(tokens[:22]), chunker.push(tokens[22:]),
+                                                        chunker.close()) if len(w)])
+    expected = []
+    for f in range(4):  # window [f-1, f, f+1, f+2], edges repeating the nearest frame
+        idx = [min(max(i, 0), 3) for i in range(f - 1, f + 3)]
+        expected.append(_reference_window(reference, frames[idx]))
+    np.testing.assert_allclose(audio.reshape(-1), np.concatenate(expected), atol=ATOL, rtol=0)
+
+
+def test_noise_blocks_match_under_the_same_seed(tmp_path):
+    config = {**SNAC_24KHZ, "decoder_dim": 64, "encoder_dim": 8}  # noise=True as the published checkpoint
+    reference = _save(tmp_path, config, seed=3)
+    ours = load_snac_decoder(tmp_path)
+    codes = [torch.randint(0, CODEBOOK_SIZE, (2, 4 * s)) for s in (1, 2, 4)]
+    with torch.inference_mode():
+        torch.manual_seed(9)
+        want = reference.decode(codes)
+        torch.manual_seed(9)
+        got = ours(codes)
+    assert (got - want).abs().max().item() <= ATOL
+    quiet = load_snac_decoder(tmp_path, noise=False)  # the override silences the NoiseBlocks
+    with torch.inference_mode():
+        torch.manual_seed(1)
+        first = quiet(codes)
+        torch.manual_seed(2)
+        assert torch.equal(quiet(codes), first)
+
+
+def test_window_codes_split_frames_like_the_reference():
+    window = torch.arange(28).reshape(1, 4, 7)
+    level0, level1, level2 = window_codes(window)
+    assert level0.tolist() == [[0, 7, 14, 21]]
+    assert level1.tolist() == [[1, 4, 8, 11, 15, 18, 22, 25]]
+    assert level2[0, :4].tolist() == [2, 3, 5, 6]
+
+
+def test_bad_windows_are_refused(full):
+    _, codec = full
+    with pytest.raises(ValueError, match=r"\[N, 4, 7\]"):
+        codec.check(np.zeros((2, 3, 7), np.int32))
+    with pytest.raises(ValueError, match="4096"):
+        codec.check(np.full((1, 4, 7), 4096, np.int32))
+
+
+def test_a_non_24khz_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**SNAC_24KHZ, "attn_window_size": 32}))
+    with pytest.raises(ValueError, match="24 kHz"):
+        load_snac_decoder(tmp_path)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_buckets_equal_eager(full):
+    reference, _ = full
+    cpu = full[1]
+    codec = SnacCodec(cpu.decoder.to("cuda"), torch.device("cuda"), max_batch=16, use_cuda_graphs=True)
+    windows = np.random.default_rng(4).integers(0, CODEBOOK_SIZE, size=(11, 4, 7)).astype(np.int32)
+    eager = codec.played_frames(torch.from_numpy(windows).cuda()).cpu().numpy()
+    np.testing.assert_allclose(codec.decode(windows), eager, atol=1e-4, rtol=0)
+    assert sorted(codec.graphs) == [1, 2, 4, 8, 16]

@@ -1,0 +1,91 @@
+"""/v1/audio/speech, /v1/audio/voices and /generate audio against a fake Triton: fields, formats, refusals."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import soundfile
+from fastapi.testclient import TestClient
+
+from mstar_common import wire
+from mstar_common.proxy.app import ServedModel
+from mstar_common.proxy.triton_stream import StreamResponse
+from tests.unit.proxy_fake_triton import FakeTriton, make_app
+
+PCM = [np.arange(4, dtype=np.int16), np.arange(4, 10, dtype=np.int16)]
+
+
+def speech_script():
+    return [StreamResponse(audio=PCM[0], sample_rate=24000, token_ids=[1, 2], prompt_tokens=7, completion_tokens=2),
+            StreamResponse(audio=PCM[1], sample_rate=24000, token_ids=[3], finish_reason="length", prompt_tokens=7,
+                           completion_tokens=3),
+            StreamResponse(is_final=True)]
+
+
+def client():
+    fake = FakeTriton(script=speech_script())
+    app, fake = make_app(fake, models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+    return TestClient(app), fake
+
+
+def test_whole_wav_and_the_fields_sent():
+    http, fake = client()
+    reply = http.post("/v1/audio/speech", json={"model": "orpheus", "input": "hi", "voice": "leo", "seed": 3,
+                                                "temperature": 0.5, "max_tokens": 99})
+    assert reply.status_code == 200 and reply.headers["content-type"] == "audio/wav"
+    audio, rate = soundfile.read(io.BytesIO(reply.content), dtype="int16")
+    assert rate == 24000 and audio.tolist() == list(range(10))
+    tensors = fake.requests[0].tensors
+    assert tensors[wire.VOICE][2].tolist() == [b"leo"] and tensors[wire.TEXT_INPUT][2].tolist() == [b"hi"]
+    assert tensors["seed"][2].tolist() == [3] and tensors["max_tokens"][2].tolist() == [99]
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
+def test_compressed_formats(fmt):
+    http, _ = client()
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": fmt})
+    assert reply.status_code == 200 and len(reply.content) > 0
+
+
+def test_streamed_pcm_and_sse():
+    http, _ = client()
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm", "stream": True})
+    assert reply.content == np.arange(10, dtype="<i2").tobytes()
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse"})
+    events = [line for line in reply.text.splitlines() if line.startswith("data:")]
+    assert '"speech.audio.delta"' in events[0] and '"speech.audio.done"' in events[-2] and events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"input": ""}, "'input' must not be empty"),
+    ({"input": "x" * 5000}, "the limit is 4096"),
+    ({"input": "hi", "response_format": "aac"}, "response_format"),
+    ({"input": "hi", "speed": 2.0}, "speed"),
+    ({"input": "hi", "instructions": "whisper"}, "instructions"),
+    ({"input": "hi", "stream": True, "response_format": "mp3"}, "to stream"),
+    ({"input": "hi", "stop": ["x"]}, "do not apply to speech"),
+    ({"input": "hi", "top_p": 0}, "top_p"),
+])
+def test_refusals_name_the_field(body, message):
+    http, fake = client()
+    reply = http.post("/v1/audio/speech", json=body)
+    assert reply.status_code == 400 and message in reply.json()["error"]["message"]
+    assert not fake.requests
+
+
+def test_text_routes_refuse_a_speech_model():
+    http, _ = client()
+    reply = http.post("/v1/chat/completions", json={"model": "orpheus", "messages": [{"role": "user", "content": "x"}]})
+    assert reply.status_code == 400 and "speech model" in reply.json()["error"]["message"]
+
+
+def test_generate_audio_whole_and_streamed():
+    http, _ = client()
+    reply = http.post("/generate", json={"text": "hi", "output_modalities": ["audio"],
+                                         "model_kwargs": {"voice": "mia", "return_token_ids": True}})
+    body = reply.json()
+    audio, rate = soundfile.read(io.BytesIO(base64.b64decode(body["outputs"]["audio"][0]["data"])), dtype="int16")
+    assert audio.tolist() == list(range(10)) and body["token_ids"] == [1, 2, 3] and body["finish_reason"] == "length"
+    reply = http.post("/generate", json={"text": "hi", "output_modalities": ["text"]})
+    assert reply.status_code == 400 and "output_modalities" in reply.json()["error"]["message"]
