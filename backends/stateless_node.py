@@ -1,0 +1,79 @@
+"""Triton node for a stateless component (text encoder, VAE encode, VAE decode): decoupled, batched.
+
+I/O contract: the component's tensors as its family declares them (e.g. flux2_klein/graph.py); one FINAL
+response per request carrying its outputs, or an `invalid_request:` error for input the component refuses.
+
+Threads: `execute` parses each request (a ValueError is refused at once) and hands it to the runtime's engine;
+the engine's loop (one background thread) batches every waiting request of the same shapes into one
+forward and calls back per request, and the callback sends the response through backends/responder.py.
+A request cancelled before its batch runs is dropped unrun.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import torch
+
+from backends.metrics import ComponentMetrics
+from backends.node_setup import load_node
+from backends.responder import Responder, request_inputs
+from mstar_common.diffusion.batcher import Cancelled
+
+logger = logging.getLogger(__name__)
+
+
+class ComponentNode:
+    KIND = "stateless"
+
+    def initialize(self, args: dict) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup = load_node(args, kind=self.KIND)
+        self.model_name = setup.model_name
+        self.input_names = [spec.name for spec in setup.component.inputs]
+        self.runtime = setup.build()  # .submit(request_id, inputs, on_done, is_cancelled); .engine
+        self.runtime.engine.start()
+        self._ids = itertools.count()
+        labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": setup.device}
+        self.metrics = ComponentMetrics(self.runtime.engine, None, labels)  # steps, running, waiting
+        self.metrics.start()
+        logger.info("[%s] ready on %s", self.model_name, setup.device)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def finalize(self) -> None:
+        logger.info("[%s] shutting down", self.model_name)
+        self.metrics.stop()
+        self.runtime.engine.shutdown()
+
+    def _submit(self, request) -> None:
+        responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
+        try:
+            inputs = {name: torch.from_numpy(np.array(value)) for name, value in
+                      request_inputs(request, self.input_names).items()}
+            self.runtime.submit(responder.request_id, inputs, _on_done(responder), responder.is_cancelled)
+        except ValueError as exc:
+            responder.send_invalid(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a fault in one request must not take down the node
+            responder.send_server_error(exc)
+
+
+def _on_done(responder: Responder):
+    def on_done(outputs: dict[str, torch.Tensor] | None, error: BaseException | None) -> None:
+        if isinstance(error, Cancelled):
+            responder.send_error(f"cancelled: {error}")
+        elif error is not None:
+            responder.send_server_error(error)
+        else:
+            responder.send_final({name: np.ascontiguousarray(t.numpy()) for name, t in outputs.items()})
+
+    return on_done
+
+
+class TritonPythonModel(ComponentNode):
+    pass

@@ -1,0 +1,136 @@
+"""The step loop of a stateless component (text encoder, VAE encode/decode): batch whatever is waiting.
+
+`submit()` only enqueues. One background thread takes the oldest waiting item, adds every other waiting item
+with the same batch key (same tensor shapes) in arrival order up to `max_rows` rows, runs them as one batch
+and hands each item its own result. Items of other keys wait for the next turn, still in arrival order, so
+no shape starves. A request cancelled before its turn is dropped without running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+OnDone = Callable[[Any, BaseException | None], None]
+
+
+class Cancelled(Exception):
+    """The request was cancelled before its result was ready."""
+
+
+@dataclass(slots=True)
+class WorkItem:
+    request_id: str
+    payload: Any
+    key: Hashable
+    num_rows: int
+    on_done: OnDone
+    is_cancelled: Callable[[], bool]
+
+
+class BatchingEngine:
+    """`run_batch(payloads) -> results` (one per payload, in order) on batches of equal `key_of(payload)`."""
+
+    def __init__(self, name: str, run_batch: Callable[[list[Any]], list[Any]], *, max_rows: int,
+                 key_of: Callable[[Any], Hashable] = lambda _: None, rows_of: Callable[[Any], int] = lambda _: 1):
+        if max_rows < 1:
+            raise ValueError(f"{name}: max_rows must be >= 1, got {max_rows}")
+        self.name = name
+        self.max_rows = max_rows
+        self._run_batch, self._key_of, self._rows_of = run_batch, key_of, rows_of
+        self._waiting: deque[WorkItem] = deque()
+        self._cond = threading.Condition()
+        self._is_stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
+        self.num_batches = 0
+        self.num_rows_run = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._is_stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, request_id: str, payload: Any, on_done: OnDone,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        rows = self._rows_of(payload)
+        if rows > self.max_rows:
+            raise ValueError(f"{self.name}: a request of {rows} rows exceeds the batch limit of {self.max_rows}")
+        item = WorkItem(request_id, payload, self._key_of(payload), rows, on_done, is_cancelled)
+        with self._cond:
+            if self._is_stopped:
+                raise RuntimeError(f"{self.name} is shut down")
+            self._waiting.append(item)
+            self._cond.notify()
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            waiting = len(self._waiting)
+        # num_steps: batched forwards run (the metrics' step counter); num_rows_run / num_steps: mean batch
+        return {"num_waiting": waiting, "num_steps": self.num_batches, "num_rows_run": self.num_rows_run}
+
+    # the loop
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._run(batch)
+
+    def _next_batch(self) -> list[WorkItem] | None:
+        with self._cond:
+            while not self._waiting and not self._is_stopped:
+                self._cond.wait()
+            if self._is_stopped:
+                for item in self._waiting:
+                    _finish(item, None, Cancelled("the component is shutting down"))
+                self._waiting.clear()
+                return None
+            key = self._waiting[0].key
+            batch, rest, rows = [], deque(), 0
+            for item in self._waiting:
+                if item.key == key and rows + item.num_rows <= self.max_rows:
+                    batch.append(item)
+                    rows += item.num_rows
+                else:
+                    rest.append(item)
+            self._waiting = rest
+        return batch
+
+    def _run(self, batch: list[WorkItem]) -> None:
+        live = []
+        for item in batch:
+            if item.is_cancelled():
+                _finish(item, None, Cancelled(f"{item.request_id} cancelled"))
+            else:
+                live.append(item)
+        if not live:
+            return
+        try:
+            results = self._run_batch([item.payload for item in live])
+        except Exception as exc:  # noqa: BLE001 - a fault fails this batch's requests, never the loop
+            logger.exception("[%s] batch of %d failed", self.name, len(live))
+            for item in live:
+                _finish(item, None, exc)
+            return
+        self.num_batches += 1
+        self.num_rows_run += sum(item.num_rows for item in live)
+        for item, result in zip(live, results, strict=True):
+            _finish(item, result, None)
+
+
+def _finish(item: WorkItem, result: Any, error: BaseException | None) -> None:
+    try:
+        item.on_done(result, error)
+    except Exception:  # noqa: BLE001 - a failing callback must not stop the loop
+        logger.exception("result callback of %s failed", item.request_id)

@@ -1,0 +1,109 @@
+"""Captured CUDA graphs of one denoise step (transformer forward + Euler update), one per (layout, batch) bucket.
+
+A bucket owns static input buffers (latents, prompt embeddings, reference tokens, timesteps, step sizes) in one
+named dict and the output the captured graph writes. A step of `b` rows picks the smallest captured batch
+`B >= b` of its layout, copies its rows into the first `b` slots (the other slots keep stale, finite data:
+rows never mix, so they cannot leak into real rows), replays, and returns a copy of the first `b` rows.
+Buckets are captured largest first and share one memory pool. Layouts or batches without a bucket run eager.
+
+`capture=False` builds the same buckets with an eager "replay" over the static buffers, which lets the CPU
+tests check the bucket plumbing against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[..., torch.Tensor]  # step_fn(latents, prompt_embeds, ref_tokens, timesteps, dts) -> latents
+
+
+@dataclass(frozen=True, slots=True)
+class StepShapes:
+    """Per-row shapes of one layout's step inputs."""
+
+    num_tokens: int  # output image tokens
+    channels: int  # latent token channels
+    num_text: int  # text tokens
+    text_dim: int  # prompt-embedding width
+    num_ref_tokens: int = 0
+
+
+class _Bucket:
+    def __init__(self, step_fn: StepFn, shapes: StepShapes, batch: int, dtype: torch.dtype, device: torch.device,
+                 capture: bool, pool) -> None:
+        self.batch = batch
+        zeros = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        self.static = {
+            "latents": zeros(batch, shapes.num_tokens, shapes.channels),
+            "prompt_embeds": zeros(batch, shapes.num_text, shapes.text_dim),
+            "ref_tokens": zeros(batch, shapes.num_ref_tokens, shapes.channels) if shapes.num_ref_tokens else None,
+            "timesteps": torch.full((batch,), 1000.0, dtype=torch.float32, device=device),
+            "dts": torch.zeros(batch, dtype=torch.float32, device=device),
+        }
+        self._step_fn = step_fn
+        self._graph = None
+        self.out = self._capture(pool) if capture else None
+
+    def _capture(self, pool) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up allocator and kernels off the capture
+                self._step_fn(**self.static)
+        torch.cuda.current_stream().wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph, pool=pool):
+            out = self._step_fn(**self.static)
+        return out
+
+    def run(self, latents: torch.Tensor, prompt_embeds: torch.Tensor, ref_tokens: torch.Tensor | None,
+            timesteps: torch.Tensor, dts: torch.Tensor) -> torch.Tensor:
+        rows = latents.shape[0]
+        for name, value in (("latents", latents), ("prompt_embeds", prompt_embeds), ("ref_tokens", ref_tokens),
+                            ("timesteps", timesteps), ("dts", dts)):
+            if value is not None:
+                self.static[name][:rows].copy_(value)
+        if self._graph is not None:
+            self._graph.replay()
+            return self.out[:rows].clone()
+        return self._step_fn(**self.static)[:rows].clone()
+
+
+class StepGraphs:
+    """Buckets keyed by layout; `run` returns None when no bucket fits (the caller then runs eager)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[Hashable, list[_Bucket]] = {}
+        self.num_replays = 0
+
+    def capture(self, step_fns: dict[Hashable, tuple[StepFn, StepShapes]], batches: list[int], *,
+                dtype: torch.dtype, device: torch.device, capture: bool = True) -> None:
+        """Build a bucket per layout × batch size, largest batches first, sharing one graph memory pool."""
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        for layout, (step_fn, shapes) in step_fns.items():
+            buckets = [_Bucket(step_fn, shapes, batch, dtype, device, capture, pool)
+                       for batch in sorted(set(batches), reverse=True)]
+            self._buckets[layout] = sorted(buckets, key=lambda b: b.batch)
+            logger.info("denoise step %s for layout %s, batch sizes %s", "captured" if capture else "bucketed",
+                        layout, [b.batch for b in self._buckets[layout]])
+
+    def bucket_for(self, layout: Hashable, rows: int) -> _Bucket | None:
+        return next((b for b in self._buckets.get(layout, ()) if b.batch >= rows), None)
+
+    def run(self, layout: Hashable, latents: torch.Tensor, prompt_embeds: torch.Tensor,
+            ref_tokens: torch.Tensor | None, timesteps: torch.Tensor, dts: torch.Tensor) -> torch.Tensor | None:
+        bucket = self.bucket_for(layout, latents.shape[0])
+        if bucket is None:
+            return None
+        self.num_replays += 1
+        return bucket.run(latents, prompt_embeds, ref_tokens, timesteps, dts)
+
+    @property
+    def layouts(self) -> list[Hashable]:
+        return list(self._buckets)

@@ -1,0 +1,314 @@
+"""The four FLUX.2 [klein] components as the Triton nodes run them: parse a request's tensors (refusing bad
+input with a ValueError naming the field), then hand it to the component's engine, which batches across
+requests and calls back with the output tensors (float32 / uint8 on the CPU: the wire format).
+
+Each runtime exposes `engine` (start / submit / shutdown / stats) and `submit(request_id, inputs, on_done,
+is_cancelled)`; `backends/stateless_node.py` and `backends/denoise_node.py` wrap them for Triton, and the
+in-process harness (tests, benchmark) calls them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar_common.diffusion.batcher import BatchingEngine, OnDone
+from mstar_common.diffusion.denoise import DenoiseEngine, DenoiseJob
+from mstar_common.diffusion.step_graphs import StepGraphs, StepShapes
+from mstar_common.families.flux2_klein import graph as g
+from mstar_common.families.flux2_klein.options import TEXT_TOKENS
+from mstar_common.families.flux2_klein.scheduler import FlowSchedulerConfig, flow_schedule
+from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
+from mstar_common.families.flux2_klein.transformer import Flux2Transformer
+from mstar_common.families.flux2_klein.vae import VaeDecoder, VaeEncoder
+from mstar_common.images import check_geometry
+
+Inputs = dict[str, torch.Tensor]
+MAX_SEED = 2**63 - 1
+REF_TIME_SCALE = 10  # reference image i sits at time coordinate 10 + 10 * i
+MAX_CACHED_LAYOUTS = 64  # RoPE tables kept (a captured layout's graph holds its own)
+
+
+def scalar(inputs: Inputs, name: str, default: int | None = None) -> int:
+    if name not in inputs:
+        if default is None:
+            raise ValueError(f"{name}: required")
+        return default
+    value = inputs[name].reshape(-1)
+    if value.numel() != 1:
+        raise ValueError(f"{name}: expected one value, got {value.numel()}")
+    return int(value[0])
+
+
+class _Component:
+    engine: Any
+
+    def parse(self, inputs: Inputs) -> Any:
+        raise NotImplementedError
+
+    def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Parse (a ValueError here is the client's fault) and enqueue; `on_done(outputs, error)` follows."""
+        self.engine.submit(request_id, self.parse(inputs), on_done, is_cancelled)
+
+
+# text encoder
+
+
+class TextEncoderComponent(_Component):
+    def __init__(self, model: Qwen3TapEncoder, device: str, max_batch: int):
+        self.model, self.device = model, torch.device(device)
+        self.vocab_size = model.config.vocab_size
+        self.engine = BatchingEngine("flux2_klein/text_encoder", self.run_batch, max_rows=max_batch)
+
+    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int]:
+        ids = inputs.get(g.INPUT_IDS)
+        if ids is None or ids.numel() != TEXT_TOKENS:
+            raise ValueError(f"{g.INPUT_IDS}: the text encoder takes exactly {TEXT_TOKENS} (padded) ids")
+        if g.TEXT_LEN not in inputs:
+            raise ValueError(f"{g.TEXT_LEN}: the text encoder needs each row's text_len (its number of real "
+                             "tokens before the padding) to mask the padding")
+        text_len = scalar(inputs, g.TEXT_LEN)
+        if not 1 <= text_len <= TEXT_TOKENS:
+            raise ValueError(f"{g.TEXT_LEN}: must be in [1, {TEXT_TOKENS}], got {text_len}")
+        ids = ids.reshape(-1).to(torch.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"{g.INPUT_IDS}: ids must be in [0, {self.vocab_size})")
+        return ids, text_len
+
+    @torch.inference_mode()
+    def run_batch(self, payloads: list[tuple[torch.Tensor, int]]) -> list[Inputs]:
+        ids = torch.stack([p[0] for p in payloads]).to(self.device)
+        lens = torch.tensor([p[1] for p in payloads], device=self.device)
+        out = self.model(ids, lens).float().cpu()
+        return [{g.PROMPT_EMBEDS: row} for row in out]
+
+
+# VAE encode (reference images)
+
+
+class VaeEncodeComponent(_Component):
+    def __init__(self, model: VaeEncoder, device: str, max_batch: int, max_area: int):
+        self.model, self.device, self.max_area = model, torch.device(device), max_area
+        self.multiple = 2 * model.config.scale_factor
+        self.engine = BatchingEngine("flux2_klein/vae_encode", self.run_batch, max_rows=max_batch,
+                                     key_of=lambda pixels: tuple(pixels.shape))
+
+    def parse(self, inputs: Inputs) -> torch.Tensor:
+        pixels = inputs.get(g.PIXELS)
+        if pixels is None or pixels.dim() != 3 or pixels.shape[-1] != 3 or pixels.dtype != torch.uint8:
+            raise ValueError(f"{g.PIXELS}: expected one uint8 RGB image [H, W, 3]")
+        height, width = pixels.shape[:2]
+        check_geometry(width, height, self.multiple, self.max_area, field=g.PIXELS)
+        return pixels
+
+    @torch.inference_mode()
+    def run_batch(self, payloads: list[torch.Tensor]) -> list[Inputs]:
+        # The reference's preprocessing: uint8 -> [0, 1] in float32 -> [-1, 1], then the VAE dtype.
+        pixels = torch.stack(payloads).permute(0, 3, 1, 2).float() / 255.0
+        pixels = (2.0 * pixels - 1.0).to(self.device, self.model.bn.running_var.dtype)
+        tokens = self.model(pixels).float().cpu()
+        height, width = payloads[0].shape[:2]
+        grid = torch.tensor([height // self.multiple, width // self.multiple], dtype=torch.int32)
+        return [{g.REF_TOKENS: row, g.REF_GRID: grid} for row in tokens]
+
+
+# denoise
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The token layout of a step: output token grid and the reference grids, in order."""
+
+    height: int  # output tokens
+    width: int
+    refs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.height * self.width
+
+    @property
+    def num_ref_tokens(self) -> int:
+        return sum(h * w for h, w in self.refs)
+
+
+def position_ids(layout: Layout, num_text: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(txt_ids `[T, 4]`, img_ids `[N + N_ref, 4]`) as (t, h, w, l) coordinates, the reference's layout."""
+    zero = torch.arange(1)
+    txt = torch.cartesian_prod(zero, zero, zero, torch.arange(num_text))
+    parts = [torch.cartesian_prod(zero, torch.arange(layout.height), torch.arange(layout.width), zero)]
+    for i, (h, w) in enumerate(layout.refs):
+        t = torch.tensor([REF_TIME_SCALE + REF_TIME_SCALE * i])
+        parts.append(torch.cartesian_prod(t, torch.arange(h), torch.arange(w), zero))
+    return txt.to(device), torch.cat(parts).to(device)
+
+
+def euler_step(model: Flux2Transformer, rope: tuple[torch.Tensor, torch.Tensor], latents: torch.Tensor,
+               prompt_embeds: torch.Tensor, ref_tokens: torch.Tensor | None, timesteps: torch.Tensor,
+               dts: torch.Tensor) -> torch.Tensor:
+    """One step of every row, in the reference's arithmetic: velocity at t, then `x + (sigma' - sigma) * v`."""
+    model_dtype = model.x_embedder.weight.dtype
+    timestep = timesteps.to(latents.dtype)
+    model_input = latents.to(model_dtype)
+    if ref_tokens is not None:
+        model_input = torch.cat([latents, ref_tokens], dim=1).to(model_dtype)
+    velocity = model(model_input, prompt_embeds, timestep / 1000, rope)[:, : latents.shape[1]]
+    return (latents.float() + dts.to(velocity.dtype)[:, None, None] * velocity).to(velocity.dtype)
+
+
+class Flux2Stepper:
+    """The denoise engine's step: captured graph when a bucket fits, eager otherwise. RoPE tables per layout."""
+
+    def __init__(self, model: Flux2Transformer, device: torch.device):
+        self.model, self.device = model, device
+        self.graphs: StepGraphs | None = None
+        self._ropes: dict[Layout, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        if layout not in self._ropes:
+            if len(self._ropes) >= MAX_CACHED_LAYOUTS:  # clients choose sizes: keep the cache bounded
+                self._ropes.pop(next(iter(self._ropes)))
+            txt_ids, img_ids = position_ids(layout, TEXT_TOKENS, self.device)
+            self._ropes[layout] = self.model.rope(txt_ids, img_ids)
+        return self._ropes[layout]
+
+    def step_fn(self, layout: Layout):
+        rope = self.rope(layout)
+
+        def step(latents, prompt_embeds, ref_tokens, timesteps, dts):
+            return euler_step(self.model, rope, latents, prompt_embeds, ref_tokens, timesteps, dts)
+
+        return step
+
+    def __call__(self, layout: Layout, latents, prompt_embeds, ref_tokens, timesteps, dts) -> torch.Tensor:
+        if self.graphs is not None:
+            out = self.graphs.run(layout, latents, prompt_embeds, ref_tokens, timesteps, dts)
+            if out is not None:
+                return out
+        return self.step_fn(layout)(latents, prompt_embeds, ref_tokens, timesteps, dts)
+
+    def capture(self, layouts: list[Layout], batches: list[int], *, capture: bool = True) -> None:
+        config = self.model.config
+        step_fns = {
+            layout: (self.step_fn(layout), StepShapes(layout.num_tokens, config.in_channels, TEXT_TOKENS,
+                                                      config.joint_attention_dim, layout.num_ref_tokens))
+            for layout in layouts
+        }
+        self.graphs = StepGraphs()
+        with torch.no_grad():  # not inference_mode: the static buffers must stay writable outside it
+            self.graphs.capture(step_fns, batches, dtype=self.model.x_embedder.weight.dtype, device=self.device,
+                                capture=capture)
+
+
+@dataclass(frozen=True, slots=True)
+class DenoiseLimits:
+    multiple: int  # pixels per token side
+    max_area: int
+    max_images: int
+    max_steps: int
+    default_steps: int
+
+
+class DenoiseComponent(_Component):
+    def __init__(self, model: Flux2Transformer, scheduler: FlowSchedulerConfig, limits: DenoiseLimits, device: str,
+                 max_batch: int):
+        self.model, self.scheduler, self.limits = model, scheduler, limits
+        self.device = torch.device(device)
+        self.dtype = model.x_embedder.weight.dtype
+        self.stepper = Flux2Stepper(model, self.device)
+        self.engine = DenoiseEngine("flux2_klein/denoise", self.stepper, max_rows=max_batch, device=self.device)
+
+    def layout_for(self, width: int, height: int, ref_grid: list[tuple[int, int]] = ()) -> Layout:
+        return Layout(height // self.limits.multiple, width // self.limits.multiple, tuple(ref_grid))
+
+    def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        job = self.parse(inputs)
+        job.request_id, job.is_cancelled = request_id, is_cancelled
+        job.on_done = lambda latents, error: on_done(None if error else self.finish(latents), error)
+        self.engine.submit(job)
+
+    def parse(self, inputs: Inputs) -> DenoiseJob:
+        lim = self.limits
+        width, height = scalar(inputs, g.WIDTH), scalar(inputs, g.HEIGHT)
+        check_geometry(width, height, lim.multiple, lim.max_area)
+        num_images = scalar(inputs, g.NUM_IMAGES, 1)
+        if not 1 <= num_images <= lim.max_images:
+            raise ValueError(f"n: must be in [1, {lim.max_images}], got {num_images}")
+        steps = scalar(inputs, g.NUM_STEPS, lim.default_steps)
+        if not 1 <= steps <= lim.max_steps:
+            raise ValueError(f"num_inference_steps: must be in [1, {lim.max_steps}], got {steps}")
+        seed = scalar(inputs, g.SEED)
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed: must be in [0, {MAX_SEED}], got {seed}")
+        prompt = self._prompt(inputs)
+        grid, refs = self._refs(inputs)
+        layout = self.layout_for(width, height, grid)
+        latents = self._noise(seed, num_images, layout)
+        timesteps, sigmas = flow_schedule(self.scheduler, steps, layout.num_tokens)
+        return DenoiseJob(
+            request_id="", layout=layout, latents=latents,
+            prompt_embeds=prompt.to(self.device, self.dtype).expand(num_images, -1, -1),
+            ref_tokens=None if refs is None else refs.to(self.device, self.dtype).expand(num_images, -1, -1),
+            timesteps=timesteps.tolist(), sigmas=sigmas.tolist(), on_done=lambda *_: None,
+        )
+
+    def _prompt(self, inputs: Inputs) -> torch.Tensor:
+        prompt = inputs.get(g.PROMPT_EMBEDS)
+        want = (TEXT_TOKENS, self.model.config.joint_attention_dim)
+        if prompt is None or tuple(prompt.shape) != want:
+            raise ValueError(f"{g.PROMPT_EMBEDS}: expected shape {list(want)}")
+        return prompt[None]
+
+    def _refs(self, inputs: Inputs) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        if g.REF_TOKENS not in inputs:
+            return [], None
+        grid = [tuple(int(v) for v in row) for row in inputs.get(g.REF_GRID, torch.zeros(0, 2)).reshape(-1, 2)]
+        tokens = inputs[g.REF_TOKENS]
+        want = (sum(h * w for h, w in grid), self.model.config.in_channels)
+        if not grid or tuple(tokens.shape) != want or any(h < 1 or w < 1 for h, w in grid):
+            raise ValueError(f"{g.REF_TOKENS}: expected shape {list(want)} for {g.REF_GRID} {grid}")
+        return grid, tokens[None]
+
+    def _noise(self, seed: int, num_images: int, layout: Layout) -> torch.Tensor:
+        """The reference's initial noise: one CPU generator per request, drawn in the model dtype, packed."""
+        generator = torch.Generator("cpu").manual_seed(seed)
+        shape = (num_images, self.model.config.in_channels, layout.height, layout.width)
+        noise = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
+        return noise.reshape(num_images, shape[1], -1).permute(0, 2, 1)
+
+    def finish(self, latents: torch.Tensor) -> Inputs:
+        return {g.LATENTS: latents.float().cpu()}
+
+
+# VAE decode
+
+
+class VaeDecodeComponent(_Component):
+    def __init__(self, model: VaeDecoder, device: str, max_batch: int, max_area: int):
+        self.model, self.device, self.max_area = model, torch.device(device), max_area
+        self.multiple = 2 * model.config.scale_factor
+        self.engine = BatchingEngine("flux2_klein/vae_decode", self.run_batch, max_rows=max_batch,
+                                     key_of=lambda p: (p[1], p[2]), rows_of=lambda p: p[0].shape[0])
+
+    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int, int]:
+        width, height = scalar(inputs, g.WIDTH), scalar(inputs, g.HEIGHT)
+        check_geometry(width, height, self.multiple, self.max_area)
+        latents = inputs.get(g.LATENTS)
+        tokens = (height // self.multiple) * (width // self.multiple)
+        if latents is None or latents.dim() != 3 or tuple(latents.shape[1:]) != (tokens,
+                                                                                 self.model.config.token_channels):
+            raise ValueError(f"{g.LATENTS}: expected [n, {tokens}, {self.model.config.token_channels}] for "
+                             f"{width}x{height}")
+        return latents, width, height
+
+    @torch.inference_mode()
+    def run_batch(self, payloads: list[tuple[torch.Tensor, int, int]]) -> list[Inputs]:
+        _, width, height = payloads[0]
+        latents = torch.cat([p[0] for p in payloads]).to(self.device, self.model.bn.running_var.dtype)
+        pixels = self.model(latents, height, width).cpu()
+        return [{g.PIXELS: part} for part in pixels.split([p[0].shape[0] for p in payloads])]

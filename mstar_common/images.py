@@ -1,0 +1,130 @@
+"""Image request rules shared by the proxy and the image walks: sizes, output-format knobs, decode and encode.
+
+No torch here (the proxy imports it). Every refusal is a `ValueError` whose message names the field and the
+rule; the proxy answers it with a 400 and a walk with an `invalid_request` error.
+
+Output knobs: `output_format` (alias `image_output_format`): png | jpeg | webp (default png); `png_compress_level`
+0-9 for png; `output_compression` 0-100 for jpeg/webp (100 = best quality). Only the knob of the chosen format
+is checked; null means the default. A knob accepts any whole number that `int()` reads ("6", 6.0); bools,
+fractions (50.9), infinities, NaN and out-of-range values are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FORMATS = ("png", "jpeg", "webp")
+PNG_LEVELS = (0, 9)
+COMPRESSION = (0, 100)
+DEFAULT_PNG_LEVEL = 6
+DEFAULT_COMPRESSION = 95
+MAX_UPLOAD_PIXELS = 8192 * 8192  # decoded-size cap of one uploaded image (decompression bombs)
+_SIZE = re.compile(r"\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    format: str = "png"
+    png_compress_level: int = DEFAULT_PNG_LEVEL
+    output_compression: int = DEFAULT_COMPRESSION
+
+
+def whole_number(value: Any, field: str, low: int, high: int) -> int:
+    """An integer knob: any whole number `int()` reads, within [low, high]; bools and fractions refused."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field}: must be a whole number in [{low}, {high}], got {value!r} (a boolean)")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ValueError(f"{field}: must be a whole number in [{low}, {high}], got {value!r}")
+        value = int(value)
+    elif isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{field}: must be a whole number in [{low}, {high}], got {value!r}") from None
+    elif not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{field}: must be a whole number in [{low}, {high}], got {value!r}")
+    value = int(value)
+    if not low <= value <= high:
+        raise ValueError(f"{field}: {value} is out of range [{low}, {high}]")
+    return value
+
+
+def output_options(output_format: Any = None, png_compress_level: Any = None,
+                   output_compression: Any = None) -> OutputOptions:
+    fmt = "png" if output_format is None else output_format
+    if not isinstance(fmt, str) or fmt.lower() not in (*FORMATS, "jpg"):
+        raise ValueError(f"output_format: must be one of {list(FORMATS)}, got {output_format!r}")
+    fmt = "jpeg" if fmt.lower() == "jpg" else fmt.lower()
+    level, quality = DEFAULT_PNG_LEVEL, DEFAULT_COMPRESSION
+    if fmt == "png" and png_compress_level is not None:
+        level = whole_number(png_compress_level, "png_compress_level", *PNG_LEVELS)
+    if fmt != "png" and output_compression is not None:
+        quality = whole_number(output_compression, "output_compression", *COMPRESSION)
+    return OutputOptions(fmt, level, quality)
+
+
+def parse_size(size: Any, field: str = "size") -> tuple[int, int]:
+    """'WxH' (width first) -> (width, height)."""
+    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
+    if match is None:
+        raise ValueError(f"{field}: must be 'WIDTHxHEIGHT' in pixels, e.g. '1024x1024', got {size!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_geometry(width: int, height: int, multiple: int, max_area: int, field: str = "size") -> None:
+    """Refuse sizes off the latent grid or over the area budget, naming the nearest valid sizes."""
+    if width < multiple or height < multiple:
+        raise ValueError(f"{field}: {width}x{height} is too small: width and height must be at least {multiple}")
+    if width % multiple or height % multiple:
+        lower = f"{width // multiple * multiple}x{height // multiple * multiple}"
+        upper = f"{-(-width // multiple) * multiple}x{-(-height // multiple) * multiple}"
+        raise ValueError(f"{field}: {width}x{height} is not on the latent grid: width and height must be multiples "
+                         f"of {multiple} (nearest valid: {lower} or {upper})")
+    if width * height > max_area:
+        side = math.isqrt(max_area) // multiple * multiple
+        raise ValueError(f"{field}: {width}x{height} = {width * height} pixels exceeds max_image_area={max_area} "
+                         f"(e.g. {side}x{side} fits)")
+
+
+def decode_image(data: bytes, field: str):
+    """Uploaded bytes -> an RGB-convertible PIL image, fully decoded; unreadable data is a ValueError."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise ValueError(f"{field}: the upload is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            width, height = probe.size
+        if width * height > MAX_UPLOAD_PIXELS:
+            raise ValueError(f"{field}: {width}x{height} exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit")
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{field}: not a readable image ({type(exc).__name__})") from None
+    return image
+
+
+def encode_image(pixels: np.ndarray, options: OutputOptions) -> bytes:
+    """uint8 `[H, W, 3]` -> encoded bytes."""
+    from PIL import Image
+
+    image = Image.fromarray(np.ascontiguousarray(pixels))
+    buffer = io.BytesIO()
+    if options.format == "png":
+        image.save(buffer, format="PNG", compress_level=options.png_compress_level)
+    elif options.format == "jpeg":
+        image.save(buffer, format="JPEG", quality=options.output_compression)
+    else:
+        image.save(buffer, format="WEBP", quality=options.output_compression)
+    return buffer.getvalue()
+
+
+def media_type(fmt: str) -> str:
+    return {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}[fmt]

@@ -1,0 +1,329 @@
+"""Images: POST /v1/images/generations, POST /v1/images/edits (OpenAI) and /generate with image output.
+
+generations (JSON): `prompt`, `size` ('WxH', width first), `n`, `response_format` (b64_json only: no URLs are
+hosted), `seed`, and as extra fields `num_inference_steps`, `output_format` (alias `image_output_format`),
+`png_compress_level`, `output_compression`. edits (multipart): the same fields as form values plus `image`
+(or `image[]`, repeatable: up to four references, in order); `mask` (inpainting) is refused. OpenAI fields
+the model cannot honour (`quality`, `style`, `background`, `moderation` other than auto, `guidance_scale`)
+are refused rather than dropped. Geometry (latent grid, `max_image_area`), step and count limits are
+checked by the entry model, whose `invalid_request` errors become 400s naming the rule.
+
+/generate (image models): `text` is the prompt, `files` (repeatable) the references, `model_kwargs` holds
+`width`/`height` (or `size`), `n`, `seed`, `num_inference_steps` and the output knobs; the answer is
+`{"outputs": {"image": [base64, ...]}, "seed", "output_format"}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import UploadFile
+
+from mstar_common import images, wire
+from mstar_common.proxy.errors import APIError, from_exception, from_pydantic, invalid_request
+from mstar_common.proxy.serving_common import ServingContext, until_disconnect
+from mstar_common.proxy.triton_stream import GenerationRequest
+
+router = APIRouter()
+
+IMAGE_KINDS = ("image",)
+MAX_REFERENCES = 4  # the entry model enforces its own (deployment) limit as well
+_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+_IMAGE_FIELDS = ("image", "image[]")
+_REFUSED = {  # OpenAI field -> values that may pass (the harmless ones)
+    "quality": (None, "auto"), "style": (None,), "background": (None, "auto"), "moderation": (None, "auto", "low"),
+    "guidance_scale": (None,), "negative_prompt": (None,), "mask": (None,),
+}
+
+
+class ImageFields(BaseModel):
+    """The fields of both OpenAI image routes (form values arrive as strings and are converted first)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str
+    n: int | None = None
+    size: str | None = None
+    response_format: str | None = None
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    output_format: Any = None
+    image_output_format: Any = None
+    png_compress_level: Any = None
+    output_compression: Any = None
+    user: str | None = None
+    quality: Any = None
+    style: Any = None
+    background: Any = None
+    moderation: Any = None
+    guidance_scale: Any = None
+    negative_prompt: Any = None
+    mask: Any = None
+
+
+# request -> Triton tensors
+
+
+def image_tensors(fields: ImageFields, references: list[bytes]) -> tuple[list[tuple[str, str, np.ndarray]], str]:
+    """The entry model's input tensors (wire.IMAGE_INPUTS) and the chosen output format; 400s on bad fields."""
+    for name, allowed in _REFUSED.items():
+        if getattr(fields, name) not in allowed:
+            raise invalid_request(f"'{name}' is not supported by this model (got {getattr(fields, name)!r})",
+                                  param=name)
+    if fields.response_format not in (None, "b64_json"):
+        raise invalid_request(f"'response_format': only 'b64_json' is served (no image URLs are hosted), got "
+                              f"{fields.response_format!r}", param="response_format")
+    if not fields.prompt.strip():
+        raise invalid_request("'prompt' must not be empty", param="prompt")
+    fmt = _one_of(fields.output_format, fields.image_output_format)
+    try:
+        options = images.output_options(fmt, fields.png_compress_level, fields.output_compression)
+        size = None if fields.size in (None, "auto") else images.parse_size(fields.size)
+    except ValueError as exc:
+        raise invalid_request(str(exc), param=str(exc).split(":", 1)[0]) from None
+    if len(references) > MAX_REFERENCES:
+        raise invalid_request(f"'image': at most {MAX_REFERENCES} reference images, got {len(references)}",
+                              param="image")
+    values: dict[str, Any] = {"prompt": fields.prompt, "num_images": fields.n, "seed": fields.seed,
+                              "num_inference_steps": fields.num_inference_steps, "output_format": options.format}
+    if size is not None:
+        values["width"], values["height"] = size
+    if options.format == "png":
+        values["png_compress_level"] = options.png_compress_level
+    else:
+        values["output_compression"] = options.output_compression
+    tensors = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        dtype, np_dtype = wire.IMAGE_INPUTS[name]
+        array = np.array([value.encode("utf-8") if dtype == "BYTES" else value], dtype=np_dtype)
+        tensors.append((name, dtype, array))
+    if references:
+        tensors.append((wire.REFERENCE_IMAGES, "BYTES", np.array(references, dtype=np.object_)))
+    return tensors, options.format
+
+
+def _one_of(first: Any, second: Any) -> Any:
+    if first is not None and second is not None and first != second:
+        raise invalid_request("'output_format' and 'image_output_format' disagree; send one", param="output_format")
+    return first if first is not None else second
+
+
+# running a request
+
+
+async def run_images(request: Request, ctx: ServingContext, served, tensors) -> tuple[list[bytes], int | None]:
+    async def collect() -> tuple[list[bytes], int | None]:
+        found: list[bytes] = []
+        seed = None
+        stream = ctx.triton.generate(served.triton_model, request.state.request_id, GenerationRequest(tensors=tensors),
+                                     ctx.settings.request_timeout_s)
+        try:
+            async for response in stream:
+                found += response.images
+                seed = response.seed if response.seed is not None else seed
+        finally:
+            await stream.aclose()
+        return found, seed
+
+    try:
+        found, seed = await until_disconnect(request, collect())
+    except Exception as exc:
+        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+    if not found:
+        raise from_exception(RuntimeError(f"{served.triton_model} answered without images"))
+    return found, seed
+
+
+def openai_body(found: list[bytes], seed: int | None, fmt: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"created": int(time.time()),
+                            "data": [{"b64_json": base64.b64encode(img).decode("ascii")} for img in found],
+                            "output_format": fmt, "size": _size(found[0])}
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def _size(data: bytes) -> str:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return f"{image.width}x{image.height}"
+
+
+def _fields(raw: dict[str, Any]) -> ImageFields:
+    try:
+        return ImageFields.model_validate(raw)
+    except ValidationError as error:
+        raise from_pydantic(error) from None
+
+
+# routes
+
+
+@router.post("/v1/images/generations")
+async def generations(request: Request):
+    ctx: ServingContext = request.app.state.serving
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_request(f"request body is not valid JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise invalid_request("request body must be a JSON object")
+    fields = _fields(raw)
+    served = ctx.resolve(fields.model, kinds=IMAGE_KINDS)
+    tensors, fmt = image_tensors(fields, [])
+    found, seed = await run_images(request, ctx, served, tensors)
+    return openai_body(found, seed, fmt)
+
+
+@router.post("/v1/images/edits")
+async def edits(request: Request):
+    ctx: ServingContext = request.app.state.serving
+    raw, references = await _form(request, file_fields=_IMAGE_FIELDS)
+    if not references:
+        raise invalid_request("'image' is required: upload one to four reference images", param="image")
+    fields = _fields(raw)
+    served = ctx.resolve(fields.model, kinds=IMAGE_KINDS)
+    tensors, fmt = image_tensors(fields, references)
+    found, seed = await run_images(request, ctx, served, tensors)
+    return openai_body(found, seed, fmt)
+
+
+async def _form(request: Request, file_fields: tuple[str, ...]) -> tuple[dict[str, Any], list[bytes]]:
+    """Form values (numbers converted) and the uploaded files of `file_fields`, in order."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in _FORM_TYPES:
+        raise invalid_request(f"this route takes multipart/form-data, got {content_type or 'no content type'!r}")
+    form = await request.form()
+    raw: dict[str, Any] = {}
+    uploads: list[bytes] = []
+    for key in dict.fromkeys(form.keys()):
+        values = form.getlist(key)
+        if key in file_fields:
+            for value in values:
+                if not isinstance(value, UploadFile):
+                    raise invalid_request(f"'{key}' must be an uploaded file", param=key)
+                uploads.append(await value.read())
+            continue
+        if any(isinstance(v, UploadFile) for v in values):
+            raise invalid_request(f"'{key}': unexpected file upload", param=key)
+        if len(values) > 1:
+            raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
+        raw[key] = _form_value(key, values[0])
+    return raw, uploads
+
+
+def _form_value(key: str, value: str) -> Any:
+    if key in ("n", "seed", "num_inference_steps"):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise invalid_request(f"'{key}' must be an integer, got {value!r}", param=key) from None
+    return value
+
+
+# native /generate
+
+
+async def image_model_for(request: Request, ctx: ServingContext):
+    """The served image model a /generate request names (or the only served model, if it is one), else None."""
+    if not any(m.kind in IMAGE_KINDS for m in ctx.models.values()):
+        return None
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        if content_type in _FORM_TYPES:
+            name = (await request.form()).get("model")
+        else:
+            body = json.loads(await request.body())
+            name = body.get("model") if isinstance(body, dict) else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if name is None and len(ctx.models) == 1:
+        name = next(iter(ctx.models))
+    served = ctx.models.get(name) if isinstance(name, str) else None
+    return served if served is not None and served.kind in IMAGE_KINDS else None
+
+
+async def generate_native(request: Request, ctx: ServingContext, served) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in _FORM_TYPES:
+        raw, references = await _form(request, file_fields=("files", "image", "image[]"))
+        kwargs = raw.pop("model_kwargs", "") or "{}"
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as error:
+            raise invalid_request(f"'model_kwargs' is not valid JSON: {error}", param="model_kwargs") from None
+    else:
+        raw, references = json.loads(await request.body()), []
+        if not isinstance(raw, dict):
+            raise invalid_request("request body must be a JSON object")
+        kwargs = raw.pop("model_kwargs", None) or {}
+        if isinstance(kwargs, str):
+            kwargs = json.loads(kwargs)
+    if not isinstance(kwargs, dict):
+        raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
+    fields = _native_fields(raw, dict(kwargs))
+    tensors, fmt = image_tensors(fields, references)
+    found, seed = await run_images(request, ctx, served, tensors)
+    return {"id": request.state.request_id, "model": served.name,
+            "outputs": {"image": [base64.b64encode(img).decode("ascii") for img in found]},
+            "seed": seed, "output_format": fmt}
+
+
+def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
+    raw.pop("model", None)
+    if _truthy(raw.pop("streaming", False)):
+        raise invalid_request("'streaming' is not supported for image output: images arrive whole",
+                              param="streaming")
+    for key in ("input_modalities", "output_modalities"):
+        values = _modalities(raw.pop(key, None))
+        allowed = {"text", "image"} if key == "input_modalities" else {"image"}
+        if values is not None and (not values or set(values) - allowed):
+            raise invalid_request(f"'{key}': this image model supports {sorted(allowed)}, got {values}", param=key)
+    if unknown := sorted(set(raw) - {"text"}):
+        raise invalid_request(f"unknown field '{unknown[0]}'", param=unknown[0])
+    if raw.get("text") is None:
+        raise invalid_request("'text' (the prompt) is required", param="text")
+    if "num_images" in kwargs:
+        kwargs.setdefault("n", kwargs.pop("num_images"))
+    width, height = kwargs.pop("width", None), kwargs.pop("height", None)
+    if (width is None) != (height is None):
+        raise invalid_request("model_kwargs: give both 'width' and 'height', or 'size'", param="model_kwargs.width")
+    if width is not None:
+        if "size" in kwargs:
+            raise invalid_request("model_kwargs: give 'width'/'height' or 'size', not both", param="model_kwargs.size")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (width, height)):
+            raise invalid_request("model_kwargs.width/height must be integers", param="model_kwargs.width")
+        kwargs["size"] = f"{width}x{height}"
+    try:
+        return ImageFields.model_validate({"prompt": raw["text"], **kwargs})
+    except ValidationError as error:
+        raise from_pydantic(error, prefix=("model_kwargs",)) from None
+
+
+def _modalities(value: Any) -> list[str] | None:
+    if value is None or isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                raise invalid_request(f"modalities are not valid JSON: {value!r}", param="output_modalities") from None
+        return [v.strip() for v in text.split(",") if v.strip()]
+    raise APIError(400, f"modalities must be a list, got {value!r}", param="output_modalities")
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"))

@@ -1,0 +1,30 @@
+"""What a walk script (ensembles/<family>.py) sees of the server: one async call per component hop.
+
+A walk is plain async Python over `call(component, inputs) -> outputs` (tensors by wire name). In Triton the
+walk router (backends/walk_router.py) implements `call` with an async BLS request to `<family>_<component>`;
+the tests and the benchmark implement it in-process against the same component runtimes. A walk refuses a
+bad request with a ValueError naming the field and the rule (the client's fault); a component's error
+arrives as a ComponentError carrying that component's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mstar_common import wire
+
+Call = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ComponentError(Exception):
+    """A component answered with an error; `message` is its text (an `invalid_request:` one is the client's fault)."""
+
+    def __init__(self, component: str, message: str):
+        super().__init__(f"{component}: {message}")
+        self.component = component
+        self.message = message
+
+    @property
+    def is_invalid_request(self) -> bool:
+        return wire.is_invalid_request(self.message)

@@ -1,0 +1,405 @@
+#!/usr/bin/env python
+"""FLUX.2 [klein] throughput: images/s at concurrency 1/4/16 for our walk and diffusers' pipeline, same run.
+
+    # on the GPU device (torch 2.11, Python 3.12; diffusers optional, see below):
+    source .device/prepare.sh && python scripts/bench_flux2.py --json runs/bench_flux2.json
+    python scripts/bench_flux2.py --mode served ...   # through tritonserver + the walk router (gRPC clients)
+    # CPU smoke (CI): tiny checkpoint, 64x64, c=1/2, both systems
+    python scripts/bench_flux2.py --smoke
+
+What it measures (klein-4B shapes, random weights, 1024x1024, 4 steps, one prompt per request):
+  ours, --mode engine (default): the walk and the four components in this process (`LocalWalk`: the same walk
+      script and batching engines as the server, no Triton), c concurrent clients issuing requests back to
+      back; images/s = images / wall time; p50 latency; peak torch-allocated GPU memory of the process.
+  ours, --mode served: tritonserver on a generated repository (every component its own stub), c gRPC clients
+      calling the walk; device memory in use (all processes) sampled with torch.cuda.mem_get_info.
+  diffusers: `Flux2KleinPipeline` with the same weights, dtype and settings; concurrency c = a batch of c prompts
+      per call; images/s = c / call time; peak torch-allocated memory.
+
+Needs: torch with CUDA (or --smoke on the CPU), transformers, safetensors, pyyaml, pillow (the device image may
+lack it: carry its wheel), this project on the path (run from the project root); the script names what is
+missing. The diffusers baseline needs `diffusers==0.42.1` (`pip install` it, or carry its wheel to the device);
+without it that row is skipped with a note. --mode served needs tritonserver (prepare.sh sets
+TRITONSERVER_HOME) and tritonclient.
+
+The random checkpoint (diffusers layout, ~16 GB at 4B shapes: transformer, a full 36-layer Qwen3-4B text encoder,
+VAE; the tokenizer is the tiny offline BPE: ids differ, cost does not) is written once to --checkpoint-dir.
+Shapes assumed for klein-4B: DiT 24 heads x 128 (3072 wide), 5 double + 20 single blocks, joint dim 7680
+(3 x Qwen3-4B's 2560), 128 latent channels; the FLUX.2 VAE (128/256/512/512, 32 latent channels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRANSFORMER_4B = {"in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
+                  "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256,
+                  "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6,
+                  "patch_size": 1, "out_channels": None, "guidance_embeds": False}
+QWEN3_4B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2560,
+            "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False}
+VAE = {"block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 32, "norm_num_groups": 32,
+       "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "patch_size": [2, 2]}
+
+
+# the random checkpoint
+
+
+def write_random_checkpoint(out: Path, device: str, transformer: dict = TRANSFORMER_4B, text_encoder: dict = QWEN3_4B,
+                            vae: dict = VAE) -> Path:
+    """Random weights in diffusers layout (normal(0, 0.02) matrices, unit norms, zero biases); klein-4B shapes
+    unless other configs are given (the tests write tiny ones)."""
+    from safetensors.torch import save_file
+
+    from mstar_common.families.flux2_klein.tiny import SCHEDULER
+    from mstar_common.families.flux2_klein.transformer import Flux2Transformer, Flux2TransformerConfig
+    from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, VaeEncoder
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+
+    if (out / "model_index.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    _json(out / "model_index.json", {"_class_name": "Flux2KleinPipeline", "is_distilled": True})
+    _json(out / "transformer" / "config.json", {"_class_name": "Flux2Transformer2DModel", **transformer})
+    _json(out / "vae" / "config.json", {"_class_name": "AutoencoderKLFlux2", **vae})
+    _json(out / "text_encoder" / "config.json", text_encoder)
+    _json(out / "scheduler" / "scheduler_config.json", {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER})
+    build_tokenizer().save_pretrained(out / "tokenizer")
+    with torch.device("meta"):
+        dit = Flux2Transformer(Flux2TransformerConfig.from_diffusers(transformer)).state_dict()
+        vae_config = Flux2VaeConfig.from_diffusers(vae)
+        vae_state = {**VaeEncoder(vae_config).state_dict(), **VaeDecoder(vae_config).state_dict()}
+    save_file(_random(dit, device), out / "transformer" / "diffusion_pytorch_model.safetensors")
+    save_file(_random(vae_state, device), out / "vae" / "diffusion_pytorch_model.safetensors")
+    save_file(_random(_qwen3_shapes(text_encoder), device), out / "text_encoder" / "model.safetensors")
+    return out
+
+
+def _qwen3_shapes(c: dict) -> dict[str, torch.Tensor]:
+    h, q, kv, inter = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], \
+        c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "self_attn.q_norm.weight": (c["head_dim"],), p + "self_attn.k_norm.weight": (c["head_dim"],),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+
+
+@torch.no_grad()
+def _random(state: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator(device).manual_seed(0)
+    out = {}
+    for name, meta in state.items():
+        if meta.dtype == torch.long:
+            out[name] = torch.zeros(meta.shape, dtype=torch.long)
+        elif name.endswith("running_var") or (meta.dim() == 1 and "norm" in name):
+            out[name] = torch.ones(meta.shape, dtype=torch.bfloat16)
+        elif name.endswith(("bias", "running_mean")):
+            out[name] = torch.zeros(meta.shape, dtype=torch.bfloat16)
+        else:
+            values = torch.randn(meta.shape, generator=generator, device=device, dtype=torch.float32) * 0.02
+            out[name] = values.to(torch.bfloat16).cpu()
+    return out
+
+
+def _json(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2))
+
+
+# systems under test
+
+
+def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
+    from mstar_common.config import deployment_from_dict
+
+    placement = {"device": "cpu"} if device_kind == "cpu" else {"device": "gpu", "gpus": [0]}
+    components = {name: {"placement": dict(placement)} for name in ("text_encoder", "vae_encode", "denoise",
+                                                                     "vae_decode")}
+    components["walk"] = {"placement": {"device": "cpu", "instances": 1}}
+    components["denoise"]["cuda_graphs"] = device_kind == "gpu" and not args.no_cuda_graphs
+    size = f"{args.width}x{args.height}"
+    kwargs = {"dtype": args.dtype, "text_encoder_out_layers": args.taps, "default_size": size,
+              "max_image_area": max(args.width * args.height, 64 * 64), "max_batch_size": max(args.concurrency),
+              "max_images_per_request": 1, "vae_max_batch": args.vae_max_batch,
+              "capture_sizes": [size], "capture_edit_sizes": [],
+              "capture_batch_sizes": [b for b in (1, 2, 4, 8, 16) if b <= max(args.concurrency)]}
+    return deployment_from_dict({"name": "bench", "family": "flux2_klein", "checkpoint": str(checkpoint),
+                                 "components": components, "model_kwargs": kwargs,
+                                 "server": {"shm_default_byte_size": 1 << 27, "stub_timeout_seconds": 600}})
+
+
+def request_inputs(args: argparse.Namespace, seed: int) -> dict[str, np.ndarray]:
+    return {"prompt": np.array([b"a photograph of a red fox standing in fresh snow, golden hour"], dtype=object),
+            "width": np.array([args.width], np.int32), "height": np.array([args.height], np.int32),
+            "seed": np.array([seed], np.int64), "num_inference_steps": np.array([args.steps], np.int32)}
+
+
+def bench_engine(checkpoint: Path, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
+    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+    from mstar_common.local_walk import LocalWalk
+
+    walk = LocalWalk(Flux2KleinFamily(), deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu"),
+                     checkpoint, device).start()
+    try:
+        async def one(seed: int) -> float:
+            start = time.perf_counter()
+            await walk.run(request_inputs(args, seed))
+            return time.perf_counter() - start
+
+        return [_level(c, args, device, lambda c=c: asyncio.run(_clients(one, c, args.requests(c))))
+                for c in _warm(args, lambda: asyncio.run(_clients(one, 1, 2)))]
+    finally:
+        walk.close()
+
+
+async def _clients(one, concurrency: int, total: int) -> list[float]:
+    seeds = iter(range(total))
+    latencies: list[float] = []
+
+    async def client():
+        for seed in seeds:
+            latencies.append(await one(seed))
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return latencies
+
+
+def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mstar_common.launcher import Ports, start_triton, stop_process, wait_ready
+    from mstar_common.repository import render_repository
+
+    dep = deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu")
+    root = Path(tempfile.mkdtemp(prefix="bench-flux2-"))
+    for rel, text in render_repository(dep, "bench").items():
+        (root / "repo" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "repo" / rel).write_text(text)
+    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
+    server = start_triton(root / "repo", dep, ports, root / "tritonserver.log")
+    print(f"[bench] tritonserver log: {root / 'tritonserver.log'}", flush=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", server, 900, "tritonserver")
+        url = f"127.0.0.1:{ports.grpc}"
+
+        def run(c: int, total: int) -> list[float]:
+            seeds = iter(range(total))
+            with ThreadPoolExecutor(c) as pool:
+                return [t for ts in pool.map(lambda _: _grpc_client(url, args, seeds), range(c)) for t in ts]
+
+        return [_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True)
+                for c in _warm(args, lambda: run(1, 2))]
+    finally:
+        stop_process(server)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _grpc_client(url: str, args: argparse.Namespace, seeds) -> list[float]:
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put(error))
+    latencies = []
+    try:
+        for seed in seeds:
+            inputs = []
+            for name, value in request_inputs(args, seed).items():
+                dtype = "BYTES" if value.dtype == object else np_to_triton_dtype(value.dtype)
+                inputs.append(grpcclient.InferInput(name, list(value.shape), dtype))
+                inputs[-1].set_data_from_numpy(value)
+            start = time.perf_counter()
+            client.async_stream_infer("flux2_klein_walk", inputs, request_id=str(seed))
+            error = results.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(f"request failed: {error}")
+            latencies.append(time.perf_counter() - start)
+    finally:
+        client.stop_stream()
+        client.close()
+    return latencies
+
+
+def bench_diffusers(checkpoint: Path, args: argparse.Namespace, device: str) -> list[dict[str, Any]] | str:
+    try:
+        from diffusers import (
+            AutoencoderKLFlux2,
+            FlowMatchEulerDiscreteScheduler,
+            Flux2KleinPipeline,
+            Flux2Transformer2DModel,
+        )
+    except ImportError as exc:
+        return f"skipped: diffusers is not importable ({exc}); pip install diffusers==0.42.1 (or carry its wheel)"
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(checkpoint / "scheduler"),
+        vae=AutoencoderKLFlux2.from_pretrained(checkpoint / "vae", torch_dtype=dtype),
+        text_encoder=Qwen3ForCausalLM.from_pretrained(checkpoint / "text_encoder", dtype=dtype),
+        tokenizer=AutoTokenizer.from_pretrained(checkpoint / "tokenizer"),
+        transformer=Flux2Transformer2DModel.from_pretrained(checkpoint / "transformer", torch_dtype=dtype),
+        is_distilled=True,
+    ).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    prompt = request_inputs(args, 0)["prompt"][0].decode()
+
+    def call(c: int) -> float:
+        start = time.perf_counter()
+        pipe(prompt=[prompt] * c, width=args.width, height=args.height, num_inference_steps=args.steps,
+             generator=torch.Generator().manual_seed(0), text_encoder_out_layers=tuple(args.taps), output_type="pil")
+        return time.perf_counter() - start
+
+    levels = _warm(args, lambda: call(1))
+    return [_level(c, args, device, lambda c=c: [call(c) for _ in range(args.diffusers_calls)], batch=c)
+            for c in levels]
+
+
+# measurement
+
+
+def _warm(args: argparse.Namespace, warmup) -> list[int]:
+    warmup()
+    return args.concurrency
+
+
+def _level(c: int, args: argparse.Namespace, device: str, run, batch: int = 1, served: bool = False) -> dict:
+    sampler = _MemorySampler(device) if served else None
+    if device != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    latencies = run()
+    wall = time.perf_counter() - start
+    row = {"concurrency": c, "requests": len(latencies), "images": len(latencies) * batch,
+           "images_per_s": round(len(latencies) * batch / wall, 3),
+           "p50_latency_s": round(statistics.median(latencies), 3)}
+    if sampler is not None and device != "cpu":
+        row["device_memory_used_gib"] = sampler.stop()
+    elif device != "cpu":
+        row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(f"[bench]   c={c:<3} {row}", flush=True)
+    return row
+
+
+class _MemorySampler:
+    def __init__(self, device: str):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._device = device
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            if self._device != "cpu":
+                free, total = torch.cuda.mem_get_info()
+                self.peak = max(self.peak, total - free)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.peak / 2**30, 2)
+
+
+def _missing_requirements(mode: str) -> list[str]:
+    import importlib.util
+
+    needed = {"transformers": "transformers", "safetensors": "safetensors", "PIL": "pillow", "yaml": "pyyaml"}
+    if mode == "served":
+        needed["tritonclient"] = "tritonclient[grpc]"
+    return [f"{module} (pip install {package}, or carry its wheel to the device)"
+            for module, package in needed.items() if importlib.util.find_spec(module) is None]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("engine", "served"), default="engine")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny checkpoint, 64x64, c=1/2")
+    parser.add_argument("--checkpoint-dir", default="/tmp/flux2-klein-4b-random")
+    parser.add_argument("--size", default="1024x1024")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--diffusers-calls", type=int, default=3, help="timed pipeline calls per concurrency")
+    parser.add_argument("--vae-max-batch", type=int, default=4)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args(argv)
+    if missing := _missing_requirements(args.mode):
+        parser.error("missing: " + "; ".join(missing))
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.width, args.height = (int(v) for v in args.size.lower().split("x"))
+    args.dtype, args.taps = "bfloat16", [9, 18, 27]
+    if args.smoke:
+        from mstar_common.families.flux2_klein.tiny import TINY_TAPS, build_tiny_checkpoint
+
+        args.width = args.height = 64
+        args.concurrency, args.requests_per_client, args.diffusers_calls = [1, 2], 1, 1
+        args.dtype, args.taps = "float32", list(TINY_TAPS)
+        device = "cpu"
+        checkpoint = build_tiny_checkpoint(Path(args.checkpoint_dir if args.checkpoint_dir != parser.get_default(
+            "checkpoint_dir") else "/tmp/flux2-klein-tiny-bench"))
+    else:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run on the GPU, or pass --smoke for the CPU smoke run")
+        device = "cuda:0"
+        print(f"[bench] random klein-4B checkpoint at {args.checkpoint_dir}", flush=True)
+        checkpoint = write_random_checkpoint(Path(args.checkpoint_dir), device)
+    args.requests = lambda c: max(2, c * args.requests_per_client)
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0) if device != "cpu" else
+        "cpu", "torch": torch.__version__, "mode": args.mode, "size": f"{args.width}x{args.height}",
+        "steps": args.steps, "dtype": args.dtype, "cuda_graphs": device != "cpu" and not args.no_cuda_graphs,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    }
+    print(f"[bench] ours ({args.mode})", flush=True)
+    report["ours"] = (bench_served if args.mode == "served" else bench_engine)(checkpoint, args, device)
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    if not args.skip_diffusers:
+        print("[bench] diffusers Flux2KleinPipeline (c = prompts per call)", flush=True)
+        report["diffusers"] = bench_diffusers(checkpoint, args, device)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The diffusion runtimes: the denoise loop batches rows of one layout at their own step indices, a new request
+joins at its step 0, full batches rotate fairly, cancelled requests leave; the stateless batcher groups equal
+shapes in arrival order; the step-graph buckets (eager replay on the CPU) give the eager step's result."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mstar_common.diffusion.batcher import BatchingEngine, Cancelled
+from mstar_common.diffusion.denoise import DenoiseEngine, DenoiseJob
+
+
+class RecordingStepper:
+    """x <- x + dt (each row's own dt), recording every batch's (layout, step timesteps). When gated, every
+    step signals `entered` and waits for `release`, so a test can act while the first step runs."""
+
+    def __init__(self, gated: bool = False):
+        self.calls: list[tuple[str, list[float]]] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        if not gated:
+            self.release.set()
+
+    def __call__(self, layout, latents, prompt, refs, timesteps, dts):
+        self.entered.set()
+        assert self.release.wait(5)
+        self.calls.append((layout, timesteps.tolist()))
+        return latents + dts[:, None, None]
+
+
+class Result:
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = self.error = None
+
+    def __call__(self, value, error):
+        self.value, self.error = value, error
+        self.done.set()
+
+
+def job(name: str, layout: str, steps: int, rows: int = 1, start: float = 0.0) -> tuple[DenoiseJob, Result]:
+    result = Result()
+    timesteps = [float(1000 - 100 * i) for i in range(steps)]  # recognisable per step index
+    sigmas = [1.0 - 0.1 * i for i in range(steps)] + [0.0]
+    return DenoiseJob(name, layout, torch.full((rows, 2, 1), start), torch.zeros(rows, 3, 1), None, timesteps, sigmas,
+                      result), result
+
+
+def test_rows_step_together_each_at_its_own_index_and_newcomers_join():
+    stepper = RecordingStepper(gated=True)
+    engine = DenoiseEngine("test", stepper, max_rows=8)
+    first, first_done = job("a", "64x64", steps=3)
+    engine.submit(first)
+    engine.start()
+    assert stepper.entered.wait(5)  # the first request's step 0 is running alone
+    late, late_done = job("b", "64x64", steps=2, rows=2)
+    engine.submit(late)
+    stepper.release.set()
+    assert first_done.done.wait(5) and late_done.done.wait(5)
+    engine.shutdown()
+    # a: steps 0,1,2; b joins at its own step 0 while a is at step 1: that batch mixes step indices.
+    assert stepper.calls[1] == ("64x64", [1000.0, 1000.0, 900.0])  # least recently stepped first
+    assert sum(len(ts) for _, ts in stepper.calls) == 3 + 2 * 2
+    assert torch.allclose(first_done.value, torch.full((1, 2, 1), -1.0))  # sum of its dts: 3 steps to sigma 0
+    assert late_done.value.shape == (2, 2, 1) and torch.allclose(late_done.value, torch.full((2, 2, 1), -1.0))
+
+
+def test_layouts_batch_separately_and_full_batches_rotate():
+    stepper = RecordingStepper()
+    engine = DenoiseEngine("test", stepper, max_rows=2)
+    results = []
+    for name, layout in (("a", "64x64"), ("b", "96x64"), ("c", "64x64"), ("d", "64x64")):
+        j, r = job(name, layout, steps=2)
+        engine.submit(j)
+        results.append(r)
+    engine.start()
+    assert all(r.done.wait(5) for r in results)
+    engine.shutdown()
+    assert all(len(ts) <= 2 for _, ts in stepper.calls)  # max_rows
+    assert {layout for layout, _ in stepper.calls} == {"64x64", "96x64"}
+    # three 64x64 jobs, two rows per step: the one left out runs first next time, so nobody waits two turns
+    assert sum(len(ts) for layout, ts in stepper.calls if layout == "64x64") == 6
+
+
+def test_cancelled_request_leaves_the_batch():
+    stepper = RecordingStepper(gated=True)
+    engine = DenoiseEngine("test", stepper, max_rows=4)
+    cancelled = threading.Event()
+    j, result = job("a", "64x64", steps=50)
+    j.is_cancelled = cancelled.is_set
+    engine.submit(j)
+    engine.start()
+    assert stepper.entered.wait(5)
+    cancelled.set()  # while step 0 runs
+    stepper.release.set()
+    assert result.done.wait(5)
+    engine.shutdown()
+    assert isinstance(result.error, Cancelled) and len(stepper.calls) == 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving():
+    class Flaky(RecordingStepper):
+        def __call__(self, layout, *args):
+            if layout == "bad":
+                raise RuntimeError("boom")
+            return super().__call__(layout, *args)
+
+    engine = DenoiseEngine("test", Flaky(), max_rows=4)
+    bad, bad_result = job("a", "bad", steps=2)
+    good, good_result = job("b", "good", steps=2)
+    engine.submit(bad)
+    engine.submit(good)
+    engine.start()
+    assert bad_result.done.wait(5) and good_result.done.wait(5)
+    engine.shutdown()
+    assert isinstance(bad_result.error, RuntimeError) and good_result.error is None
+
+
+def test_too_many_rows_are_refused_at_submit():
+    engine = DenoiseEngine("test", RecordingStepper(), max_rows=2)
+    with pytest.raises(ValueError, match="batch limit of 2"):
+        engine.submit(job("a", "x", steps=1, rows=3)[0])
+
+
+def test_batcher_groups_equal_keys_in_arrival_order():
+    batches = []
+
+    def run_batch(payloads):
+        batches.append(list(payloads))
+        return [p * 10 for p in payloads]
+
+    engine = BatchingEngine("test", run_batch, max_rows=2, key_of=lambda p: p % 2)
+    results = [Result() for _ in range(5)]
+    for value, result in zip([1, 2, 3, 5, 4], results, strict=True):
+        engine.submit(f"r{value}", value, result)
+    engine.start()
+    assert all(r.done.wait(5) for r in results)
+    engine.shutdown()
+    assert batches == [[1, 3], [2, 4], [5]]
+    assert [r.value for r in results] == [10, 20, 30, 50, 40]
+
+
+def test_step_graph_buckets_pad_rows_and_match_the_eager_step(tmp_path):
+    pytest.importorskip("diffusers")
+    from mstar_common.families.flux2_klein.components import DenoiseComponent, DenoiseLimits
+    from mstar_common.families.flux2_klein.family import capture_denoise_graphs
+    from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config
+    from mstar_common.families.flux2_klein.options import Flux2KleinOptions
+    from mstar_common.families.flux2_klein.tiny import build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny")
+    limits = DenoiseLimits(multiple=16, max_area=65536, max_images=4, max_steps=50, default_steps=4)
+    runtime = DenoiseComponent(load_transformer(checkpoint, "float32", "cpu"), scheduler_config(checkpoint), limits,
+                               "cpu", max_batch=4)
+    options = Flux2KleinOptions(capture_sizes=["64x48"], capture_batch_sizes=[1, 4], capture_edit_sizes=["64x48"])
+    capture_denoise_graphs(runtime, options, capture=False)
+    torch.manual_seed(0)
+    for refs in (None, torch.randn(3, 12, 16)):
+        layout = runtime.layout_for(64, 48, [(3, 4)] if refs is not None else [])
+        args = (torch.randn(3, 12, 16), torch.randn(3, 512, 48), refs, torch.tensor([900.0, 500.0, 100.0]),
+                torch.tensor([-0.1, -0.2, -0.3]))
+        assert runtime.stepper.graphs.bucket_for(layout, 3).batch == 4
+        eager = runtime.stepper.step_fn(layout)(*args)
+        bucketed = runtime.stepper(layout, *args)
+        assert bucketed.shape == eager.shape and torch.allclose(bucketed, eager, atol=1e-5)
+    assert runtime.stepper.graphs.bucket_for(runtime.layout_for(64, 64), 1) is None  # uncaptured size: eager

@@ -1,0 +1,111 @@
+"""flux2_klein deployments: model_kwargs checks, the generated repository (walk router entry + four component
+nodes), and the walk's own refusals (prompt too long for the 512-token encoder, reference-image rules)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from mstar_common.cli import CONFIGS
+from mstar_common.config import DeploymentError, deployment_from_dict, load_deployment
+from mstar_common.families.flux2_klein.options import Flux2KleinOptions
+from mstar_common.repository import entry_model, render_repository
+
+BASE = yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text())
+
+
+def with_kwargs(**model_kwargs):
+    return deployment_from_dict({**BASE, "model_kwargs": {**BASE["model_kwargs"], **model_kwargs}}, source="t.yaml")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"colour": 1}, "unknown key"),
+    ({"dtype": "int8"}, "model_kwargs.dtype"),
+    ({"default_size": "big"}, "model_kwargs.default_size"),
+    ({"max_batch_size": 0}, "model_kwargs.max_batch_size"),
+    ({"max_images_per_request": 9}, "exceeds max_batch_size"),
+    ({"default_num_inference_steps": 60}, "exceeds max_inference_steps"),
+    ({"capture_batch_sizes": [16]}, "never replay"),
+    ({"text_encoder_out_layers": []}, "text_encoder_out_layers"),
+])
+def test_bad_model_kwargs_are_refused_naming_the_key(kwargs, message):
+    with pytest.raises(DeploymentError, match=message):
+        with_kwargs(**kwargs)
+
+
+def test_cuda_graphs_only_on_the_denoise_step_and_the_walk_on_the_cpu():
+    raw = yaml.safe_load((CONFIGS / "flux2_klein_4b_gpu.yaml").read_text())
+    raw["components"]["vae_decode"]["cuda_graphs"] = True
+    with pytest.raises(DeploymentError, match="components.vae_decode.cuda_graphs"):
+        deployment_from_dict(raw)
+    raw = yaml.safe_load((CONFIGS / "flux2_klein_4b_gpu.yaml").read_text())
+    raw["components"]["walk"]["placement"] = {"device": "gpu", "gpus": [0]}
+    with pytest.raises(DeploymentError, match="components.walk.placement"):
+        deployment_from_dict(raw)
+
+
+@pytest.mark.parametrize("config", ["flux2_klein.yaml", "flux2_klein_4b_gpu.yaml"])
+def test_repository_has_the_walk_router_entry_and_four_decoupled_components(config):
+    dep = load_deployment(CONFIGS / config)
+    files = render_repository(dep, config)
+    assert entry_model(dep) == "flux2_klein_walk"
+    modules = {"walk": "walk_router", "text_encoder": "stateless_node", "vae_encode": "stateless_node",
+               "denoise": "denoise_node", "vae_decode": "stateless_node"}
+    for component, module in modules.items():
+        assert f"from backends.{module} import TritonPythonModel" in files[f"flux2_klein_{component}/1/model.py"]
+        assert "decoupled: true" in files[f"flux2_klein_{component}/config.pbtxt"]
+    assert "KIND_CPU" in files["flux2_klein_walk/config.pbtxt"]
+
+
+# the walk's refusals (no server needed)
+
+
+@pytest.fixture(scope="module")
+def walk():
+    from ensembles.flux2_klein import Flux2KleinWalk
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+
+    options = Flux2KleinOptions(default_size="64x64", max_image_area=65536, max_reference_area=128 * 128)
+    return Flux2KleinWalk(build_tokenizer(), options, multiple=16)
+
+
+def upload(width: int, height: int, mode: str = "RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_prompt_is_padded_to_512_and_never_truncated(walk):
+    ids, text_len = walk.tokenize("a cat")
+    assert ids.shape == (512,) and 5 < text_len < 30 and ids[text_len:].tolist() == [ids[-1]] * (512 - text_len)
+    with pytest.raises(ValueError, match="exceed the text encoder's 512-token input"):
+        walk.tokenize("lorem ipsum " * 400)
+
+
+@pytest.mark.parametrize("inputs,message", [
+    ({}, "prompt: required"),
+    ({"width": np.array([64], np.int32)}, "give both width and height"),
+    ({"num_images": np.array([5], np.int32)}, "n: must be in"),
+    ({"seed": np.array([-1], np.int64)}, "seed: must be in"),
+    ({"num_inference_steps": np.array([51], np.int32)}, "num_inference_steps"),
+    ({"reference_images": np.array([b"x"] * 5, dtype=object)}, "at most 4 reference images"),
+    ({"output_format": np.array([b"bmp"], dtype=object)}, "output_format"),
+])
+def test_walk_parse_refusals(walk, inputs, message):
+    base = {"prompt": np.array([b"a cat"], dtype=object)} if "prompt" not in message else {}
+    with pytest.raises(ValueError, match=message):
+        walk.parse({**base, **inputs})
+
+
+def test_reference_images_follow_the_reference_pipelines_rules(walk):
+    assert walk.prepare_reference(upload(100, 80, "RGBA"), "image[0]").shape == (80, 96, 3)  # cropped to the grid
+    resized = walk.prepare_reference(upload(400, 200), "image[0]")  # over 128x128 of area: Lanczos to that area
+    assert resized.shape == (80, 176, 3)
+    with pytest.raises(ValueError, match=r"image\[1\]: 50x80 is too small"):
+        walk.prepare_reference(upload(50, 80), "image[1]")
+    with pytest.raises(ValueError, match="aspect ratio over 8:1"):
+        walk.prepare_reference(upload(640, 64), "image[0]")

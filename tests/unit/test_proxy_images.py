@@ -1,0 +1,186 @@
+"""The image routes against a fake Triton: what reaches the entry model, the OpenAI and native response shapes,
+the refusals (400 naming the field and rule), the SDK's image methods; plus the shared image rules."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from mstar import MStarClient
+from mstar_common import images
+from mstar_common.proxy.app import ServedModel
+from mstar_common.proxy.triton_stream import StreamResponse, TritonInvalidRequest
+from tests.unit.proxy_fake_triton import FakeTriton, make_app
+
+MODEL = ServedModel("klein", "flux2_klein_walk", kind="image")
+
+
+def png(width: int = 32, height: int = 16) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_script(count: int = 1, seed: int = 7):
+    return [StreamResponse(images=[png()] * count, seed=seed, is_final=True)]
+
+
+def client(script=None, models=(MODEL,)) -> tuple[TestClient, FakeTriton]:
+    app, fake = make_app(FakeTriton(script=script or image_script()), models=list(models))
+    return TestClient(app), fake
+
+
+def sent(fake: FakeTriton) -> dict:
+    return {name: value[2].reshape(-1).tolist() for name, value in fake.requests[-1].tensors.items()}
+
+
+def test_generations_sends_the_entry_model_tensors_and_answers_b64():
+    http, fake = client(image_script(2, seed=11))
+    body = {"model": "klein", "prompt": "a cat", "size": "96x64", "n": 2, "response_format": "b64_json", "seed": 3,
+            "num_inference_steps": 2, "output_format": "jpeg", "output_compression": "80"}
+    reply = http.post("/v1/images/generations", json=body)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    assert len(data["data"]) == 2 and data["seed"] == 11 and data["output_format"] == "jpeg" and data["size"] == "32x16"
+    assert base64.b64decode(data["data"][0]["b64_json"]) == png()
+    assert fake.requests[-1].model == "flux2_klein_walk"
+    assert sent(fake) == {"prompt": [b"a cat"], "width": [96], "height": [64], "num_images": [2], "seed": [3],
+                          "num_inference_steps": [2], "output_format": [b"jpeg"], "output_compression": [80]}
+
+
+def test_edits_send_references_in_order():
+    http, fake = client()
+    files = [("image[]", ("a.png", png(), "image/png")), ("image[]", ("b.png", png(64, 64), "image/png"))]
+    reply = http.post("/v1/images/edits", data={"prompt": "blue", "n": "1", "seed": "5"}, files=files)
+    assert reply.status_code == 200, reply.text
+    assert sent(fake)["reference_images"] == [png(), png(64, 64)] and sent(fake)["seed"] == [5]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"size": "1024"}, "size"),
+    ({"response_format": "url"}, "response_format"),
+    ({"quality": "hd"}, "quality"),
+    ({"guidance_scale": 3.5}, "guidance_scale"),
+    ({"output_format": "gif"}, "output_format"),
+    ({"png_compress_level": 50.9}, "png_compress_level"),
+    ({"png_compress_level": True}, "png_compress_level"),
+    ({"png_compress_level": 10}, "png_compress_level"),
+    ({"output_format": "webp", "output_compression": float("inf")}, "output_compression"),
+    ({"output_format": "png", "image_output_format": "jpeg"}, "output_format"),
+    ({"n": 1.5}, "n"),
+    ({"prompt": " "}, "prompt"),
+    ({"colour": "red"}, "colour"),
+])
+def test_generation_refusals_name_the_field(body, field):
+    http, fake = client()
+    reply = http.post("/v1/images/generations",
+                      content=__import__("json").dumps({"prompt": "x", **body}, allow_nan=True),
+                      headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert field in reply.json()["error"]["message"]
+    assert not fake.requests
+
+
+def test_only_the_chosen_formats_knob_is_checked_and_whole_numbers_pass():
+    http, fake = client()
+    reply = http.post("/v1/images/generations",
+                      json={"prompt": "x", "output_format": "png", "png_compress_level": "9",
+                            "output_compression": 500})
+    assert reply.status_code == 200 and sent(fake)["png_compress_level"] == [9]
+    reply = http.post("/v1/images/generations",
+                      json={"prompt": "x", "output_format": "webp", "output_compression": 50.0})
+    assert reply.status_code == 200 and sent(fake)["output_compression"] == [50]
+
+
+def test_edit_refusals():
+    http, _ = client()
+    assert "image" in http.post("/v1/images/edits", data={"prompt": "x"}).json()["error"]["message"]
+    five = [("image[]", ("a.png", png(), "image/png"))] * 5
+    reply = http.post("/v1/images/edits", data={"prompt": "x"}, files=five)
+    assert reply.status_code == 400 and "at most 4" in reply.json()["error"]["message"]
+    mask = [("image", ("a.png", png(), "image/png"))]
+    reply = http.post("/v1/images/edits", data={"prompt": "x", "mask": "m"}, files=mask)
+    assert reply.status_code == 400 and "mask" in reply.json()["error"]["message"]
+
+
+def test_entry_model_refusal_is_a_400_with_its_message():
+    http, _ = client([TritonInvalidRequest("size: 100x100 is not on the latent grid")])
+    reply = http.post("/v1/images/generations", json={"prompt": "x", "size": "100x100"})
+    assert reply.status_code == 400 and "latent grid" in reply.json()["error"]["message"]
+
+
+def test_text_routes_refuse_an_image_model_and_image_routes_a_text_model():
+    http, _ = client(models=(MODEL, ServedModel("qwen3", "qwen3_llm")))
+    reply = http.post("/v1/chat/completions", json={"model": "klein", "messages": [{"role": "user", "content": "x"}]})
+    assert reply.status_code == 400
+    assert http.post("/v1/images/generations", json={"model": "qwen3", "prompt": "x"}).status_code == 400
+
+
+def test_native_generate_with_image_output_json_and_multipart():
+    http, fake = client()
+    reply = http.post("/generate", json={"text": "a cat", "output_modalities": ["image"],
+                                         "model_kwargs": {"width": 64, "height": 48, "seed": 1, "n": 1}})
+    assert reply.status_code == 200, reply.text
+    assert base64.b64decode(reply.json()["outputs"]["image"][0]) == png() and reply.json()["seed"] == 7
+    assert sent(fake)["width"] == [64] and sent(fake)["height"] == [48]
+    reply = http.post("/generate", data={"text": "edit", "model_kwargs": '{"num_inference_steps": 2}'},
+                      files=[("files", ("a.png", png(), "image/png"))])
+    assert reply.status_code == 200 and sent(fake)["reference_images"] == [png()]
+    for body in ({"text": "x", "streaming": True}, {"text": "x", "output_modalities": ["text"]},
+                 {"text": "x", "model_kwargs": {"width": 64}}, {"model_kwargs": {}}):
+        assert http.post("/generate", json=body).status_code == 400, body
+
+
+def test_sdk_generate_image_and_edit_image(tmp_path):
+    http, fake = client()
+    sdk = MStarClient(http_client=http)
+    assert sdk.generate_image("a cat", width=64, height=64, seed=0) == png()
+    assert sent(fake)["seed"] == [0] and sent(fake)["width"] == [64]
+    path = tmp_path / "cat.png"
+    path.write_bytes(png(80, 80))
+    assert sdk.edit_image("make it a watercolor", str(path), seed=1) == png()
+    assert sent(fake)["reference_images"] == [png(80, 80)]
+
+
+# the shared rules
+
+
+@pytest.mark.parametrize("value,expected", [("6", 6), (6.0, 6), (np.int64(3), 3), (0, 0)])
+def test_whole_numbers_accepted(value, expected):
+    assert images.whole_number(value, "k", 0, 9) == expected
+
+
+@pytest.mark.parametrize("value", [True, 5.5, float("inf"), float("nan"), "x", 10, -1, None, [1]])
+def test_whole_numbers_refused(value):
+    with pytest.raises(ValueError, match="k"):
+        images.whole_number(value, "k", 0, 9)
+
+
+def test_geometry_rules_name_the_nearest_valid_sizes():
+    with pytest.raises(ValueError, match="multiples of 16 .nearest valid: 992x1008 or 1008x1024"):
+        images.check_geometry(1000, 1010, 16, 4096 * 4096)
+    with pytest.raises(ValueError, match="exceeds max_image_area=4194304"):
+        images.check_geometry(4096, 4096, 16, 2048 * 2048)
+    images.check_geometry(2048, 2048, 16, 2048 * 2048)
+    assert images.parse_size("1024x768") == (1024, 768)
+
+
+def test_unreadable_and_huge_uploads_are_refused():
+    with pytest.raises(ValueError, match="image.0.: not a readable image"):
+        images.decode_image(b"not an image", "image[0]")
+    with pytest.raises(ValueError, match="empty"):
+        images.decode_image(b"", "image[0]")
+    assert images.decode_image(png(), "image[0]").size == (32, 16)
+
+
+def test_encode_round_trips_each_format():
+    pixels = np.random.RandomState(0).randint(0, 255, (16, 32, 3), dtype=np.uint8)
+    for fmt in images.FORMATS:
+        data = images.encode_image(pixels, images.output_options(fmt))
+        assert Image.open(io.BytesIO(data)).format.lower() == fmt
+    assert np.array_equal(np.array(Image.open(io.BytesIO(images.encode_image(pixels, images.OutputOptions())))), pixels)
