@@ -1,5 +1,5 @@
 """The M* SDK: `from mstar import MStarClient`."""
 
-from mstar_common.client import ChatEvent, ChatResult, MStarClient, MStarError
+from mstar_common.client import ChatEvent, ChatResult, MStarClient, MStarError, TranscriptionEvent, TranscriptionResult
 
-__all__ = ["ChatEvent", "ChatResult", "MStarClient", "MStarError"]
+__all__ = ["ChatEvent", "ChatResult", "MStarClient", "MStarError", "TranscriptionEvent", "TranscriptionResult"]

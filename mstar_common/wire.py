@@ -26,9 +26,26 @@ Outputs, per streamed response (several tokens per response when a stream falls 
   prompt_tokens       INT32   [1]
   completion_tokens   INT32   [1] tokens generated so far
 
-The last response carries the COMPLETE_FINAL flag. A refused request fails with a Triton error whose
-message starts with INVALID_REQUEST_PREFIX (the proxy maps it to HTTP 400); any other error is a server
-fault whose message carries an error id that is also in the server log (HTTP 500).
+Speech entry models (e.g. `orpheus_lm`, decoupled) take `text_input` (required), `voice` BYTES [1] (optional; the
+deployment's default voice) and the sampling inputs above (`stop`/`stop_token_ids` are not accepted), and stream:
+
+  audio_chunk         INT16   [-1] PCM, mono, little-endian: the audio decoded since the previous response
+  sample_rate         INT32   [1]  Hz (24000 for SNAC 24 kHz)
+  token_ids           INT32   [-1] LM tokens since the previous response
+  finish_reason, prompt_tokens, completion_tokens   as above
+
+A response is sent per codec step that played audio for the stream (several frames when it fell behind); the
+last one (COMPLETE_FINAL) carries the finish reason and the audio still owed.
+
+The last response carries the COMPLETE_FINAL flag. A request that fails gets one Triton error whose message
+starts with a prefix naming the class of failure, which the proxy maps to an HTTP status:
+
+  invalid_request:    the client's fault: a field broke a rule (400)
+  overloaded:         the component's queue is full; retry later (429 with Retry-After)
+  unavailable:        waited too long for admission, or the component is draining (503 with Retry-After)
+  deadline_exceeded:  the request's server-side deadline passed (504)
+
+Any other error is a server fault whose message carries an error id that is also in the server log (500).
 """
 
 from __future__ import annotations
@@ -49,6 +66,7 @@ SAMPLING_INPUTS = {
     "ignore_eos": ("BOOL", "bool"),
 }
 STOP = "stop"
+VOICE = "voice"
 STOP_TOKEN_IDS = "stop_token_ids"
 
 TEXT_OUTPUT = "text_output"
@@ -56,9 +74,44 @@ TOKEN_IDS = "token_ids"
 FINISH_REASON = "finish_reason"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
+AUDIO_CHUNK = "audio_chunk"
+SAMPLE_RATE = "sample_rate"
+
+# The codec component's BLS contract (LM node -> codec node, one request per step carrying a batch).
+CODEC_WINDOWS = "codec_windows"  # INT32 [N, 4, 7]: N windows of 4 frames of 7 SNAC codes
+CODEC_AUDIO = "codec_audio"  # FP32 [N, S]: each window's played frame, S samples
+
+# Image entry models (an image family's walk router; rules in mstar_common/images.py). Inputs, all optional
+# but the prompt, shape [1]: prompt BYTES, width/height INT32 (pixels), num_images INT32 (OpenAI n), seed INT64,
+# num_inference_steps INT32, output_format BYTES (png | jpeg | webp), png_compress_level INT32,
+# output_compression INT32; reference_images BYTES [-1] (encoded uploads, in order: editing). One response:
+# images BYTES [-1] (encoded, in output_format) and seed INT64 [1] (the seed used, drawn when none was given).
+IMAGE_INPUTS = {  # name: (Triton dtype, numpy dtype string)
+    "prompt": ("BYTES", "object"),
+    "width": ("INT32", "int32"),
+    "height": ("INT32", "int32"),
+    "num_images": ("INT32", "int32"),
+    "seed": ("INT64", "int64"),
+    "num_inference_steps": ("INT32", "int32"),
+    "output_format": ("BYTES", "object"),
+    "png_compress_level": ("INT32", "int32"),
+    "output_compression": ("INT32", "int32"),
+}
+REFERENCE_IMAGES = "reference_images"
+IMAGES = "images"
+IMAGE_SEED = "seed"
+# Transcription entry models (e.g. `whisper_walk`; tensors in mstar_common/families/whisper/graph.py) stream
+# text_output deltas; their last response adds these:
+TRANSCRIPT_LANGUAGE = "language"  # BYTES [1] language code used
+TRANSCRIPT_DURATION = "duration"  # FP32 [1] seconds of audio
+TRANSCRIPT_SEGMENTS = "segments"  # BYTES [1] JSON list of segments
 
 INVALID_REQUEST_PREFIX = "invalid_request: "
+OVERLOADED_PREFIX = "overloaded: "
+UNAVAILABLE_PREFIX = "unavailable: "
+DEADLINE_PREFIX = "deadline_exceeded: "
 SERVER_ERROR_PREFIX = "internal error (error id "
+CLIENT_FACING_PREFIXES = (INVALID_REQUEST_PREFIX, OVERLOADED_PREFIX, UNAVAILABLE_PREFIX, DEADLINE_PREFIX)
 
 
 def invalid_request_message(detail: str) -> str:
@@ -70,5 +123,15 @@ def is_invalid_request(message: str) -> bool:
 
 
 def strip_invalid_prefix(message: str) -> str:
-    idx = message.find(INVALID_REQUEST_PREFIX)
-    return message[idx + len(INVALID_REQUEST_PREFIX):] if idx >= 0 else message
+    return strip_prefix(message, INVALID_REQUEST_PREFIX)
+
+
+def error_class(message: str) -> str | None:
+    """The prefix a (possibly wrapped) error message carries, or None for a server fault."""
+    found = [(message.find(p), p) for p in CLIENT_FACING_PREFIXES if p in message]
+    return min(found)[1] if found else None
+
+
+def strip_prefix(message: str, prefix: str) -> str:
+    idx = message.find(prefix)
+    return message[idx + len(prefix):] if idx >= 0 else message

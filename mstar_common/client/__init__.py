@@ -1,6 +1,7 @@
 """Python SDK for the M* proxy: `MStarClient("http://localhost:8000").chat("Hi").text`."""
 
 from mstar_common.client.client import MStarClient
+from mstar_common.client.transcription import TranscriptionEvent, TranscriptionResult
 from mstar_common.client.types import ChatEvent, ChatResult, MStarError
 
-__all__ = ["ChatEvent", "ChatResult", "MStarClient", "MStarError"]
+__all__ = ["ChatEvent", "ChatResult", "MStarClient", "MStarError", "TranscriptionEvent", "TranscriptionResult"]

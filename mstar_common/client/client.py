@@ -14,12 +14,15 @@ from typing import Any
 
 import httpx
 
+from mstar_common.client.images import ImageMethods
+from mstar_common.client.speech import SpeechMethods
+from mstar_common.client.transcription import TranscriptionMethods
 from mstar_common.client.types import ChatEvent, ChatResult, MStarError
 
 _STATUS_BY_TYPE = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
 
 
-class MStarClient:
+class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
     def __init__(
         self,
         base_url: str = "http://localhost:8000",

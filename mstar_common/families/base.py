@@ -14,6 +14,7 @@ class Family(ABC):
     name: ClassVar[str]  # registry key == YAML `family:` == package directory name
     graph: ClassVar[FamilyGraph]
     builtin_checkpoints: ClassVar[dict[str, Any]] = {}  # name -> callable(out_dir) -> Path
+    proxy_kind: ClassVar[str] = "text"  # which proxy routes serve it: text | speech
 
     @abstractmethod
     def validate_deployment(self, dep: Deployment, source: str) -> None:

@@ -6,9 +6,14 @@ from mstar_common.families.base import Family
 
 
 def _families() -> dict[str, type[Family]]:
+    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+    from mstar_common.families.llama.family import LlamaFamily
+    from mstar_common.families.orpheus.family import OrpheusFamily
     from mstar_common.families.qwen3.family import Qwen3Family
+    from mstar_common.families.whisper.family import WhisperFamily
 
-    return {Qwen3Family.name: Qwen3Family}
+    return {Qwen3Family.name: Qwen3Family, OrpheusFamily.name: OrpheusFamily, Flux2KleinFamily.name: Flux2KleinFamily,
+            WhisperFamily.name: WhisperFamily, LlamaFamily.name: LlamaFamily}
 
 
 def get_family(name: str) -> Family:

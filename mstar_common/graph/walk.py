@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-ComponentKind = Literal["autoregressive", "stateless", "denoise_loop", "codec"]
+ComponentKind = Literal["autoregressive", "speech_lm", "stateless", "denoise_loop", "codec", "walk_router"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,14 +18,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mstar_common.proxy import protocol, serving_chat, serving_completions, serving_generate
+from mstar_common.proxy import (
+    protocol,
+    serving_chat,
+    serving_completions,
+    serving_generate,
+    serving_images,
+    serving_speech,
+    serving_transcriptions,
+)
 from mstar_common.proxy.errors import APIError, BodyTooLarge, install_error_handlers, server_error
 from mstar_common.proxy.serving_common import ServingContext, TritonClient
 from mstar_common.proxy.triton_stream import TritonStreamClient
 
 logger = logging.getLogger(__name__)
 
-MODEL_KINDS = ("text",)
+MODEL_KINDS = ("text", "speech", "image", "transcription")
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -43,6 +52,9 @@ class ProxySettings:
     request_timeout_s: float | None = 600.0  # whole-request deadline on the Triton stream; None: none
     max_body_bytes: int = 16 * 1024 * 1024
     health_timeout_s: float = 2.0  # per Triton health RPC
+    retry_after_s: int = 1  # Retry-After of a 429 (queue full) or 503 (not ready, queue wait too long)
+    max_upload_s: float = 600.0  # longest audio/video upload in seconds of media (routes that take uploads)
+    allow_remote_urls: bool = False  # fetch media given as http(s) URLs; never file paths (proxy/limits.py)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -57,6 +69,10 @@ class ProxySettings:
             raise ValueError(f"ProxySettings.max_body_bytes must be > 0, got {self.max_body_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"ProxySettings.request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+        if self.retry_after_s < 1:
+            raise ValueError(f"ProxySettings.retry_after_s must be >= 1, got {self.retry_after_s}")
+        if self.max_upload_s <= 0:
+            raise ValueError(f"ProxySettings.max_upload_s must be > 0, got {self.max_upload_s}")
 
 
 class RequestContext:
@@ -73,12 +89,16 @@ class RequestContext:
         request_id = headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         id_header = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
         is_started = False
+        start = time.monotonic()
 
         async def send_with_id(message: Message) -> None:
             nonlocal is_started
             if message["type"] == "http.response.start":
                 is_started = True
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
+                # One line per request, keyed by the id that Triton and the component logs also carry.
+                logger.info("[%s] %s %s -> %d in %.1f ms", request_id, scope.get("method"), scope.get("path"),
+                            message["status"], 1e3 * (time.monotonic() - start))
             await send(message)
 
         async def reply(error: APIError) -> None:
@@ -134,7 +154,8 @@ def create_app(settings: ProxySettings, triton: TritonClient | None = None) -> F
     app.state.serving = ServingContext(settings, client)
     install_error_handlers(app)
     app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes)
-    for module in (serving_chat, serving_completions, serving_generate):
+    for module in (serving_chat, serving_completions, serving_generate, serving_speech, serving_images,
+                   serving_transcriptions):
         app.include_router(module.router)
     _add_info_routes(app)
     return app
@@ -156,4 +177,4 @@ def _add_info_routes(app: FastAPI) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         ctx: ServingContext = request.app.state.serving
-        return protocol.model_card(ctx.resolve(model_id).name, ctx.created)
+        return protocol.model_card(ctx.resolve(model_id, kinds=MODEL_KINDS).name, ctx.created)

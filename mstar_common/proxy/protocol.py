@@ -152,6 +152,7 @@ class GenerateKwargs(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
     return_token_ids: bool = False
+    voice: str | None = None  # speech models
 
 
 class GenerateRequest(BaseModel):

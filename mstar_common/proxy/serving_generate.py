@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from mstar_common.proxy import protocol
+from mstar_common.proxy import protocol, serving_images, serving_speech, serving_transcriptions
 from mstar_common.proxy.errors import from_pydantic, invalid_request
 from mstar_common.proxy.serving_common import Completion, ServingContext
 from mstar_common.proxy.sse import SSEResponse, sse_body
@@ -118,6 +118,8 @@ def _check_modalities(req: protocol.GenerateRequest, model: str) -> None:
 def generate_generation(req: protocol.GenerateRequest, model: str) -> GenerationRequest:
     _check_modalities(req, model)
     kwargs = req.model_kwargs
+    if kwargs.voice is not None:
+        raise invalid_request(f"'model_kwargs.voice': model '{model}' is a text model", param="model_kwargs.voice")
     if kwargs.messages is not None:
         if req.text:
             raise invalid_request("send either 'text' or 'model_kwargs.messages', not both", param="text")
@@ -135,8 +137,14 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
 @router.post("/generate")
 async def generate(request: Request):
     ctx: ServingContext = request.app.state.serving
+    if (image_model := await serving_images.image_model_for(request, ctx)) is not None:
+        return await serving_images.generate_native(request, ctx, image_model)
+    if (asr_model := await serving_transcriptions.transcription_model_for(request, ctx)) is not None:
+        return await serving_transcriptions.generate_native(request, ctx, asr_model)
     req = await read_generate_request(request)
-    served = ctx.resolve(req.model)
+    served = ctx.resolve(req.model, kinds=("text", *serving_speech.SPEECH_KINDS))
+    if served.kind in serving_speech.SPEECH_KINDS:
+        return await serving_speech.generate_speech(request, ctx, served, req)
     gen = generate_generation(req, served.name)
     rid, with_ids = request.state.request_id, req.model_kwargs.return_token_ids
     if req.streaming:

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 _FINAL_PARAM = "triton_final_response"
 _EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
+_TIMEOUT_PARAM = "timeout"  # microseconds, as tritonclient's `timeout=` sets it
+DEADLINE_GRACE_S = 5.0  # the gRPC deadline trails the server-side one, so the server's clean 504 comes first
 
 
 @dataclass(slots=True)
@@ -41,6 +43,8 @@ class GenerationRequest:
     sampling: dict[str, int | float | bool] = field(default_factory=dict)  # keys from wire.SAMPLING_INPUTS
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    voice: str | None = None  # speech entry models only
+    tensors: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # image entry models: (name, dtype, array)
 
 
 @dataclass(slots=True)
@@ -53,6 +57,11 @@ class StreamResponse:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     is_final: bool = False
+    audio: np.ndarray | None = None  # speech: PCM16 samples since the previous response
+    sample_rate: int | None = None
+    images: list[bytes] = field(default_factory=list)  # image entry models: encoded images
+    seed: int | None = None  # image entry models: the seed used
+    transcript: dict[str, Any] | None = None  # transcription entry models, last response: language, duration, segments
 
 
 class TritonError(Exception):
@@ -68,11 +77,39 @@ class TritonServerError(TritonError):
 
 
 class TritonUnavailable(TritonError):
-    pass
+    """The server, the model or its component cannot take requests now (503 with Retry-After)."""
+
+
+class TritonRefusedNow(TritonUnavailable):
+    """The component said it cannot take the request now (queue wait limit, draining); the message is public."""
+
+
+class TritonOverloaded(TritonError):
+    """The component's queue is full (429 with Retry-After)."""
 
 
 class TritonTimeout(TritonError):
-    pass
+    """The request's deadline passed (504)."""
+
+
+# Triton's own words for a model that cannot serve now (loading, unloading, its stub gone).
+_UNAVAILABLE_MARKERS = ("is not ready", "unknown model", "Stub process", "is not healthy")
+
+
+def classify_error(message: str) -> TritonError:
+    """The error a Triton error message stands for, per the prefixes in `mstar_common.wire`."""
+    kind = wire.error_class(message)
+    if kind == wire.INVALID_REQUEST_PREFIX:
+        return TritonInvalidRequest(wire.strip_prefix(message, kind))
+    if kind == wire.OVERLOADED_PREFIX:
+        return TritonOverloaded(wire.strip_prefix(message, kind))
+    if kind == wire.UNAVAILABLE_PREFIX:
+        return TritonRefusedNow(wire.strip_prefix(message, kind))
+    if kind == wire.DEADLINE_PREFIX:
+        return TritonTimeout(wire.strip_prefix(message, kind))
+    if any(marker in message for marker in _UNAVAILABLE_MARKERS):
+        return TritonUnavailable(message)
+    return TritonServerError(message)
 
 
 # request building
@@ -101,6 +138,9 @@ def build_inputs(gen: GenerationRequest) -> list[tuple[str, str, np.ndarray]]:
         inputs.append((wire.STOP, "BYTES", _bytes_tensor(gen.stop)))
     if gen.stop_token_ids:
         inputs.append((wire.STOP_TOKEN_IDS, "INT32", np.asarray(gen.stop_token_ids, dtype=np.int32)))
+    if gen.voice is not None:
+        inputs.append((wire.VOICE, "BYTES", _bytes_tensor([gen.voice])))
+    inputs.extend(gen.tensors)
     return inputs
 
 
@@ -111,8 +151,13 @@ def _raw_contents(datatype: str, array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array).tobytes()
 
 
-def build_request(model: str, request_id: str, gen: GenerationRequest) -> service_pb2.ModelInferRequest:
+def build_request(
+    model: str, request_id: str, gen: GenerationRequest, timeout_s: float | None = None
+) -> service_pb2.ModelInferRequest:
+    """`timeout_s` becomes the request's Triton `timeout`, which the component enforces as its deadline."""
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    if timeout_s:
+        request.parameters[_TIMEOUT_PARAM].int64_param = int(timeout_s * 1e6)
     for name, datatype, array in build_inputs(gen):
         request.inputs.append(
             service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=list(array.shape))
@@ -141,9 +186,7 @@ def _text(value: Any) -> str:
 
 def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamResponse:
     if message.error_message:
-        if wire.is_invalid_request(message.error_message):
-            raise TritonInvalidRequest(wire.strip_invalid_prefix(message.error_message))
-        raise TritonServerError(message.error_message)
+        raise classify_error(message.error_message)
     response = message.infer_response
     params = response.parameters
     is_final = _FINAL_PARAM in params and params[_FINAL_PARAM].bool_param
@@ -153,6 +196,7 @@ def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamRespo
     token_ids = result.as_numpy(wire.TOKEN_IDS)
     prompt_tokens = _scalar(result, wire.PROMPT_TOKENS)
     completion_tokens = _scalar(result, wire.COMPLETION_TOKENS)
+    sample_rate = _scalar(result, wire.SAMPLE_RATE)
     return StreamResponse(
         text=_text(_scalar(result, wire.TEXT_OUTPUT)),
         token_ids=[] if token_ids is None else [int(t) for t in token_ids.reshape(-1)],
@@ -160,18 +204,41 @@ def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamRespo
         prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
         completion_tokens=None if completion_tokens is None else int(completion_tokens),
         is_final=is_final,
+        audio=result.as_numpy(wire.AUDIO_CHUNK),
+        sample_rate=None if sample_rate is None else int(sample_rate),
+        images=_image_list(result),
+        seed=None if _scalar(result, wire.IMAGE_SEED) is None else int(_scalar(result, wire.IMAGE_SEED)),
+        transcript=_transcript(result),
     )
 
 
-def _from_rpc_error(error: grpc.aio.AioRpcError) -> TritonError:
+def _transcript(result: InferResult) -> dict[str, Any] | None:
+    """The metadata a transcription entry model sends with its last response (see `wire`), else None."""
+    segments = _text(_scalar(result, wire.TRANSCRIPT_SEGMENTS))
+    if not segments:
+        return None
+    duration = _scalar(result, wire.TRANSCRIPT_DURATION)
+    return {"language": _text(_scalar(result, wire.TRANSCRIPT_LANGUAGE)),
+            "duration": 0.0 if duration is None else float(duration), "segments": json.loads(segments)}
+
+
+def _image_list(result: InferResult) -> list[bytes]:
+    images = result.as_numpy(wire.IMAGES)
+    return [] if images is None else [bytes(image) for image in images.reshape(-1)]
+
+
+def _from_rpc_error(error: grpc.aio.AioRpcError, is_started: bool = False) -> TritonError:
     code, details = error.code(), error.details() or str(error.code())
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TritonTimeout(details)
     if code == grpc.StatusCode.UNAVAILABLE:
+        if is_started:  # the server went away while serving this request: a fault, not "try later"
+            return TritonServerError(f"the inference server failed mid-request: {details}")
         return TritonUnavailable(details)
-    if wire.is_invalid_request(details):
-        return TritonInvalidRequest(wire.strip_invalid_prefix(details))
-    return TritonServerError(f"gRPC {code.name}: {details}")
+    classified = classify_error(details)
+    if isinstance(classified, TritonServerError):
+        return TritonServerError(f"gRPC {code.name}: {details}")
+    return classified
 
 
 # the client
@@ -191,8 +258,10 @@ class TritonStreamClient:
     async def generate(
         self, model: str, request_id: str, gen: GenerationRequest, timeout_s: float | None = None
     ) -> AsyncIterator[StreamResponse]:
-        """Send one request and yield its responses up to and including the final one."""
-        request = build_request(model, request_id, gen)
+        """Send one request and yield its responses up to and including the final one. `timeout_s` is the
+        request's deadline: the component enforces it (a clean `deadline_exceeded` error), and the gRPC call
+        is abandoned DEADLINE_GRACE_S later should the server not answer at all."""
+        request = build_request(model, request_id, gen, timeout_s)
         is_done = asyncio.Event()
 
         async def requests():
@@ -201,10 +270,12 @@ class TritonStreamClient:
 
         # aio's public stream_infer refuses the reserved `triton_*` request parameters that
         # build_request sets, so call the stub of the client's (shared) channel directly.
-        call = self._connection()._client_stub.ModelStreamInfer(requests(), timeout=timeout_s)
-        is_finished = False
+        grpc_timeout = timeout_s + DEADLINE_GRACE_S if timeout_s else None
+        call = self._connection()._client_stub.ModelStreamInfer(requests(), timeout=grpc_timeout)
+        is_finished = is_started = False
         try:
             async for message in call:
+                is_started = True
                 response = parse_response(message)
                 is_finished = response.is_final
                 yield response
@@ -213,7 +284,7 @@ class TritonStreamClient:
             raise TritonServerError(f"stream for request {request_id} ended without a final response")
         except grpc.aio.AioRpcError as error:
             is_finished = True
-            raise _from_rpc_error(error) from None
+            raise _from_rpc_error(error, is_started) from None
         finally:
             is_done.set()
             if not is_finished:
@@ -232,6 +303,16 @@ class TritonStreamClient:
             logger.warning("[proxy] triton health check failed: %s", error)
             return False
         return True
+
+    async def model_parameters(self, model: str) -> dict[str, str]:
+        """The `parameters` of a model's config.pbtxt (e.g. the generated `deployment` JSON)."""
+        try:
+            config = await self._connection().get_model_config(model, as_json=True,
+                                                               client_timeout=self.health_timeout_s)
+        except (InferenceServerException, grpc.aio.AioRpcError) as error:
+            raise TritonUnavailable(f"model config of {model}: {error}") from None
+        params = config.get("config", {}).get("parameters", {})
+        return {key: value.get("string_value", "") for key, value in params.items()}
 
     async def close(self) -> None:
         if self._client is not None:

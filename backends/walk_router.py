@@ -1,0 +1,167 @@
+"""Triton node for a family's walk router: the entry model that runs the family's walk script with async BLS.
+
+I/O contract: the walk component's tensors as the family declares them (flux2_klein: prompt, size, n, seed,
+steps, reference images, output knobs in; encoded images and the seed out); one FINAL response per request.
+
+Concurrency: `execute` is a coroutine; for a decoupled model the Python backend runs it in the background,
+so one instance serves many requests at once. Each request runs `walk.run(inputs, call)`, where `call`
+is one async BLS request to `<family>_<component>` that waits for that component's single response.
+Refusals: a ValueError from the walk or an `invalid_request:` error from a component becomes the
+request's `invalid_request:` error (HTTP 400); anything else is a server error with an id in the log.
+
+Streaming walks (whisper): a walk with `stream(inputs, call, call_stream)` yields several responses; each is
+sent as it comes and the last one carries the FINAL flag. `call_stream` is a decoupled BLS request whose
+responses arrive as an async iterator: Triton 2.51's response iterator blocks, so a thread per stream reads
+it and hands each response to the event loop, which keeps serving the instance's other requests meanwhile.
+A client that goes away stops its walk at the next response (BLS requests cannot be cancelled in 2.51:
+a component stream already started runs to its end, its responses discarded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from backends.node_setup import load_node
+from backends.responder import Responder, request_inputs
+from mstar_common.repository import model_name
+from mstar_common.walk_api import ComponentError
+
+logger = logging.getLogger(__name__)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup = load_node(args, kind="walk_router")
+        self.model_name = setup.model_name
+        self.family = setup.deployment.family
+        self.components = setup.family.graph.components
+        self.walk = setup.build()  # .input_names; async .run(inputs, call) -> outputs
+        self._ids = itertools.count()
+        logger.info("[%s] ready", self.model_name)
+
+    async def execute(self, requests: list) -> None:
+        await asyncio.gather(*(self._serve(request) for request in requests))
+        return None
+
+    async def _serve(self, request) -> None:
+        responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
+        try:
+            inputs = request_inputs(request, self.walk.input_names)
+            if hasattr(self.walk, "stream"):
+                outputs = await self._stream(responder, inputs)
+            else:
+                outputs = await self.walk.run(inputs, self._caller(responder))
+        except ValueError as exc:
+            responder.send_invalid(str(exc))
+        except ComponentError as exc:
+            if exc.is_invalid_request:
+                responder.send_error(exc.message)
+            else:
+                logger.error("[%s] %s", responder.request_id, exc)
+                responder.send_error(exc.message)  # the component logged the cause under this error id
+        except Exception as exc:  # noqa: BLE001 - a fault in one walk must not take down the router
+            responder.send_server_error(exc)
+        else:
+            responder.send_final(outputs)
+
+    async def _stream(self, responder: Responder, inputs: dict) -> dict[str, np.ndarray] | None:
+        """Send every response of a streaming walk but the last, which is returned (the FINAL); None when
+        the client went away (a flags-only FINAL then ends the request)."""
+        last = None
+        stream = self.walk.stream(inputs, self._caller(responder), self._stream_caller(responder))
+        try:
+            async for outputs in stream:
+                if last is not None:
+                    responder.send_chunk(last)
+                last = outputs
+                if responder.is_cancelled():
+                    logger.info("[%s] client cancelled; stopping its walk", responder.request_id)
+                    return None
+        finally:
+            await stream.aclose()
+        return last
+
+    def _stream_caller(self, responder: Responder):
+        loop = asyncio.get_running_loop()
+
+        async def call_stream(component: str, inputs: dict):
+            spec = self.components[component]
+            request = pb_utils.InferenceRequest(
+                model_name=model_name(self.family, component),
+                inputs=[_tensor(name, value) for name, value in inputs.items()],
+                requested_output_names=[out.name for out in spec.outputs],
+                request_id=f"{responder.request_id}/{component}",
+            )
+            responses = await request.async_exec(decoupled=True)
+            queue: asyncio.Queue = asyncio.Queue()
+            is_abandoned = threading.Event()
+
+            def read() -> None:  # the iterator blocks: read it here, off the event loop, always to its end
+                try:
+                    for response in responses:
+                        if not is_abandoned.is_set():
+                            loop.call_soon_threadsafe(queue.put_nowait, response)
+                except Exception as exc:  # noqa: BLE001 - delivered to the walk
+                    loop.call_soon_threadsafe(queue.put_nowait, exc)
+                finally:
+                    loop.call_soon_threadsafe(queue.put_nowait, None)
+
+            threading.Thread(target=read, name=f"{responder.request_id}/{component}", daemon=True).start()
+            try:
+                while (response := await queue.get()) is not None:
+                    if isinstance(response, Exception):
+                        raise ComponentError(component, f"reading the stream failed: {response}")
+                    if response.has_error():
+                        raise ComponentError(component, response.error().message())
+                    outputs = {}
+                    for out in spec.outputs:
+                        tensor = pb_utils.get_output_tensor_by_name(response, out.name)
+                        if tensor is not None:
+                            outputs[out.name] = np.array(tensor.as_numpy())
+                    if outputs:
+                        yield outputs
+            finally:
+                is_abandoned.set()
+                if hasattr(responses, "cancel"):  # Triton >= 2.57 can cancel a BLS stream
+                    responses.cancel()
+
+        return call_stream
+
+    def _caller(self, responder: Responder):
+        async def call(component: str, inputs: dict) -> dict[str, np.ndarray]:
+            if responder.is_cancelled():
+                raise ComponentError(component, "cancelled: the client went away")
+            spec = self.components[component]
+            request = pb_utils.InferenceRequest(
+                model_name=model_name(self.family, component),
+                inputs=[_tensor(name, value) for name, value in inputs.items()],
+                requested_output_names=[out.name for out in spec.outputs],
+                request_id=f"{responder.request_id}/{component}",
+            )
+            outputs: dict[str, np.ndarray] = {}
+            for response in await request.async_exec(decoupled=True):
+                if response.has_error():
+                    raise ComponentError(component, response.error().message())
+                for out in spec.outputs:
+                    tensor = pb_utils.get_output_tensor_by_name(response, out.name)
+                    if tensor is not None:
+                        outputs[out.name] = np.array(tensor.as_numpy())  # own the memory past the response
+            if not outputs:
+                raise ComponentError(component, f"{component} answered without outputs")
+            return outputs
+
+        return call
+
+
+def _tensor(name: str, value) -> pb_utils.Tensor:
+    if isinstance(value, torch.Tensor):
+        value = value.cpu().numpy()
+    return pb_utils.Tensor(name, np.ascontiguousarray(value))

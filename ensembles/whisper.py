@@ -1,0 +1,280 @@
+"""The Whisper walk: one upload's path through the encoder and decoder components, window by window.
+
+    parse (a ValueError names the field and the rule) ─ decode + resample (in a thread) ─ check the caps
+    cut into windows (≤ 30 s, at quiet moments)
+    for every window at once (at most `max_parallel_windows` in flight per upload):
+        encoder ─▶ encoder_output ─▶ decoder stream (token ids)
+    stream text deltas in window order; the last response carries language, duration and segments
+
+Language: without one, window 0's decoder detects it (its first token) and the other windows start forced to
+it. Joining: each window's text is stripped of leading blanks and windows are joined with one space, so the
+streamed deltas add up exactly to the final text. Temperature fallback (OpenAI Whisper's: re-decode a window
+at 0.2, 0.4, … 1.0 while its compression ratio exceeds 2.4) runs only for timestamped requests that set no
+temperature; untimed requests decode once (the spec disables the retry for untimed decoding), and so can stream
+each window's text as it is decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mstar_common.engine.detokenizer import IncrementalDetokenizer
+from mstar_common.families.whisper import graph as g
+from mstar_common.families.whisper.audio import (
+    TARGET_RATE,
+    AudioLimits,
+    Window,
+    decode_upload,
+    split_windows,
+    to_model_pcm,
+)
+from mstar_common.families.whisper.decoding import (
+    LANGUAGE,
+    DecoderPrompt,
+    WhisperTokens,
+    build_prompt,
+    compression_ratio,
+    split_segments,
+)
+from mstar_common.families.whisper.requests import TranscriptionRequest, parse_request
+from mstar_common.walk_api import Call
+
+CallStream = Callable[[str, dict[str, Any]], AsyncIterator[dict[str, Any]]]
+FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+COMPRESSION_RATIO_THRESHOLD = 2.4
+_DONE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class WalkOptions:
+    limits: AudioLimits
+    max_parallel_windows: int = 16  # windows of one upload in flight at once (bounds the walk's memory)
+    window_seconds: float = 30.0
+
+
+class WhisperWalk:
+    input_names = tuple(spec.name for spec in g.WALK.inputs)
+
+    def __init__(self, tokenizer: Any, tokens: WhisperTokens, options: WalkOptions) -> None:
+        self.tokenizer, self.tokens, self.options = tokenizer, tokens, options
+        self.max_prompt_tokens = tokens.max_length // 2 - 1
+
+    async def stream(self, inputs: dict[str, np.ndarray], call: Call,
+                     call_stream: CallStream) -> AsyncIterator[dict[str, np.ndarray]]:
+        """Responses for one request: text deltas, then a last one with the metadata (and any remaining text)."""
+        req = parse_request(inputs, self.tokenizer, self.tokens, self.max_prompt_tokens)
+        pcm = await asyncio.to_thread(self._load_audio, req)
+        windows = split_windows(pcm, self.options.window_seconds)
+        job = _Transcription(self, req, pcm, windows, call, call_stream)
+        async for outputs in job.run():
+            yield outputs
+
+    async def run(self, inputs: dict[str, np.ndarray], call: Call, call_stream: CallStream) -> dict[str, np.ndarray]:
+        """The whole transcription as one response (the streamed deltas joined)."""
+        text, last = [], None
+        async for outputs in self.stream(inputs, call, call_stream):
+            text.append(outputs[g.TEXT_OUTPUT][0].decode("utf-8"))
+            last = outputs
+        return {**last, g.TEXT_OUTPUT: _bytes("".join(text))}
+
+    def _load_audio(self, req: TranscriptionRequest) -> np.ndarray:
+        if req.audio is not None:
+            return decode_upload(req.audio, self.options.limits, field=g.AUDIO)
+        return to_model_pcm(req.pcm, req.sample_rate, self.options.limits, field=g.AUDIO_PCM)
+
+
+@dataclass(slots=True)
+class _WindowResult:
+    window: Window
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # text ids lists, then _DONE (or an exception)
+    free_ids: list[int] = field(default_factory=list)  # everything after the forced tokens, EOT excluded
+    finish_reason: str = "stop"
+    temperature: float = 0.0
+
+
+class _Transcription:
+    """One request's windows in flight: decode tasks feed per-window queues that `run` drains in order."""
+
+    def __init__(self, walk: WhisperWalk, req: TranscriptionRequest, pcm: np.ndarray, windows: list[Window],
+                 call: Call, call_stream: CallStream) -> None:
+        self.walk, self.tokens, self.req, self.pcm = walk, walk.tokens, req, pcm
+        self.call, self.call_stream = call, call_stream
+        self.results = [_WindowResult(w) for w in windows]
+        self.language: asyncio.Future = asyncio.get_running_loop().create_future()
+        if req.language is not None or not self.tokens.is_multilingual:
+            self.language.set_result(req.language or "en")
+        self.slots = asyncio.Semaphore(walk.options.max_parallel_windows)
+        self.is_live = not (req.timestamps and req.temperature is None)  # no fallback: stream as decoded
+        self.any_text = False
+        self.num_tokens = 0
+
+    async def run(self) -> AsyncIterator[dict[str, np.ndarray]]:
+        tasks = [asyncio.create_task(self._decode_window(i, r)) for i, r in enumerate(self.results)]
+        try:
+            for result in self.results:
+                detok = IncrementalDetokenizer(self.walk.tokenizer)
+                is_started = False
+                while (event := await result.events.get()) is not _DONE:
+                    if isinstance(event, BaseException):
+                        raise event
+                    delta, is_started = self._join(detok.push(event), is_started)
+                    if delta:
+                        yield self._chunk(delta)
+                delta, _ = self._join(detok.flush(), is_started)
+                if delta:
+                    yield self._chunk(delta)
+            yield self._final()
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not self.language.done():
+                self.language.cancel()
+
+    def _join(self, delta: str, is_started: bool) -> tuple[str, bool]:
+        """Strip a window's leading blanks; one space between windows."""
+        if is_started or not delta:
+            return delta, is_started
+        delta = delta.lstrip()
+        if not delta:
+            return "", False
+        if self.any_text:
+            delta = " " + delta
+        self.any_text = True
+        return delta, True
+
+    # ---- one window -----------------------------------------------------------------------------------------
+
+    async def _decode_window(self, index: int, result: _WindowResult) -> None:
+        try:
+            async with self.slots:
+                window = result.window
+                encoded = await self.call("encoder", {g.AUDIO_PCM: self.pcm[window.start: window.end]})
+                source = encoded[g.ENCODER_OUTPUT]
+                detects = index == 0 and not self.language.done()
+                if detects and self.req.prompt_ids:
+                    # Detection reads <|startoftranscript|> alone (as transformers' detect_language), not the
+                    # prompt, so it is its own one-token decode here.
+                    await self._detect_language(source)
+                    detects = False
+                language = None if detects else await self.language
+                prompt = build_prompt(self.tokens, language=language, task=self.req.task,
+                                      timestamps=self.req.timestamps, prompt_ids=self.req.prompt_ids)
+                temperatures = self._temperatures()
+                for temperature in temperatures:
+                    free, finish = await self._decode(index, result, source, prompt, temperature)
+                    text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True)
+                    if temperature == temperatures[-1] or compression_ratio(text) <= COMPRESSION_RATIO_THRESHOLD:
+                        break
+                result.free_ids, result.finish_reason, result.temperature = free, finish, temperature
+                if not self.is_live:
+                    result.events.put_nowait(self.tokens.text_ids(free))
+                self.num_tokens += len(free)
+            result.events.put_nowait(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer in window order
+            if not self.language.done():
+                self.language.set_exception(exc)
+            result.events.put_nowait(exc)
+
+    def _temperatures(self) -> tuple[float, ...]:
+        if self.req.temperature is not None:
+            return (self.req.temperature,)
+        return FALLBACK_TEMPERATURES if self.req.timestamps else (0.0,)
+
+    async def _decode(self, index: int, result: _WindowResult, source: np.ndarray, prompt: DecoderPrompt,
+                      temperature: float) -> tuple[list[int], str]:
+        inputs = {
+            g.ENCODER_OUTPUT: source,
+            g.INPUT_IDS: np.asarray(prompt.prompt, np.int32),
+            g.FORCED_IDS: np.asarray(prompt.forced, np.int32),
+            g.TIMESTAMPS: np.array([self.req.timestamps]),
+            g.TEMPERATURE: np.array([temperature], np.float32),
+        }
+        if self.req.max_tokens is not None:
+            inputs[g.MAX_TOKENS] = np.array([self.req.max_tokens], np.int32)
+        if self.req.seed is not None and temperature > 0:
+            inputs[g.SEED] = np.array([(self.req.seed + index) % 2**63], np.int64)
+        tokens: list[int] = []
+        finish = "stop"
+        async for response in self.call_stream("decoder", inputs):
+            new = [int(t) for t in np.asarray(response.get("token_ids", [])).reshape(-1)]
+            before = len(tokens)
+            tokens += new
+            self._note_language(prompt, tokens, before)
+            if self.is_live:
+                free_new = tokens[max(before, len(prompt.forced)):]
+                if text := self.tokens.text_ids(free_new):
+                    result.events.put_nowait(text)
+            reason = _text(response.get("finish_reason"))
+            if reason:
+                finish = reason
+        free = [t for t in tokens[len(prompt.forced):] if t != self.tokens.eot]
+        return free, finish
+
+    async def _detect_language(self, source: np.ndarray) -> None:
+        inputs = {g.ENCODER_OUTPUT: source, g.INPUT_IDS: np.asarray([self.tokens.sot], np.int32),
+                  g.FORCED_IDS: np.asarray([LANGUAGE], np.int32), g.MAX_TOKENS: np.array([0], np.int32)}
+        tokens: list[int] = []
+        async for response in self.call_stream("decoder", inputs):
+            tokens += [int(t) for t in np.asarray(response.get("token_ids", [])).reshape(-1)]
+        self.language.set_result(self.tokens.code_of(tokens[0]) if tokens else "en")
+
+    def _note_language(self, prompt: DecoderPrompt, tokens: list[int], before: int) -> None:
+        if before == 0 and tokens and prompt.forced and prompt.forced[0] == LANGUAGE and not self.language.done():
+            self.language.set_result(self.tokens.code_of(tokens[0]) or "en")
+
+    # ---- responses ------------------------------------------------------------------------------------------
+
+    def _chunk(self, text: str) -> dict[str, np.ndarray]:
+        return {g.TEXT_OUTPUT: _bytes(text), g.FINISH_REASON: _bytes(""), g.DETECTED_LANGUAGE: _bytes(""),
+                g.DURATION: np.array([0.0], np.float32), g.SEGMENTS: _bytes(""),
+                g.COMPLETION_TOKENS: np.array([self.num_tokens], np.int32)}
+
+    def _final(self) -> dict[str, np.ndarray]:
+        finish = "length" if any(r.finish_reason == "length" for r in self.results) else "stop"
+        language = self.language.result() if self.language.done() and not self.language.cancelled() else ""
+        return {g.TEXT_OUTPUT: _bytes(""), g.FINISH_REASON: _bytes(finish), g.DETECTED_LANGUAGE: _bytes(language),
+                g.DURATION: np.array([self.pcm.shape[0] / TARGET_RATE], np.float32),
+                g.SEGMENTS: _bytes(json.dumps(self._segments(), ensure_ascii=False)),
+                g.COMPLETION_TOKENS: np.array([self.num_tokens], np.int32)}
+
+    def _segments(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for result in self.results:
+            window = result.window
+            if self.req.timestamps:
+                pieces = split_segments(self.tokens, result.free_ids, window.offset_s, window.duration_s)
+            else:
+                pieces = [(window.offset_s, window.offset_s + window.duration_s, result.free_ids)]
+            for piece in pieces:
+                start, end, ids = (piece.start, piece.end, piece.token_ids) if self.req.timestamps else piece
+                text = self.walk.tokenizer.decode(self.tokens.text_ids(ids), skip_special_tokens=True)
+                if not text.strip():
+                    continue
+                out.append({"id": len(out), "seek": window.start // 160, "start": round(start, 3),
+                            "end": round(end, 3), "text": text, "tokens": ids, "temperature": result.temperature,
+                            "avg_logprob": None, "compression_ratio": round(compression_ratio(text), 4),
+                            "no_speech_prob": None})
+        return out
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    arr = np.asarray(value).reshape(-1)
+    if arr.size == 0:
+        return ""
+    item = arr[0]
+    return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+

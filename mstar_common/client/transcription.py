@@ -1,0 +1,94 @@
+"""Transcription methods of `MStarClient` (native /generate with an audio upload).
+
+    client.transcribe("talk.wav").text
+    client.transcribe("talk.flac", language="fr", task="translate", timestamps=True).segments
+    for event in client.transcribe("talk.wav", stream=True):
+        print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass(slots=True)
+class TranscriptionResult:
+    text: str
+    language: str  # ISO-639-1 code of the language transcribed (detected or forced)
+    duration: float  # seconds of audio
+    finish_reason: str
+    segments: list[dict[str, Any]] = field(default_factory=list)  # with timestamps=True: {start, end, text, ...}
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TranscriptionEvent:
+    """One streamed event: new text, or the last event with the finish reason and the metadata."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    language: str | None = None
+    duration: float | None = None
+    segments: list[dict[str, Any]] | None = None
+
+
+class TranscriptionMethods:
+    """Mixed into MStarClient: uses its `_http`, `model` and `_json`."""
+
+    def transcribe(self, audio: str | Path | bytes, *, stream: bool = False, model: str | None = None,
+                   language: str | None = None, task: str = "transcribe", prompt: str | None = None,
+                   temperature: float | None = None, timestamps: bool = False, max_tokens: int | None = None,
+                   seed: int | None = None) -> TranscriptionResult | Iterator[TranscriptionEvent]:
+        """Speech to text (`task="translate"`: to English). `audio`: a file path or the file's bytes (WAV,
+        FLAC, OGG, MP3, ...). Uploads over 30 s are cut at quiet moments and transcribed in parallel."""
+        data = Path(audio).read_bytes() if isinstance(audio, (str, Path)) else bytes(audio)
+        kwargs = {"language": language, "task": task, "prompt": prompt, "temperature": temperature,
+                  "timestamps": timestamps, "max_tokens": max_tokens, "seed": seed}
+        form = {"model_kwargs": json.dumps({k: v for k, v in kwargs.items() if v is not None}),
+                "streaming": "true" if stream else "false", "output_modalities": "text"}
+        if model or self.model:
+            form["model"] = model or self.model
+        files = {"audio": ("audio", data, "application/octet-stream")}
+        if stream:
+            from mstar_common.client.client import _error
+
+            request = self._http.build_request("POST", "/generate", data=form, files=files)
+            response = self._http.send(request, stream=True)
+            if response.status_code != 200:
+                response.read()
+                response.close()
+                raise _error(response)
+            return _events(response)
+        body = self._json(self._http.post("/generate", data=form, files=files))
+        return TranscriptionResult(text="".join(body["outputs"]["text"]), language=body.get("language", ""),
+                                   duration=float(body.get("duration", 0.0)), finish_reason=body["finish_reason"],
+                                   segments=body.get("segments", []), usage=body.get("usage", {}))
+
+
+def _events(response: httpx.Response) -> Iterator[TranscriptionEvent]:
+    from mstar_common.client.client import _STATUS_BY_TYPE
+    from mstar_common.client.types import MStarError
+
+    try:
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
+            yield TranscriptionEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
+                                     language=event.get("language"), duration=event.get("duration"),
+                                     segments=event.get("segments"))
+        raise MStarError(502, "the stream ended without [DONE]")
+    finally:
+        response.close()

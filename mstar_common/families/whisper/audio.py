@@ -1,0 +1,137 @@
+"""Uploads -> 16 kHz mono float32 PCM, with the caps checked, and long audio cut into windows at quiet moments.
+
+Decoding uses libsndfile (soundfile): WAV, FLAC, OGG/Vorbis, MP3, AIFF and the other formats it reads; no
+FFmpeg. A file it cannot read, or one without samples, is the client's fault (ValueError naming the field);
+resampling runs here (windowed-sinc, no torchaudio), so a failed resample is a server fault.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import soundfile
+import torch
+import torch.nn.functional as F
+
+TARGET_RATE = 16_000  # Hz, what Whisper hears
+MAX_CHANNELS = 2  # stereo is averaged to mono; more channels are refused
+MIN_SAMPLE_RATE = 4_000  # below this an upload is not speech audio Whisper can use
+
+
+@dataclass(frozen=True, slots=True)
+class AudioLimits:
+    max_seconds: float  # per upload
+    max_bytes: int  # encoded upload size
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    start: int  # first sample (16 kHz)
+    end: int  # one past the last sample
+
+    @property
+    def offset_s(self) -> float:
+        return self.start / TARGET_RATE
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end - self.start) / TARGET_RATE
+
+
+def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.ndarray:
+    """An encoded audio file -> 16 kHz mono float32 PCM; ValueError naming `field` and the rule."""
+    if not data:
+        raise ValueError(f"{field}: the upload is empty")
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"{field}: the upload is {len(data)} bytes; this deployment accepts at most "
+                         f"{limits.max_bytes} bytes")
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - libsndfile raises several types for unreadable input
+        raise ValueError(f"{field}: not a readable audio file (supported: WAV, FLAC, OGG/Vorbis, MP3, AIFF and the "
+                         "other formats libsndfile reads)") from None
+    if info.frames > 0 and info.samplerate > 0:  # the header's length, when it has one
+        _check_duration(info.frames / info.samplerate, limits, field)
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception:  # noqa: BLE001
+        raise ValueError(f"{field}: the audio file is damaged or truncated and could not be decoded") from None
+    return to_model_pcm(samples, rate, limits, field)
+
+
+def to_model_pcm(samples: np.ndarray, rate: int, limits: AudioLimits, field: str = "audio") -> np.ndarray:
+    """`samples` `[frames]` or `[frames, channels]` at `rate` Hz -> checked 16 kHz mono float32."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim == 1:
+        samples = samples[:, None]
+    if samples.ndim != 2:
+        raise ValueError(f"{field}: expected mono or stereo samples, got an array of shape {samples.shape}")
+    if samples.shape[0] == 0:
+        raise ValueError(f"{field}: the audio holds no samples")
+    if samples.shape[1] > MAX_CHANNELS:
+        raise ValueError(f"{field}: {samples.shape[1]} channels; at most {MAX_CHANNELS} (mono or stereo) are accepted")
+    if not MIN_SAMPLE_RATE <= rate <= 384_000:
+        raise ValueError(f"{field}: sample rate {rate} Hz is outside [{MIN_SAMPLE_RATE}, 384000]")
+    if not np.isfinite(samples).all():
+        raise ValueError(f"{field}: the audio holds NaN or infinite samples")
+    _check_duration(samples.shape[0] / rate, limits, field)
+    mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
+    return resample(mono, rate, TARGET_RATE)
+
+
+def _check_duration(seconds: float, limits: AudioLimits, field: str) -> None:
+    if seconds > limits.max_seconds:
+        raise ValueError(f"{field}: the audio is {seconds:.1f} s long; this deployment accepts at most "
+                         f"{limits.max_seconds:g} s")
+
+
+def resample(pcm: np.ndarray, rate: int, target: int, zero_crossings: int = 6, rolloff: float = 0.99) -> np.ndarray:
+    """Band-limited (windowed-sinc, Hann window) resampling of mono float32 PCM by the exact ratio target/rate.
+
+    The ratio is reduced to `up/down`; output sample `j` of each phase sums the input under a sinc low-pass
+    at `rolloff` times the lower Nyquist, `zero_crossings` lobes each side. Runs as one strided conv1d.
+    """
+    if rate == target:
+        return np.ascontiguousarray(pcm, dtype=np.float32)
+    g = math.gcd(rate, target)
+    down, up = rate // g, target // g
+    cutoff = min(down, up) * rolloff
+    width = math.ceil(zero_crossings * down / cutoff)
+    taps = torch.arange(-width, width + down, dtype=torch.float64) / down
+    phases = -torch.arange(up, dtype=torch.float64)[:, None] / up
+    t = ((phases + taps[None, :]) * cutoff).clamp(-zero_crossings, zero_crossings)
+    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
+    t = t * math.pi
+    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
+    kernels = (sinc * window * (cutoff / down)).to(torch.float32)  # [up, taps]
+    x = torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32))
+    x = F.pad(x[None, None], (width, width + down))
+    y = F.conv1d(x, kernels[:, None, :], stride=down)  # [1, up, frames]
+    num_out = math.ceil(up * pcm.shape[0] / down)
+    return y[0].transpose(0, 1).reshape(-1)[:num_out].numpy().copy()
+
+
+def split_windows(pcm: np.ndarray, max_seconds: float = 30.0, search_seconds: float = 8.0,
+                  frame_seconds: float = 0.1) -> list[Window]:
+    """Cut `pcm` (16 kHz) into windows of at most `max_seconds`, each cut at the quietest `frame_seconds` frame
+    (lowest mean energy; the latest on ties) in the last `search_seconds` before the window would overflow."""
+    max_len = int(max_seconds * TARGET_RATE)
+    if pcm.shape[0] <= max_len:
+        return [Window(0, pcm.shape[0])]
+    frame = int(frame_seconds * TARGET_RATE)
+    search = int(search_seconds * TARGET_RATE)
+    windows, start = [], 0
+    while pcm.shape[0] - start > max_len:
+        lo, hi = start + max_len - search, start + max_len
+        energy = np.square(pcm[lo:hi].astype(np.float64))
+        num_frames = energy.shape[0] // frame
+        per_frame = energy[: num_frames * frame].reshape(num_frames, frame).mean(axis=1)
+        quietest = num_frames - 1 - int(np.argmin(per_frame[::-1]))
+        cut = lo + quietest * frame + frame // 2
+        windows.append(Window(start, cut))
+        start = cut
+    windows.append(Window(start, pcm.shape[0]))
+    return windows

@@ -1,0 +1,179 @@
+"""The Whisper family (WhisperForConditionalGeneration, tiny … large-v3): deployment checks and the builders of
+its walk and two components. The graph and the request path are drawn in `graph.py`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
+from mstar_common.families.base import Family
+from mstar_common.families.whisper.graph import GRAPH
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_UPLOAD_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class WhisperOptions:
+    """`model_kwargs` of a Whisper deployment."""
+
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: float32 on cpu, bfloat16 on gpu
+    max_audio_bytes: int = 25 * 1024 * 1024  # encoded upload size (a larger upload is a 400)
+    encoder_max_batch: int = 16  # windows per encoder forward (and the largest CUDA-graph bucket)
+    max_parallel_windows: int = 16  # windows of one upload in flight at once
+
+    def dtype_for(self, device: str) -> str:
+        return self.dtype or ("float32" if device == "cpu" else "bfloat16")
+
+
+def options_from_kwargs(kwargs: dict[str, Any], source: str) -> WhisperOptions:
+    allowed = {f.name for f in fields(WhisperOptions)}
+    if unknown := sorted(set(kwargs) - allowed):
+        raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    options = WhisperOptions(**kwargs)
+    if options.dtype is not None and options.dtype not in DTYPES:
+        raise DeploymentError(f"{source}: model_kwargs.dtype: must be one of {list(DTYPES)}, got {options.dtype!r}")
+    for name in ("max_audio_bytes", "encoder_max_batch", "max_parallel_windows"):
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DeploymentError(f"{source}: model_kwargs.{name}: must be an integer >= 1, got {value!r}")
+    return options
+
+
+def max_upload_seconds(dep: Deployment) -> float:
+    limits = getattr(dep, "limits", None)
+    return float(getattr(limits, "max_upload_s", DEFAULT_MAX_UPLOAD_S))
+
+
+def _build_tiny(out_dir: Path) -> Path:
+    from mstar_common.families.whisper.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(out_dir)
+
+
+def _build_large_v3_random(out_dir: Path) -> Path:
+    from mstar_common.families.whisper.tiny import build_large_v3_random
+
+    return build_large_v3_random(out_dir)
+
+
+class WhisperFamily(Family):
+    name: ClassVar[str] = "whisper"
+    graph = GRAPH
+    proxy_kind: ClassVar[str] = "transcription"
+    builtin_checkpoints: ClassVar[dict[str, Any]] = {"whisper-tiny-random": _build_tiny,
+                                                     "whisper-large-v3-random": _build_large_v3_random}
+
+    def validate_deployment(self, dep: Deployment, source: str) -> None:
+        options = options_from_kwargs(dep.model_kwargs, source)
+        if dep.components["walk"].placement.device != "cpu":
+            raise DeploymentError(f"{source}: components.walk.placement: the walk router runs on the cpu")
+        if dep.components["walk"].cuda_graphs:
+            raise DeploymentError(f"{source}: components.walk.cuda_graphs: the walk router runs no model")
+        if dep.components["decoder"].prefill_token_buckets:
+            raise DeploymentError(f"{source}: components.decoder.prefill_token_buckets: only the decoder's decode "
+                                  "steps are captured (its prefill steps attend per row and run eager)")
+        body_cap = getattr(getattr(dep, "limits", None), "max_body_bytes", None)
+        if body_cap is not None and options.max_audio_bytes > body_cap:
+            raise DeploymentError(f"{source}: model_kwargs.max_audio_bytes: {options.max_audio_bytes} exceeds "
+                                  f"limits.max_body_bytes ({body_cap}); the proxy would refuse such uploads first")
+        check_kv_pool_holds_cap(dep, source)
+
+    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
+        builders = {"walk": _walk, "encoder": _encoder, "decoder": _decoder}
+        if component not in builders:
+            raise KeyError(f"whisper has no component {component!r}; it has {sorted(builders)}")
+        options = options_from_kwargs(dep.model_kwargs, dep.name)
+        runtime = builders[component](dep, options, checkpoint, device)
+        logger.info("[whisper/%s] loaded %s on %s (%s)", component, checkpoint.name, device,
+                    options.dtype_for(device))
+        return runtime
+
+
+def read_tokens(checkpoint: Path):
+    from mstar_common.families.whisper.decoding import WhisperTokens
+    from mstar_common.families.whisper.loader import read_config
+
+    config, _ = read_config(checkpoint)
+    gen_path = checkpoint / "generation_config.json"
+    if not gen_path.is_file():
+        raise DeploymentError(f"checkpoint {checkpoint.name}: generation_config.json is required (it declares "
+                              "Whisper's special tokens and decoding rules)")
+    try:
+        return WhisperTokens.from_generation_config(json.loads(gen_path.read_text()), config.vocab_size,
+                                                    config.max_target_positions)
+    except ValueError as exc:
+        raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
+
+
+def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
+    from transformers import AutoTokenizer
+
+    from ensembles.whisper import WalkOptions, WhisperWalk
+    from mstar_common.families.whisper.audio import AudioLimits
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    limits = AudioLimits(max_seconds=max_upload_seconds(dep), max_bytes=options.max_audio_bytes)
+    return WhisperWalk(tokenizer, read_tokens(checkpoint), WalkOptions(limits, options.max_parallel_windows))
+
+
+def _encoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
+    from mstar_common.families.whisper.components import EncoderComponent
+    from mstar_common.families.whisper.frontend import FrontEndConfig, LogMelFrontEnd
+    from mstar_common.families.whisper.loader import load_encoder, read_config
+
+    config, _ = read_config(checkpoint)
+    pre_path = checkpoint / "preprocessor_config.json"
+    preprocessor = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
+    try:
+        frontend = LogMelFrontEnd(FrontEndConfig.from_hf(preprocessor, config.num_mel_bins), device)
+    except ValueError as exc:
+        raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
+    model = load_encoder(checkpoint, options.dtype_for(device), device)
+    cuda_graphs = dep.components["encoder"].cuda_graphs and device.startswith("cuda")
+    return EncoderComponent(model, frontend, device, options.encoder_max_batch, cuda_graphs=cuda_graphs)
+
+
+def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.attention import select_attention_backend
+    from mstar_common.engine.cuda_graph import GraphConfig, default_decode_buckets
+    from mstar_common.engine.types import EngineConfig
+    from mstar_common.families.whisper.components import DecoderRuntime
+    from mstar_common.families.whisper.decoding import TokenRules
+    from mstar_common.families.whisper.loader import load_decoder, read_config
+
+    config, _ = read_config(checkpoint)
+    if dep.resources.max_model_len > config.max_target_positions:
+        raise DeploymentError(f"resources.max_model_len: {dep.resources.max_model_len} exceeds the checkpoint's "
+                              f"max_target_positions={config.max_target_positions}")
+    dtype = options.dtype_for(device)
+    component = dep.components["decoder"]
+    model = load_decoder(checkpoint, dtype, device,
+                         attn_backend=select_attention_backend(device, component.attention_backend))
+    kv = dep.resources.kv_cache
+    model.configure_slots(dep.max_concurrent_requests, kv.page_size)
+    tokens = read_tokens(checkpoint)
+    model.rules = TokenRules(tokens, device)
+    admission = dep.admission
+    engine_config = EngineConfig(
+        num_kv_pages=kv.num_pages, page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
+        max_batch_tokens=dep.resources.max_batch_tokens, max_model_len=dep.resources.max_model_len,
+        dtype=dtype, device=device, max_queue=admission.resolved_max_queue(dep.max_concurrent_requests),
+        queue_timeout_s=admission.queue_timeout_s, request_timeout_s=admission.request_timeout_s,
+    )
+    graphs = None
+    if component.cuda_graphs and device.startswith("cuda"):
+        # Decode steps only; sampling runs after the replay, behind the token rules (process_logits).
+        graphs = GraphConfig(decode_buckets=component.decode_buckets or default_decode_buckets(
+            dep.max_concurrent_requests), token_buckets=[], capture_sampling=False)
+    engine = AREngine(model, engine_config, eos_token_ids=[tokens.eot], vocab_size=config.vocab_size, graphs=graphs)
+    logger.info("[whisper/decoder] cross-KV pool: %d slots, %.1f MiB", model.cross_kv.num_slots,
+                model.cross_kv.num_bytes / 2**20)
+    return DecoderRuntime(engine, tokens, dep.resources.max_model_len, (config.max_source_positions, config.d_model))

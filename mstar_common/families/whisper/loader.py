@@ -1,0 +1,124 @@
+"""Loads an HF Whisper checkpoint (config.json + safetensors, single file or sharded) into our two components.
+
+The encoder component takes `model.encoder.*`, the decoder `model.decoder.*` (and `proj_out.weight`, which
+must equal the tied embedding when present). Coverage is checked both ways per component: a parameter the
+checkpoint does not fill, or a tensor in the component's part of the checkpoint that nothing reads, fails the
+load with the names; so does a tensor that belongs to neither component.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from mstar_common.engine.attention import AttentionBackend
+from mstar_common.families.whisper.modeling import WhisperConfig, WhisperDecoderLM, WhisperEncoderModel
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ENCODER_PREFIX = "model.encoder."
+DECODER_PREFIX = "model.decoder."
+TIED_HEAD = "proj_out.weight"
+_MAX_NAMES_SHOWN = 10
+
+
+def read_config(checkpoint_dir: str | Path) -> tuple[WhisperConfig, dict[str, Any]]:
+    hf_config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    return WhisperConfig.from_hf(hf_config), hf_config
+
+
+def load_encoder(checkpoint_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> WhisperEncoderModel:
+    path = Path(checkpoint_dir)
+    config, _ = read_config(path)
+    with torch.device("meta"):
+        model = WhisperEncoderModel(config)
+    # Built on meta, materialised uninitialised: random init of a real-size model would cost seconds.
+    model = model.to(dtype=DTYPES[dtype]).to_empty(device=device)
+    _fill(model, path, ENCODER_PREFIX)
+    logger.info("[whisper/encoder] loaded %d layers (d_model %d, %d mel bins) from %s", config.encoder_layers,
+                config.d_model, config.num_mel_bins, path.name)
+    return model.eval()
+
+
+def load_decoder(checkpoint_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+                 attn_backend: AttentionBackend | None = None) -> WhisperDecoderLM:
+    path = Path(checkpoint_dir)
+    config, _ = read_config(path)
+    with torch.device("meta"):
+        model = WhisperDecoderLM(config, attn_backend)
+    model = model.to(dtype=DTYPES[dtype]).to_empty(device=device)
+    model.tie_weights()
+    _fill(model, path, DECODER_PREFIX)
+    logger.info("[whisper/decoder] loaded %d layers (vocab %d) from %s", config.decoder_layers, config.vocab_size,
+                path.name)
+    return model.eval()
+
+
+@torch.no_grad()
+def _fill(model: torch.nn.Module, path: Path, prefix: str) -> None:
+    params = dict(model.named_parameters())  # the tied proj_out is deduplicated away here
+    filled: set[str] = set()
+    unused: list[str] = []
+    foreign: list[str] = []
+    tied_copy = None
+    for name, reader in _tensor_readers(path):
+        if name.startswith(prefix):
+            if name in params:
+                _copy(params[name], reader.get_tensor(name), name)
+                filled.add(name)
+            else:
+                unused.append(name)
+        elif name == TIED_HEAD:
+            if prefix == DECODER_PREFIX:
+                tied_copy = reader.get_tensor(name)
+        elif not name.startswith((ENCODER_PREFIX, DECODER_PREFIX)):
+            foreign.append(name)
+    missing = sorted(set(params) - filled)
+    if missing or unused or foreign:
+        raise ValueError(f"checkpoint {path.name} does not match Whisper ({prefix}*): missing parameters "
+                         f"{_names(missing)}; unused checkpoint tensors {_names(sorted(unused + foreign))}")
+    embed = "model.decoder.embed_tokens.weight"
+    if tied_copy is not None and not torch.equal(tied_copy.to(params[embed]), params[embed]):
+        raise ValueError(f"the checkpoint's {TIED_HEAD} differs from {embed}; Whisper ties them")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.copy_(tensor)
+
+
+def _tensor_readers(path: Path) -> Iterator[tuple[str, Any]]:
+    seen: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in seen:
+                    raise ValueError(f"checkpoint tensor {name} appears in more than one shard")
+                seen.add(name)
+                yield name, reader
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path.name}")
+    return files
+
+
+def _names(names: list[str]) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    return shown + (f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else "")

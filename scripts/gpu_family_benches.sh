@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Family benchmarks on the device, in one call: Orpheus TTS (served, then the HF-generate + snac baseline under
+# the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
+# Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
+# Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [flux2] [whisper]
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mstar-gpu-out}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MSTAR_CACHE_DIR=/tmp/mstar-gpu/cache
+exec > >(tee -a "$OUT/families.log") 2>&1
+source "$(dirname "$0")/device_env.sh"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+T0=$(date +%s)
+stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
+ARGS=("$@")
+has() { [ ${#ARGS[@]} -eq 0 ] || [[ " ${ARGS[*]} " == *" $1 "* ]]; }
+
+build_orpheus() {
+  stage "orpheus: random-weight 3B checkpoint (built with transformers under the image's Python)"
+  timeout 120 $IMAGE_PY -c "
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.families.registry import get_family
+print(resolve_checkpoint('builtin:orpheus-3b-random', get_family('orpheus').builtin_checkpoints))
+" || echo "STAGE FAILED: orpheus checkpoint"
+}
+if has orpheus-served; then
+  build_orpheus
+  stage "orpheus: served only"
+  MSTAR_BENCH_LOG_DIR=$OUT timeout 220 $PY scripts/bench_orpheus.py --baseline-concurrency "" \
+    --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
+  grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" -A3 | head -40
+fi
+if has orpheus; then
+  build_orpheus
+  stage "orpheus: served (3B LM + SNAC, random weights, 1200 audio tokens)"
+  MSTAR_BENCH_LOG_DIR=$OUT timeout 220 $PY scripts/bench_orpheus.py --baseline-concurrency "" \
+    --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
+  grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" | head -20
+  stage "orpheus: HF generate + snac baseline"
+  timeout 150 $IMAGE_PY scripts/bench_orpheus.py --concurrency "" --baseline-concurrency 1,16 \
+    --out "$OUT/orpheus_baseline.json" || echo "STAGE FAILED: orpheus baseline"
+fi
+if has flux2; then
+  stage "flux2 klein-4B shapes: engine + diffusers, 1024x1024, 4 steps"
+  timeout 330 $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" || echo "STAGE FAILED: flux2"
+fi
+if has whisper; then
+  stage "whisper large-v3 shapes"
+  timeout 200 $PY scripts/bench_whisper.py --out "$OUT/whisper.json" || echo "STAGE FAILED: whisper"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+stage "done"

@@ -1,0 +1,223 @@
+"""Whisper through a real tritonserver (the tiny random checkpoint on the CPU) and the proxy: the official `openai`
+client in every response format and streaming, translations, 8 concurrent uploads, a long upload cut into
+windows (tritonclient, the entry model's tensors), the SDK, and bad uploads refused while the server keeps
+serving."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+import yaml
+
+from mstar import MStarClient
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.cli import CONFIGS
+from mstar_common.config import deployment_from_dict
+from mstar_common.families.registry import get_family
+from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
+from mstar_common.repository import entry_model, render_repository
+from tests.integration.conftest import Served, free_port
+from tests.integration.triton_stream import make_inputs
+
+pytestmark = pytest.mark.server
+SR = 16_000
+MAX_UPLOAD_S = 100.0
+
+
+@pytest.fixture(scope="module")
+def asr(tmp_path_factory) -> Served:
+    root = tmp_path_factory.mktemp("whisper")
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    raw["limits"]["max_upload_s"] = MAX_UPLOAD_S
+    dep = deployment_from_dict(raw, source="whisper.yaml")
+    previous = os.environ.get("MSTAR_CACHE_DIR")
+    os.environ["MSTAR_CACHE_DIR"] = str(root / "cache")  # the stubs inherit it at start
+    triton = proxy = None
+    try:
+        checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+        repo = root / "model_repository"
+        for rel, text in render_repository(dep, "whisper.yaml").items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+        triton = start_triton(repo, dep, ports, root / "tritonserver.log")
+        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, 300, "tritonserver")
+        proxy = start_proxy(dep, entry_model(dep), ports, root / "proxy.log")
+        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
+        yield Served(dep, ports, checkpoint, entry_model(dep), root)
+    except Exception:
+        for log in ("tritonserver.log", "proxy.log"):
+            if (root / log).is_file():
+                print(f"----- {log} -----\n{(root / log).read_text()[-6000:]}")
+        raise
+    finally:
+        stop_process(proxy)
+        stop_process(triton)
+        if previous is None:
+            os.environ.pop("MSTAR_CACHE_DIR", None)
+        else:
+            os.environ["MSTAR_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="module")
+def oai(asr):
+    return openai.OpenAI(base_url=asr.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def clip(index: int, seconds: float) -> np.ndarray:
+    t = np.arange(int(SR * seconds)) / SR
+    wave = np.sin(2 * np.pi * (150 + 120 * index) * t * (1 + 0.3 * np.sin(2 * np.pi * 0.5 * t)))
+    return (0.3 * wave * (0.5 + 0.5 * np.sin(2 * np.pi * (1 + index) * t))).astype(np.float32)
+
+
+def wav(pcm: np.ndarray, rate: int = SR) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, pcm, rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def transcribe(oai, asr, data: bytes, **kwargs):
+    return oai.audio.transcriptions.create(model=asr.dep.name, file=("clip.wav", data, "audio/wav"), **kwargs)
+
+
+def test_every_response_format_through_the_openai_client(asr, oai):
+    data = wav(clip(0, 6))
+    whole = transcribe(oai, asr, data, language="en", temperature=0.0)
+    assert isinstance(whole.text, str) and whole.text.strip()
+    assert transcribe(oai, asr, data, language="en", temperature=0.0, response_format="text") == whole.text
+    verbose = transcribe(oai, asr, data, temperature=0.0, response_format="verbose_json",
+                         timestamp_granularities=["segment"])
+    assert verbose.duration == pytest.approx(6.0) and verbose.language  # a language name, detected
+    assert verbose.segments and all(s.start <= s.end for s in verbose.segments)
+    srt = transcribe(oai, asr, data, temperature=0.0, response_format="srt")
+    assert srt.startswith("1\n") and " --> " in srt and srt.split("\n")[1].count(",") == 2
+    vtt = transcribe(oai, asr, data, temperature=0.0, response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n") and " --> " in vtt
+    translated = oai.audio.translations.create(model=asr.dep.name, file=("clip.wav", data, "audio/wav"),
+                                               temperature=0.0)
+    assert isinstance(translated.text, str)
+
+
+def test_streamed_deltas_add_up_to_the_done_text(asr, oai):
+    data = wav(clip(1, 8))
+    events = list(transcribe(oai, asr, data, language="en", temperature=0.0, stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    done = [e for e in events if e.type == "transcript.text.done"]
+    assert len(done) == 1 and len(deltas) >= 2
+    assert "".join(deltas) == done[0].text == transcribe(oai, asr, data, language="en", temperature=0.0).text
+
+
+def test_eight_concurrent_uploads(asr, oai):
+    uploads = [wav(clip(i, 3 + i)) for i in range(8)]
+    solo = [transcribe(oai, asr, data, language="en", temperature=0.0).text for data in uploads]
+    results: dict[int, str] = {}
+
+    def call(i: int) -> None:
+        results[i] = transcribe(oai, asr, uploads[i], language="en", temperature=0.0).text
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(8)] == solo
+    assert len(set(solo)) > 1
+
+
+def test_long_upload_is_windowed_over_tritonclient(asr):
+    """The entry model's tensors, as a native client sends them: one window per 30 s, cut at quiet moments."""
+    import tritonclient.grpc as grpcclient
+
+    pcm = np.concatenate([clip(2, 27), np.zeros(SR // 2, np.float32), clip(3, 24), np.zeros(SR // 2, np.float32),
+                          clip(4, 15)])
+    client = grpcclient.InferenceServerClient(asr.grpc_url)
+    responses = []
+    done = threading.Event()
+
+    def on_response(result, error):
+        responses.append((result, error))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    client.start_stream(callback=on_response)
+    try:
+        inputs = make_inputs(audio=wav(pcm), language="de")
+        client.async_stream_infer(asr.entry, inputs, enable_empty_final_response=True)
+        assert done.wait(180)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert all(error is None for _, error in responses), responses
+    outputs = [r for r, _ in responses if r.as_numpy("text_output") is not None]
+    text = "".join(r.as_numpy("text_output")[0].decode() for r in outputs)
+    last = outputs[-1]
+    segments = json.loads(last.as_numpy("segments")[0])
+    assert last.as_numpy("language")[0] == b"de" and last.as_numpy("duration")[0] == pytest.approx(67.0)
+    assert [round(s["start"]) for s in segments] == [0, 27, 52][: len(segments)] and len(segments) >= 2
+    assert text == " ".join(s["text"].strip() for s in segments)
+
+
+def test_sdk_transcribe_whole_and_streamed(asr, oai, tmp_path):
+    path = tmp_path / "clip.flac"
+    soundfile.write(path, clip(5, 7), SR, format="FLAC")
+    with MStarClient(asr.proxy_url) as client:
+        whole = client.transcribe(path, language="en", temperature=0.0)
+        streamed = list(client.transcribe(path, stream=True, language="en", temperature=0.0))
+        timed = client.transcribe(path.read_bytes(), timestamps=True, temperature=0.0)
+    assert whole.text == "".join(e.text for e in streamed) == transcribe(oai, asr, path.read_bytes(),
+                                                                          language="en", temperature=0.0).text
+    assert whole.language == "en" and whole.duration == pytest.approx(7.0)
+    assert streamed[-1].finish_reason in ("stop", "length") and timed.segments
+
+
+@pytest.mark.parametrize("data, kwargs, field", [
+    (b"", {}, "file"),
+    (b"definitely not audio " * 40, {}, "file"),
+    (None, {"language": "klingon"}, "language"),
+    (None, {"response_format": "diarized_json"}, "response_format"),
+    (None, {"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "timestamp_granularities"),
+    (None, {"stream": True, "response_format": "srt"}, "stream"),
+    ("too long", {}, "file"),
+])
+def test_bad_uploads_are_400s_and_the_server_keeps_serving(asr, oai, data, kwargs, field):
+    if data is None:
+        data = wav(clip(0, 2))
+    elif data == "too long":
+        data = wav(np.zeros(int(SR * (MAX_UPLOAD_S + 5)), np.float32))
+    with pytest.raises(openai.BadRequestError) as info:
+        transcribe(oai, asr, data, **kwargs)
+    assert field in str(info.value), str(info.value)
+    assert transcribe(oai, asr, wav(clip(0, 2)), language="en", temperature=0.0).text is not None
+
+
+def test_a_text_route_refuses_the_transcription_model(asr):
+    response = httpx.post(asr.proxy_url + "/v1/chat/completions",
+                          json={"model": asr.dep.name, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and "transcription model" in response.text
+
+
+def test_bench_smoke_against_this_server(asr, tmp_path):
+    """scripts/bench_whisper.py --smoke (the GPU run starts its own server at large-v3 shapes)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_whisper", CONFIGS.parent / "scripts" / "bench_whisper.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--triton-url", asr.grpc_url, "--checkpoint", str(asr.checkpoint),
+                       "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["system"], r["metric"], r["concurrency"]) for r in results] == [
+        ("mstar-triton", "itl", 1), ("mstar-triton", "rtfx", 1), ("mstar-triton", "rtfx", 2),
+        ("hf-pipeline", "rtfx", 1)]
+    assert all(r["errors"] == 0 and r["value"] > 0 for r in results)

@@ -1,0 +1,120 @@
+"""The transcription routes against a fake Triton: the walk's tensors, every response format, streaming, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mstar_common.proxy.app import ServedModel
+from mstar_common.proxy.serving_transcriptions import _clock
+from mstar_common.proxy.triton_stream import StreamResponse, TritonInvalidRequest
+from tests.unit.proxy_fake_triton import FakeTriton, make_app
+
+SEGMENTS = [{"id": 0, "seek": 0, "start": 0.0, "end": 2.5, "text": " Hello there.", "tokens": [1, 2]},
+            {"id": 1, "seek": 0, "start": 2.5, "end": 3661.25, "text": " General Kenobi.", "tokens": [3]}]
+
+
+def script(language: str = "en") -> list:
+    meta = {"language": language, "duration": 3.2, "segments": SEGMENTS}
+    return [StreamResponse(text="Hello there.", completion_tokens=2),
+            StreamResponse(text=" General Kenobi.", completion_tokens=3),
+            StreamResponse(text="", finish_reason="stop", completion_tokens=3, transcript=meta),
+            StreamResponse(is_final=True)]
+
+
+@pytest.fixture
+def app():
+    fake = FakeTriton(script=script())
+    app, _ = make_app(fake, models=[ServedModel("whisper", "whisper_walk", "transcription"),
+                                    ServedModel("qwen3", "qwen3_llm")])
+    return TestClient(app), fake
+
+
+def post(client, route="/v1/audio/transcriptions", data=None, files=None):
+    files = files if files is not None else {"file": ("a.wav", b"RIFF....", "audio/wav")}
+    return client.post(route, data={"model": "whisper", **(data or {})}, files=files)
+
+
+def test_walk_tensors_and_json(app):
+    client, fake = app
+    response = post(client, data={"language": "en", "prompt": "Obi-Wan", "temperature": "0", "seed": "7"})
+    assert response.status_code == 200
+    assert response.json() == {"text": "Hello there. General Kenobi.", "usage": {"type": "duration", "seconds": 4}}
+    sent = fake.requests[-1]
+    assert sent.model == "whisper_walk"
+    assert sent.tensors["audio"][2][0] == b"RIFF...." and sent.tensors["task"][2][0] == b"transcribe"
+    assert sent.tensors["language"][2][0] == b"en" and sent.tensors["prompt"][2][0] == b"Obi-Wan"
+    assert not sent.tensors["timestamps"][2][0] and sent.tensors["seed"][2][0] == 7
+
+
+def test_formats(app):
+    client, fake = app
+    assert post(client, data={"response_format": "text"}).text == "Hello there. General Kenobi."
+    verbose = post(client, data={"response_format": "verbose_json", "timestamp_granularities[]": "segment"}).json()
+    assert verbose["language"] == "english" and verbose["duration"] == 3.2 and verbose["segments"] == SEGMENTS
+    assert fake.requests[-1].tensors["timestamps"][2][0]  # timed formats decode timestamps
+    srt = post(client, data={"response_format": "srt"}).text
+    assert srt == ("1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n"
+                   "2\n00:00:02,500 --> 01:01:01,250\nGeneral Kenobi.\n\n")
+    vtt = post(client, data={"response_format": "vtt"}).text
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n")
+    translated = post(client, route="/v1/audio/translations").json()
+    assert translated["text"] and fake.requests[-1].tensors["task"][2][0] == b"translate"
+    assert _clock(59.9996, ",") == "00:01:00,000"
+
+
+def test_stream_events_add_up(app):
+    client, _ = app
+    body = post(client, data={"stream": "true"}).text
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
+    assert events[-1] == {"type": "transcript.text.done", "text": "".join(deltas)} and len(deltas) == 2
+
+
+@pytest.mark.parametrize("data, files, field", [
+    ({}, {}, "file"),
+    ({"response_format": "diarized_json"}, None, "response_format"),
+    ({"timestamp_granularities[]": "word", "response_format": "verbose_json"}, None, "timestamp_granularities"),
+    ({"timestamp_granularities[]": "segment"}, None, "timestamp_granularities"),
+    ({"include[]": "logprobs"}, None, "include"),
+    ({"chunking_strategy": "server_vad"}, None, "chunking_strategy"),
+    ({"temperature": "1.5"}, None, "temperature"),
+    ({"temperature": "hot"}, None, "temperature"),
+    ({"stream": "true", "response_format": "vtt"}, None, "stream"),
+    ({"known_speaker_names[]": "Ben"}, None, "known_speaker_names"),
+    ({"frobnicate": "1"}, None, "frobnicate"),
+    ({"model": "qwen3"}, None, "model"),
+])
+def test_refusals_name_the_field(app, data, files, field):
+    client, fake = app
+    before = len(fake.requests)
+    response = post(client, data=data, files=files)
+    assert response.status_code == 400, response.text
+    assert field in response.json()["error"]["message"], response.json()
+    assert len(fake.requests) == before  # refused before Triton
+
+
+def test_the_walk_naming_audio_is_reported_as_file(app):
+    client, fake = app
+    fake.script = [TritonInvalidRequest("audio: not a readable audio file")]
+    error = post(client).json()["error"]
+    assert error["param"] == "file" and error["message"].startswith("'file': not a readable")
+    fake.script = [TritonInvalidRequest("language: 'xx' is not a language this checkpoint knows")]
+    assert post(client, data={"language": "xx"}).json()["error"]["message"].startswith("language:")
+
+
+def test_native_generate_with_an_audio_upload(app):
+    client, fake = app
+    data = {"model": "whisper", "text": "names: Kenobi", "model_kwargs": json.dumps({"timestamps": True,
+                                                                                     "language": "en"})}
+    body = client.post("/generate", data=data, files={"audio": ("a.flac", b"fLaC", "audio/flac")}).json()
+    assert body["outputs"]["text"] == ["Hello there. General Kenobi."] and body["language"] == "en"
+    assert body["segments"] == SEGMENTS and body["duration"] == 3.2
+    sent = fake.requests[-1].tensors
+    assert sent["prompt"][2][0] == b"names: Kenobi" and sent["timestamps"][2][0]
+    refused = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"voice": "tara"}'},
+                          files={"audio": ("a.wav", b"x", "audio/wav")})
+    assert refused.status_code == 400 and "model_kwargs.voice" in refused.text
+    assert client.post("/generate", json={"model": "whisper", "text": "hi"}).status_code == 400

@@ -1,0 +1,101 @@
+"""Whisper's front end against transformers' WhisperFeatureExtractor; upload decoding, caps, resampling, windows."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from mstar_common.families.whisper.audio import AudioLimits, decode_upload, resample, split_windows, to_model_pcm
+from mstar_common.families.whisper.frontend import FrontEndConfig, LogMelFrontEnd, mel_filters, pad_or_trim
+
+SR = 16_000
+LIMITS = AudioLimits(max_seconds=60.0, max_bytes=4 * 1024 * 1024)
+
+
+def _clips() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    t = np.arange(SR * 30) / SR
+    return [
+        (0.1 * rng.standard_normal(SR)).astype(np.float32),  # 1 s noise
+        (0.5 * np.sin(2 * np.pi * 440 * t[: SR * 7])).astype(np.float32),  # 7 s tone
+        (0.3 * np.sin(2 * np.pi * 220 * t) * np.sin(2 * np.pi * 0.3 * t)).astype(np.float32),  # exactly 30 s
+        np.zeros(SR * 2, np.float32),  # silence: the floor at max - 8 must match too
+    ]
+
+
+@pytest.mark.parametrize("num_mel_bins", [80, 128])  # tiny ... large-v2, and large-v3
+def test_features_match_the_feature_extractor(num_mel_bins):
+    from transformers import WhisperFeatureExtractor
+
+    reference = WhisperFeatureExtractor(feature_size=num_mel_bins)
+    assert np.abs(reference.mel_filters - mel_filters(num_mel_bins)).max() < 1e-8
+    clips = _clips()
+    want = reference(clips, sampling_rate=SR, return_tensors="np").input_features
+    ours = LogMelFrontEnd(FrontEndConfig(num_mel_bins=num_mel_bins))(torch.stack([pad_or_trim(c) for c in clips]))
+    assert ours.shape == want.shape == (len(clips), num_mel_bins, 3000)
+    assert np.abs(ours.numpy() - want).max() < 1e-5
+
+
+def test_front_end_refuses_a_non_standard_preprocessor():
+    assert FrontEndConfig.from_hf({"sampling_rate": 16000, "n_fft": 400, "hop_length": 160}, 128).num_mel_bins == 128
+    with pytest.raises(ValueError, match="hop_length"):
+        FrontEndConfig.from_hf({"hop_length": 320}, 80)
+    with pytest.raises(ValueError, match="feature_size"):
+        FrontEndConfig.from_hf({"feature_size": 128}, 80)
+
+
+def _encode(samples: np.ndarray, rate: int, fmt: str = "WAV", subtype: str | None = None) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, samples, rate, format=fmt, subtype=subtype)
+    return out.getvalue()
+
+
+def test_uploads_decode_downmix_and_resample():
+    t = np.arange(int(44_100 * 1.5)) / 44_100
+    tone = 0.4 * np.sin(2 * np.pi * 440 * t)
+    stereo = np.stack([tone, tone], axis=1).astype(np.float32)
+    for data in (_encode(stereo, 44_100, "FLAC"), _encode(stereo, 44_100, "WAV", "FLOAT")):
+        pcm = decode_upload(data, LIMITS)
+        assert pcm.dtype == np.float32 and pcm.shape == (int(1.5 * SR),)
+        want = 0.4 * np.sin(2 * np.pi * 440 * np.arange(pcm.shape[0]) / SR)
+        assert np.abs(pcm[800:-800] - want[800:-800]).max() < 2e-3
+    high = 0.5 * np.sin(2 * np.pi * 12_000 * t)  # above the new Nyquist: must not alias into the band
+    assert np.abs(resample(high.astype(np.float32), 44_100, SR)[800:-800]).max() < 0.01
+
+
+@pytest.mark.parametrize("data, rule", [
+    (b"", "empty"),
+    (b"this is not audio at all" * 10, "not a readable audio file"),
+    (_encode(np.zeros((0, 1), np.float32), SR), "no samples"),
+    (_encode(np.zeros((SR, 3), np.float32), SR), "3 channels"),
+    (_encode(np.zeros(SR * 61, np.int16), SR), "at most 60 s"),
+    (b"RIFF" + b"\0" * (5 * 1024 * 1024), "at most 4194304 bytes"),
+])
+def test_bad_uploads_are_refused_naming_the_field(data, rule):
+    with pytest.raises(ValueError, match=rule) as info:
+        decode_upload(data, LIMITS, field="file")
+    assert str(info.value).startswith("file:")
+
+
+def test_pcm_input_checks():
+    with pytest.raises(ValueError, match="NaN"):
+        to_model_pcm(np.array([0.0, np.nan], np.float32), SR, LIMITS)
+    with pytest.raises(ValueError, match="sample rate"):
+        to_model_pcm(np.zeros(100, np.float32), 1000, LIMITS)
+    assert to_model_pcm(np.zeros(8000, np.float32), 8000, LIMITS).shape == (16000,)
+
+
+def test_long_audio_is_cut_at_quiet_moments():
+    rng = np.random.default_rng(1)
+    pcm = (0.3 * rng.standard_normal(SR * 75)).astype(np.float32)
+    pcm[int(SR * 26.0): int(SR * 26.3)] = 0.0  # the only quiet spot in window 1's search range
+    windows = split_windows(pcm)
+    assert windows[0].start == 0 and windows[-1].end == pcm.shape[0]
+    assert all(a.end == b.start for a, b in zip(windows, windows[1:], strict=False))
+    assert all(w.duration_s <= 30.0 for w in windows)
+    assert 26.0 <= windows[0].end / SR <= 26.3
+    assert split_windows(pcm[: SR * 30]) == [windows[0].__class__(0, SR * 30)]

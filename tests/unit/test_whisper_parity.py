@@ -1,0 +1,195 @@
+"""Whisper parity on the tiny random checkpoint: our walk, encoder batcher and decoder engine (in-process, the
+same code the Triton nodes run) against transformers' `WhisperForConditionalGeneration.generate`.
+
+Every decoder stream the walk opens is recorded; its prompt + tokens must equal transformers' whole decoder
+sequence for the same window's audio (greedy): language detection, forced language, translate, timestamps,
+an initial prompt, 30 s, and a long upload cut into windows (each window against `generate` on that window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from mstar_common.families.whisper.audio import split_windows
+from mstar_common.families.whisper.decoding import LANGUAGE
+from tests.whisper_local import LocalWhisper, tiny_deployment
+
+SR = 16_000
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from mstar_common.families.whisper.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("whisper") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    return (WhisperForConditionalGeneration.from_pretrained(checkpoint).eval(),
+            WhisperFeatureExtractor.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def local(checkpoint):
+    with LocalWhisper(checkpoint) as harness:
+        yield harness
+
+
+def clip(index: int, seconds: float) -> np.ndarray:
+    """A distinct synthetic 'utterance' per index (modulated tones; the tiny model listens to them)."""
+    t = np.arange(int(SR * seconds)) / SR
+    f0 = 150 + 120 * index
+    wave = np.sin(2 * np.pi * f0 * t * (1 + 0.3 * np.sin(2 * np.pi * 0.5 * t)))
+    return (0.3 * wave * (0.5 + 0.5 * np.sin(2 * np.pi * (1 + index) * t))).astype(np.float32)
+
+
+def wav(pcm: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, pcm, SR, format="WAV", subtype="FLOAT")  # lossless: the reference sees the same samples
+    return out.getvalue()
+
+
+def hf_sequence(reference, pcm: np.ndarray, **kwargs) -> list[int]:
+    model, extractor, _ = reference
+    features = extractor(pcm, sampling_rate=SR, return_tensors="pt").input_features
+    with torch.no_grad():
+        out = model.generate(features, force_unique_generate_call=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0].tolist()
+
+
+def our_sequences(local) -> list[list[int]]:
+    """prompt + tokens of each transcribing decoder stream (a standalone language detection is skipped)."""
+    return [[int(t) for t in call["inputs"]["input_ids"]] + call["tokens"] for call in local.decoder_calls
+            if list(call["inputs"]["forced_ids"]) != [LANGUAGE] or "max_tokens" not in call["inputs"]]
+
+
+CASES = {
+    "detect language, 5 s": (clip(0, 5), {}, {}),
+    "forced language, 30 s": (clip(1, 30), {"language": "fr"}, {"language": "fr"}),
+    "translate": (clip(2, 9), {"language": "german", "task": "translate"}, {"language": "de", "task": "translate"}),
+    "timestamps, detect": (clip(3, 17), {"timestamps": True, "temperature": 0.0}, {"return_timestamps": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_tokens_equal_transformers_generate(local, reference, name):
+    pcm, ours, theirs = CASES[name]
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(pcm), **ours))
+    [sequence] = our_sequences(local)
+    assert sequence == hf_sequence(reference, pcm, **theirs)
+    assert out["language"] == theirs.get("language", local.walk.tokens.code_of(sequence[1]))
+
+
+def test_initial_prompt_and_language_detection(local, reference):
+    _, _, tokenizer = reference
+    pcm = clip(1, 9)
+    local.decoder_calls.clear()
+    asyncio.run(local.transcribe(audio=wav(pcm), prompt="hello world"))
+    prompt_ids = torch.tensor(tokenizer.get_prompt_ids("hello world"))
+    assert our_sequences(local) == [hf_sequence(reference, pcm, prompt_ids=prompt_ids)]
+
+
+def test_timestamp_segments_match_transformers(local, reference):
+    model, extractor, _ = reference
+    pcm = clip(3, 17)
+    out = asyncio.run(local.transcribe(audio=wav(pcm), timestamps=True, temperature=0.0))
+    features = extractor(pcm, sampling_rate=SR, return_tensors="pt").input_features
+    theirs = model.generate(features, return_timestamps=True, return_segments=True,
+                            force_unique_generate_call=True)["segments"][0]
+    ours = json.loads(out["segments"])
+    assert theirs, "the reference closed no segment"
+    for want, got in zip(theirs, ours, strict=False):
+        assert got["tokens"] == want["tokens"].tolist()
+        assert got["start"] == pytest.approx(float(want["start"])) and got["end"] == pytest.approx(float(want["end"]))
+
+
+def test_long_upload_windows_each_equal_transformers(local, reference):
+    rng = np.random.default_rng(2)
+    pcm = np.concatenate([clip(4, 27), np.zeros(SR // 2, np.float32), clip(5, 24), 0.01 * rng.standard_normal(
+        SR // 2).astype(np.float32), clip(6, 18)])
+    windows = split_windows(pcm)
+    assert len(windows) == 3
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(pcm)))
+    sequences = sorted(our_sequences(local), key=len)  # calls finish in any order; match them by content
+    language = out["language"]
+    want = [hf_sequence(reference, pcm[w.start:w.end], **({} if i == 0 else {"language": language}))
+            for i, w in enumerate(windows)]
+    assert sorted(sequences) == sorted(want)
+    segments = json.loads(out["segments"])
+    assert [s["start"] for s in segments] == pytest.approx([w.offset_s for w in windows][: len(segments)])
+    assert out["duration"] == pytest.approx(pcm.shape[0] / SR)
+
+
+def test_streamed_deltas_join_to_the_final_text_and_batching_keeps_requests_apart(local):
+    uploads = [wav(clip(i, 4 + 3 * i)) for i in range(8)]
+    solo = [asyncio.run(local.transcribe(audio=data, language="en", max_tokens=32))["text_output"] for data in uploads]
+
+    async def together():
+        return await asyncio.gather(*(local.stream(audio=data, language="en", max_tokens=32) for data in uploads))
+
+    for responses, want in zip(asyncio.run(together()), solo, strict=True):
+        assert "".join(r["text_output"] for r in responses) == want  # 8 at once: cross-KV slots never mix
+        assert responses[-1]["finish_reason"] in ("stop", "length")
+        assert all(r["finish_reason"] == "" for r in responses[:-1])
+    assert any(solo) and len(set(solo)) > 1
+
+
+@pytest.mark.parametrize("inputs, rule", [
+    ({"language": "klingon"}, "language: 'klingon' is not a language"),
+    ({"task": "summarize"}, "task: must be one of"),
+    ({"temperature": -0.5}, "temperature: must be in"),
+    ({"prompt": "word " * 200}, r"prompt: \d+ tokens; at most 63"),
+    ({"prompt": "<|en|> hi"}, "prompt: must be plain text"),
+    ({"audio": b"not audio" * 50}, "audio: not a readable audio file"),
+    ({"audio": b""}, "audio: the upload is empty"),
+])
+def test_refusals_name_the_field(local, inputs, rule):
+    inputs = {"audio": wav(clip(0, 2)), **inputs}
+    with pytest.raises(ValueError, match=rule):
+        asyncio.run(local.transcribe(**inputs))
+
+
+def test_upload_caps(checkpoint):
+    dep = tiny_deployment(**{"limits.max_upload_s": 20.0, "model_kwargs.max_audio_bytes": 2_000_000})
+    with LocalWhisper(checkpoint, dep) as small:
+        with pytest.raises(ValueError, match="audio: the audio is 25.0 s long; this deployment accepts at most 20 s"):
+            asyncio.run(small.transcribe(audio=wav(clip(0, 25))))
+        with pytest.raises(ValueError, match="at most 2000000 bytes"):
+            asyncio.run(small.transcribe(audio=wav(clip(0, 19)) + b"\0" * 2_000_000))
+        assert asyncio.run(small.transcribe(audio_pcm=clip(0, 3), sample_rate=SR))["finish_reason"]
+
+
+def test_captured_decode_steps_equal_transformers(checkpoint, reference):
+    """The decoder's decode steps through the engine's graph runner (CPU stand-in: FakeGraph over static buffers,
+    graph-safe attention): the rows' cross-KV slots come from a static buffer, the token rules run on the
+    replay's logits."""
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.attention import TorchStaticAttention
+    from mstar_common.engine.cuda_graph import GraphConfig
+
+    harness = LocalWhisper(checkpoint)
+    eager = harness.decoder.engine
+    model = eager.runner.model
+    model.attn_backend = TorchStaticAttention()
+    harness.decoder.engine = AREngine(model, eager.config, eos_token_ids=sorted(eager.eos_token_ids),
+                                      vocab_size=eager.vocab_size,
+                                      graphs=GraphConfig(decode_buckets=[1, 2, 4], token_buckets=[],
+                                                         capture_sampling=False))
+    with harness:
+        for pcm, ours, theirs in (CASES["detect language, 5 s"], CASES["timestamps, detect"]):
+            harness.decoder_calls.clear()
+            asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
+            assert our_sequences(harness) == [hf_sequence(reference, pcm, **theirs)]
+        assert harness.decoder.engine.runner.graphs.num_replays > 100
