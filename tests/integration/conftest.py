@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,33 +47,53 @@ class Served:
         return f"http://127.0.0.1:{self.ports.metrics}/metrics"
 
 
-@pytest.fixture(scope="session")
-def served(tmp_path_factory) -> Served:
-    root = tmp_path_factory.mktemp("served")
-    os.environ["MSTAR_CACHE_DIR"] = str(root / "cache")  # the stubs inherit it: one tiny checkpoint for all
-    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
-    raw["max_concurrent_requests"] = 16
-    dep = deployment_from_dict(raw, source="test-deployment")
-    checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+def write_repository(dep: Deployment, root: Path, source: str) -> Path:
     repo = root / "model_repository"
-    for rel, text in render_repository(dep, "test-deployment").items():
+    for rel, text in render_repository(dep, source).items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+    return repo
+
+
+def print_logs(root: Path) -> None:
+    for log in ("tritonserver.log", "proxy.log"):
+        if (root / log).is_file():
+            print(f"----- {log} -----\n{(root / log).read_text()[-6000:]}")
+
+
+@contextlib.contextmanager
+def serve_deployment(dep: Deployment, root: Path, source: str, ready_timeout_s: float = 300) -> Iterator[Served]:
+    """tritonserver + the proxy for `dep` on free 127.0.0.1 ports, stopped on exit. The stubs inherit
+    MSTAR_CACHE_DIR, which is pointed at `root/cache` for the server's lifetime (builtin checkpoints)."""
+    previous = os.environ.get("MSTAR_CACHE_DIR")
+    os.environ["MSTAR_CACHE_DIR"] = str(root / "cache")
     triton = proxy = None
     try:
+        checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+        repo = write_repository(dep, root, source)
+        ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
         triton = start_triton(repo, dep, ports, root / "tritonserver.log")
-        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, 240, "tritonserver")
+        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, ready_timeout_s, "tritonserver")
         entry = entry_model(dep)
         proxy = start_proxy(dep, entry, ports, root / "proxy.log")
         wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
         yield Served(dep, ports, checkpoint, entry, root)
     except Exception:
-        for log in ("tritonserver.log", "proxy.log"):
-            path = root / log
-            if path.is_file():
-                print(f"----- {log} -----\n{path.read_text()[-6000:]}")
+        print_logs(root)
         raise
     finally:
         stop_process(proxy)
         stop_process(triton)
+        if previous is None:
+            os.environ.pop("MSTAR_CACHE_DIR", None)
+        else:
+            os.environ["MSTAR_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("served")
+    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
+    raw["max_concurrent_requests"] = 16
+    with serve_deployment(deployment_from_dict(raw, source="test-deployment"), root, "test-deployment") as s:
+        yield s

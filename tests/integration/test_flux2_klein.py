@@ -24,9 +24,7 @@ from tritonclient.utils import np_to_triton_dtype
 from mstar import MStarClient
 from mstar_common.cli import CONFIGS
 from mstar_common.config import deployment_from_dict
-from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
-from mstar_common.repository import entry_model, render_repository
-from tests.integration.conftest import free_port
+from tests.integration.conftest import serve_deployment
 
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.server
@@ -50,26 +48,8 @@ def served_images(tmp_path_factory):
     checkpoint = build_tiny_checkpoint(root / "flux2-klein-tiny")
     raw = yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text())
     dep = deployment_from_dict({**raw, "checkpoint": str(checkpoint)}, source="flux2-test")
-    repo = root / "model_repository"
-    for rel, text in render_repository(dep, "flux2-test").items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
-    triton = proxy = None
-    try:
-        triton = start_triton(repo, dep, ports, root / "tritonserver.log")
-        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, 300, "tritonserver")
-        proxy = start_proxy(dep, entry_model(dep), ports, root / "proxy.log")
-        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
-        yield ServedImages(dep.name, checkpoint, f"127.0.0.1:{ports.grpc}", f"http://127.0.0.1:{ports.proxy}")
-    except Exception:
-        for log in ("tritonserver.log", "proxy.log"):
-            if (root / log).is_file():
-                print(f"----- {log} -----\n{(root / log).read_text()[-6000:]}")
-        raise
-    finally:
-        stop_process(proxy)
-        stop_process(triton)
+    with serve_deployment(dep, root, "flux2-test") as served:
+        yield ServedImages(dep.name, checkpoint, served.grpc_url, served.proxy_url)
 
 
 @pytest.fixture(scope="module")

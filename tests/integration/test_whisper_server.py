@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import threading
 
 import httpx
@@ -18,13 +17,9 @@ import soundfile
 import yaml
 
 from mstar import MStarClient
-from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.cli import CONFIGS
 from mstar_common.config import deployment_from_dict
-from mstar_common.families.registry import get_family
-from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
-from mstar_common.repository import entry_model, render_repository
-from tests.integration.conftest import Served, free_port
+from tests.integration.conftest import Served, serve_deployment
 from tests.integration.triton_stream import make_inputs
 
 pytestmark = pytest.mark.server
@@ -34,37 +29,11 @@ MAX_UPLOAD_S = 100.0
 
 @pytest.fixture(scope="module")
 def asr(tmp_path_factory) -> Served:
-    root = tmp_path_factory.mktemp("whisper")
     raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
     raw["limits"]["max_upload_s"] = MAX_UPLOAD_S
     dep = deployment_from_dict(raw, source="whisper.yaml")
-    previous = os.environ.get("MSTAR_CACHE_DIR")
-    os.environ["MSTAR_CACHE_DIR"] = str(root / "cache")  # the stubs inherit it at start
-    triton = proxy = None
-    try:
-        checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
-        repo = root / "model_repository"
-        for rel, text in render_repository(dep, "whisper.yaml").items():
-            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-            (repo / rel).write_text(text)
-        ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
-        triton = start_triton(repo, dep, ports, root / "tritonserver.log")
-        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, 300, "tritonserver")
-        proxy = start_proxy(dep, entry_model(dep), ports, root / "proxy.log")
-        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
-        yield Served(dep, ports, checkpoint, entry_model(dep), root)
-    except Exception:
-        for log in ("tritonserver.log", "proxy.log"):
-            if (root / log).is_file():
-                print(f"----- {log} -----\n{(root / log).read_text()[-6000:]}")
-        raise
-    finally:
-        stop_process(proxy)
-        stop_process(triton)
-        if previous is None:
-            os.environ.pop("MSTAR_CACHE_DIR", None)
-        else:
-            os.environ["MSTAR_CACHE_DIR"] = previous
+    with serve_deployment(dep, tmp_path_factory.mktemp("whisper"), "whisper.yaml") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
