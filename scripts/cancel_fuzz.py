@@ -67,11 +67,12 @@ async def _via_proxy(client: httpx.AsyncClient, proxy: str, model: str, rng: ran
     body = {"model": model, "prompt": f"fuzz {rng.random()}", "max_tokens": rng.randint(16, 200),
             "temperature": 0.8, "ignore_eos": True, "stream": True}
     mode, stop_after = rng.choice(("events", "events", "delay")), rng.randint(0, 8)
+    outcome = None  # counted once in `finally`: the delay timeout can also fire while an ended stream closes
     try:
         async with asyncio.timeout(rng.uniform(0.0, 0.2) if mode == "delay" else None):
             async with client.stream("POST", f"{proxy}/v1/completions", json=body) as response:
                 if response.status_code == 429:  # cancelled streams not yet released still hold their places
-                    res.outcomes["proxy_refused_overloaded"] += 1
+                    outcome = "proxy_refused_overloaded"
                     return
                 if response.status_code != 200:
                     res.errors.append(f"proxy status {response.status_code}: {(await response.aread())[:200]!r}")
@@ -83,11 +84,14 @@ async def _via_proxy(client: httpx.AsyncClient, proxy: str, model: str, rng: ran
                         return
                     num_events += line.startswith("data: ")
                     if mode == "events" and num_events >= stop_after:
-                        res.outcomes["proxy_disconnect_after_events"] += 1
+                        outcome = "proxy_disconnect_after_events"
                         return  # leaving the context closes the connection mid-stream
-                res.outcomes["proxy_finished"] += 1
+                outcome = "proxy_finished"
     except TimeoutError:
-        res.outcomes["proxy_disconnect_after_delay"] += 1
+        outcome = outcome or "proxy_disconnect_after_delay"
+    finally:
+        if outcome is not None:
+            res.outcomes[outcome] += 1
 
 
 async def _via_grpc(triton, entry: str, rng: random.Random, res: FuzzResult, index: int):
