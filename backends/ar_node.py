@@ -16,21 +16,16 @@ from __future__ import annotations
 
 import faulthandler
 import itertools
-import json
 import logging
 import signal
 
-import triton_python_backend_utils as pb_utils
-
 from backends.metrics import ComponentMetrics
+from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
-from mstar_common.checkpoints import resolve_checkpoint
-from mstar_common.config import deployment_from_dict
 from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.output_pump import OutputPump, TextStream
 from mstar_common.engine.stop_strings import StopStringMatcher
-from mstar_common.families.registry import get_family
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +34,10 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <stub pid>` dumps every thread
-        self.model_name = args["model_name"]
-        model_config = json.loads(args["model_config"])
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise pb_utils.TritonModelException(f"{self.model_name}: an autoregressive node must be decoupled")
-        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        for key in ("family", "component", "deployment"):
-            if key not in params:
-                raise pb_utils.TritonModelException(f"{self.model_name}: config.pbtxt lacks parameter {key!r}")
-        deployment = deployment_from_dict(json.loads(params["deployment"]), source=self.model_name)
-        family = get_family(params["family"])
-        component = family.graph.components[params["component"]]
-        self.input_names = [spec.name for spec in component.inputs]
-        checkpoint = resolve_checkpoint(deployment.checkpoint, family.builtin_checkpoints)
-        device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
-        self.runtime = family.build_component(params["component"], deployment, checkpoint, device)
+        node = load_node(args, kind="autoregressive")
+        self.model_name, device = node.model_name, node.device
+        self.input_names = [spec.name for spec in node.component.inputs]
+        self.runtime = node.build()
         self.engine = self.runtime.engine
         self.pump = OutputPump(self.engine, name=f"{self.model_name}-output")
         self._ids = itertools.count()
@@ -88,22 +72,11 @@ class TritonPythonModel:
             num_prompt_tokens=len(text_request.prompt_ids),
         )
         self.pump.register(stream)
-        try:
-            # A model with per-request state (whisper's decoder: its cross-attention input) gets it from the parse.
-            state = getattr(text_request, "request_state", None)
-            extra = {} if state is None else {"request_state": state}
-            self.engine.add_request(request_id, text_request.prompt_ids, text_request.params, self.pump.on_output,
-                                    timeout_s=_timeout_s(request), **extra)
-        except AdmissionRefused as exc:
-            self.pump.unregister(request_id)
-            logger.debug("[%s] refused: %s", request_id, exc)  # counted in mstar_requests_overloaded_total
-            responder.send_error(exc.wire_message)
-        except ValueError as exc:
-            self.pump.unregister(request_id)
-            responder.send_invalid(str(exc))
-        except Exception as exc:  # noqa: BLE001
-            self.pump.unregister(request_id)
-            responder.send_server_error(exc)
+        # A model with per-request state (whisper's decoder: its cross-attention input) gets it from the parse.
+        state = getattr(text_request, "request_state", None)
+        extra = {} if state is None else {"request_state": state}
+        enqueue(self.engine, self.pump, responder, text_request.prompt_ids, text_request.params,
+                timeout_s=request_timeout_s(request), **extra)
 
     def finalize(self) -> None:
         logger.info("[%s] shutting down", self.model_name)
@@ -112,7 +85,25 @@ class TritonPythonModel:
         self.pump.stop()
 
 
-def _timeout_s(request) -> float | None:
+def enqueue(engine, pump, responder: Responder, prompt_ids: list[int], params, timeout_s: float | None,
+            **extra) -> None:
+    """Hand a parsed request to the engine; a refusal unregisters its stream and answers the client once."""
+    request_id = responder.request_id
+    try:
+        engine.add_request(request_id, prompt_ids, params, pump.on_output, timeout_s=timeout_s, **extra)
+    except AdmissionRefused as exc:
+        pump.unregister(request_id)
+        logger.debug("[%s] refused: %s", request_id, exc)  # counted in mstar_requests_overloaded_total
+        responder.send_error(exc.wire_message)
+    except ValueError as exc:
+        pump.unregister(request_id)
+        responder.send_invalid(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one bad request must not take down the node
+        pump.unregister(request_id)
+        responder.send_server_error(exc)
+
+
+def request_timeout_s(request) -> float | None:
     """The request's Triton timeout (microseconds; 0 = none) in seconds."""
     try:
         timeout_us = int(request.timeout())

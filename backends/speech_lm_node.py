@@ -20,12 +20,11 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
-from backends.ar_node import _timeout_s
+from backends.ar_node import enqueue, request_timeout_s
 from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
 from mstar_common import wire
-from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
 from mstar_common.families.orpheus.codes import SpeechChunker
 
@@ -72,18 +71,8 @@ class TritonPythonModel:
         chunker = SpeechChunker(self.runtime.layout, self.runtime.frame_rule)
         self.pump.register(AudioStream(request_id, responder, chunker, self.runtime.sample_rate,
                                        num_prompt_tokens=len(speech.prompt_ids)))
-        try:
-            self.engine.add_request(request_id, speech.prompt_ids, speech.params, self.pump.on_output,
-                                    timeout_s=_timeout_s(request))
-        except AdmissionRefused as exc:
-            self.pump.unregister(request_id)
-            responder.send_error(exc.wire_message)
-        except ValueError as exc:
-            self.pump.unregister(request_id)
-            responder.send_invalid(str(exc))
-        except Exception as exc:  # noqa: BLE001
-            self.pump.unregister(request_id)
-            responder.send_server_error(exc)
+        enqueue(self.engine, self.pump, responder, speech.prompt_ids, speech.params,
+                timeout_s=request_timeout_s(request))
 
     def finalize(self) -> None:
         logger.info("[%s] shutting down", self.model_name)
