@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from mstar_common.families.flux2_klein.scheduler import FlowSchedulerConfig
@@ -30,12 +29,12 @@ from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
 from mstar_common.families.flux2_klein.transformer import Flux2Transformer, Flux2TransformerConfig
 from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, VaeEncoder
 from mstar_common.families.qwen3.modeling import Qwen3Config
+from mstar_common.safetensors_io import format_names, iter_tensors
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_CLASSES = ("Flux2KleinPipeline",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MAX_NAMES_SHOWN = 10
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -123,7 +122,7 @@ def _load(build: Callable[[], nn.Module], folder: Path, stem: str, skipped: Call
     targets = module.state_dict(keep_vars=True)
     filled: set[str] = set()
     unused: list[str] = []
-    for name, tensor in _iter_tensors(folder, stem):
+    for name, tensor in iter_tensors(folder, stem):
         if name in targets:
             target = targets[name]
             if tuple(target.shape) != tuple(tensor.shape):
@@ -136,38 +135,8 @@ def _load(build: Callable[[], nn.Module], folder: Path, stem: str, skipped: Call
     missing = sorted(set(targets) - filled)
     if missing or unused:
         raise ValueError(f"checkpoint folder {folder.name} does not match {type(module).__name__}: missing "
-                         f"{_names(missing)}; unused checkpoint tensors {_names(sorted(unused))}")
+                         f"{format_names(missing)}; unused checkpoint tensors {format_names(sorted(unused))}")
     logger.info("loaded %s from %s (%d tensors)", type(module).__name__, folder.name, len(filled))
     return module.eval()
 
 
-def _iter_tensors(folder: Path, stem: str) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[str] = set()
-    for file in _safetensors_files(folder, stem):
-        with safe_open(file, framework="pt", device="cpu") as reader:
-            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in seen:
-                    raise ValueError(f"checkpoint tensor {folder.name}/{name} appears in more than one shard")
-                seen.add(name)
-                yield name, reader.get_tensor(name)
-
-
-def _safetensors_files(folder: Path, stem: str) -> list[Path]:
-    index = folder / f"{stem}.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    single = folder / f"{stem}.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in checkpoint folder {folder.name}")
-    return files
-
-
-def _names(names: list[str]) -> str:
-    if not names:
-        return "none"
-    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
-    return shown + (f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else "")

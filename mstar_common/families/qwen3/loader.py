@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from mstar_common.engine.attention import AttentionBackend
 from mstar_common.families.qwen3.modeling import Qwen3Config, Qwen3ForCausalLM
+from mstar_common.safetensors_io import copy_checked, format_names, iter_tensors
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_TYPES = ("qwen3",)
 _TIED_HEAD = "lm_head.weight"
-_MAX_NAMES_SHOWN = 10
 
 
 def load_qwen3(
@@ -90,9 +88,9 @@ def _fill(model: torch.nn.Module, path: Path) -> None:
     filled: set[str] = set()
     unused: list[str] = []
     tied_copy: torch.Tensor | None = None
-    for name, tensor in _iter_tensors(path):
+    for name, tensor in iter_tensors(path):
         if name in params:
-            _copy(params[name], tensor, name)
+            copy_checked(params[name], tensor, name)
             filled.add(name)
         elif is_tied and name == _TIED_HEAD:
             tied_copy = tensor
@@ -100,44 +98,12 @@ def _fill(model: torch.nn.Module, path: Path) -> None:
             unused.append(name)
     missing = sorted(set(params) - filled)
     if missing or unused:
-        raise ValueError(f"checkpoint {path.name} does not match {type(model).__name__}: "
-                         f"missing parameters {_names(missing)}; unused checkpoint tensors {_names(sorted(unused))}")
+        raise ValueError(f"checkpoint {path.name} does not match {type(model).__name__}: missing parameters "
+                         f"{format_names(missing)}; unused checkpoint tensors {format_names(sorted(unused))}")
     if tied_copy is not None and not torch.equal(tied_copy.to(params["model.embed_tokens.weight"]),
                                                  params["model.embed_tokens.weight"]):
         raise ValueError("tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
                          "model.embed_tokens.weight")
 
 
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.copy_(tensor)
 
-
-def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[str] = set()
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as reader:
-            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in seen:
-                    raise ValueError(f"checkpoint tensor {name} appears in more than one shard")
-                seen.add(name)
-                yield name, reader.get_tensor(name)
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path.name}")
-    return files
-
-
-def _names(names: list[str]) -> str:
-    if not names:
-        return "none"
-    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
-    return shown + (f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else "")

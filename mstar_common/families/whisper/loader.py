@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from mstar_common.engine.attention import AttentionBackend
 from mstar_common.families.whisper.modeling import WhisperConfig, WhisperDecoderLM, WhisperEncoderModel
+from mstar_common.safetensors_io import copy_checked, format_names, tensor_readers
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ENCODER_PREFIX = "model.encoder."
 DECODER_PREFIX = "model.decoder."
 TIED_HEAD = "proj_out.weight"
-_MAX_NAMES_SHOWN = 10
 
 
 def read_config(checkpoint_dir: str | Path) -> tuple[WhisperConfig, dict[str, Any]]:
@@ -68,10 +66,10 @@ def _fill(model: torch.nn.Module, path: Path, prefix: str) -> None:
     unused: list[str] = []
     foreign: list[str] = []
     tied_copy = None
-    for name, reader in _tensor_readers(path):
+    for name, reader in tensor_readers(path):
         if name.startswith(prefix):
             if name in params:
-                _copy(params[name], reader.get_tensor(name), name)
+                copy_checked(params[name], reader.get_tensor(name), name)
                 filled.add(name)
             else:
                 unused.append(name)
@@ -83,42 +81,10 @@ def _fill(model: torch.nn.Module, path: Path, prefix: str) -> None:
     missing = sorted(set(params) - filled)
     if missing or unused or foreign:
         raise ValueError(f"checkpoint {path.name} does not match Whisper ({prefix}*): missing parameters "
-                         f"{_names(missing)}; unused checkpoint tensors {_names(sorted(unused + foreign))}")
+                         f"{format_names(missing)}; unused checkpoint tensors {format_names(sorted(unused + foreign))}")
     embed = "model.decoder.embed_tokens.weight"
     if tied_copy is not None and not torch.equal(tied_copy.to(params[embed]), params[embed]):
         raise ValueError(f"the checkpoint's {TIED_HEAD} differs from {embed}; Whisper ties them")
 
 
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.copy_(tensor)
 
-
-def _tensor_readers(path: Path) -> Iterator[tuple[str, Any]]:
-    seen: set[str] = set()
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as reader:
-            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in seen:
-                    raise ValueError(f"checkpoint tensor {name} appears in more than one shard")
-                seen.add(name)
-                yield name, reader
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path.name}")
-    return files
-
-
-def _names(names: list[str]) -> str:
-    if not names:
-        return "none"
-    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
-    return shown + (f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else "")
