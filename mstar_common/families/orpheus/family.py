@@ -93,7 +93,7 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
 
     from mstar_common.engine.ar_engine import AREngine
     from mstar_common.engine.types import EngineConfig
-    from mstar_common.families.orpheus.llama import load_llama
+    from mstar_common.families.llama.loader import load_llama
     from mstar_common.families.orpheus.lm import AudioTokenLM, OrpheusLMRuntime
     from mstar_common.families.orpheus.tokens import TokenLayout
     from mstar_common.repository import model_name
