@@ -12,9 +12,10 @@ ERROR), and its pages are freed before that call is made.
 Overlap (on CUDA). Each `step()` launches the next step before it collects the previous one, so the host
 schedules and packs step N+1 while the GPU runs step N; the only host sync is reading step N's tokens. Rows
 awaiting a token carry a placeholder (see `model_runner.py`); a row that stops on EOS costs one wasted row in
-the step already launched, and a row's LENGTH stop is known in advance, so it is never over-scheduled. Steps
-whose sampling reads the token history (repetition penalty) wait for the previous step first. On the CPU the
-step is synchronous: launch, collect, deliver.
+the step already launched, and a row's LENGTH stop is known in advance, so it is never over-scheduled. The
+repetition penalty's history lives on the device (`penalty.py`), so penalised rows overlap too; only a model
+whose own logits rules read host history (`logits_need_history`) makes a step wait for the previous one. On
+the CPU the step is synchronous: launch, collect, deliver.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch
 from mstar_common.engine.admission import Admission, EngineUnavailable
 from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
 from mstar_common.engine.kv_cache import KVCache, PageAllocator
-from mstar_common.engine.model_runner import PLACEHOLDER, CausalLM, ModelRunner, PendingStep
+from mstar_common.engine.model_runner import PLACEHOLDER, CausalLM, ModelRunner, PendingStep, logits_window
+from mstar_common.engine.penalty import PenaltyState
 from mstar_common.engine.sampler import Sampler, make_generator
 from mstar_common.engine.scheduler import Scheduler, StepPlan
 from mstar_common.engine.sequence import OutputCallback, Sequence, SequenceStatus
@@ -47,9 +49,11 @@ EXPIRY_WAIT_S = 0.05  # an idle loop with live (waiting) requests wakes this oft
 
 class AREngine:
     def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: SequenceOf[int], vocab_size: int,
-                 graphs: GraphConfig | None = None, overlap: bool | None = None) -> None:
+                 graphs: GraphConfig | None = None, overlap: bool | None = None,
+                 device_penalty: bool | None = None) -> None:
         """`graphs`: capture CUDA graphs for these buckets at startup (CUDA, or the CPU stand-in in tests).
-        `overlap`: launch step N+1 before collecting step N (default: on CUDA only)."""
+        `overlap`: launch step N+1 before collecting step N (default: on CUDA only).
+        `device_penalty`: keep the repetition-penalty history as device masks (default: on CUDA only)."""
         _check_config(config)
         self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(config.device)
@@ -62,12 +66,16 @@ class AREngine:
         hooks = model if hasattr(model, "admit_request") else None  # scheduler.RequestHooks
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens, hooks)
         self._needs_history = getattr(model, "logits_need_history", None)
+        offset, width = logits_window(model, vocab_size)
+        if device_penalty is None:
+            device_penalty = self.device.type == "cuda"
+        penalty = PenaltyState(config.max_num_seqs, width, offset, self.device) if device_penalty else None
         graph_runner = None
         if graphs is not None:
             graph_runner = CudaGraphRunner(model, self.kv_cache, graphs, config.max_num_seqs, self.max_model_len,
-                                           vocab_size, self.device)
+                                           vocab_size, self.device, penalty)
             graph_runner.capture()
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device, vocab_size, graph_runner)
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device, vocab_size, graph_runner, penalty)
         self.is_overlapped = self.device.type == "cuda" if overlap is None else overlap
         self._pending: PendingStep | None = None  # the launched step not yet collected (overlap only)
         self._seeds = random.Random()
@@ -195,8 +203,9 @@ class AREngine:
     def _needs_host_tokens(self) -> bool:
         """Whether the next step's sampling reads token values still on the device (so it cannot overlap)."""
         needs_history = self._needs_history
-        return any(seq.params.repetition_penalty != 1.0 or (needs_history is not None and needs_history(seq))
-                   for seq in self.scheduler.running)
+        penalty_on_host = self.runner.penalty is None
+        return any((penalty_on_host and seq.params.repetition_penalty != 1.0)
+                   or (needs_history is not None and needs_history(seq)) for seq in self.scheduler.running)
 
     def _launch(self, plan: StepPlan) -> PendingStep | None:
         try:
@@ -298,6 +307,7 @@ class AREngine:
         if seq.is_finished:
             return
         self.scheduler.finish(seq)
+        self.runner.release(seq)
         with self._cond:
             self._live.pop(seq.request_id, None)
             self.admission.forget(seq.request_id)

@@ -87,12 +87,13 @@ class StepBuffers:
         ints, floats, longs = _Layout(), _Layout(), _Layout()
         for name, length in (("query_start_loc", max_rows + 1), ("context_lens", max_rows), ("request_slots", max_rows),
                              ("sample_indices", max_rows), ("is_greedy", max_rows), ("top_k", max_rows),
-                             ("gather_dst", max_rows), ("gather_src", max_rows), ("work_rows", self.work_capacity),
+                             ("gather_dst", max_rows), ("gather_src", max_rows), ("penalty_slots", max_rows),
+                             ("work_rows", self.work_capacity),
                              ("work_firsts", self.work_capacity), ("input_ids", max_tokens),
                              ("positions", max_tokens), ("slot_mapping", max_tokens),
                              ("block_tables", max_rows * max_pages)):  # block tables last: copies end early
             ints.add(name, length)
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "penalty"):
             floats.add(name, max_rows)
         longs.add("seeds", max_rows)
         self.layouts = {"ints": ints, "floats": floats, "longs": longs}
@@ -132,12 +133,16 @@ class StepBuffers:
 
 class CudaGraphRunner:
     def __init__(self, model, kv_cache: KVCache, config: GraphConfig, max_rows: int, max_model_len: int,
-                 vocab_size: int, device: torch.device) -> None:
+                 vocab_size: int, device: torch.device, penalty=None) -> None:
+        """`penalty`: the device-side repetition-penalty history (engine/penalty.py), applied inside the graphs."""
         if not model.attn_backend.is_graph_safe:
             raise ValueError(f"attention backend {model.attn_backend.name!r} cannot be captured in a CUDA graph; "
                              f"use 'triton' (or 'torch_static')")
         self.model, self.kv_cache, self.config, self.device = model, kv_cache, config, device
         self.vocab_size = vocab_size
+        self.logits_offset = int(getattr(model, "logits_offset", 0))
+        self.logits_width = vocab_size - self.logits_offset
+        self.penalty = penalty
         self.decode_buckets = sorted(b for b in set(config.decode_buckets) if 1 <= b <= max_rows)
         self.token_buckets = sorted(b for b in set(config.token_buckets) if b >= 1)
         max_tokens = max(self.token_buckets + self.decode_buckets)
@@ -149,7 +154,7 @@ class CudaGraphRunner:
         self.sink_slot = kv_cache.sink_page * kv_cache.page_size
         self.num_replays = 0
         self.samples_in_graph = not hasattr(model, "process_logits")
-        self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, vocab_size, device=device)
+        self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, self.logits_width, device=device)
         self.has_request_slots = hasattr(model, "admit_request")
 
     # ---- capture ---------------------------------------------------------------------------------------------
@@ -206,6 +211,7 @@ class CudaGraphRunner:
         )
         out = self.buffers.out_tokens[:rows]
         logits_out = None if self.logits_out is None else self.logits_out[:rows]
+        penalty, offset = self.penalty, self.logits_offset
 
         def step() -> None:
             hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
@@ -215,6 +221,8 @@ class CudaGraphRunner:
             if logits_out is not None:  # the model's logits rules and the sampler run after the replay
                 logits_out.copy_(logits)
                 return
+            if penalty is not None:
+                logits = penalty.apply(logits, v["penalty_slots"][:rows], v["penalty"][:rows])
             if sampling:
                 from kernels.sampling import sample_on_device
 
@@ -223,7 +231,9 @@ class CudaGraphRunner:
                                            v["seeds"][:rows])
             else:
                 sampled = logits.argmax(dim=-1)
-            out.copy_(sampled)
+            if penalty is not None:
+                penalty.record(v["penalty_slots"][:rows], sampled)
+            out.copy_(sampled + offset if offset else sampled)
 
         return step
 
@@ -260,7 +270,7 @@ class CudaGraphRunner:
         parity, self._parity = self._parity, self._parity ^ 1
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)
-        self.buffers.copy_in(parity, rows, with_sampling=key[2])
+        self.buffers.copy_in(parity, rows, with_sampling=key[2] or self.penalty is not None)
         v = self.buffers.views
         if batch.gather_dst:
             num = len(batch.gather_dst)
@@ -297,6 +307,11 @@ class CudaGraphRunner:
         num_sampling = len(batch.sampling_seqs)
         h["sample_indices"][:num_sampling] = batch.sample_indices
         h["sample_indices"][num_sampling:rows] = 0
+        if self.penalty is not None:  # padding rows: the scratch slot, penalty off
+            h["penalty_slots"][:num_sampling] = batch.penalty_slots
+            h["penalty_slots"][num_sampling:rows] = self.penalty.scratch
+            h["penalty"][:num_sampling] = batch.penalties
+            h["penalty"][num_sampling:rows] = 1.0
         if batch.gather_dst:
             h["gather_dst"][: len(batch.gather_dst)] = batch.gather_dst
             h["gather_src"][: len(batch.gather_src)] = batch.gather_src
@@ -310,10 +325,10 @@ class CudaGraphRunner:
     def _fill_sampling(self, h: dict[str, np.ndarray], batch, rows: int) -> None:
         from mstar_common.engine.model_runner import sampling_columns
 
-        cols = sampling_columns(batch.sampling_seqs, self.vocab_size)
+        cols = sampling_columns(batch.sampling_seqs, self.logits_width)
         n = len(cols.seeds)
         for name, values, pad in (("is_greedy", cols.is_greedy, 1), ("temperature", cols.temperature, 1.0),
-                                  ("top_k", cols.top_k, self.vocab_size), ("top_p", cols.top_p, 1.0),
+                                  ("top_k", cols.top_k, self.logits_width), ("top_p", cols.top_p, 1.0),
                                   ("min_p", cols.min_p, 0.0), ("seeds", cols.seeds, 0)):
             h[name][:n] = values
             h[name][n:rows] = pad
@@ -325,7 +340,7 @@ class CudaGraphRunner:
 
         class _Empty:
             input_ids = positions = slot_mapping = sample_indices = gather_dst = gather_src = request_slots = []
-            query_lens = context_lens = page_tables = sampling_seqs = []
+            query_lens = context_lens = page_tables = sampling_seqs = penalty_slots = penalties = []
             num_tokens = num_rows = 0
 
         host = self.buffers.host_views(0)

@@ -9,8 +9,11 @@ tokens, so the host prepares step N+1 while step N runs. `run(plan)` is launch-t
 
 Sampling. On CUDA every filter runs on the device from per-row parameter tensors (`kernels/sampling.py`),
 inside the graph when one is replayed; the draw is keyed by (request seed, output index). On the CPU the
-`Sampler` (torch generators) is used. A repetition penalty reads the host-side history, so such a step is
-sampled eagerly and the engine does not overlap it.
+`Sampler` (torch generators) is used. On CUDA a repetition penalty reads the token history from the device
+(`penalty.py`), so penalised steps replay graphs and overlap too; on the CPU the Sampler reads host lists.
+
+Logits window. A model may compute logits for the ids `[logits_offset, vocab_size)` only (a speech LM whose
+head covers its audio tokens): sampling runs over that window and the offset is added to the sampled index.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
 from mstar_common.engine.kv_cache import KVCache, KVSpec
+from mstar_common.engine.penalty import PenaltyState
 from mstar_common.engine.sampler import Sampler, apply_repetition_penalty
 from mstar_common.engine.scheduler import StepPlan
 from mstar_common.engine.sequence import Sequence
@@ -43,7 +47,7 @@ class CausalLM(Protocol):
         """`input_ids`/`positions` `[T]` -> hidden states `[T, hidden]`."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, hidden]` -> `[B, vocab]`."""
+        """`[B, hidden]` -> `[B, vocab - logits_offset]` (`logits_offset`, optional, defaults to 0)."""
 
 
 @dataclass(slots=True)
@@ -61,6 +65,9 @@ class HostBatch:
     sampling_seqs: list[Sequence] = field(default_factory=list)
     gather_dst: list[int] = field(default_factory=list)  # packed index whose id is the previous step's ...
     gather_src: list[int] = field(default_factory=list)  # ... token of this row
+    penalty_slots: list[int] = field(default_factory=list)  # per sampling row (PenaltyState; device history)
+    penalties: list[float] = field(default_factory=list)  # per sampling row, 1.0 = off
+    history_on_device: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +88,7 @@ class HostBatch:
     @property
     def needs_history(self) -> bool:
         """Whether sampling reads the rows' token history on the host (repetition penalty)."""
-        return any(seq.params.repetition_penalty != 1.0 for seq in self.sampling_seqs)
+        return not self.history_on_device and any(seq.params.repetition_penalty != 1.0 for seq in self.sampling_seqs)
 
 
 @dataclass(slots=True)
@@ -145,11 +152,21 @@ class TokenReadback:
         return PendingStep(seqs, buffer, event)
 
 
+def logits_window(model, vocab_size: int) -> tuple[int, int]:
+    """(offset, width) of the ids a model's `compute_logits` covers."""
+    offset = int(getattr(model, "logits_offset", 0))
+    if not 0 <= offset < vocab_size:
+        raise ValueError(f"model logits_offset {offset} is outside the vocabulary [0, {vocab_size})")
+    return offset, vocab_size - offset
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 vocab_size: int | None = None, graphs=None) -> None:
+                 vocab_size: int | None = None, graphs=None, penalty: PenaltyState | None = None) -> None:
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
         self.vocab_size = vocab_size
+        self.logits_offset = int(getattr(model, "logits_offset", 0))
+        self.penalty = penalty  # the device-side repetition-penalty history (CUDA), or None
         self.graphs = graphs  # a CudaGraphRunner (engine/cuda_graph.py), or None
         self.is_device_sampling = device.type == "cuda" or (graphs is not None and graphs.is_device_sampling)
         self.has_request_slots = hasattr(model, "admit_request")
@@ -175,8 +192,14 @@ class ModelRunner:
         # A replay's tokens live in a static buffer the next replay overwrites.
         return PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
 
+    def release(self, seq: Sequence) -> None:
+        """Give back what a finished sequence holds here (its penalty slot)."""
+        if self.penalty is not None and seq.penalty_slot >= 0:
+            self.penalty.release(seq.penalty_slot)
+            seq.penalty_slot = -1
+
     def prepare(self, plan: StepPlan) -> HostBatch:
-        batch = HostBatch()
+        batch = HostBatch(history_on_device=self.penalty is not None)
         page_size = self.kv_cache.page_size
         for chunk in plan.chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
@@ -197,7 +220,20 @@ class ModelRunner:
             if chunk.is_sampling:
                 batch.sample_indices.append(len(batch.input_ids) - 1)
                 batch.sampling_seqs.append(seq)
+                if self.penalty is not None:
+                    slot, factor = self._penalty_row(seq)
+                    batch.penalty_slots.append(slot)
+                    batch.penalties.append(factor)
         return batch
+
+    def _penalty_row(self, seq: Sequence) -> tuple[int, float]:
+        """(slot, factor) of a sampling row; its slot is taken and filled on its first sampling step."""
+        factor = seq.params.repetition_penalty
+        if factor == 1.0:
+            return self.penalty.scratch, 1.0
+        if seq.penalty_slot < 0:
+            seq.penalty_slot = self.penalty.acquire(seq.token_ids)
+        return seq.penalty_slot, factor
 
     def _run_eager(self, batch: HostBatch) -> torch.Tensor:
         device = self.device
@@ -222,24 +258,40 @@ class ModelRunner:
         return self.sample(logits, batch.sampling_seqs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """`logits` `[B, V]` fp32 (may be modified) -> one token per row, after the model's own logits rules."""
+        """`logits` `[B, width]` fp32 (may be modified) -> one token id per row, after the model's own logits
+        rules (ids: the window's offset added)."""
         if self._process_logits is not None:
             logits = self._process_logits(logits, seqs)
-        if not self.is_device_sampling:
-            return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                       [s.token_ids for s in seqs])
-        logits = apply_repetition_penalty(logits, [s.params.repetition_penalty for s in seqs],
-                                          [s.token_ids for s in seqs])
-        cols = sampling_columns(seqs, logits.shape[-1])
-        if all(cols.is_greedy):
-            return logits.argmax(dim=-1)
-        from kernels.sampling import sample_on_device
+        offset = self.logits_offset
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
 
-        return sample_on_device(
-            logits, column(cols.is_greedy, torch.bool), column(cols.temperature, torch.float32),
-            column(cols.top_k, torch.int32), column(cols.top_p, torch.float32), column(cols.min_p, torch.float32),
-            column(cols.seeds, torch.int64),
-        )
+        slots = None
+        if self.penalty is not None:  # the history is on the device
+            rows = [self._penalty_row(s) for s in seqs]
+            slots = column([slot for slot, _ in rows], torch.int64)
+            logits = self.penalty.apply(logits, slots, column([f for _, f in rows], torch.float32))
+            history = [[] for _ in seqs]
+        else:
+            history = [[t - offset for t in s.token_ids if t >= offset] if s.params.repetition_penalty != 1.0 else []
+                       for s in seqs]
+        if not self.is_device_sampling:
+            tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs], history)
+        else:
+            if slots is None:
+                logits = apply_repetition_penalty(logits, [s.params.repetition_penalty for s in seqs], history)
+            cols = sampling_columns(seqs, logits.shape[-1])
+            if all(cols.is_greedy):
+                tokens = logits.argmax(dim=-1)
+            else:
+                from kernels.sampling import sample_on_device
+
+                tokens = sample_on_device(
+                    logits, column(cols.is_greedy, torch.bool), column(cols.temperature, torch.float32),
+                    column(cols.top_k, torch.int32), column(cols.top_p, torch.float32),
+                    column(cols.min_p, torch.float32), column(cols.seeds, torch.int64),
+                )
+        if slots is not None:
+            self.penalty.record(slots, tokens)
+        return tokens + offset if offset else tokens

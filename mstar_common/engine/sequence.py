@@ -45,6 +45,7 @@ class Sequence:
     pending_row: int = -1  # this sequence's row in the in-flight step's tokens while its newest token is pending
     request_state: Any = None  # a model's own per-request state (see `RequestHooks` in scheduler.py)
     request_slot: int = -1  # the slot the model's `admit_request` gave this sequence
+    penalty_slot: int = -1  # its repetition-penalty history slot on the device (engine/penalty.py), if any
     page_table: PageTable = field(default_factory=PageTable)
     status: SequenceStatus = SequenceStatus.WAITING
 

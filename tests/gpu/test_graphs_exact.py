@@ -54,17 +54,20 @@ def separated(tmp_path_factory) -> Path:
 
 
 def generate(checkpoint: Path, prompts, *, graphs: bool, overlap: bool, backend: str = "triton",
-             fused_ops: bool = True, max_tokens: int = 48) -> list[list[int]]:
+             fused_ops: bool = True, max_tokens: int = 48, penalty: float = 1.0,
+             device_penalty: bool | None = None) -> list[list[int]]:
     model, config = load_qwen3(checkpoint, dtype="bfloat16", device="cuda")
     model.attn_backend = select_attention_backend("cuda", backend)
     model.enable_fused_ops(fused_ops)
     graph_config = GraphConfig([1, 2, 4, 8], [64, 256, 512], capture_sampling=True) if graphs else None
     engine = AREngine(model, EngineConfig(num_kv_pages=256, page_size=16, max_num_seqs=8, max_batch_tokens=512,
                                           max_model_len=1024, dtype="bfloat16", device="cuda"),
-                      eos_token_ids=[], vocab_size=config["vocab_size"], graphs=graph_config, overlap=overlap)
+                      eos_token_ids=[], vocab_size=config["vocab_size"], graphs=graph_config, overlap=overlap,
+                      device_penalty=device_penalty)
     got: dict[str, list[int]] = {}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        engine.add_request(str(i), ids, params,
                            lambda rid, toks, fin, err: got.setdefault(rid, []).extend(toks))
     while engine.step():
         pass
@@ -85,6 +88,14 @@ def test_graphs_and_overlap_equal_the_eager_step(real_shape, count, length):
     prompts = _prompts(count, length, seed=count + length)  # 8 x 64 = one 512-token bucket, then decode bucket 8
     eager = generate(real_shape, prompts, graphs=False, overlap=False)
     assert generate(real_shape, prompts, graphs=True, overlap=True) == eager
+
+
+def test_device_penalty_history_in_graphs_equals_the_host_history(real_shape):
+    """Repetition penalty 1.3: the device masks (replayed, overlapped) give the host rule's greedy tokens."""
+    prompts = _prompts(8, 64, seed=3)
+    host = generate(real_shape, prompts, graphs=False, overlap=False, penalty=1.3, device_penalty=False)
+    assert host != generate(real_shape, prompts, graphs=False, overlap=False)  # the penalty changes the output
+    assert generate(real_shape, prompts, graphs=True, overlap=True, penalty=1.3) == host
 
 
 def test_fused_kernels_match_the_eager_torch_ops(separated):
