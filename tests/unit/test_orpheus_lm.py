@@ -33,7 +33,8 @@ def _run(engine, requests):
     return out
 
 
-def test_greedy_audio_tokens_equal_transformers_with_the_restriction(runtime):
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_greedy_audio_tokens_equal_transformers_with_the_restriction(runtime, penalty):
     rt, checkpoint = runtime
     reference = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     start = rt.layout.custom_start
@@ -43,12 +44,12 @@ def test_greedy_audio_tokens_equal_transformers_with_the_restriction(runtime):
         return scores
 
     prompts = {f"r{i}": rt.layout.prompt_ids(rt.tokenizer, text, "tara") for i, text in enumerate(TEXTS)}
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=penalty)
     got = _run(rt.engine, {rid: (p, greedy) for rid, p in prompts.items()})  # all three batched together
     for rid, prompt in prompts.items():
         with torch.no_grad():
             want = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                      logits_processor=LogitsProcessorList([restrict]),
+                                      repetition_penalty=penalty, logits_processor=LogitsProcessorList([restrict]),
                                       eos_token_id=rt.layout.stop_token_ids)
         assert got[rid] == want[0, len(prompt):].tolist(), rid
         assert all(t >= start for t in got[rid])
@@ -59,10 +60,10 @@ def test_head_computes_custom_rows_and_sampling_stays_in_them(runtime):
     model, layout = rt.engine.runner.model, rt.layout
     hidden = torch.randn(3, model.lm.model.embed_tokens.weight.shape[1])
     logits = model.compute_logits(hidden)
-    assert logits.shape == (3, layout.vocab_size) and logits.dtype == torch.float32
-    assert torch.isinf(logits[:, :layout.custom_start]).all() and torch.isfinite(logits[:, layout.custom_start:]).all()
-    full = model.lm.lm_head(hidden).float()
-    torch.testing.assert_close(logits[:, layout.custom_start:], full[:, layout.custom_start:])
+    assert model.logits_offset == layout.custom_start
+    assert logits.shape == (3, layout.vocab_size - layout.custom_start)
+    full = model.lm.lm_head(hidden)
+    torch.testing.assert_close(logits, full[:, layout.custom_start:])
     prompt = layout.prompt_ids(rt.tokenizer, "hi", "leo")
     params = SamplingParams(max_tokens=30, temperature=1.5, top_p=1.0, seed=7, ignore_eos=True)
     tokens = _run(rt.engine, {"s": (prompt, params)})["s"]
@@ -101,3 +102,58 @@ def test_bad_requests_are_refused_naming_the_field(runtime, inputs, message):
     rt, _ = runtime
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         rt.parse_request(inputs)
+
+
+def test_device_penalty_history_with_graphs_and_overlap_equals_transformers(tmp_path):
+    """The GPU configuration on the CPU: replayed steps (the FakeGraph stand-in, graph-safe attention), steps
+    launched before the previous one is collected, and the repetition penalty read from device-side masks over
+    the custom-token window. Greedy tokens with penalty 1.3 must still equal transformers'."""
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.attention import TorchStaticAttention
+    from mstar_common.engine.cuda_graph import GraphConfig
+
+    checkpoint = build_orpheus_checkpoint(tmp_path / "tiny")
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    rt = OrpheusFamily().build_component("lm", dep, checkpoint, "cpu")
+    model = rt.engine.runner.model
+    model.attn_backend = TorchStaticAttention()
+    graphs = GraphConfig(decode_buckets=[1, 2, 4], token_buckets=[64], capture_sampling=False)
+    engine = AREngine(model, rt.engine.config, eos_token_ids=rt.layout.stop_token_ids, vocab_size=rt.layout.vocab_size,
+                      graphs=graphs, overlap=True, device_penalty=True)
+    penalty = engine.runner.penalty
+    assert penalty is not None and penalty.width == rt.layout.vocab_size - model.logits_offset
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    start = rt.layout.custom_start
+
+    def restrict(_ids, scores):
+        scores[:, :start] = float("-inf")
+        return scores
+
+    prompts = {f"r{i}": rt.layout.prompt_ids(rt.tokenizer, text, "tara") for i, text in enumerate(TEXTS)}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3)
+    got = _run(engine, {rid: (p, params) for rid, p in prompts.items()})
+    assert engine.runner.graphs.num_replays > 0
+    assert engine.runner.penalty.num_free == rt.engine.config.max_num_seqs  # every slot given back
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                      repetition_penalty=1.3, logits_processor=LogitsProcessorList([restrict]),
+                                      eos_token_id=rt.layout.stop_token_ids)
+        assert got[rid] == want[0, len(prompt):].tolist(), rid
+
+
+def test_codec_in_process_decodes_like_the_snac_component(tmp_path):
+    import dataclasses
+
+    checkpoint = build_orpheus_checkpoint(tmp_path / "tiny")
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    assert OrpheusFamily().build_component("lm", dep, checkpoint, "cpu").local_codec is None  # the BLS hop by default
+    dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "codec_in_process": True})
+    OrpheusFamily().validate_deployment(dep, "test")
+    rt = OrpheusFamily().build_component("lm", dep, checkpoint, "cpu")
+    component = OrpheusFamily().build_component("snac", dep, checkpoint, "cpu")
+    windows = np.random.default_rng(0).integers(0, 4096, size=(3, 4, 7)).astype(np.int32)
+    np.testing.assert_array_equal(rt.local_codec.decode(windows), component.decode(windows))
+    bad = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "codec_in_process": "yes"})
+    with pytest.raises(Exception, match="codec_in_process: must be true or false"):
+        OrpheusFamily().validate_deployment(bad, "test")

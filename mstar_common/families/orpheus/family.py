@@ -26,6 +26,7 @@ MODEL_KWARGS = {
     "voices": "the checkpoint's voice names (default: the fine-tuned checkpoints' eight)",
     "default_voice": "voice for requests that name none (default tara)",
     "frame_rule": "strict (drop malformed frames) | wrap (random-weight demos and benchmarks only)",
+    "codec_in_process": "decode SNAC inside the LM component instead of through the BLS hop (default false)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 _POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens")
@@ -57,8 +58,9 @@ class OrpheusFamily(Family):
         for key in _POSITIVE_INTS:
             if key in kw and (isinstance(kw[key], bool) or not isinstance(kw[key], int) or kw[key] < 1):
                 raise DeploymentError(f"{source}: model_kwargs.{key}: must be an integer >= 1, got {kw[key]!r}")
-        if "codec_noise" in kw and not isinstance(kw["codec_noise"], bool):
-            raise DeploymentError(f"{source}: model_kwargs.codec_noise: must be true or false")
+        for key in ("codec_noise", "codec_in_process"):
+            if key in kw and not isinstance(kw[key], bool):
+                raise DeploymentError(f"{source}: model_kwargs.{key}: must be true or false")
         voices = kw.get("voices", list(VOICES))
         if not isinstance(voices, list) or not voices or not all(isinstance(v, str) and v for v in voices):
             raise DeploymentError(f"{source}: model_kwargs.voices: must be a non-empty list of names")
@@ -92,6 +94,7 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
     from transformers import AutoTokenizer
 
     from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.cuda_graph import configure_fast_path
     from mstar_common.engine.types import EngineConfig
     from mstar_common.families.llama.loader import load_llama
     from mstar_common.families.orpheus.lm import AudioTokenLM, OrpheusLMRuntime
@@ -111,15 +114,20 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         queue_timeout_s=dep.admission.queue_timeout_s, request_timeout_s=dep.admission.request_timeout_s,
     )
     model = AudioTokenLM(llama, layout.custom_start, layout.vocab_size)
-    engine = AREngine(model, config, eos_token_ids=layout.stop_token_ids, vocab_size=layout.vocab_size)
+    graphs = configure_fast_path(model, dep.components["lm"], device, dep.max_concurrent_requests,
+                                 dep.resources.max_batch_tokens)
+    engine = AREngine(model, config, eos_token_ids=layout.stop_token_ids, vocab_size=layout.vocab_size,
+                      graphs=graphs)
     snac_config = json.loads((codec_checkpoint(dep, checkpoint) / "config.json").read_text())
-    logger.info("[orpheus/lm] loaded %s on %s (%s)", checkpoint.name, device, dtype)
+    logger.info("[orpheus/lm] loaded %s on %s (%s, attention %s, cuda graphs %s)", checkpoint.name, device, dtype,
+                model.attn_backend.name, graphs is not None)
     return OrpheusLMRuntime(
         engine=engine, tokenizer=tokenizer, layout=layout,
         voices=tuple(kw.get("voices", VOICES)), default_voice=kw.get("default_voice", DEFAULT_VOICE),
         max_input_tokens=kw.get("max_input_tokens", 1024), default_max_tokens=kw.get("default_max_tokens", 1200),
         frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
         sample_rate=int(snac_config.get("sampling_rate", 24000)),
+        local_codec=_build_snac(dep, checkpoint, device) if kw.get("codec_in_process", False) else None,
     )
 
 

@@ -1,8 +1,9 @@
 """The Orpheus LM component: the Llama backbone with an audio-token head, and request parsing.
 
 The head multiplies only the `<custom_token_*>` rows of the (tied) output embedding, about 18 % of
-Llama-3's 156,940 rows, and reads every text row as -inf, so sampling (temperature, top-p, repetition
-penalty) renormalises over the custom tokens only.
+Llama-3's 156,940 rows, and the engine samples over that window (`logits_offset`): every text token has
+probability zero, and temperature, top-p and the repetition penalty renormalise over the custom tokens
+only, as the reference's -inf mask on the text rows does, at a fifth of the sampling work.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class AudioTokenLM(nn.Module):
         super().__init__()
         self.lm = lm
         self.custom_start, self.vocab_size = custom_start, vocab_size
+        self.logits_offset = custom_start  # compute_logits covers ids [custom_start, vocab_size)
         self.kv_spec = lm.kv_spec
         self.max_position_embeddings = lm.max_position_embeddings
 
@@ -53,16 +55,19 @@ class AudioTokenLM(nn.Module):
     def attn_backend(self):
         return self.lm.attn_backend
 
+    @attn_backend.setter
+    def attn_backend(self, backend) -> None:
+        self.lm.attn_backend = backend
+
+    def enable_fused_ops(self, enabled: bool = True) -> None:
+        self.lm.enable_fused_ops(enabled)
+
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.lm(*args, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, hidden]` -> `[B, vocab]` float32: custom rows computed, text rows -inf."""
-        rows = self.lm.lm_head.weight[self.custom_start:self.vocab_size]
-        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32,
-                            device=hidden.device)
-        logits[:, self.custom_start:] = torch.nn.functional.linear(hidden, rows).float()
-        return logits
+        """`[B, hidden]` -> `[B, vocab_size - custom_start]`: the custom-token rows only."""
+        return torch.nn.functional.linear(hidden, self.lm.lm_head.weight[self.custom_start:self.vocab_size])
 
 
 @dataclass(slots=True)
@@ -86,6 +91,7 @@ class OrpheusLMRuntime:
     frame_rule: FrameRule
     codec_model: str  # the Triton model of the SNAC component
     sample_rate: int
+    local_codec: Any = None  # a SnacCodec when `codec_in_process` (no BLS hop), else None
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> SpeechRequest:
         if wire.TEXT_INPUT not in inputs:
