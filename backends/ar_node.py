@@ -20,7 +20,7 @@ import logging
 import signal
 
 from backends.metrics import ComponentMetrics
-from backends.node_setup import load_node
+from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
@@ -46,6 +46,7 @@ class TritonPythonModel:
         labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": device}
         self.metrics = ComponentMetrics(self.engine, self.pump.latency, labels)
         self.metrics.start()
+        install_stack_dumps(self.engine.stats)
         logger.info("[%s] ready on %s", self.model_name, device)
 
     def execute(self, requests: list) -> None:

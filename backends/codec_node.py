@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.node_setup import load_node
+from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder
 from mstar_common import wire
 
@@ -35,6 +35,7 @@ class TritonPythonModel:
         self._is_running = True
         self._thread = threading.Thread(target=self._loop, name=f"{self.model_name}-step", daemon=True)
         self._thread.start()
+        install_stack_dumps()
         logger.info("[%s] ready on %s", self.model_name, setup.device)
 
     def execute(self, requests: list) -> None:

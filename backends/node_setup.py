@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +20,8 @@ from mstar_common.config import Deployment, deployment_from_dict
 from mstar_common.families.base import Family
 from mstar_common.families.registry import get_family
 from mstar_common.graph import Component
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -29,8 +38,31 @@ class NodeSetup:
         return self.family.build_component(self.component.name, self.deployment, self.checkpoint, self.device)
 
 
+def install_stack_dumps(stats=None) -> None:
+    """With `MSTAR_STACK_DUMP_S=N` set, every thread's Python stack goes to the stub's stderr (the server log)
+    every N seconds: the way to see where a component is stuck without a debugger. faulthandler's C watchdog
+    writes even while a thread holds the GIL; a Python thread also logs `stats()` (if given) and the stacks,
+    so a log with the first but not the second means the GIL is held."""
+    interval = float(os.environ.get("MSTAR_STACK_DUMP_S") or 0)
+    if interval <= 0:
+        return
+    faulthandler.dump_traceback_later(interval, repeat=True, file=sys.__stderr__)
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            frames = sys._current_frames()
+            names = {t.ident: t.name for t in threading.enumerate()}
+            text = "".join(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                           for ident, frame in frames.items() if ident != threading.get_ident())
+            logger.warning("[watchdog] stats %s\n%s", stats() if stats else {}, text)
+
+    threading.Thread(target=watch, name="mstar-watchdog", daemon=True).start()
+
+
 def load_node(args: dict, *, kind: str) -> NodeSetup:
     """Check the Triton contract (decoupled, parameters, component kind) and resolve the checkpoint."""
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)  # a fatal signal leaves every stack in the log
     model_name = args["model_name"]
     model_config = json.loads(args["model_config"])
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):

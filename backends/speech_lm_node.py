@@ -16,13 +16,12 @@ import itertools
 import logging
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
-from torch.utils.dlpack import to_dlpack
 
 from backends.ar_node import enqueue, request_timeout_s
+from backends.bls import cpu_output_memory
 from backends.metrics import ComponentMetrics
-from backends.node_setup import load_node
+from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, request_inputs
 from mstar_common import wire
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
@@ -39,14 +38,17 @@ class TritonPythonModel:
         self.input_names = [spec.name for spec in setup.component.inputs]
         self.runtime = setup.build()
         self.engine = self.runtime.engine
-        self.pump = CodecPump(self.engine, BLSCodec(self.runtime.codec_model), name=f"{self.model_name}-codec")
+        codec = self.runtime.local_codec or BLSCodec(self.runtime.codec_model)
+        self.pump = CodecPump(self.engine, codec, name=f"{self.model_name}-codec")
         self._ids = itertools.count()
         self.pump.start()
         self.engine.start()
         labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": setup.device}
         self.metrics = ComponentMetrics(self, self.pump.latency, labels)
         self.metrics.start()
-        logger.info("[%s] ready on %s; codec model %s", self.model_name, setup.device, self.runtime.codec_model)
+        install_stack_dumps(self.stats)
+        logger.info("[%s] ready on %s; codec %s", self.model_name, setup.device,
+                    "in process" if self.runtime.local_codec else f"model {self.runtime.codec_model} (BLS)")
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -55,7 +57,8 @@ class TritonPythonModel:
 
     def stats(self) -> dict:
         """The engine's stats plus the codec edge's (read by the metrics thread)."""
-        return {**self.engine.stats(), "num_codec_streams": self.pump.num_streams}
+        return {**self.engine.stats(), "num_codec_streams": self.pump.num_streams,
+                "num_codec_calls": self.pump.num_codec_calls}
 
     def _submit(self, request) -> None:
         request_id = f"{request.request_id() or 'tts'}#{next(self._ids)}"
@@ -88,17 +91,20 @@ class BLSCodec:
         self.model_name = model_name
 
     def decode(self, windows: np.ndarray) -> np.ndarray:
-        tensor = pb_utils.Tensor.from_dlpack(wire.CODEC_WINDOWS, to_dlpack(torch.from_numpy(windows)))
+        # Host numpy both ways and CPU output memory asked for explicitly: the hop never hands this stub a
+        # GPU buffer (CUDA IPC) or a DLPack view of memory it does not own.
+        tensor = pb_utils.Tensor(wire.CODEC_WINDOWS, np.ascontiguousarray(windows, dtype=np.int32))
         request = pb_utils.InferenceRequest(model_name=self.model_name, inputs=[tensor],
-                                            requested_output_names=[wire.CODEC_AUDIO])
+                                            requested_output_names=[wire.CODEC_AUDIO], **cpu_output_memory())
         audio = None
         for response in request.exec(decoupled=True):
             if response.has_error():
                 raise RuntimeError(f"{self.model_name}: {response.error().message()}")
             output = pb_utils.get_output_tensor_by_name(response, wire.CODEC_AUDIO)
             if output is not None:
-                audio = torch.from_dlpack(output.to_dlpack()).to("cpu", copy=True).numpy()
+                audio = np.array(output.as_numpy(), copy=True)
         if audio is None or len(audio) != len(windows):
             raise RuntimeError(f"{self.model_name}: expected audio for {len(windows)} windows, got "
                                f"{None if audio is None else len(audio)}")
         return audio
+

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from backends.bls import cpu_output_memory
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.repository import model_name
@@ -99,6 +100,7 @@ class TritonPythonModel:
                 inputs=[_tensor(name, value) for name, value in inputs.items()],
                 requested_output_names=[out.name for out in spec.outputs],
                 request_id=f"{responder.request_id}/{component}",
+                **cpu_output_memory(),
             )
             responses = await request.async_exec(decoupled=True)
             queue: asyncio.Queue = asyncio.Queue()
@@ -145,6 +147,7 @@ class TritonPythonModel:
                 inputs=[_tensor(name, value) for name, value in inputs.items()],
                 requested_output_names=[out.name for out in spec.outputs],
                 request_id=f"{responder.request_id}/{component}",
+                **cpu_output_memory(),
             )
             outputs: dict[str, np.ndarray] = {}
             for response in await request.async_exec(decoupled=True):

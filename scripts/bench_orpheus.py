@@ -89,7 +89,7 @@ def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
 # ---- the served system (tritonclient gRPC streaming, one stream per request) -------------------------------
 
 
-def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog) -> None:
+def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog, timeout_s: float = 600) -> None:
     import tritonclient.grpc as grpcclient
 
     from mstar_common import wire
@@ -108,7 +108,11 @@ def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog) -> Non
     try:
         client.async_stream_infer(model, inputs, request_id=str(seed), enable_empty_final_response=True)
         while True:
-            now, result, error = results.get(timeout=600)
+            try:
+                now, result, error = results.get(timeout=timeout_s)
+            except queue.Empty:
+                log.error = f"no response within {timeout_s:.0f} s"
+                return
             if error is not None:
                 log.error = str(error)
                 return
@@ -118,14 +122,16 @@ def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog) -> Non
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=log.error is not None)  # a stuck stream is cancelled, not awaited
         client.close()
 
 
-def bench_served(url: str, model: str, concurrency: int, tokens: int) -> Result:
+def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s: float = 600) -> Result:
+    """`timeout_s`: the longest wait for any one response of a stream (a stuck stream is an error)."""
     start = time.perf_counter()
     logs = [StreamLog(start) for _ in range(concurrency)]
-    threads = [threading.Thread(target=_stream, args=(url, model, tokens, i, logs[i])) for i in range(concurrency)]
+    threads = [threading.Thread(target=_stream, args=(url, model, tokens, i, logs[i], timeout_s))
+               for i in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -258,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             elif url is None:
                 proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir))
             if concurrencies:
-                bench_served(url, model, args.warmup, min(args.tokens, 140))
+                warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
+                print("warm-up:", json.dumps(asdict(warm)), flush=True)
+                if warm.errors:
+                    raise RuntimeError(f"{warm.errors} of {args.warmup} warm-up streams failed (see the server log)")
             for c in concurrencies:
                 results.append(bench_served(url, model, c, args.tokens))
                 print(json.dumps(asdict(results[-1])), flush=True)

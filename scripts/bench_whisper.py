@@ -259,12 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     proc, url, model = None, args.triton_url, args.model
     with tempfile.TemporaryDirectory(prefix="bench-whisper-") as workdir:
         try:
-            if url is None:
+            if concurrencies and url is None:
                 proc, url, model = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir))
-            bench_rtfx(url, model, uploads[:2], args.seconds, min(args.tokens, 8))  # warm-up
-            source = encoder_output(url, "whisper", clips[0])
-            results.append(bench_itl(url, source, prompt, args.tokens, args.itl_runs))
-            print(json.dumps(asdict(results[-1])), flush=True)
+            if concurrencies:  # empty: the baseline only (e.g. under another Python environment)
+                bench_rtfx(url, model, uploads[:2], args.seconds, min(args.tokens, 8))  # warm-up
+            if concurrencies and args.itl_runs:
+                source = encoder_output(url, "whisper", clips[0])
+                results.append(bench_itl(url, source, prompt, args.tokens, args.itl_runs))
+                print(json.dumps(asdict(results[-1])), flush=True)
             for c in concurrencies:
                 results.append(bench_rtfx(url, model, uploads[:c], args.seconds, args.tokens))
                 print(json.dumps(asdict(results[-1])), flush=True)

@@ -30,9 +30,13 @@ print(resolve_checkpoint('builtin:orpheus-3b-random', get_family('orpheus').buil
 if has orpheus-served; then
   build_orpheus
   stage "orpheus: served only"
-  MSTAR_BENCH_LOG_DIR=$OUT timeout 220 $PY scripts/bench_orpheus.py --baseline-concurrency "" \
+  df -h /dev/shm; (for i in $(seq 1 40); do date +%T; df -k /dev/shm | tail -1
+     ps -eo pid,stat,rss,etimes,args | grep -E "triton_python_backend_stub|tritonserver" | grep -v grep | cut -c1-160
+     sleep 5; done) > "$OUT/monitor.log" 2>&1 &
+  MSTAR_STACK_DUMP_S=${MSTAR_STACK_DUMP_S:-45} MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-300} $PY scripts/bench_orpheus.py --baseline-concurrency "" ${ORPHEUS_ARGS:-} \
     --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" -A3 | head -40
+  grep -c "Thread 0x" "$OUT/orpheus_tritonserver.log" && echo "(stack dumps in orpheus_tritonserver.log)"
 fi
 if has orpheus; then
   build_orpheus
@@ -49,8 +53,18 @@ if has flux2; then
   timeout 330 $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" || echo "STAGE FAILED: flux2"
 fi
 if has whisper; then
-  stage "whisper large-v3 shapes"
-  timeout 200 $PY scripts/bench_whisper.py --out "$OUT/whisper.json" || echo "STAGE FAILED: whisper"
+  stage "whisper: random-weight large-v3 checkpoint (built with transformers under the image's Python)"
+  timeout 150 $IMAGE_PY -c "
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.families.registry import get_family
+print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper').builtin_checkpoints))
+" || echo "STAGE FAILED: whisper checkpoint"
+  stage "whisper large-v3 shapes: served (ITL, RTFx)"
+  MSTAR_BENCH_LOG_DIR=$OUT timeout 240 $PY scripts/bench_whisper.py --baseline-concurrency "" \
+    --out "$OUT/whisper_served.json" || echo "STAGE FAILED: whisper served"
+  stage "whisper: transformers pipeline baseline"
+  timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 \
+    --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 stage "done"
