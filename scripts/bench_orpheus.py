@@ -139,7 +139,8 @@ def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s:
     return summarize("mstar-triton", logs, time.perf_counter() - start)
 
 
-def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path):
+def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path,
+                 codec_in_process: bool = False):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, render_repository
@@ -150,6 +151,8 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
         raw["checkpoint"] = checkpoint
         raw["model_kwargs"].pop("codec_checkpoint", None)  # a builtin carries its SNAC in snac/
     raw["model_kwargs"]["frame_rule"] = "wrap"
+    if codec_in_process:
+        raw["model_kwargs"]["codec_in_process"] = True
     raw["max_concurrent_requests"] = max(raw.get("max_concurrent_requests", 1), max_concurrency)
     dep = deployment_from_dict(raw, source=config.name)
     repo = workdir / "model_repository"
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--baseline-concurrency", default="1,16,64", help="empty: skip the baseline")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
+    parser.add_argument("--codec-in-process", action="store_true", help="SNAC inside the LM component (no BLS hop)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
     args = parser.parse_args(argv)
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             if not concurrencies:  # baseline only (e.g. under another Python environment)
                 pass
             elif url is None:
-                proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir))
+                proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir),
+                                                   args.codec_in_process)
             if concurrencies:
                 warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
                 print("warm-up:", json.dumps(asdict(warm)), flush=True)

@@ -2,7 +2,9 @@
 # Family benchmarks on the device, in one call: Orpheus TTS (served, then the HF-generate + snac baseline under
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
-# Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [flux2] [whisper]
+# Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
+#   [orpheus-inproc] [flux2] [whisper] [stub-health]
+# Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu-out}
@@ -65,6 +67,23 @@ print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper'
   stage "whisper: transformers pipeline baseline"
   timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 \
     --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
+fi
+if has orpheus-inproc; then
+  build_orpheus
+  stage "orpheus: served, SNAC inside the LM component (no BLS hop)"
+  MSTAR_STACK_DUMP_S=${MSTAR_STACK_DUMP_S:-45} MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-300} $PY scripts/bench_orpheus.py \
+    --baseline-concurrency "" --codec-in-process ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_inproc.json" \
+    || echo "STAGE FAILED: orpheus in-process"
+  grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Fatal" -A3 | head -30
+fi
+if has stub-health; then
+  stage "256-stream stub health: random-weight Qwen3-0.6B, configs/qwen3_0_6b_gpu.yaml"
+  timeout 120 $IMAGE_PY -c "
+from mstar_common.bench.checkpoints import build_random_checkpoint
+print(build_random_checkpoint('qwen3-0.6b', '/tmp/mstar-gpu/qwen3-0.6b'))
+" || echo "STAGE FAILED: qwen3 checkpoint"
+  timeout ${STUB_HEALTH_TIMEOUT:-300} $PY scripts/stub_health_256.py --checkpoint /tmp/mstar-gpu/qwen3-0.6b \
+    --duration-s ${STUB_HEALTH_S:-180} --out "$OUT/stub_health_256.json" || echo "STAGE FAILED: stub health"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 stage "done"

@@ -78,8 +78,17 @@ def main() -> int:
     parser.add_argument("--grpc", help="target a running Triton instead of starting one")
     parser.add_argument("--metrics")
     parser.add_argument("--entry", default="qwen3_llm")
+    parser.add_argument("--checkpoint", help="override the deployment's checkpoint (a local dir, e.g. random weights)")
     parser.add_argument("--out", default="runs/stub_health_256.json")
     args = parser.parse_args()
+    if args.checkpoint:  # the same deployment on another checkpoint: a copy of the YAML beside the run
+        import yaml
+
+        raw = yaml.safe_load(Path(args.deployment).read_text())
+        raw["checkpoint"] = args.checkpoint
+        copy = Path(tempfile.mkdtemp()) / Path(args.deployment).name
+        copy.write_text(yaml.safe_dump(raw, sort_keys=False))
+        args.deployment = str(copy)
     supervisor = proxy = None
     try:
         if args.grpc:
