@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ class LocalWalk:
             for name, comp in family.graph.components.items() if comp.kind != "walk_router"
         }
         self._ids = itertools.count()
+        self.timings: dict[str, list[float]] = defaultdict(list)  # component -> seconds per call (submit to done)
 
     def start(self) -> LocalWalk:
         for runtime in self.components.values():
@@ -62,11 +65,15 @@ class LocalWalk:
 
         tensors = {name: value if isinstance(value, torch.Tensor) else torch.as_tensor(np.array(value))
                    for name, value in inputs.items()}
+        start = time.perf_counter()
         try:
             self.components[component].submit(f"local-{next(self._ids)}", tensors, on_done)
         except ValueError as exc:
             raise ComponentError(component, f"invalid_request: {exc}") from None
-        return await future
+        try:
+            return await future
+        finally:
+            self.timings[component].append(time.perf_counter() - start)
 
 
 def _settle(future: asyncio.Future, outputs: Any, error: BaseException | None) -> None:

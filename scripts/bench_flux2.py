@@ -168,8 +168,15 @@ def bench_engine(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
             await walk.run(request_inputs(args, seed))
             return time.perf_counter() - start
 
-        return [_level(c, args, device, lambda c=c: asyncio.run(_clients(one, c, args.requests(c))))
-                for c in _warm(args, lambda: asyncio.run(_clients(one, 1, 2)))]
+        rows = []
+        for c in _warm(args, lambda: asyncio.run(_clients(one, 1, 2))):
+            walk.timings.clear()
+            rows.append(_level(c, args, device, lambda c=c: asyncio.run(_clients(one, c, args.requests(c)))))
+            # Where a request's time goes: each component's call, submit to result (queueing included).
+            rows[-1]["component_p50_ms"] = {name: round(statistics.median(t) * 1e3, 1)
+                                            for name, t in sorted(walk.timings.items())}
+            print(f"[bench]   c={c:<3} per component p50 ms {rows[-1]['component_p50_ms']}", flush=True)
+        return rows
     finally:
         walk.close()
 
