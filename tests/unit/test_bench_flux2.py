@@ -32,6 +32,9 @@ def test_smoke_run_reports_both_systems(tmp_path):
     for system in ("ours", "diffusers"):
         assert [row["concurrency"] for row in report[system]] == [1, 2]
         assert all(row["images_per_s"] > 0 for row in report[system])
+    for row in report["ours"]:  # engine mode says where a request's time goes
+        assert {"text_encoder", "denoise", "vae_decode"} <= set(row["component_p50_ms"])
+        assert all(ms > 0 for ms in row["component_p50_ms"].values())
 
 
 def test_random_checkpoint_loads_in_our_loader_and_the_reference_classes(tmp_path):
