@@ -11,9 +11,10 @@ def _families() -> dict[str, type[Family]]:
     from mstar_common.families.orpheus.family import OrpheusFamily
     from mstar_common.families.qwen3.family import Qwen3Family
     from mstar_common.families.whisper.family import WhisperFamily
+    from mstar_common.families.z_image_turbo.family import ZImageTurboFamily
 
     return {Qwen3Family.name: Qwen3Family, OrpheusFamily.name: OrpheusFamily, Flux2KleinFamily.name: Flux2KleinFamily,
-            WhisperFamily.name: WhisperFamily, LlamaFamily.name: LlamaFamily}
+            WhisperFamily.name: WhisperFamily, LlamaFamily.name: LlamaFamily, ZImageTurboFamily.name: ZImageTurboFamily}
 
 
 def get_family(name: str) -> Family:

@@ -85,24 +85,24 @@ def load_text_encoder(root: Path, taps: tuple[int, ...], dtype: str, device: str
             return int(layer.group(1)) >= deepest
         return name == "lm_head.weight" or (name == "model.norm.weight" and deepest < config.num_hidden_layers)
 
-    return _load(lambda: Qwen3TapEncoder(config, taps), root / "text_encoder", "model", skipped, dtype, device)
+    return load_module(lambda: Qwen3TapEncoder(config, taps), root / "text_encoder", "model", skipped, dtype, device)
 
 
 def load_transformer(root: Path, dtype: str, device: str) -> Flux2Transformer:
     config = transformer_config(root)
-    return _load(lambda: Flux2Transformer(config), root / "transformer", "diffusion_pytorch_model",
+    return load_module(lambda: Flux2Transformer(config), root / "transformer", "diffusion_pytorch_model",
                  lambda _: False, dtype, device)
 
 
 def load_vae_encoder(root: Path, dtype: str, device: str) -> VaeEncoder:
     config = vae_config(root)
-    return _load(lambda: VaeEncoder(config), root / "vae", "diffusion_pytorch_model",
+    return load_module(lambda: VaeEncoder(config), root / "vae", "diffusion_pytorch_model",
                  lambda name: name.startswith(("decoder.", "post_quant_conv.")), dtype, device)
 
 
 def load_vae_decoder(root: Path, dtype: str, device: str) -> VaeDecoder:
     config = vae_config(root)
-    return _load(lambda: VaeDecoder(config), root / "vae", "diffusion_pytorch_model",
+    return load_module(lambda: VaeDecoder(config), root / "vae", "diffusion_pytorch_model",
                  lambda name: name.startswith(("encoder.", "quant_conv.")), dtype, device)
 
 
@@ -113,8 +113,10 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 @torch.no_grad()
-def _load(build: Callable[[], nn.Module], folder: Path, stem: str, skipped: Callable[[str], bool],
-          dtype: str, device: str) -> Any:
+def load_module(build: Callable[[], nn.Module], folder: Path, stem: str, skipped: Callable[[str], bool],
+                dtype: str, device: str, rename: Callable[[str], str] | None = None) -> Any:
+    """Build a module and fill it from a diffusers/HF safetensors folder (checkpoint names, after `rename`,
+    are module names), checking coverage both ways."""
     # Build on meta and materialise uninitialised: random init of a multi-billion-parameter model costs seconds.
     with torch.device("meta"):
         module = build()
@@ -123,6 +125,7 @@ def _load(build: Callable[[], nn.Module], folder: Path, stem: str, skipped: Call
     filled: set[str] = set()
     unused: list[str] = []
     for name, tensor in iter_tensors(folder, stem):
+        name = rename(name) if rename is not None else name
         if name in targets:
             target = targets[name]
             if tuple(target.shape) != tuple(tensor.shape):

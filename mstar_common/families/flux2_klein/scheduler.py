@@ -60,11 +60,14 @@ def empirical_mu(image_seq_len: int, num_steps: int) -> float:
     return float(a * num_steps + b)
 
 
-def flow_schedule(config: FlowSchedulerConfig, num_steps: int, image_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(timesteps `[n]`, sigmas `[n + 1]`, the last 0), float32 on the CPU."""
-    sigmas = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
+def flow_schedule(config: FlowSchedulerConfig, num_steps: int, image_seq_len: int, *,
+                  sigmas: np.ndarray | None = None, mu: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps `[n]`, sigmas `[n + 1]`, the last 0), float32 on the CPU. `sigmas` (float32, before the shift)
+    and `mu` default to klein's: linear from 1 to 1/n, and `empirical_mu`."""
+    if sigmas is None:
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
     if config.use_dynamic_shifting:
-        mu = empirical_mu(image_seq_len, num_steps)
+        mu = empirical_mu(image_seq_len, num_steps) if mu is None else mu
         if config.time_shift_type == "exponential":
             sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
         else:

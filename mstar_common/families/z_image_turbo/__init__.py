@@ -1,0 +1,1 @@
+"""Z-Image-Turbo text-to-image: graph.py draws the walk; family.py builds the components."""

@@ -1,0 +1,90 @@
+"""A tiny random Z-Image-Turbo checkpoint in diffusers layout, for tests, CI and the CPU demo.
+
+Built with the reference classes themselves (diffusers `ZImagePipeline` around `ZImageTransformer2DModel` and a
+FLUX.1-style `AutoencoderKL`, transformers `Qwen3Model`, the offline BPE tokenizer of the tiny Qwen3), so it is
+a real diffusers checkpoint. The geometry is the real one (VAE ×8, 2×2 patches: a 16-pixel token grid, 16
+latent channels, scaling and shift factors); the widths are tiny. The DiT is REFERENCES.md's tiny config with
+two main layers and `axes_lens[0] = 1024` (as in the real model) so captions up to the 512-token limit fit the
+RoPE range. Norm weights and the padding tokens are randomised (the reference initialises them to 1 and 0),
+so the parity tests see them. Deterministic for a given seed; builds in ~2 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TEXT = {"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 8}
+TRANSFORMER = {"all_patch_size": (2,), "all_f_patch_size": (1,), "in_channels": 16, "dim": 32, "n_layers": 2,
+               "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "cap_feat_dim": TEXT["hidden_size"],
+               "axes_dims": [4, 6, 6], "axes_lens": [1024, 32, 32]}
+VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlock2D",) * 4,
+       "up_block_types": ("UpDecoderBlock2D",) * 4, "block_out_channels": (8, 16, 16, 16), "layers_per_block": 1,
+       "latent_channels": 16, "norm_num_groups": 4, "sample_size": 64, "scaling_factor": 0.3611,
+       "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False}
+SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "text_encoder/config.json",
+             "tokenizer/tokenizer.json", "scheduler/scheduler_config.json")
+
+
+def build_tiny_pipeline(seed: int = 0):
+    """The tiny `ZImagePipeline` (in memory, fp32, eval)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from mstar_common.families.qwen3.tiny import VOCAB_MULTIPLE, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3Model(Qwen3Config(
+            vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, max_position_embeddings=1024,
+            rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=endoftext,
+            initializer_range=0.2, **TEXT,
+        )).eval()
+        transformer = ZImageTransformer2DModel(**TRANSFORMER).eval()
+        with torch.no_grad():
+            for name, param in transformer.named_parameters():
+                if "norm" in name:
+                    param.mul_(1 + 0.2 * torch.randn_like(param))
+                elif "pad_token" in name:
+                    param.copy_(torch.randn_like(param))
+        vae = AutoencoderKL(**VAE).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
+
+
+def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny pipeline to `out_dir` in diffusers layout (if not there yet) and return the path.
+
+    Concurrent callers are safe: each builds in a temporary directory and renames it into place."""
+    out = Path(out_dir)
+    if _is_complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        build_tiny_pipeline(seed).save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _is_complete(out):
+                raise
+            logger.debug("another caller built %s first", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).exists() for name in _REQUIRED)

@@ -1,0 +1,273 @@
+"""Z-Image-Turbo: every component bit for bit against diffusers 0.42.1 / transformers (fp32, CPU, the tiny random
+checkpoint), and the whole walk against `ZImagePipeline` (fixed seed, guidance 0): PSNR = inf, i.e. identical
+uint8 images. A request batched with others stays within 60 dB PSNR of its solo image (measured on the 2-core
+CPU: 86-89 dB or identical; CPU GEMMs round differently at other batch sizes)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from diffusers import ZImagePipeline  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from mstar_common.config import deployment_from_dict  # noqa: E402
+from mstar_common.families.z_image_turbo import loader  # noqa: E402
+from mstar_common.families.z_image_turbo.family import ZImageTurboFamily, capture_denoise_graphs  # noqa: E402
+from mstar_common.families.z_image_turbo.scheduler import z_image_schedule  # noqa: E402
+from mstar_common.families.z_image_turbo.tiny import build_tiny_checkpoint  # noqa: E402
+from mstar_common.families.z_image_turbo.transformer import padded_length, patchify, unpatchify  # noqa: E402
+from mstar_common.local_walk import LocalWalk  # noqa: E402
+
+COMPONENTS = ("walk", "text_encoder", "denoise", "vae_decode")
+MIN_BATCHED_PSNR = 60.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("zimage") / "z-image-turbo-tiny")
+
+
+@pytest.fixture(scope="module")
+def pipe(checkpoint):
+    return ZImagePipeline.from_pretrained(checkpoint)
+
+
+def tiny_deployment(checkpoint, **model_kwargs):
+    return deployment_from_dict({
+        "name": "zimage-test", "family": "z_image_turbo", "checkpoint": str(checkpoint),
+        "components": {name: {} for name in COMPONENTS},
+        "model_kwargs": {"default_size": "64x64", "capture_sizes": [], **model_kwargs},
+    })
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def decode(data: bytes) -> np.ndarray:
+    return np.array(Image.open(io.BytesIO(data)))
+
+
+def request(prompt: str, width: int | None = None, height: int | None = None, seed: int = 0, **extra):
+    inputs = {"prompt": np.array([prompt.encode()], dtype=object), "seed": np.array([seed], np.int64)}
+    if width is not None:
+        inputs["width"], inputs["height"] = np.array([width], np.int32), np.array([height], np.int32)
+    for name, value in extra.items():
+        inputs[name] = value if isinstance(value, np.ndarray) else np.array([value], np.int32)
+    return inputs
+
+
+# components
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("height,width,caption_len,batch", [(4, 6, 20, 1), (3, 5, 32, 1), (4, 6, 45, 2), (8, 8, 7, 3)],
+                         ids=["pad-both", "image-pad-only", "batch2", "batch3-unpadded-image"])
+def test_transformer_is_bit_exact(checkpoint, pipe, height, width, caption_len, batch):
+    ours = loader.load_transformer(checkpoint, "float32", "cpu")
+    torch.manual_seed(height * width + caption_len)
+    latents = torch.randn(batch, 16, 2 * height, 2 * width)
+    feats = torch.randn(caption_len, 24)
+    t = torch.rand(batch)  # every row at its own timestep
+    want = pipe.transformer([x[:, None] for x in latents], t, [feats] * batch, return_dict=False)[0]
+    caption = ours.encode_caption(feats)
+    assert caption.shape == (padded_length(caption_len), 32)
+    got = ours(patchify(latents, 2), caption.expand(batch, -1, -1), t, ours.rope(height, width, caption.shape[0]))
+    assert torch.equal(unpatchify(got, height, width, 2), torch.stack(want)[:, :, 0])
+
+
+def test_patchify_round_trips_and_matches_the_reference_token_order(pipe):
+    latents = torch.randn(2, 16, 6, 10)
+    tokens = patchify(latents, 2)
+    want, _, _ = pipe.transformer._patchify_image(latents[1][:, None], 2, 1)
+    assert torch.equal(tokens[1], want) and torch.equal(unpatchify(tokens, 3, 5, 2), latents)
+
+
+def _prompt_ids(pipe, prompts):
+    rows, lens = [], []
+    for prompt in prompts:
+        text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=True)
+        encoded = pipe.tokenizer(text, padding="max_length", max_length=512)
+        rows.append(encoded["input_ids"])
+        lens.append(sum(encoded["attention_mask"]))
+    return torch.tensor(rows), torch.tensor(lens)
+
+
+@torch.no_grad()
+def test_text_encoder_is_bit_exact_and_skips_the_last_layer(checkpoint, pipe):
+    ours = loader.load_text_encoder(checkpoint, "float32", "cpu")
+    assert len(ours.model.layers) == 2 and ours.model.norm is None  # 3 layers; the caption is hidden_states[-2]
+    prompts = ["a cat in a hat", "the quick brown fox jumps over the lazy dog, twice", "GPU"]
+    want = pipe._encode_prompt(list(prompts), device=torch.device("cpu"))
+    ids, lens = _prompt_ids(pipe, prompts)
+    got = ours(ids, lens)
+    for row, length, reference in zip(got, lens, want, strict=True):
+        assert torch.equal(row[:length], reference)
+
+
+def test_text_encoder_loads_a_causal_lm_layout_too(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    weights = copy / "text_encoder" / "model.safetensors"
+    tensors = load_file(weights)
+    renamed = {f"model.{name}": t for name, t in tensors.items()}
+    save_file({**renamed, "lm_head.weight": tensors["embed_tokens.weight"].clone()}, weights)
+    ids = torch.randint(0, 300, (1, 512))
+    lens = torch.tensor([9])
+    a = loader.load_text_encoder(checkpoint, "float32", "cpu")(ids, lens)
+    assert torch.equal(loader.load_text_encoder(copy, "float32", "cpu")(ids, lens), a)
+
+
+@torch.no_grad()
+def test_vae_decode_is_bit_exact(checkpoint, pipe):
+    ours = loader.load_vae_decoder(checkpoint, "float32", "cpu")
+    torch.manual_seed(1)
+    latents = torch.randn(2, 16, 8, 12)
+    scaled = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+    images = pipe.vae.decode(scaled, return_dict=False)[0]
+    want = (pipe.image_processor.postprocess(images, output_type="np") * 255).round().astype(np.uint8)
+    assert np.array_equal(ours(latents).numpy(), want)
+
+
+@pytest.mark.parametrize("steps,tokens,dynamic", [(8, 16, False), (1, 4096, False), (4, 64, True), (9, 5000, True)])
+def test_schedule_equals_the_reference_scheduler(checkpoint, steps, tokens, dynamic):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+
+    from mstar_common.families.z_image_turbo.scheduler import ZImageSchedulerConfig
+
+    raw = {**json.loads((checkpoint / "scheduler" / "scheduler_config.json").read_text()),
+           "use_dynamic_shifting": dynamic}
+    reference = FlowMatchEulerDiscreteScheduler.from_config(raw)
+    reference.set_timesteps(steps, sigmas=get_default_z_image_sigmas(steps), mu=calculate_shift(tokens))
+    timesteps, sigmas = z_image_schedule(ZImageSchedulerConfig.from_diffusers(raw), steps, tokens)
+    assert torch.equal(timesteps, reference.timesteps) and torch.equal(sigmas, reference.sigmas)
+
+
+def test_loader_checks_coverage_and_refuses_other_pipelines(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, broken)
+    weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors["extra.weight"] = torch.zeros(1)
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match="unused checkpoint tensors extra.weight"):
+        loader.load_transformer(broken, "float32", "cpu")
+    del tensors["extra.weight"], tensors["x_pad_token"]
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match="missing x_pad_token"):
+        loader.load_transformer(broken, "float32", "cpu")
+    index = json.loads((broken / "model_index.json").read_text())
+    (broken / "model_index.json").write_text(json.dumps({**index, "_class_name": "ZImageOmniPipeline"}))
+    with pytest.raises(ValueError, match="z_image_turbo serves"):
+        loader.check_pipeline(broken)
+
+
+# the whole walk
+
+
+def _reference(pipe, **kwargs) -> list[np.ndarray]:
+    images = pipe(num_inference_steps=kwargs.pop("num_inference_steps", 8), guidance_scale=0.0, output_type="np",
+                  **kwargs).images
+    return list((images * 255).round().astype(np.uint8))
+
+
+def test_whole_pipeline_equals_diffusers(checkpoint, pipe):
+    async def run():
+        async with LocalWalk(ZImageTurboFamily(), tiny_deployment(checkpoint), checkpoint) as walk:
+            return (await walk.run(request("a red fox in the snow", 96, 64, seed=7, num_images=2)),
+                    await walk.run(request("a lighthouse", seed=3, num_inference_steps=3)))
+
+    t2i, small = asyncio.run(run())
+    want = _reference(pipe, prompt="a red fox in the snow", height=64, width=96, num_images_per_prompt=2,
+                      generator=torch.Generator().manual_seed(7))
+    got = [decode(b) for b in t2i["images"]]
+    assert got[0].shape == (64, 96, 3)
+    assert [psnr(a, b) for a, b in zip(got, want, strict=True)] == [float("inf")] * 2
+    want = _reference(pipe, prompt="a lighthouse", height=64, width=64, num_inference_steps=3,
+                      generator=torch.Generator().manual_seed(3))
+    assert psnr(decode(small["images"][0]), want[0]) == float("inf")
+    assert psnr(got[0], got[1]) < 40  # the two images of a request differ (their own noise)
+
+
+def test_batched_requests_match_their_solo_images(checkpoint):
+    requests = [request("a cat", 64, 64, 1), request("a dog on a hill", 96, 64, 2),
+                request("a city at night", 64, 64, 3, num_inference_steps=6),
+                request("a boat", 64, 64, 4, num_images=2),
+                request("a sunset", 64, 64, 5, num_inference_steps=2)]
+
+    async def run():
+        async with LocalWalk(ZImageTurboFamily(), tiny_deployment(checkpoint), checkpoint) as walk:
+            solo = [await walk.run(r) for r in requests]
+            engine = walk.components["denoise"].engine
+            before = (engine.num_steps, engine.num_rows_stepped)
+            together = await asyncio.gather(*(walk.run(r) for r in requests))
+            return solo, together, (engine.num_steps - before[0], engine.num_rows_stepped - before[1])
+
+    solo, together, (steps, rows) = asyncio.run(run())
+    assert rows == 8 + 8 + 6 + 2 * 8 + 2 and steps < 32  # solo, the same rows take 32 forwards
+    for alone, batched in zip(solo, together, strict=True):
+        for a, b in zip(alone["images"], batched["images"], strict=True):
+            assert psnr(decode(a), decode(b)) >= MIN_BATCHED_PSNR
+
+
+@torch.no_grad()
+def test_bucketed_step_equals_the_eager_step(checkpoint):
+    dep = tiny_deployment(checkpoint, capture_sizes=["64x64"], capture_caption_tokens=[32], capture_batch_sizes=[2])
+    family = ZImageTurboFamily()
+    runtime = family.build_component("denoise", dep, checkpoint, "cpu")
+    prompt = torch.randn(11, 24)
+    inputs = {"prompt_embeds": prompt, "width": torch.tensor([64]), "height": torch.tensor([64]),
+              "seed": torch.tensor([5])}
+    job = runtime.parse(inputs)
+    timesteps, dts = torch.tensor(job.timesteps[:1]), torch.tensor([job.sigmas[1] - job.sigmas[0]])
+    eager = runtime.stepper(job.layout, job.latents, job.prompt_embeds, None, timesteps, dts)
+    capture_denoise_graphs(runtime, family_options(dep), capture=False)
+    bucketed = runtime.stepper(job.layout, job.latents, job.prompt_embeds, None, timesteps, dts)
+    # The bucket runs 2 rows (one stale): CPU GEMMs may round a 2-row batch differently from a 1-row one.
+    assert runtime.stepper.graphs.num_replays == 1 and torch.allclose(bucketed, eager, rtol=0, atol=1e-5)
+
+
+def family_options(dep):
+    from mstar_common.families.z_image_turbo.options import options_from_kwargs
+
+    return options_from_kwargs(dep.model_kwargs, dep.name)
+
+
+@pytest.mark.parametrize("inputs,rule", [
+    ({"reference_images": np.array([b"png"], dtype=object)}, "text-to-image only"),
+    ({"width": np.array([100], np.int32), "height": np.array([64], np.int32)}, "multiples of 16"),
+    ({"num_inference_steps": np.array([0], np.int32)}, "num_inference_steps: must be in [1, 50]"),
+    ({"num_images": np.array([5], np.int32)}, "n: must be in [1, 4]"),
+])
+def test_walk_refusals_name_the_rule(checkpoint, inputs, rule):
+    walk = ZImageTurboFamily().build_component("walk", tiny_deployment(checkpoint), checkpoint, "cpu")
+    with pytest.raises(ValueError) as error:
+        walk.parse({**request("a cat"), **inputs})
+    assert rule in str(error.value)
+
+
+def test_denoise_refuses_sizes_past_the_rope_range(checkpoint):
+    runtime = ZImageTurboFamily().build_component("denoise", tiny_deployment(checkpoint, max_image_area=2**20),
+                                                  checkpoint, "cpu")
+    inputs = {"prompt_embeds": torch.randn(5, 24), "width": torch.tensor([512]), "height": torch.tensor([64]),
+              "seed": torch.tensor([0])}
+    with pytest.raises(ValueError, match="RoPE range of 496x496"):
+        runtime.parse(inputs)
+    with pytest.raises(ValueError, match="prompt_embeds: expected shape"):
+        runtime.parse({**inputs, "width": torch.tensor([64]), "prompt_embeds": torch.randn(5, 23)})
