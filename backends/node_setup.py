@@ -20,6 +20,7 @@ from mstar_common.config import Deployment, deployment_from_dict
 from mstar_common.families.base import Family
 from mstar_common.families.registry import get_family
 from mstar_common.graph import Component
+from mstar_common.native_backtrace import load_from_env as load_native_backtrace
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def install_stack_dumps(stats=None) -> None:
 
 def load_node(args: dict, *, kind: str) -> NodeSetup:
     """Check the Triton contract (decoupled, parameters, component kind) and resolve the checkpoint."""
+    load_native_backtrace()  # MSTAR_NATIVE_BACKTRACE: native frames too; loaded first, faulthandler chains to it
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # a fatal signal leaves every stack in the log
     model_name = args["model_name"]
     model_config = json.loads(args["model_config"])

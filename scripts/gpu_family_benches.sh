@@ -16,6 +16,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
+# Native frames of any stub that dies of a fatal signal (docs/architecture.md); skipped without a C compiler.
+if $PY -m mstar_common.native_backtrace /tmp/mstar_backtrace.so >/dev/null 2>&1; then
+  export MSTAR_NATIVE_BACKTRACE=/tmp/mstar_backtrace.so
+fi
 T0=$(date +%s)
 stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
 ARGS=("$@")
