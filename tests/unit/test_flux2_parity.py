@@ -24,6 +24,8 @@ from mstar_common.families.flux2_klein.family import Flux2KleinFamily  # noqa: E
 from mstar_common.families.flux2_klein.scheduler import flow_schedule  # noqa: E402
 from mstar_common.families.flux2_klein.tiny import TINY_TAPS, build_tiny_checkpoint  # noqa: E402
 from mstar_common.local_walk import LocalWalk  # noqa: E402
+from tests.unit import image_helpers  # noqa: E402
+from tests.unit.image_helpers import decode, psnr, request  # noqa: E402
 
 COMPONENTS = ("walk", "text_encoder", "vae_encode", "denoise", "vae_decode")
 
@@ -44,24 +46,6 @@ def tiny_deployment(checkpoint, **model_kwargs):
         "components": {name: {} for name in COMPONENTS},
         "model_kwargs": {"text_encoder_out_layers": list(TINY_TAPS), "default_size": "64x64", **model_kwargs},
     })
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-
-
-def decode(data: bytes) -> np.ndarray:
-    return np.array(Image.open(io.BytesIO(data)))
-
-
-def request(prompt: str, width: int | None = None, height: int | None = None, seed: int = 0, **extra):
-    inputs = {"prompt": np.array([prompt.encode()], dtype=object), "seed": np.array([seed], np.int64)}
-    if width is not None:
-        inputs["width"], inputs["height"] = np.array([width], np.int32), np.array([height], np.int32)
-    for name, value in extra.items():
-        inputs[name] = value if isinstance(value, np.ndarray) else np.array([value], np.int32)
-    return inputs
 
 
 # components
@@ -86,17 +70,6 @@ def test_transformer_is_bit_exact_with_per_row_timesteps_and_references(checkpoi
         assert torch.equal(got, want)
 
 
-def _prompt_ids(pipe, prompts):
-    rows, lens = [], []
-    for prompt in prompts:
-        text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True, enable_thinking=False)
-        encoded = pipe.tokenizer(text, padding="max_length", max_length=512)
-        rows.append(encoded["input_ids"])
-        lens.append(sum(encoded["attention_mask"]))
-    return torch.tensor(rows), torch.tensor(lens)
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("taps", [TINY_TAPS, (2, 4)], ids=["taps-1-2-3", "taps-2-4-last-layer-normed"])
 def test_text_encoder_is_bit_exact_and_runs_only_to_the_deepest_tap(checkpoint, pipe, taps):
@@ -104,7 +77,7 @@ def test_text_encoder_is_bit_exact_and_runs_only_to_the_deepest_tap(checkpoint, 
     assert len(ours.model.layers) == max(taps)
     prompts = ["a cat in a hat", "the quick brown fox jumps over the lazy dog, twice", "GPU"]
     want = pipe._get_qwen3_prompt_embeds(pipe.text_encoder, pipe.tokenizer, prompts, hidden_states_layers=taps)
-    assert torch.equal(ours(*_prompt_ids(pipe, prompts)), want)
+    assert torch.equal(ours(*image_helpers.prompt_ids(pipe, prompts, enable_thinking=False)), want)
 
 
 @torch.no_grad()
@@ -135,22 +108,7 @@ def test_schedule_equals_the_reference_scheduler(checkpoint, pipe, steps, tokens
 
 
 def test_loader_checks_coverage_both_ways(checkpoint, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    broken = tmp_path / "ckpt"
-    shutil.copytree(checkpoint, broken)
-    weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
-    tensors = load_file(weights)
-    tensors["extra.weight"] = torch.zeros(1)
-    save_file(tensors, weights)
-    with pytest.raises(ValueError, match="unused checkpoint tensors extra.weight"):
-        loader.load_transformer(broken, "float32", "cpu")
-    del tensors["extra.weight"], tensors["proj_out.weight"]
-    save_file(tensors, weights)
-    with pytest.raises(ValueError, match="missing proj_out.weight"):
-        loader.load_transformer(broken, "float32", "cpu")
+    broken = image_helpers.assert_transformer_coverage_checked(loader, checkpoint, tmp_path, "proj_out.weight")
     index = json.loads((broken / "model_index.json").read_text())
     (broken / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
     with pytest.raises(ValueError, match="is_distilled=false"):
@@ -196,16 +154,7 @@ def test_batched_requests_match_their_solo_images(checkpoint):
                 request("a boat", 96, 64, 4, num_images=2),
                 request("a sunset", 64, 64, 5, num_inference_steps=2)]
 
-    async def run():
-        async with LocalWalk(Flux2KleinFamily(), tiny_deployment(checkpoint), checkpoint) as walk:
-            solo = [await walk.run(r) for r in requests]
-            engine = walk.components["denoise"].engine
-            before = (engine.num_steps, engine.num_rows_stepped)
-            together = await asyncio.gather(*(walk.run(r) for r in requests))
-            return solo, together, (engine.num_steps - before[0], engine.num_rows_stepped - before[1])
-
-    solo, together, (steps, rows) = asyncio.run(run())
+    dep = tiny_deployment(checkpoint)
+    solo, together, (steps, rows) = image_helpers.run_solo_and_batched(Flux2KleinFamily(), dep, checkpoint, requests)
     assert rows == 4 + 4 + 6 + 2 * 4 + 2 and steps < 20  # solo, the same rows take 20 forwards
-    for alone, batched in zip(solo, together, strict=True):
-        for a, b in zip(alone["images"], batched["images"], strict=True):
-            assert psnr(decode(a), decode(b)) >= 60.0
+    image_helpers.assert_batched_images_match(solo, together, 60.0)

@@ -6,7 +6,6 @@ CPU: 86-89 dB or identical; CPU GEMMs round differently at other batch sizes).""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import shutil
 
@@ -17,7 +16,6 @@ import torch
 pytest.importorskip("diffusers")
 
 from diffusers import ZImagePipeline  # noqa: E402
-from PIL import Image  # noqa: E402
 
 from mstar_common.config import deployment_from_dict  # noqa: E402
 from mstar_common.families.z_image_turbo import loader  # noqa: E402
@@ -26,6 +24,8 @@ from mstar_common.families.z_image_turbo.scheduler import z_image_schedule  # no
 from mstar_common.families.z_image_turbo.tiny import build_tiny_checkpoint  # noqa: E402
 from mstar_common.families.z_image_turbo.transformer import padded_length, patchify, unpatchify  # noqa: E402
 from mstar_common.local_walk import LocalWalk  # noqa: E402
+from tests.unit import image_helpers  # noqa: E402
+from tests.unit.image_helpers import decode, psnr, request  # noqa: E402
 
 COMPONENTS = ("walk", "text_encoder", "denoise", "vae_decode")
 MIN_BATCHED_PSNR = 60.0
@@ -47,24 +47,6 @@ def tiny_deployment(checkpoint, **model_kwargs):
         "components": {name: {} for name in COMPONENTS},
         "model_kwargs": {"default_size": "64x64", "capture_sizes": [], **model_kwargs},
     })
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-
-
-def decode(data: bytes) -> np.ndarray:
-    return np.array(Image.open(io.BytesIO(data)))
-
-
-def request(prompt: str, width: int | None = None, height: int | None = None, seed: int = 0, **extra):
-    inputs = {"prompt": np.array([prompt.encode()], dtype=object), "seed": np.array([seed], np.int64)}
-    if width is not None:
-        inputs["width"], inputs["height"] = np.array([width], np.int32), np.array([height], np.int32)
-    for name, value in extra.items():
-        inputs[name] = value if isinstance(value, np.ndarray) else np.array([value], np.int32)
-    return inputs
 
 
 # components
@@ -93,24 +75,13 @@ def test_patchify_round_trips_and_matches_the_reference_token_order(pipe):
     assert torch.equal(tokens[1], want) and torch.equal(unpatchify(tokens, 3, 5, 2), latents)
 
 
-def _prompt_ids(pipe, prompts):
-    rows, lens = [], []
-    for prompt in prompts:
-        text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True, enable_thinking=True)
-        encoded = pipe.tokenizer(text, padding="max_length", max_length=512)
-        rows.append(encoded["input_ids"])
-        lens.append(sum(encoded["attention_mask"]))
-    return torch.tensor(rows), torch.tensor(lens)
-
-
 @torch.no_grad()
 def test_text_encoder_is_bit_exact_and_skips_the_last_layer(checkpoint, pipe):
     ours = loader.load_text_encoder(checkpoint, "float32", "cpu")
     assert len(ours.model.layers) == 2 and ours.model.norm is None  # 3 layers; the caption is hidden_states[-2]
     prompts = ["a cat in a hat", "the quick brown fox jumps over the lazy dog, twice", "GPU"]
     want = pipe._encode_prompt(list(prompts), device=torch.device("cpu"))
-    ids, lens = _prompt_ids(pipe, prompts)
+    ids, lens = image_helpers.prompt_ids(pipe, prompts, enable_thinking=True)
     got = ours(ids, lens)
     for row, length, reference in zip(got, lens, want, strict=True):
         assert torch.equal(row[:length], reference)
@@ -158,20 +129,7 @@ def test_schedule_equals_the_reference_scheduler(checkpoint, steps, tokens, dyna
 
 
 def test_loader_checks_coverage_and_refuses_other_pipelines(checkpoint, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    broken = tmp_path / "ckpt"
-    shutil.copytree(checkpoint, broken)
-    weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
-    tensors = load_file(weights)
-    tensors["extra.weight"] = torch.zeros(1)
-    save_file(tensors, weights)
-    with pytest.raises(ValueError, match="unused checkpoint tensors extra.weight"):
-        loader.load_transformer(broken, "float32", "cpu")
-    del tensors["extra.weight"], tensors["x_pad_token"]
-    save_file(tensors, weights)
-    with pytest.raises(ValueError, match="missing x_pad_token"):
-        loader.load_transformer(broken, "float32", "cpu")
+    broken = image_helpers.assert_transformer_coverage_checked(loader, checkpoint, tmp_path, "x_pad_token")
     index = json.loads((broken / "model_index.json").read_text())
     (broken / "model_index.json").write_text(json.dumps({**index, "_class_name": "ZImageOmniPipeline"}))
     with pytest.raises(ValueError, match="z_image_turbo serves"):
@@ -211,19 +169,10 @@ def test_batched_requests_match_their_solo_images(checkpoint):
                 request("a boat", 64, 64, 4, num_images=2),
                 request("a sunset", 64, 64, 5, num_inference_steps=2)]
 
-    async def run():
-        async with LocalWalk(ZImageTurboFamily(), tiny_deployment(checkpoint), checkpoint) as walk:
-            solo = [await walk.run(r) for r in requests]
-            engine = walk.components["denoise"].engine
-            before = (engine.num_steps, engine.num_rows_stepped)
-            together = await asyncio.gather(*(walk.run(r) for r in requests))
-            return solo, together, (engine.num_steps - before[0], engine.num_rows_stepped - before[1])
-
-    solo, together, (steps, rows) = asyncio.run(run())
+    dep = tiny_deployment(checkpoint)
+    solo, together, (steps, rows) = image_helpers.run_solo_and_batched(ZImageTurboFamily(), dep, checkpoint, requests)
     assert rows == 8 + 8 + 6 + 2 * 8 + 2 and steps < 32  # solo, the same rows take 32 forwards
-    for alone, batched in zip(solo, together, strict=True):
-        for a, b in zip(alone["images"], batched["images"], strict=True):
-            assert psnr(decode(a), decode(b)) >= MIN_BATCHED_PSNR
+    image_helpers.assert_batched_images_match(solo, together, MIN_BATCHED_PSNR)
 
 
 @torch.no_grad()

@@ -2,23 +2,22 @@
 input with a ValueError naming the field), then hand it to the component's engine, which batches across
 requests and calls back with the output tensors (float32 / uint8 on the CPU: the wire format).
 
-Each runtime exposes `engine` (start / submit / shutdown / stats) and `submit(request_id, inputs, on_done,
-is_cancelled)`; `backends/stateless_node.py` and `backends/denoise_node.py` wrap them for Triton, and the
-in-process harness (tests, benchmark) calls them directly.
+The scaffolding (`submit`, the text encoder, the denoise scalars, the bucketed stepper) is the image families'
+(`mstar_common/diffusion/image_components.py`); this module supplies klein's layouts, RoPE, noise and VAE halves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from mstar_common.diffusion.batcher import BatchingEngine, OnDone
+from mstar_common.diffusion import image_components
+from mstar_common.diffusion import image_graph as g
+from mstar_common.diffusion.batcher import BatchingEngine
 from mstar_common.diffusion.denoise import DenoiseEngine, DenoiseJob
-from mstar_common.diffusion.step_graphs import StepGraphs, StepShapes
-from mstar_common.families.flux2_klein import graph as g
+from mstar_common.diffusion.image_components import BucketedStepper, Component, DenoiseLimits, Inputs, scalar
+from mstar_common.diffusion.step_graphs import StepShapes
 from mstar_common.families.flux2_klein.options import TEXT_TOKENS
 from mstar_common.families.flux2_klein.scheduler import FlowSchedulerConfig, flow_schedule
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
@@ -26,71 +25,26 @@ from mstar_common.families.flux2_klein.transformer import Flux2Transformer
 from mstar_common.families.flux2_klein.vae import VaeDecoder, VaeEncoder
 from mstar_common.images import check_geometry
 
-Inputs = dict[str, torch.Tensor]
-MAX_SEED = 2**63 - 1
+__all__ = ["DenoiseComponent", "DenoiseLimits", "Flux2Stepper", "Layout", "TextEncoderComponent", "VaeDecodeComponent",
+           "VaeEncodeComponent", "euler_step", "position_ids"]
+
 REF_TIME_SCALE = 10  # reference image i sits at time coordinate 10 + 10 * i
-MAX_CACHED_LAYOUTS = 64  # RoPE tables kept (a captured layout's graph holds its own)
-
-
-def scalar(inputs: Inputs, name: str, default: int | None = None) -> int:
-    if name not in inputs:
-        if default is None:
-            raise ValueError(f"{name}: required")
-        return default
-    value = inputs[name].reshape(-1)
-    if value.numel() != 1:
-        raise ValueError(f"{name}: expected one value, got {value.numel()}")
-    return int(value[0])
-
-
-class _Component:
-    engine: Any
-
-    def parse(self, inputs: Inputs) -> Any:
-        raise NotImplementedError
-
-    def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
-               is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Parse (a ValueError here is the client's fault) and enqueue; `on_done(outputs, error)` follows."""
-        self.engine.submit(request_id, self.parse(inputs), on_done, is_cancelled)
 
 
 # text encoder
 
 
-class TextEncoderComponent(_Component):
+class TextEncoderComponent(image_components.TextEncoderComponent):
+    """The tapped Qwen3 over the padded 512 ids; answers the whole padded rows (the DiT masks nothing)."""
+
     def __init__(self, model: Qwen3TapEncoder, device: str, max_batch: int):
-        self.model, self.device = model, torch.device(device)
-        self.vocab_size = model.config.vocab_size
-        self.engine = BatchingEngine("flux2_klein/text_encoder", self.run_batch, max_rows=max_batch)
-
-    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int]:
-        ids = inputs.get(g.INPUT_IDS)
-        if ids is None or ids.numel() != TEXT_TOKENS:
-            raise ValueError(f"{g.INPUT_IDS}: the text encoder takes exactly {TEXT_TOKENS} (padded) ids")
-        if g.TEXT_LEN not in inputs:
-            raise ValueError(f"{g.TEXT_LEN}: the text encoder needs each row's text_len (its number of real "
-                             "tokens before the padding) to mask the padding")
-        text_len = scalar(inputs, g.TEXT_LEN)
-        if not 1 <= text_len <= TEXT_TOKENS:
-            raise ValueError(f"{g.TEXT_LEN}: must be in [1, {TEXT_TOKENS}], got {text_len}")
-        ids = ids.reshape(-1).to(torch.int64)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"{g.INPUT_IDS}: ids must be in [0, {self.vocab_size})")
-        return ids, text_len
-
-    @torch.inference_mode()
-    def run_batch(self, payloads: list[tuple[torch.Tensor, int]]) -> list[Inputs]:
-        ids = torch.stack([p[0] for p in payloads]).to(self.device)
-        lens = torch.tensor([p[1] for p in payloads], device=self.device)
-        out = self.model(ids, lens).float().cpu()
-        return [{g.PROMPT_EMBEDS: row} for row in out]
+        super().__init__("flux2_klein/text_encoder", model, device, max_batch, TEXT_TOKENS)
 
 
 # VAE encode (reference images)
 
 
-class VaeEncodeComponent(_Component):
+class VaeEncodeComponent(Component):
     def __init__(self, model: VaeEncoder, device: str, max_batch: int, max_area: int):
         self.model, self.device, self.max_area = model, torch.device(device), max_area
         self.multiple = 2 * model.config.scale_factor
@@ -160,60 +114,29 @@ def euler_step(model: Flux2Transformer, rope: tuple[torch.Tensor, torch.Tensor],
     return (latents.float() + dts.to(velocity.dtype)[:, None, None] * velocity).to(velocity.dtype)
 
 
-class Flux2Stepper:
-    """The denoise engine's step: captured graph when a bucket fits, eager otherwise. RoPE tables per layout."""
+class Flux2Stepper(BucketedStepper):
+    """The Euler step over the reference's (t, h, w, l) RoPE; captured buffers in the model dtype."""
 
-    def __init__(self, model: Flux2Transformer, device: torch.device):
-        self.model, self.device = model, device
-        self.graphs: StepGraphs | None = None
-        self._ropes: dict[Layout, tuple[torch.Tensor, torch.Tensor]] = {}
+    model: Flux2Transformer
 
-    def rope(self, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-        if layout not in self._ropes:
-            if len(self._ropes) >= MAX_CACHED_LAYOUTS:  # clients choose sizes: keep the cache bounded
-                self._ropes.pop(next(iter(self._ropes)))
-            txt_ids, img_ids = position_ids(layout, TEXT_TOKENS, self.device)
-            self._ropes[layout] = self.model.rope(txt_ids, img_ids)
-        return self._ropes[layout]
+    @property
+    def buffer_dtype(self) -> torch.dtype:
+        return self.model.x_embedder.weight.dtype
 
-    def step_fn(self, layout: Layout):
-        rope = self.rope(layout)
+    def make_rope(self, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        txt_ids, img_ids = position_ids(layout, TEXT_TOKENS, self.device)
+        return self.model.rope(txt_ids, img_ids)
 
-        def step(latents, prompt_embeds, ref_tokens, timesteps, dts):
-            return euler_step(self.model, rope, latents, prompt_embeds, ref_tokens, timesteps, dts)
+    def step(self, rope, latents, prompt_embeds, ref_tokens, timesteps, dts) -> torch.Tensor:
+        return euler_step(self.model, rope, latents, prompt_embeds, ref_tokens, timesteps, dts)
 
-        return step
-
-    def __call__(self, layout: Layout, latents, prompt_embeds, ref_tokens, timesteps, dts) -> torch.Tensor:
-        if self.graphs is not None:
-            out = self.graphs.run(layout, latents, prompt_embeds, ref_tokens, timesteps, dts)
-            if out is not None:
-                return out
-        return self.step_fn(layout)(latents, prompt_embeds, ref_tokens, timesteps, dts)
-
-    def capture(self, layouts: list[Layout], batches: list[int], *, capture: bool = True) -> None:
+    def shapes(self, layout: Layout) -> StepShapes:
         config = self.model.config
-        step_fns = {
-            layout: (self.step_fn(layout), StepShapes(layout.num_tokens, config.in_channels, TEXT_TOKENS,
-                                                      config.joint_attention_dim, layout.num_ref_tokens))
-            for layout in layouts
-        }
-        self.graphs = StepGraphs()
-        with torch.no_grad():  # not inference_mode: the static buffers must stay writable outside it
-            self.graphs.capture(step_fns, batches, dtype=self.model.x_embedder.weight.dtype, device=self.device,
-                                capture=capture)
+        return StepShapes(layout.num_tokens, config.in_channels, TEXT_TOKENS, config.joint_attention_dim,
+                          layout.num_ref_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class DenoiseLimits:
-    multiple: int  # pixels per token side
-    max_area: int
-    max_images: int
-    max_steps: int
-    default_steps: int
-
-
-class DenoiseComponent(_Component):
+class DenoiseComponent(image_components.DenoiseComponent):
     def __init__(self, model: Flux2Transformer, scheduler: FlowSchedulerConfig, limits: DenoiseLimits, device: str,
                  max_batch: int):
         self.model, self.scheduler, self.limits = model, scheduler, limits
@@ -225,35 +148,17 @@ class DenoiseComponent(_Component):
     def layout_for(self, width: int, height: int, ref_grid: list[tuple[int, int]] = ()) -> Layout:
         return Layout(height // self.limits.multiple, width // self.limits.multiple, tuple(ref_grid))
 
-    def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
-               is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        job = self.parse(inputs)
-        job.request_id, job.is_cancelled = request_id, is_cancelled
-        job.on_done = lambda latents, error: on_done(None if error else self.finish(latents), error)
-        self.engine.submit(job)
-
     def parse(self, inputs: Inputs) -> DenoiseJob:
-        lim = self.limits
-        width, height = scalar(inputs, g.WIDTH), scalar(inputs, g.HEIGHT)
-        check_geometry(width, height, lim.multiple, lim.max_area)
-        num_images = scalar(inputs, g.NUM_IMAGES, 1)
-        if not 1 <= num_images <= lim.max_images:
-            raise ValueError(f"n: must be in [1, {lim.max_images}], got {num_images}")
-        steps = scalar(inputs, g.NUM_STEPS, lim.default_steps)
-        if not 1 <= steps <= lim.max_steps:
-            raise ValueError(f"num_inference_steps: must be in [1, {lim.max_steps}], got {steps}")
-        seed = scalar(inputs, g.SEED)
-        if not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"seed: must be in [0, {MAX_SEED}], got {seed}")
+        req = image_components.parse_denoise_scalars(inputs, self.limits)
         prompt = self._prompt(inputs)
         grid, refs = self._refs(inputs)
-        layout = self.layout_for(width, height, grid)
-        latents = self._noise(seed, num_images, layout)
-        timesteps, sigmas = flow_schedule(self.scheduler, steps, layout.num_tokens)
+        layout = self.layout_for(req.width, req.height, grid)
+        latents = self._noise(req.seed, req.num_images, layout)
+        timesteps, sigmas = flow_schedule(self.scheduler, req.num_steps, layout.num_tokens)
         return DenoiseJob(
             request_id="", layout=layout, latents=latents,
-            prompt_embeds=prompt.to(self.device, self.dtype).expand(num_images, -1, -1),
-            ref_tokens=None if refs is None else refs.to(self.device, self.dtype).expand(num_images, -1, -1),
+            prompt_embeds=prompt.to(self.device, self.dtype).expand(req.num_images, -1, -1),
+            ref_tokens=None if refs is None else refs.to(self.device, self.dtype).expand(req.num_images, -1, -1),
             timesteps=timesteps.tolist(), sigmas=sigmas.tolist(), on_done=lambda *_: None,
         )
 
@@ -281,14 +186,14 @@ class DenoiseComponent(_Component):
         noise = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
         return noise.reshape(num_images, shape[1], -1).permute(0, 2, 1)
 
-    def finish(self, latents: torch.Tensor) -> Inputs:
+    def finish(self, layout: Layout, latents: torch.Tensor) -> Inputs:
         return {g.LATENTS: latents.float().cpu()}
 
 
 # VAE decode
 
 
-class VaeDecodeComponent(_Component):
+class VaeDecodeComponent(Component):
     def __init__(self, model: VaeDecoder, device: str, max_batch: int, max_area: int):
         self.model, self.device, self.max_area = model, torch.device(device), max_area
         self.multiple = 2 * model.config.scale_factor

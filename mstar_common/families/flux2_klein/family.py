@@ -1,66 +1,34 @@
-"""The FLUX.2 [klein] family (4B and 9B checkpoints in diffusers layout): deployment checks and the builders of
-its walk and four components. The graph and the request path are drawn in `graph.py`."""
+"""The FLUX.2 [klein] family (4B and 9B checkpoints in diffusers layout): the builders of
+its walk and four components. The graph and the request path are drawn in `graph.py`;
+the deployment checks are the image families' (`mstar_common/diffusion/image_family.py`)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError
-from mstar_common.families.base import Family
+from mstar_common.diffusion import image_family
+from mstar_common.diffusion.image_family import Builder, ImageFamily, tiny_builder
 from mstar_common.families.flux2_klein.graph import GRAPH
-from mstar_common.families.flux2_klein.options import Flux2KleinOptions, options_from_kwargs
-
-logger = logging.getLogger(__name__)
+from mstar_common.families.flux2_klein.options import Flux2KleinOptions
 
 
-def _build_tiny(out_dir: Path) -> Path:
-    from mstar_common.families.flux2_klein.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(out_dir)
-
-
-class Flux2KleinFamily(Family):
+class Flux2KleinFamily(ImageFamily):
     name: ClassVar[str] = "flux2_klein"
     graph = GRAPH
-    proxy_kind: ClassVar[str] = "image"
-    builtin_checkpoints: ClassVar[dict[str, Any]] = {"flux2-klein-tiny": _build_tiny}
+    builtin_checkpoints: ClassVar[dict[str, Any]] = {"flux2-klein-tiny": tiny_builder("flux2_klein")}
 
-    def validate_deployment(self, dep: Deployment, source: str) -> None:
-        options_from_kwargs(dep.model_kwargs, source)
-        for name, comp in dep.components.items():
-            if comp.cuda_graphs and name != "denoise":
-                raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step is captured")
-        if dep.components["walk"].placement.device != "cpu":
-            raise DeploymentError(f"{source}: components.walk.placement: the walk router runs on the cpu")
-
-    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
-        options = options_from_kwargs(dep.model_kwargs, dep.name)
-        builders = {"walk": _walk, "text_encoder": _text_encoder, "vae_encode": _vae_encode, "denoise": _denoise,
-                    "vae_decode": _vae_decode}
-        if component not in builders:
-            raise KeyError(f"flux2_klein has no component {component!r}; it has {sorted(builders)}")
-        from mstar_common.families.flux2_klein import loader
-
-        loader.check_pipeline(checkpoint)
-        runtime = builders[component](dep, options, checkpoint, device)
-        logger.info("[flux2_klein/%s] loaded %s on %s (%s)", component, checkpoint.name, device,
-                    options.dtype_for(device))
-        return runtime
+    def builders(self) -> dict[str, Builder]:
+        return {"walk": _walk, "text_encoder": _text_encoder, "vae_encode": _vae_encode, "denoise": _denoise,
+                "vae_decode": _vae_decode}
 
 
 def _walk(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):
-    from transformers import AutoTokenizer
-
     from ensembles.flux2_klein import Flux2KleinWalk
     from mstar_common.families.flux2_klein.loader import vae_config
 
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / "tokenizer"))
-    if tokenizer.pad_token_id is None:
-        raise DeploymentError("checkpoint tokenizer has no pad token; the text encoder input is padded to 512")
-    if getattr(tokenizer, "padding_side", "right") != "right":
-        tokenizer.padding_side = "right"  # the text encoder masks a right-padded tail (text_len)
+    tokenizer = image_family.load_walk_tokenizer(checkpoint)
     return Flux2KleinWalk(tokenizer, options, multiple=2 * vae_config(checkpoint).scale_factor)
 
 
@@ -102,12 +70,10 @@ def _denoise(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, devi
     from mstar_common.families.flux2_klein.components import DenoiseComponent, DenoiseLimits
     from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config, vae_config
 
-    limits = DenoiseLimits(multiple=2 * vae_config(checkpoint).scale_factor, max_area=options.max_image_area,
-                           max_images=options.max_images_per_request, max_steps=options.max_inference_steps,
-                           default_steps=options.default_num_inference_steps)
+    limits = DenoiseLimits.from_options(options, multiple=2 * vae_config(checkpoint).scale_factor)
     model = load_transformer(checkpoint, options.dtype_for(device), device)
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
-    if dep.components["denoise"].cuda_graphs and device.startswith("cuda"):
+    if image_family.captures_denoise(dep, device):
         capture_denoise_graphs(runtime, options)
     return runtime
 

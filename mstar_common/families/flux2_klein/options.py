@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from mstar_common.config import DeploymentError
-from mstar_common.images import parse_size
+from mstar_common.diffusion import image_options
+from mstar_common.diffusion.image_options import DTYPES, default_dtype, is_int
+
+__all__ = ["DTYPES", "TEXT_TOKENS", "Flux2KleinOptions", "options_from_kwargs"]
 
 TEXT_TOKENS = 512  # the text encoder's fixed input length (prompts are padded to it, never truncated)
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,70 +37,18 @@ class Flux2KleinOptions:
         return self.capture_sizes if self.capture_edit_sizes is None else self.capture_edit_sizes
 
     def dtype_for(self, device: str) -> str:
-        return self.dtype or ("float32" if device == "cpu" else "bfloat16")
+        return default_dtype(self.dtype, device)
 
 
 def options_from_kwargs(kwargs: dict[str, Any], source: str) -> Flux2KleinOptions:
-    names = {f.name: f for f in dataclasses.fields(Flux2KleinOptions)}
-    if unknown := sorted(set(kwargs) - set(names)):
-        raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {sorted(names)}")
-    values = {}
-    for key, value in kwargs.items():
-        values[key] = _check(key, value, f"{source}: model_kwargs.{key}")
-    options = Flux2KleinOptions(**values)
-    _check_relations(options, source)
-    return options
+    return image_options.options_from_kwargs(Flux2KleinOptions, kwargs, source, _check)
 
 
 def _check(key: str, value: Any, where: str) -> Any:
-    if key == "dtype":
-        if value is not None and value not in DTYPES:
-            raise DeploymentError(f"{where}: must be one of {list(DTYPES)}, got {value!r}")
-        return value
     if key == "text_encoder_out_layers":
-        if not isinstance(value, list) or not value or not all(_is_int(v) and v >= 1 for v in value):
+        if not isinstance(value, list) or not value or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a non-empty list of layer numbers >= 1, got {value!r}")
         return tuple(value)
-    if key in ("default_size",):
-        return _size(value, where)
-    if key in ("capture_sizes", "capture_edit_sizes"):
-        if value is None and key == "capture_edit_sizes":
-            return None
-        if not isinstance(value, list):
-            raise DeploymentError(f"{where}: must be a list of 'WxH' sizes, got {value!r}")
-        return [_size(v, where) for v in value]
-    if key == "capture_batch_sizes":
-        if not isinstance(value, list) or not all(_is_int(v) and v >= 1 for v in value):
-            raise DeploymentError(f"{where}: must be a list of batch sizes >= 1, got {value!r}")
-        return value
-    if not _is_int(value) or value < 1:
-        raise DeploymentError(f"{where}: must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _check_relations(options: Flux2KleinOptions, source: str) -> None:
-    where = f"{source}: model_kwargs"
-    if options.default_num_inference_steps > options.max_inference_steps:
-        raise DeploymentError(f"{where}.default_num_inference_steps: {options.default_num_inference_steps} exceeds "
-                              f"max_inference_steps={options.max_inference_steps}")
-    if options.max_images_per_request > options.max_batch_size:
-        raise DeploymentError(f"{where}.max_images_per_request: {options.max_images_per_request} exceeds "
-                              f"max_batch_size={options.max_batch_size} (a request's images step together)")
-    if options.max_images_per_request > options.vae_max_batch:
-        raise DeploymentError(f"{where}.max_images_per_request: {options.max_images_per_request} exceeds "
-                              f"vae_max_batch={options.vae_max_batch} (a request's images decode together)")
-    if any(b > options.max_batch_size for b in options.capture_batch_sizes):
-        raise DeploymentError(f"{where}.capture_batch_sizes: {options.capture_batch_sizes} has sizes above "
-                              f"max_batch_size={options.max_batch_size}; such graphs would never replay")
-
-
-def _size(value: Any, where: str) -> str:
-    try:
-        width, height = parse_size(value)
-    except ValueError as exc:
-        raise DeploymentError(f"{where}: {exc}") from None
-    return f"{width}x{height}"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    if key == "capture_edit_sizes":
+        return None if value is None else image_options.check_sizes(value, where)
+    return image_options.check_value(key, value, where)

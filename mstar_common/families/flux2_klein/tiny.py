@@ -9,15 +9,11 @@ the real model, the encoder's last layer is never run. Deterministic for a given
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from mstar_common.diffusion.tiny_checkpoint import save_pipeline_once, tiny_qwen3
 
 TINY_TAPS = (1, 2, 3)
 _TEXT = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
@@ -29,8 +25,6 @@ VAE = {"block_out_channels": (8, 16, 16, 16), "layers_per_block": 1, "latent_cha
        "sample_size": 64}
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
              "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096, "time_shift_type": "exponential"}
-_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "text_encoder/config.json",
-             "tokenizer/tokenizer.json", "scheduler/scheduler_config.json")
 
 
 def build_tiny_pipeline(seed: int = 0):
@@ -41,19 +35,14 @@ def build_tiny_pipeline(seed: int = 0):
         Flux2KleinPipeline,
         Flux2Transformer2DModel,
     )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    from mstar_common.families.qwen3.tiny import VOCAB_MULTIPLE, build_tokenizer
+    from mstar_common.families.qwen3.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        text_encoder = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, max_position_embeddings=1024,
-            rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=endoftext,
-            initializer_range=0.2, **_TEXT,
-        )).eval()
+        text_encoder = tiny_qwen3(Qwen3ForCausalLM, tokenizer, _TEXT)
         transformer = Flux2Transformer2DModel(**TRANSFORMER).eval()
         vae = AutoencoderKLFlux2(**VAE).eval()
         channels = vae.bn.running_mean.shape[0]  # non-trivial latent statistics, so (de)normalisation is tested
@@ -65,26 +54,6 @@ def build_tiny_pipeline(seed: int = 0):
 
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny pipeline to `out_dir` in diffusers layout (if not there yet) and return the path.
-
-    Concurrent callers are safe: each builds in a temporary directory and renames it into place."""
-    out = Path(out_dir)
-    if _is_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        build_tiny_pipeline(seed).save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_complete(out):
-                raise
-            logger.debug("another caller built %s first", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _is_complete(path: Path) -> bool:
-    return all((path / name).exists() for name in _REQUIRED)
+    """Write the tiny pipeline to `out_dir` in diffusers layout (if not there yet) and return the path; safe under
+    concurrent callers."""
+    return save_pipeline_once(out_dir, lambda: build_tiny_pipeline(seed))

@@ -1,52 +1,26 @@
 """The Z-Image-Turbo family (diffusers layout: Qwen3-4B caption encoder, 6B single-stream DiT, FLUX.1 VAE):
-deployment checks and the builders of its walk and three components. The graph is drawn in `graph.py`."""
+the builders of its walk and three components. The graph is drawn in `graph.py`; the deployment checks are the
+image families' (`mstar_common/diffusion/image_family.py`)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError
-from mstar_common.families.base import Family
+from mstar_common.diffusion import image_family
+from mstar_common.diffusion.image_family import Builder, ImageFamily, tiny_builder
 from mstar_common.families.z_image_turbo.graph import GRAPH
-from mstar_common.families.z_image_turbo.options import ZImageTurboOptions, options_from_kwargs
-
-logger = logging.getLogger(__name__)
+from mstar_common.families.z_image_turbo.options import ZImageTurboOptions
 
 
-def _build_tiny(out_dir: Path) -> Path:
-    from mstar_common.families.z_image_turbo.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(out_dir)
-
-
-class ZImageTurboFamily(Family):
+class ZImageTurboFamily(ImageFamily):
     name: ClassVar[str] = "z_image_turbo"
     graph = GRAPH
-    proxy_kind: ClassVar[str] = "image"
-    builtin_checkpoints: ClassVar[dict[str, Any]] = {"z-image-turbo-tiny": _build_tiny}
+    builtin_checkpoints: ClassVar[dict[str, Any]] = {"z-image-turbo-tiny": tiny_builder("z_image_turbo")}
 
-    def validate_deployment(self, dep: Deployment, source: str) -> None:
-        options_from_kwargs(dep.model_kwargs, source)
-        for name, comp in dep.components.items():
-            if comp.cuda_graphs and name != "denoise":
-                raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step is captured")
-        if dep.components["walk"].placement.device != "cpu":
-            raise DeploymentError(f"{source}: components.walk.placement: the walk router runs on the cpu")
-
-    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
-        options = options_from_kwargs(dep.model_kwargs, dep.name)
-        builders = {"walk": _walk, "text_encoder": _text_encoder, "denoise": _denoise, "vae_decode": _vae_decode}
-        if component not in builders:
-            raise KeyError(f"z_image_turbo has no component {component!r}; it has {sorted(builders)}")
-        from mstar_common.families.z_image_turbo import loader
-
-        loader.check_pipeline(checkpoint)
-        runtime = builders[component](dep, options, checkpoint, device)
-        logger.info("[z_image_turbo/%s] loaded %s on %s (%s)", component, checkpoint.name, device,
-                    options.dtype_for(device))
-        return runtime
+    def builders(self) -> dict[str, Builder]:
+        return {"walk": _walk, "text_encoder": _text_encoder, "denoise": _denoise, "vae_decode": _vae_decode}
 
 
 def _multiple(checkpoint: Path) -> int:
@@ -57,16 +31,9 @@ def _multiple(checkpoint: Path) -> int:
 
 
 def _walk(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
-    from transformers import AutoTokenizer
-
     from ensembles.z_image_turbo import ZImageTurboWalk
 
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / "tokenizer"))
-    if tokenizer.pad_token_id is None:
-        raise DeploymentError("checkpoint tokenizer has no pad token; the text encoder input is padded to 512")
-    if getattr(tokenizer, "padding_side", "right") != "right":
-        tokenizer.padding_side = "right"  # the text encoder keeps the first text_len rows
-    return ZImageTurboWalk(tokenizer, options, multiple=_multiple(checkpoint))
+    return ZImageTurboWalk(image_family.load_walk_tokenizer(checkpoint), options, multiple=_multiple(checkpoint))
 
 
 def _text_encoder(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
@@ -93,12 +60,10 @@ def _denoise(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, dev
     from mstar_common.families.z_image_turbo.components import DenoiseComponent, DenoiseLimits
     from mstar_common.families.z_image_turbo.loader import load_transformer, scheduler_config
 
-    limits = DenoiseLimits(multiple=_multiple(checkpoint), max_area=options.max_image_area,
-                           max_images=options.max_images_per_request, max_steps=options.max_inference_steps,
-                           default_steps=options.default_num_inference_steps)
+    limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
     model = load_transformer(checkpoint, options.dtype_for(device), device)
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
-    if dep.components["denoise"].cuda_graphs and device.startswith("cuda"):
+    if image_family.captures_denoise(dep, device):
         capture_denoise_graphs(runtime, options)
     return runtime
 

@@ -11,41 +11,22 @@
 No reference-image conditioning: a request carrying reference images (/v1/images/edits) is refused by the walk.
 """
 
+from mstar_common.diffusion import image_graph as w
+from mstar_common.diffusion.image_graph import TEXT_ENCODER, WALK
 from mstar_common.graph import Component, FamilyGraph, Loop, Sequential, Step, TensorSpec, Walk
 
-# walk (entry) wire tensors: the proxy's image inputs (mstar_common/wire.py)
-PROMPT, WIDTH, HEIGHT, NUM_IMAGES, SEED, NUM_STEPS = "prompt", "width", "height", "num_images", "seed", \
-    "num_inference_steps"
-REFERENCE_IMAGES, OUTPUT_FORMAT, PNG_LEVEL, COMPRESSION = "reference_images", "output_format", "png_compress_level", \
-    "output_compression"
-IMAGES = "images"
-# component wire tensors
-INPUT_IDS, TEXT_LEN, PROMPT_EMBEDS, LATENTS, PIXELS = "input_ids", "text_len", "prompt_embeds", "latents", "pixels"
+# The wire tensors (w.*) and the walk and text encoder components are shared by the image families.
 
-_SIZE = (TensorSpec(WIDTH, "INT32"), TensorSpec(HEIGHT, "INT32"))
-
-WALK = Component(
-    "walk", "walk_router",
-    inputs=(TensorSpec(PROMPT, "BYTES"), *_SIZE, TensorSpec(NUM_IMAGES, "INT32"), TensorSpec(SEED, "INT64"),
-            TensorSpec(NUM_STEPS, "INT32"), TensorSpec(REFERENCE_IMAGES, "BYTES", (-1,)),
-            TensorSpec(OUTPUT_FORMAT, "BYTES"), TensorSpec(PNG_LEVEL, "INT32"), TensorSpec(COMPRESSION, "INT32")),
-    outputs=(TensorSpec(IMAGES, "BYTES", (-1,)), TensorSpec(SEED, "INT64")),
-)
-TEXT_ENCODER = Component(
-    "text_encoder", "stateless",
-    inputs=(TensorSpec(INPUT_IDS, "INT32", (-1,)), TensorSpec(TEXT_LEN, "INT32")),
-    outputs=(TensorSpec(PROMPT_EMBEDS, "FP32", (-1, -1)),),
-)
 DENOISE = Component(
     "denoise", "denoise_loop",
-    inputs=(TensorSpec(PROMPT_EMBEDS, "FP32", (-1, -1)), *_SIZE, TensorSpec(NUM_IMAGES, "INT32"),
-            TensorSpec(SEED, "INT64"), TensorSpec(NUM_STEPS, "INT32")),
-    outputs=(TensorSpec(LATENTS, "FP32", (-1, -1, -1, -1)),),
+    inputs=(TensorSpec(w.PROMPT_EMBEDS, "FP32", (-1, -1)), *w.SIZE, TensorSpec(w.NUM_IMAGES, "INT32"),
+            TensorSpec(w.SEED, "INT64"), TensorSpec(w.NUM_STEPS, "INT32")),
+    outputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1, -1)),),
 )
 VAE_DECODE = Component(
     "vae_decode", "stateless",
-    inputs=(TensorSpec(LATENTS, "FP32", (-1, -1, -1, -1)), *_SIZE),
-    outputs=(TensorSpec(PIXELS, "UINT8", (-1, -1, -1, 3)),),
+    inputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1, -1)), *w.SIZE),
+    outputs=(TensorSpec(w.PIXELS, "UINT8", (-1, -1, -1, 3)),),
 )
 
 GRAPH = FamilyGraph(

@@ -7,9 +7,9 @@
                  tokenizer/    tokenizer.json, tokenizer_config.json, chat template
                  scheduler/    scheduler_config.json
 
-Coverage is checked both ways (see `flux2_klein.loader.load_module`), except for the tensors a component
-knowingly skips: the text encoder's last layer, final norm and LM head (the pipeline reads the second-to-last
-hidden state) and the VAE encoder. The text encoder may be saved as `Qwen3Model` (`layers.N...`) or
+Coverage is checked both ways (see `mstar_common/diffusion/diffusers_checkpoint.load_module`), except for the
+tensors a component knowingly skips: the text encoder's last layer, final norm and LM head (the pipeline reads the
+second-to-last hidden state) and the VAE encoder. The text encoder may be saved as `Qwen3Model` (`layers.N...`) or
 `Qwen3ForCausalLM` (`model.layers.N...`).
 """
 
@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mstar_common.families.flux2_klein.loader import load_module, read_json
+from mstar_common.diffusion import diffusers_checkpoint
+from mstar_common.diffusion.diffusers_checkpoint import check_pipeline_class, load_module, read_json
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
 from mstar_common.families.qwen3.modeling import Qwen3Config
 from mstar_common.families.z_image_turbo.scheduler import ZImageSchedulerConfig
@@ -31,18 +32,11 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def check_pipeline(root: Path) -> dict[str, Any]:
-    index = read_json(root / "model_index.json")
-    if index.get("_class_name") not in PIPELINE_CLASSES:
-        raise ValueError(f"model_index.json _class_name={index.get('_class_name')!r}: z_image_turbo serves "
-                         f"{list(PIPELINE_CLASSES)}")
-    return index
+    return check_pipeline_class(root, PIPELINE_CLASSES, "z_image_turbo")
 
 
 def text_encoder_config(root: Path) -> Qwen3Config:
-    raw = read_json(root / "text_encoder" / "config.json")
-    if raw.get("model_type") != "qwen3":
-        raise ValueError(f"text_encoder/config.json model_type={raw.get('model_type')!r}: only 'qwen3' is supported")
-    return Qwen3Config.from_hf(raw)
+    return diffusers_checkpoint.qwen3_text_encoder_config(root)
 
 
 def caption_layer(config: Qwen3Config) -> int:
@@ -89,5 +83,4 @@ def load_transformer(root: Path, dtype: str, device: str) -> ZImageTransformer:
 
 def load_vae_decoder(root: Path, dtype: str, device: str) -> VaeDecoder:
     config = vae_config(root)
-    return load_module(lambda: VaeDecoder(config), root / "vae", "diffusion_pytorch_model",
-                       lambda name: name.startswith(("encoder.", "quant_conv.")), dtype, device)
+    return diffusers_checkpoint.load_vae_decoder(lambda: VaeDecoder(config), root, dtype, device)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from mstar_common.config import DeploymentError
-from mstar_common.images import parse_size
+from mstar_common.diffusion import image_options
+from mstar_common.diffusion.image_options import DTYPES, default_dtype, is_int
+
+__all__ = ["CAPTION_BUCKET", "DTYPES", "TEXT_TOKENS", "ZImageTurboOptions", "options_from_kwargs"]
 
 TEXT_TOKENS = 512  # the caption encoder's input length (prompts are padded to it, never truncated)
-DTYPES = ("float32", "bfloat16", "float16")
 CAPTION_BUCKET = 32  # the DiT pads captions to a multiple of this; rows batch per bucket
 
 
@@ -30,62 +31,19 @@ class ZImageTurboOptions:
     capture_caption_tokens: list[int] = field(default_factory=lambda: [64, 128])  # padded caption lengths
 
     def dtype_for(self, device: str) -> str:
-        return self.dtype or ("float32" if device == "cpu" else "bfloat16")
+        return default_dtype(self.dtype, device)
 
 
 def options_from_kwargs(kwargs: dict[str, Any], source: str) -> ZImageTurboOptions:
-    names = {f.name for f in dataclasses.fields(ZImageTurboOptions)}
-    if unknown := sorted(set(kwargs) - names):
-        raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {sorted(names)}")
-    options = ZImageTurboOptions(**{key: _check(key, value, f"{source}: model_kwargs.{key}")
-                                    for key, value in kwargs.items()})
-    _check_relations(options, f"{source}: model_kwargs")
-    return options
+    return image_options.options_from_kwargs(ZImageTurboOptions, kwargs, source, _check)
 
 
 def _check(key: str, value: Any, where: str) -> Any:
-    if key == "dtype":
-        if value is not None and value not in DTYPES:
-            raise DeploymentError(f"{where}: must be one of {list(DTYPES)}, got {value!r}")
-        return value
-    if key == "default_size":
-        return _size(value, where)
-    if key == "capture_sizes":
-        if not isinstance(value, list):
-            raise DeploymentError(f"{where}: must be a list of 'WxH' sizes, got {value!r}")
-        return [_size(v, where) for v in value]
-    if key in ("capture_batch_sizes", "capture_caption_tokens"):
-        if not isinstance(value, list) or not all(_is_int(v) and v >= 1 for v in value):
+    if key == "capture_caption_tokens":
+        if not isinstance(value, list) or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a list of integers >= 1, got {value!r}")
-        if key == "capture_caption_tokens" and any(v % CAPTION_BUCKET or v > TEXT_TOKENS for v in value):
+        if any(v % CAPTION_BUCKET or v > TEXT_TOKENS for v in value):
             raise DeploymentError(f"{where}: padded caption lengths are multiples of {CAPTION_BUCKET} up to "
                                   f"{TEXT_TOKENS}, got {value!r}")
         return value
-    if not _is_int(value) or value < 1:
-        raise DeploymentError(f"{where}: must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _check_relations(options: ZImageTurboOptions, where: str) -> None:
-    if options.default_num_inference_steps > options.max_inference_steps:
-        raise DeploymentError(f"{where}.default_num_inference_steps: {options.default_num_inference_steps} exceeds "
-                              f"max_inference_steps={options.max_inference_steps}")
-    for other in ("max_batch_size", "vae_max_batch"):
-        if options.max_images_per_request > getattr(options, other):
-            raise DeploymentError(f"{where}.max_images_per_request: {options.max_images_per_request} exceeds "
-                                  f"{other}={getattr(options, other)} (a request's images step and decode together)")
-    if any(b > options.max_batch_size for b in options.capture_batch_sizes):
-        raise DeploymentError(f"{where}.capture_batch_sizes: {options.capture_batch_sizes} has sizes above "
-                              f"max_batch_size={options.max_batch_size}; such graphs would never replay")
-
-
-def _size(value: Any, where: str) -> str:
-    try:
-        width, height = parse_size(value)
-    except ValueError as exc:
-        raise DeploymentError(f"{where}: {exc}") from None
-    return f"{width}x{height}"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return image_options.check_value(key, value, where)

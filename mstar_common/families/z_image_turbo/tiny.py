@@ -11,15 +11,11 @@ so the parity tests see them. Deterministic for a given seed; builds in ~2 s.
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from mstar_common.diffusion.tiny_checkpoint import save_pipeline_once, tiny_qwen3
 
 TEXT = {"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 8}
@@ -31,26 +27,19 @@ VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlo
        "latent_channels": 16, "norm_num_groups": 4, "sample_size": 64, "scaling_factor": 0.3611,
        "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False}
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
-_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "text_encoder/config.json",
-             "tokenizer/tokenizer.json", "scheduler/scheduler_config.json")
 
 
 def build_tiny_pipeline(seed: int = 0):
     """The tiny `ZImagePipeline` (in memory, fp32, eval)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
-    from mstar_common.families.qwen3.tiny import VOCAB_MULTIPLE, build_tokenizer
+    from mstar_common.families.qwen3.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        text_encoder = Qwen3Model(Qwen3Config(
-            vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, max_position_embeddings=1024,
-            rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=endoftext,
-            initializer_range=0.2, **TEXT,
-        )).eval()
+        text_encoder = tiny_qwen3(Qwen3Model, tokenizer, TEXT)
         transformer = ZImageTransformer2DModel(**TRANSFORMER).eval()
         with torch.no_grad():
             for name, param in transformer.named_parameters():
@@ -65,26 +54,6 @@ def build_tiny_pipeline(seed: int = 0):
 
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny pipeline to `out_dir` in diffusers layout (if not there yet) and return the path.
-
-    Concurrent callers are safe: each builds in a temporary directory and renames it into place."""
-    out = Path(out_dir)
-    if _is_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        build_tiny_pipeline(seed).save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_complete(out):
-                raise
-            logger.debug("another caller built %s first", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _is_complete(path: Path) -> bool:
-    return all((path / name).exists() for name in _REQUIRED)
+    """Write the tiny pipeline to `out_dir` in diffusers layout (if not there yet) and return the path; safe under
+    concurrent callers."""
+    return save_pipeline_once(out_dir, lambda: build_tiny_pipeline(seed))

@@ -1,0 +1,114 @@
+"""What the image walks share: reading the entry tensors, the request fields every image family takes (prompt,
+size, n, steps, seed, output knobs; a ValueError names the field and the rule) and the chat-template tokenizer
+padded to the text encoder's fixed input. The families add their own fields and hops."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mstar_common.diffusion import image_graph as g
+from mstar_common.images import OutputOptions, check_geometry, output_options, parse_size
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(slots=True)
+class ImageRequest:
+    prompt: str
+    width: int | None  # None: the family picks (default size, or a reference's)
+    height: int | None
+    num_images: int
+    seed: int
+    num_steps: int
+    output: OutputOptions
+    references: list[bytes] = field(default_factory=list)  # encoded uploads, in order
+
+
+class ImageWalk:
+    """Base of an image family's walk; `options` carries the family's `model_kwargs` (sizes, limits, defaults)."""
+
+    input_names = tuple(spec.name for spec in g.WALK.inputs)
+    text_tokens: int = 512  # the text encoder's fixed input length (prompts are padded to it, never truncated)
+    enable_thinking: bool = False  # the chat template's thinking switch, as the reference pipeline sets it
+
+    def __init__(self, tokenizer: Any, options: Any, multiple: int):
+        self.tokenizer = tokenizer
+        self.options = options
+        self.multiple = multiple  # pixels per token side
+
+    def parse_common(self, inputs: dict[str, np.ndarray]) -> ImageRequest:
+        opts = self.options
+        prompt = text(inputs, g.PROMPT)
+        if prompt is None or not prompt.strip():
+            raise ValueError("prompt: required and must not be empty")
+        width, height = integer(inputs, g.WIDTH), integer(inputs, g.HEIGHT)
+        if (width is None) != (height is None):
+            raise ValueError("size: give both width and height, or neither")
+        if width is not None:
+            check_geometry(width, height, self.multiple, opts.max_image_area)
+        num_images = ranged(inputs, g.NUM_IMAGES, "n", 1, opts.max_images_per_request, 1)
+        steps = ranged(inputs, g.NUM_STEPS, "num_inference_steps", 1, opts.max_inference_steps,
+                       opts.default_num_inference_steps)
+        seed = ranged(inputs, g.SEED, "seed", 0, MAX_SEED, None)
+        output = output_options(text(inputs, g.OUTPUT_FORMAT), integer(inputs, g.PNG_LEVEL),
+                                integer(inputs, g.COMPRESSION))
+        return ImageRequest(prompt, width, height, num_images, secrets.randbelow(MAX_SEED) if seed is None else seed,
+                            steps, output)
+
+    def default_size(self) -> tuple[int, int]:
+        width, height = parse_size(self.options.default_size)
+        check_geometry(width, height, self.multiple, self.options.max_image_area)
+        return width, height
+
+    def tokenize(self, prompt: str) -> tuple[np.ndarray, int]:
+        messages = [{"role": "user", "content": prompt}]
+        chat = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=self.enable_thinking)
+        encoded = self.tokenizer(chat, padding="max_length", max_length=self.text_tokens, truncation=False)
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        if len(ids) > self.text_tokens:
+            raise ValueError(f"prompt: {len(ids)} tokens with the chat template exceed the text encoder's "
+                             f"{self.text_tokens}-token input; shorten the prompt")
+        return np.asarray(ids, dtype=np.int32), int(sum(mask))
+
+
+def i32(value: int) -> np.ndarray:
+    return np.array([value], dtype=np.int32)
+
+
+def scalar(inputs: dict[str, np.ndarray], name: str) -> Any:
+    if name not in inputs:
+        return None
+    values = np.asarray(inputs[name]).reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"{name}: expected one value, got {values.size}")
+    return values[0]
+
+
+def text(inputs: dict[str, np.ndarray], name: str) -> str | None:
+    value = scalar(inputs, name)
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{name}: must be UTF-8 text") from None
+    return None if value is None else str(value)
+
+
+def integer(inputs: dict[str, np.ndarray], name: str) -> int | None:
+    value = scalar(inputs, name)
+    return None if value is None else int(value)
+
+
+def ranged(inputs: dict[str, np.ndarray], name: str, label: str, low: int, high: int,
+           default: int | None) -> int | None:
+    value = integer(inputs, name)
+    if value is None:
+        return default
+    if not low <= value <= high:
+        raise ValueError(f"{label}: must be in [{low}, {high}], got {value}")
+    return value

@@ -1,0 +1,198 @@
+"""What the image families' components share: a runtime's `submit` (parse, then enqueue), the padded-prompt text
+encoder, the denoise request's limits and scalars, and a stepper that replays a captured graph when a bucket fits
+and keeps a bounded RoPE cache per layout. The families supply the forward passes, layouts and noise.
+
+Each runtime exposes `engine` (start / submit / shutdown / stats) and `submit(request_id, inputs, on_done,
+is_cancelled)`; `backends/stateless_node.py` and `backends/denoise_node.py` wrap them for Triton, and the
+in-process harness (tests, benchmark) calls them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar_common.diffusion import image_graph as g
+from mstar_common.diffusion.batcher import BatchingEngine, OnDone
+from mstar_common.diffusion.denoise import DenoiseJob
+from mstar_common.diffusion.step_graphs import StepGraphs, StepShapes
+from mstar_common.images import check_geometry
+
+Inputs = dict[str, torch.Tensor]
+MAX_SEED = 2**63 - 1
+MAX_CACHED_LAYOUTS = 64  # RoPE tables kept (a captured layout's graph holds its own)
+
+
+def scalar(inputs: Inputs, name: str, default: int | None = None) -> int:
+    if name not in inputs:
+        if default is None:
+            raise ValueError(f"{name}: required")
+        return default
+    value = inputs[name].reshape(-1)
+    if value.numel() != 1:
+        raise ValueError(f"{name}: expected one value, got {value.numel()}")
+    return int(value[0])
+
+
+class Component:
+    engine: Any
+
+    def parse(self, inputs: Inputs) -> Any:
+        raise NotImplementedError
+
+    def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Parse (a ValueError here is the client's fault) and enqueue; `on_done(outputs, error)` follows."""
+        self.engine.submit(request_id, self.parse(inputs), on_done, is_cancelled)
+
+
+# text encoder
+
+
+class TextEncoderComponent(Component):
+    """A text encoder over `text_tokens` padded ids and each row's real length; answers the whole padded rows
+    (`embeds` may trim them)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, device: str, max_batch: int, text_tokens: int):
+        self.model, self.device, self.text_tokens = model, torch.device(device), text_tokens
+        self.vocab_size = model.config.vocab_size
+        self.engine = BatchingEngine(name, self.run_batch, max_rows=max_batch)
+
+    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int]:
+        ids, num = inputs.get(g.INPUT_IDS), self.text_tokens
+        if ids is None or ids.numel() != num:
+            raise ValueError(f"{g.INPUT_IDS}: the text encoder takes exactly {num} (padded) ids")
+        if g.TEXT_LEN not in inputs:
+            raise ValueError(f"{g.TEXT_LEN}: the text encoder needs each row's text_len (its number of real "
+                             "tokens before the padding) to mask the padding")
+        text_len = scalar(inputs, g.TEXT_LEN)
+        if not 1 <= text_len <= num:
+            raise ValueError(f"{g.TEXT_LEN}: must be in [1, {num}], got {text_len}")
+        ids = ids.reshape(-1).to(torch.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"{g.INPUT_IDS}: ids must be in [0, {self.vocab_size})")
+        return ids, text_len
+
+    @torch.inference_mode()
+    def run_batch(self, payloads: list[tuple[torch.Tensor, int]]) -> list[Inputs]:
+        ids = torch.stack([p[0] for p in payloads]).to(self.device)
+        lens = torch.tensor([p[1] for p in payloads], device=self.device)
+        out = self.model(ids, lens).float().cpu()
+        return [{g.PROMPT_EMBEDS: self.embeds(row, length)} for row, (_, length) in zip(out, payloads, strict=True)]
+
+    def embeds(self, row: torch.Tensor, text_len: int) -> torch.Tensor:
+        return row
+
+
+# denoise
+
+
+@dataclass(frozen=True, slots=True)
+class DenoiseLimits:
+    multiple: int  # pixels per token side
+    max_area: int
+    max_images: int
+    max_steps: int
+    default_steps: int
+
+    @classmethod
+    def from_options(cls, options: Any, multiple: int) -> DenoiseLimits:
+        """The limits of an image family's options (`max_image_area`, `max_images_per_request`, ...)."""
+        return cls(multiple=multiple, max_area=options.max_image_area, max_images=options.max_images_per_request,
+                   max_steps=options.max_inference_steps, default_steps=options.default_num_inference_steps)
+
+
+@dataclass(frozen=True, slots=True)
+class DenoiseScalars:
+    width: int
+    height: int
+    num_images: int
+    num_steps: int
+    seed: int
+
+
+def parse_denoise_scalars(inputs: Inputs, lim: DenoiseLimits) -> DenoiseScalars:
+    """Size, n, steps and seed of a denoise request, each refused with a ValueError naming the field."""
+    width, height = scalar(inputs, g.WIDTH), scalar(inputs, g.HEIGHT)
+    check_geometry(width, height, lim.multiple, lim.max_area)
+    num_images = scalar(inputs, g.NUM_IMAGES, 1)
+    if not 1 <= num_images <= lim.max_images:
+        raise ValueError(f"n: must be in [1, {lim.max_images}], got {num_images}")
+    steps = scalar(inputs, g.NUM_STEPS, lim.default_steps)
+    if not 1 <= steps <= lim.max_steps:
+        raise ValueError(f"num_inference_steps: must be in [1, {lim.max_steps}], got {steps}")
+    seed = scalar(inputs, g.SEED)
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed: must be in [0, {MAX_SEED}], got {seed}")
+    return DenoiseScalars(width, height, num_images, steps, seed)
+
+
+class DenoiseComponent(Component):
+    """Base of a family's denoise runtime: `parse` builds a `DenoiseJob`, `finish` turns its latents into outputs."""
+
+    def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        job = self.parse(inputs)
+        job.request_id, job.is_cancelled = request_id, is_cancelled
+        job.on_done = lambda latents, error: on_done(None if error else self.finish(job.layout, latents), error)
+        self.engine.submit(job)
+
+    def parse(self, inputs: Inputs) -> DenoiseJob:
+        raise NotImplementedError
+
+    def finish(self, layout: Any, latents: torch.Tensor) -> Inputs:
+        raise NotImplementedError
+
+
+class BucketedStepper:
+    """The denoise engine's step: captured graph when a bucket fits, eager otherwise. RoPE tables per layout.
+
+    A family supplies `make_rope(layout)`, `step(rope, latents, prompt_embeds, ref_tokens, timesteps, dts)`,
+    `shapes(layout)` (the captured buffers) and `buffer_dtype`."""
+
+    buffer_dtype: torch.dtype
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model, self.device = model, device
+        self.graphs: StepGraphs | None = None
+        self._ropes: dict[Hashable, Any] = {}
+
+    def make_rope(self, layout: Any) -> Any:
+        raise NotImplementedError
+
+    def step(self, rope: Any, latents, prompt_embeds, ref_tokens, timesteps, dts) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shapes(self, layout: Any) -> StepShapes:
+        raise NotImplementedError
+
+    def rope(self, layout: Any) -> Any:
+        if layout not in self._ropes:
+            if len(self._ropes) >= MAX_CACHED_LAYOUTS:  # clients choose sizes and prompts: keep the cache bounded
+                self._ropes.pop(next(iter(self._ropes)))
+            self._ropes[layout] = self.make_rope(layout)
+        return self._ropes[layout]
+
+    def step_fn(self, layout: Any):
+        rope = self.rope(layout)
+
+        def step(latents, prompt_embeds, ref_tokens, timesteps, dts):
+            return self.step(rope, latents, prompt_embeds, ref_tokens, timesteps, dts)
+
+        return step
+
+    def __call__(self, layout: Any, latents, prompt_embeds, ref_tokens, timesteps, dts) -> torch.Tensor:
+        if self.graphs is not None:
+            out = self.graphs.run(layout, latents, prompt_embeds, ref_tokens, timesteps, dts)
+            if out is not None:
+                return out
+        return self.step_fn(layout)(latents, prompt_embeds, ref_tokens, timesteps, dts)
+
+    def capture(self, layouts: list[Any], batches: list[int], *, capture: bool = True) -> None:
+        step_fns = {layout: (self.step_fn(layout), self.shapes(layout)) for layout in layouts}
+        self.graphs = StepGraphs()
+        with torch.no_grad():  # not inference_mode: the static buffers must stay writable outside it
+            self.graphs.capture(step_fns, batches, dtype=self.buffer_dtype, device=self.device, capture=capture)

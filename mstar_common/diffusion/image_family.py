@@ -1,0 +1,88 @@
+"""What the image families share as a `Family`: the deployment checks (typed `model_kwargs`, CUDA graphs on the
+denoise step only, the walk router on the cpu), the component dispatch with its pipeline check and load log, and
+the walk's tokenizer.
+
+A family supplies its component builders; its package `mstar_common/families/<name>/` provides
+`options.options_from_kwargs`, `loader.check_pipeline` and `tiny.build_tiny_checkpoint` (imported when first
+used, so the registry imports no torch or diffusers)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mstar_common.config import Deployment, DeploymentError
+from mstar_common.families.base import Family
+
+logger = logging.getLogger(__name__)
+
+Builder = Callable[[Deployment, Any, Path, str], Any]  # (deployment, options, checkpoint, device) -> runtime
+
+
+class ImageFamily(Family):
+    proxy_kind: ClassVar[str] = "image"
+
+    @abstractmethod
+    def builders(self) -> dict[str, Builder]:
+        """Component name -> its builder."""
+
+    def options_from_kwargs(self, kwargs: dict[str, Any], source: str) -> Any:
+        """The family's typed `model_kwargs` (a DeploymentError names the key)."""
+        return family_module(self.name, "options").options_from_kwargs(kwargs, source)
+
+    def check_pipeline(self, checkpoint: Path) -> None:
+        """Refuse a checkpoint this family does not serve (model_index.json)."""
+        family_module(self.name, "loader").check_pipeline(checkpoint)
+
+    def validate_deployment(self, dep: Deployment, source: str) -> None:
+        self.options_from_kwargs(dep.model_kwargs, source)
+        for name, comp in dep.components.items():
+            if comp.cuda_graphs and name != "denoise":
+                raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step is captured")
+        if dep.components["walk"].placement.device != "cpu":
+            raise DeploymentError(f"{source}: components.walk.placement: the walk router runs on the cpu")
+
+    def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
+        options = self.options_from_kwargs(dep.model_kwargs, dep.name)
+        builders = self.builders()
+        if component not in builders:
+            raise KeyError(f"{self.name} has no component {component!r}; it has {sorted(builders)}")
+        self.check_pipeline(checkpoint)
+        runtime = builders[component](dep, options, checkpoint, device)
+        logger.info("[%s/%s] loaded %s on %s (%s)", self.name, component, checkpoint.name, device,
+                    options.dtype_for(device))
+        return runtime
+
+
+def captures_denoise(dep: Deployment, device: str) -> bool:
+    """Whether the denoise step is captured as CUDA graphs: asked for, and on a gpu."""
+    return dep.components["denoise"].cuda_graphs and device.startswith("cuda")
+
+
+def family_module(family: str, module: str) -> Any:
+    return importlib.import_module(f"mstar_common.families.{family}.{module}")
+
+
+def tiny_builder(family: str) -> Callable[[Path], Path]:
+    """`family`'s `tiny.build_tiny_checkpoint`, imported on the first build."""
+
+    def build(out_dir: Path) -> Path:
+        return family_module(family, "tiny").build_tiny_checkpoint(out_dir)
+
+    return build
+
+
+def load_walk_tokenizer(checkpoint: Path) -> Any:
+    """The checkpoint's tokenizer, padding on the right to the text encoder's fixed input."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / "tokenizer"))
+    if tokenizer.pad_token_id is None:
+        raise DeploymentError("checkpoint tokenizer has no pad token; the text encoder input is padded to 512")
+    if getattr(tokenizer, "padding_side", "right") != "right":
+        tokenizer.padding_side = "right"  # the text encoder reads each row's first text_len ids
+    return tokenizer

@@ -1,0 +1,83 @@
+"""Checks of the `model_kwargs` every image family takes (dtype, sizes, limits, batch and capture sizes): the
+family's options dataclass is filled from YAML here, unknown keys refused, and each error names the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from mstar_common.config import DeploymentError
+from mstar_common.images import parse_size
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+Options = TypeVar("Options")
+KeyCheck = Callable[[str, Any, str], Any]  # (key, YAML value, where) -> the field's value
+
+
+def options_from_kwargs(cls: type[Options], kwargs: dict[str, Any], source: str, check: KeyCheck) -> Options:
+    """`cls(**kwargs)`, each value through `check` (the family's keys, then `check_value`), then `check_relations`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(kwargs) - names):
+        raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    options = cls(**{key: check(key, value, f"{source}: model_kwargs.{key}") for key, value in kwargs.items()})
+    check_relations(options, f"{source}: model_kwargs")
+    return options
+
+
+def check_value(key: str, value: Any, where: str) -> Any:
+    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes; any other is an integer >= 1."""
+    if key == "dtype":
+        if value is not None and value not in DTYPES:
+            raise DeploymentError(f"{where}: must be one of {list(DTYPES)}, got {value!r}")
+        return value
+    if key == "default_size":
+        return check_size(value, where)
+    if key == "capture_sizes":
+        return check_sizes(value, where)
+    if key == "capture_batch_sizes":
+        if not isinstance(value, list) or not all(is_int(v) and v >= 1 for v in value):
+            raise DeploymentError(f"{where}: must be a list of batch sizes >= 1, got {value!r}")
+        return value
+    if not is_int(value) or value < 1:
+        raise DeploymentError(f"{where}: must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_relations(options: Any, where: str) -> None:
+    if options.default_num_inference_steps > options.max_inference_steps:
+        raise DeploymentError(f"{where}.default_num_inference_steps: {options.default_num_inference_steps} exceeds "
+                              f"max_inference_steps={options.max_inference_steps}")
+    if options.max_images_per_request > options.max_batch_size:
+        raise DeploymentError(f"{where}.max_images_per_request: {options.max_images_per_request} exceeds "
+                              f"max_batch_size={options.max_batch_size} (a request's images step together)")
+    if options.max_images_per_request > options.vae_max_batch:
+        raise DeploymentError(f"{where}.max_images_per_request: {options.max_images_per_request} exceeds "
+                              f"vae_max_batch={options.vae_max_batch} (a request's images decode together)")
+    if any(b > options.max_batch_size for b in options.capture_batch_sizes):
+        raise DeploymentError(f"{where}.capture_batch_sizes: {options.capture_batch_sizes} has sizes above "
+                              f"max_batch_size={options.max_batch_size}; such graphs would never replay")
+
+
+def default_dtype(dtype: str | None, device: str) -> str:
+    """The configured dtype, else float32 on the cpu and bfloat16 on a gpu."""
+    return dtype or ("float32" if device == "cpu" else "bfloat16")
+
+
+def check_sizes(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list):
+        raise DeploymentError(f"{where}: must be a list of 'WxH' sizes, got {value!r}")
+    return [check_size(v, where) for v in value]
+
+
+def check_size(value: Any, where: str) -> str:
+    try:
+        width, height = parse_size(value)
+    except ValueError as exc:
+        raise DeploymentError(f"{where}: {exc}") from None
+    return f"{width}x{height}"
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
