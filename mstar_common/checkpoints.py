@@ -9,8 +9,11 @@ Accepted forms:
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
@@ -54,3 +57,30 @@ def _from_hf_cache(repo_id: str) -> Path:
 
 def _is_checkpoint_dir(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "model_index.json").is_file()
+
+
+def write_once(out_dir: str | Path, write: Callable[[Path], object], required: Sequence[str]) -> Path:
+    """Build a checkpoint directory at `out_dir` unless all `required` files are already there; return the path.
+
+    `write(tmp)` fills a temporary sibling directory, which is then renamed into place (atomic; it also replaces
+    an empty directory), so concurrent callers never see or leave a half-written checkpoint."""
+    out = Path(out_dir)
+    if _has_all(out, required):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _has_all(out, required):
+                raise
+            logging.getLogger(__name__).debug("another caller built %s first", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _has_all(path: Path, required: Sequence[str]) -> bool:
+    return all((path / name).exists() for name in required)

@@ -3,15 +3,9 @@ tokenizer, and writing a pipeline to disk once, safely under concurrent callers.
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "text_encoder/config.json",
             "tokenizer/tokenizer.json", "scheduler/scheduler_config.json")
@@ -35,24 +29,7 @@ def tiny_qwen3(model_class: type, tokenizer: Any, dims: dict[str, int]) -> Any:
 def save_pipeline_once(out_dir: str | Path, build: Callable[[], Any]) -> Path:
     """Write `build()` (a diffusers pipeline) to `out_dir` in diffusers layout (if not there yet), return the path.
 
-    Concurrent callers are safe: each builds in a temporary directory and renames it into place."""
-    out = Path(out_dir)
-    if _is_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        build().save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_complete(out):
-                raise
-            logger.debug("another caller built %s first", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    Concurrent callers are safe (`checkpoints.write_once`)."""
+    from mstar_common.checkpoints import write_once
 
-
-def _is_complete(path: Path) -> bool:
-    return all((path / name).exists() for name in REQUIRED)
+    return write_once(out_dir, lambda tmp: build().save_pretrained(tmp, safe_serialization=True), REQUIRED)

@@ -24,6 +24,28 @@ def runtime(tmp_path_factory):
     return OrpheusFamily().build_component("lm", dep, checkpoint, "cpu"), checkpoint
 
 
+def _prompts(rt) -> dict[str, list[int]]:
+    return {f"r{i}": rt.layout.prompt_ids(rt.tokenizer, text, "tara") for i, text in enumerate(TEXTS)}
+
+
+def _assert_equal_to_transformers(got, prompts, rt, checkpoint, penalty: float) -> None:
+    """Greedy tokens equal transformers `generate` with the reference's -inf mask on the text rows."""
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    start = rt.layout.custom_start
+
+    def restrict(_ids, scores):
+        scores[:, :start] = float("-inf")
+        return scores
+
+    for rid, prompt in prompts.items():
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                      repetition_penalty=penalty, logits_processor=LogitsProcessorList([restrict]),
+                                      eos_token_id=rt.layout.stop_token_ids)
+        assert got[rid] == want[0, len(prompt):].tolist(), rid
+        assert all(t >= start for t in got[rid])
+
+
 def _run(engine, requests):
     out = {rid: [] for rid in requests}
     for rid, (prompt, params) in requests.items():
@@ -36,23 +58,10 @@ def _run(engine, requests):
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_greedy_audio_tokens_equal_transformers_with_the_restriction(runtime, penalty):
     rt, checkpoint = runtime
-    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    start = rt.layout.custom_start
-
-    def restrict(_ids, scores):
-        scores[:, :start] = float("-inf")
-        return scores
-
-    prompts = {f"r{i}": rt.layout.prompt_ids(rt.tokenizer, text, "tara") for i, text in enumerate(TEXTS)}
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=penalty)
+    prompts = _prompts(rt)
     got = _run(rt.engine, {rid: (p, greedy) for rid, p in prompts.items()})  # all three batched together
-    for rid, prompt in prompts.items():
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                      repetition_penalty=penalty, logits_processor=LogitsProcessorList([restrict]),
-                                      eos_token_id=rt.layout.stop_token_ids)
-        assert got[rid] == want[0, len(prompt):].tolist(), rid
-        assert all(t >= start for t in got[rid])
+    _assert_equal_to_transformers(got, prompts, rt, checkpoint, penalty)
 
 
 def test_head_computes_custom_rows_and_sampling_stays_in_them(runtime):
@@ -122,25 +131,12 @@ def test_device_penalty_history_with_graphs_and_overlap_equals_transformers(tmp_
                       graphs=graphs, overlap=True, device_penalty=True)
     penalty = engine.runner.penalty
     assert penalty is not None and penalty.width == rt.layout.vocab_size - model.logits_offset
-    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    start = rt.layout.custom_start
-
-    def restrict(_ids, scores):
-        scores[:, :start] = float("-inf")
-        return scores
-
-    prompts = {f"r{i}": rt.layout.prompt_ids(rt.tokenizer, text, "tara") for i, text in enumerate(TEXTS)}
+    prompts = _prompts(rt)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3)
     got = _run(engine, {rid: (p, params) for rid, p in prompts.items()})
     assert engine.runner.graphs.num_replays > 0
     assert engine.runner.penalty.num_free == rt.engine.config.max_num_seqs  # every slot given back
-    for rid, prompt in prompts.items():
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                      repetition_penalty=1.3, logits_processor=LogitsProcessorList([restrict]),
-                                      eos_token_id=rt.layout.stop_token_ids)
-        assert got[rid] == want[0, len(prompt):].tolist(), rid
-
+    _assert_equal_to_transformers(got, prompts, rt, checkpoint, 1.3)
 
 def test_codec_in_process_decodes_like_the_snac_component(tmp_path):
     import dataclasses

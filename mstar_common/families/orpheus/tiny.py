@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from mstar_common.checkpoints import write_once
 from mstar_common.families.orpheus.snac import SNAC_24KHZ
 from mstar_common.families.orpheus.tokens import CUSTOM_TOKEN, END_OF_SPEECH, NUM_AUDIO_TOKENS, NUM_MARKERS
 from mstar_common.families.qwen3.tiny import CORPUS
@@ -62,22 +60,7 @@ PRESETS = {
 
 
 def build_orpheus_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    out = Path(out_dir)
-    if all((out / name).exists() for name in _REQUIRED):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _build(tmp, PRESETS[preset], seed)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not all((out / name).exists() for name in _REQUIRED):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
+    return write_once(out_dir, lambda tmp: _build(tmp, PRESETS[preset], seed), _REQUIRED)
 
 def _build(out: Path, preset: Preset, seed: int) -> None:
     tokenizer = build_tokenizer(preset.text_vocab)

@@ -10,17 +10,13 @@ into place atomically; a caller that loses the race discards its copy and uses t
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-logger = logging.getLogger(__name__)
+from mstar_common.checkpoints import write_once
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
@@ -56,26 +52,7 @@ Numbers such as 1, 2, 3, 10, 42 and 2026 appear in text too. Good morning, good 
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = True) -> Path:
     """Write the tiny checkpoint + tokenizer to `out_dir` (if not already there) and return its path."""
-    out = Path(out_dir)
-    if _is_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _build(tmp, seed, tie_word_embeddings)
-        try:
-            os.rename(tmp, out)  # atomic; also replaces an empty directory at `out`
-        except OSError:
-            if not _is_complete(out):
-                raise
-            logger.debug("another caller built %s first", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _is_complete(path: Path) -> bool:
-    return all((path / name).exists() for name in _REQUIRED_FILES)
+    return write_once(out_dir, lambda tmp: _build(tmp, seed, tie_word_embeddings), _REQUIRED_FILES)
 
 
 def _build(out: Path, seed: int, tie_word_embeddings: bool) -> None:

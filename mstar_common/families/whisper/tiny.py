@@ -18,18 +18,13 @@ and ~3 GB (bfloat16). Deterministic for a seed. Concurrent callers are safe (bui
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mstar_common.checkpoints import write_once
 from mstar_common.families.qwen3.tiny import CORPUS
-
-logger = logging.getLogger(__name__)
 
 # The 100 language codes of Whisper large-v3, in token order (the language token of code i is sot + 1 + i).
 LANGUAGE_CODES = (
@@ -59,33 +54,13 @@ _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, num_mel_bins: int = 80) -> Path:
     """Write the tiny checkpoint + tokenizer to `out_dir` (if not already there) and return its path."""
-    return _build_once(Path(out_dir), lambda tmp: _build(tmp, seed, num_mel_bins, TINY_SHAPE, None, True))
+    return write_once(out_dir, lambda tmp: _build(tmp, seed, num_mel_bins, TINY_SHAPE, None, True), _REQUIRED_FILES)
 
 
 def build_large_v3_random(out_dir: str | Path, seed: int = 0) -> Path:
     """Whisper large-v3's shapes (128 mel bins, 32 + 32 layers, d_model 1280, vocab 51,866), random bf16 weights."""
-    return _build_once(Path(out_dir), lambda tmp: _build(tmp, seed, 128, LARGE_V3_SHAPE, OPENAI_TEXT_TOKENS, False))
-
-
-def _build_once(out: Path, build) -> Path:
-    if _is_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_complete(out):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _is_complete(path: Path) -> bool:
-    return all((path / name).exists() for name in _REQUIRED_FILES)
+    return write_once(out_dir, lambda tmp: _build(tmp, seed, 128, LARGE_V3_SHAPE, OPENAI_TEXT_TOKENS, False),
+                      _REQUIRED_FILES)
 
 
 def special_tokens() -> list[str]:
