@@ -1,15 +1,20 @@
 """The proxy keeps no per-request state: finished, abandoned and refused requests leave no task, async generator
-or other Python object behind (the soak in docs/reliability.md watches the same thing as RSS)."""
+or other Python object behind (the soak in docs/reliability.md watches the same thing as RSS). And an abandoned
+stream never cancels a gRPC read in flight, which leaks native memory in grpc.aio (scripts/proxy_memory_probe.py
+measures it)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+from types import SimpleNamespace
 
 import pytest
+from tritonclient.grpc import service_pb2
 
-from mstar_common.proxy.triton_stream import StreamResponse
+from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse, TritonStreamClient
 from tests.unit.proxy_fake_triton import HANG, FakeTriton, make_app, text_script
 
 NUM_ROUNDS = 40  # each round sends the four kinds of request below
@@ -77,3 +82,51 @@ async def test_finished_and_abandoned_requests_leave_nothing_behind():
     # A per-request entry anywhere (a dict keyed by request id, a kept callback) would add >= 4 * NUM_ROUNDS.
     assert live_objects() - num_objects < NUM_ROUNDS
     assert len(fakes["hang"].cancelled) == 2 * (NUM_ROUNDS + 5)  # every abandoned request was cancelled
+
+
+class InFlightCall:
+    """A gRPC stream call whose second read stays in flight until the call is cancelled."""
+
+    def __init__(self) -> None:
+        self.num_reads = 0
+        self.is_cancelled = asyncio.Event()
+        self.is_read_cancelled = False
+
+    def __aiter__(self):
+        return self._messages()
+
+    async def _messages(self):
+        self.num_reads += 1
+        yield service_pb2.ModelStreamInferResponse()  # a data response with no outputs
+        self.num_reads += 1
+        try:
+            await self.is_cancelled.wait()
+        except asyncio.CancelledError:
+            self.is_read_cancelled = True
+            raise
+
+    def cancel(self) -> bool:
+        self.is_cancelled.set()
+        return True
+
+
+@pytest.mark.anyio
+async def test_abandoned_stream_cancels_the_call_not_the_read_in_flight():
+    call = InFlightCall()
+    client = TritonStreamClient("fake:0")
+    client._client = SimpleNamespace(_client_stub=SimpleNamespace(ModelStreamInfer=lambda requests, timeout: call))
+    stream = client.generate("qwen3_llm", "r1", GenerationRequest(text="hi"))
+
+    async def consume():
+        async for _ in stream:
+            pass
+
+    task = asyncio.ensure_future(consume())
+    while call.num_reads < 2:
+        await asyncio.sleep(0)
+    task.cancel()  # what the SSE response does when the HTTP client leaves
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert call.is_cancelled.is_set() and not call.is_read_cancelled
