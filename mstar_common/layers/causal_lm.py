@@ -9,6 +9,10 @@ norms and the activation to their Triton kernels (CUDA only). Both keep the eage
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,7 +22,68 @@ from mstar_common.layers.attention import AttentionContext
 from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
-from mstar_common.layers.rotary import RotaryEmbedding
+from mstar_common.layers.rotary import RotaryEmbedding, rope_from_config, rope_theta_from_config
+
+
+@dataclass(frozen=True, slots=True)
+class DenseLMConfig:
+    """The fields of an HF dense decoder `config.json` (Qwen3, Llama) this implementation reads."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, float] | None  # Llama-3 scaling, or None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head q/k RMSNorm (Qwen3)
+
+    @classmethod
+    def read_hf(cls, config: Mapping[str, Any], *, qk_norm: bool, llama3_rope: bool) -> DenseLMConfig:
+        """Read an HF config dict, refusing features this implementation would silently get wrong.
+        `llama3_rope`: accept Llama-3 RoPE scaling (else only unscaled RoPE)."""
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported: only 'silu' is")
+        heads = config["num_attention_heads"]
+        theta, scaling = rope_from_config(config) if llama3_rope else (rope_theta_from_config(config), None)
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=config["max_position_embeddings"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+        )
+
+    def decoder_layer(self) -> DecoderLayerConfig:
+        return DecoderLayerConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            qk_norm=self.qk_norm,
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+        )
 
 
 class DecoderModel(nn.Module):
@@ -84,3 +149,13 @@ class DecoderOnlyLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[B, hidden_size]` -> `[B, vocab_size]` in the model dtype (the runner upcasts to fp32)."""
         return self.lm_head(hidden)
+
+
+class DenseCausalLM(DecoderOnlyLM):
+    """A `DecoderOnlyLM` built from a `DenseLMConfig` (the Qwen3 and Llama families' model)."""
+
+    def __init__(self, config: DenseLMConfig, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__(config.decoder_layer(), config.num_hidden_layers, config.vocab_size, config.rope_theta,
+                         config.max_position_embeddings, config.tie_word_embeddings, attn_backend,
+                         rope_scaling=config.rope_scaling)
+        self.config = config

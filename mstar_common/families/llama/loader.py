@@ -6,8 +6,6 @@ checked both ways, a tied `lm_head.weight` optional but equal to the embedding, 
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +13,7 @@ import torch
 
 from mstar_common.engine.attention import AttentionBackend
 from mstar_common.families.llama.modeling import LlamaConfig, LlamaForCausalLM
-from mstar_common.families.qwen3.loader import materialize_and_fill
-
-logger = logging.getLogger(__name__)
+from mstar_common.families.qwen3.loader import load_dense_lm
 
 MODEL_TYPES = ("llama",)
 
@@ -30,14 +26,5 @@ def load_llama(
     fuse_projections: bool = True,
 ) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """Build the model on `device` in `dtype` from the checkpoint; returns it (in eval mode) and config.json."""
-    path = Path(checkpoint_dir)
-    hf_config = json.loads((path / "config.json").read_text())
-    if hf_config.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"config.json model_type must be one of {MODEL_TYPES}, got {hf_config.get('model_type')!r}")
-    config = LlamaConfig.from_hf(hf_config)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, attn_backend)
-    materialize_and_fill(model, path, dtype, device, fuse_projections)
-    logger.info("loaded Llama (%d layers, hidden %d, vocab %d%s) from %s", config.num_hidden_layers,
-                config.hidden_size, config.vocab_size, ", llama3 RoPE" if config.rope_scaling else "", path.name)
-    return model.eval(), hf_config
+    return load_dense_lm(checkpoint_dir, LlamaConfig, LlamaForCausalLM, MODEL_TYPES, dtype, device, attn_backend,
+                         fuse_projections)

@@ -35,16 +35,25 @@ def load_qwen3(
     """Build the model on `device` in `dtype` from the checkpoint; returns it (in eval mode) and config.json.
 
     With `fuse_projections` (the default) q/k/v and gate/up are packed into single GEMMs after loading."""
+    return load_dense_lm(checkpoint_dir, Qwen3Config, Qwen3ForCausalLM, _MODEL_TYPES, dtype, device, attn_backend,
+                         fuse_projections)
+
+
+def load_dense_lm(checkpoint_dir: str | Path, config_cls: type, model_cls: type, model_types: tuple[str, ...],
+                  dtype: str | torch.dtype, device: str | torch.device, attn_backend: AttentionBackend | None,
+                  fuse_projections: bool) -> tuple[Any, dict[str, Any]]:
+    """The dense families' loader: check `model_type`, read the config with `config_cls.from_hf`, build
+    `model_cls` on meta, fill it (`materialize_and_fill`)."""
     path = Path(checkpoint_dir)
     hf_config = json.loads((path / "config.json").read_text())
-    if hf_config.get("model_type") not in _MODEL_TYPES:
-        raise ValueError(f"config.json model_type must be one of {_MODEL_TYPES}, got {hf_config.get('model_type')!r}")
-    config = Qwen3Config.from_hf(hf_config)
+    if hf_config.get("model_type") not in model_types:
+        raise ValueError(f"config.json model_type must be one of {model_types}, got {hf_config.get('model_type')!r}")
+    config = config_cls.from_hf(hf_config)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, attn_backend)
+        model = model_cls(config, attn_backend)
     materialize_and_fill(model, path, dtype, device, fuse_projections)
-    logger.info("loaded Qwen3 (%d layers, hidden %d, vocab %d) from %s", config.num_hidden_layers,
-                config.hidden_size, config.vocab_size, path.name)
+    logger.info("loaded %s (%d layers, hidden %d, vocab %d%s) from %s", model_cls.__name__, config.num_hidden_layers,
+                config.hidden_size, config.vocab_size, ", llama3 RoPE" if config.rope_scaling else "", path.name)
     return model.eval(), hf_config
 
 

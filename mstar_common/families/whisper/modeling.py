@@ -199,7 +199,9 @@ class CrossKVPool:
         return slots.to(torch.int32)[:, None] * self.pages_per_slot + self._page_offsets[None, :]
 
 
-class DecoderSelfAttention(nn.Module):
+class _DecoderAttention(nn.Module):
+    """Whisper's attention projections (HF names; k_proj has no bias)."""
+
     def __init__(self, d_model: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
@@ -209,6 +211,8 @@ class DecoderSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
+
+class DecoderSelfAttention(_DecoderAttention):
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend) -> torch.Tensor:
         shape = (hidden.shape[0], self.num_heads, self.head_dim)
@@ -218,17 +222,8 @@ class DecoderSelfAttention(nn.Module):
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_DecoderAttention):
     """Queries from the decoder, keys/values from the request's slot (written once by `project_source`)."""
-
-    def __init__(self, d_model: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model, bias=False)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
 
     def project_source(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output `[S, d]` -> K, V `[S, heads, head_dim]`."""
