@@ -1,8 +1,29 @@
-"""Shared BLS settings for the nodes that call other components."""
+"""Shared BLS settings for the nodes that call other components, and the keeper that works around a stub crash.
+
+The crash (Triton <= 2.52, python_backend before upstream commit b771f4f "Hold GIL when deleting numpy
+array"): reading the last response of a decoupled BLS stream queues a clean-up message; the stub's
+stub-to-parent thread (a C++ thread without the GIL) then erases the stream's `ResponseIterator` from its
+map. If Python has already dropped the iterator, that erase frees it there, and `~PbTensor` decrefs the
+outputs' numpy arrays without the GIL: a segfault in a non-Python thread. Measured on the H200 with
+`MSTAR_NATIVE_BACKTRACE` (docs/architecture.md): `Stub::ServiceStubToParentRequests` -> `SendCleanupId` ->
+`~ResponseIterator` -> `~InferResponse` -> `~PbTensor` -> libpython. It struck within seconds once the
+Orpheus codec hop asked for host outputs, and after ~1,000 steps with device outputs.
+
+`ResponseKeeper.hold(iterator)` after the last read keeps a Python reference for `hold_s` (default 5 s,
+`MSTAR_BLS_HOLD_S`), so the erase never drops the last reference; the iterator is released later by a
+Python thread (the next `hold`) with the GIL held. The cost is the held outputs' shared memory for `hold_s`.
+"""
 
 from __future__ import annotations
 
+import collections
+import os
+import threading
+import time
+
 import triton_python_backend_utils as pb_utils
+
+DEFAULT_HOLD_S = 5.0
 
 
 def cpu_output_memory() -> dict:
@@ -14,3 +35,43 @@ def cpu_output_memory() -> dict:
     if hasattr(pb_utils, "PreferredMemory"):
         return {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)}
     return {}
+
+
+class ResponseKeeper:
+    """Keeps finished BLS response iterators alive for `hold_s`, then lets them go from a Python thread."""
+
+    def __init__(self, hold_s: float | None = None, clock=time.monotonic) -> None:
+        if hold_s is None:
+            hold_s = float(os.environ.get("MSTAR_BLS_HOLD_S", DEFAULT_HOLD_S))
+        if hold_s < 0:
+            raise ValueError(f"MSTAR_BLS_HOLD_S must be >= 0, got {hold_s}")
+        self.hold_s = hold_s
+        self._clock = clock
+        self._held: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def hold(self, iterator) -> None:
+        """Call after the last read of `iterator` (never before: the reader's own reference must be gone last)."""
+        now = self._clock()
+        with self._lock:
+            self._held.append((now + self.hold_s, iterator))
+            expired = self._pop_expired(now)
+        del expired  # the expired iterators are freed here, by this Python thread
+
+    def release_all(self) -> None:
+        with self._lock:
+            expired = list(self._held)
+            self._held.clear()
+        del expired
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def _pop_expired(self, now: float) -> list:
+        expired = []
+        while self._held and self._held[0][0] <= now:
+            expired.append(self._held.popleft()[1])
+        return expired
+
+
+KEEPER = ResponseKeeper()

@@ -19,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.ar_node import enqueue, request_timeout_s
-from backends.bls import cpu_output_memory
+from backends.bls import KEEPER, cpu_output_memory
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, request_inputs
@@ -97,12 +97,16 @@ class BLSCodec:
         request = pb_utils.InferenceRequest(model_name=self.model_name, inputs=[tensor],
                                             requested_output_names=[wire.CODEC_AUDIO], **cpu_output_memory())
         audio = None
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                raise RuntimeError(f"{self.model_name}: {response.error().message()}")
-            output = pb_utils.get_output_tensor_by_name(response, wire.CODEC_AUDIO)
-            if output is not None:
-                audio = np.array(output.as_numpy(), copy=True)
+        responses = request.exec(decoupled=True)
+        try:
+            for response in responses:
+                if response.has_error():
+                    raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+                output = pb_utils.get_output_tensor_by_name(response, wire.CODEC_AUDIO)
+                if output is not None:
+                    audio = np.array(output.as_numpy(), copy=True)
+        finally:
+            KEEPER.hold(responses)  # backends/bls.py: the stub must not free it off the GIL
         if audio is None or len(audio) != len(windows):
             raise RuntimeError(f"{self.model_name}: expected audio for {len(windows)} windows, got "
                                f"{None if audio is None else len(audio)}")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from backends.bls import cpu_output_memory
+from backends.bls import KEEPER, cpu_output_memory
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.repository import model_name
@@ -114,6 +114,7 @@ class TritonPythonModel:
                 except Exception as exc:  # noqa: BLE001 - delivered to the walk
                     loop.call_soon_threadsafe(queue.put_nowait, exc)
                 finally:
+                    KEEPER.hold(responses)  # backends/bls.py: the stub must not free it off the GIL
                     loop.call_soon_threadsafe(queue.put_nowait, None)
 
             threading.Thread(target=read, name=f"{responder.request_id}/{component}", daemon=True).start()
@@ -150,13 +151,17 @@ class TritonPythonModel:
                 **cpu_output_memory(),
             )
             outputs: dict[str, np.ndarray] = {}
-            for response in await request.async_exec(decoupled=True):
-                if response.has_error():
-                    raise ComponentError(component, response.error().message())
-                for out in spec.outputs:
-                    tensor = pb_utils.get_output_tensor_by_name(response, out.name)
-                    if tensor is not None:
-                        outputs[out.name] = np.array(tensor.as_numpy())  # own the memory past the response
+            responses = await request.async_exec(decoupled=True)
+            try:
+                for response in responses:
+                    if response.has_error():
+                        raise ComponentError(component, response.error().message())
+                    for out in spec.outputs:
+                        tensor = pb_utils.get_output_tensor_by_name(response, out.name)
+                        if tensor is not None:
+                            outputs[out.name] = np.array(tensor.as_numpy())  # own the memory past the response
+            finally:
+                KEEPER.hold(responses)  # backends/bls.py: the stub must not free it off the GIL
             if not outputs:
                 raise ComponentError(component, f"{component} answered without outputs")
             return outputs

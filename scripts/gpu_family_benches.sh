@@ -3,7 +3,7 @@
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [orpheus-inproc] [flux2] [whisper] [stub-health]
+#   [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S.
 set -u
 cd "$(dirname "$0")/.."
@@ -43,6 +43,18 @@ if has orpheus-served; then
     --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" -A3 | head -40
   grep -c "Thread 0x" "$OUT/orpheus_tritonserver.log" && echo "(stack dumps in orpheus_tritonserver.log)"
+fi
+if has orpheus-probe; then
+  build_orpheus
+  stage "orpheus: the LM engine alone (no Triton, no codec), per sampling rule; profile at c=256"
+  timeout ${PROBE_TIMEOUT:-300} $PY scripts/probe_orpheus_engine.py --concurrency ${PROBE_CONCURRENCY:-1,64,256} \
+    --sampling ${PROBE_SAMPLING:-reference,greedy,nopenalty} --profile-concurrency ${PROBE_PROFILE_C:-256} \
+    || echo "STAGE FAILED: orpheus probe"
+fi
+if has orpheus-baseline; then
+  stage "orpheus: HF generate + snac baseline"
+  timeout ${BASELINE_TIMEOUT:-150} $IMAGE_PY scripts/bench_orpheus.py --concurrency "" --baseline-concurrency ${BASELINE_CONCURRENCY:-1,16} \
+    --out "$OUT/orpheus_baseline.json" || echo "STAGE FAILED: orpheus baseline"
 fi
 if has orpheus; then
   build_orpheus
