@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 2048
 MAX_STALL_S = 0.010
+CLIENT_STARTUP_S = 4.0  # head start for the load processes of a multi-process client
 TEXT = "Hey there, my name is Tara, and I'm a speech generation model that can sound like a person."
 
 
@@ -126,16 +127,55 @@ def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog, timeou
         client.close()
 
 
-def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s: float = 600) -> Result:
-    """`timeout_s`: the longest wait for any one response of a stream (a stuck stream is an error)."""
-    start = time.perf_counter()
-    logs = [StreamLog(start) for _ in range(concurrency)]
-    threads = [threading.Thread(target=_stream, args=(url, model, tokens, i, logs[i], timeout_s))
-               for i in range(concurrency)]
+def _client_streams(url: str, model: str, tokens: int, seeds: list[int], start: float,
+                    timeout_s: float) -> dict[int, StreamLog]:
+    """A thread per stream, all in this process."""
+    logs = {seed: StreamLog(start) for seed in seeds}
+    threads = [threading.Thread(target=_stream, args=(url, model, tokens, seed, logs[seed], timeout_s))
+               for seed in seeds]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return logs
+
+
+def _client_worker(spec: str) -> int:
+    """`bench_orpheus.py --client-worker JSON`: one load process; prints its streams' logs as JSON."""
+    job = json.loads(spec)
+    time.sleep(max(0.0, job["start"] - time.perf_counter()))  # every process opens its streams at `start`
+    logs = _client_streams(job["url"], job["model"], job["tokens"], job["seeds"], job["start"], job["timeout_s"])
+    print(json.dumps({seed: [log.arrivals, log.error] for seed, log in logs.items()}), flush=True)
+    return 0
+
+
+def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s: float = 600,
+                 streams_per_proc: int = 32) -> Result:
+    """`timeout_s`: the longest wait for any one response of a stream (a stuck stream is an error).
+
+    Streams are spread over ceil(concurrency / streams_per_proc) client processes (this script, re-run as
+    `--client-worker`), so the client's own Python (one GIL decoding every stream's responses) is not what
+    limits 256 streams. Arrival times are `time.perf_counter` (CLOCK_MONOTONIC on Linux: one clock for all);
+    every process opens its streams at the same `start`, after a head start for its imports.
+    """
+    import subprocess
+
+    num_procs = max(1, -(-concurrency // max(1, streams_per_proc)))
+    groups = [list(range(i, concurrency, num_procs)) for i in range(num_procs)]
+    # Several processes start a few seconds ahead (Python + tritonclient imports) and wait for `start`.
+    start = time.perf_counter() + (CLIENT_STARTUP_S if num_procs > 1 else 0.0)
+    if num_procs == 1:
+        logs = list(_client_streams(url, model, tokens, groups[0], start, timeout_s).values())
+        return summarize("mstar-triton", logs, time.perf_counter() - start)
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client-worker", json.dumps(
+        {"url": url, "model": model, "tokens": tokens, "seeds": g, "start": start, "timeout_s": timeout_s})],
+        stdout=subprocess.PIPE, text=True) for g in groups]
+    logs = [StreamLog(start, error="client process failed") for _ in range(concurrency)]
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode == 0:
+            for seed, (arrivals, error) in json.loads(out.strip().splitlines()[-1]).items():
+                logs[int(seed)].arrivals, logs[int(seed)].error = [tuple(a) for a in arrivals], error
     return summarize("mstar-triton", logs, time.perf_counter() - start)
 
 
@@ -231,6 +271,9 @@ def bench_baseline(checkpoint: Path, concurrency: int, tokens: int, device: str)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client-worker"]:
+        return _client_worker(argv[1])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "orpheus_3b_gpu.yaml")
     parser.add_argument("--checkpoint", default="builtin:orpheus-3b-random",
@@ -242,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-concurrency", default="1,16,64", help="empty: skip the baseline")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
     parser.add_argument("--codec-in-process", action="store_true", help="SNAC inside the LM component (no BLS hop)")
+    parser.add_argument("--streams-per-proc", type=int, default=32, help="client streams per load process")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
     args = parser.parse_args(argv)
@@ -274,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 if warm.errors:
                     raise RuntimeError(f"{warm.errors} of {args.warmup} warm-up streams failed (see the server log)")
             for c in concurrencies:
-                results.append(bench_served(url, model, c, args.tokens))
+                results.append(bench_served(url, model, c, args.tokens, streams_per_proc=args.streams_per_proc))
                 print(json.dumps(asdict(results[-1])), flush=True)
         finally:
             stop_process(proc)

@@ -4,7 +4,8 @@
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
 #   [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [stub-health]
-# Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S.
+# Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
+#   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu-out}
@@ -48,7 +49,7 @@ if has orpheus-probe; then
   build_orpheus
   stage "orpheus: the LM engine alone (no Triton, no codec), per sampling rule; profile at c=256"
   timeout ${PROBE_TIMEOUT:-300} $PY scripts/probe_orpheus_engine.py --concurrency ${PROBE_CONCURRENCY:-1,64,256} \
-    --sampling ${PROBE_SAMPLING:-reference,greedy,nopenalty} --profile-concurrency ${PROBE_PROFILE_C:-256} \
+    --sampling ${PROBE_SAMPLING:-reference,greedy,nopenalty} --profile-concurrency ${PROBE_PROFILE_C:-256} ${PROBE_ARGS:-} \
     || echo "STAGE FAILED: orpheus probe"
 fi
 if has orpheus-baseline; then

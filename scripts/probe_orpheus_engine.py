@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 import threading
 import time
@@ -34,6 +35,9 @@ def main() -> int:
                         help="comma list: reference (temperature 0.6, top_p 0.8, penalty 1.3), greedy, "
                              "nopenalty (the reference's without the repetition penalty)")
     parser.add_argument("--profile-concurrency", type=int, default=0, help="profile 2 s of a run at this c")
+    parser.add_argument("--walk", default="", help="comma list of concurrencies for the in-process walk: engine + "
+                        "codec pump + SNAC (no Triton), per --codec-dtype; reports real-time streams")
+    parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(240, exit=True)  # a stuck run prints every stack and exits
 
@@ -92,8 +96,117 @@ def main() -> int:
         print(f"{rule:9s} c={c:4d} tokens={tokens} wall={wall:.2f}s tok/s={c * tokens / wall:,.0f} "
               f"first={(stamps[0] - start) * 1e3:.1f}ms step p50={np.percentile(gaps, 50):.2f}ms "
               f"p90={np.percentile(gaps, 90):.2f}ms graph replays so far={replays}", flush=True)
+    walk = [int(c) for c in args.walk.split(",") if c]
+    for dtype in (args.codec_dtype.split(",") if walk else []):
+        codec = build_codec(raw, dtype, checkpoint, args.device)
+        codec_throughput(codec, dtype)
+        for c in walk:
+            run_walk(rt, codec, prompt, c, args.tokens, dtype)
     engine.shutdown()
     return 0
+
+
+def build_codec(raw: dict, dtype: str, checkpoint, device: str):
+    from mstar_common.config import deployment_from_dict
+    from mstar_common.families.orpheus.family import _build_snac
+
+    raw = {**raw, "model_kwargs": {**raw["model_kwargs"], "codec_dtype": dtype}}
+    return _build_snac(deployment_from_dict(raw, source="probe"), checkpoint, device)
+
+
+def codec_throughput(codec, dtype: str) -> None:
+    """Windows per second of `codec.decode` (host numpy in and out, as the pump calls it) per batch size;
+    PROBE_CODEC_PROFILE=1 adds the kernel table of 10 eager decodes of the largest batch."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    for n in (1, 8, 32, 64, 128):
+        windows = rng.integers(0, 4096, size=(n, 4, 7), dtype=np.int32)
+        codec.decode(windows)
+        start = time.perf_counter()
+        for _ in range(20):
+            codec.decode(windows)
+        ms = (time.perf_counter() - start) / 20 * 1e3
+        print(f"codec {dtype:8s} batch={n:4d} {ms:7.2f} ms/call {n / ms * 1e3:9,.0f} windows/s", flush=True)
+    if os.environ.get("PROBE_CODEC_PROFILE"):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                codec.played_frames(torch.from_numpy(windows).to(codec.device))
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+class RecordingSink:
+    """The pump's Sink contract, recording audio arrivals like the bench client does."""
+
+    is_closed = False
+
+    def __init__(self, log, on_end) -> None:
+        self.log, self._on_end = log, on_end
+
+    def _record(self, outputs) -> None:
+        from mstar_common import wire
+
+        samples = int(outputs[wire.AUDIO_CHUNK].size) if outputs else 0
+        if samples:
+            self.log.arrivals.append((time.perf_counter() - self.log.start, samples))
+
+    def send_chunk(self, outputs) -> None:
+        self._record(outputs)
+
+    def send_final(self, outputs=None) -> None:
+        self._record(outputs)
+        self._on_end()
+
+    def send_error(self, message: str) -> None:
+        self.log.error = message
+        self._on_end()
+
+    def send_server_error(self, exc) -> str:
+        self.send_error(str(exc))
+        return str(exc)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_orpheus import StreamLog, summarize
+
+    from mstar_common.engine.codec_pump import AudioStream, CodecPump
+    from mstar_common.engine.types import SamplingParams
+    from mstar_common.families.orpheus.codes import SpeechChunker
+    from mstar_common.families.orpheus.lm import DEFAULT_SAMPLING
+
+    pump = CodecPump(rt.engine, codec, name="probe-codec")
+    pump.start()
+    if not rt.engine._thread:
+        rt.engine.start()
+    left, lock, done = [c], threading.Lock(), threading.Event()
+
+    def on_end() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+    start = time.perf_counter()
+    logs = [StreamLog(start) for _ in range(c)]
+    for i in range(c):
+        rid = f"walk-{dtype}-{c}#{i}"
+        pump.register(AudioStream(rid, RecordingSink(logs[i], on_end), SpeechChunker(rt.layout, "wrap"),
+                                  rt.sample_rate, num_prompt_tokens=len(prompt)))
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **DEFAULT_SAMPLING)
+        rt.engine.add_request(rid, prompt, params, pump.on_output)
+    done.wait()
+    result = summarize(f"walk codec {dtype}", logs, time.perf_counter() - start)
+    pump.stop()
+    print(f"walk codec={dtype:8s} c={c:4d} wall={result.wall_s:.2f}s first p50={result.first_audio_p50_ms:.1f}ms "
+          f"real-time={result.streams_real_time}/{c} audio-s/s={result.audio_s_per_s:.1f} RTF p50={result.rtf_p50:.3f} "
+          f"codec calls={pump.num_codec_calls} windows={pump.num_windows} errors={result.errors}", flush=True)
 
 
 def profile_window(done: threading.Event) -> None:

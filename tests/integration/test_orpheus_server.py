@@ -242,7 +242,7 @@ def test_bench_script_smoke_mode(tts, tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
     assert bench.main(["--smoke", "--triton-url", tts.grpc_url, "--checkpoint", str(tts.checkpoint),
-                       "--out", str(out)]) == 0
+                       "--streams-per-proc", "1", "--out", str(out)]) == 0  # c=2: two client processes
     results = {(r["system"], r["concurrency"]): r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {("mstar-triton", 1), ("mstar-triton", 2), ("hf-generate+snac", 1)}
     served = results[("mstar-triton", 2)]

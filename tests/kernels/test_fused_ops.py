@@ -14,6 +14,7 @@ from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_
 from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
 from kernels.sampling import sample_on_device  # noqa: E402
 from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+from kernels.snake import snake, snake_ref  # noqa: E402
 from mstar_common.layers.rotary import RotaryEmbedding  # noqa: E402
 
 TOL = 3e-2 if IS_INTERPRETED else 1e-2  # the interpreter truncates to bf16, compounding over roundings
@@ -105,3 +106,15 @@ def test_device_sampler_greedy_filters_and_seeds():
     draws = torch.stack([sample_on_device(logits[2:3], is_greedy[2:3], temperature[2:3], top_k[2:3], top_p[2:3],
                                           min_p[2:3], col([s], torch.int64)) for s in range(200)])
     assert len(set(draws.flatten().tolist())) > 20  # different seeds, different draws
+
+
+@pytest.mark.parametrize("batch,channels,length", sweep([(1, 64, 8192), (7, 512, 128), (3, 1024, 16)],
+                                                        [(2, 8, 40), (1, 3, 300)]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_snake(batch, channels, length, dtype):
+    gen = torch.Generator().manual_seed(channels + length)
+    x = _randn(batch, channels, length, dtype=dtype, gen=gen, scale=2.0)
+    alpha = (torch.rand(1, channels, 1, generator=gen) * 2 + 0.05).to(dtype).to(DEVICE)
+    out, ref = snake(x, alpha), snake_ref(x, alpha)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < (TOL if dtype == torch.bfloat16 else 1e-5)

@@ -133,5 +133,24 @@ def test_cuda_graph_buckets_equal_eager(full):
     codec = SnacCodec(cpu.decoder.to("cuda"), torch.device("cuda"), max_batch=16, use_cuda_graphs=True)
     windows = np.random.default_rng(4).integers(0, CODEBOOK_SIZE, size=(11, 4, 7)).astype(np.int32)
     eager = codec.played_frames(torch.from_numpy(windows).cuda()).cpu().numpy()
-    np.testing.assert_allclose(codec.decode(windows), eager, atol=1e-4, rtol=0)
+    served = codec.decode(windows)
+    np.testing.assert_allclose(served, eager, atol=1e-4, rtol=0)
     assert sorted(codec.graphs) == [1, 2, 4, 8, 16]
+    # the GPU path (fused Snake kernel, cropped stages, graphs) against the package's CPU decode-and-cut
+    assert all(m.use_kernel for m in codec.decoder.modules() if hasattr(m, "use_kernel"))
+    for row in (0, 10):
+        np.testing.assert_allclose(served[row], _reference_window(reference, windows[row]), atol=1e-4, rtol=0)
+
+
+def test_decode_range_equals_the_full_decode_cut(full):
+    """The receptive-field crop is exact wherever the range sits, edges included (float reassociation only)."""
+    _, codec = full
+    codes = [torch.randint(0, CODEBOOK_SIZE, (2, 4 * s), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 4)]
+    with torch.inference_mode():
+        whole = codec.decoder(codes)
+        for start, stop in [(0, 2048), (2048, 4096), (6144, 8192), (0, 8192), (100, 101), (4000, 4100)]:
+            part = codec.decoder.decode_range(codes, start, stop)
+            assert part.shape == (2, 1, stop - start)
+            assert (part - whole[..., start:stop]).abs().max().item() <= ATOL
+        with pytest.raises(ValueError, match="outside"):
+            codec.decoder.decode_range(codes, 8000, 8200)

@@ -2,7 +2,9 @@
 
 Windows `[N, 4, 7]` (codes per frame, positions 0..6) are split into the three SNAC levels as the reference
 does (level 0: position 0; level 1: positions 1, 4; level 2: positions 2, 3, 5, 6, frame by frame), decoded
-together and cut to the window's second frame (`samples_per_frame` samples from `LOOKBACK_FRAMES`).
+together, and only the window's second frame (`samples_per_frame` samples from `LOOKBACK_FRAMES`) is
+computed: the reference decodes all four frames and cuts; `SnacDecoder.decode_range` gives the same samples
+from the stages' receptive fields. On a GPU the Snake activations run fused (kernels/snake.py).
 
 On a GPU the decode of each batch bucket (1, 2, 4, 8, 16, ... up to `max_batch`) is a captured CUDA graph:
 a batch is padded up to its bucket (padding rows decode code 0 and are discarded). Buckets are captured
@@ -58,6 +60,8 @@ class SnacCodec:
 
     def __post_init__(self) -> None:
         self.samples_per_frame = self.decoder.samples_per_code * 4  # 4 finest codes per frame
+        if self.device.type == "cuda":
+            self.decoder.use_fused_kernels()  # kernels/snake.py: the Snake activations in one pass each
         if self.use_cuda_graphs:
             self.capture()
 
@@ -89,10 +93,13 @@ class SnacCodec:
         return graph.audio[:num]
 
     def played_frames(self, windows: torch.Tensor) -> torch.Tensor:
-        """`[N, 4, 7]` windows on the device -> `[N, samples_per_frame]`: each window's second frame."""
-        audio = self.decoder(window_codes(windows))
+        """`[N, 4, 7]` windows on the device -> `[N, samples_per_frame]`: each window's second frame.
+
+        Only the samples that frame depends on are computed (`SnacDecoder.decode_range`), not the window's
+        four frames: the same values as decoding the window and cutting, for about half the work.
+        """
         start = LOOKBACK_FRAMES * self.samples_per_frame
-        return audio[:, 0, start:start + self.samples_per_frame]
+        return self.decoder.decode_range(window_codes(windows), start, start + self.samples_per_frame)[:, 0]
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -33,13 +33,18 @@ SNAC_24KHZ = {  # hubertsiuzdak/snac_24khz (19.8M parameters; the decoder alone 
 
 
 class Snake1d(nn.Module):
-    """`x + sin(alpha x)^2 / alpha`, per channel."""
+    """`x + sin(alpha x)^2 / alpha`, per channel; `use_kernel` (set on a GPU) runs the fused kernels/snake.py."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+        self.use_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            from kernels.snake import snake
+
+            return snake(x, self.alpha)
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
@@ -140,6 +145,71 @@ class SnacDecoder(nn.Module):
     def forward(self, codes: list[torch.Tensor]) -> torch.Tensor:
         """`snac.SNAC.decode`: codes per level `[B, T_i]` (int64) -> audio `[B, 1, T_0 * stride_0 * hop]`."""
         return self.decoder.model(self.quantizer(codes))
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        for module in self.modules():
+            if isinstance(module, Snake1d):
+                module.use_kernel = enabled
+
+    def decode_range(self, codes: list[torch.Tensor], start: int, stop: int) -> torch.Tensor:
+        """`forward(codes)[:, :, start:stop]`, computing only what those samples depend on.
+
+        Every layer after the latent is "same"-padded or a transposed conv, so each output range depends on
+        a known input range (its receptive field). Walking back from `[start, stop)` gives the range each
+        stage needs; the forward pass then crops every stage to it (clipped to the real signal, whose edges
+        keep their true zero padding). Values next to a crop are wrong (they see zeros where the full
+        signal has data) but lie outside what the next stage needs. For a 4-frame window that plays its
+        second frame, the three fast stages compute about a third of their samples: the codec's work
+        halves, the result is the full decode's (tests/unit/test_orpheus_snac.py).
+        """
+        layers = list(self.decoder.model)
+        blocks = [layer for layer in layers if isinstance(layer, nn.Sequential) and hasattr(layer, "block")]
+        first = layers.index(blocks[0])
+        snake, conv, tanh = layers[-3:]
+        x = self.decoder.model[:first](self.quantizer(codes))  # the latent rate: cheap, computed whole
+        lengths = [x.shape[-1]]
+        for block in blocks:
+            transposed = block.block[1]
+            stride, pad, out_pad = transposed.stride[0], transposed.padding[0], transposed.output_padding[0]
+            lengths.append((lengths[-1] - 1) * stride - 2 * pad + transposed.kernel_size[0] + out_pad)
+        if not 0 <= start < stop <= lengths[-1]:
+            raise ValueError(f"decode_range: [{start}, {stop}) outside the decode's {lengths[-1]} samples")
+        # Backward: the range each block's output and input must cover.
+        halo = (conv.kernel_size[0] - 1) // 2 * conv.dilation[0]
+        need_out = [None] * len(blocks)
+        need_in = [None] * len(blocks)
+        lo, hi = start - halo, stop + halo
+        for k in range(len(blocks) - 1, -1, -1):
+            lo, hi = max(lo, 0), min(hi, lengths[k + 1])
+            need_out[k] = (lo, hi)
+            units = [m for m in blocks[k].block if isinstance(m, ResidualUnit)]
+            reach = sum((u.block[1].kernel_size[0] - 1) // 2 * u.block[1].dilation[0] for u in units)
+            lo, hi = max(lo - reach, 0), min(hi + reach, lengths[k + 1])
+            transposed = blocks[k].block[1]
+            stride, pad, width = transposed.stride[0], transposed.padding[0], transposed.kernel_size[0]
+            lo, hi = -((width - 1 - pad - lo) // stride), (hi - 1 + pad) // stride + 1  # inputs feeding [lo, hi)
+            need_in[k] = (max(lo, 0), min(hi, lengths[k]))
+        # Forward, cropping: `offset` is the full-signal position of x[..., 0].
+        offset = 0
+        for k, block in enumerate(blocks):
+            lo, hi = need_in[k]
+            x = x[..., lo - offset:hi - offset]
+            layers_k = list(block.block)
+            x = layers_k[1](layers_k[0](x))  # snake, transposed conv: output 0 is position lo * stride
+            offset = lo * layers_k[1].stride[0]
+            units_from = next(i for i, m in enumerate(layers_k) if isinstance(m, ResidualUnit))
+            reach_lo, reach_hi = need_out[k]
+            reach = sum((m.block[1].kernel_size[0] - 1) // 2 * m.block[1].dilation[0] for m in layers_k[units_from:])
+            lo, hi = max(reach_lo - reach, 0), min(reach_hi + reach, lengths[k + 1])
+            x = x[..., lo - offset:hi - offset]
+            offset = lo
+            for layer in layers_k[2:]:
+                x = layer(x)
+            lo, hi = need_out[k]
+            x = x[..., lo - offset:hi - offset]
+            offset = lo
+        x = tanh(conv(snake(x)))
+        return x[..., start - offset:stop - offset]
 
 
 def check_config(config: dict[str, Any]) -> dict[str, Any]:
