@@ -82,7 +82,7 @@ print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper'
   MSTAR_BENCH_LOG_DIR=$OUT timeout 240 $PY scripts/bench_whisper.py --baseline-concurrency "" \
     --out "$OUT/whisper_served.json" || echo "STAGE FAILED: whisper served"
   stage "whisper: transformers pipeline baseline"
-  timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 \
+  timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 --baseline-concurrency ${WHISPER_BASELINE_C:-1,16,64} \
     --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
 fi
 if has orpheus-inproc; then
