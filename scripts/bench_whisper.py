@@ -203,6 +203,8 @@ def bench_pipeline(checkpoint: Path, clips: list[np.ndarray], seconds: float, to
     model = WhisperForConditionalGeneration.from_pretrained(str(checkpoint), dtype=dtype).to(device).eval()
     asr = pipeline("automatic-speech-recognition", model=model, tokenizer=AutoTokenizer.from_pretrained(checkpoint),
                    feature_extractor=WhisperFeatureExtractor.from_pretrained(checkpoint), device=device, dtype=dtype)
+    if asr.tokenizer.pad_token_id is None:  # batching pads the labels; Whisper pads with <|endoftext|>
+        asr.tokenizer.pad_token_id = model.config.eos_token_id
     kwargs = {"language": "en", "task": "transcribe", "max_new_tokens": tokens}
     inputs = list(clips)  # numpy arrays at the feature extractor's 16 kHz (the pipeline pops dict inputs' keys)
     asr(inputs[:1], batch_size=1, generate_kwargs={**kwargs, "max_new_tokens": 4})  # warm-up

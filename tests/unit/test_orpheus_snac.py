@@ -132,14 +132,17 @@ def test_cuda_graph_buckets_equal_eager(full):
     cpu = full[1]
     codec = SnacCodec(cpu.decoder.to("cuda"), torch.device("cuda"), max_batch=16, use_cuda_graphs=True)
     windows = np.random.default_rng(4).integers(0, CODEBOOK_SIZE, size=(11, 4, 7)).astype(np.int32)
-    eager = codec.played_frames(torch.from_numpy(windows).cuda()).cpu().numpy()
+    with torch.inference_mode():
+        eager = codec.played_frames(torch.from_numpy(windows).cuda()).cpu().numpy()
     served = codec.decode(windows)
     np.testing.assert_allclose(served, eager, atol=1e-4, rtol=0)
     assert sorted(codec.graphs) == [1, 2, 4, 8, 16]
-    # the GPU path (fused Snake kernel, cropped stages, graphs) against the package's CPU decode-and-cut
+    # The GPU path (fused Snake kernel, cropped stages, graphs) against the package's CPU decode-and-cut.
+    # 1e-3: PyTorch runs fp32 convolutions as TF32 on CUDA by default (measured 3e-4 on the H200, ~10 LSB
+    # of 16-bit PCM); the CPU path above holds 1e-5.
     assert all(m.use_kernel for m in codec.decoder.modules() if hasattr(m, "use_kernel"))
     for row in (0, 10):
-        np.testing.assert_allclose(served[row], _reference_window(reference, windows[row]), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(served[row], _reference_window(reference, windows[row]), atol=1e-3, rtol=0)
 
 
 def test_decode_range_equals_the_full_decode_cut(full):
