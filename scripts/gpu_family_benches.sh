@@ -3,7 +3,7 @@
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [stub-health]
+#   [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py).
 set -u
@@ -84,6 +84,15 @@ print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper'
   stage "whisper: transformers pipeline baseline"
   timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 --baseline-concurrency ${WHISPER_BASELINE_C:-1,16,64} \
     --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
+fi
+if has whisper-probe; then
+  stage "whisper: random-weight large-v3 checkpoint, then the decoder engine alone (step time, profile)"
+  timeout 150 $IMAGE_PY -c "
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.families.registry import get_family
+print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper').builtin_checkpoints))
+" || echo "STAGE FAILED: whisper checkpoint"
+  timeout ${PROBE_TIMEOUT:-200} $PY scripts/probe_whisper_decoder.py --profile || echo "STAGE FAILED: whisper probe"
 fi
 if has orpheus-inproc; then
   build_orpheus
