@@ -193,3 +193,76 @@ def test_captured_decode_steps_equal_transformers(checkpoint, reference):
             asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
             assert our_sequences(harness) == [hf_sequence(reference, pcm, **theirs)]
         assert harness.decoder.engine.runner.graphs.num_replays > 100
+
+
+class _Seq:
+    def __init__(self, state, token_ids):
+        self.request_state, self.token_ids = state, token_ids
+
+
+def test_token_rules_rows_without_list_indexing(checkpoint):
+    """The rule masks (suppress, begin-suppress, forced tokens) row by row == the list-indexed form they
+    replaced (which synced the CUDA stream each step); all-rows and some-rows paths both checked."""
+    from mstar_common.families.whisper.decoding import TokenRules, WhisperDecodeState, _NEG_INF
+    from mstar_common.families.whisper.family import read_tokens
+
+    tokens = read_tokens(checkpoint)
+    rules = TokenRules(tokens, "cpu")
+    prompt = [tokens.sot]
+    forced = [tokens.lang_to_id["en"], tokens.task_to_id["transcribe"], tokens.no_timestamps]
+    state = lambda f: WhisperDecodeState(None, forced=list(f), timestamps=False, num_prompt_tokens=1)  # noqa: E731
+    generator = torch.Generator().manual_seed(0)
+    cases = {
+        "every row free": [_Seq(state([]), prompt + [5] * k) for k in (1, 3, 7)],
+        "every row at its first free token": [_Seq(state([]), prompt), _Seq(state(forced), prompt + forced)],
+        "mixed": [_Seq(state(forced), prompt), _Seq(state([]), prompt), _Seq(state([]), prompt + [7, 8]),
+                  _Seq(state(forced), prompt + forced[:2]), _Seq(None, prompt)],
+    }
+    for name, seqs in cases.items():
+        logits = torch.randn(len(seqs), tokens.vocab_size, generator=generator)
+        want = logits.clone()
+        begin, free = [], []
+        for row, seq in enumerate(seqs):  # the replaced form, with list indexing
+            if seq.request_state is None:
+                continue
+            generated = len(seq.token_ids) - 1
+            f = seq.request_state.forced
+            if generated < len(f):
+                keep = want[row, f[generated]].clone()
+                want[row] = _NEG_INF
+                want[row, f[generated]] = keep
+                continue
+            free.append(row)
+            if generated == len(f):
+                begin.append(row)
+        if begin:
+            want[begin] = want[begin].masked_fill(rules._begin_suppress, _NEG_INF)
+        if free:
+            want[free] = want[free].masked_fill(rules._suppress, _NEG_INF)
+        got = rules.process(logits, seqs)
+        assert torch.equal(got, want), name
+        assert torch.isinf(got).any(), name  # the rules did mask something
+
+
+@pytest.mark.gpu
+def test_token_rules_do_not_sync_the_stream(checkpoint):
+    """Without timestamps the rules launch only device work: CUDA's sync debug mode raises on any sync."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mstar_common.families.whisper.decoding import TokenRules, WhisperDecodeState
+    from mstar_common.families.whisper.family import read_tokens
+
+    tokens = read_tokens(checkpoint)
+    rules = TokenRules(tokens, "cuda")
+    forced = [tokens.lang_to_id["en"], tokens.task_to_id["transcribe"]]
+    seqs = [_Seq(WhisperDecodeState(None, forced=list(f), timestamps=False, num_prompt_tokens=1), [tokens.sot] + t)
+            for f, t in (([], [3]), (forced, []), ([], []))]
+    logits = torch.randn(len(seqs), tokens.vocab_size, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rules.process(logits, seqs)  # some rows free, one forced, one at its first free token
+        rules.process(logits[:1], seqs[:1])  # every row free
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

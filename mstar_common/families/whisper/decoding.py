@@ -190,9 +190,9 @@ class TokenRules:
             if state.timestamps:
                 timestamp_rows.append((row, seq, state))
         if begin_rows:
-            logits[begin_rows] = logits[begin_rows].masked_fill(self._begin_suppress, _NEG_INF)
+            _mask_rows(logits, begin_rows, self._begin_suppress)
         if free_rows:
-            logits[free_rows] = logits[free_rows].masked_fill(self._suppress, _NEG_INF)
+            _mask_rows(logits, free_rows, self._suppress)
         if timestamp_rows:
             self._timestamp_rules(logits, timestamp_rows)
         return logits
@@ -244,6 +244,23 @@ class TokenRules:
         if state.timestamp_last is None:
             return begin
         return state.timestamp_last if (last_is_ts and not penultimate_is_ts) else state.timestamp_last + 1
+
+
+def _mask_rows(logits: torch.Tensor, rows: list[int], vocab_mask: torch.Tensor) -> None:
+    """`logits[rows] = -inf where vocab_mask`, in place, without a blocking host-to-device copy.
+
+    Indexing a CUDA tensor with a Python list copies the indices to the device and waits for the stream (a
+    sync per step, which cost the decoder its overlap of host work and GPU step). Every row: one masked fill
+    with no index; some rows: a row mask sent from pinned memory without blocking.
+    """
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(vocab_mask, _NEG_INF)
+        return
+    on_cuda = logits.device.type == "cuda"
+    flags = torch.zeros(logits.shape[0], dtype=torch.bool, pin_memory=on_cuda)
+    flags[rows] = True
+    row_mask = flags.to(logits.device, non_blocking=on_cuda)
+    logits.masked_fill_(row_mask[:, None] & vocab_mask, _NEG_INF)
 
 
 def _mask(vocab_size: int, ids, device) -> torch.Tensor:
