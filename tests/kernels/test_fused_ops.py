@@ -14,7 +14,7 @@ from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_
 from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
 from kernels.sampling import sample_on_device  # noqa: E402
 from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
-from kernels.snake import snake, snake_ref  # noqa: E402
+from kernels.snake import snake, snake_dwconv_snake, snake_dwconv_snake_ref, snake_ref  # noqa: E402
 from mstar_common.layers.rotary import RotaryEmbedding  # noqa: E402
 
 TOL = 3e-2 if IS_INTERPRETED else 1e-2  # the interpreter truncates to bf16, compounding over roundings
@@ -116,5 +116,21 @@ def test_snake(batch, channels, length, dtype):
     x = _randn(batch, channels, length, dtype=dtype, gen=gen, scale=2.0)
     alpha = (torch.rand(1, channels, 1, generator=gen) * 2 + 0.05).to(dtype).to(DEVICE)
     out, ref = snake(x, alpha), snake_ref(x, alpha)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < (TOL if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("batch,channels,length,dilation", sweep([(4, 64, 2200, 9), (7, 256, 400, 3), (2, 512, 128, 1)],
+                                                                 [(2, 4, 50, 3), (1, 3, 20, 9)]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_snake_dwconv_snake(batch, channels, length, dilation, dtype):
+    """SNAC's residual-unit head; dilation 9 on 20 samples puts most taps in the zero padding."""
+    gen = torch.Generator().manual_seed(channels * dilation + length)
+    x = _randn(batch, channels, length, dtype=dtype, gen=gen, scale=2.0)
+    alpha1, alpha2 = ((torch.rand(1, channels, 1, generator=gen) * 2 + 0.05).to(dtype).to(DEVICE) for _ in range(2))
+    weight = _randn(channels, 1, 7, dtype=dtype, gen=gen, scale=0.3)
+    bias = _randn(channels, dtype=dtype, gen=gen, scale=0.1)
+    out = snake_dwconv_snake(x, alpha1, weight, bias, dilation, alpha2)
+    ref = snake_dwconv_snake_ref(x, alpha1, weight, bias, dilation, alpha2)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < (TOL if dtype == torch.bfloat16 else 1e-5)

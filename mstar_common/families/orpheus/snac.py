@@ -66,6 +66,9 @@ class NoiseBlock(nn.Module):
 
 
 class ResidualUnit(nn.Module):
+    """`x + conv1x1(snake(conv7_dilated(snake(x))))`; `use_kernel` (set on a GPU, depthwise only) runs the
+    first three as one kernel (kernels/snake.py `snake_dwconv_snake`)."""
+
     def __init__(self, dim: int, dilation: int, groups: int) -> None:
         super().__init__()
         self.block = nn.Sequential(
@@ -74,8 +77,15 @@ class ResidualUnit(nn.Module):
             Snake1d(dim),
             nn.Conv1d(dim, dim, kernel_size=1),
         )
+        self.use_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            from kernels.snake import snake_dwconv_snake
+
+            snake1, conv, snake2, pointwise = self.block
+            head = snake_dwconv_snake(x, snake1.alpha, conv.weight, conv.bias, conv.dilation[0], snake2.alpha)
+            return x + pointwise(head)
         return x + self.block(x)  # "same" padding: no crop needed
 
 
@@ -150,6 +160,9 @@ class SnacDecoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Snake1d):
                 module.use_kernel = enabled
+            elif isinstance(module, ResidualUnit):
+                conv = module.block[1]
+                module.use_kernel = enabled and conv.groups == conv.in_channels == conv.out_channels
 
     def decode_range(self, codes: list[torch.Tensor], start: int, stop: int) -> torch.Tensor:
         """`forward(codes)[:, :, start:stop]`, computing only what those samples depend on.
