@@ -49,14 +49,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, ctx_ptr, bt_ptr, work_r
         t_mask = t < kv_end
         page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
         offs = (page * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
-        k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0)
+        k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)  # an fp8 pool: read back
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(t_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     out = acc / lsum[:, None]

@@ -53,11 +53,12 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
         kv_head = head - NUM_Q_HEADS
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         k_base = k_cache_ptr + slot * stride_slot + kv_head * stride_kv_head
-        tl.store(k_base + d, out1)
-        tl.store(k_base + HALF + d, out2)
+        cache_type = k_cache_ptr.dtype.element_ty  # explicit casts: the pool may be fp8 (e4m3)
+        tl.store(k_base + d, out1.to(cache_type))
+        tl.store(k_base + HALF + d, out2.to(cache_type))
         dd = tl.arange(0, HEAD_DIM)
         v = tl.load(qkv_ptr + tok * stride_tok + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dd)
-        tl.store(v_cache_ptr + slot * stride_slot + kv_head * stride_kv_head + dd, v)
+        tl.store(v_cache_ptr + slot * stride_slot + kv_head * stride_kv_head + dd, v.to(cache_type))
 
 
 def _check_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -74,7 +75,8 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w
     assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
     assert slot_mapping.shape == (num_tokens,) and head_dim % 2 == 0 and (head_dim & (head_dim - 1)) == 0
     _check_cache(k_cache, num_kv_heads, head_dim)
-    assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype == qkv.dtype
+    assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
+    assert k_cache.dtype in (qkv.dtype, torch.float8_e4m3fn), "the pool holds the model dtype or fp8 (e4m3)"
     has_norm = q_weight is not None
     query = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
@@ -122,8 +124,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k_
     d = tl.arange(0, HEAD_DIM)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     dst = slot * stride_slot + head * stride_kv_head + d
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + tok * stride_k_tok + head * stride_k_head + d))
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + tok * stride_v_tok + head * stride_v_head + d))
+    cache_type = k_cache_ptr.dtype.element_ty  # explicit casts: the pool may be fp8 (e4m3)
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + tok * stride_k_tok + head * stride_k_head + d).to(cache_type))
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + tok * stride_v_tok + head * stride_v_head + d).to(cache_type))
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -142,6 +145,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def store_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    from mstar_common.engine.attention import write_slots
+
     slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+    for cache, src in ((k_cache, key), (v_cache, value)):
+        write_slots(cache, slots, src)

@@ -53,10 +53,14 @@ class ComponentConfig:
     fused_ops: bool = True  # Triton kernels for residual-add+RMSNorm and SiLU*up on the GPU
 
 
+KV_DTYPES = ("auto", "fp8_e4m3")
+
+
 @dataclass(slots=True)
 class KVCacheConfig:
     num_pages: int = 512  # pages per instance
     page_size: int = 16  # tokens per page
+    dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16; attention reads it back)
 
 
 @dataclass(slots=True)
@@ -146,6 +150,9 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
     _check_positive(source, "max_concurrent_requests", dep.max_concurrent_requests)
     _check_positive(source, "resources.kv_cache.num_pages", dep.resources.kv_cache.num_pages)
     _check_positive(source, "resources.kv_cache.page_size", dep.resources.kv_cache.page_size)
+    if dep.resources.kv_cache.dtype not in KV_DTYPES:
+        raise DeploymentError(f"{source}: resources.kv_cache.dtype: must be one of {list(KV_DTYPES)}, "
+                              f"got {dep.resources.kv_cache.dtype!r}")
     _check_positive(source, "resources.max_model_len", dep.resources.max_model_len)
     _check_positive(source, "resources.max_batch_tokens", dep.resources.max_batch_tokens)
     _check_service_limits(dep, source)

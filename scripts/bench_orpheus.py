@@ -180,7 +180,7 @@ def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s:
 
 
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path,
-                 codec_in_process: bool = False):
+                 codec_in_process: bool = False, kv_dtype: str | None = None):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, render_repository
@@ -193,6 +193,8 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
     raw["model_kwargs"]["frame_rule"] = "wrap"
     if codec_in_process:
         raw["model_kwargs"]["codec_in_process"] = True
+    if kv_dtype:
+        raw["resources"]["kv_cache"]["dtype"] = kv_dtype
     raw["max_concurrent_requests"] = max(raw.get("max_concurrent_requests", 1), max_concurrency)
     dep = deployment_from_dict(raw, source=config.name)
     repo = workdir / "model_repository"
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-concurrency", default="1,16,64", help="empty: skip the baseline")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
     parser.add_argument("--codec-in-process", action="store_true", help="SNAC inside the LM component (no BLS hop)")
+    parser.add_argument("--kv-dtype", help="override resources.kv_cache.dtype (auto | fp8_e4m3)")
     parser.add_argument("--streams-per-proc", type=int, default=32, help="client streams per load process")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             elif url is None:
                 proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir),
-                                                   args.codec_in_process)
+                                                   args.codec_in_process, args.kv_dtype)
             if concurrencies:
                 warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
                 print("warm-up:", json.dumps(asdict(warm)), flush=True)

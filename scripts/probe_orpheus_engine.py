@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--walk", default="", help="comma list of concurrencies for the in-process walk: engine + "
                         "codec pump + SNAC (no Triton), per --codec-dtype; reports real-time streams")
     parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16")
+    parser.add_argument("--kv-dtype", default="auto", help="resources.kv_cache.dtype: auto | fp8_e4m3")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(240, exit=True)  # a stuck run prints every stack and exits
 
@@ -52,6 +53,7 @@ def main() -> int:
     raw = yaml.safe_load(args.config.read_text())
     raw["checkpoint"] = args.checkpoint
     raw["model_kwargs"].pop("codec_checkpoint", None)
+    raw["resources"]["kv_cache"]["dtype"] = args.kv_dtype
     dep = deployment_from_dict(raw, source=args.config.name)
     checkpoint = resolve_checkpoint(args.checkpoint, OrpheusFamily.builtin_checkpoints)
     rt = OrpheusFamily().build_component("lm", dep, checkpoint, args.device)

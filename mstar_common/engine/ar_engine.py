@@ -44,6 +44,7 @@ from mstar_common.engine.types import AdmissionError, EngineConfig, FinishReason
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # beside "auto"
 EXPIRY_WAIT_S = 0.05  # an idle loop with live (waiting) requests wakes this often to check their limits
 
 
@@ -62,7 +63,8 @@ class AREngine:
         dtype = _DTYPES[config.dtype]
         _check_model_placement(model, dtype, self.device)
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
-        self.kv_cache = KVCache(model.kv_spec, config.num_kv_pages, config.page_size, dtype, self.device)
+        kv_dtype = dtype if config.kv_dtype == "auto" else _KV_DTYPES[config.kv_dtype]
+        self.kv_cache = KVCache(model.kv_spec, config.num_kv_pages, config.page_size, kv_dtype, self.device)
         hooks = model if hasattr(model, "admit_request") else None  # scheduler.RequestHooks
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens, hooks)
         self._needs_history = getattr(model, "logits_need_history", None)
@@ -406,6 +408,8 @@ def _check_config(config: EngineConfig) -> None:
                          f"({config.max_num_seqs})")
     if config.dtype not in _DTYPES:
         raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+    if config.kv_dtype != "auto" and config.kv_dtype not in _KV_DTYPES:
+        raise ValueError(f"EngineConfig.kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {config.kv_dtype!r}")
     if config.max_queue is not None and (isinstance(config.max_queue, bool) or not isinstance(config.max_queue, int)
                                          or config.max_queue < 0):
         raise ValueError(f"EngineConfig.max_queue must be None or an integer >= 0, got {config.max_queue!r}")

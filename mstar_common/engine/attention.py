@@ -175,8 +175,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:
         slots = metadata.slot_mapping.long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+        for cache, src in ((k_cache, key), (v_cache, value)):
+            write_slots(cache, slots, src)
 
     def attend(self, query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
         out = torch.empty_like(query)
@@ -186,6 +186,7 @@ class TorchPagedAttention(AttentionBackend):
             if q_end == q_start:
                 continue
             key, value = self._gather_context(k_cache, v_cache, metadata.block_tables[row], context_len)
+            key, value = key.to(query.dtype), value.to(query.dtype)  # an fp8 pool is read back in the model's dtype
             out[q_start:q_end] = _causal_sdpa(query[q_start:q_end], key, value, scale)
         return out
 
@@ -196,6 +197,15 @@ class TorchPagedAttention(AttentionBackend):
         key = k_cache[pages].flatten(0, 1)[:context_len]
         value = v_cache[pages].flatten(0, 1)[:context_len]
         return key, value
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """`cache` at flat token slots <- `src`, rounded to the cache's dtype (an fp8 pool through a byte view:
+    torch has no fp8 `index_copy_` on the CPU)."""
+    flat, src = cache.view(-1, *cache.shape[2:]), src.to(cache.dtype)
+    if cache.element_size() == 1 and cache.is_floating_point():
+        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
+    flat.index_copy_(0, slots, src)
 
 
 def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

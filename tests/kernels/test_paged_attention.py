@@ -84,3 +84,30 @@ def test_paged_prefill_matches_reference_on_ragged_rows(head_dim, num_heads, num
 @pytest.mark.skipif(DEVICE == "cpu", reason="fp16 on the GPU only")
 def test_paged_decode_fp16():
     test_paged_decode_matches_reference(128, 16, 8, 16, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_kv_pool_is_read_back_exactly(dtype):
+    """An fp8 (e4m3) pool: both kernels read it back in the query's dtype (exact: e4m3 values are bf16/fp32
+    values), so they equal the reference over the same rounded caches."""
+    head_dim, num_heads, num_kv_heads = HEADS[0]
+    gen = torch.Generator().manual_seed(8)
+    lengths = sweep([1, 65, 1000], [1, 17, 40])
+    k_cache, v_cache, tables = _pool(lengths, PAGE_SIZE, num_kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale)
+    assert out.dtype == dtype
+    assert rel_err(out, paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, scale)) < tol
+    query_lens = [min(n, 5) for n in lengths]  # the last few positions of each context are new queries
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    work_rows, work_firsts = build_prefill_work(query_lens, prefill_work_capacity(sum(query_lens), len(lengths)))
+    out = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables,
+                                  torch.tensor(work_rows, dtype=torch.int32, device=DEVICE),
+                                  torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale)
+    ref = paged_prefill_attention_ref(query, k_cache, v_cache, qsl, ctx, tables, scale=scale)
+    assert rel_err(out, ref) < tol

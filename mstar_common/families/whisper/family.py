@@ -165,7 +165,8 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
     engine_config = EngineConfig(
         num_kv_pages=kv.num_pages, page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
         max_batch_tokens=dep.resources.max_batch_tokens, max_model_len=dep.resources.max_model_len,
-        dtype=dtype, device=device, max_queue=admission.resolved_max_queue(dep.max_concurrent_requests),
+        dtype=dtype, kv_dtype=dep.resources.kv_cache.dtype, device=device,
+        max_queue=admission.resolved_max_queue(dep.max_concurrent_requests),
         queue_timeout_s=admission.queue_timeout_s, request_timeout_s=admission.request_timeout_s,
     )
     graphs = None
