@@ -66,8 +66,7 @@ def _snake_dwconv_snake_kernel(x_ptr, alpha1_ptr, w_ptr, b_ptr, alpha2_ptr, out_
         x = tl.load(x_ptr + row * length + pos, mask=inside, other=0.0).to(tl.float32)
         tap = tl.where(inside, _snake_f32(x, alpha1), 0.0)  # the conv's zero padding is outside the signal
         acc += tl.load(w_ptr + channel * KERNEL + k).to(tl.float32) * tap
-    x0 = tl.load(x_ptr + row * length + cols, mask=cols < length, other=0.0)
-    tl.store(out_ptr + row * length + cols, _snake_f32(acc, alpha2).to(x0.dtype), mask=cols < length)
+    tl.store(out_ptr + row * length + cols, _snake_f32(acc, alpha2).to(out_ptr.dtype.element_ty), mask=cols < length)
 
 
 def snake_dwconv_snake(x: torch.Tensor, alpha1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

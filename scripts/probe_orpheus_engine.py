@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16")
     parser.add_argument("--kv-dtype", default="auto", help="resources.kv_cache.dtype: auto | fp8_e4m3")
     args = parser.parse_args()
-    faulthandler.dump_traceback_later(240, exit=True)  # a stuck run prints every stack and exits
+    faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)  # a stuck run: every stack, exit
 
     import yaml
 
@@ -105,6 +105,7 @@ def main() -> int:
         for c in walk:
             run_walk(rt, codec, prompt, c, args.tokens, dtype)
     engine.shutdown()
+    faulthandler.cancel_dump_traceback_later()
     return 0
 
 

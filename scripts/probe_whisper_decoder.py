@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
-    faulthandler.dump_traceback_later(300, exit=True)
+    faulthandler.dump_traceback_later(300, exit=True, file=sys.__stderr__)
 
     import yaml
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if profiler is not None:
             _report(profiler)
     engine.shutdown()
+    faulthandler.cancel_dump_traceback_later()
     return 0
 
 
