@@ -3,7 +3,7 @@
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
+#   [gpu-tests] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py).
 set -u
@@ -26,6 +26,12 @@ stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
 ARGS=("$@")
 has() { [ ${#ARGS[@]} -eq 0 ] || [[ " ${ARGS[*]} " == *" $1 "* ]]; }
 
+if has gpu-tests; then
+  stage "GPU tests: kernels (incl. fp8 KV, SNAC) and the GPU-marked unit tests, under the image's Python"
+  timeout ${GPU_TESTS_TIMEOUT:-240} $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu tests/unit/test_orpheus_snac.py \
+    tests/unit/test_whisper_parity.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1 || echo "STAGE FAILED: gpu tests"
+  tail -5 "$OUT/gpu_tests.log"
+fi
 build_orpheus() {
   stage "orpheus: random-weight 3B checkpoint (built with transformers under the image's Python)"
   timeout 120 $IMAGE_PY -c "
