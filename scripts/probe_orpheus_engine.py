@@ -14,7 +14,6 @@ import argparse
 import faulthandler
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ def main() -> int:
 
     import yaml
 
+    from mstar_common.bench.engine_probe import RunTracker
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.config import deployment_from_dict
     from mstar_common.engine.types import SamplingParams
@@ -66,32 +66,18 @@ def main() -> int:
         runs.append(("profile", args.profile_concurrency))
     for rule, c in runs:
         sampling = rules.get(rule, rules["reference"])
-        done = threading.Event()
-        stamps: list[float] = []
-        left = [c]
-        lock = threading.Lock()
-
-        def on_output(rid, tokens, finish, error, stamps=stamps, left=left, done=done, lock=lock):
-            if error:
-                print("error", rid, error, flush=True)
-            if rid.endswith("#0"):
-                stamps.append(time.perf_counter())
-            if finish is not None:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-
+        tracker = RunTracker(c)
         tokens = 140 if c == 2 else args.tokens
         start = time.perf_counter()
         for i in range(c):
             params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **sampling)
-            engine.add_request(f"{rule}{c}#{i}", prompt, params, on_output)
+            engine.add_request(f"{rule}{c}#{i}", prompt, params, tracker.on_output)
         if not engine._thread:
             engine.start()
         if rule == "profile":
-            profile_window(done)
-        done.wait()
+            profile_window()
+        tracker.wait()
+        stamps = tracker.stamps
         wall = time.perf_counter() - start
         gaps = np.diff(stamps) * 1e3
         replays = engine.runner.graphs.num_replays if engine.runner.graphs else 0
@@ -179,6 +165,7 @@ def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str) -> N
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_orpheus import StreamLog, summarize
 
+    from mstar_common.bench.engine_probe import RunTracker
     from mstar_common.engine.codec_pump import AudioStream, CodecPump
     from mstar_common.engine.types import SamplingParams
     from mstar_common.families.orpheus.codes import SpeechChunker
@@ -188,23 +175,16 @@ def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str) -> N
     pump.start()
     if not rt.engine._thread:
         rt.engine.start()
-    left, lock, done = [c], threading.Lock(), threading.Event()
-
-    def on_end() -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                done.set()
-
+    tracker = RunTracker(c)
     start = time.perf_counter()
     logs = [StreamLog(start) for _ in range(c)]
     for i in range(c):
         rid = f"walk-{dtype}-{c}#{i}"
-        pump.register(AudioStream(rid, RecordingSink(logs[i], on_end), SpeechChunker(rt.layout, "wrap"),
+        pump.register(AudioStream(rid, RecordingSink(logs[i], tracker.end_one), SpeechChunker(rt.layout, "wrap"),
                                   rt.sample_rate, num_prompt_tokens=len(prompt)))
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **DEFAULT_SAMPLING)
         rt.engine.add_request(rid, prompt, params, pump.on_output)
-    done.wait()
+    tracker.wait()
     result = summarize(f"walk codec {dtype}", logs, time.perf_counter() - start)
     pump.stop()
     print(f"walk codec={dtype:8s} c={c:4d} wall={result.wall_s:.2f}s first p50={result.first_audio_p50_ms:.1f}ms "
@@ -212,7 +192,7 @@ def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str) -> N
           f"codec calls={pump.num_codec_calls} windows={pump.num_windows} errors={result.errors}", flush=True)
 
 
-def profile_window(done: threading.Event) -> None:
+def profile_window() -> None:
     """torch.profiler over 2 s once the run is decoding (the engine thread's kernels and host ops)."""
     import torch
     from torch.profiler import ProfilerActivity, profile

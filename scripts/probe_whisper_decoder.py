@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
+    from mstar_common.bench.engine_probe import RunTracker
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.config import deployment_from_dict
     from mstar_common.families.whisper import graph as g
@@ -53,42 +53,28 @@ def main(argv: list[str] | None = None) -> int:
     prompt = build_prompt(rt.tokens, language="en" if rt.tokens.is_multilingual else None, task="transcribe",
                           timestamps=False, prompt_ids=[])
     source = np.random.default_rng(0).standard_normal(rt.source_shape).astype(np.float32)
+    inputs = {g.ENCODER_OUTPUT: source, g.INPUT_IDS: np.asarray(prompt.prompt, np.int32),
+              g.MAX_TOKENS: np.asarray([args.tokens], np.int32)}
     runs = [int(c) for c in args.concurrency.split(",") if c]
     if args.profile:
         runs.append(0)  # 0: the profiled c=1 window
     for run_index, c in enumerate(runs):
         profiled = c == 0
         c = max(c, 1)
-        stamps: list[float] = []
-        left, lock, done = [c], threading.Lock(), threading.Event()
-
-        def on_output(rid, tokens, finish, error, stamps=stamps, left=left, done=done, lock=lock):
-            if error:
-                print("error", rid, error, flush=True)
-            if rid.endswith("#0") and tokens:
-                stamps.append(time.perf_counter())
-            if finish is not None:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-
-        requests = []
-        for i in range(c):
-            inputs = {g.ENCODER_OUTPUT: source, g.INPUT_IDS: np.asarray(prompt.prompt, np.int32),
-                      g.MAX_TOKENS: np.asarray([args.tokens], np.int32)}
-            request = rt.parse_request(inputs)
+        tracker = RunTracker(c)
+        requests = [rt.parse_request(inputs) for _ in range(c)]
+        for request in requests:
             request.params.ignore_eos = True  # random weights: every window decodes its full length
-            requests.append(request)
         start = time.perf_counter()
         profiler = _start_profiler() if profiled else None
         for i, request in enumerate(requests):
-            engine.add_request(f"r{run_index}#{i}", request.prompt_ids, request.params, on_output,
+            engine.add_request(f"r{run_index}#{i}", request.prompt_ids, request.params, tracker.on_output,
                                request_state=request.request_state)
         if not engine._thread:
             engine.start()
-        done.wait()
+        tracker.wait()
         wall = time.perf_counter() - start
+        stamps = tracker.stamps
         gaps = np.diff(stamps) * 1e3
         print(f"c={c:3d} tokens={args.tokens} wall={wall:.3f}s tok/s={c * args.tokens / wall:,.0f} "
               f"first={(stamps[0] - start) * 1e3:.1f}ms step p50={np.percentile(gaps, 50):.3f}ms "

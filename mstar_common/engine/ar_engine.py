@@ -409,7 +409,8 @@ def _check_config(config: EngineConfig) -> None:
     if config.dtype not in _DTYPES:
         raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
     if config.kv_dtype != "auto" and config.kv_dtype not in _KV_DTYPES:
-        raise ValueError(f"EngineConfig.kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {config.kv_dtype!r}")
+        raise ValueError(f"EngineConfig.kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, "
+                         f"got {config.kv_dtype!r}")
     if config.max_queue is not None and (isinstance(config.max_queue, bool) or not isinstance(config.max_queue, int)
                                          or config.max_queue < 0):
         raise ValueError(f"EngineConfig.max_queue must be None or an integer >= 0, got {config.max_queue!r}")

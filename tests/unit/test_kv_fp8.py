@@ -64,3 +64,11 @@ def test_a_bad_kv_dtype_is_refused_naming_the_field():
     dep = _with_kv_dtype(load_deployment(CONFIGS / "qwen3.yaml"), "fp4")
     with pytest.raises(DeploymentError, match=r"resources.kv_cache.dtype: must be one of \['auto', 'fp8_e4m3'\]"):
         validate_deployment(dep, "test")
+
+
+def test_engine_config_refuses_an_unknown_kv_dtype():
+    from mstar_common.engine.ar_engine import _check_config
+    from mstar_common.engine.types import EngineConfig
+
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_dtype must be 'auto' or one of \['fp8_e4m3'\]"):
+        _check_config(EngineConfig(kv_dtype="fp16"))

@@ -203,7 +203,7 @@ class _Seq:
 def test_token_rules_rows_without_list_indexing(checkpoint):
     """The rule masks (suppress, begin-suppress, forced tokens) row by row == the list-indexed form they
     replaced (which synced the CUDA stream each step); all-rows and some-rows paths both checked."""
-    from mstar_common.families.whisper.decoding import TokenRules, WhisperDecodeState, _NEG_INF
+    from mstar_common.families.whisper.decoding import _NEG_INF, TokenRules, WhisperDecodeState
     from mstar_common.families.whisper.family import read_tokens
 
     tokens = read_tokens(checkpoint)

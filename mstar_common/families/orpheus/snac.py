@@ -187,40 +187,31 @@ class SnacDecoder(nn.Module):
             lengths.append((lengths[-1] - 1) * stride - 2 * pad + transposed.kernel_size[0] + out_pad)
         if not 0 <= start < stop <= lengths[-1]:
             raise ValueError(f"decode_range: [{start}, {stop}) outside the decode's {lengths[-1]} samples")
-        # Backward: the range each block's output and input must cover.
+        # Backward: per block, the range its input, its residual units' input and its output must cover.
         halo = (conv.kernel_size[0] - 1) // 2 * conv.dilation[0]
-        need_out = [None] * len(blocks)
-        need_in = [None] * len(blocks)
+        plan: list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]] = [None] * len(blocks)
         lo, hi = start - halo, stop + halo
         for k in range(len(blocks) - 1, -1, -1):
-            lo, hi = max(lo, 0), min(hi, lengths[k + 1])
-            need_out[k] = (lo, hi)
-            units = [m for m in blocks[k].block if isinstance(m, ResidualUnit)]
-            reach = sum((u.block[1].kernel_size[0] - 1) // 2 * u.block[1].dilation[0] for u in units)
-            lo, hi = max(lo - reach, 0), min(hi + reach, lengths[k + 1])
+            out_range = (max(lo, 0), min(hi, lengths[k + 1]))
+            reach = sum((m.block[1].kernel_size[0] - 1) // 2 * m.block[1].dilation[0]
+                        for m in blocks[k].block if isinstance(m, ResidualUnit))
+            mid_range = (max(out_range[0] - reach, 0), min(out_range[1] + reach, lengths[k + 1]))
             transposed = blocks[k].block[1]
             stride, pad, width = transposed.stride[0], transposed.padding[0], transposed.kernel_size[0]
-            lo, hi = -((width - 1 - pad - lo) // stride), (hi - 1 + pad) // stride + 1  # inputs feeding [lo, hi)
-            need_in[k] = (max(lo, 0), min(hi, lengths[k]))
+            lo, hi = -((width - 1 - pad - mid_range[0]) // stride), (mid_range[1] - 1 + pad) // stride + 1
+            in_range = (max(lo, 0), min(hi, lengths[k]))  # the inputs feeding mid_range
+            plan[k] = (in_range, mid_range, out_range)
         # Forward, cropping: `offset` is the full-signal position of x[..., 0].
         offset = 0
-        for k, block in enumerate(blocks):
-            lo, hi = need_in[k]
-            x = x[..., lo - offset:hi - offset]
-            layers_k = list(block.block)
-            x = layers_k[1](layers_k[0](x))  # snake, transposed conv: output 0 is position lo * stride
-            offset = lo * layers_k[1].stride[0]
-            units_from = next(i for i, m in enumerate(layers_k) if isinstance(m, ResidualUnit))
-            reach_lo, reach_hi = need_out[k]
-            reach = sum((m.block[1].kernel_size[0] - 1) // 2 * m.block[1].dilation[0] for m in layers_k[units_from:])
-            lo, hi = max(reach_lo - reach, 0), min(reach_hi + reach, lengths[k + 1])
-            x = x[..., lo - offset:hi - offset]
-            offset = lo
-            for layer in layers_k[2:]:
+        for block, (in_range, mid_range, out_range) in zip(blocks, plan, strict=True):
+            x = x[..., in_range[0] - offset:in_range[1] - offset]
+            snake_in, transposed, *rest = block.block
+            x = transposed(snake_in(x))
+            offset = in_range[0] * transposed.stride[0]  # the transposed conv's output 0 sits there
+            x, offset = x[..., mid_range[0] - offset:mid_range[1] - offset], mid_range[0]
+            for layer in rest:  # noise (pointwise), then the residual units
                 x = layer(x)
-            lo, hi = need_out[k]
-            x = x[..., lo - offset:hi - offset]
-            offset = lo
+            x, offset = x[..., out_range[0] - offset:out_range[1] - offset], out_range[0]
         x = tanh(conv(snake(x)))
         return x[..., start - offset:stop - offset]
 
