@@ -34,12 +34,12 @@ def tiny_deployment(**overrides: Any):
 
 
 class LocalWhisper:
-    def __init__(self, checkpoint: Path, dep=None) -> None:
+    def __init__(self, checkpoint: Path, dep=None, device: str = "cpu") -> None:
         self.dep = dep or tiny_deployment()
         family = get_family("whisper")
         self.walk = family.build_component("walk", self.dep, checkpoint, "cpu")
-        self.encoder = family.build_component("encoder", self.dep, checkpoint, "cpu")
-        self.decoder = family.build_component("decoder", self.dep, checkpoint, "cpu")
+        self.encoder = family.build_component("encoder", self.dep, checkpoint, device)
+        self.decoder = family.build_component("decoder", self.dep, checkpoint, device)
         self.decoder_calls: list[dict[str, Any]] = []  # {"inputs", "tokens", "finish"} per decoder stream
         self._ids = itertools.count()
 

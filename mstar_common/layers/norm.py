@@ -40,3 +40,24 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ResidualLayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters and names) whose `forward(x, residual)` also does the pre-norm residual
+    add: `residual = residual + x; return norm(residual), residual`. With `use_kernel` set (CUDA), both run
+    as one Triton launch (kernels/layernorm.py) that updates `residual` in place."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__(dim, eps=eps)
+        self.use_kernel = False
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_kernel and x.is_cuda and x.dim() == 2:
+            from kernels.layernorm import layer_norm
+
+            out = layer_norm(x, self.weight, self.bias, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return super().forward(x)
+        residual = residual + x
+        return super().forward(residual), residual

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
 from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_kv, store_kv_ref  # noqa: E402
+from kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
 from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
 from kernels.sampling import sample_on_device  # noqa: E402
 from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
@@ -41,6 +42,24 @@ def test_rms_norm_with_and_without_residual(hidden, num_tokens, dtype):
     # Same roundings as the reference: nearly every element bit-equal.
     if dtype == torch.bfloat16 and not IS_INTERPRETED:
         assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("hidden", sweep([1280, 384, 5000], [64, 96]))
+@pytest.mark.parametrize("num_tokens", sweep([1, 300], [1, 5]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_with_and_without_residual(hidden, num_tokens, dtype):
+    """Whisper's residual add + LayerNorm (weight and bias) against torch's add and F.layer_norm."""
+    gen = torch.Generator().manual_seed(hidden + num_tokens)
+    x = _randn(num_tokens, hidden, dtype=dtype, gen=gen, scale=3.0) + 0.5  # a non-zero mean to remove
+    weight, bias = _randn(hidden, dtype=dtype, gen=gen), _randn(hidden, dtype=dtype, gen=gen)
+    assert rel_err(layer_norm(x, weight, bias, 1e-5), layer_norm_ref(x, weight, bias, 1e-5)) < TOL
+    residual = _randn(num_tokens, hidden, dtype=dtype, gen=gen)
+    res_out, res_ref = residual.clone(), residual.clone()
+    out, ref = layer_norm(x, weight, bias, 1e-5, res_out), layer_norm_ref(x, weight, bias, 1e-5, res_ref)
+    assert IS_INTERPRETED or torch.equal(res_out, res_ref)  # the residual add is rounded exactly like torch's
+    assert rel_err(out, ref) < TOL
+    if dtype == torch.bfloat16 and not IS_INTERPRETED:
+        assert (out != ref).float().mean() < 0.02  # one rounding of the fp32 affine result, as torch's kernel
 
 
 @pytest.mark.parametrize("inter", sweep([3072, 8192], [48, 128]))

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+import yaml
 
+from mstar_common.cli import CONFIGS
+from mstar_common.config import deployment_from_dict
 from mstar_common.families.whisper.audio import split_windows
 from mstar_common.families.whisper.decoding import LANGUAGE
 from tests.whisper_local import LocalWhisper, tiny_deployment
@@ -173,8 +176,8 @@ def test_upload_caps(checkpoint):
 
 def test_captured_decode_steps_equal_transformers(checkpoint, reference):
     """The decoder's decode steps through the engine's graph runner (CPU stand-in: FakeGraph over static buffers,
-    graph-safe attention): the rows' cross-KV slots come from a static buffer, the token rules run on the
-    replay's logits."""
+    graph-safe attention) with the packed q/k/v projection: the rows' cross-KV slots come from a static buffer,
+    the token rules run on the replay's logits."""
     from mstar_common.engine.ar_engine import AREngine
     from mstar_common.engine.attention import TorchStaticAttention
     from mstar_common.engine.cuda_graph import GraphConfig
@@ -183,6 +186,10 @@ def test_captured_decode_steps_equal_transformers(checkpoint, reference):
     eager = harness.decoder.engine
     model = eager.runner.model
     model.attn_backend = TorchStaticAttention()
+    model.fuse_projections()  # the GPU's packed q/k/v GEMM, here against transformers too
+    attn = model.model.decoder.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight.data_ptr() + attn.qkv_weight[0].numel() * \
+        attn.qkv_weight.element_size() * attn.q_proj.out_features  # the HF parameters are views: stored once
     harness.decoder.engine = AREngine(model, eager.config, eos_token_ids=sorted(eager.eos_token_ids),
                                       vocab_size=eager.vocab_size,
                                       graphs=GraphConfig(decode_buckets=[1, 2, 4], token_buckets=[],
@@ -193,6 +200,34 @@ def test_captured_decode_steps_equal_transformers(checkpoint, reference):
             asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
             assert our_sequences(harness) == [hf_sequence(reference, pcm, **theirs)]
         assert harness.decoder.engine.runner.graphs.num_replays > 100
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_fused_ops_keep_the_tokens(checkpoint):
+    """On a GPU (fp32, captured decode graphs, Triton attention): the packed q/k/v GEMM and the fused residual-add
+    + LayerNorm kernel give the tokens of the same decoder with `fused_ops: false` (HF's separate ops). (Against
+    transformers on the CPU the tiny random model's near-ties flip with cuDNN's TF32 convolutions.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mstar_common.layers.norm import ResidualLayerNorm
+
+    sequences = []
+    for fused in (True, False):
+        raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+        for name in ("encoder", "decoder"):
+            raw["components"][name] = {"placement": {"device": "gpu", "gpus": [0], "instances": 1},
+                                       "cuda_graphs": True, "fused_ops": fused}
+        harness = LocalWhisper(checkpoint, deployment_from_dict(raw, source="test-whisper-gpu"), device="cuda:0")
+        model = harness.decoder.engine.runner.model
+        assert (model.model.decoder.layers[0].self_attn.qkv_weight is not None) == fused
+        assert all(m.use_kernel == fused for m in model.modules() if isinstance(m, ResidualLayerNorm))
+        with harness:
+            for pcm, ours, _ in (CASES["detect language, 5 s"], CASES["translate"], CASES["timestamps, detect"]):
+                asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
+            sequences.append(our_sequences(harness))
+            assert harness.decoder.engine.runner.graphs.num_replays > 50
+    assert sequences[0] == sequences[1]
+    assert sum(len(s) for s in sequences[0]) > 100
 
 
 class _Seq:

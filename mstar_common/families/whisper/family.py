@@ -142,7 +142,7 @@ def _encoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
 
 def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
     from mstar_common.engine.ar_engine import AREngine
-    from mstar_common.engine.attention import select_attention_backend
+    from mstar_common.engine.attention import _has_triton, select_attention_backend
     from mstar_common.engine.cuda_graph import GraphConfig, default_decode_buckets
     from mstar_common.engine.types import EngineConfig
     from mstar_common.families.whisper.components import DecoderRuntime
@@ -155,8 +155,11 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
                               f"max_target_positions={config.max_target_positions}")
     dtype = options.dtype_for(device)
     component = dep.components["decoder"]
-    model = load_decoder(checkpoint, dtype, device,
+    fused = bool(component.fused_ops and device.startswith("cuda") and _has_triton())
+    # On a GPU: q/k/v as one GEMM, each residual add + LayerNorm as one kernel (the CPU keeps HF's op order).
+    model = load_decoder(checkpoint, dtype, device, fuse_projections=fused,
                          attn_backend=select_attention_backend(device, component.attention_backend))
+    model.enable_fused_ops(fused)
     kv = dep.resources.kv_cache
     model.configure_slots(dep.max_concurrent_requests, kv.page_size)
     tokens = read_tokens(checkpoint)

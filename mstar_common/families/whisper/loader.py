@@ -46,7 +46,7 @@ def load_encoder(checkpoint_dir: str | Path, dtype: str = "float32", device: str
 
 
 def load_decoder(checkpoint_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-                 attn_backend: AttentionBackend | None = None) -> WhisperDecoderLM:
+                 attn_backend: AttentionBackend | None = None, fuse_projections: bool = False) -> WhisperDecoderLM:
     path = Path(checkpoint_dir)
     config, _ = read_config(path)
     with torch.device("meta"):
@@ -54,6 +54,8 @@ def load_decoder(checkpoint_dir: str | Path, dtype: str = "float32", device: str
     model = model.to(dtype=DTYPES[dtype]).to_empty(device=device)
     model.tie_weights()
     _fill(model, path, DECODER_PREFIX)
+    if fuse_projections:
+        model.fuse_projections()
     logger.info("[whisper/decoder] loaded %d layers (vocab %d) from %s", config.decoder_layers, config.vocab_size,
                 path.name)
     return model.eval()

@@ -33,6 +33,7 @@ from torch import nn
 
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from mstar_common.engine.kv_cache import KVCache, KVSpec
+from mstar_common.layers.norm import ResidualLayerNorm
 
 LAYER_NORM_EPS = 1e-5  # torch's default, which HF Whisper uses
 
@@ -213,11 +214,33 @@ class _DecoderAttention(nn.Module):
 
 
 class DecoderSelfAttention(_DecoderAttention):
+    qkv_weight: torch.Tensor | None = None  # set by `fuse_qkv`
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """One GEMM for q/k/v (k's missing bias is zeros). The three HF parameters become views of the packed
+        weight and bias, so nothing is stored twice."""
+        if self.qkv_weight is not None:
+            return
+        d = self.q_proj.in_features
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        bias = torch.cat((self.q_proj.bias, torch.zeros_like(self.q_proj.bias), self.v_proj.bias))
+        self.qkv_weight, self.qkv_bias = weight, bias
+        for index, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
+            proj.weight = nn.Parameter(weight[index * d:(index + 1) * d], requires_grad=False)
+        self.q_proj.bias = nn.Parameter(bias[:d], requires_grad=False)
+        self.v_proj.bias = nn.Parameter(bias[2 * d:], requires_grad=False)
+
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend) -> torch.Tensor:
         shape = (hidden.shape[0], self.num_heads, self.head_dim)
-        query = self.q_proj(hidden).view(shape)
-        backend.write_kv(self.k_proj(hidden).view(shape), self.v_proj(hidden).view(shape), kv[0], kv[1], metadata)
+        if self.qkv_weight is not None:
+            query, key, value = (part.view(shape) for part in
+                                 F.linear(hidden, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1))
+        else:
+            query, key, value = (self.q_proj(hidden).view(shape), self.k_proj(hidden).view(shape),
+                                 self.v_proj(hidden).view(shape))
+        backend.write_kv(key, value, kv[0], kv[1], metadata)
         out = backend.attend(query, kv[0], kv[1], metadata, self.scale)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 
@@ -268,18 +291,23 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: WhisperConfig) -> None:
         super().__init__()
         d = config.d_model
-        self.self_attn_layer_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.self_attn_layer_norm = ResidualLayerNorm(d, eps=LAYER_NORM_EPS)
         self.self_attn = DecoderSelfAttention(d, config.decoder_attention_heads)
-        self.encoder_attn_layer_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.encoder_attn_layer_norm = ResidualLayerNorm(d, eps=LAYER_NORM_EPS)
         self.encoder_attn = CrossAttention(d, config.decoder_attention_heads)
-        self.final_layer_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.final_layer_norm = ResidualLayerNorm(d, eps=LAYER_NORM_EPS)
         self.fc1 = nn.Linear(d, config.decoder_ffn_dim)
         self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
 
-    def forward(self, hidden, metadata, kv, cross: CrossStep, cross_kv, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), metadata, kv, backend)
-        hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), cross, cross_kv)
-        return hidden + self.fc2(F.gelu(self.fc1(self.final_layer_norm(hidden))))
+    def forward(self, delta, residual, metadata, kv, cross: CrossStep, cross_kv, backend):
+        """The residual stream is carried as (`residual`, pending `delta`): each norm adds the pending delta
+        first (`residual` None: `delta` is the stream), so an add and a norm are one kernel on the GPU.
+        Returns this layer's MLP output (the next pending delta) and the stream."""
+        x, residual = self.self_attn_layer_norm(delta, residual) if residual is not None else (
+            self.self_attn_layer_norm(delta), delta)
+        x, residual = self.encoder_attn_layer_norm(self.self_attn(x, metadata, kv, backend), residual)
+        x, residual = self.final_layer_norm(self.encoder_attn(x, cross, cross_kv), residual)
+        return self.fc2(F.gelu(self.fc1(x))), residual
 
 
 class WhisperDecoder(nn.Module):
@@ -289,7 +317,7 @@ class WhisperDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.embed_positions = nn.Embedding(config.max_target_positions, d)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.decoder_layers))
-        self.layer_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.layer_norm = ResidualLayerNorm(d, eps=LAYER_NORM_EPS)
         self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
 
 
@@ -316,6 +344,17 @@ class WhisperDecoderLM(nn.Module):
 
     def tie_weights(self) -> None:
         self.proj_out.weight = self.model.decoder.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Pack each layer's self-attention q/k/v into one GEMM (after loading by HF names)."""
+        for layer in self.model.decoder.layers:
+            layer.self_attn.fuse_qkv()
+
+    def enable_fused_ops(self, enabled: bool = True) -> None:
+        """Run each residual add + LayerNorm as one Triton kernel on CUDA (the eager ops are the reference)."""
+        for module in self.modules():
+            if isinstance(module, ResidualLayerNorm):
+                module.use_kernel = enabled
 
     def configure_slots(self, num_slots: int, page_size: int) -> None:
         weight = self.proj_out.weight
@@ -363,10 +402,11 @@ class WhisperDecoderLM(nn.Module):
         decoder = self.model.decoder
         hidden = decoder.embed_tokens(input_ids) * decoder.embed_scale + decoder.embed_positions(positions)
         cross = self._cross_step(attn_metadata)
+        residual = None
         for index, layer in enumerate(decoder.layers):
-            hidden = layer(hidden, attn_metadata, kv_cache.layer(index), cross, self.cross_kv.layer(index),
-                           self.attn_backend)
-        return decoder.layer_norm(hidden)
+            hidden, residual = layer(hidden, residual, attn_metadata, kv_cache.layer(index), cross,
+                                     self.cross_kv.layer(index), self.attn_backend)
+        return decoder.layer_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)
