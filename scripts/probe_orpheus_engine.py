@@ -36,7 +36,10 @@ def main() -> int:
     parser.add_argument("--profile-concurrency", type=int, default=0, help="profile 2 s of a run at this c")
     parser.add_argument("--walk", default="", help="comma list of concurrencies for the in-process walk: engine + "
                         "codec pump + SNAC (no Triton), per --codec-dtype; reports real-time streams")
-    parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16")
+    parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16; a '+residual' "
+                        "suffix turns on the fused residual-unit kernel (MSTAR_SNAC_RESIDUAL_KERNEL=1)")
+    parser.add_argument("--codec-throughput", action="store_true", help="codec windows/s per --codec-dtype "
+                        "even without --walk")
     parser.add_argument("--kv-dtype", default="auto", help="resources.kv_cache.dtype: auto | fp8_e4m3")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)  # a stuck run: every stack, exit
@@ -85,7 +88,7 @@ def main() -> int:
               f"first={(stamps[0] - start) * 1e3:.1f}ms step p50={np.percentile(gaps, 50):.2f}ms "
               f"p90={np.percentile(gaps, 90):.2f}ms graph replays so far={replays}", flush=True)
     walk = [int(c) for c in args.walk.split(",") if c]
-    for dtype in (args.codec_dtype.split(",") if walk else []):
+    for dtype in (args.codec_dtype.split(",") if walk or args.codec_throughput else []):
         codec = build_codec(raw, dtype, checkpoint, args.device)
         codec_throughput(codec, dtype)
         for c in walk:
@@ -99,6 +102,8 @@ def build_codec(raw: dict, dtype: str, checkpoint, device: str):
     from mstar_common.config import deployment_from_dict
     from mstar_common.families.orpheus.family import _build_snac
 
+    dtype, _, variant = dtype.partition("+")
+    os.environ["MSTAR_SNAC_RESIDUAL_KERNEL"] = "1" if variant == "residual" else "0"
     raw = {**raw, "model_kwargs": {**raw["model_kwargs"], "codec_dtype": dtype}}
     return _build_snac(deployment_from_dict(raw, source="probe"), checkpoint, device)
 

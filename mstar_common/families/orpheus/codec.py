@@ -14,6 +14,7 @@ largest first and share one memory pool.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,7 +62,9 @@ class SnacCodec:
     def __post_init__(self) -> None:
         self.samples_per_frame = self.decoder.samples_per_code * 4  # 4 finest codes per frame
         if self.device.type == "cuda":
-            self.decoder.use_fused_kernels()  # kernels/snake.py: the Snake activations in one pass each
+            # kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
+            # residual head too, for measuring; it lost to cuDNN on the H200, docs/benchmarks.md)
+            self.decoder.use_fused_kernels(residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1")
         if self.use_cuda_graphs:
             self.capture()
 
