@@ -2,7 +2,7 @@
 
 Graphs + overlap vs the eager step on the same backend must give the same tokens bit for bit when the
 step shapes equal a bucket (a padded GEMM may pick another kernel). Fused vs unfused ops are compared on a
-checkpoint whose logits are well separated (init 0.2), where rounding differences cannot flip a token.
+checkpoint with wider logits (init 0.2); a token that still flips must be a near-tie in transformers' logits.
 `MSTAR_GPU_QWEN3` may point at a real-shape checkpoint (scripts/gpu_suite.sh builds one); otherwise a
 4-layer checkpoint at Qwen3-0.6B widths is built here.
 """
@@ -100,12 +100,32 @@ def test_device_penalty_history_in_graphs_equals_the_host_history(real_shape):
 
 def test_fused_kernels_match_the_eager_torch_ops(separated):
     """The Triton kernels are not bit-equal to torch's (flash-attention accumulation order), so over a 151,936
-    token vocabulary a near-tie can flip late in a generation; the first tokens must agree."""
+    token vocabulary a near-tie can flip a token (measured on the H200: 6 of the 8 sequences below differ from
+    the torch backend's within 8 tokens, every one at such a tie).
+    Where a sequence first differs, both candidates must be ties within bf16's own error: in transformers'
+    fp32 logits of the reference prefix, each lies within twice the largest |bf16 - fp32| logit difference
+    of the top. A wrong kernel picks a token far from the top."""
     prompts = _prompts(4, 100, seed=1)
     reference = generate(separated, prompts, graphs=False, overlap=False, backend="torch", fused_ops=False,
                          max_tokens=8)
-    assert generate(separated, prompts, graphs=False, overlap=False, max_tokens=8) == reference
-    assert generate(separated, prompts, graphs=True, overlap=True, max_tokens=8) == reference
+    hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(separated, torch_dtype=dtype).cuda().eval()
+          for dtype in (torch.float32, torch.bfloat16)}
+    for graphs in (False, True):
+        outputs = generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8)
+        for prompt, ref, ours in zip(prompts, reference, outputs):
+            if ours == ref:
+                continue
+            k = next(i for i, (a, b) in enumerate(zip(ref, ours)) if a != b)
+            ids = torch.tensor([prompt + ref[:k]], device="cuda")
+            with torch.no_grad():
+                exact, rounded = (hf[dtype](ids).logits[0, -1].float() for dtype in (torch.float32, torch.bfloat16))
+            top, noise = exact.max(), (rounded - exact).abs().max()
+            assert noise < 0.1 * top.abs(), f"bf16 error {noise:.3f} is not small against the top logit {top:.3f}"
+            assert exact[ref[k]] >= top - 2 * noise and exact[ours[k]] >= top - 2 * noise, (
+                f"token {k}: {ours[k]} (logit {exact[ours[k]]:.4f}) vs the reference's {ref[k]} "
+                f"({exact[ref[k]]:.4f}); top {top:.4f}, bf16 error {noise:.4f}: not a tie within rounding")
+    del hf
+    torch.cuda.empty_cache()
 
 
 def test_seeded_sampling_is_the_same_replayed_or_eager(real_shape):
