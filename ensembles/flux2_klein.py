@@ -22,7 +22,7 @@ import numpy as np
 from ensembles.image_walk import ImageRequest, ImageWalk, i32
 from mstar_common.diffusion import image_graph as g
 from mstar_common.families.flux2_klein.options import TEXT_TOKENS
-from mstar_common.images import check_geometry, decode_image, encode_image
+from mstar_common.images import check_geometry, decode_image
 from mstar_common.walk_api import Call
 
 MIN_REFERENCE_SIDE = 64
@@ -53,7 +53,7 @@ class Flux2KleinWalk(ImageWalk):
         latents = (await call("denoise", denoise_inputs))[g.LATENTS]
         decoded = await call("vae_decode", {g.LATENTS: latents, g.WIDTH: i32(width), g.HEIGHT: i32(height)})
         pixels = decoded[g.PIXELS]
-        images = await asyncio.to_thread(lambda: [encode_image(p, req.output) for p in np.asarray(pixels)])
+        images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 
     # parse

@@ -16,7 +16,6 @@ import numpy as np
 from ensembles.image_walk import ImageRequest, ImageWalk, i32
 from mstar_common.diffusion import image_graph as g
 from mstar_common.families.z_image_turbo.options import TEXT_TOKENS
-from mstar_common.images import encode_image
 from mstar_common.walk_api import Call
 
 
@@ -33,7 +32,7 @@ class ZImageTurboWalk(ImageWalk):
                                           g.NUM_IMAGES: i32(req.num_images), g.SEED: np.array([req.seed], np.int64),
                                           g.NUM_STEPS: i32(req.num_steps)}))[g.LATENTS]
         pixels = (await call("vae_decode", {g.LATENTS: latents, **size}))[g.PIXELS]
-        images = await asyncio.to_thread(lambda: [encode_image(p, req.output) for p in np.asarray(pixels)])
+        images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 
     def parse(self, inputs: dict[str, np.ndarray]) -> ImageRequest:
