@@ -6,6 +6,7 @@
     python scripts/bench_flux2.py --mode served ...   # through tritonserver + the walk router (gRPC clients)
     # CPU smoke (CI): tiny checkpoint, 64x64, c=1/2, both systems
     python scripts/bench_flux2.py --smoke
+    python scripts/bench_flux2.py --profile --json runs/bench_flux2.json   # + runs/bench_flux2_profile.txt
 
 What it measures (klein-4B shapes, random weights, 1024x1024, 4 steps, one prompt per request):
   ours, --mode engine (default): the walk and the four components in this process (`LocalWalk`: the same walk
@@ -15,6 +16,12 @@ What it measures (klein-4B shapes, random weights, 1024x1024, 4 steps, one promp
       calling the walk; device memory in use (all processes) sampled with torch.cuda.mem_get_info.
   diffusers: `Flux2KleinPipeline` with the same weights, dtype and settings; concurrency c = a batch of c prompts
       per call; images/s = c / call time; peak torch-allocated memory.
+
+--profile (engine mode), after the timed runs: a c=1 request's wall time split into text encoder / denoise / VAE
+decode / PNG encode / the rest (each bracketed by device synchronisation; the median of 3 requests), the same for
+diffusers' pipeline (text encoder / transformer calls / VAE decode / postprocess), one request of each under
+torch.profiler (CPU + CUDA, every thread): top ops by CUDA and CPU time, GPU busy time against wall time, and the
+FLOPs of one image (so achieved TFLOPS), written to `<json stem>_profile.txt` and the report's "profile" key.
 
 Needs: torch with CUDA (or --smoke on the CPU), transformers, safetensors, pyyaml, pillow (the device image may
 lack it: carry its wheel), this project on the path (run from the project root); the script names what is
@@ -176,6 +183,8 @@ def bench_engine(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
             rows[-1]["component_p50_ms"] = {name: round(statistics.median(t) * 1e3, 1)
                                             for name, t in sorted(walk.timings.items())}
             print(f"[bench]   c={c:<3} per component p50 ms {rows[-1]['component_p50_ms']}", flush=True)
+        if args.profile:
+            args.profile_report["ours"] = profile_engine(walk, args, device)
         return rows
     finally:
         walk.close()
@@ -291,8 +300,185 @@ def bench_diffusers(checkpoint: Path, args: argparse.Namespace, device: str) -> 
         return time.perf_counter() - start
 
     levels = _warm(args, lambda: call(1))
-    return [_level(c, args, device, lambda c=c: [call(c) for _ in range(args.diffusers_calls)], batch=c)
+    rows = [_level(c, args, device, lambda c=c: [call(c) for _ in range(args.diffusers_calls)], batch=c)
             for c in levels]
+    if args.profile:
+        args.profile_report["diffusers"] = profile_diffusers(pipe, lambda: call(1), device)
+    return rows
+
+
+# --profile: where one c=1 request's time goes (after the timed runs; never part of them)
+
+PROFILE_REQUESTS = 3  # un-profiled requests timed for the breakdown (median per part)
+
+
+class _SyncTimer:
+    """Wall time of calls to wrapped methods, each bracketed by device synchronisation; `restore()` unwraps."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.ms: dict[str, float] = {}
+        self._wrapped: list[tuple[Any, str]] = []
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        inner = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                _sync(self.device)
+                self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+
+        setattr(owner, attr, timed)  # an instance attribute: deleting it restores the class's method
+        self._wrapped.append((owner, attr))
+
+    def restore(self) -> None:
+        for owner, attr in self._wrapped:
+            delattr(owner, attr)
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def profile_engine(walk, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """Our c=1 request: component calls (submit to result, each ending in a device-to-host copy), the walk's
+    PNG encode, and the rest (tokenize, hops, thread hand-offs); then one request under the profiler."""
+
+    def run(seed: int) -> dict[str, float]:
+        timer = _SyncTimer(device)
+        timer.wrap(walk.walk, "encode_images", "png_encode")
+        walk.timings.clear()
+        try:
+            start = time.perf_counter()
+            asyncio.run(walk.run(request_inputs(args, seed)))
+            total = (time.perf_counter() - start) * 1e3
+        finally:
+            timer.restore()
+        parts = {name: sum(t) * 1e3 for name, t in walk.timings.items()} | timer.ms
+        return {**parts, "other": total - sum(parts.values()), "total": total}
+
+    breakdown = _median_parts([run(10_000 + i) for i in range(PROFILE_REQUESTS)])
+    return {"breakdown_ms": breakdown,
+            **_profiled("ours (engine)", lambda: asyncio.run(walk.run(request_inputs(args, 20_000))), device)}
+
+
+def profile_diffusers(pipe, call_one, device: str) -> dict[str, Any]:
+    """diffusers' c=1 call split the same way: text encoder, transformer calls, VAE decode, postprocess, the rest."""
+
+    def run() -> dict[str, float]:
+        timer = _SyncTimer(device)
+        for owner, attr, name in ((pipe.text_encoder, "forward", "text_encoder"), (pipe.transformer, "forward",
+                                  "denoise"), (pipe.vae, "decode", "vae_decode"),
+                                  (pipe.image_processor, "postprocess", "postprocess")):
+            timer.wrap(owner, attr, name)
+        try:
+            total = call_one() * 1e3
+        finally:
+            timer.restore()
+        return {**timer.ms, "other": total - sum(timer.ms.values()), "total": total}
+
+    breakdown = _median_parts([run() for _ in range(PROFILE_REQUESTS)])
+    return {"breakdown_ms": breakdown, **_profiled("diffusers", call_one, device)}
+
+
+def _median_parts(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: round(statistics.median(r.get(name, 0.0) for r in runs), 1) for name in runs[0]}
+
+
+def _profiled(title: str, run_once, device: str) -> dict[str, Any]:
+    """One call under torch.profiler: wall and GPU-busy time, and the op tables (kept for the text file)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    config, threads_note = _all_threads_config()
+    with profile(activities=activities, **config) as prof:
+        start = time.perf_counter()
+        run_once()
+        _sync(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    averages = prof.key_averages()
+    gpu_ms = sum(event.self_device_time_total for event in averages) / 1e3
+    tables = [f"== {title}: one c=1 request under torch.profiler: wall {wall_ms:.1f} ms, GPU kernels {gpu_ms:.1f} ms "
+              f"({threads_note})"]
+    for sort_by, rows, what in (("self_device_time_total", 40, "self CUDA time (kernels)"),
+                                ("device_time_total", 40, "total CUDA time (ops with their kernels)"),
+                                ("self_cpu_time_total", 25, "self CPU time")):
+        tables.append(f"-- top {rows} by {what}\n" + averages.table(sort_by=sort_by, row_limit=rows,
+                                                                      max_name_column_width=90))
+    return {"profiled_wall_ms": round(wall_ms, 1), "gpu_kernel_ms": round(gpu_ms, 1), "tables": tables}
+
+
+def _all_threads_config() -> tuple[dict[str, Any], str]:
+    """The components run in their own threads; torch records their CPU ops only with `profile_all_threads`."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}, "CPU ops of every thread"
+    except (ImportError, TypeError):
+        return {}, "CPU ops of the calling thread only (this torch lacks profile_all_threads); kernels of all"
+
+
+def image_tflops(checkpoint: Path, args: argparse.Namespace) -> dict[str, float]:
+    """FLOPs of one image (matmuls, convolutions, attention; torch's FlopCounterMode over meta tensors)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mstar_common.families.flux2_klein import loader
+    from mstar_common.families.flux2_klein.components import Layout, position_ids
+    from mstar_common.families.flux2_klein.options import TEXT_TOKENS
+    from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
+    from mstar_common.families.flux2_klein.transformer import Flux2Transformer
+    from mstar_common.families.flux2_klein.vae import VaeDecoder
+
+    dit_config, vae_config = loader.transformer_config(checkpoint), loader.vae_config(checkpoint)
+    factor = 2 * vae_config.scale_factor
+    layout = Layout(args.height // factor, args.width // factor)
+    te_config, taps = loader.text_encoder_config(checkpoint), tuple(args.taps)
+    cpu_lens = torch.full((1,), TEXT_TOKENS)  # unpadded: the causal path (the same FLOPs), no mask built on meta
+    with torch.device("meta"), torch.no_grad():
+        dit, vae = Flux2Transformer(dit_config), VaeDecoder(vae_config)
+        rope = dit.rope(*position_ids(layout, TEXT_TOKENS, torch.device("meta")))
+        ids = torch.zeros(1, TEXT_TOKENS, dtype=torch.long)
+        calls = {"text_encoder": lambda: Qwen3TapEncoder(te_config, taps)(ids, cpu_lens),
+                 "denoise_step": lambda: dit(torch.zeros(1, layout.num_tokens, dit_config.in_channels),
+                                             torch.zeros(1, TEXT_TOKENS, dit_config.joint_attention_dim),
+                                             torch.zeros(1), rope),
+                 "vae_decode": lambda: vae(torch.zeros(1, layout.num_tokens, vae_config.token_channels), args.height,
+                                           args.width)}
+        flops = {}
+        for name, call in calls.items():
+            with FlopCounterMode(display=False) as counter:
+                call()
+            flops[name] = counter.get_total_flops() / 1e12
+    flops["image"] = flops["text_encoder"] + args.steps * flops["denoise_step"] + flops["vae_decode"]
+    return {name: round(value, 3) for name, value in flops.items()}
+
+
+def write_profile(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
+    """The op tables to `<json stem>_profile.txt`; returns the numbers for the report (tables left out)."""
+    path = (Path(args.json).with_name(Path(args.json).stem + "_profile.txt") if args.json
+            else Path("bench_flux2_profile.txt"))
+    tflops = image_tflops(checkpoint, args)
+    lines = [f"bench_flux2 --profile: {args.width}x{args.height}, {args.steps} steps, {args.dtype}; one image = "
+             f"{tflops['image']:.1f} TFLOP {tflops}"]
+    summary: dict[str, Any] = {"tflop": tflops}
+    for system, result in args.profile_report.items():
+        wall_s, gpu_s = result["breakdown_ms"]["total"] / 1e3, result["gpu_kernel_ms"] / 1e3
+        lines.append(f"{system}: wall breakdown ms (median of {PROFILE_REQUESTS}) {result['breakdown_ms']}; "
+                     f"{tflops['image'] / wall_s:.0f} TFLOPS over the wall time, "
+                     f"{tflops['image'] / gpu_s if gpu_s else 0.0:.0f} over the GPU kernels' time")
+        print(f"[bench] profile {system}: {lines[-1]}", flush=True)
+        summary[system] = {key: value for key, value in result.items() if key != "tables"}
+    for result in args.profile_report.values():
+        lines.extend(result["tables"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(lines) + "\n")
+    print(f"[bench] profile tables: {path}", flush=True)
+    return {**summary, "file": str(path)}
 
 
 # measurement
@@ -366,7 +552,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--skip-diffusers", action="store_true")
     parser.add_argument("--json", help="also write the report here")
+    parser.add_argument("--profile", action="store_true",
+                        help="engine mode: after the benchmark, profile one c=1 request of each system "
+                             "(<json stem>_profile.txt)")
     args = parser.parse_args(argv)
+    if args.profile and args.mode != "engine":
+        parser.error("--profile profiles the in-process engine: use it with --mode engine")
+    args.profile_report = {}
     if missing := _missing_requirements(args.mode):
         parser.error("missing: " + "; ".join(missing))
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -401,6 +593,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.skip_diffusers:
         print("[bench] diffusers Flux2KleinPipeline (c = prompts per call)", flush=True)
         report["diffusers"] = bench_diffusers(checkpoint, args, device)
+    if args.profile:
+        report["profile"] = write_profile(args, checkpoint)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -5,7 +5,8 @@
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
 #   [gpu-tests] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
-#   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py).
+#   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
+#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu-out}
@@ -75,7 +76,7 @@ if has orpheus; then
 fi
 if has flux2; then
   stage "flux2 klein-4B shapes: engine + diffusers, 1024x1024, 4 steps"
-  timeout 330 $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" || echo "STAGE FAILED: flux2"
+  timeout ${FLUX_TIMEOUT:-330} $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2"
 fi
 if has whisper; then
   stage "whisper: random-weight large-v3 checkpoint (built with transformers under the image's Python)"

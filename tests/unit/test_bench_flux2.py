@@ -54,3 +54,37 @@ def test_random_checkpoint_loads_in_our_loader_and_the_reference_classes(tmp_pat
     assert torch.equal(reference.proj_out.weight, ours.proj_out.weight)
     AutoencoderKLFlux2.from_pretrained(root / "vae", torch_dtype=torch.bfloat16)
     Qwen3ForCausalLM.from_pretrained(root / "text_encoder", dtype=torch.bfloat16)
+
+
+def test_profile_splits_a_request_and_writes_the_op_tables(tmp_path):
+    out = tmp_path / "report.json"
+    report = bench.main(["--smoke", "--profile", "--json", str(out), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert [row["concurrency"] for row in report["ours"]] == [1, 2]  # the timed rows are still there
+    profile = json.loads(out.read_text())["profile"]
+    parts = {"ours": {"text_encoder", "denoise", "vae_decode", "png_encode"},
+             "diffusers": {"text_encoder", "denoise", "vae_decode", "postprocess"}}
+    for system, named in parts.items():
+        breakdown = profile[system]["breakdown_ms"]
+        assert set(breakdown) == named | {"other", "total"} and "tables" not in profile[system]
+        assert all(breakdown[name] > 0 for name in named)
+        assert breakdown["total"] > max(breakdown[name] for name in named)  # medians per part: no exact sum
+    assert profile["tflop"]["image"] > 0
+    text = (tmp_path / "report_profile.txt").read_text()
+    assert profile["file"] == str(tmp_path / "report_profile.txt")
+    for heading in ("== ours (engine)", "== diffusers", "top 40 by self CUDA time", "top 25 by self CPU time"):
+        assert heading in text
+    assert "layer_norm" in text.split("== diffusers")[0]  # the denoise thread's ops are profiled too
+
+
+def test_flop_count_of_one_4b_image(tmp_path):
+    import argparse
+
+    for folder, config in (("transformer", bench.TRANSFORMER_4B), ("vae", bench.VAE),
+                           ("text_encoder", bench.QWEN3_4B)):
+        bench._json(tmp_path / folder / "config.json", config)
+    args = argparse.Namespace(width=1024, height=1024, steps=4, taps=[9, 18, 27])
+    tflop = bench.image_tflops(tmp_path, args)
+    assert tflop["denoise_step"] == pytest.approx(34.82, abs=0.01)
+    assert tflop["text_encoder"] == pytest.approx(2.906, abs=0.01)
+    assert tflop["vae_decode"] == pytest.approx(10.475, abs=0.01)
+    assert tflop["image"] == pytest.approx(152.66, abs=0.05)
