@@ -188,8 +188,9 @@ def test_captured_decode_steps_equal_transformers(checkpoint, reference):
     model.attn_backend = TorchStaticAttention()
     model.fuse_projections()  # the GPU's packed q/k/v GEMM, here against transformers too
     attn = model.model.decoder.layers[0].self_attn
-    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight.data_ptr() + attn.qkv_weight[0].numel() * \
-        attn.qkv_weight.element_size() * attn.q_proj.out_features  # the HF parameters are views: stored once
+    packed = attn.qkv_proj.weight
+    assert attn.k_proj.weight.data_ptr() == packed.data_ptr() + packed[0].numel() * packed.element_size() * \
+        attn.q_proj.out_features  # the HF parameters are views of the packed weight: stored once
     harness.decoder.engine = AREngine(model, eager.config, eos_token_ids=sorted(eager.eos_token_ids),
                                       vocab_size=eager.vocab_size,
                                       graphs=GraphConfig(decode_buckets=[1, 2, 4], token_buckets=[],
@@ -219,7 +220,7 @@ def test_gpu_decoder_fused_ops_keep_the_tokens(checkpoint):
                                        "cuda_graphs": True, "fused_ops": fused}
         harness = LocalWhisper(checkpoint, deployment_from_dict(raw, source="test-whisper-gpu"), device="cuda:0")
         model = harness.decoder.engine.runner.model
-        assert (model.model.decoder.layers[0].self_attn.qkv_weight is not None) == fused
+        assert (model.model.decoder.layers[0].self_attn.qkv_proj is not None) == fused
         assert all(m.use_kernel == fused for m in model.modules() if isinstance(m, ResidualLayerNorm))
         with harness:
             for pcm, ours, _ in (CASES["detect language, 5 s"], CASES["translate"], CASES["timestamps, detect"]):

@@ -214,18 +214,22 @@ class _DecoderAttention(nn.Module):
 
 
 class DecoderSelfAttention(_DecoderAttention):
-    qkv_weight: torch.Tensor | None = None  # set by `fuse_qkv`
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__(d_model, num_heads)
+        self.qkv_proj: nn.Linear | None = None  # set by `fuse_qkv`
 
     @torch.no_grad()
     def fuse_qkv(self) -> None:
         """One GEMM for q/k/v (k's missing bias is zeros). The three HF parameters become views of the packed
         weight and bias, so nothing is stored twice."""
-        if self.qkv_weight is not None:
+        if self.qkv_proj is not None:
             return
         d = self.q_proj.in_features
         weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         bias = torch.cat((self.q_proj.bias, torch.zeros_like(self.q_proj.bias), self.v_proj.bias))
-        self.qkv_weight, self.qkv_bias = weight, bias
+        packed = nn.Linear(d, 3 * d, device="meta")
+        packed.weight, packed.bias = (nn.Parameter(t, requires_grad=False) for t in (weight, bias))
+        self.qkv_proj = packed
         for index, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
             proj.weight = nn.Parameter(weight[index * d:(index + 1) * d], requires_grad=False)
         self.q_proj.bias = nn.Parameter(bias[:d], requires_grad=False)
@@ -234,9 +238,8 @@ class DecoderSelfAttention(_DecoderAttention):
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend) -> torch.Tensor:
         shape = (hidden.shape[0], self.num_heads, self.head_dim)
-        if self.qkv_weight is not None:
-            query, key, value = (part.view(shape) for part in
-                                 F.linear(hidden, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1))
+        if self.qkv_proj is not None:
+            query, key, value = (part.view(shape) for part in self.qkv_proj(hidden).chunk(3, dim=-1))
         else:
             query, key, value = (self.q_proj(hidden).view(shape), self.k_proj(hidden).view(shape),
                                  self.v_proj(hidden).view(shape))
