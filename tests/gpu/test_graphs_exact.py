@@ -20,6 +20,7 @@ from mstar_common.engine.attention import select_attention_backend
 from mstar_common.engine.cuda_graph import GraphConfig
 from mstar_common.engine.types import EngineConfig, SamplingParams
 from mstar_common.families.qwen3.loader import load_qwen3
+from mstar_common.layers.linear import use_gemv
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -55,10 +56,12 @@ def separated(tmp_path_factory) -> Path:
 
 def generate(checkpoint: Path, prompts, *, graphs: bool, overlap: bool, backend: str = "triton",
              fused_ops: bool = True, max_tokens: int = 48, penalty: float = 1.0,
-             device_penalty: bool | None = None) -> list[list[int]]:
+             device_penalty: bool | None = None, gemv_rows: int = 0) -> list[list[int]]:
     model, config = load_qwen3(checkpoint, dtype="bfloat16", device="cuda")
     model.attn_backend = select_attention_backend("cuda", backend)
     model.enable_fused_ops(fused_ops)
+    if gemv_rows:
+        use_gemv(model, gemv_rows)
     graph_config = GraphConfig([1, 2, 4, 8], [64, 256, 512], capture_sampling=True) if graphs else None
     engine = AREngine(model, EngineConfig(num_kv_pages=256, page_size=16, max_num_seqs=8, max_batch_tokens=512,
                                           max_model_len=1024, dtype="bfloat16", device="cuda"),
@@ -101,17 +104,32 @@ def test_device_penalty_history_in_graphs_equals_the_host_history(real_shape):
 def test_fused_kernels_match_the_eager_torch_ops(separated):
     """The Triton kernels are not bit-equal to torch's (flash-attention accumulation order), so over a 151,936
     token vocabulary a near-tie can flip a token (measured on the H200: 6 of the 8 sequences below differ from
-    the torch backend's within 8 tokens, every one at such a tie).
-    Where a sequence first differs, both candidates must be ties within bf16's own error: in transformers'
-    fp32 logits of the reference prefix, each lies within twice the largest |bf16 - fp32| logit difference
-    of the top. A wrong kernel picks a token far from the top."""
+    the torch backend's within 8 tokens, every one at such a tie). Where a sequence first differs, both
+    candidates must be ties within bf16's own error (`_assert_near_ties`); a wrong kernel picks a token far
+    from the top."""
     prompts = _prompts(4, 100, seed=1)
     reference = generate(separated, prompts, graphs=False, overlap=False, backend="torch", fused_ops=False,
                          max_tokens=8)
-    hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(separated, torch_dtype=dtype).cuda().eval()
+    outputs = [generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8) for graphs in (False, True)]
+    _assert_near_ties(separated, prompts, reference, outputs)
+
+
+def test_skinny_gemv_projections_match_cublas(separated):
+    """Decode steps of <= 4 rows through kernels/gemv.py (MSTAR_GEMV_MAX_ROWS) against the same engine on
+    cuBLAS: equal tokens or ties within bf16's error."""
+    prompts = _prompts(4, 100, seed=2)
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8)
+    outputs = [generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
+               for graphs in (False, True)]
+    _assert_near_ties(separated, prompts, reference, outputs)
+
+
+def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:
+    """Where a run's sequence first differs from the reference's, both tokens lie within twice the largest
+    |bf16 - fp32| logit difference of the top of transformers' fp32 logits for the reference prefix."""
+    hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=dtype).cuda().eval()
           for dtype in (torch.float32, torch.bfloat16)}
-    for graphs in (False, True):
-        outputs = generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8)
+    for outputs in runs:
         for prompt, ref, ours in zip(prompts, reference, outputs):
             if ours == ref:
                 continue

@@ -1,0 +1,79 @@
+"""Skinny GEMM for decode steps with a handful of rows: `out = x @ weight.T + bias`, `x` `[M, K]` with M <= 8.
+
+At one to a few rows a projection is a weight stream, and the GPU is only as fast as the number of weight
+bytes in flight. cuBLAS tiles N by 64 or more for such shapes, so a 1,024- or 1,280-wide output runs on 16-20
+of an H200's 132 SMs (profiled: 5-6 us for a 3-6 MB weight, ~0.6-1 TB/s). Here each program owns `BLOCK_N`
+output columns (a few, so that N / BLOCK_N programs cover the SMs several times) and streams their weight rows
+in `BLOCK_K` chunks, with every row of `x` multiplied against each chunk; fp32 accumulation, the bias added in
+fp32, one rounding to the output dtype (as cuBLAS's epilogue). Sums run in another order than cuBLAS's, so
+results differ in the last bit now and then.
+
+`scripts/sweep_gemv.py` times it against `F.linear` at the served models' projection shapes; the layers use it
+only where `MSTAR_GEMV_MAX_ROWS` (rows, default 0: never) says so (`mstar_common/layers/linear.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    n_mask, m_mask = n < N, m < M
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv_blocks(num_rows: int, n: int, num_sms: int = 132) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): enough programs for ~4 per SM, a per-iteration tile of ~4K elements per row of x."""
+    block_n = 1
+    while block_n < 16 and n // (block_n * 2) >= 4 * num_sms:
+        block_n *= 2
+    block_k = max(64, min(512, 4096 // (block_n * triton.next_power_of_2(num_rows))))
+    return block_n, block_k
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+         block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype."""
+    assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
+    assert weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.stride(1) == 1
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
+    num_rows, (n, k) = x.shape[0], weight.shape
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    default_n, default_k = gemv_blocks(num_rows, n)
+    block_n, block_k = block_n or default_n, block_k or default_k
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, num_rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(num_rows)),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 products and sums, one rounding at the end."""
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,64 @@
+"""The skinny decode GEMM (kernels/gemv.py) against fp32 products, and the layers' switch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
+
+pytest.importorskip("triton")
+pytestmark = GPU_ONLY
+
+from kernels.gemv import gemv, gemv_blocks, gemv_ref  # noqa: E402
+from mstar_common.layers.linear import GemvLinear, use_gemv  # noqa: E402
+
+# (N, K): Qwen3-0.6B qkv / o / gate_up / down, Whisper large-v3 q / fc1 / fc2; odd sizes for the masks
+SHAPES = sweep([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1280, 1280), (5120, 1280), (1280, 5120),
+                (1000, 300)], [(96, 64), (40, 200), (64, 384)])
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", sweep([torch.bfloat16, torch.float32], [torch.bfloat16, torch.float32]))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemv_matches_fp32_products(n, k, rows, dtype, with_bias):
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    out, ref = gemv(x, weight, bias), gemv_ref(x, weight, bias)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else (3e-2 if IS_INTERPRETED else 8e-3)
+    assert rel_err(out, ref) < tol
+    if dtype == torch.bfloat16 and not IS_INTERPRETED:
+        assert (out != ref).float().mean() < 0.05  # one rounding of an fp32 sum: mostly the same bits
+
+
+def test_gemv_on_a_strided_row_view():
+    """Rows of a wider tensor (the last row of each sequence, as the runner gathers them)."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(4, 2 * 128, generator=gen).to(DEVICE)
+    x = wide[:, :128]
+    weight = torch.randn(96, 128, generator=gen).to(DEVICE)
+    assert rel_err(gemv(x, weight), gemv_ref(x, weight)) < 1e-5
+
+
+def test_blocks_cover_the_sms_and_bound_the_tile():
+    assert gemv_blocks(1, 1024) == (1, 512)  # 1,024 programs of one column each
+    for rows, n in ((1, 1024), (3, 6144), (8, 151936)):
+        block_n, block_k = gemv_blocks(rows, n)
+        assert block_n == 1 or n // block_n >= 4 * 132  # at least ~4 programs per SM
+        assert block_k == 64 or block_k * block_n * (4 if rows == 3 else rows) <= 4096  # x-by-w tile in registers
+
+
+def test_use_gemv_switches_projections_not_vocabulary_heads():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 40_000, bias=False)).to(DEVICE)
+    x = torch.randn(2, 64, device=DEVICE)
+    want = model(x)
+    assert use_gemv(model, 4) == 1
+    assert isinstance(model[0], GemvLinear) and not isinstance(model[1], GemvLinear)
+    assert rel_err(model(x), want) < 1e-5  # rows <= 4: the kernel on CUDA (the eager op elsewhere)
+    assert rel_err(model(torch.cat([x] * 4)), torch.cat([want] * 4)) < 1e-5  # 8 rows: F.linear
+    with pytest.raises(ValueError, match="gemv rows"):
+        use_gemv(model, 9)
