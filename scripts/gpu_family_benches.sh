@@ -3,10 +3,10 @@
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
+#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
-#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py).
+#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS reaches every engine built.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu-out}
@@ -32,6 +32,13 @@ if has gpu-tests; then
   timeout ${GPU_TESTS_TIMEOUT:-240} $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu tests/unit/test_orpheus_snac.py \
     tests/unit/test_whisper_parity.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1 || echo "STAGE FAILED: gpu tests"
   tail -5 "$OUT/gpu_tests.log"
+fi
+if has sweeps; then
+  stage "kernel sweeps: paged decode attention launch knobs, the skinny GEMM vs cuBLAS (inside CUDA graphs)"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" || echo "STAGE FAILED: gemv sweep"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --out "$OUT/sweep_attention.json" \
+    > "$OUT/sweep_attention.txt" 2>&1 || echo "STAGE FAILED: attention sweep"
+  grep -v "^  " "$OUT/sweep_attention.txt" | tail -12
 fi
 build_orpheus() {
   stage "orpheus: random-weight 3B checkpoint (built with transformers under the image's Python)"
