@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 8
+TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across the program's threads)
 
 
 @triton.jit
@@ -42,17 +43,24 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_blocks(num_rows: int, n: int, num_sms: int = 132) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): enough programs for ~4 per SM, a per-iteration tile of ~4K elements per row of x."""
+def gemv_blocks(num_rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): enough programs for ~4 per SM; as much of K per iteration as a tile of
+    `TILE_ELEMENTS` (rows x columns x K) allows, so each program has its whole weight slice in flight at once
+    (the loop is not software-pipelined: every iteration waits for its loads)."""
     block_n = 1
     while block_n < 16 and n // (block_n * 2) >= 4 * num_sms:
         block_n *= 2
-    block_k = max(64, min(512, 4096 // (block_n * triton.next_power_of_2(num_rows))))
+    rows = triton.next_power_of_2(max(1, num_rows))
+    block_k = max(64, min(triton.next_power_of_2(k), TILE_ELEMENTS // (block_n * rows)))
     return block_n, block_k
 
 
+def gemv_warps(num_rows: int, block_n: int, block_k: int) -> int:
+    return 8 if triton.next_power_of_2(max(1, num_rows)) * block_n * block_k > 4096 else 4
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype."""
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
     assert weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.stride(1) == 1
@@ -61,8 +69,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    default_n, default_k = gemv_blocks(num_rows, n)
+    default_n, default_k = gemv_blocks(num_rows, n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
+    num_warps = num_warps or gemv_warps(num_rows, block_n, block_k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, num_rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(num_rows)),

@@ -35,7 +35,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from kernels.gemv import gemv, gemv_blocks
+    from kernels.gemv import gemv, gemv_blocks, gemv_warps
     from mstar_common.bench.gpu_timing import graph_time_us
 
     results = []
@@ -46,11 +46,11 @@ def main() -> int:
         for rows in ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_time_us(lambda: F.linear(x, weight, bias))
-            default = gemv_blocks(rows, n)
+            default = gemv_blocks(rows, n, k)
             ours = graph_time_us(lambda: gemv(x, weight, bias))
-            best = (ours, default, 4)
+            best = (ours, default, gemv_warps(rows, *default))
             for block_n in (1, 2, 4, 8):
-                for block_k in (256, 512):
+                for block_k in (256, 1024, 4096):
                     if block_n * block_k * triton_pow2(rows) > 16384:
                         continue
                     try:
@@ -59,7 +59,7 @@ def main() -> int:
                         print(f"  skip {block_n}x{block_k}: {type(exc).__name__}")
                         continue
                     if us < best[0]:
-                        best = (us, (block_n, block_k), 4)
+                        best = (us, (block_n, block_k), gemv_warps(rows, block_n, block_k))
             nbytes = n * k * 2
             row = {"shape": name, "n": n, "k": k, "rows": rows, "cublas_us": round(cublas, 2),
                    "gemv_us": round(ours, 2), "gemv_blocks": default, "best_us": round(best[0], 2),

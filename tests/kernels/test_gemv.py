@@ -10,7 +10,7 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.gemv import gemv, gemv_blocks, gemv_ref  # noqa: E402
+from kernels.gemv import TILE_ELEMENTS, gemv, gemv_blocks, gemv_ref  # noqa: E402
 from mstar_common.layers.linear import GemvLinear, use_gemv  # noqa: E402
 
 # (N, K): Qwen3-0.6B qkv / o / gate_up / down, Whisper large-v3 q / fc1 / fc2; odd sizes for the masks
@@ -45,11 +45,11 @@ def test_gemv_on_a_strided_row_view():
 
 
 def test_blocks_cover_the_sms_and_bound_the_tile():
-    assert gemv_blocks(1, 1024) == (1, 512)  # 1,024 programs of one column each
-    for rows, n in ((1, 1024), (3, 6144), (8, 151936)):
-        block_n, block_k = gemv_blocks(rows, n)
+    assert gemv_blocks(1, 1024, 3072) == (1, 4096)  # 1,024 programs, each its whole weight row at once
+    for rows, n, k in ((1, 1024, 2048), (3, 6144, 1024), (8, 151936, 1024), (2, 1280, 5120)):
+        block_n, block_k = gemv_blocks(rows, n, k)
         assert block_n == 1 or n // block_n >= 4 * 132  # at least ~4 programs per SM
-        assert block_k == 64 or block_k * block_n * (4 if rows == 3 else rows) <= 4096  # x-by-w tile in registers
+        assert block_k == 64 or block_k * block_n * (4 if rows == 3 else rows) <= TILE_ELEMENTS
 
 
 def test_use_gemv_switches_projections_not_vocabulary_heads():
