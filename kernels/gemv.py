@@ -18,13 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._rounding import round_to
+
 MAX_ROWS = 8
 TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across the program's threads)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_mask, m_mask = n < N, m < M
@@ -34,8 +37,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+        if SWIGLU:  # x is [M, 2K] (gate | up): silu(gate) * up, rounded as kernels/silu_mul.py rounds
+            up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_mask, other=0.0)
+            gate = x.to(tl.float32)
+            act = round_to(gate / (1.0 + tl.exp(-gate)), x.dtype)
+            x = round_to(act * up.to(tl.float32), x.dtype)
+        else:
+            x = x.to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -60,10 +70,13 @@ def gemv_warps(num_rows: int, block_n: int, block_k: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype."""
+         block_k: int | None = None, num_warps: int | None = None, swiglu: bool = False) -> torch.Tensor:
+    """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype.
+    With `swiglu`, `x` is a packed gate/up projection `[M, 2K]` and the product reads `silu(gate) * up` (the
+    SwiGLU MLP's down projection without the activation's own kernel and its `[M, K]` round trip)."""
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
-    assert weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.stride(1) == 1
+    assert weight.dim() == 2 and weight.stride(1) == 1
+    assert weight.shape[1] * (2 if swiglu else 1) == x.shape[1], "x's width must be K (2K with swiglu)"
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
     num_rows, (n, k) = x.shape[0], weight.shape
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -74,7 +87,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     num_warps = num_warps or gemv_warps(num_rows, block_n, block_k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, num_rows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(num_rows)),
+        out.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=max(1, triton.next_power_of_2(num_rows)),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
     return out

@@ -31,6 +31,11 @@ class GatedMLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if self.use_kernel and gate_up.is_cuda and 0 < gate_up.shape[0] <= getattr(down, "gemv_max_rows", 0):
+            from kernels.gemv import gemv  # a few rows: the activation runs inside the down projection
+
+            return gemv(gate_up, down.weight, down.bias, swiglu=True)
         if self.use_kernel and gate_up.is_cuda:
             from kernels.silu_mul import silu_mul
 

@@ -35,6 +35,23 @@ def test_gemv_matches_fp32_products(n, k, rows, dtype, with_bias):
         assert (out != ref).float().mean() < 0.05  # one rounding of an fp32 sum: mostly the same bits
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("dtype", sweep([torch.bfloat16, torch.float32], [torch.bfloat16, torch.float32]))
+def test_gemv_swiglu_equals_the_activation_kernel_then_gemv(rows, dtype):
+    """The down projection reading silu(gate) * up on load: the same roundings as silu_mul, then the product."""
+    from kernels.silu_mul import silu_mul
+
+    n, k = sweep([(1024, 3072)], [(64, 192)])[0]
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * k, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    fused = gemv(gate_up, weight, swiglu=True)
+    separate = gemv(silu_mul(gate_up), weight)
+    assert torch.equal(fused, separate) or IS_INTERPRETED and rel_err(fused, separate) < 1e-2
+    with pytest.raises(AssertionError, match="2K with swiglu"):
+        gemv(gate_up[:, :k], weight, swiglu=True)
+
+
 def test_gemv_on_a_strided_row_view():
     """Rows of a wider tensor (the last row of each sequence, as the runner gathers them)."""
     gen = torch.Generator().manual_seed(0)
