@@ -24,7 +24,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head, stride_bt,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -37,6 +37,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                 other=0.0)
+    if FP16_DOTS:  # an fp8 pool read back as fp16 (the hardware's e4m3 -> f16 conversion), dots in fp16
+        q = q.to(tl.float16)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -95,11 +97,13 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> i
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block: int = BLOCK_N, num_warps: int = 4,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, fp16_dots: bool = False) -> torch.Tensor:
     """Launch knobs (`block` context tokens per iteration, warps, pipeline stages) default to the measured
     choice: scripts/sweep_decode_attention.py on the H200 found 64 tokens, 4 warps and 2 stages within a few
     percent of the best everywhere, and 3 stages 5% faster once the grid is many waves deep (256 rows x 8
-    KV heads: 163 us, 4.1 TB/s of KV, the copy bandwidth)."""
+    KV heads: 163 us, 4.1 TB/s of KV, the copy bandwidth). `fp16_dots` (an fp8 pool only) converts K/V
+    e4m3 -> fp16 (one hardware conversion, where bf16 takes two) and runs the dots in fp16: the candidate
+    for reading an fp8 pool at bandwidth, off until the sweep has timed it; queries must fit fp16's range."""
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
@@ -108,6 +112,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
     assert context_lens.shape == (num_rows,) and block_tables.dtype == context_lens.dtype == torch.int32
     group = num_heads // num_kv_heads
+    assert not fp16_dots or k_cache.element_size() == 1, "fp16_dots is for an fp8 pool"
     splits = num_splits or decode_num_splits(num_rows, num_kv_heads)
     if num_stages is None:
         num_stages = 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
@@ -124,7 +129,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables.stride(0), scale * _LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK=block, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        FP16_DOTS=fp16_dots, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),

@@ -98,30 +98,32 @@ def main() -> int:
         name, rows, heads, kv_heads, head_dim, ctx = shape
         query, k_cache, v_cache, tables, ctx_lens, kv_bytes = make_case(rows, heads, kv_heads, head_dim, ctx,
                                                                          kv_dtype, "cuda")
-        block, warps, stages, splits = setting
+        block, warps, stages, splits, *rest = setting
+        fp16_dots = bool(rest and rest[0])
         splits = splits or decode_num_splits(rows, kv_heads)
         try:
             us = time_us(lambda: paged_decode_attention(query, k_cache, v_cache, tables, ctx_lens, 0.088,
                                                         num_splits=splits, block=block, num_warps=warps,
-                                                        num_stages=stages))
+                                                        num_stages=stages, fp16_dots=fp16_dots))
         except Exception as exc:  # an out-of-resources launch: report it and go on
             print(f"{name} {kv_dtype} {setting}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
             return {}
         row = {"shape": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "block": block, "warps": warps,
-               "stages": stages, "splits": splits, "us": round(us, 2), "TB/s": round(kv_bytes / us / 1e6, 3)}
+               "stages": stages, "splits": splits, "fp16_dots": fp16_dots, "us": round(us, 2), "TB/s": round(kv_bytes / us / 1e6, 3)}
         results.append(row)
         return row
 
     first = SHAPES[0]
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        rows = [r for r in (run(first, kv_dtype, s) for s in grid) if r]
+        settings = grid + ([(*s[:4], True) for s in grid] if kv_dtype == torch.float8_e4m3fn else [])
+        rows = [r for r in (run(first, kv_dtype, s) for s in settings) if r]
         rows.sort(key=lambda r: r["us"])
         default = next((r for r in rows if (r["block"], r["warps"], r["stages"]) == (BLOCK_N, 4, 2)
                         and r["splits"] == decode_num_splits(first[1], first[3])), None)
         print(f"\n{first[0]} {kv_dtype}: current default {default}", flush=True)
         for r in rows[: args.top]:
             print("  best", r, flush=True)
-        best = [(r["block"], r["warps"], r["stages"], 0) for r in rows[: args.top]]
+        best = [(r["block"], r["warps"], r["stages"], 0, r["fp16_dots"]) for r in rows[: args.top]]
         for shape in SHAPES[1:]:
             print(f"{shape[0]} {kv_dtype}:", flush=True)
             for setting in [(BLOCK_N, 4, 2, 0)] + best:

@@ -288,7 +288,7 @@ class TritonPagedAttention(AttentionBackend):
             from kernels.paged_decode_attention import paged_decode_attention
 
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-                                          scale)
+                                          scale, fp16_dots=k_cache.element_size() == 1 and _FP8_FP16_DOTS)
         from kernels.paged_prefill_attention import paged_prefill_attention
 
         if metadata.work_rows is None:
@@ -314,6 +314,10 @@ def select_attention_backend(device: torch.device | str, name: str = "auto") -> 
     if name == "torch_static":
         return TorchStaticAttention()
     return TritonPagedAttention(fused_prologue=name == "triton")
+
+
+# An fp8 pool's decode dots in fp16 (kernels/paged_decode_attention.py `fp16_dots`): off until timed.
+_FP8_FP16_DOTS = os.environ.get("MSTAR_FP8_FP16_DOTS") == "1"
 
 
 def _has_triton() -> bool:

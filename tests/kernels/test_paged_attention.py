@@ -101,7 +101,11 @@ def test_fp8_kv_pool_is_read_back_exactly(dtype):
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale)
     assert out.dtype == dtype
-    assert rel_err(out, paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, scale)) < tol
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, scale)
+    assert rel_err(out, ref) < tol
+    if dtype == torch.bfloat16:  # the fp16-dot variant for fp8 pools: fp16 holds e4m3 and bf16 queries here
+        fp16 = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, fp16_dots=True)
+        assert fp16.dtype == dtype and rel_err(fp16, ref) < tol
     query_lens = [min(n, 5) for n in lengths]  # the last few positions of each context are new queries
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
