@@ -9,11 +9,16 @@ batch or on whether the step was replayed from a graph. Greedy rows take the arg
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.top_k_top_p import MAX_VOCAB, top_k_top_p
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
+
+_SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL") == "1"
 
 
 @triton.jit
@@ -47,7 +52,10 @@ def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature:
     """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]` fp32). Graph safe."""
     greedy = logits.argmax(dim=-1)
     scaled = logits / temperature[:, None]
-    filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
+    if _SORT_FREE_FILTER and logits.shape[1] <= MAX_VOCAB:
+        filtered = top_k_top_p(scaled, top_k, top_p)  # kernels/top_k_top_p.py: no sort (off until timed)
+    else:
+        filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
     filtered = apply_min_p(filtered, min_p[:, None])
     sampled = gumbel_race(filtered, seeds).argmax(dim=-1)
     return torch.where(is_greedy, greedy, sampled)

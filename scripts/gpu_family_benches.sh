@@ -6,7 +6,8 @@
 #   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
-#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS reaches every engine built.
+#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL, MSTAR_FP8_FP16_DOTS
+#   reach every engine built.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu-out}
@@ -34,7 +35,8 @@ if has gpu-tests; then
   tail -5 "$OUT/gpu_tests.log"
 fi
 if has sweeps; then
-  stage "kernel sweeps: paged decode attention launch knobs, the skinny GEMM vs cuBLAS (inside CUDA graphs)"
+  stage "kernel sweeps: sort-free top-k/top-p, the skinny GEMM vs cuBLAS, decode attention knobs (inside CUDA graphs)"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_sampling.py --out "$OUT/sweep_sampling.json" || echo "STAGE FAILED: sampling sweep"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" || echo "STAGE FAILED: gemv sweep"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --out "$OUT/sweep_attention.json" \
     > "$OUT/sweep_attention.txt" 2>&1 || echo "STAGE FAILED: attention sweep"

@@ -127,6 +127,26 @@ def test_device_sampler_greedy_filters_and_seeds():
     assert len(set(draws.flatten().tolist())) > 20  # different seeds, different draws
 
 
+def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypatch):
+    """MSTAR_TOP_P_KERNEL: the same kept sets feed the same seeded race, so the same tokens come out."""
+    import kernels.sampling as sampling
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, rows = sweep(28_672, 1000), 6
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEVICE)
+    col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    args = (logits, col([False] * rows, torch.bool), col([0.6, 1.0, 0.6, 1.0, 0.6, 1.0], torch.float32),
+            col([vocab, 40, vocab, vocab, 3, vocab], torch.int32), col([0.8, 1.0, 0.9, 0.5, 1.0, 0.95], torch.float32),
+            col([0.0] * rows, torch.float32))
+    draws = []
+    for sort_free in (False, True):
+        monkeypatch.setattr(sampling, "_SORT_FREE_FILTER", sort_free)
+        draws.append(torch.stack([sampling.sample_on_device(*args, col([s + 10 * r for r in range(rows)], torch.int64))
+                                  for s in range(20)]))
+    assert torch.equal(draws[0], draws[1])
+    assert len(set(draws[1][:, 0].tolist())) > 5  # the draws do vary with the seed
+
+
 @pytest.mark.parametrize("batch,channels,length", sweep([(1, 64, 8192), (7, 512, 128), (3, 1024, 16)],
                                                         [(2, 8, 40), (1, 3, 300)]))
 @pytest.mark.parametrize("dtype", DTYPES)
