@@ -20,3 +20,16 @@ def round_to(x, DTYPE: tl.constexpr):
         return x.to(tl.float16).to(tl.float32)
     else:
         return x
+
+
+@triton.jit
+def load_row_add_residual(x_ptr, res_ptr, row, stride_x, stride_r, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """One row of `x` as fp32; with `HAS_RESIDUAL`, `residual + x` rounded to x's dtype as the eager add rounds
+    it, also stored back into the residual row (the pre-norm residual stream the fused norms update)."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x32 = round_to(x32 + r.to(tl.float32), x.dtype)
+        tl.store(res_ptr + row * stride_r + cols, x32.to(x.dtype), mask=mask)
+    return x32

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._rounding import round_to
+from kernels._rounding import load_row_add_residual
 
 
 @triton.jit
@@ -21,13 +21,7 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_x, stride_r
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    dtype = x.dtype
-    x32 = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x32 = round_to(x32 + r.to(tl.float32), dtype)
-        tl.store(res_ptr + row * stride_r + cols, x32.to(dtype), mask=mask)
+    x32 = load_row_add_residual(x_ptr, res_ptr, row, stride_x, stride_r, cols, mask, HAS_RESIDUAL)
     mean = tl.sum(x32, axis=0) / n_cols
     centered = tl.where(mask, x32 - mean, 0.0)
     var = tl.sum(centered * centered, axis=0) / n_cols

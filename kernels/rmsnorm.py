@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._rounding import round_to
+from kernels._rounding import load_row_add_residual, round_to
 
 
 @triton.jit
@@ -20,13 +20,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    dtype = x.dtype
-    x32 = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x32 = round_to(x32 + r.to(tl.float32), dtype)
-        tl.store(res_ptr + row * stride_r + cols, x32.to(dtype), mask=mask)
+    x32 = load_row_add_residual(x_ptr, res_ptr, row, stride_x, stride_r, cols, mask, HAS_RESIDUAL)
+    dtype = x_ptr.dtype.element_ty
     var = tl.sum(x32 * x32, axis=0) / n_cols
     y = round_to(x32 * tl.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)

@@ -356,14 +356,14 @@ def configure_fast_path(model, component, device: str, max_rows: int, max_tokens
     """Apply a component's GPU knobs (`config.ComponentConfig`) to a loaded model: its attention backend and
     fused ops; returns the graph buckets to capture, or None (no graphs: CPU, or `cuda_graphs: false`)."""
     from mstar_common.engine.attention import _has_triton, select_attention_backend
-    from mstar_common.layers.linear import gemv_rows_from_env, use_gemv
+    from mstar_common.layers.linear import use_gemv_from_env
 
     model.attn_backend = select_attention_backend(device, component.attention_backend)
     is_cuda = torch.device(device).type == "cuda"
     fused = bool(component.fused_ops and is_cuda and _has_triton())
     model.enable_fused_ops(fused)
-    if fused and gemv_rows_from_env():
-        use_gemv(model, gemv_rows_from_env())
+    if fused:
+        use_gemv_from_env(model)
     if not (component.cuda_graphs and is_cuda):
         return None
     return GraphConfig(

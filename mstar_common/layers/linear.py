@@ -52,8 +52,11 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
     return count
 
 
-def gemv_rows_from_env() -> int:
-    """`MSTAR_GEMV_MAX_ROWS` (default 0: off, until the H200 sweep says where the kernel wins)."""
+def use_gemv_from_env(model: nn.Module) -> None:
+    """`use_gemv` with `MSTAR_GEMV_MAX_ROWS` rows (default 0: left alone, until the H200 sweep says where the
+    kernel wins)."""
     import os
 
-    return int(os.environ.get("MSTAR_GEMV_MAX_ROWS", "0") or 0)
+    rows = int(os.environ.get("MSTAR_GEMV_MAX_ROWS", "0") or 0)
+    if rows:
+        use_gemv(model, rows)

@@ -148,7 +148,7 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
     from mstar_common.families.whisper.components import DecoderRuntime
     from mstar_common.families.whisper.decoding import TokenRules
     from mstar_common.families.whisper.loader import load_decoder, read_config
-    from mstar_common.layers.linear import gemv_rows_from_env, use_gemv
+    from mstar_common.layers.linear import use_gemv_from_env
 
     config, _ = read_config(checkpoint)
     if dep.resources.max_model_len > config.max_target_positions:
@@ -161,8 +161,8 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
     model = load_decoder(checkpoint, dtype, device, fuse_projections=fused,
                          attn_backend=select_attention_backend(device, component.attention_backend))
     model.enable_fused_ops(fused)
-    if fused and gemv_rows_from_env():
-        use_gemv(model, gemv_rows_from_env())
+    if fused:
+        use_gemv_from_env(model)
     kv = dep.resources.kv_cache
     model.configure_slots(dep.max_concurrent_requests, kv.page_size)
     tokens = read_tokens(checkpoint)
