@@ -18,7 +18,7 @@ import triton.language as tl
 from kernels.top_k_top_p import MAX_VOCAB, top_k_top_p
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
 
-_SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL") == "1"
+_SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
 
 
 @triton.jit

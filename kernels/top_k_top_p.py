@@ -13,7 +13,8 @@ program holds a whole row in registers and finds the two cut-offs by bisection o
 
 The kept sets equal the sorted form's except where a sum lands within rounding of `top_p` (the two add in
 different orders) or at exact ties across the cut (the sorted form keeps some of the tied tokens, this keeps
-all). `MSTAR_TOP_P_KERNEL=1` makes `sample_on_device` use it (off until timed on a GPU).
+all). `sample_on_device` uses it for windows of up to `MAX_VOCAB` (`MSTAR_TOP_P_KERNEL=0` restores the sort;
+H200 timings in docs/deployment.md "Kernel switches").
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 MAX_VOCAB = 32768
-_BITS_OF_ONE = 0x3F800000  # 1.0f: every e = exp(logit - max) lies in [0, 1]
+_BITS_OF_ONE = tl.constexpr(0x3F800000)  # 1.0f; every e = exp(logit - max) lies in [0, 1]
 
 
 @triton.jit
