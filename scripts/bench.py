@@ -240,6 +240,10 @@ def eager_tokens(args) -> list[list[int]]:
 
     model.attn_backend = select_attention_backend("cuda", args.attention_backend)
     model.enable_fused_ops(not args.no_fused_ops)
+    if not args.no_fused_ops:  # the server's skinny-GEMM plan (the same cached per-GPU decisions)
+        from mstar_common.layers.linear import use_gemv_from_env
+
+        use_gemv_from_env(model)
     engine = AREngine(model, EngineConfig(num_kv_pages=64, page_size=args.page_size, max_num_seqs=1,
                                           max_batch_tokens=args.max_batch_tokens, max_model_len=args.max_model_len,
                                           dtype=args.dtype, device="cuda"),

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -20,17 +25,24 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class GemvLinear(nn.Linear):
-    """An `nn.Linear` that runs steps of at most `gemv_max_rows` rows through the skinny-GEMM kernel
-    (kernels/gemv.py) on CUDA and everything else through `F.linear`. `use_gemv` turns a model's linears into
-    these in place (same parameters and names)."""
+    """An `nn.Linear` that runs the row counts in its `gemv_plan` through the skinny-GEMM kernel
+    (kernels/gemv.py) on CUDA, with the plan's (BLOCK_N, BLOCK_K), and everything else through `F.linear`.
+    `use_gemv` turns a model's linears into these in place (same parameters and names); `tune_gemv` keeps a
+    row count in the plan only where the kernel beat cuBLAS on this GPU."""
 
-    gemv_max_rows = 0
+    gemv_plan: dict[int, tuple[int, int]] = {}
+
+    def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, int] | None:
+        if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+            return self.gemv_plan.get(x.shape[0])
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_rows and x.stride(1) == 1:
+        blocks = self.gemv_blocks_for(x)
+        if blocks is not None:
             from kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, self.bias, *blocks)
         return super().forward(x)
 
 
@@ -40,23 +52,106 @@ GEMV_MAX_ROWS = 8  # kernels/gemv.py's MAX_ROWS
 
 def use_gemv(model: nn.Module, max_rows: int) -> int:
     """Route `model`'s projections (not its vocabulary heads) through `GemvLinear` for steps of <= `max_rows`
-    rows (0: undo); returns how many linears were switched."""
+    rows with the kernel's default blocks (0: undo); returns how many linears were switched."""
     if not 0 <= max_rows <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv rows must be in [0, {GEMV_MAX_ROWS}], got {max_rows}")
+    from kernels.gemv import gemv_blocks
+
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.out_features <= GEMV_MAX_OUT:
             module.__class__ = GemvLinear
-            module.gemv_max_rows = max_rows
+            module.gemv_plan = {rows: gemv_blocks(rows, module.out_features, module.in_features)
+                                for rows in range(1, max_rows + 1)}
             count += 1
     return count
 
 
-def use_gemv_from_env(model: nn.Module) -> None:
-    """`use_gemv` with `MSTAR_GEMV_MAX_ROWS` rows (default 0: left alone, until the H200 sweep says where the
-    kernel wins)."""
-    import os
+# Settings tried per shape besides the default: a few output columns per program, most or all of K per
+# iteration (scripts/sweep_gemv.py's winners on the H200 are among these).
+GEMV_CANDIDATES = ((1, 1024), (2, 1024), (4, 1024), (1, 4096), (2, 4096), (4, 2048))
 
-    rows = int(os.environ.get("MSTAR_GEMV_MAX_ROWS", "0") or 0)
-    if rows:
-        use_gemv(model, rows)
+
+GEMV_MARGIN = 0.95  # the kernel must beat cuBLAS by 5% to take a shape: near-ties keep cuBLAS
+
+
+@torch.no_grad()
+def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None) -> list[dict]:
+    """Time each distinct `GemvLinear` shape at each planned power-of-two row count against cuBLAS (the down
+    projection of a fused SwiGLU MLP against silu_mul + cuBLAS, as it would otherwise run), keep the kernel
+    with its fastest blocks only where it wins by `GEMV_MARGIN`, and give the other row counts the plan of the
+    next power of two. `timer(fn) -> microseconds` (default: inside a captured CUDA graph). Decisions are kept
+    in `cache` (JSON; default: one file per GPU model under the mstar cache directory when timing on CUDA), so
+    every process on a machine (a restarted server, the benchmark's eager check) runs the same kernels and
+    gives the same bits. Returns one record per decision taken now."""
+    import torch.nn.functional as F
+
+    from kernels.gemv import TILE_ELEMENTS, gemv, gemv_blocks
+
+    if timer is None:
+        from mstar_common.bench.gpu_timing import graph_time_us as timer
+
+        if cache is None:
+            cache = default_gemv_cache()
+    log = log or logging.getLogger(__name__).info
+    known: dict[str, list[int] | None] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
+    swiglu_downs = {id(m.down_proj) for m in model.modules()
+                    if getattr(m, "gate_up_proj", None) is not None and getattr(m, "use_kernel", False)}
+    records = []
+    for module in model.modules():
+        if not isinstance(module, GemvLinear) or not module.gemv_plan:
+            continue
+        swiglu = id(module) in swiglu_downs
+        weight, bias = module.weight, module.bias
+        n, k = weight.shape
+        shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
+        for rows in sorted({1 << (r - 1).bit_length() for r in module.gemv_plan}):
+            key = f"{shape_key}:rows={rows}"
+            if key in known:
+                continue
+            x = torch.randn(rows, 2 * k if swiglu else k, device=weight.device, dtype=weight.dtype)
+            if swiglu:
+                from kernels.silu_mul import silu_mul
+
+                cublas_us = timer(lambda: F.linear(silu_mul(x), weight, bias))
+            else:
+                cublas_us = timer(lambda: F.linear(x, weight, bias))
+            best, best_us = None, cublas_us * GEMV_MARGIN
+            for blocks in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES}):
+                if blocks[1] > max(64, 1 << (k - 1).bit_length()) or blocks[0] * blocks[1] * rows > 2 * TILE_ELEMENTS:
+                    continue
+                us = timer(lambda: gemv(x, weight, bias, *blocks, swiglu=swiglu))
+                if us < best_us:
+                    best, best_us = blocks, us
+            known[key] = list(best) if best else None
+            records.append({"n": n, "k": k, "swiglu": swiglu, "rows": rows, "cublas_us": round(cublas_us, 2),
+                            "gemv_us": round(best_us, 2) if best else None, "blocks": best})
+            log(f"gemv tune: {n}x{k}{' (swiglu)' if swiglu else ''} rows {rows}: cuBLAS {cublas_us:.2f} us, "
+                + (f"kernel {best_us:.2f} us with blocks {best}" if best else "kernel not 5% faster: cuBLAS"))
+        plan = {}
+        for rows in module.gemv_plan:
+            blocks = known[f"{shape_key}:rows={1 << (rows - 1).bit_length()}"]
+            if blocks is not None:
+                plan[rows] = tuple(blocks)
+        module.gemv_plan = plan
+    if cache and records:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        tmp.replace(cache)  # atomic: a concurrent reader sees the old file or the new one
+    return records
+
+
+def default_gemv_cache() -> Path:
+    from mstar_common.checkpoints import cache_dir
+
+    name = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name())
+    return cache_dir() / "gemv" / f"{name}-torch{torch.__version__.split('+')[0]}.json"
+
+
+def use_gemv_from_env(model: nn.Module) -> None:
+    """`use_gemv` with `MSTAR_GEMV_MAX_ROWS` rows (default 4; 0: cuBLAS throughout), then, on CUDA, `tune_gemv`,
+    so that a projection takes the kernel only at the row counts where it beat cuBLAS on this GPU."""
+    rows = int(os.environ.get("MSTAR_GEMV_MAX_ROWS", "4") or 0)
+    if rows and use_gemv(model, rows) and next(model.parameters()).is_cuda:
+        tune_gemv(model)

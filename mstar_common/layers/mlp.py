@@ -32,10 +32,11 @@ class GatedMLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
-        if self.use_kernel and gate_up.is_cuda and 0 < gate_up.shape[0] <= getattr(down, "gemv_max_rows", 0):
+        blocks = down.gemv_blocks_for(gate_up) if self.use_kernel and hasattr(down, "gemv_blocks_for") else None
+        if blocks is not None:
             from kernels.gemv import gemv  # a few rows: the activation runs inside the down projection
 
-            return gemv(gate_up, down.weight, down.bias, swiglu=True)
+            return gemv(gate_up, down.weight, down.bias, *blocks, swiglu=True)
         if self.use_kernel and gate_up.is_cuda:
             from kernels.silu_mul import silu_mul
 

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
 from kernels.gemv import TILE_ELEMENTS, gemv, gemv_blocks, gemv_ref  # noqa: E402
-from mstar_common.layers.linear import GemvLinear, use_gemv  # noqa: E402
+from mstar_common.layers.linear import GemvLinear, tune_gemv, use_gemv  # noqa: E402
 
 # (N, K): Qwen3-0.6B qkv / o / gate_up / down, Whisper large-v3 q / fc1 / fc2; odd sizes for the masks
 SHAPES = sweep([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1280, 1280), (5120, 1280), (1280, 5120),
@@ -79,3 +79,56 @@ def test_use_gemv_switches_projections_not_vocabulary_heads():
     assert rel_err(model(torch.cat([x] * 4)), torch.cat([want] * 4)) < 1e-5  # 8 rows: F.linear
     with pytest.raises(ValueError, match="gemv rows"):
         use_gemv(model, 9)
+
+
+def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
+    """`tune_gemv` with a stand-in timer: the kernel at (2, 1024) beats cuBLAS at one row only, so the plan keeps
+    one row on the kernel with those blocks and hands 2-4 rows (3 rounds up to 4's decision) back to cuBLAS;
+    the fused MLP's down projection is tuned as the SwiGLU prologue it would run."""
+    import kernels.gemv as gemv_module
+    from mstar_common.layers.mlp import GatedMLP
+
+    calls = []
+    real_gemv = gemv_module.gemv
+
+    def recording_gemv(x, weight, bias=None, block_n=None, block_k=None, num_warps=None, swiglu=False):
+        calls.append((x.shape[0], (block_n, block_k), swiglu))
+        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu)
+
+    def timer(fn):
+        calls.clear()
+        fn()
+        if not calls:
+            return 5.0  # cuBLAS
+        rows, blocks, _ = calls[-1]
+        return 3.0 if rows == 1 and blocks == (2, 1024) else 6.0
+
+    monkeypatch.setattr(gemv_module, "gemv", recording_gemv)
+    mlp = GatedMLP(96, 1024).to(DEVICE)
+    mlp.fuse_gate_up()
+    mlp.use_kernel = True
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 96), mlp).to(DEVICE)
+    use_gemv(model, 4)
+    cache = tmp_path / "gemv.json"
+    records = tune_gemv(model, timer=timer, log=lambda line: None, cache=cache)
+    assert model[0].gemv_plan == {1: (2, 1024)} and mlp.down_proj.gemv_plan == {1: (2, 1024)}
+    assert mlp.gate_up_proj.gemv_plan == {}  # its K is 96: no candidate beats 5.0 there
+    assert [(r["n"], r["k"], r["swiglu"], r["rows"]) for r in records] == [
+        (96, 1024, False, 1), (96, 1024, False, 2), (96, 1024, False, 4),
+        (96, 1024, True, 1), (96, 1024, True, 2), (96, 1024, True, 4),
+        (2048, 96, False, 1), (2048, 96, False, 2), (2048, 96, False, 4)]
+    x = torch.randn(1, 1024, device=DEVICE)
+    assert rel_err(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias)) < 1e-5
+
+    # A second process on this machine: the cached decisions, no timing (a timer that would flip them is unused).
+    use_gemv(model, 4)
+    assert tune_gemv(model, timer=lambda fn: 0.0, log=lambda line: None, cache=cache) == []
+    assert model[0].gemv_plan == {1: (2, 1024)} and mlp.gate_up_proj.gemv_plan == {}
+
+
+def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 96)).to(DEVICE)
+    use_gemv(model, 1)
+    timer = iter([5.0] + [4.9] * 20).__next__  # cuBLAS first, then every kernel setting 2% faster
+    tune_gemv(model, timer=lambda fn: timer(), log=lambda line: None, cache=tmp_path / "gemv.json")
+    assert model[0].gemv_plan == {}
