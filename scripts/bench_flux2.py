@@ -38,6 +38,7 @@ Shapes assumed for klein-4B: DiT 24 heads x 128 (3072 wide), 5 double + 20 singl
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import json
 import statistics
@@ -72,6 +73,8 @@ def write_random_checkpoint(out: Path, device: str, transformer: dict = TRANSFOR
                             vae: dict = VAE) -> Path:
     """Random weights in diffusers layout (normal(0, 0.02) matrices, unit norms, zero biases); klein-4B shapes
     unless other configs are given (the tests write tiny ones)."""
+    if (out / "model_index.json").is_file():  # before the imports: the tokenizer's module imports transformers'
+        return out  # model classes, which the device's server venv (numpy 1.x) cannot
     from safetensors.torch import save_file
 
     from mstar_common.families.flux2_klein.tiny import SCHEDULER
@@ -79,8 +82,6 @@ def write_random_checkpoint(out: Path, device: str, transformer: dict = TRANSFOR
     from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, VaeEncoder
     from mstar_common.families.qwen3.tiny import build_tokenizer
 
-    if (out / "model_index.json").is_file():
-        return out
     out.mkdir(parents=True, exist_ok=True)
     _json(out / "model_index.json", {"_class_name": "Flux2KleinPipeline", "is_distilled": True})
     _json(out / "transformer" / "config.json", {"_class_name": "Flux2Transformer2DModel", **transformer})
@@ -215,8 +216,9 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
         (root / "repo" / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / "repo" / rel).write_text(text)
     ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
-    server = start_triton(root / "repo", dep, ports, root / "tritonserver.log")
-    print(f"[bench] tritonserver log: {root / 'tritonserver.log'}", flush=True)
+    log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR") or root) / "flux2_tritonserver.log"
+    server = start_triton(root / "repo", dep, ports, log)
+    print(f"[bench] tritonserver log: {log}", flush=True)
     try:
         wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", server, 900, "tritonserver")
         url = f"127.0.0.1:{ports.grpc}"
@@ -551,6 +553,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vae-max-batch", type=int, default=4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true",
+                        help="only diffusers' pipeline (the device runs --mode served under the server's Python, "
+                             "which lacks the numpy 2 stack transformers' model classes need, then this)")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--profile", action="store_true",
                         help="engine mode: after the benchmark, profile one c=1 request of each system "
@@ -586,8 +591,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps, "dtype": args.dtype, "cuda_graphs": device != "cpu" and not args.no_cuda_graphs,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
-    print(f"[bench] ours ({args.mode})", flush=True)
-    report["ours"] = (bench_served if args.mode == "served" else bench_engine)(checkpoint, args, device)
+    if not args.skip_ours:
+        print(f"[bench] ours ({args.mode})", flush=True)
+        report["ours"] = (bench_served if args.mode == "served" else bench_engine)(checkpoint, args, device)
     if device != "cpu":
         torch.cuda.empty_cache()
     if not args.skip_diffusers:

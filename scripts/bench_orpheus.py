@@ -54,13 +54,20 @@ class StreamLog:
 
     def stall_s(self) -> float:
         """Playback from the first chunk: total time the player waits for audio."""
+        return self.stalls()[0]
+
+    def stalls(self) -> tuple[float, float | None]:
+        """(total stall, seconds since the request started of the first stall over 1 ms, or None)."""
         if not self.arrivals:
-            return float("inf")
-        clock, stall = self.arrivals[0][0], 0.0
+            return float("inf"), None
+        clock, stall, first = self.arrivals[0][0], 0.0, None
         for arrival, samples in self.arrivals:
-            stall += max(0.0, arrival - clock)
+            gap = max(0.0, arrival - clock)
+            if gap > 1e-3 and first is None:
+                first = clock
+            stall += gap
             clock = max(clock, arrival) + samples / SAMPLE_RATE
-        return stall
+        return stall, first
 
 
 @dataclass
@@ -75,6 +82,9 @@ class Result:
     audio_s_per_s: float
     rtf_p50: float
     errors: int
+    stall_p50_ms: float = float("nan")  # total playback stall per stream (0 for a real-time one)
+    stall_p90_ms: float = float("nan")
+    first_stall_p50_s: float | None = None  # among stalled streams: when (since the request) the first gap began
 
 
 def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
@@ -82,9 +92,14 @@ def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
     first = [log.arrivals[0][0] * 1e3 for log in ok] or [float("nan")]
     audio = sum(log.audio_s for log in ok)
     rtf = [log.arrivals[-1][0] / log.audio_s for log in ok if log.audio_s] or [float("nan")]
+    stalls = [log.stalls() for log in ok] or [(float("nan"), None)]
+    totals_ms = [total * 1e3 for total, _ in stalls]
+    first_stalls = [at for total, at in stalls if total >= MAX_STALL_S and at is not None]
     return Result(system, len(logs), round(wall, 3), round(float(np.percentile(first, 50)), 1),
-                  round(float(np.percentile(first, 90)), 1), sum(log.stall_s() < MAX_STALL_S for log in ok),
-                  round(audio, 2), round(audio / wall, 2), round(float(np.median(rtf)), 3), len(logs) - len(ok))
+                  round(float(np.percentile(first, 90)), 1), sum(total < MAX_STALL_S for total, _ in stalls),
+                  round(audio, 2), round(audio / wall, 2), round(float(np.median(rtf)), 3), len(logs) - len(ok),
+                  round(float(np.percentile(totals_ms, 50)), 1), round(float(np.percentile(totals_ms, 90)), 1),
+                  round(float(np.median(first_stalls)), 3) if first_stalls else None)
 
 
 # ---- the served system (tritonclient gRPC streaming, one stream per request) -------------------------------
@@ -340,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(results: list[Result]) -> None:
-    print(f"{'system':18} {'c':>4} {'first p50 ms':>12} {'real-time':>9} {'audio-s/s':>9} {'RTF p50':>8} {'err':>4}")
+    print(f"{'system':18} {'c':>4} {'first p50 ms':>12} {'real-time':>9} {'audio-s/s':>9} {'RTF p50':>8} {'err':>4}"
+          f" {'stall p50/p90 ms':>16} {'1st stall s':>11}")
     for r in results:
         real_time = f"{r.streams_real_time}/{r.concurrency}"
+        first_stall = "-" if r.first_stall_p50_s is None else f"{r.first_stall_p50_s:.2f}"
         print(f"{r.system:18} {r.concurrency:>4} {r.first_audio_p50_ms:>12.1f} {real_time:>9} {r.audio_s_per_s:>9.2f}"
-              f" {r.rtf_p50:>8.3f} {r.errors:>4}")
+              f" {r.rtf_p50:>8.3f} {r.errors:>4} {r.stall_p50_ms:>7.1f}/{r.stall_p90_ms:<8.1f} {first_stall:>11}")
 
 
 if __name__ == "__main__":

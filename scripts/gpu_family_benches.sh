@@ -3,7 +3,7 @@
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [whisper] [whisper-probe] [stub-health]
+#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [flux2-served] [whisper] [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL, MSTAR_FP8_FP16_DOTS
@@ -86,6 +86,17 @@ fi
 if has flux2; then
   stage "flux2 klein-4B shapes: engine + diffusers, 1024x1024, 4 steps"
   timeout ${FLUX_TIMEOUT:-330} $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2"
+fi
+if has flux2-served; then
+  # diffusers' Qwen3 text encoder (and the checkpoint writer's tokenizer module) need the image's numpy 2 stack,
+  # tritonclient lives in the server's venv: the pipeline first (it writes the checkpoint), then the served
+  # walk on the same checkpoint, in the same device call.
+  stage "flux2: diffusers' pipeline, klein-4B shapes, 1024x1024, 4 steps"
+  timeout ${FLUX_BASELINE_TIMEOUT:-200} $IMAGE_PY scripts/bench_flux2.py --skip-ours --diffusers-calls 2 \
+    --json "$OUT/flux2_diffusers.json" || echo "STAGE FAILED: flux2 diffusers"
+  stage "flux2: served (tritonserver + the walk) on the same checkpoint"
+  MSTAR_BENCH_LOG_DIR=$OUT timeout ${FLUX_TIMEOUT:-330} $PY scripts/bench_flux2.py --mode served --skip-diffusers \
+    --json "$OUT/flux2_served.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2 served"
 fi
 if has whisper; then
   stage "whisper: random-weight large-v3 checkpoint (built with transformers under the image's Python)"
