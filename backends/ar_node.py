@@ -19,6 +19,7 @@ import itertools
 import logging
 import signal
 
+from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, request_inputs
@@ -84,6 +85,7 @@ class TritonPythonModel:
         self.metrics.stop()
         self.engine.shutdown()
         self.pump.stop()
+        release_stub_objects()
 
 
 def enqueue(engine, pump, responder: Responder, prompt_ids: list[int], params, timeout_s: float | None,

@@ -17,6 +17,7 @@ Python thread (the next `hold`) with the GIL held. The cost is the held outputs'
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import threading
 import time
@@ -75,3 +76,12 @@ class ResponseKeeper:
 
 
 KEEPER = ResponseKeeper()
+
+
+def release_stub_objects() -> None:
+    """Every node's last step in `finalize`: free the held BLS iterators and collect the cyclic garbage that
+    still holds Triton objects (requests, response senders, tensors) while the stub can free them; left to
+    the interpreter's teardown, their destructors run after the stub's IPC is gone and segfault the stub.
+    """
+    KEEPER.release_all()
+    gc.collect()

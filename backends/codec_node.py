@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backends.bls import release_stub_objects
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder
 from mstar_common import wire
@@ -47,6 +48,7 @@ class TritonPythonModel:
         self._is_running = False
         self._queue.put(None)
         self._thread.join(5)
+        release_stub_objects()
 
     def _loop(self) -> None:
         while self._is_running:

@@ -70,8 +70,18 @@ class ComponentMetrics:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop sampling and drop the metrics while the stub can still unregister them: each Metric, then its
+        family (left to interpreter teardown, their destructors ran after the stub's IPC was gone and
+        segfaulted every stub on server shutdown)."""
         self._stop.set()
         self._thread.join(2)
+        if self._thread.is_alive():
+            return  # a sample still running holds them; leave them to the interpreter rather than race it
+        self._gauges.clear()
+        self._counters.clear()
+        self._histograms.clear()
+        self._steps_per_s = None
+        self._families.clear()
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):

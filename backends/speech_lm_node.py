@@ -19,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.ar_node import enqueue, request_timeout_s
-from backends.bls import KEEPER, cpu_output_memory
+from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, request_inputs
@@ -82,6 +82,7 @@ class TritonPythonModel:
         self.metrics.stop()
         self.engine.shutdown()
         self.pump.stop()
+        release_stub_objects()
 
 
 class BLSCodec:

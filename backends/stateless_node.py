@@ -17,6 +17,7 @@ import logging
 import numpy as np
 import torch
 
+from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
@@ -50,6 +51,7 @@ class ComponentNode:
         logger.info("[%s] shutting down", self.model_name)
         self.metrics.stop()
         self.runtime.engine.shutdown()
+        release_stub_objects()
 
     def _submit(self, request) -> None:
         responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from backends.bls import KEEPER, cpu_output_memory
+from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.repository import model_name
@@ -51,6 +51,10 @@ class TritonPythonModel:
     async def execute(self, requests: list) -> None:
         await asyncio.gather(*(self._serve(request) for request in requests))
         return None
+
+    def finalize(self) -> None:
+        logger.info("[%s] shutting down", self.model_name)
+        release_stub_objects()
 
     async def _serve(self, request) -> None:
         responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")

@@ -64,10 +64,12 @@ def print_logs(root: Path) -> None:
 @contextlib.contextmanager
 def serve_deployment(dep: Deployment, root: Path, source: str, ready_timeout_s: float = 300) -> Iterator[Served]:
     """tritonserver + the proxy for `dep` on free 127.0.0.1 ports, stopped on exit. The stubs inherit
-    MSTAR_CACHE_DIR, which is pointed at `root/cache` for the server's lifetime (builtin checkpoints)."""
+    MSTAR_CACHE_DIR, which is pointed at `root/cache` for the server's lifetime (builtin checkpoints).
+    Every stub must also exit cleanly: a fatal signal in the server log at shutdown fails the test."""
     previous = os.environ.get("MSTAR_CACHE_DIR")
     os.environ["MSTAR_CACHE_DIR"] = str(root / "cache")
     triton = proxy = None
+    clean = False
     try:
         checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
         repo = write_repository(dep, root, source)
@@ -78,6 +80,7 @@ def serve_deployment(dep: Deployment, root: Path, source: str, ready_timeout_s: 
         proxy = start_proxy(dep, entry, ports, root / "proxy.log")
         wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
         yield Served(dep, ports, checkpoint, entry, root)
+        clean = True
     except Exception:
         print_logs(root)
         raise
@@ -88,6 +91,9 @@ def serve_deployment(dep: Deployment, root: Path, source: str, ready_timeout_s: 
             os.environ.pop("MSTAR_CACHE_DIR", None)
         else:
             os.environ["MSTAR_CACHE_DIR"] = previous
+    log = root / "tritonserver.log"
+    crashes = log.read_text(errors="replace").count("Fatal Python error") if log.is_file() else 0
+    assert not (clean and crashes), f"{crashes} stub(s) died of a fatal signal (see {log})"
 
 
 @pytest.fixture(scope="session")
