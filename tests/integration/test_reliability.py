@@ -192,7 +192,10 @@ def test_overload_at_4x_the_cap_gets_fast_429s_while_admitted_requests_finish(ca
     # catch a 429 that waits on something), not skipped. docs/reliability.md has the measurements.
     is_loaded = os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1)
     assert server_ms[-1] < (500 if is_loaded else 100), server_ms
-    assert client_ms[-1] < (1500 if is_loaded else 100), client_ms
+    # The client's figure adds this process's own event loop, which opens all 4 x CAP requests at once: the
+    # proxy's time is the bound, the client's only catches a 429 held somewhere between (102 ms was seen
+    # on a 2-core machine at load 1.3 with the proxy's own at most 37 ms).
+    assert client_ms[-1] < (1500 if is_loaded else 300), client_ms
     _assert_released(capped)
 
 
