@@ -43,3 +43,19 @@ def test_orpheus_engine_probe_with_the_walk(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "reference c=   2" in out and "codec float32  batch= 128" in out
     assert "walk codec=float32  c=   2" in out and "errors=0" in out
+
+
+def test_orpheus_bench_playback_stalls():
+    """Playback from the first chunk: a late chunk stalls the player by its lateness, once; the report keeps
+    when the first gap began and counts a stream real-time only below 10 ms of stall in total."""
+    bench = _load("bench_orpheus")
+    frame_s = bench.SAMPLES_PER_FRAME / bench.SAMPLE_RATE  # 85.3 ms of audio per chunk
+    steady = bench.StreamLog(0.0, [(0.1 + i * 0.05, bench.SAMPLES_PER_FRAME) for i in range(10)])
+    assert steady.stalls() == (0.0, None)
+    late = bench.StreamLog(0.0, [(0.1, bench.SAMPLES_PER_FRAME), (0.1 + frame_s + 0.08, bench.SAMPLES_PER_FRAME),
+                                 (0.1 + frame_s + 0.09, bench.SAMPLES_PER_FRAME)])
+    total, first = late.stalls()
+    assert total == pytest.approx(0.08) and first == pytest.approx(0.1 + frame_s)
+    result = bench.summarize("x", [steady, late], wall=1.0)
+    assert result.streams_real_time == 1 and result.first_stall_p50_s == pytest.approx(0.1 + frame_s, abs=1e-3)
+    assert result.stall_p90_ms == pytest.approx(72.0, abs=0.1)  # 90th percentile of (0, 80) ms
