@@ -1,27 +1,29 @@
 #!/usr/bin/env python
-"""FLUX.2 [klein] throughput: images/s at concurrency 1/4/16 for our walk and diffusers' pipeline, same run.
+"""FLUX.2 [klein] / Z-Image-Turbo throughput: images/s at concurrency 1/4/16 for our walk and diffusers' pipeline.
 
     # on the GPU device (torch 2.11, Python 3.12; diffusers optional, see below):
     source .device/prepare.sh && python scripts/bench_flux2.py --json runs/bench_flux2.json
     python scripts/bench_flux2.py --mode served ...   # through tritonserver + the walk router (gRPC clients)
+    python scripts/bench_flux2.py --family z_image_turbo --json runs/bench_z_image.json   # Z-Image-Turbo
     # CPU smoke (CI): tiny checkpoint, 64x64, c=1/2, both systems
-    python scripts/bench_flux2.py --smoke
-    python scripts/bench_flux2.py --profile --json runs/bench_flux2.json   # + runs/bench_flux2_profile.txt
+    python scripts/bench_flux2.py --smoke [--family z_image_turbo]
+    python scripts/bench_flux2.py --profile --json runs/bench_flux2.json   # + runs/bench_flux2_profile.txt (klein)
 
-What it measures (klein-4B shapes, random weights, 1024x1024, 4 steps, one prompt per request):
-  ours, --mode engine (default): the walk and the four components in this process (`LocalWalk`: the same walk
-      script and batching engines as the server, no Triton), c concurrent clients issuing requests back to
-      back; images/s = images / wall time; p50 latency; peak torch-allocated GPU memory of the process.
+What it measures (random weights at the real shapes, 1024x1024, one prompt per request; --family flux2_klein
+(default): klein-4B, 4 steps; --family z_image_turbo: Z-Image-Turbo, 8 steps, no classifier-free guidance):
+  ours, --mode engine (default): the walk and the family's components (klein: four, Z-Image: three) in this process
+      (`LocalWalk`: the same walk script and batching engines as the server, no Triton), c concurrent clients
+      issuing requests back to back; images/s = images / wall time; p50 latency; peak torch-allocated GPU memory.
   ours, --mode served: tritonserver on a generated repository (every component its own stub), c gRPC clients
       calling the walk; device memory in use (all processes) sampled with torch.cuda.mem_get_info.
-  diffusers: `Flux2KleinPipeline` with the same weights, dtype and settings; concurrency c = a batch of c prompts
-      per call; images/s = c / call time; peak torch-allocated memory.
+  diffusers: `Flux2KleinPipeline` / `ZImagePipeline` (guidance_scale 0) with the same weights, dtype and settings;
+      concurrency c = a batch of c prompts per call; images/s = c / call time; peak torch-allocated memory.
 
---profile (engine mode), after the timed runs: a c=1 request's wall time split into text encoder / denoise / VAE
-decode / PNG encode / the rest (each bracketed by device synchronisation; the median of 3 requests), the same for
-diffusers' pipeline (text encoder / transformer calls / VAE decode / postprocess), one request of each under
-torch.profiler (CPU + CUDA, every thread): top ops by CUDA and CPU time, GPU busy time against wall time, and the
-FLOPs of one image (so achieved TFLOPS), written to `<json stem>_profile.txt` and the report's "profile" key.
+--profile (engine mode, klein only), after the timed runs: a c=1 request's wall time split into text encoder /
+denoise / VAE decode / PNG encode / the rest (each bracketed by device synchronisation; the median of 3 requests),
+the same for diffusers' pipeline (text encoder / transformer calls / VAE decode / postprocess), one request of each
+under torch.profiler (CPU + CUDA, every thread): top ops by CUDA and CPU time, GPU busy time against wall time, and
+the FLOPs of one image (so achieved TFLOPS), written to `<json stem>_profile.txt` and the report's "profile" key.
 
 Needs: torch with CUDA (or --smoke on the CPU), transformers, safetensors, pyyaml, pillow (the device image may
 lack it: carry its wheel), this project on the path (run from the project root); the script names what is
@@ -29,24 +31,28 @@ missing. The diffusers baseline needs `diffusers==0.42.1` (`pip install` it, or 
 without it that row is skipped with a note. --mode served needs tritonserver (prepare.sh sets
 TRITONSERVER_HOME) and tritonclient.
 
-The random checkpoint (diffusers layout, ~16 GB at 4B shapes: transformer, a full 36-layer Qwen3-4B text encoder,
-VAE; the tokenizer is the tiny offline BPE: ids differ, cost does not) is written once to --checkpoint-dir.
-Shapes assumed for klein-4B: DiT 24 heads x 128 (3072 wide), 5 double + 20 single blocks, joint dim 7680
-(3 x Qwen3-4B's 2560), 128 latent channels; the FLUX.2 VAE (128/256/512/512, 32 latent channels).
+The random checkpoint (diffusers layout; the tokenizer is the tiny offline BPE: ids differ, cost does not) is
+written once to --checkpoint-dir (default /tmp/flux2-klein-4b-random, /tmp/z-image-turbo-random).
+klein-4B, ~16 GB: DiT 24 heads x 128 (3072 wide), 5 double + 20 single blocks, joint dim 7680 (3 x Qwen3-4B's
+2560), 128 latent channels; a full 36-layer Qwen3-4B text encoder; the FLUX.2 VAE (128/256/512/512, 32 latent
+channels). Z-Image-Turbo, ~20 GB: the 6.15B single-stream DiT (30 heads x 128 (3840 wide), 30 layers + 2 noise
+and 2 caption refiner layers, caption features 2560), Qwen3-4B saved as `Qwen3Model` (36 layers; the DiT reads
+the second-to-last), the FLUX.1 VAE (128/256/512/512, 16 latent channels, no quant convs).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import asyncio
 import json
+import os
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +71,23 @@ QWEN3_4B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab
 VAE = {"block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 32, "norm_num_groups": 32,
        "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "patch_size": [2, 2]}
 
+# Z-Image-Turbo. Every DiT key is a `ZImageTransformer2DModel.__init__` argument of diffusers 0.42.1, which our
+# loader reads by the same name, and every value but axes_lens equals that signature's default. Not confirmed (no
+# released config at hand): axes_lens [1536, 512, 512] (diffusers' and our loader's default: [1024, 512, 512]; it
+# sizes diffusers' RoPE tables only, no weights); the text encoder's values beyond hidden_size 2560 (klein's
+# Qwen3-4B ones); the VAE's sample_size and force_upcast (FLUX.1's as remembered; ZImagePipeline and our decoder
+# ignore both).
+Z_TRANSFORMER = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
+                 "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-5, "qk_norm": True,
+                 "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
+                 "axes_lens": [1536, 512, 512]}
+Z_QWEN3_4B = {**QWEN3_4B, "architectures": ["Qwen3Model"]}
+Z_VAE = {"in_channels": 3, "out_channels": 3, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+         "latent_channels": 16, "norm_num_groups": 32, "down_block_types": ["DownEncoderBlock2D"] * 4,
+         "up_block_types": ["UpDecoderBlock2D"] * 4, "act_fn": "silu", "sample_size": 1024, "scaling_factor": 0.3611,
+         "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False, "force_upcast": True,
+         "mid_block_add_attention": True}
+
 
 # the random checkpoint
 
@@ -75,27 +98,67 @@ def write_random_checkpoint(out: Path, device: str, transformer: dict = TRANSFOR
     unless other configs are given (the tests write tiny ones)."""
     if (out / "model_index.json").is_file():  # before the imports: the tokenizer's module imports transformers'
         return out  # model classes, which the device's server venv (numpy 1.x) cannot
-    from safetensors.torch import save_file
-
     from mstar_common.families.flux2_klein.tiny import SCHEDULER
     from mstar_common.families.flux2_klein.transformer import Flux2Transformer, Flux2TransformerConfig
     from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, VaeEncoder
+
+    def states() -> dict[str, dict[str, torch.Tensor]]:
+        with torch.device("meta"):
+            vae_config = Flux2VaeConfig.from_diffusers(vae)
+            return {"transformer": Flux2Transformer(Flux2TransformerConfig.from_diffusers(transformer)).state_dict(),
+                    "vae": {**VaeEncoder(vae_config).state_dict(), **VaeDecoder(vae_config).state_dict()},
+                    "text_encoder": _qwen3_shapes(text_encoder)}
+
+    return _write_checkpoint(out, device, {"_class_name": "Flux2KleinPipeline", "is_distilled": True},
+                             {"transformer": {"_class_name": "Flux2Transformer2DModel", **transformer},
+                              "vae": {"_class_name": "AutoencoderKLFlux2", **vae}, "text_encoder": text_encoder},
+                             SCHEDULER, states)
+
+
+def write_random_z_image_checkpoint(out: Path, device: str, transformer: dict = Z_TRANSFORMER,
+                                    text_encoder: dict = Z_QWEN3_4B, vae: dict = Z_VAE) -> Path:
+    """The same for Z-Image-Turbo (6B DiT, Qwen3-4B saved as `Qwen3Model`: no `model.` prefix, no LM head;
+    FLUX.1 VAE without quant convs)."""
+    if (out / "model_index.json").is_file():  # before the imports (see write_random_checkpoint)
+        return out
+    from torch import nn
+
+    from mstar_common.families.flux2_klein.vae import Encoder
+    from mstar_common.families.z_image_turbo.tiny import SCHEDULER
+    from mstar_common.families.z_image_turbo.transformer import ZImageTransformer, ZImageTransformerConfig
+    from mstar_common.families.z_image_turbo.vae import Flux1VaeConfig, VaeDecoder
+
+    def states() -> dict[str, dict[str, torch.Tensor]]:
+        with torch.device("meta"):
+            vae_config = Flux1VaeConfig.from_diffusers(vae)
+            vae_state = {**nn.ModuleDict({"encoder": Encoder(vae_config.network)}).state_dict(),
+                         **VaeDecoder(vae_config).state_dict()}
+            text = {name.removeprefix("model."): value for name, value in _qwen3_shapes(text_encoder).items()}
+            return {"transformer": ZImageTransformer(ZImageTransformerConfig.from_diffusers(transformer)).state_dict(),
+                    "vae": vae_state, "text_encoder": text}
+
+    return _write_checkpoint(out, device, {"_class_name": "ZImagePipeline"},
+                             {"transformer": {"_class_name": "ZImageTransformer2DModel", **transformer},
+                              "vae": {"_class_name": "AutoencoderKL", **vae}, "text_encoder": text_encoder},
+                             SCHEDULER, states, ones={"cap_embedder.0.weight"})  # the caption RMSNorm's weight
+
+
+def _write_checkpoint(out: Path, device: str, index: dict, configs: dict[str, dict], scheduler: dict,
+                      states, ones: set[str] = frozenset()) -> Path:
+    """configs and `states()` by folder (transformer, vae, text_encoder); model_index.json last, so an interrupted
+    write is redone rather than taken for a checkpoint."""
+    from safetensors.torch import save_file
+
     from mstar_common.families.qwen3.tiny import build_tokenizer
 
-    out.mkdir(parents=True, exist_ok=True)
-    _json(out / "model_index.json", {"_class_name": "Flux2KleinPipeline", "is_distilled": True})
-    _json(out / "transformer" / "config.json", {"_class_name": "Flux2Transformer2DModel", **transformer})
-    _json(out / "vae" / "config.json", {"_class_name": "AutoencoderKLFlux2", **vae})
-    _json(out / "text_encoder" / "config.json", text_encoder)
-    _json(out / "scheduler" / "scheduler_config.json", {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER})
+    for folder, config in configs.items():
+        _json(out / folder / "config.json", config)
+    _json(out / "scheduler" / "scheduler_config.json", {"_class_name": "FlowMatchEulerDiscreteScheduler", **scheduler})
     build_tokenizer().save_pretrained(out / "tokenizer")
-    with torch.device("meta"):
-        dit = Flux2Transformer(Flux2TransformerConfig.from_diffusers(transformer)).state_dict()
-        vae_config = Flux2VaeConfig.from_diffusers(vae)
-        vae_state = {**VaeEncoder(vae_config).state_dict(), **VaeDecoder(vae_config).state_dict()}
-    save_file(_random(dit, device), out / "transformer" / "diffusion_pytorch_model.safetensors")
-    save_file(_random(vae_state, device), out / "vae" / "diffusion_pytorch_model.safetensors")
-    save_file(_random(_qwen3_shapes(text_encoder), device), out / "text_encoder" / "model.safetensors")
+    stems = {"transformer": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model"}
+    for folder, state in states().items():
+        save_file(_random(state, device, ones), out / folder / f"{stems[folder]}.safetensors")
+    _json(out / "model_index.json", index)
     return out
 
 
@@ -115,13 +178,13 @@ def _qwen3_shapes(c: dict) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _random(state: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+def _random(state: dict[str, torch.Tensor], device: str, ones: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     generator = torch.Generator(device).manual_seed(0)
     out = {}
     for name, meta in state.items():
         if meta.dtype == torch.long:
             out[name] = torch.zeros(meta.shape, dtype=torch.long)
-        elif name.endswith("running_var") or (meta.dim() == 1 and "norm" in name):
+        elif name.endswith("running_var") or name in ones or (meta.dim() == 1 and "norm" in name):
             out[name] = torch.ones(meta.shape, dtype=torch.bfloat16)
         elif name.endswith(("bias", "running_mean")):
             out[name] = torch.zeros(meta.shape, dtype=torch.bfloat16)
@@ -138,37 +201,56 @@ def _json(path: Path, value: dict) -> None:
 
 # systems under test
 
+PROMPT = "a photograph of a red fox standing in fresh snow, golden hour"
+
 
 def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
     from mstar_common.config import deployment_from_dict
+    from mstar_common.families.registry import get_family
 
     placement = {"device": "cpu"} if device_kind == "cpu" else {"device": "gpu", "gpus": [0]}
-    components = {name: {"placement": dict(placement)} for name in ("text_encoder", "vae_encode", "denoise",
-                                                                     "vae_decode")}
+    components = {name: {"placement": dict(placement)}
+                  for name, comp in get_family(args.family).graph.components.items() if comp.kind != "walk_router"}
     components["walk"] = {"placement": {"device": "cpu", "instances": 1}}
     components["denoise"]["cuda_graphs"] = device_kind == "gpu" and not args.no_cuda_graphs
     size = f"{args.width}x{args.height}"
-    kwargs = {"dtype": args.dtype, "text_encoder_out_layers": args.taps, "default_size": size,
-              "max_image_area": max(args.width * args.height, 64 * 64), "max_batch_size": max(args.concurrency),
-              "max_images_per_request": 1, "vae_max_batch": args.vae_max_batch,
-              "capture_sizes": [size], "capture_edit_sizes": [],
-              "capture_batch_sizes": [b for b in (1, 2, 4, 8, 16) if b <= max(args.concurrency)]}
-    return deployment_from_dict({"name": "bench", "family": "flux2_klein", "checkpoint": str(checkpoint),
+    kwargs = {"dtype": args.dtype, "default_size": size, "max_image_area": max(args.width * args.height, 64 * 64),
+              "max_batch_size": max(args.concurrency), "max_images_per_request": 1,
+              "vae_max_batch": args.vae_max_batch, "capture_sizes": [size],
+              "capture_batch_sizes": [b for b in (1, 2, 4, 8, 16) if b <= max(args.concurrency)],
+              **FAMILIES[args.family].model_kwargs(checkpoint, args)}
+    return deployment_from_dict({"name": "bench", "family": args.family, "checkpoint": str(checkpoint),
                                  "components": components, "model_kwargs": kwargs,
                                  "server": {"shm_default_byte_size": 1 << 27, "stub_timeout_seconds": 600}})
 
 
+def _klein_kwargs(checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:
+    return {"text_encoder_out_layers": args.taps, "capture_edit_sizes": []}
+
+
+def _z_image_kwargs(checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The denoise step is captured per padded caption length too: the bench prompt's, through the walk's own
+    tokenizer and chat template (a transformers tokenizer only: fine in the server venv)."""
+    from ensembles.z_image_turbo import ZImageTurboWalk
+    from mstar_common.diffusion.image_family import load_walk_tokenizer
+    from mstar_common.families.z_image_turbo.options import ZImageTurboOptions
+    from mstar_common.families.z_image_turbo.transformer import padded_length
+
+    walk = ZImageTurboWalk(load_walk_tokenizer(checkpoint), ZImageTurboOptions(), multiple=16)  # size unchecked here
+    return {"capture_caption_tokens": [padded_length(walk.tokenize(PROMPT)[1])]}
+
+
 def request_inputs(args: argparse.Namespace, seed: int) -> dict[str, np.ndarray]:
-    return {"prompt": np.array([b"a photograph of a red fox standing in fresh snow, golden hour"], dtype=object),
+    return {"prompt": np.array([PROMPT.encode()], dtype=object),
             "width": np.array([args.width], np.int32), "height": np.array([args.height], np.int32),
             "seed": np.array([seed], np.int64), "num_inference_steps": np.array([args.steps], np.int32)}
 
 
 def bench_engine(checkpoint: Path, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
-    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+    from mstar_common.families.registry import get_family
     from mstar_common.local_walk import LocalWalk
 
-    walk = LocalWalk(Flux2KleinFamily(), deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu"),
+    walk = LocalWalk(get_family(args.family), deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu"),
                      checkpoint, device).start()
     try:
         async def one(seed: int) -> float:
@@ -208,25 +290,26 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
     from concurrent.futures import ThreadPoolExecutor
 
     from mstar_common.launcher import Ports, start_triton, stop_process, wait_ready
-    from mstar_common.repository import render_repository
+    from mstar_common.repository import entry_model, render_repository
 
     dep = deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu")
-    root = Path(tempfile.mkdtemp(prefix="bench-flux2-"))
+    short = FAMILIES[args.family].short
+    root = Path(tempfile.mkdtemp(prefix=f"bench-{short}-"))
     for rel, text in render_repository(dep, "bench").items():
         (root / "repo" / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / "repo" / rel).write_text(text)
     ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
-    log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR") or root) / "flux2_tritonserver.log"
+    log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR") or root) / f"{short}_tritonserver.log"
     server = start_triton(root / "repo", dep, ports, log)
     print(f"[bench] tritonserver log: {log}", flush=True)
     try:
         wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", server, 900, "tritonserver")
-        url = f"127.0.0.1:{ports.grpc}"
+        url, model = f"127.0.0.1:{ports.grpc}", entry_model(dep)
 
         def run(c: int, total: int) -> list[float]:
             seeds = iter(range(total))
             with ThreadPoolExecutor(c) as pool:
-                return [t for ts in pool.map(lambda _: _grpc_client(url, args, seeds), range(c)) for t in ts]
+                return [t for ts in pool.map(lambda _: _grpc_client(url, model, args, seeds), range(c)) for t in ts]
 
         return [_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True)
                 for c in _warm(args, lambda: run(1, 2))]
@@ -242,7 +325,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _grpc_client(url: str, args: argparse.Namespace, seeds) -> list[float]:
+def _grpc_client(url: str, model: str, args: argparse.Namespace, seeds) -> list[float]:
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -260,7 +343,7 @@ def _grpc_client(url: str, args: argparse.Namespace, seeds) -> list[float]:
                 inputs.append(grpcclient.InferInput(name, list(value.shape), dtype))
                 inputs[-1].set_data_from_numpy(value)
             start = time.perf_counter()
-            client.async_stream_infer("flux2_klein_walk", inputs, request_id=str(seed))
+            client.async_stream_infer(model, inputs, request_id=str(seed))
             error = results.get(timeout=600)
             if error is not None:
                 raise RuntimeError(f"request failed: {error}")
@@ -272,33 +355,18 @@ def _grpc_client(url: str, args: argparse.Namespace, seeds) -> list[float]:
 
 
 def bench_diffusers(checkpoint: Path, args: argparse.Namespace, device: str) -> list[dict[str, Any]] | str:
-    try:
-        from diffusers import (
-            AutoencoderKLFlux2,
-            FlowMatchEulerDiscreteScheduler,
-            Flux2KleinPipeline,
-            Flux2Transformer2DModel,
-        )
-    except ImportError as exc:
-        return f"skipped: diffusers is not importable ({exc}); pip install diffusers==0.42.1 (or carry its wheel)"
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
+    family = FAMILIES[args.family]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(checkpoint / "scheduler"),
-        vae=AutoencoderKLFlux2.from_pretrained(checkpoint / "vae", torch_dtype=dtype),
-        text_encoder=Qwen3ForCausalLM.from_pretrained(checkpoint / "text_encoder", dtype=dtype),
-        tokenizer=AutoTokenizer.from_pretrained(checkpoint / "tokenizer"),
-        transformer=Flux2Transformer2DModel.from_pretrained(checkpoint / "transformer", torch_dtype=dtype),
-        is_distilled=True,
-    ).to(device)
+    try:
+        pipe = _pipeline(family, checkpoint, dtype).to(device)
+    except _NoDiffusers as exc:
+        return f"skipped: diffusers is not importable ({exc}); pip install diffusers==0.42.1 (or carry its wheel)"
     pipe.set_progress_bar_config(disable=True)
-    prompt = request_inputs(args, 0)["prompt"][0].decode()
 
     def call(c: int) -> float:
         start = time.perf_counter()
-        pipe(prompt=[prompt] * c, width=args.width, height=args.height, num_inference_steps=args.steps,
-             generator=torch.Generator().manual_seed(0), text_encoder_out_layers=tuple(args.taps), output_type="pil")
+        pipe(prompt=[PROMPT] * c, width=args.width, height=args.height, num_inference_steps=args.steps,
+             generator=torch.Generator().manual_seed(0), output_type="pil", **family.call_kwargs(args))
         return time.perf_counter() - start
 
     levels = _warm(args, lambda: call(1))
@@ -307,6 +375,84 @@ def bench_diffusers(checkpoint: Path, args: argparse.Namespace, device: str) -> 
     if args.profile:
         args.profile_report["diffusers"] = profile_diffusers(pipe, lambda: call(1), device)
     return rows
+
+
+class _NoDiffusers(Exception):
+    pass
+
+
+def _from_diffusers(*names: str) -> list[Any]:
+    try:
+        import diffusers
+
+        return [getattr(diffusers, name) for name in names]
+    except (ImportError, AttributeError) as exc:  # absent, or a release without these classes
+        raise _NoDiffusers(str(exc)) from exc
+
+
+def _pipeline(family: BenchFamily, checkpoint: Path, dtype: torch.dtype):
+    """The family's diffusers pipeline assembled from the checkpoint's parts."""
+    pipeline, transformer, vae, scheduler = _from_diffusers(*family.diffusers_classes,
+                                                            "FlowMatchEulerDiscreteScheduler")
+    import transformers
+
+    text_encoder = getattr(transformers, family.text_encoder_class)
+    return pipeline(
+        scheduler=scheduler.from_pretrained(checkpoint / "scheduler"),
+        vae=vae.from_pretrained(checkpoint / "vae", torch_dtype=dtype),
+        text_encoder=text_encoder.from_pretrained(checkpoint / "text_encoder", dtype=dtype),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(checkpoint / "tokenizer"),
+        transformer=transformer.from_pretrained(checkpoint / "transformer", torch_dtype=dtype),
+        **family.pipeline_kwargs,
+    )
+
+
+def _klein_tiny(out: Path, args: argparse.Namespace) -> Path:
+    from mstar_common.families.flux2_klein.tiny import TINY_TAPS, build_tiny_checkpoint
+
+    args.taps = list(TINY_TAPS)
+    return build_tiny_checkpoint(out)
+
+
+def _z_image_tiny(out: Path, args: argparse.Namespace) -> Path:
+    from mstar_common.families.z_image_turbo.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(out)
+
+
+class BenchFamily(NamedTuple):
+    """What differs per family; everything else is shared."""
+
+    title: str  # the shapes, for the log
+    short: str  # tritonserver log / temp dir prefix
+    checkpoint_dir: str  # --checkpoint-dir default (real shapes); --smoke's tiny one
+    tiny_dir: str
+    steps: int  # --steps default
+    write: Callable[[Path, str], Path]  # the random checkpoint at real shapes
+    tiny: Callable[[Path, argparse.Namespace], Path]  # --smoke's checkpoint (may set args)
+    model_kwargs: Callable[[Path, argparse.Namespace], dict[str, Any]]  # beyond the shared image ones
+    diffusers_classes: tuple[str, str, str]  # diffusers' pipeline, transformer and VAE classes
+    text_encoder_class: str  # transformers'
+    pipeline_kwargs: dict[str, Any]  # the pipeline's constructor, beyond its parts
+    call_kwargs: Callable[[argparse.Namespace], dict[str, Any]]  # its call, beyond prompt, size, steps, generator
+
+
+FAMILIES = {
+    "flux2_klein": BenchFamily(
+        title="klein-4B", short="flux2", checkpoint_dir="/tmp/flux2-klein-4b-random",
+        tiny_dir="/tmp/flux2-klein-tiny-bench", steps=4, write=write_random_checkpoint, tiny=_klein_tiny,
+        model_kwargs=_klein_kwargs,
+        diffusers_classes=("Flux2KleinPipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2"),
+        text_encoder_class="Qwen3ForCausalLM", pipeline_kwargs={"is_distilled": True},
+        call_kwargs=lambda args: {"text_encoder_out_layers": tuple(args.taps)}),
+    "z_image_turbo": BenchFamily(
+        title="Z-Image-Turbo (6B)", short="z_image", checkpoint_dir="/tmp/z-image-turbo-random",
+        tiny_dir="/tmp/z-image-turbo-tiny-bench", steps=8, write=write_random_z_image_checkpoint, tiny=_z_image_tiny,
+        model_kwargs=_z_image_kwargs,
+        diffusers_classes=("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL"),
+        text_encoder_class="Qwen3Model", pipeline_kwargs={},
+        call_kwargs=lambda args: {"guidance_scale": 0.0}),  # distilled, run without CFG (as our walk runs it)
+}
 
 
 # --profile: where one c=1 request's time goes (after the timed runs; never part of them)
@@ -542,11 +688,13 @@ def _missing_requirements(mode: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="flux2_klein")
     parser.add_argument("--mode", choices=("engine", "served"), default="engine")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny checkpoint, 64x64, c=1/2")
-    parser.add_argument("--checkpoint-dir", default="/tmp/flux2-klein-4b-random")
+    parser.add_argument("--checkpoint-dir", help="default: /tmp/flux2-klein-4b-random, /tmp/z-image-turbo-random "
+                        "(--smoke: /tmp/flux2-klein-tiny-bench, /tmp/z-image-turbo-tiny-bench)")
     parser.add_argument("--size", default="1024x1024")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, help="default: 4 (flux2_klein), 8 (z_image_turbo)")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--diffusers-calls", type=int, default=3, help="timed pipeline calls per concurrency")
@@ -563,6 +711,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.profile and args.mode != "engine":
         parser.error("--profile profiles the in-process engine: use it with --mode engine")
+    if args.profile and args.family != "flux2_klein":
+        parser.error("--profile is implemented for --family flux2_klein only")
+    family = FAMILIES[args.family]
+    args.steps = family.steps if args.steps is None else args.steps
     args.profile_report = {}
     if missing := _missing_requirements(args.mode):
         parser.error("missing: " + "; ".join(missing))
@@ -570,25 +722,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.width, args.height = (int(v) for v in args.size.lower().split("x"))
     args.dtype, args.taps = "bfloat16", [9, 18, 27]
     if args.smoke:
-        from mstar_common.families.flux2_klein.tiny import TINY_TAPS, build_tiny_checkpoint
-
         args.width = args.height = 64
         args.concurrency, args.requests_per_client, args.diffusers_calls = [1, 2], 1, 1
-        args.dtype, args.taps = "float32", list(TINY_TAPS)
+        args.dtype = "float32"
         device = "cpu"
-        checkpoint = build_tiny_checkpoint(Path(args.checkpoint_dir if args.checkpoint_dir != parser.get_default(
-            "checkpoint_dir") else "/tmp/flux2-klein-tiny-bench"))
+        checkpoint = family.tiny(Path(args.checkpoint_dir or family.tiny_dir), args)
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA device: run on the GPU, or pass --smoke for the CPU smoke run")
         device = "cuda:0"
-        print(f"[bench] random klein-4B checkpoint at {args.checkpoint_dir}", flush=True)
-        checkpoint = write_random_checkpoint(Path(args.checkpoint_dir), device)
+        args.checkpoint_dir = args.checkpoint_dir or family.checkpoint_dir
+        print(f"[bench] random {family.title} checkpoint at {args.checkpoint_dir}", flush=True)
+        checkpoint = family.write(Path(args.checkpoint_dir), device)
     args.requests = lambda c: max(2, c * args.requests_per_client)
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0) if device != "cpu" else
-        "cpu", "torch": torch.__version__, "mode": args.mode, "size": f"{args.width}x{args.height}",
-        "steps": args.steps, "dtype": args.dtype, "cuda_graphs": device != "cpu" and not args.no_cuda_graphs,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "family": args.family,
+        "device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "torch": torch.__version__,
+        "mode": args.mode, "size": f"{args.width}x{args.height}", "steps": args.steps, "dtype": args.dtype,
+        "cuda_graphs": device != "cpu" and not args.no_cuda_graphs,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     if not args.skip_ours:
@@ -597,7 +748,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device != "cpu":
         torch.cuda.empty_cache()
     if not args.skip_diffusers:
-        print("[bench] diffusers Flux2KleinPipeline (c = prompts per call)", flush=True)
+        print(f"[bench] diffusers {family.diffusers_classes[0]} (c = prompts per call)", flush=True)
         report["diffusers"] = bench_diffusers(checkpoint, args, device)
     if args.profile:
         report["profile"] = write_profile(args, checkpoint)

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Family benchmarks on the device, in one call: Orpheus TTS (served, then the HF-generate + snac baseline under
-# the image's Python), FLUX.2 klein (engine + diffusers baseline), Whisper. Pick with arguments (default: all).
+# the image's Python), FLUX.2 klein (engine + diffusers baseline), Z-Image-Turbo, Whisper. Pick with arguments
+# (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [flux2-served] [whisper] [whisper-probe] [stub-health]
+#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [flux2-served] [z-image] [whisper]
+#   [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
-#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL, MSTAR_FP8_FP16_DOTS
+#   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
+#   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL, MSTAR_FP8_FP16_DOTS
 #   reach every engine built.
 set -u
 cd "$(dirname "$0")/.."
@@ -97,6 +100,16 @@ if has flux2-served; then
   stage "flux2: served (tritonserver + the walk) on the same checkpoint"
   MSTAR_BENCH_LOG_DIR=$OUT timeout ${FLUX_TIMEOUT:-330} $PY scripts/bench_flux2.py --mode served --skip-diffusers \
     --json "$OUT/flux2_served.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2 served"
+fi
+if has z-image; then
+  # As flux2-served: diffusers' pipeline under the image's Python first (it writes the ~20 GB checkpoint), then
+  # the served walk under the server's Python on the same checkpoint.
+  stage "z-image: diffusers' ZImagePipeline, Z-Image-Turbo shapes (6B DiT), 1024x1024, 8 steps"
+  timeout ${ZIMAGE_TIMEOUT:-420} $IMAGE_PY scripts/bench_flux2.py --family z_image_turbo --skip-ours \
+    --diffusers-calls 2 --json "$OUT/z_image_diffusers.json" ${ZIMAGE_ARGS:-} || echo "STAGE FAILED: z-image diffusers"
+  stage "z-image: served (tritonserver + the walk) on the same checkpoint"
+  MSTAR_BENCH_LOG_DIR=$OUT timeout ${ZIMAGE_TIMEOUT:-420} $PY scripts/bench_flux2.py --family z_image_turbo \
+    --mode served --skip-diffusers --json "$OUT/z_image_served.json" ${ZIMAGE_ARGS:-} || echo "STAGE FAILED: z-image served"
 fi
 if has whisper; then
   stage "whisper: random-weight large-v3 checkpoint (built with transformers under the image's Python)"

@@ -1,5 +1,6 @@
-"""scripts/bench_flux2.py: the CPU smoke run reports both systems, and the random-checkpoint writer (klein-4B
-shapes on the GPU) produces a diffusers-layout checkpoint that both our loader and the reference classes read."""
+"""scripts/bench_flux2.py: the CPU smoke run reports both systems, and the random-checkpoint writers (klein-4B and
+Z-Image-Turbo shapes on the GPU) produce diffusers-layout checkpoints that both our loader and the reference classes
+read; for both families."""
 
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ TINY_QWEN3 = {**bench.QWEN3_4B, "vocab_size": 512, "hidden_size": 16, "intermedi
               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 1024}
 TINY_VAE = {**bench.VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "latent_channels": 4,
             "norm_num_groups": 4}
+TINY_Z_DIT = {**bench.Z_TRANSFORMER, "dim": 32, "n_layers": 1, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+              "cap_feat_dim": TINY_QWEN3["hidden_size"], "axes_dims": [4, 6, 6]}
+TINY_Z_VAE = {**bench.Z_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4}
 
 
-def test_smoke_run_reports_both_systems(tmp_path):
+@pytest.mark.parametrize(("family", "steps"), [("flux2_klein", 4), ("z_image_turbo", 8)])
+def test_smoke_run_reports_both_systems(tmp_path, family, steps):
     out = tmp_path / "report.json"
-    report = bench.main(["--smoke", "--json", str(out), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    report = bench.main(["--family", family, "--smoke", "--json", str(out), "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert json.loads(out.read_text()) == report
+    assert (report["family"], report["steps"], report["size"]) == (family, steps, "64x64")
     for system in ("ours", "diffusers"):
         assert [row["concurrency"] for row in report[system]] == [1, 2]
         assert all(row["images_per_s"] > 0 for row in report[system])
@@ -88,3 +94,36 @@ def test_flop_count_of_one_4b_image(tmp_path):
     assert tflop["text_encoder"] == pytest.approx(2.906, abs=0.01)
     assert tflop["vae_decode"] == pytest.approx(10.475, abs=0.01)
     assert tflop["image"] == pytest.approx(152.66, abs=0.05)
+
+
+def test_z_image_random_checkpoint_loads_in_our_loader_and_the_reference_classes(tmp_path):
+    import torch
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from transformers import Qwen3Model
+
+    from mstar_common.families.z_image_turbo import loader
+
+    root = bench.write_random_z_image_checkpoint(tmp_path / "random", "cpu", TINY_Z_DIT, TINY_QWEN3, TINY_Z_VAE)
+    loader.check_pipeline(root)
+    ours = loader.load_transformer(root, "bfloat16", "cpu")
+    text = loader.load_text_encoder(root, "bfloat16", "cpu")
+    decoder = loader.load_vae_decoder(root, "bfloat16", "cpu")
+    assert torch.equal(ours.cap_embedder[0].weight, torch.ones(TINY_QWEN3["hidden_size"], dtype=torch.bfloat16))
+    loaded = [cls.from_pretrained(root / folder, output_loading_info=True, **{key: torch.bfloat16})
+              for cls, folder, key in ((ZImageTransformer2DModel, "transformer", "torch_dtype"),
+                                       (AutoencoderKL, "vae", "torch_dtype"), (Qwen3Model, "text_encoder", "dtype"))]
+    for _, info in loaded:  # every tensor of each reference class is in the checkpoint, and nothing else
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+    (reference, _), (vae, _), (qwen3, _) = loaded
+    assert torch.equal(reference.layers[0].attention.to_q.weight, ours.layers[0].attention.to_q.weight)
+    assert torch.equal(vae.decoder.conv_in.weight, decoder.decoder.conv_in.weight)
+    assert torch.equal(qwen3.layers[0].mlp.up_proj.weight, text.model.layers[0].mlp.up_proj.weight)
+    # Z-Image-Turbo's step count and guidance are the family's: 8 steps, no classifier-free guidance
+    assert bench.FAMILIES["z_image_turbo"].steps == 8
+    assert bench.FAMILIES["z_image_turbo"].call_kwargs(None) == {"guidance_scale": 0.0}
+
+
+def test_z_image_refuses_profile(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--family", "z_image_turbo", "--smoke", "--profile"])
+    assert "--profile is implemented for --family flux2_klein only" in capsys.readouterr().err
