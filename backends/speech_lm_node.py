@@ -73,7 +73,8 @@ class TritonPythonModel:
             return
         chunker = SpeechChunker(self.runtime.layout, self.runtime.frame_rule)
         self.pump.register(AudioStream(request_id, responder, chunker, self.runtime.sample_rate,
-                                       num_prompt_tokens=len(speech.prompt_ids)))
+                                       num_prompt_tokens=len(speech.prompt_ids),
+                                       first_chunk_frames=self.runtime.first_chunk_frames))
         enqueue(self.engine, self.pump, responder, speech.prompt_ids, speech.params,
                 timeout_s=request_timeout_s(request))
 

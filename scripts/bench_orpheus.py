@@ -195,7 +195,8 @@ def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s:
 
 
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path,
-                 codec_in_process: bool = False, kv_dtype: str | None = None):
+                 codec_in_process: bool = False, kv_dtype: str | None = None,
+                 first_chunk_frames: int | None = None):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, render_repository
@@ -210,6 +211,8 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
         raw["model_kwargs"]["codec_in_process"] = True
     if kv_dtype:
         raw["resources"]["kv_cache"]["dtype"] = kv_dtype
+    if first_chunk_frames:
+        raw["model_kwargs"]["first_chunk_frames"] = first_chunk_frames
     raw["max_concurrent_requests"] = max(raw.get("max_concurrent_requests", 1), max_concurrency)
     dep = deployment_from_dict(raw, source=config.name)
     repo = workdir / "model_repository"
@@ -303,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
     parser.add_argument("--codec-in-process", action="store_true", help="SNAC inside the LM component (no BLS hop)")
     parser.add_argument("--kv-dtype", help="override resources.kv_cache.dtype (auto | fp8_e4m3)")
+    parser.add_argument("--first-chunk-frames", type=int,
+                        help="override model_kwargs.first_chunk_frames (frames in each stream's first response)")
     parser.add_argument("--streams-per-proc", type=int, default=32, help="client streams per load process")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             elif url is None:
                 proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir),
-                                                   args.codec_in_process, args.kv_dtype)
+                                                   args.codec_in_process, args.kv_dtype, args.first_chunk_frames)
             if concurrencies:
                 warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
                 print("warm-up:", json.dumps(asdict(warm)), flush=True)

@@ -6,7 +6,9 @@ feeds each stream's chunker, and sends every window that became ready, across al
 in ONE call (on Triton a BLS request to the codec component): hops are per step, never per request or per
 token, and the codec sees the whole step's batch. Each stream then gets its audio in play order, as soon
 as it is decoded (several frames per response when it fell behind), and a finished stream's FINAL follows
-its last audio.
+its last audio. A stream's first response can be held until it carries `first_chunk_frames` frames (a
+deployment knob, default 1): a playback buffer that trades first-audio latency for no gap when many streams
+start at once and the first frames come faster than the ones right after.
 
 Cancellation: the inherited poll drops the stream (its chunker is the stream's codec state, so nothing of
 it is decoded any more), closes the request and cancels it in the engine, which frees its KV pages within
@@ -56,6 +58,20 @@ class AudioStream:
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet reported in a response
     arrival: float = field(default_factory=time.monotonic)
     is_audio_started: bool = False
+    first_chunk_frames: int = 1  # frames the first audio response carries (a playback buffer; see the module doc)
+    held: list[np.ndarray] = field(default_factory=list)  # decoded frames waiting for the first response
+
+    def take_first_chunk(self, chunk: np.ndarray, is_last: bool) -> np.ndarray | None:
+        """Until the first response: hold decoded frames until `first_chunk_frames` are ready (or the stream
+        ends), then return them all; None while holding. Afterwards `chunk` passes through."""
+        if self.is_audio_started or (not self.held and len(chunk) >= self.first_chunk_frames):
+            return chunk
+        if len(chunk):
+            self.held.append(chunk)
+        if not is_last and sum(len(c) for c in self.held) < self.first_chunk_frames:
+            return None
+        held, self.held = self.held, []
+        return np.concatenate(held) if held else chunk
 
     def outputs(self, audio: np.ndarray, finish: FinishReason | None) -> dict[str, np.ndarray]:
         pcm = (audio.reshape(-1) * PCM_SCALE).astype(np.int16)
@@ -132,6 +148,9 @@ class CodecPump(OutputPump):
         offset = 0
         for r in ready:
             chunk, offset = audio[offset:offset + len(r.windows)], offset + len(r.windows)
+            chunk = r.stream.take_first_chunk(chunk, is_last=r.finish is not None)
+            if chunk is None:
+                continue  # held for a fuller first response
             outputs = r.stream.outputs(chunk, r.finish)
             if len(chunk) and not r.stream.is_audio_started:
                 r.stream.is_audio_started = True

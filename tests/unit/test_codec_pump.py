@@ -106,3 +106,33 @@ def test_codec_fault_ends_its_streams_and_cancels_them_in_the_engine():
     pump, engine, _, sinks = make(FakeCodec(fail=True))
     pump._deliver({"a": (frame_tokens(1, 3), None, None)})
     assert "codec down" in sinks["a"].error and engine.cancelled == ["a"] and pump.num_streams == 1
+
+
+def _stream_with_first_chunk(frames):
+    engine, codec = FakeEngine(), FakeCodec()
+    pump, sink = CodecPump(engine, codec), FakeSink()
+    pump.register(AudioStream("a", sink, SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5,
+                              first_chunk_frames=frames))
+    return pump, sink
+
+
+def test_first_response_waits_for_first_chunk_frames_then_audio_flows_per_frame():
+    """first_chunk_frames=2: the first decoded frame is held, the second goes out with it in play order (and
+    every token so far), later frames go out one per response as before."""
+    pump, sink = _stream_with_first_chunk(2)
+    tokens = frame_tokens(100, 5)
+    pump._deliver({"a": (tokens[:21], None, None)})  # frame 100 decoded, held
+    assert not sink.chunks and not pump.latency.first_audio
+    pump._deliver({"a": (tokens[21:28], None, None)})
+    assert len(sink.chunks) == 1 and pcm_codes(sink.chunks[0]) == [100, 101]
+    assert sink.chunks[0][wire.TOKEN_IDS].tolist() == tokens[:28] and len(pump.latency.first_audio) == 1
+    pump._deliver({"a": (tokens[28:35], None, None)})
+    assert pcm_codes(sink.chunks[1]) == [102]
+
+
+def test_a_stream_ending_before_its_first_chunk_fills_sends_what_it_holds():
+    pump, sink = _stream_with_first_chunk(8)
+    tokens = frame_tokens(100, 3)
+    pump._deliver({"a": (tokens, None, None)})
+    pump._deliver({"a": ([], FinishReason.STOP, None)})
+    assert not sink.chunks and pcm_codes(sink.final) == [100, 101, 102]

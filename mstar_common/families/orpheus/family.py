@@ -27,9 +27,11 @@ MODEL_KWARGS = {
     "default_voice": "voice for requests that name none (default tara)",
     "frame_rule": "strict (drop malformed frames) | wrap (random-weight demos and benchmarks only)",
     "codec_in_process": "decode SNAC inside the LM component instead of through the BLS hop (default false)",
+    "first_chunk_frames": "SNAC frames (85 ms each) in a stream's first audio response (default 1: the first "
+                          "frame as soon as it is decoded; more is a playback buffer against start-up gaps)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
-_POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens")
+_POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens", "first_chunk_frames")
 
 
 def _builtin(preset: str):
@@ -128,6 +130,7 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         max_input_tokens=kw.get("max_input_tokens", 1024), default_max_tokens=kw.get("default_max_tokens", 1200),
         frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
         sample_rate=int(snac_config.get("sampling_rate", 24000)),
+        first_chunk_frames=kw.get("first_chunk_frames", 1),
         local_codec=_build_snac(dep, checkpoint, device) if kw.get("codec_in_process", False) else None,
     )
 
