@@ -145,13 +145,18 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
 def default_gemv_cache() -> Path:
     from mstar_common.checkpoints import cache_dir
 
+    import triton
+
     name = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name())
-    return cache_dir() / "gemv" / f"{name}-torch{torch.__version__.split('+')[0]}.json"
+    return cache_dir() / "gemv" / f"{name}-torch{torch.__version__.split('+')[0]}-triton{triton.__version__}.json"
 
 
 def use_gemv_from_env(model: nn.Module) -> None:
     """`use_gemv` with `MSTAR_GEMV_MAX_ROWS` rows (default 4; 0: cuBLAS throughout), then, on CUDA, `tune_gemv`,
     so that a projection takes the kernel only at the row counts where it beat cuBLAS on this GPU."""
-    rows = int(os.environ.get("MSTAR_GEMV_MAX_ROWS", "4") or 0)
+    raw = os.environ.get("MSTAR_GEMV_MAX_ROWS", "4") or "0"
+    if not raw.isdigit() or int(raw) > GEMV_MAX_ROWS:
+        raise ValueError(f"MSTAR_GEMV_MAX_ROWS: must be an integer in [0, {GEMV_MAX_ROWS}], got {raw!r}")
+    rows = int(raw)
     if rows and use_gemv(model, rows) and next(model.parameters()).is_cuda:
         tune_gemv(model)

@@ -132,3 +132,19 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     timer = iter([5.0] + [4.9] * 20).__next__  # cuBLAS first, then every kernel setting 2% faster
     tune_gemv(model, timer=lambda fn: timer(), log=lambda line: None, cache=tmp_path / "gemv.json")
     assert model[0].gemv_plan == {}
+
+
+def test_the_environment_switch_is_checked(monkeypatch):
+    from mstar_common.layers.linear import use_gemv_from_env
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    for bad in ("9", "-1", "four"):
+        monkeypatch.setenv("MSTAR_GEMV_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="MSTAR_GEMV_MAX_ROWS: must be an integer in"):
+            use_gemv_from_env(model)
+    monkeypatch.setenv("MSTAR_GEMV_MAX_ROWS", "0")
+    use_gemv_from_env(model)
+    assert not isinstance(model[0], GemvLinear)
+    monkeypatch.setenv("MSTAR_GEMV_MAX_ROWS", "2")
+    use_gemv_from_env(model)  # on the CPU: switched with the default plan, never tuned (no CUDA timing)
+    assert model[0].gemv_plan.keys() == {1, 2}
