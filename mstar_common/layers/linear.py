@@ -105,7 +105,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         weight, bias = module.weight, module.bias
         n, k = weight.shape
         shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
-        for rows in sorted({1 << (r - 1).bit_length() for r in module.gemv_plan}):
+        for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
             key = f"{shape_key}:rows={rows}"
             if key in known:
                 continue
@@ -130,7 +130,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 + (f"kernel {best_us:.2f} us with blocks {best}" if best else "kernel not 5% faster: cuBLAS"))
         plan = {}
         for rows in module.gemv_plan:
-            blocks = known[f"{shape_key}:rows={1 << (rows - 1).bit_length()}"]
+            blocks = known[f"{shape_key}:rows={_row_bucket(rows)}"]
             if blocks is not None:
                 plan[rows] = tuple(blocks)
         module.gemv_plan = plan
@@ -142,10 +142,15 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     return records
 
 
-def default_gemv_cache() -> Path:
-    from mstar_common.checkpoints import cache_dir
+def _row_bucket(rows: int) -> int:
+    """The power of two a step of `rows` rows is timed at (3 rows pad to 4 as the graphs' buckets do)."""
+    return 1 << (rows - 1).bit_length()
 
+
+def default_gemv_cache() -> Path:
     import triton
+
+    from mstar_common.checkpoints import cache_dir
 
     name = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name())
     return cache_dir() / "gemv" / f"{name}-torch{torch.__version__.split('+')[0]}-triton{triton.__version__}.json"
