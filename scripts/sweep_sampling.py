@@ -4,6 +4,9 @@ sort-free kernel (kernels/top_k_top_p.py), and the whole `sample_on_device` with
 window (28,672 logits) for 1 to 256 rows. The result decides `MSTAR_TOP_P_KERNEL`.
 
 Device: source .device/prepare.sh && python scripts/sweep_sampling.py [--out sampling.json]
+Where the kept sets differ: python scripts/sweep_sampling.py --boundary-check 256 (any device; on the CPU with
+TRITON_INTERPRET=1) lists each differing token with the fp64 probability mass ranked above it, so a difference
+can be told apart from a bug: it must sit at the top_p boundary, within fp32 rounding of it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vocab", type=int, default=28_672)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--boundary-check", type=int, metavar="ROWS", help="only the kept-set comparison")
     args = parser.parse_args()
+    if args.boundary_check:
+        return boundary_check(args.boundary_check, args.vocab)
     import torch
 
     from kernels.top_k_top_p import top_k_top_p
@@ -43,6 +49,28 @@ def main() -> int:
         print(row, flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def boundary_check(rows: int, vocab: int, top_p: float = 0.8) -> int:
+    import torch
+
+    from kernels.top_k_top_p import top_k_top_p
+    from mstar_common.engine.sampler import apply_top_k_top_p
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(device) / 0.6
+    top_k = torch.full((rows,), vocab, dtype=torch.int32, device=device)
+    top_ps = torch.full((rows,), top_p, device=device)
+    ours = torch.isfinite(top_k_top_p(logits, top_k, top_ps)).cpu()
+    ref = torch.isfinite(apply_top_k_top_p(logits, top_k[:, None].long(), top_ps[:, None])).cpu()
+    probs = torch.softmax(logits.double().cpu(), -1)
+    differing = (ours != ref).nonzero().tolist()
+    print(f"{rows} rows x {vocab} logits, top_p {top_p} on {device}: {len(differing)} token(s) kept differently")
+    for row, token in differing:
+        mass_above = float(probs[row][probs[row] > probs[row, token]].sum())
+        print(f"  row {row} token {token}: kernel keeps {bool(ours[row, token])}, fp64 mass ranked above "
+              f"{mass_above:.9f} (exact rule keeps it iff < {top_p})")
     return 0
 
 
