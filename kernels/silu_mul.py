@@ -26,10 +26,14 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.const
     tl.store(out_ptr + row * stride_o + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` `[T, 2I]` -> `[T, I]`, into `out` when given (any row stride: e.g. a column slice of a wider buffer)."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(-1) == 1, "x must be [T, 2I], unit stride"
     num_tokens, n_cols = x.shape[0], x.shape[1] // 2
-    out = torch.empty((num_tokens, n_cols), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_tokens, n_cols), dtype=x.dtype, device=x.device)
+    assert out.shape == (num_tokens, n_cols) and out.stride(-1) == 1 and out.dtype == x.dtype, \
+        "out must be [T, I] in x's dtype, unit stride"
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(n_cols))

@@ -4,12 +4,13 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
-#   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT; MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL, MSTAR_FP8_FP16_DOTS
+#   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT; DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
+#   MSTAR_FP8_FP16_DOTS, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION
 #   reach every engine built.
 set -u
 cd "$(dirname "$0")/.."
@@ -89,6 +90,11 @@ fi
 if has flux2; then
   stage "flux2 klein-4B shapes: engine + diffusers, 1024x1024, 4 steps"
   timeout ${FLUX_TIMEOUT:-330} $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2"
+fi
+if has dit-kernels; then
+  stage "dit-kernels: klein-4B transformer and VAE decoder, eager vs fused kernels, per SDPA backend"
+  timeout ${DIT_TIMEOUT:-400} $PY scripts/bench_dit_kernels.py --json "$OUT/dit_kernels.json" ${DIT_ARGS:-} \
+    || echo "STAGE FAILED: dit-kernels"
 fi
 if has flux2-served; then
   # diffusers' Qwen3 text encoder (and the checkpoint writer's tokenizer module) need the image's numpy 2 stack,

@@ -109,3 +109,30 @@ def test_reference_images_follow_the_reference_pipelines_rules(walk):
         walk.prepare_reference(upload(50, 80), "image[1]")
     with pytest.raises(ValueError, match="aspect ratio over 8:1"):
         walk.prepare_reference(upload(640, 64), "image[0]")
+
+
+def test_kernel_switches_name_the_variable_and_the_rule(monkeypatch):
+    """The diffusion kernels run on CUDA only, `MSTAR_DIFFUSION_KERNELS=0` turns them off, and a bad value of either
+    switch names the variable and what it accepts (the CPU path never reads the attention switch)."""
+    from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled
+    from mstar_common.families.flux2_klein import transformer
+
+    assert not kernels_enabled("cpu")
+    monkeypatch.setenv("MSTAR_DIFFUSION_KERNELS", "0")
+    assert not kernels_enabled("cuda:0")
+    monkeypatch.setenv("MSTAR_DIFFUSION_KERNELS", "1")
+    assert kernels_enabled("cuda:0")
+    monkeypatch.setenv("MSTAR_DIFFUSION_KERNELS", "yes")
+    with pytest.raises(ValueError, match="MSTAR_DIFFUSION_KERNELS='yes': expected 0 or 1"):
+        kernels_enabled("cuda:0")
+    monkeypatch.delenv("MSTAR_DIT_ATTENTION", raising=False)
+    from torch.nn.attention import SDPBackend
+
+    assert transformer._sdpa_backends()[0] == SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setenv("MSTAR_DIT_ATTENTION", "flash")
+    assert transformer._sdpa_backends() == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    monkeypatch.setenv("MSTAR_DIT_ATTENTION", "auto")
+    assert transformer._sdpa_backends() is None
+    monkeypatch.setenv("MSTAR_DIT_ATTENTION", "fa3")
+    with pytest.raises(ValueError, match="MSTAR_DIT_ATTENTION='fa3': expected one of auto, cudnn, flash, efficient"):
+        transformer._sdpa_backends()

@@ -24,7 +24,7 @@ from mstar_common.diffusion.diffusers_checkpoint import check_pipeline_class, lo
 from mstar_common.families.flux2_klein.scheduler import FlowSchedulerConfig
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
 from mstar_common.families.flux2_klein.transformer import Flux2Transformer, Flux2TransformerConfig
-from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, VaeEncoder
+from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, VaeEncoder, use_fused_group_norm
 from mstar_common.families.qwen3.modeling import Qwen3Config
 
 PIPELINE_CLASSES = ("Flux2KleinPipeline",)
@@ -71,16 +71,22 @@ def load_text_encoder(root: Path, taps: tuple[int, ...], dtype: str, device: str
 
 def load_transformer(root: Path, dtype: str, device: str) -> Flux2Transformer:
     config = transformer_config(root)
-    return load_module(lambda: Flux2Transformer(config), root / "transformer", "diffusion_pytorch_model",
-                       lambda _: False, dtype, device)
+    model = load_module(lambda: Flux2Transformer(config), root / "transformer", "diffusion_pytorch_model",
+                        lambda _: False, dtype, device)
+    model.use_fused_kernels(diffusers_checkpoint.kernels_enabled(device))
+    return model
 
 
 def load_vae_encoder(root: Path, dtype: str, device: str) -> VaeEncoder:
     config = vae_config(root)
-    return load_module(lambda: VaeEncoder(config), root / "vae", "diffusion_pytorch_model",
-                       lambda name: name.startswith(("decoder.", "post_quant_conv.")), dtype, device)
+    model = load_module(lambda: VaeEncoder(config), root / "vae", "diffusion_pytorch_model",
+                        lambda name: name.startswith(("decoder.", "post_quant_conv.")), dtype, device)
+    use_fused_group_norm(model, diffusers_checkpoint.kernels_enabled(device))
+    return model
 
 
 def load_vae_decoder(root: Path, dtype: str, device: str) -> VaeDecoder:
     config = vae_config(root)
-    return diffusers_checkpoint.load_vae_decoder(lambda: VaeDecoder(config), root, dtype, device)
+    model = diffusers_checkpoint.load_vae_decoder(lambda: VaeDecoder(config), root, dtype, device)
+    use_fused_group_norm(model, diffusers_checkpoint.kernels_enabled(device))
+    return model

@@ -11,11 +11,18 @@ Every row of the batch carries its own timestep (rows at different denoise steps
 position ids are shared, so one batch holds rows of one token layout. Module names and the arithmetic
 order mirror diffusers' `Flux2Transformer2DModel`, so checkpoints load by name and fp32 output is
 bit-identical.
+
+On a GPU, `use_fused_kernels()` (the loader turns it on; `MSTAR_DIFFUSION_KERNELS=0` keeps eager) routes the
+elementwise glue through kernels/dit.py and kernels/silu_mul.py: AdaLN modulation, gated residuals, q/k RMSNorm +
+RoPE written straight into the joint sequence, SwiGLU written into the output projection's input. The GEMMs and
+the attention are unchanged; the kernels round where the eager ops round. SDPA runs cuDNN's fused attention on
+a GPU by default (`MSTAR_DIT_ATTENTION`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,10 +104,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`[B, S, heads, D]` in and out (flattened heads), plain SDPA."""
+    """`[B, S, heads, D]` in and out (flattened heads), SDPA (on a GPU, the backend `MSTAR_DIT_ATTENTION` names)."""
     query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(query, key, value).permute(0, 2, 1, 3)
-    return out.flatten(2, 3).to(query.dtype)
+    backends = _sdpa_backends() if query.is_cuda else None
+    if backends:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backends, set_priority=True):
+            out = F.scaled_dot_product_attention(query, key, value)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value)
+    return out.permute(0, 2, 1, 3).flatten(2, 3).to(query.dtype)
+
+
+_ATTENTION_CHOICES = ("auto", "cudnn", "flash", "efficient")
+
+
+def _sdpa_backends() -> list | None:
+    """The SDPA backends to try, in order, on a GPU: `MSTAR_DIT_ATTENTION` first (default `cudnn`: cuDNN's fused
+    attention took 60 ms of a 1024x1024 klein-4B forward where FlashAttention-2 took 69, docs/benchmarks.md), then
+    flash, efficient, math for what it cannot run; `auto` leaves the choice to torch."""
+    choice = os.environ.get("MSTAR_DIT_ATTENTION", "cudnn") or "cudnn"
+    if choice not in _ATTENTION_CHOICES:
+        raise ValueError(f"MSTAR_DIT_ATTENTION={choice!r}: expected one of {', '.join(_ATTENTION_CHOICES)}")
+    if choice == "auto":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[choice]
+    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [first] + [b for b in rest if b != first]
 
 
 class SwiGLUFeedForward(nn.Module):
@@ -110,7 +144,14 @@ class SwiGLUFeedForward(nn.Module):
         self.linear_in = nn.Linear(dim, inner * 2, bias=False)
         self.linear_out = nn.Linear(inner, dim, bias=False)
 
+    fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from kernels.silu_mul import silu_mul
+
+            hidden = self.linear_in(x)
+            return self.linear_out(silu_mul(hidden.reshape(-1, hidden.shape[-1])).unflatten(0, hidden.shape[:-1]))
         return self.linear_out(swiglu(self.linear_in(x)))
 
 
@@ -121,6 +162,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 class JointAttention(nn.Module):
     """Double-block attention: image and text streams projected separately, attended jointly [txt, img]."""
+
+    fused = False
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
         super().__init__()
@@ -136,6 +179,8 @@ class JointAttention(nn.Module):
     def forward(self, img: torch.Tensor, txt: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         split = (-1, self.head_dim)
+        if self.fused:
+            return self._fused_forward(img, txt, rope, split)
         query = self.norm_q(self.to_q(img).unflatten(-1, split))
         key = self.norm_k(self.to_k(img).unflatten(-1, split))
         value = self.to_v(img).unflatten(-1, split)
@@ -147,6 +192,23 @@ class JointAttention(nn.Module):
         value = torch.cat([txt_value, value], dim=1)
         out = attention(query, key, value)
         txt_out, img_out = out.split_with_sizes([txt.shape[1], out.shape[1] - txt.shape[1]], dim=1)
+        return self.to_out[0](img_out), self.to_add_out(txt_out)
+
+    def _fused_forward(self, img, txt, rope, split):
+        from kernels.dit import qk_norm_rope
+
+        num_txt = txt.shape[1]
+        joint = (img.shape[0], num_txt + img.shape[1], img.shape[-1] // self.head_dim, self.head_dim)
+        query = torch.empty(joint, dtype=img.dtype, device=img.device)
+        key = torch.empty_like(query)
+        for proj, norm, out, offset, x in ((self.add_q_proj, self.norm_added_q, query, 0, txt),
+                                           (self.to_q, self.norm_q, query, num_txt, img),
+                                           (self.add_k_proj, self.norm_added_k, key, 0, txt),
+                                           (self.to_k, self.norm_k, key, num_txt, img)):
+            qk_norm_rope(proj(x).unflatten(-1, split), norm.weight, norm.eps, *rope, out=out, seq_offset=offset)
+        value = torch.cat([self.add_v_proj(txt).unflatten(-1, split), self.to_v(img).unflatten(-1, split)], dim=1)
+        out = attention(query, key, value)
+        txt_out, img_out = out.split_with_sizes([num_txt, out.shape[1] - num_txt], dim=1)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
 
 
@@ -162,14 +224,31 @@ class ParallelSelfAttention(nn.Module):
         self.norm_q, self.norm_k = nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps)
         self.to_out = nn.Linear(self.inner_dim + self.mlp_hidden_dim, dim, bias=False)
 
+    fused = False
+
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden = self.to_qkv_mlp_proj(hidden)
         qkv, mlp = torch.split(hidden, [3 * self.inner_dim, 2 * self.mlp_hidden_dim], dim=-1)
         query, key, value = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
+        if self.fused:
+            return self._fused_tail(query, key, value, mlp, rope)
         query = apply_rope(self.norm_q(query), *rope)
         key = apply_rope(self.norm_k(key), *rope)
         out = attention(query, key, value)
         return self.to_out(torch.cat([out, swiglu(mlp)], dim=-1))
+
+    def _fused_tail(self, query, key, value, mlp, rope):
+        """The attention output and the SwiGLU written side by side into the output projection's input."""
+        from kernels.dit import qk_norm_rope
+        from kernels.silu_mul import silu_mul
+
+        query = qk_norm_rope(query, self.norm_q.weight, self.norm_q.eps, *rope)
+        key = qk_norm_rope(key, self.norm_k.weight, self.norm_k.eps, *rope)
+        rows = mlp.shape[:-1]
+        both = torch.empty((*rows, self.inner_dim + self.mlp_hidden_dim), dtype=mlp.dtype, device=mlp.device)
+        both[..., : self.inner_dim].copy_(attention(query, key, value))
+        silu_mul(mlp.reshape(-1, mlp.shape[-1]), out=both.view(-1, both.shape[-1])[:, self.inner_dim:])
+        return self.to_out(both)
 
 
 # blocks
@@ -182,6 +261,8 @@ def _modulations(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch
 
 
 class DoubleStreamBlock(nn.Module):
+    fused = False
+
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -196,6 +277,18 @@ class DoubleStreamBlock(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         (shift, scale, gate), (shift_mlp, scale_mlp, gate_mlp) = _modulations(mod_img, 2)
         (c_shift, c_scale, c_gate), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _modulations(mod_txt, 2)
+        if self.fused:
+            from kernels.dit import ada_layer_norm, gated_residual
+
+            img_attn, txt_attn = self.attn(ada_layer_norm(img, shift, scale, self.eps),
+                                           ada_layer_norm(txt, c_shift, c_scale, self.eps), rope)
+            img, ff_in = ada_layer_norm(img, shift_mlp, scale_mlp, self.eps, gate=gate, y=img_attn)
+            img = gated_residual(img, gate_mlp, self.ff(ff_in))
+            txt, ff_in = ada_layer_norm(txt, c_shift_mlp, c_scale_mlp, self.eps, gate=c_gate, y=txt_attn)
+            txt = gated_residual(txt, c_gate_mlp, self.ff_context(ff_in))
+            if txt.dtype == torch.float16:
+                txt = txt.clip(-65504, 65504)
+            return img, txt
         img_in = (1 + scale) * self._norm(img) + shift
         txt_in = (1 + c_scale) * self._norm(txt) + c_shift
         img_attn, txt_attn = self.attn(img_in, txt_in, rope)
@@ -209,6 +302,8 @@ class DoubleStreamBlock(nn.Module):
 
 
 class SingleStreamBlock(nn.Module):
+    fused = False
+
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -216,8 +311,13 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ((shift, scale, gate),) = _modulations(mod, 1)
-        normed = (1 + scale) * F.layer_norm(hidden, (hidden.shape[-1],), eps=self.eps) + shift
-        hidden = hidden + gate * self.attn(normed, rope)
+        if self.fused:
+            from kernels.dit import ada_layer_norm, gated_residual
+
+            hidden = gated_residual(hidden, gate, self.attn(ada_layer_norm(hidden, shift, scale, self.eps), rope))
+        else:
+            normed = (1 + scale) * F.layer_norm(hidden, (hidden.shape[-1],), eps=self.eps) + shift
+            hidden = hidden + gate * self.attn(normed, rope)
         if hidden.dtype == torch.float16:
             hidden = hidden.clip(-65504, 65504)
         return hidden
@@ -266,6 +366,8 @@ class Modulation(nn.Module):
 
 
 class AdaNormOut(nn.Module):
+    fused = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -273,6 +375,10 @@ class AdaNormOut(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = torch.chunk(self.linear(F.silu(temb).to(x.dtype)), 2, dim=1)
+        if self.fused:
+            from kernels.dit import ada_layer_norm
+
+            return ada_layer_norm(x, shift[:, None, :], scale[:, None, :], self.eps)
         return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
@@ -294,6 +400,13 @@ class Flux2Transformer(nn.Module):
         )
         self.norm_out = AdaNormOut(dim, config.eps)
         self.proj_out = nn.Linear(dim, config.in_channels, bias=False)
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Route the elementwise glue through the Triton kernels (CUDA only; see the module's docstring)."""
+        for module in self.modules():
+            if isinstance(module, (SwiGLUFeedForward, JointAttention, ParallelSelfAttention, DoubleStreamBlock,
+                                   SingleStreamBlock, AdaNormOut)):
+                module.fused = enabled
 
     def rope(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for the joint [txt, img] sequence (depends only on the token layout: cache per shape)."""

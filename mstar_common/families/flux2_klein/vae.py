@@ -80,7 +80,25 @@ class Flux2VaeConfig:
 # building blocks
 
 
+def _norm_silu(norm: nn.GroupNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """`silu(norm(x))`; `fused` (a GPU): one kernels/group_norm.py call that splits each group over many programs."""
+    if fused:
+        from kernels.group_norm import group_norm
+
+        return group_norm(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu=True)
+    return F.silu(norm(x))
+
+
+def use_fused_group_norm(model: nn.Module, enabled: bool = True) -> None:
+    """Every GroupNorm+SiLU of an encoder or decoder through kernels/group_norm.py (CUDA only)."""
+    for module in model.modules():
+        if isinstance(module, (ResnetBlock, Encoder, Decoder)):
+            module.fused = enabled
+
+
 class ResnetBlock(nn.Module):
+    fused = False
+
     def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
         super().__init__()
         self.norm1 = nn.GroupNorm(groups, in_channels, eps=_EPS, affine=True)
@@ -90,8 +108,8 @@ class ResnetBlock(nn.Module):
         self.conv_shortcut = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.conv1(F.silu(self.norm1(x)))
-        hidden = self.conv2(F.silu(self.norm2(hidden)))
+        hidden = self.conv1(_norm_silu(self.norm1, x, self.fused))
+        hidden = self.conv2(_norm_silu(self.norm2, hidden, self.fused))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
         return x + hidden
@@ -178,6 +196,8 @@ class ResampleBlock(nn.Module):
 
 
 class Encoder(nn.Module):
+    fused = False
+
     def __init__(self, config: Flux2VaeConfig) -> None:
         super().__init__()
         channels, groups = config.block_out_channels, config.norm_num_groups
@@ -196,10 +216,12 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
-        return self.conv_out(F.silu(self.conv_norm_out(x)))
+        return self.conv_out(_norm_silu(self.conv_norm_out, x, self.fused))
 
 
 class Decoder(nn.Module):
+    fused = False
+
     def __init__(self, config: Flux2VaeConfig) -> None:
         super().__init__()
         channels, groups = list(reversed(config.decoder_block_out_channels)), config.norm_num_groups
@@ -217,7 +239,7 @@ class Decoder(nn.Module):
         z = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             z = block(z)
-        return self.conv_out(F.silu(self.conv_norm_out(z)))
+        return self.conv_out(_norm_silu(self.conv_norm_out, z, self.fused))
 
 
 class _LatentStats(nn.Module):

@@ -22,6 +22,7 @@ from typing import Any
 from mstar_common.diffusion import diffusers_checkpoint
 from mstar_common.diffusion.diffusers_checkpoint import check_pipeline_class, load_module, read_json
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
+from mstar_common.families.flux2_klein.vae import use_fused_group_norm
 from mstar_common.families.qwen3.modeling import Qwen3Config
 from mstar_common.families.z_image_turbo.scheduler import ZImageSchedulerConfig
 from mstar_common.families.z_image_turbo.transformer import ZImageTransformer, ZImageTransformerConfig
@@ -83,4 +84,6 @@ def load_transformer(root: Path, dtype: str, device: str) -> ZImageTransformer:
 
 def load_vae_decoder(root: Path, dtype: str, device: str) -> VaeDecoder:
     config = vae_config(root)
-    return diffusers_checkpoint.load_vae_decoder(lambda: VaeDecoder(config), root, dtype, device)
+    model = diffusers_checkpoint.load_vae_decoder(lambda: VaeDecoder(config), root, dtype, device)
+    use_fused_group_norm(model, diffusers_checkpoint.kernels_enabled(device))
+    return model

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""The FLUX.2 klein-4B transformer and VAE decoder, eager against the fused kernels, per SDPA backend (GPU).
+
+    source .device/prepare.sh && python scripts/bench_dit_kernels.py --json runs/dit_kernels.json
+
+Random weights at the real shapes (normal(0, 0.02) matrices), bf16, 1024x1024 (4,096 image + 512 text tokens).
+Times one transformer forward (the denoise step's body) at batch 1 and 4, eager and replayed from a captured
+CUDA graph, with the elementwise glue eager or fused (kernels/dit.py) and each SDPA backend
+(`MSTAR_DIT_ATTENTION`); one VAE decode at batch 1 and 4 with torch's GroupNorm+SiLU or kernels/group_norm.py.
+Reports milliseconds (median of --iters after warm-up), the fused output's relative error against eager, and
+whether a graph replay equals the eager call; the last line names the fastest attention backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_flux2 import TRANSFORMER_4B, VAE  # noqa: E402
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return round(statistics.median(times), 3)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _random_(module: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.02)
+            elif "norm" in name and name.endswith("weight"):
+                param.fill_(1.0)
+            else:
+                param.zero_()
+    return module
+
+
+def bench_transformer(batches: list[int], iters: int, backends: list[str]) -> dict:
+    from mstar_common.families.flux2_klein.components import Layout, position_ids
+    from mstar_common.families.flux2_klein.transformer import Flux2Transformer, Flux2TransformerConfig
+
+    config = Flux2TransformerConfig.from_diffusers(TRANSFORMER_4B)
+    with torch.device("meta"):
+        model = Flux2Transformer(config)
+    model = _random_(model.to(torch.bfloat16).to_empty(device="cuda")).eval()
+    txt_ids, img_ids = position_ids(Layout(64, 64), 512, torch.device("cuda"))
+    rope = model.rope(txt_ids, img_ids)
+    gen = torch.Generator("cuda").manual_seed(0)
+    results = {}
+    for batch in batches:
+        hidden = torch.randn(batch, 4096, config.in_channels, device="cuda", generator=gen).bfloat16()
+        prompt = torch.randn(batch, 512, config.joint_attention_dim, device="cuda", generator=gen).bfloat16()
+        timestep = torch.linspace(0.9, 0.2, batch, device="cuda")
+
+        def forward():
+            return model(hidden, prompt, timestep, rope)
+
+        row = {}
+        with torch.inference_mode():
+            os.environ["MSTAR_DIT_ATTENTION"] = "auto"
+            model.use_fused_kernels(False)
+            ref = forward()
+            row["eager_glue_auto_ms"] = _time(forward, iters)
+            model.use_fused_kernels(True)
+            for backend in backends:
+                os.environ["MSTAR_DIT_ATTENTION"] = backend
+                try:
+                    out = forward()
+                    row[f"fused_{backend}_ms"] = _time(forward, iters)
+                    row[f"fused_{backend}_rel_err"] = round(_rel(out, ref), 5)
+                except Exception as exc:  # a backend this build or shape does not support
+                    row[f"fused_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    continue
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    forward()
+                torch.cuda.current_stream().wait_stream(stream)
+                try:
+                    with torch.cuda.graph(graph):
+                        captured = forward()
+                except Exception as exc:
+                    row[f"graph_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    continue
+                graph.replay()
+                torch.cuda.synchronize()
+                row[f"graph_{backend}_ms"] = _time(graph.replay, iters)
+                row[f"graph_{backend}_equals_eager"] = bool(torch.equal(captured, out))
+                del graph, captured
+        results[f"batch_{batch}"] = row
+        print(f"transformer batch {batch}: {row}", flush=True)
+    os.environ["MSTAR_DIT_ATTENTION"] = "auto"
+    return results
+
+
+def bench_vae(batches: list[int], iters: int) -> dict:
+    from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, use_fused_group_norm
+
+    with torch.device("meta"):
+        model = VaeDecoder(Flux2VaeConfig.from_diffusers(VAE))
+    model = _random_(model.to(torch.bfloat16).to_empty(device="cuda")).eval()
+    model.bn.running_var.fill_(1.0)
+    model.bn.running_mean.zero_()
+    results = {}
+    for batch in batches:
+        latents = torch.randn(batch, VAE["latent_channels"], 128, 128, device="cuda").bfloat16()
+        row = {}
+        with torch.inference_mode():
+            use_fused_group_norm(model, False)
+            ref = model.decoder(latents)
+            row["eager_ms"] = _time(lambda: model.decoder(latents), iters)
+            use_fused_group_norm(model, True)
+            out = model.decoder(latents)
+            row["fused_ms"] = _time(lambda: model.decoder(latents), iters)
+            row["fused_rel_err"] = round(_rel(out, ref), 5)
+        results[f"batch_{batch}"] = row
+        print(f"vae decode batch {batch}: {row}", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--backends", default="auto,flash,cudnn,efficient")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_dit_kernels: needs a CUDA GPU")
+    batches = [int(b) for b in args.batches.split(",")]
+    backends = args.backends.split(",")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "vae": bench_vae(batches, args.iters)}
+    torch.cuda.empty_cache()
+    report["transformer"] = bench_transformer(batches, args.iters, backends)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    timed = [(row.get(f"graph_{b}_ms", float("inf")), b) for b in backends for row in [report["transformer"]["batch_1"]]]
+    print(f"best attention backend (batch 1, graph replay): {min(timed)[1]}")
+
+
+if __name__ == "__main__":
+    main()
