@@ -119,6 +119,42 @@ def bench_transformer(batches: list[int], iters: int, backends: list[str]) -> di
     return results
 
 
+def bench_gemm(batches: list[int], iters: int) -> dict:
+    """The DiT's projection GEMMs in bf16 against fp8 e4m3 `torch._scaled_mm` with row-wise scales (per token for
+    the activations, per output channel for the weights), and the activation quantisation's own cost."""
+    dim, mlp = 3072, 9216
+    shapes = {"single_in (qkv+mlp)": (dim, 3 * dim + 2 * mlp), "single_out": (dim + mlp, dim),
+              "double_q/k/v/out": (dim, dim), "double_ff_in": (dim, 2 * mlp), "double_ff_out": (mlp, dim)}
+    fp8 = torch.float8_e4m3fn
+    results = {}
+    for batch in batches:
+        rows = batch * (4096 + 512)
+        for name, (k, n) in shapes.items():
+            x = torch.randn(rows, k, device="cuda").bfloat16()
+            w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+            w_scale = w.float().abs().amax(dim=1, keepdim=True) / 448.0
+            w8 = (w.float() / w_scale).to(fp8)
+
+            def quantise():
+                scale = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
+                return (x.float() / scale).to(fp8), scale
+
+            x8, x_scale = quantise()
+            row = {"bf16_ms": _time(lambda: x @ w.t(), iters)}
+            try:
+                out8 = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+                row["fp8_ms"] = _time(lambda: torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(),
+                                                               out_dtype=torch.bfloat16), iters)
+                row["fp8_rel_err"] = round(_rel(out8, x @ w.t()), 5)
+                row["quantise_eager_ms"] = _time(quantise, iters)
+            except Exception as exc:
+                row["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            results[f"batch_{batch} {name} [{rows}x{k}]x[{k}x{n}]"] = row
+            print(f"gemm batch {batch} {name}: {row}", flush=True)
+            del x, w, w8
+    return results
+
+
 def bench_vae(batches: list[int], iters: int) -> dict:
     from mstar_common.families.flux2_klein.vae import Flux2VaeConfig, VaeDecoder, use_fused_group_norm
 
@@ -139,6 +175,12 @@ def bench_vae(batches: list[int], iters: int) -> dict:
             out = model.decoder(latents)
             row["fused_ms"] = _time(lambda: model.decoder(latents), iters)
             row["fused_rel_err"] = round(_rel(out, ref), 5)
+            row["fused_ms_per_image"] = round(row["fused_ms"] / batch, 3)
+            model.decoder.to(memory_format=torch.channels_last)
+            last = latents.contiguous(memory_format=torch.channels_last)
+            use_fused_group_norm(model, False)
+            row["eager_channels_last_ms"] = _time(lambda: model.decoder(last), iters)
+            model.decoder.to(memory_format=torch.contiguous_format)
         results[f"batch_{batch}"] = row
         print(f"vae decode batch {batch}: {row}", flush=True)
     return results
@@ -150,19 +192,29 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--backends", default="auto,flash,cudnn,efficient")
+    parser.add_argument("--vae-batches", default=None, help="default: --batches")
+    parser.add_argument("--gemm-batches", default="", help="batches for the bf16 vs fp8 GEMM table (none by default)")
+    parser.add_argument("--skip-transformer", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_dit_kernels: needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",")]
     backends = args.backends.split(",")
+    vae_batches = [int(b) for b in (args.vae_batches or args.batches).split(",")]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "vae": bench_vae(batches, args.iters)}
+              "vae": bench_vae(vae_batches, args.iters)}
     torch.cuda.empty_cache()
-    report["transformer"] = bench_transformer(batches, args.iters, backends)
+    if args.gemm_batches:
+        report["gemm"] = bench_gemm([int(b) for b in args.gemm_batches.split(",")], args.iters)
+        torch.cuda.empty_cache()
+    if not args.skip_transformer:
+        report["transformer"] = bench_transformer(batches, args.iters, backends)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
-    timed = [(row.get(f"graph_{b}_ms", float("inf")), b) for b in backends for row in [report["transformer"]["batch_1"]]]
-    print(f"best attention backend (batch 1, graph replay): {min(timed)[1]}")
+    if not args.skip_transformer:
+        first = report["transformer"][f"batch_{batches[0]}"]
+        timed = [(first.get(f"graph_{b}_ms", float("inf")), b) for b in backends]
+        print(f"best attention backend (batch {batches[0]}, graph replay): {min(timed)[1]}")
 
 
 if __name__ == "__main__":

@@ -160,10 +160,10 @@ def test_first_chunk_frames_reaches_the_runtime_and_is_validated(tmp_path):
 
     checkpoint = build_orpheus_checkpoint(tmp_path / "tiny")
     dep = load_deployment(CONFIGS / "orpheus.yaml")
-    assert OrpheusFamily().build_component("lm", dep, checkpoint, "cpu").first_chunk_frames == 1
-    dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": 3})
-    OrpheusFamily().validate_deployment(dep, "test")
     assert OrpheusFamily().build_component("lm", dep, checkpoint, "cpu").first_chunk_frames == 3
+    dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": 1})
+    OrpheusFamily().validate_deployment(dep, "test")
+    assert OrpheusFamily().build_component("lm", dep, checkpoint, "cpu").first_chunk_frames == 1
     for value in (0, 1.5, True):
         bad = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": value})
         with pytest.raises(Exception, match="first_chunk_frames: must be an integer >= 1"):

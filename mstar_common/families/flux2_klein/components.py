@@ -16,7 +16,14 @@ from mstar_common.diffusion import image_components
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.batcher import BatchingEngine
 from mstar_common.diffusion.denoise import DenoiseEngine, DenoiseJob
-from mstar_common.diffusion.image_components import BucketedStepper, Component, DenoiseLimits, Inputs, scalar
+from mstar_common.diffusion.image_components import (
+    BucketedStepper,
+    Component,
+    DenoiseLimits,
+    Inputs,
+    decode_slices,
+    scalar,
+)
 from mstar_common.diffusion.step_graphs import StepShapes
 from mstar_common.families.flux2_klein.options import TEXT_TOKENS
 from mstar_common.families.flux2_klein.scheduler import FlowSchedulerConfig, flow_schedule
@@ -193,6 +200,7 @@ class DenoiseComponent(image_components.DenoiseComponent):
 # VAE decode
 
 
+
 class VaeDecodeComponent(Component):
     def __init__(self, model: VaeDecoder, device: str, max_batch: int, max_area: int):
         self.model, self.device, self.max_area = model, torch.device(device), max_area
@@ -215,5 +223,5 @@ class VaeDecodeComponent(Component):
     def run_batch(self, payloads: list[tuple[torch.Tensor, int, int]]) -> list[Inputs]:
         _, width, height = payloads[0]
         latents = torch.cat([p[0] for p in payloads]).to(self.device, self.model.bn.running_var.dtype)
-        pixels = self.model(latents, height, width).cpu()
+        pixels = torch.cat([self.model(rows, height, width) for rows in decode_slices(latents, self.device)]).cpu()
         return [{g.PIXELS: part} for part in pixels.split([p[0].shape[0] for p in payloads])]

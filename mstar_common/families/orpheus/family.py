@@ -27,10 +27,14 @@ MODEL_KWARGS = {
     "default_voice": "voice for requests that name none (default tara)",
     "frame_rule": "strict (drop malformed frames) | wrap (random-weight demos and benchmarks only)",
     "codec_in_process": "decode SNAC inside the LM component instead of through the BLS hop (default false)",
-    "first_chunk_frames": "SNAC frames (85 ms each) in a stream's first audio response (default 1: the first "
-                          "frame as soon as it is decoded; more is a playback buffer against start-up gaps)",
+    "first_chunk_frames": "SNAC frames (85 ms each) in a stream's first audio response (default 3: a 256 ms "
+                          "playback buffer against the gaps when many streams start together; 1: the first frame "
+                          "as soon as it is decoded)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+# H200, 2026-12-01 (docs/benchmarks.md): with 3, c=192 had 148/192 streams without a playback gap against 0/192
+# with 1, for 35 ms more first audio at c=1 (93 ms).
+DEFAULT_FIRST_CHUNK_FRAMES = 3
 _POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens", "first_chunk_frames")
 
 
@@ -130,7 +134,7 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         max_input_tokens=kw.get("max_input_tokens", 1024), default_max_tokens=kw.get("default_max_tokens", 1200),
         frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
         sample_rate=int(snac_config.get("sampling_rate", 24000)),
-        first_chunk_frames=kw.get("first_chunk_frames", 1),
+        first_chunk_frames=kw.get("first_chunk_frames", DEFAULT_FIRST_CHUNK_FRAMES),
         local_codec=_build_snac(dep, checkpoint, device) if kw.get("codec_in_process", False) else None,
     )
 

@@ -17,7 +17,14 @@ from mstar_common.diffusion import image_components
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.batcher import BatchingEngine
 from mstar_common.diffusion.denoise import DenoiseEngine, DenoiseJob
-from mstar_common.diffusion.image_components import BucketedStepper, Component, DenoiseLimits, Inputs, scalar
+from mstar_common.diffusion.image_components import (
+    BucketedStepper,
+    Component,
+    DenoiseLimits,
+    Inputs,
+    decode_slices,
+    scalar,
+)
 from mstar_common.diffusion.step_graphs import StepShapes
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
 from mstar_common.families.z_image_turbo.options import TEXT_TOKENS
@@ -164,5 +171,5 @@ class VaeDecodeComponent(Component):
     @torch.inference_mode()
     def run_batch(self, payloads: list[torch.Tensor]) -> list[Inputs]:
         latents = torch.cat(payloads).to(self.device, self.model.dtype)
-        pixels = self.model(latents).cpu()
+        pixels = torch.cat([self.model(rows) for rows in decode_slices(latents, self.device)]).cpu()
         return [{g.PIXELS: part} for part in pixels.split([p.shape[0] for p in payloads])]
