@@ -6,13 +6,16 @@ response per request carrying its outputs, or an `invalid_request:` error for in
 Threads: `execute` parses each request (a ValueError is refused at once) and hands it to the runtime's engine;
 the engine's loop (one background thread) batches every waiting request of the same shapes into one
 forward and calls back per request, and the callback sends the response through backends/responder.py.
-A request cancelled before its batch runs is dropped unrun.
+A request cancelled before its batch runs is dropped unrun. With `MSTAR_TIMINGS=1` each request's time from
+arrival to its response being sent is logged (with the walk router's per-hop times: where a walk's time goes).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
+import time
 
 import numpy as np
 import torch
@@ -24,6 +27,7 @@ from backends.responder import Responder, request_inputs
 from mstar_common.diffusion.batcher import Cancelled
 
 logger = logging.getLogger(__name__)
+TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"
 
 
 class ComponentNode:
@@ -58,14 +62,17 @@ class ComponentNode:
         try:
             inputs = {name: torch.from_numpy(np.array(value)) for name, value in
                       request_inputs(request, self.input_names).items()}
-            self.runtime.submit(responder.request_id, inputs, _on_done(responder), responder.is_cancelled)
+            on_done = _on_done(responder, self.model_name if TIMINGS else None)
+            self.runtime.submit(responder.request_id, inputs, on_done, responder.is_cancelled)
         except ValueError as exc:
             responder.send_invalid(str(exc))
         except Exception as exc:  # noqa: BLE001 - a fault in one request must not take down the node
             responder.send_server_error(exc)
 
 
-def _on_done(responder: Responder):
+def _on_done(responder: Responder, timed_as: str | None = None):
+    started = time.perf_counter()
+
     def on_done(outputs: dict[str, torch.Tensor] | None, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
             responder.send_error(f"cancelled: {error}")
@@ -73,6 +80,9 @@ def _on_done(responder: Responder):
             responder.send_server_error(error)
         else:
             responder.send_final({name: np.ascontiguousarray(t.numpy()) for name, t in outputs.items()})
+        if timed_as:
+            logger.info("[%s] timing %s: %.1f ms from arrival to response sent", responder.request_id, timed_as,
+                        (time.perf_counter() - started) * 1e3)
 
     return on_done
 

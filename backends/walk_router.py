@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ from mstar_common.repository import model_name
 from mstar_common.walk_api import ComponentError
 
 logger = logging.getLogger(__name__)
+TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log each hop's and each walk's wall time (stateless_node.py)
 
 
 class TritonPythonModel:
@@ -58,6 +61,7 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
+        started = time.perf_counter()
         try:
             inputs = request_inputs(request, self.walk.input_names)
             if hasattr(self.walk, "stream"):
@@ -76,6 +80,8 @@ class TritonPythonModel:
             responder.send_server_error(exc)
         else:
             responder.send_final(outputs)
+        if TIMINGS:
+            logger.info("[%s] timing walk: %.1f ms", responder.request_id, (time.perf_counter() - started) * 1e3)
 
     async def _stream(self, responder: Responder, inputs: dict) -> dict[str, np.ndarray] | None:
         """Send every response of a streaming walk but the last, which is returned (the FINAL); None when
@@ -147,6 +153,7 @@ class TritonPythonModel:
             if responder.is_cancelled():
                 raise ComponentError(component, "cancelled: the client went away")
             spec = self.components[component]
+            started = time.perf_counter()
             request = pb_utils.InferenceRequest(
                 model_name=model_name(self.family, component),
                 inputs=[_tensor(name, value) for name, value in inputs.items()],
@@ -168,6 +175,9 @@ class TritonPythonModel:
                 KEEPER.hold(responses)  # backends/bls.py: the stub must not free it off the GIL
             if not outputs:
                 raise ComponentError(component, f"{component} answered without outputs")
+            if TIMINGS:
+                logger.info("[%s] timing hop %s: %.1f ms", responder.request_id, component,
+                            (time.perf_counter() - started) * 1e3)
             return outputs
 
         return call
