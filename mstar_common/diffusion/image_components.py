@@ -59,7 +59,15 @@ class TextEncoderComponent(Component):
     def __init__(self, name: str, model: torch.nn.Module, device: str, max_batch: int, text_tokens: int):
         self.model, self.device, self.text_tokens = model, torch.device(device), text_tokens
         self.vocab_size = model.config.vocab_size
+        self.max_batch = max_batch
+        self.graphs: TextGraphs | None = None
         self.engine = BatchingEngine(name, self.run_batch, max_rows=max_batch)
+
+    def capture_graphs(self, capture: bool = True) -> None:
+        """Capture the forward at batch 1, 2, 4, ... up to `max_batch` (`capture=False`: the same buckets run
+        eager, which is how the CPU tests check the padding)."""
+        batches = sorted({min(1 << k, self.max_batch) for k in range(self.max_batch.bit_length() + 1)})
+        self.graphs = TextGraphs(self.model, self.device, batches, self.text_tokens, capture)
 
     def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int]:
         ids, num = inputs.get(g.INPUT_IDS), self.text_tokens
@@ -80,11 +88,63 @@ class TextEncoderComponent(Component):
     def run_batch(self, payloads: list[tuple[torch.Tensor, int]]) -> list[Inputs]:
         ids = torch.stack([p[0] for p in payloads]).to(self.device)
         lens = torch.tensor([p[1] for p in payloads], device=self.device)
-        out = self.model(ids, lens).float().cpu()
+        out = self.graphs.run(ids, lens) if self.graphs is not None else self.model(ids, lens)
+        out = out.float().cpu()
         return [{g.PROMPT_EMBEDS: self.embeds(row, length)} for row, (_, length) in zip(out, payloads, strict=True)]
 
     def embeds(self, row: torch.Tensor, text_len: int) -> torch.Tensor:
         return row
+
+
+class TextGraphs:
+    """The text encoder's forward captured per batch bucket over static `[B, text_tokens]` buffers.
+
+    A batch of n rows replays the smallest bucket of at least n; the spare rows hold one token (length 1, so no
+    row is all padding) and are dropped. The mask is always built (`static=True`), so an unpadded prompt gets a
+    causal mask instead of the eager path's `is_causal` attention: the same arithmetic, another SDPA kernel.
+    Captured, the ~800 kernels of a 27-layer Qwen3-4B pass launch as one graph: the eager pass is bound by
+    their launches (H200: ~44 ms of host time for ~13 ms of GPU work at one 512-token prompt).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, batches: list[int], text_tokens: int,
+                 capture: bool = True):
+        self.model = model
+        self.buckets: list[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = []
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        for batch in sorted(set(batches), reverse=True):  # largest first: the pool is sized by the first
+            ids = torch.zeros(batch, text_tokens, dtype=torch.int64, device=device)
+            lens = torch.ones(batch, dtype=torch.int64, device=device)
+            graph, out = None, None
+            if capture:
+                with torch.inference_mode():
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):
+                            model(ids, lens, static=True)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = model(ids, lens, static=True)
+            self.buckets.append((batch, ids, lens, graph, out))
+        self.buckets.sort(key=lambda bucket: bucket[0])
+        self.num_replays = 0
+
+    def run(self, ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        rows = ids.shape[0]
+        bucket = next((b for b in self.buckets if b[0] >= rows), None)
+        if bucket is None:
+            return self.model(ids, lens)
+        _, static_ids, static_lens, graph, out = bucket
+        static_ids[:rows].copy_(ids)
+        static_lens[:rows].copy_(lens)
+        static_ids[rows:].zero_()
+        static_lens[rows:].fill_(1)
+        if graph is None:
+            return self.model(static_ids, static_lens, static=True)[:rows]
+        graph.replay()
+        self.num_replays += 1
+        return out[:rows].clone()
 
 
 # denoise

@@ -41,8 +41,9 @@ class ImageFamily(Family):
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         self.options_from_kwargs(dep.model_kwargs, source)
         for name, comp in dep.components.items():
-            if comp.cuda_graphs and name != "denoise":
-                raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step is captured")
+            if comp.cuda_graphs and name not in CAPTURED:
+                raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step and the text "
+                                      "encoder are captured")
         if dep.components["walk"].placement.device != "cpu":
             raise DeploymentError(f"{source}: components.walk.placement: the walk router runs on the cpu")
 
@@ -58,9 +59,17 @@ class ImageFamily(Family):
         return runtime
 
 
+CAPTURED = ("denoise", "text_encoder")  # the components whose forwards can be captured as CUDA graphs
+
+
+def captures(dep: Deployment, component: str, device: str) -> bool:
+    """Whether `component` runs captured CUDA graphs: asked for, and on a gpu."""
+    return dep.components[component].cuda_graphs and device.startswith("cuda")
+
+
 def captures_denoise(dep: Deployment, device: str) -> bool:
     """Whether the denoise step is captured as CUDA graphs: asked for, and on a gpu."""
-    return dep.components["denoise"].cuda_graphs and device.startswith("cuda")
+    return captures(dep, "denoise", device)
 
 
 def family_module(family: str, module: str) -> Any:

@@ -80,6 +80,49 @@ def test_text_encoder_is_bit_exact_and_runs_only_to_the_deepest_tap(checkpoint, 
     assert torch.equal(ours(*image_helpers.prompt_ids(pipe, prompts, enable_thinking=False)), want)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_text_encoder_buckets_pad_and_drop_spare_rows(checkpoint, pipe, rows):
+    """The captured text encoder's buckets (run eager here, `capture=False`): a batch of 1 or 3 prompts in the
+    1- and 4-row buckets, the spare rows padding, gives each prompt's own rows (the mask is always built there:
+    the same values as the eager `is_causal` path within fp32 rounding)."""
+    from mstar_common.families.flux2_klein.components import TextEncoderComponent
+
+    runtime = TextEncoderComponent(loader.load_text_encoder(checkpoint, TINY_TAPS, "float32", "cpu"), "cpu", 4)
+    runtime.capture_graphs(capture=False)
+    assert [bucket[0] for bucket in runtime.graphs.buckets] == [1, 2, 4]
+    prompts = ["a cat in a hat", "the quick brown fox jumps over the lazy dog, twice", "GPU"][:rows]
+    ids, lens = image_helpers.prompt_ids(pipe, prompts, enable_thinking=False)
+    with torch.inference_mode():
+        got = runtime.graphs.run(ids, lens)
+        want = runtime.model(ids, lens)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        outputs = runtime.run_batch([(row, int(length)) for row, length in zip(ids, lens, strict=True)])
+    assert torch.equal(torch.stack([o["prompt_embeds"] for o in outputs]), got)
+
+
+@pytest.mark.gpu
+def test_text_encoder_graph_replay_equals_the_eager_static_pass(checkpoint, pipe):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mstar_common.families.flux2_klein.components import TextEncoderComponent
+
+    model = loader.load_text_encoder(checkpoint, TINY_TAPS, "bfloat16", "cuda")
+    runtime = TextEncoderComponent(model, "cuda", 4)
+    runtime.capture_graphs()
+    ids, lens = image_helpers.prompt_ids(pipe, ["a cat in a hat", "GPU", "a much longer prompt than the others"],
+                                         enable_thinking=False)
+    ids, lens = ids.cuda(), lens.cuda()
+    with torch.inference_mode():
+        got = runtime.graphs.run(ids, lens)
+        padded_ids = torch.cat([ids, torch.zeros_like(ids[:1])])
+        padded_lens = torch.cat([lens, torch.ones_like(lens[:1])])
+        want = model(padded_ids, padded_lens, static=True)[:3]
+    assert runtime.graphs.num_replays == 1
+    assert torch.equal(got, want)
+
+
 @torch.no_grad()
 def test_vae_encode_and_decode_are_bit_exact(checkpoint, pipe):
     encoder = loader.load_vae_encoder(checkpoint, "float32", "cpu")

@@ -47,7 +47,10 @@ def _text_encoder(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path,
         raise DeploymentError(f"model_kwargs.text_encoder_out_layers: {len(taps)} taps of width "
                               f"{config.hidden_size} do not make the transformer's joint_attention_dim={joint}")
     model = load_text_encoder(checkpoint, taps, options.dtype_for(device), device)
-    return TextEncoderComponent(model, device, options.text_encoder_max_batch)
+    runtime = TextEncoderComponent(model, device, options.text_encoder_max_batch)
+    if image_family.captures(dep, "text_encoder", device):
+        runtime.capture_graphs()
+    return runtime
 
 
 def _vae_encode(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):

@@ -93,13 +93,14 @@ class Qwen3TapEncoder(nn.Module):
     def out_features(self) -> int:
         return len(self.taps) * self.config.hidden_size
 
-    def forward(self, input_ids: torch.Tensor, text_lens: torch.Tensor) -> torch.Tensor:
-        """`input_ids` `[B, L]` right-padded, `text_lens` `[B]` -> `[B, L, len(taps) * hidden]`."""
+    def forward(self, input_ids: torch.Tensor, text_lens: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """`input_ids` `[B, L]` right-padded, `text_lens` `[B]` -> `[B, L, len(taps) * hidden]`. `static`: always
+        build the padding mask (no host-side check of the lengths), so the forward can be captured."""
         batch, length = input_ids.shape
         hidden = self.model.embed_tokens(input_ids)
         positions = torch.arange(length, device=input_ids.device)
         cos, sin = self.rotary(positions, hidden.dtype)
-        mask = padding_causal_mask(text_lens, length)
+        mask = padding_causal_mask(text_lens, length, always=static)
         tapped: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers, start=1):
             hidden = layer(hidden, cos, sin, mask)
@@ -117,10 +118,10 @@ def check_taps(taps: tuple[int, ...], num_hidden_layers: int) -> None:
                          f"(the checkpoint's text encoder has {num_hidden_layers} layers), got {list(taps)}")
 
 
-def padding_causal_mask(text_lens: torch.Tensor, length: int) -> torch.Tensor | None:
+def padding_causal_mask(text_lens: torch.Tensor, length: int, always: bool = False) -> torch.Tensor | None:
     """`[B, 1, L, L]` bool: query q sees key k when k <= q and k is not padding; None when nothing is padded
-    (then attention runs `is_causal`, as the reference does for an unpadded batch)."""
-    if bool((text_lens >= length).all()):
+    (then attention runs `is_causal`, as the reference does for an unpadded batch), unless `always`."""
+    if not always and bool((text_lens >= length).all()):
         return None
     keys = torch.arange(length, device=text_lens.device)
     causal = keys[None, :] <= keys[:, None]  # [L, L]

@@ -45,7 +45,10 @@ def _text_encoder(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path
         raise DeploymentError(f"checkpoint: text_encoder hidden_size={width} does not match the transformer's "
                               f"cap_feat_dim={cap_dim}")
     model = load_text_encoder(checkpoint, options.dtype_for(device), device)
-    return TextEncoderComponent(model, device, options.text_encoder_max_batch)
+    runtime = TextEncoderComponent(model, device, options.text_encoder_max_batch)
+    if image_family.captures(dep, "text_encoder", device):
+        runtime.capture_graphs()
+    return runtime
 
 
 def _vae_decode(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
