@@ -212,7 +212,8 @@ def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
     components = {name: {"placement": dict(placement)}
                   for name, comp in get_family(args.family).graph.components.items() if comp.kind != "walk_router"}
     components["walk"] = {"placement": {"device": "cpu", "instances": 1}}
-    components["denoise"]["cuda_graphs"] = device_kind == "gpu" and not args.no_cuda_graphs
+    for captured in ("denoise", "text_encoder"):  # as configs/*_gpu.yaml
+        components[captured]["cuda_graphs"] = device_kind == "gpu" and not args.no_cuda_graphs
     size = f"{args.width}x{args.height}"
     kwargs = {"dtype": args.dtype, "default_size": size, "max_image_area": max(args.width * args.height, 64 * 64),
               "max_batch_size": max(args.concurrency), "max_images_per_request": 1,
