@@ -189,3 +189,99 @@ def qk_norm_rope_ref(x, weight, eps, cos, sin):
     real, imag = normed.reshape(*normed.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
     return (normed.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# Z-Image's sandwich-normed blocks: RMSNorm (weight * round(x * rstd)), `1 + scale` inputs, tanh-gated residuals
+
+
+@triton.jit
+def _rms_modulate_kernel(x_ptr, y_ptr, gate_ptr, y_w_ptr, w_ptr, scale_ptr, res_ptr, out_ptr, seq_len,
+                         stride_xb, stride_xs, stride_yb, stride_ys, stride_gate_b, stride_scale_b, n_cols,
+                         y_eps, eps, HAS_GATE: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b, s = row // seq_len, row % seq_len
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x32 = x.to(tl.float32)
+    if HAS_GATE:  # x = x + gate * rms_norm(y) * y_weight
+        y = tl.load(y_ptr + b * stride_yb + s * stride_ys + cols, mask=mask, other=0.0).to(tl.float32)
+        y_rstd = tl.rsqrt(tl.sum(y * y, axis=0) / n_cols + y_eps)
+        y_w = tl.load(y_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        normed_y = round_to(y_w * round_to(y * y_rstd, dtype), dtype)
+        gate = tl.load(gate_ptr + b * stride_gate_b + cols, mask=mask, other=0.0).to(tl.float32)
+        x32 = round_to(x32 + round_to(gate * normed_y, dtype), dtype)
+        tl.store(res_ptr + row * n_cols + cols, x32.to(dtype), mask=mask)
+    if HAS_OUT:  # out = rms_norm(x) * weight * scale
+        rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + b * stride_scale_b + cols, mask=mask, other=0.0).to(tl.float32)
+        out = round_to(w * round_to(x32 * rstd, dtype), dtype) * scale
+        tl.store(out_ptr + row * n_cols + cols, out.to(dtype), mask=mask)
+
+
+def _rms_modulate(x, y=None, y_weight=None, y_eps=0.0, gate=None, weight=None, eps=0.0, scale=None):
+    _check_rows("x", x, x)
+    has_gate, has_out = gate is not None, scale is not None
+    if has_gate:
+        _check_rows("y", y, x)
+        _check_mod("gate", gate, x)
+        assert y_weight is not None and y_weight.shape == (x.shape[2],) and y_weight.is_contiguous()
+    if has_out:
+        _check_mod("scale", scale, x)
+        assert weight is not None and weight.shape == (x.shape[2],) and weight.is_contiguous()
+    batch, seq_len, n_cols = x.shape
+    res = torch.empty((batch, seq_len, n_cols), dtype=x.dtype, device=x.device) if has_gate else x
+    out = torch.empty((batch, seq_len, n_cols), dtype=x.dtype, device=x.device) if has_out else x
+    if x.numel():
+        block = triton.next_power_of_2(n_cols)
+        y_ = y if has_gate else x
+        gate_, scale_ = (gate if has_gate else scale), (scale if has_out else gate)
+        _rms_modulate_kernel[(batch * seq_len,)](
+            x, y_, gate_, y_weight if has_gate else weight, weight if has_out else y_weight, scale_, res, out,
+            seq_len, x.stride(0), x.stride(1), y_.stride(0), y_.stride(1), gate_.stride(0), scale_.stride(0), n_cols,
+            y_eps, eps, HAS_GATE=has_gate, HAS_OUT=has_out, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )
+    return res, out
+
+
+def rms_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> torch.Tensor:
+    """`rms_norm(x) * weight * scale`: `x` `[B, S, D]`, `weight` `[D]`, `scale` `[B, 1, D]` (already `1 + scale`)."""
+    return _rms_modulate(x, weight=weight, eps=eps, scale=scale)[1]
+
+
+def gated_rms_residual(x: torch.Tensor, y: torch.Tensor, y_weight: torch.Tensor, y_eps: float,
+                       gate: torch.Tensor) -> torch.Tensor:
+    """`x + gate * rms_norm(y) * y_weight` (`gate` `[B, 1, D]`, already `tanh`ed)."""
+    return _rms_modulate(x, y=y, y_weight=y_weight, y_eps=y_eps, gate=gate)[0]
+
+
+def gated_rms_residual_modulate(x, y, y_weight, y_eps, gate, weight, eps, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in one pass: `x = x + gate * rms_norm(y) * y_weight`, then `(x, rms_norm(x) * weight * scale)`."""
+    return _rms_modulate(x, y=y, y_weight=y_weight, y_eps=y_eps, gate=gate, weight=weight, eps=eps, scale=scale)
+
+
+def _rms_norm_ref(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_modulate_ref(x, weight, eps, scale):
+    return _rms_norm_ref(x, weight, eps) * scale
+
+
+def gated_rms_residual_ref(x, y, y_weight, y_eps, gate):
+    return x + gate * _rms_norm_ref(y, y_weight, y_eps)
+
+
+def gated_rms_residual_modulate_ref(x, y, y_weight, y_eps, gate, weight, eps, scale):
+    x = gated_rms_residual_ref(x, y, y_weight, y_eps, gate)
+    return x, rms_modulate_ref(x, weight, eps, scale)
+
+
+def rope_tables_from_complex(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complex rotations `[S, D/2]` -> the interleaved fp32 (cos, sin) `[S, D]` tables `qk_norm_rope` reads."""
+    parts = torch.view_as_real(freqs.to(torch.complex64))
+    return (parts[..., 0].repeat_interleave(2, dim=-1).contiguous(),
+            parts[..., 1].repeat_interleave(2, dim=-1).contiguous())

@@ -45,3 +45,31 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+@triton.jit
+def _silu_mul_pair_kernel(gate_ptr, up_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = round_to(g / (1.0 + tl.exp(-g)), gate.dtype)
+    tl.store(out_ptr + row * n_cols + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_mul_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for two separate `[T, I]` projections (rounded as `silu_mul`)."""
+    assert gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype, "gate and up must be [T, I] alike"
+    assert gate.stride(-1) == 1 and up.stride(-1) == 1, "unit stride on I"
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel():
+        block = min(1024, triton.next_power_of_2(gate.shape[1]))
+        _silu_mul_pair_kernel[(gate.shape[0], triton.cdiv(gate.shape[1], block))](
+            gate, up, out, gate.stride(0), up.stride(0), gate.shape[1], BLOCK=block, num_warps=4)
+    return out
+
+
+def silu_mul_pair_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up

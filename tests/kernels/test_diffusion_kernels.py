@@ -16,11 +16,18 @@ from kernels.dit import (  # noqa: E402
     ada_layer_norm_ref,
     gated_residual,
     gated_residual_ref,
+    gated_rms_residual,
+    gated_rms_residual_modulate,
+    gated_rms_residual_modulate_ref,
+    gated_rms_residual_ref,
     qk_norm_rope,
     qk_norm_rope_ref,
+    rms_modulate,
+    rms_modulate_ref,
+    rope_tables_from_complex,
 )
 from kernels.group_norm import group_norm, group_norm_ref  # noqa: E402
-from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+from kernels.silu_mul import silu_mul, silu_mul_pair, silu_mul_pair_ref, silu_mul_ref  # noqa: E402
 
 TOL = 3e-2 if IS_INTERPRETED else 1e-2  # the interpreter truncates to bf16, compounding over roundings
 DTYPES = [torch.bfloat16, torch.float32]
@@ -202,3 +209,90 @@ def test_vae_decoder_with_the_group_norm_kernel_matches_eager(dtype):
     assert rel_err(out, ref) < 5 * TOL
     _no_less_accurate(out, ref, exact)
     assert pixels.shape == (2, 64, 64, 3) and pixels.dtype == torch.uint8
+
+
+# Z-Image
+
+
+@pytest.mark.parametrize("batch,seq,dim", sweep([(1, 300, 3840), (2, 17, 1000)], [(2, 5, 96), (1, 3, 40)]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_modulate_and_the_gated_rms_residual(batch, seq, dim, dtype):
+    gen = torch.Generator().manual_seed(seq * dim)
+    x = _randn(batch, seq, dim, dtype=dtype, gen=gen, scale=2.0)
+    y = _randn(batch, seq, dim, dtype=dtype, gen=gen, scale=5.0)
+    weight, y_weight = _randn(dim, dtype=dtype, gen=gen, offset=1.0), _randn(dim, dtype=dtype, gen=gen, offset=1.0)
+    # scale and gate as the block makes them: fresh [B, 1, D] tensors (1 + scale, tanh(gate))
+    scale = (1.0 + _randn(batch, 1, dim, dtype=dtype, gen=gen, scale=0.3))
+    gate = _randn(batch, 1, dim, dtype=dtype, gen=gen).tanh()
+    out, ref = rms_modulate(x, weight, 1e-5, scale), rms_modulate_ref(x, weight, 1e-5, scale)
+    assert rel_err(out, ref) < TOL
+    res, res_ref = gated_rms_residual(x, y, y_weight, 1e-5, gate), gated_rms_residual_ref(x, y, y_weight, 1e-5, gate)
+    assert rel_err(res, res_ref) < TOL
+    (res2, out2) = gated_rms_residual_modulate(x, y, y_weight, 1e-5, gate, weight, 1e-5, scale)
+    (res2_ref, out2_ref) = gated_rms_residual_modulate_ref(x, y, y_weight, 1e-5, gate, weight, 1e-5, scale)
+    assert torch.equal(res2, res) and rel_err(out2, out2_ref) < TOL
+    if dtype == torch.bfloat16 and not IS_INTERPRETED:  # the same roundings; only the sums' order differs
+        for got, want in ((out, ref), (res, res_ref), (out2, out2_ref)):
+            assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_pair(dtype):
+    gen = torch.Generator().manual_seed(7)
+    rows, inter = sweep((33, 10240), (5, 48))
+    gate, up = _randn(rows, inter, dtype=dtype, gen=gen), _randn(rows, inter, dtype=dtype, gen=gen)
+    out, ref = silu_mul_pair(gate, up), silu_mul_pair_ref(gate, up)
+    assert rel_err(out, ref) < TOL
+    assert torch.equal(out, silu_mul(torch.cat([gate, up], dim=1)))
+
+
+def test_rope_tables_from_complex_rotate_as_the_complex_product():
+    from mstar_common.families.z_image_turbo.transformer import apply_rope
+
+    gen = torch.Generator().manual_seed(8)
+    seq, heads, head_dim = 11, 3, 16
+    angles = torch.rand(seq, head_dim // 2, generator=gen) * 50
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    cos, sin = rope_tables_from_complex(freqs)
+    x = _randn(2, seq, heads, head_dim, dtype=torch.float32, gen=gen)
+    ones = torch.ones(head_dim, device=DEVICE)
+    # a unit weight: the kernel is the eager RMSNorm followed by the complex product
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    got = qk_norm_rope(x, ones, 1e-6, cos.to(DEVICE), sin.to(DEVICE))
+    want = apply_rope(normed, freqs.to(DEVICE))
+    assert rel_err(got, want) < 1e-5
+
+
+def _tiny_z_image(dtype):
+    from mstar_common.families.z_image_turbo.tiny import TRANSFORMER
+    from mstar_common.families.z_image_turbo.transformer import ZImageTransformer, ZImageTransformerConfig
+
+    torch.manual_seed(0)
+    model = ZImageTransformer(ZImageTransformerConfig.from_diffusers(TRANSFORMER)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3 if param.dim() > 1 else 1.0)
+    return model.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_z_image_transformer_with_the_kernels_matches_eager(dtype):
+    from mstar_common.families.z_image_turbo.transformer import padded_length
+
+    model = _tiny_z_image(dtype)
+    gen = torch.Generator().manual_seed(9)
+    batch, height, width, caption_len = 2, 3, 5, 7
+    tokens = _randn(batch, height * width, model.config.token_channels, dtype=dtype, gen=gen)
+    feats = _randn(caption_len, model.config.cap_feat_dim, dtype=dtype, gen=gen)
+    t = torch.tensor([0.8, 0.25], device=DEVICE)
+    with torch.inference_mode():
+        caption = model.encode_caption(feats).expand(batch, -1, -1)
+        rope = model.rope(height, width, padded_length(caption_len))
+        ref = model(tokens, caption, t, rope)
+        model.use_fused_kernels(True)
+        out = model(tokens, caption, t, rope)
+        model.use_fused_kernels(False)
+        assert torch.equal(model(tokens, caption, t, rope), ref)  # switched back off
+        exact = model.double()(tokens.double(), caption.double(), t, rope)
+    assert rel_err(out, ref) < 5 * TOL
+    _no_less_accurate(out, ref, exact)

@@ -78,8 +78,10 @@ def load_text_encoder(root: Path, dtype: str, device: str) -> Qwen3TapEncoder:
 
 def load_transformer(root: Path, dtype: str, device: str) -> ZImageTransformer:
     config = transformer_config(root)
-    return load_module(lambda: ZImageTransformer(config), root / "transformer", "diffusion_pytorch_model",
-                       lambda _: False, dtype, device)
+    model = load_module(lambda: ZImageTransformer(config), root / "transformer", "diffusion_pytorch_model",
+                        lambda _: False, dtype, device)
+    model.use_fused_kernels(diffusers_checkpoint.kernels_enabled(device))
+    return model
 
 
 def load_vae_decoder(root: Path, dtype: str, device: str) -> VaeDecoder:

@@ -15,6 +15,10 @@ The caption refiner depends on the prompt only, so it runs once per request inst
 batch holds rows of one layout (token grid and padded caption length T), so no attention mask is needed.
 Module names and the arithmetic order mirror diffusers' `ZImageTransformer2DModel`, so checkpoints load by
 name and fp32 output matches it.
+
+On a GPU, `use_fused_kernels()` (the loader turns it on; `MSTAR_DIFFUSION_KERNELS=0` keeps eager) runs the
+modulated blocks' glue as Triton kernels (kernels/dit.py): RMSNorm x scale, the tanh-gated RMSNorm residual fused
+with the next norm, q/k RMSNorm + RoPE, SiLU x up. They round where the eager ops round.
 """
 
 from __future__ import annotations
@@ -142,8 +146,15 @@ class SelfAttention(nn.Module):
         self.norm_k = RMSNorm(dim // heads, QK_NORM_EPS) if qk_norm else None
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`freqs`: complex rotations `[S, D/2]`, or on the fused path their (cos, sin) tables."""
         query, key, value = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v))
+        if isinstance(freqs, tuple):
+            from kernels.dit import qk_norm_rope
+
+            query = qk_norm_rope(query, self.norm_q.weight, self.norm_q.eps, *freqs)
+            key = qk_norm_rope(key, self.norm_k.weight, self.norm_k.eps, *freqs)
+            return self.to_out[0](attention(query, key, value))
         if self.norm_q is not None:
             query, key = self.norm_q(query), self.norm_k(key)
         query, key = apply_rope(query, freqs), apply_rope(key, freqs)
@@ -157,7 +168,15 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
+    fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from kernels.silu_mul import silu_mul_pair
+
+            gate, up = self.w1(x), self.w3(x)
+            act = silu_mul_pair(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]))
+            return self.w2(act.view(gate.shape))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -181,8 +200,19 @@ class Block(nn.Module):
         scale_attn, gate_attn, scale_mlp, gate_mlp = self.adaLN_modulation(temb).unsqueeze(1).chunk(4, dim=2)
         gate_attn, gate_mlp = gate_attn.tanh(), gate_mlp.tanh()
         scale_attn, scale_mlp = 1.0 + scale_attn, 1.0 + scale_mlp
+        if isinstance(freqs, tuple):  # the fused path (`use_fused_kernels`, tables from `_rope_tables`)
+            return self._fused_forward(x, freqs, scale_attn, gate_attn, scale_mlp, gate_mlp)
         x = x + gate_attn * self.attention_norm2(self.attention(self.attention_norm1(x) * scale_attn, freqs))
         return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
+
+    def _fused_forward(self, x, tables, scale_attn, gate_attn, scale_mlp, gate_mlp):
+        from kernels.dit import gated_rms_residual, gated_rms_residual_modulate, rms_modulate
+
+        norm1, norm2, ffn1, ffn2 = self.attention_norm1, self.attention_norm2, self.ffn_norm1, self.ffn_norm2
+        attn = self.attention(rms_modulate(x, norm1.weight, norm1.eps, scale_attn), tables)
+        x, ffn_in = gated_rms_residual_modulate(x, attn, norm2.weight, norm2.eps, gate_attn, ffn1.weight, ffn1.eps,
+                                                scale_mlp)
+        return gated_rms_residual(x, self.feed_forward(ffn_in), ffn2.weight, ffn2.eps, gate_mlp)
 
 
 class FinalLayer(nn.Module):
@@ -229,6 +259,24 @@ class ZImageTransformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.cap_pad_token.dtype
 
+    fused = False
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Run the modulated blocks' glue through the Triton kernels (CUDA only; see the module's docstring).
+        Needs q/k norms (every released Z-Image has them)."""
+        enabled = enabled and self.config.qk_norm
+        self.fused = enabled
+        for module in self.modules():
+            if isinstance(module, SwiGLU):
+                module.fused = enabled
+
+    def _rope_tables(self, freqs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.fused:
+            return freqs
+        from kernels.dit import rope_tables_from_complex
+
+        return rope_tables_from_complex(freqs)
+
     def rope(self, height: int, width: int, caption_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(image freqs `[padded(h·w), D/2]`, caption freqs `[T, D/2]`) of a layout: cache per layout."""
         device = self.cap_pad_token.device
@@ -255,10 +303,11 @@ class ZImageTransformer(nn.Module):
         temb = self.t_embedder(t * self.config.t_scale).type_as(tokens)
         x = self.all_x_embedder[self.config.patch_key](_pad_rows(tokens, image_freqs.shape[0]))
         x = _fill_padding(x, num_tokens, self.x_pad_token)
+        image_rope = self._rope_tables(image_freqs)
         for layer in self.noise_refiner:
-            x = layer(x, image_freqs, temb)
+            x = layer(x, image_rope, temb)
         x = torch.cat([x, caption], dim=1)
-        freqs = torch.cat([image_freqs, caption_freqs])
+        freqs = self._rope_tables(torch.cat([image_freqs, caption_freqs]))
         for layer in self.layers:
             x = layer(x, freqs, temb)
         return self.all_final_layer[self.config.patch_key](x, temb)[:, :num_tokens]
