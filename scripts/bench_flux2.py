@@ -15,7 +15,9 @@ What it measures (random weights at the real shapes, 1024x1024, one prompt per r
       (`LocalWalk`: the same walk script and batching engines as the server, no Triton), c concurrent clients
       issuing requests back to back; images/s = images / wall time; p50 latency; peak torch-allocated GPU memory.
   ours, --mode served: tritonserver on a generated repository (every component its own stub), c gRPC clients
-      calling the walk; device memory in use (all processes) sampled with torch.cuda.mem_get_info.
+      calling the walk; device memory in use (all processes) sampled with torch.cuda.mem_get_info. With
+      MSTAR_TIMINGS=1 each level also reports `timings_p50_ms`: the p50 of each walk hop, each component's
+      arrival-to-response time and the whole walk, read from the server log's `timing` lines.
   diffusers: `Flux2KleinPipeline` / `ZImagePipeline` (guidance_scale 0) with the same weights, dtype and settings;
       concurrency c = a batch of c prompts per call; images/s = c / call time; peak torch-allocated memory.
 
@@ -46,6 +48,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -312,10 +315,29 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
             with ThreadPoolExecutor(c) as pool:
                 return [t for ts in pool.map(lambda _: _grpc_client(url, model, args, seeds), range(c)) for t in ts]
 
-        return [_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True)
-                for c in _warm(args, lambda: run(1, 2))]
+        rows = []
+        for c in _warm(args, lambda: run(1, 2)):
+            offset = log.stat().st_size
+            rows.append(_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True))
+            if os.environ.get("MSTAR_TIMINGS") == "1":  # the server's per-hop log lines of this level
+                with log.open("rb") as f:
+                    f.seek(offset)
+                    rows[-1]["timings_p50_ms"] = timing_summary(f.read().decode(errors="replace"))
+                print(f"[bench]         timings p50 ms {rows[-1]['timings_p50_ms']}", flush=True)
+        return rows
     finally:
         stop_process(server)
+
+
+_TIMING = re.compile(r"\] timing (hop \S+|walk|\S+)(?: from arrival to response sent)?: ([\d.]+) ms")
+
+
+def timing_summary(log_text: str) -> dict[str, float]:
+    """`MSTAR_TIMINGS=1` server log lines -> p50 ms per hop (`hop text_encoder`, ...), per component and per walk."""
+    times: dict[str, list[float]] = {}
+    for match in _TIMING.finditer(log_text):
+        times.setdefault(match.group(1), []).append(float(match.group(2)))
+    return {name: round(statistics.median(values), 1) for name, values in times.items()}
 
 
 def free_port() -> int:

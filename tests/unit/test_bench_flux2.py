@@ -127,3 +127,17 @@ def test_z_image_refuses_profile(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--family", "z_image_turbo", "--smoke", "--profile"])
     assert "--profile is implemented for --family flux2_klein only" in capsys.readouterr().err
+
+
+def test_timing_summary_reads_the_servers_timing_lines():
+    log = "\n".join([
+        "2026-12-01 12:31:45,518 INFO backends.stateless_node: [a#0/text_encoder#0] timing flux2_klein_text_encoder: "
+        "18.6 ms from arrival to response sent",
+        "2026-12-01 12:31:45,520 INFO backends.walk_router: [a#0] timing hop text_encoder: 21.0 ms",
+        "2026-12-01 12:31:45,620 INFO backends.walk_router: [b#1] timing hop text_encoder: 25.0 ms",
+        "2026-12-01 12:31:45,720 INFO backends.walk_router: [c#2] timing hop text_encoder: 40.0 ms",
+        "I1201 12:31:45.657 1 model.cc:1] unrelated",
+        "2026-12-01 12:31:45,657 INFO backends.walk_router: [a#0] timing walk: 169.8 ms",
+    ])
+    assert bench.timing_summary(log) == {"flux2_klein_text_encoder": 18.6, "hop text_encoder": 25.0,
+                                               "walk": 169.8}
