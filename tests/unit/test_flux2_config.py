@@ -115,7 +115,7 @@ def test_kernel_switches_name_the_variable_and_the_rule(monkeypatch):
     """The diffusion kernels run on CUDA only, `MSTAR_DIFFUSION_KERNELS=0` turns them off, and a bad value of either
     switch names the variable and what it accepts (the CPU path never reads the attention switch)."""
     from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled
-    from mstar_common.families.flux2_klein import transformer
+    from mstar_common.diffusion import attention
 
     assert not kernels_enabled("cpu")
     monkeypatch.setenv("MSTAR_DIFFUSION_KERNELS", "0")
@@ -128,11 +128,11 @@ def test_kernel_switches_name_the_variable_and_the_rule(monkeypatch):
     monkeypatch.delenv("MSTAR_DIT_ATTENTION", raising=False)
     from torch.nn.attention import SDPBackend
 
-    assert transformer._sdpa_backends()[0] == SDPBackend.CUDNN_ATTENTION
+    assert attention.sdpa_backends()[0] == SDPBackend.CUDNN_ATTENTION
     monkeypatch.setenv("MSTAR_DIT_ATTENTION", "flash")
-    assert transformer._sdpa_backends() == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert attention.sdpa_backends() == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     monkeypatch.setenv("MSTAR_DIT_ATTENTION", "auto")
-    assert transformer._sdpa_backends() is None
+    assert attention.sdpa_backends() is None
     monkeypatch.setenv("MSTAR_DIT_ATTENTION", "fa3")
     with pytest.raises(ValueError, match="MSTAR_DIT_ATTENTION='fa3': expected one of auto, cudnn, flash, efficient"):
-        transformer._sdpa_backends()
+        attention.sdpa_backends()

@@ -22,7 +22,6 @@ a GPU by default (`MSTAR_DIT_ATTENTION`).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mstar_common.diffusion.attention import attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,40 +102,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`[B, S, heads, D]` in and out (flattened heads), SDPA (on a GPU, the backend `MSTAR_DIT_ATTENTION` names)."""
-    query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
-    backends = _sdpa_backends() if query.is_cuda else None
-    if backends:
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(backends, set_priority=True):
-            out = F.scaled_dot_product_attention(query, key, value)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value)
-    return out.permute(0, 2, 1, 3).flatten(2, 3).to(query.dtype)
-
-
-_ATTENTION_CHOICES = ("auto", "cudnn", "flash", "efficient")
-
-
-def _sdpa_backends() -> list | None:
-    """The SDPA backends to try, in order, on a GPU: `MSTAR_DIT_ATTENTION` first (default `cudnn`: cuDNN's fused
-    attention took 60 ms of a 1024x1024 klein-4B forward where FlashAttention-2 took 69, docs/benchmarks.md), then
-    flash, efficient, math for what it cannot run; `auto` leaves the choice to torch."""
-    choice = os.environ.get("MSTAR_DIT_ATTENTION", "cudnn") or "cudnn"
-    if choice not in _ATTENTION_CHOICES:
-        raise ValueError(f"MSTAR_DIT_ATTENTION={choice!r}: expected one of {', '.join(_ATTENTION_CHOICES)}")
-    if choice == "auto":
-        return None
-    from torch.nn.attention import SDPBackend
-
-    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION}[choice]
-    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return [first] + [b for b in rest if b != first]
 
 
 class SwiGLUFeedForward(nn.Module):

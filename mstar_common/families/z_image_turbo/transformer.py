@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_common.families.flux2_klein.transformer import attention, sinusoid
+from mstar_common.diffusion.attention import attention
+from mstar_common.families.flux2_klein.transformer import sinusoid
 from mstar_common.layers.norm import RMSNorm
 
 SEQ_MULTIPLE = 32  # caption and image token runs are padded to a multiple of this
