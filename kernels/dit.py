@@ -22,6 +22,12 @@ from kernels._rounding import round_to
 
 
 @triton.jit
+def _load_row(ptr, b, s, stride_b, stride_s, cols, mask):
+    """Row `s` of batch entry `b` of a `[B, S, D]` tensor with unit stride on D."""
+    return tl.load(ptr + b * stride_b + s * stride_s + cols, mask=mask, other=0.0)
+
+
+@triton.jit
 def _ada_layer_norm_kernel(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, res_ptr, out_ptr, seq_len,
                            stride_xb, stride_xs, stride_yb, stride_ys, stride_mod_b, n_cols, eps,
                            HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
@@ -29,11 +35,11 @@ def _ada_layer_norm_kernel(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, res_ptr
     b, s = row // seq_len, row % seq_len
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0)
+    x = _load_row(x_ptr, b, s, stride_xb, stride_xs, cols, mask)
     dtype = x.dtype
     x32 = x.to(tl.float32)
     if HAS_GATE:
-        y = tl.load(y_ptr + b * stride_yb + s * stride_ys + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _load_row(y_ptr, b, s, stride_yb, stride_ys, cols, mask).to(tl.float32)
         gate = tl.load(gate_ptr + b * stride_mod_b + cols, mask=mask, other=0.0).to(tl.float32)
         x32 = round_to(x32 + round_to(gate * y, dtype), dtype)
         tl.store(res_ptr + row * n_cols + cols, x32.to(dtype), mask=mask)
@@ -101,8 +107,8 @@ def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, out_ptr, seq_len, stride_xb, 
     b, s = row // seq_len, row % seq_len
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0)
-    y = tl.load(y_ptr + b * stride_yb + s * stride_ys + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _load_row(x_ptr, b, s, stride_xb, stride_xs, cols, mask)
+    y = _load_row(y_ptr, b, s, stride_yb, stride_ys, cols, mask).to(tl.float32)
     gate = tl.load(gate_ptr + b * stride_gb + cols, mask=mask, other=0.0).to(tl.float32)
     out = x.to(tl.float32) + round_to(gate * y, x.dtype)
     tl.store(out_ptr + row * n_cols + cols, out.to(x.dtype), mask=mask)
@@ -202,11 +208,11 @@ def _rms_modulate_kernel(x_ptr, y_ptr, gate_ptr, y_w_ptr, w_ptr, scale_ptr, res_
     b, s = row // seq_len, row % seq_len
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0)
+    x = _load_row(x_ptr, b, s, stride_xb, stride_xs, cols, mask)
     dtype = x.dtype
     x32 = x.to(tl.float32)
     if HAS_GATE:  # x = x + gate * rms_norm(y) * y_weight
-        y = tl.load(y_ptr + b * stride_yb + s * stride_ys + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _load_row(y_ptr, b, s, stride_yb, stride_ys, cols, mask).to(tl.float32)
         y_rstd = tl.rsqrt(tl.sum(y * y, axis=0) / n_cols + y_eps)
         y_w = tl.load(y_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         normed_y = round_to(y_w * round_to(y * y_rstd, dtype), dtype)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,22 +24,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mstar_common.bench.gpu_timing import event_time_ms  # noqa: E402
 from scripts.bench_flux2 import TRANSFORMER_4B, VAE  # noqa: E402
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return round(statistics.median(times), 3)
+    return round(event_time_ms(fn, repeats=iters, warmup=2), 3)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mstar_common.bench.gpu_timing import event_time_ms
+
 CONFIGS = {  # name -> (attention backend, fused norms + activation)
     "fused (triton prologue + norm + act)": ("triton", True),
     "unfused prologue": ("triton_unfused", True),
@@ -82,7 +84,7 @@ def measure(checkpoint: str | Path, family: str, batch_sizes: list[int], context
             key = graphs.pick(batch)
             graphs._fill(graphs.buffers.host_views(0), batch, key)
             graphs.buffers.copy_in(0, rows, with_sampling=False)
-            graph_ms = _time_cuda(graphs.graphs[key].replay)
+            graph_ms = event_time_ms(graphs.graphs[key].replay)
             eager_ms = _time_host(lambda batch=batch, runner=runner: runner._run_eager(batch))
             results.append({"config": name, "batch": rows, "graph_step_ms": graph_ms, "eager_step_ms": eager_ms})
             print(f"[fusion] {family} {name:40s} batch {rows:3d}: graph {graph_ms:.3f} ms, eager {eager_ms:.3f} ms",
@@ -92,20 +94,6 @@ def measure(checkpoint: str | Path, family: str, batch_sizes: list[int], context
     del model, kv_cache
     torch.cuda.empty_cache()
     return results
-
-
-def _time_cuda(fn, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def _time_host(fn, repeats: int = 10) -> float:

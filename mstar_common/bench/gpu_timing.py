@@ -31,3 +31,24 @@ def graph_time_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def event_time_ms(fn: Callable[[], object], repeats: int = 50, warmup: int = 5) -> float:
+    """Median GPU time in ms of `fn()` called eagerly, each call bracketed by CUDA events (for calls long enough
+    that the host's launch cost does not matter: a whole forward, a large GEMM)."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)

@@ -18,7 +18,7 @@ import torch
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.batcher import BatchingEngine, OnDone
 from mstar_common.diffusion.denoise import DenoiseJob
-from mstar_common.diffusion.step_graphs import StepGraphs, StepShapes
+from mstar_common.diffusion.step_graphs import StepGraphs, StepShapes, capture_graph
 from mstar_common.images import check_geometry
 
 Inputs = dict[str, torch.Tensor]
@@ -117,15 +117,7 @@ class TextGraphs:
             graph, out = None, None
             if capture:
                 with torch.inference_mode():
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):
-                            model(ids, lens, static=True)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = model(ids, lens, static=True)
+                    graph, out = capture_graph(lambda ids=ids, lens=lens: model(ids, lens, static=True), pool)
             self.buckets.append((batch, ids, lens, graph, out))
         self.buckets.sort(key=lambda bucket: bucket[0])
         self.num_replays = 0

@@ -67,11 +67,6 @@ def captures(dep: Deployment, component: str, device: str) -> bool:
     return dep.components[component].cuda_graphs and device.startswith("cuda")
 
 
-def captures_denoise(dep: Deployment, device: str) -> bool:
-    """Whether the denoise step is captured as CUDA graphs: asked for, and on a gpu."""
-    return captures(dep, "denoise", device)
-
-
 def family_module(family: str, module: str) -> Any:
     return importlib.import_module(f"mstar_common.families.{family}.{module}")
 

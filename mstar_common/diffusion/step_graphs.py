@@ -23,6 +23,21 @@ logger = logging.getLogger(__name__)
 StepFn = Callable[..., torch.Tensor]  # step_fn(latents, prompt_embeds, ref_tokens, timesteps, dts) -> latents
 
 
+def capture_graph(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn()` (over static buffers) warmed up twice on a side stream, then captured into `pool`: (graph, the
+    output tensor each replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up allocator and kernels off the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 @dataclass(frozen=True, slots=True)
 class StepShapes:
     """Per-row shapes of one layout's step inputs."""
@@ -47,20 +62,7 @@ class _Bucket:
             "dts": torch.zeros(batch, dtype=torch.float32, device=device),
         }
         self._step_fn = step_fn
-        self._graph = None
-        self.out = self._capture(pool) if capture else None
-
-    def _capture(self, pool) -> torch.Tensor:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up allocator and kernels off the capture
-                self._step_fn(**self.static)
-        torch.cuda.current_stream().wait_stream(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph, pool=pool):
-            out = self._step_fn(**self.static)
-        return out
+        self._graph, self.out = capture_graph(lambda: step_fn(**self.static), pool) if capture else (None, None)
 
     def run(self, latents: torch.Tensor, prompt_embeds: torch.Tensor, ref_tokens: torch.Tensor | None,
             timesteps: torch.Tensor, dts: torch.Tensor) -> torch.Tensor:

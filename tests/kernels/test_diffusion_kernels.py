@@ -157,11 +157,15 @@ def _tiny_transformer(dtype):
     torch.manual_seed(0)
     config = Flux2TransformerConfig.from_diffusers({**TRANSFORMER, "num_layers": 2, "num_attention_heads": 2,
                                                     "attention_head_dim": 32, "axes_dims_rope": (8, 8, 8, 8)})
-    model = Flux2Transformer(config).eval()
+    return _randomised(Flux2Transformer(config), dtype)
+
+
+def _randomised(model: torch.nn.Module, dtype) -> torch.nn.Module:
+    """Weights large enough that every block moves the activations (the tiny configs' inits are near zero)."""
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.3 if param.dim() > 1 else 1.0)
-    return model.to(DEVICE, dtype)
+    return model.eval().to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -268,11 +272,7 @@ def _tiny_z_image(dtype):
     from mstar_common.families.z_image_turbo.transformer import ZImageTransformer, ZImageTransformerConfig
 
     torch.manual_seed(0)
-    model = ZImageTransformer(ZImageTransformerConfig.from_diffusers(TRANSFORMER)).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.3 if param.dim() > 1 else 1.0)
-    return model.to(DEVICE, dtype)
+    return _randomised(ZImageTransformer(ZImageTransformerConfig.from_diffusers(TRANSFORMER)), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -66,7 +66,7 @@ def _denoise(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, dev
     limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
     model = load_transformer(checkpoint, options.dtype_for(device), device)
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
-    if image_family.captures_denoise(dep, device):
+    if image_family.captures(dep, "denoise", device):
         capture_denoise_graphs(runtime, options)
     return runtime
 
