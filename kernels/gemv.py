@@ -29,13 +29,13 @@ TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across th
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_mask, m_mask = n < N, m < M
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -58,7 +58,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 def gemv_blocks(num_rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): enough programs for ~4 per SM; as much of K per iteration as a tile of
     `TILE_ELEMENTS` (rows x columns x K) allows, so each program has its whole weight slice in flight at once
-    (the loop is not software-pipelined: every iteration waits for its loads)."""
+    (with `num_stages` 1 the loop is not software-pipelined: every iteration waits for its loads)."""
     block_n = 1
     while block_n < 16 and n // (block_n * 2) >= 4 * num_sms:
         block_n *= 2
@@ -72,10 +72,12 @@ def gemv_warps(num_rows: int, block_n: int, block_k: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None, swiglu: bool = False) -> torch.Tensor:
+         block_k: int | None = None, num_warps: int | None = None, swiglu: bool = False,
+         num_stages: int = 1) -> torch.Tensor:
     """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype.
     With `swiglu`, `x` is a packed gate/up projection `[M, 2K]` and the product reads `silu(gate) * up` (the
-    SwiGLU MLP's down projection without the activation's own kernel and its `[M, K]` round trip)."""
+    SwiGLU MLP's down projection without the activation's own kernel and its `[M, K]` round trip).
+    `num_stages` > 1 software-pipelines the K loop (the next chunks' loads issued before this chunk's sums)."""
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
     assert weight.dim() == 2 and weight.stride(1) == 1
     assert weight.shape[1] * (2 if swiglu else 1) == x.shape[1], "x's width must be K (2K with swiglu)"
@@ -90,9 +92,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, num_rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=max(1, triton.next_power_of_2(num_rows)),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
+              swiglu: bool = False) -> torch.Tensor:
+    """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    block_n, block_k, *rest = setting
+    num_warps, num_stages = rest if rest else (None, 1)
+    return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,7 +4,7 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [gemv-sweep] [profile] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
@@ -41,10 +41,21 @@ fi
 if has sweeps; then
   stage "kernel sweeps: sort-free top-k/top-p, the skinny GEMM vs cuBLAS, decode attention knobs (inside CUDA graphs)"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_sampling.py --out "$OUT/sweep_sampling.json" || echo "STAGE FAILED: sampling sweep"
-  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" || echo "STAGE FAILED: gemv sweep"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" ${GEMV_ARGS:-} \
+    || echo "STAGE FAILED: gemv sweep"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --out "$OUT/sweep_attention.json" \
     > "$OUT/sweep_attention.txt" 2>&1 || echo "STAGE FAILED: attention sweep"
   grep -v "^  " "$OUT/sweep_attention.txt" | tail -12
+fi
+if has gemv-sweep; then
+  stage "skinny GEMM vs cuBLAS on cold weights (GEMV_ARGS, e.g. --shapes llama --rows 1)"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" ${GEMV_ARGS:-} \
+    || echo "STAGE FAILED: gemv sweep"
+fi
+if has profile; then
+  stage "decode step kernel by kernel (PROFILE_ARGS, e.g. --family llama --rows 1,256)"
+  timeout ${PROFILE_TIMEOUT:-240} $IMAGE_PY scripts/profile_decode_step.py --out "$OUT/profile_decode.json" \
+    ${PROFILE_ARGS:---family llama --rows 1,256} || echo "STAGE FAILED: profile"
 fi
 build_orpheus() {
   stage "orpheus: random-weight 3B checkpoint (built with transformers under the image's Python)"

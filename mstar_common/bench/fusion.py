@@ -3,6 +3,8 @@
 For each config (attention backend, fused norms/activation) and batch size, the model is captured as a
 decode graph over rows of `context_len` tokens, and the replay is timed with CUDA events (median of 50):
 the GPU time of one decode step with no host in it. The eager step (no graph) is timed too, host included.
+
+`profile_step` breaks one captured step, configured as the server configures it, into its kernels.
 """
 
 from __future__ import annotations
@@ -107,3 +109,62 @@ def _time_host(fn, repeats: int = 10) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
+                 page_size: int = 64, replays: int = 20) -> list[dict]:
+    """Each batch size's decode step as the server runs it (the component defaults: Triton attention, fused
+    ops, the tuned skinny GEMM), captured and replayed under the torch profiler: per kernel name, its GPU time
+    per step and its calls per step, next to the replay's wall time (CUDA events), so that the gaps between
+    kernels show as the difference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mstar_common.config import ComponentConfig
+    from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig, configure_fast_path
+    from mstar_common.engine.kv_cache import KVCache
+
+    if family == "llama":
+        from mstar_common.families.llama.loader import load_llama as load
+    else:
+        from mstar_common.families.qwen3.loader import load_qwen3 as load
+    model, config = load(checkpoint, dtype="bfloat16", device="cuda")
+    configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
+    num_pages = max(batch_sizes) * -(-context_len // page_size) + 1
+    kv_cache = KVCache(model.kv_spec, num_pages, page_size, torch.bfloat16, "cuda")
+    kv_cache._pool.normal_()
+    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, [64], capture_sampling=False),
+                             max(batch_sizes), 4096, config["vocab_size"], torch.device("cuda"))
+    graphs.capture()
+    results = []
+    for rows in batch_sizes:
+        batch = _decode_batch(rows, context_len, page_size)
+        key = graphs.pick(batch)
+        graphs._fill(graphs.buffers.host_views(0), batch, key)
+        graphs.buffers.copy_in(0, rows, with_sampling=False)
+        replay = graphs.graphs[key].replay
+        step_ms = event_time_ms(replay)
+        for _ in range(3):
+            replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                replay()
+            torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us() > 0:
+                kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+        table = sorted(({"kernel": name[:120], "us_per_step": sum(times) / replays,
+                         "calls_per_step": len(times) / replays} for name, times in kernels.items()),
+                       key=lambda row: -row["us_per_step"])
+        busy_ms = sum(row["us_per_step"] for row in table) / 1e3
+        results.append({"family": family, "rows": rows, "context_len": context_len, "step_ms": step_ms,
+                        "kernel_busy_ms": busy_ms, "kernels": table})
+        print(f"[profile] {family} rows {rows} context {context_len}: replay {step_ms:.3f} ms, kernels busy "
+              f"{busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
+        for row in table[:25]:
+            print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['kernel']}", flush=True)
+    del graphs, model, kv_cache
+    torch.cuda.empty_cache()
+    return results

@@ -3,25 +3,30 @@ not timed as the host's launch cost (Triton's Python launcher alone takes tens o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
-def graph_time_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
-    """Mean GPU time of one `fn()` (which must be capturable: fixed shapes, no host syncs), from `replays`
-    replays of a graph holding `calls` back-to-back calls."""
+def graph_time_us(fn: Callable[[], object] | Sequence[Callable[[], object]], calls: int = 20,
+                  replays: int = 10) -> float:
+    """Mean GPU time of one call, from `replays` replays of a graph holding `calls` back-to-back calls. `fn` must
+    be capturable (fixed shapes, no host syncs); a list of callables is called in turn (see `cold_copies`: the
+    same kernel on different weights, so that no call finds its weights in L2 from the call before)."""
     import torch
 
+    fns = list(fn) if isinstance(fn, Sequence) else [fn]
+    calls = max(calls, len(fns))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up outside capture: compiles, autotunes, allocates
-            fn()
+            for one in fns:
+                one()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for call in range(calls):
+            fns[call % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -31,6 +36,17 @@ def graph_time_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+COLD_BYTES = 256 << 20  # several times an H100/H200's 50 MB L2
+
+
+def cold_copies(tensor, min_bytes: int = COLD_BYTES) -> list:
+    """`tensor` and enough copies of it to hold `min_bytes` together: a decode step streams each layer's weights
+    from HBM once, and a kernel timed back to back on one small weight would read it from L2 instead (an 18 MB
+    projection fits an H200's L2 whole)."""
+    count = max(1, -(-min_bytes // (tensor.numel() * tensor.element_size())))
+    return [tensor] + [tensor.clone() for _ in range(count - 1)]
 
 
 def event_time_ms(fn: Callable[[], object], repeats: int = 50, warmup: int = 5) -> float:

@@ -40,9 +40,9 @@ class GemvLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.gemv_blocks_for(x)
         if blocks is not None:
-            from kernels.gemv import gemv
+            from kernels.gemv import gemv_with
 
-            return gemv(x, self.weight, self.bias, *blocks)
+            return gemv_with(x, self.weight, self.bias, blocks)
         return super().forward(x)
 
 

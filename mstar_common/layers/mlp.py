@@ -34,9 +34,9 @@ class GatedMLP(nn.Module):
         down = self.down_proj
         blocks = down.gemv_blocks_for(gate_up) if self.use_kernel and hasattr(down, "gemv_blocks_for") else None
         if blocks is not None:
-            from kernels.gemv import gemv  # a few rows: the activation runs inside the down projection
+            from kernels.gemv import gemv_with  # a few rows: the activation runs inside the down projection
 
-            return gemv(gate_up, down.weight, down.bias, *blocks, swiglu=True)
+            return gemv_with(gate_up, down.weight, down.bias, blocks, swiglu=True)
         if self.use_kernel and gate_up.is_cuda:
             from kernels.silu_mul import silu_mul
 

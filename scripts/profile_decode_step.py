@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""One decode step of a served LM backbone, kernel by kernel: random weights at the real shape, the server's
+GPU defaults (Triton attention, fused ops, the tuned skinny GEMM), each batch size captured as a CUDA graph and
+replayed under the torch profiler (mstar_common/bench/fusion.py `profile_step`). Prints each kernel's GPU time
+per step; the replay's wall time minus the kernels' sum is the time between kernels.
+
+Device: source .device/prepare.sh && python scripts/profile_decode_step.py --family llama --rows 1,256 --out p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHECKPOINTS = {"llama": "llama-3.2-3b", "qwen3": "qwen3-0.6b"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(CHECKPOINTS), default="llama")
+    parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
+    parser.add_argument("--rows", default="1,256", help="decode batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from mstar_common.bench.checkpoints import build_random_checkpoint
+    from mstar_common.bench.fusion import profile_step
+
+    checkpoint = args.checkpoint or Path(build_random_checkpoint(CHECKPOINTS[args.family],
+                                                                 f"/tmp/mstar-profile/{CHECKPOINTS[args.family]}"))
+    results = profile_step(checkpoint, args.family, [int(r) for r in args.rows.split(",")], args.context,
+                           args.page_size)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
