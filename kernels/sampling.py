@@ -50,14 +50,16 @@ def gumbel_race(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
 def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]` fp32). Graph safe."""
-    greedy = logits.argmax(dim=-1)
+    from kernels.argmax import gumbel_argmax, row_argmax
+
+    greedy = row_argmax(logits.contiguous())
     scaled = logits / temperature[:, None]
     if _SORT_FREE_FILTER and logits.shape[1] <= MAX_VOCAB:
         filtered = top_k_top_p(scaled, top_k, top_p)  # kernels/top_k_top_p.py: no sort (off until timed)
     else:
         filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
     filtered = apply_min_p(filtered, min_p[:, None])
-    sampled = gumbel_race(filtered, seeds).argmax(dim=-1)
+    sampled = gumbel_argmax(filtered.contiguous(), seeds)  # == gumbel_race(filtered, seeds).argmax(-1)
     return torch.where(is_greedy, greedy, sampled)
 
 

@@ -230,7 +230,9 @@ class CudaGraphRunner:
                                            v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows],
                                            v["seeds"][:rows])
             else:
-                sampled = logits.argmax(dim=-1)
+                from mstar_common.engine.sampler import greedy_tokens
+
+                sampled = greedy_tokens(logits)
             if penalty is not None:
                 penalty.record(v["penalty_slots"][:rows], sampled)
             out.copy_(sampled + offset if offset else sampled)

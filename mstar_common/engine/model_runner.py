@@ -283,7 +283,9 @@ class ModelRunner:
                 logits = apply_repetition_penalty(logits, [s.params.repetition_penalty for s in seqs], history)
             cols = sampling_columns(seqs, logits.shape[-1])
             if all(cols.is_greedy):
-                tokens = logits.argmax(dim=-1)
+                from mstar_common.engine.sampler import greedy_tokens
+
+                tokens = greedy_tokens(logits)
             else:
                 from kernels.sampling import sample_on_device
 

@@ -91,13 +91,15 @@ def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
     calls = []
     real_gemv = gemv_module.gemv
 
-    def recording_gemv(x, weight, bias=None, block_n=None, block_k=None, num_warps=None, swiglu=False):
+    def recording_gemv(x, weight, bias=None, block_n=None, block_k=None, num_warps=None, swiglu=False,
+                       num_stages=1):
         calls.append((x.shape[0], (block_n, block_k), swiglu))
-        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu)
+        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
 
-    def timer(fn):
+    def timer(fns):
+        assert len(fns) == 1  # a custom timer gets no cold copies
         calls.clear()
-        fn()
+        fns[0]()
         if not calls:
             return 5.0  # cuBLAS
         rows, blocks, _ = calls[-1]
@@ -122,7 +124,7 @@ def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
 
     # A second process on this machine: the cached decisions, no timing (a timer that would flip them is unused).
     use_gemv(model, 4)
-    assert tune_gemv(model, timer=lambda fn: 0.0, log=lambda line: None, cache=cache) == []
+    assert tune_gemv(model, timer=lambda fns: 0.0, log=lambda line: None, cache=cache) == []
     assert model[0].gemv_plan == {1: (2, 1024)} and mlp.gate_up_proj.gemv_plan == {}
 
 
@@ -130,7 +132,7 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(1024, 96)).to(DEVICE)
     use_gemv(model, 1)
     timer = iter([5.0] + [4.9] * 20).__next__  # cuBLAS first, then every kernel setting 2% faster
-    tune_gemv(model, timer=lambda fn: timer(), log=lambda line: None, cache=tmp_path / "gemv.json")
+    tune_gemv(model, timer=lambda fns: timer(), log=lambda line: None, cache=tmp_path / "gemv.json")
     assert model[0].gemv_plan == {}
 
 
@@ -148,3 +150,27 @@ def test_the_environment_switch_is_checked(monkeypatch):
     monkeypatch.setenv("MSTAR_GEMV_MAX_ROWS", "2")
     use_gemv_from_env(model)  # on the CPU: switched with the default plan, never tuned (no CUDA timing)
     assert model[0].gemv_plan.keys() == {1, 2}
+
+
+@pytest.mark.parametrize("setting", [(4, 64), (8, 64, 4, 3), (2, 128, 4, 2)])
+def test_pipelined_settings_give_the_reference(setting):
+    """A tuned setting with a software-pipelined K loop (num_stages > 1) sums the same products as one without."""
+    from kernels.gemv import gemv_with
+    from kernels.silu_mul import silu_mul
+
+    torch.manual_seed(3)
+    x = torch.randn(2, 2 * 448, device=DEVICE)
+    weight = torch.randn(40, 448, device=DEVICE)
+    assert rel_err(gemv_with(x[:, :448].contiguous(), weight, None, setting), gemv_ref(x[:, :448], weight)) < 1e-5
+    separate = gemv_with(silu_mul(x), weight, None, setting)
+    assert rel_err(gemv_with(x, weight, None, setting, swiglu=True), separate) < 1e-5
+
+
+def test_cold_copies_hold_enough_bytes():
+    from mstar_common.bench.gpu_timing import cold_copies
+
+    weight = torch.ones(256, 1024, dtype=torch.bfloat16)  # 512 KiB
+    copies = cold_copies(weight, min_bytes=3 << 20)
+    assert len(copies) == 6 and copies[0] is weight
+    assert len({c.data_ptr() for c in copies}) == 6 and all(torch.equal(c, weight) for c in copies)
+    assert cold_copies(weight, min_bytes=1) == [weight]

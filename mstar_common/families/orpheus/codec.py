@@ -9,6 +9,11 @@ from the stages' receptive fields. On a GPU the Snake activations run fused (ker
 On a GPU the decode of each batch bucket (1, 2, 4, 8, 16, ... up to `max_batch`) is a captured CUDA graph:
 a batch is padded up to its bucket (padding rows decode code 0 and are discarded). Buckets are captured
 largest first and share one memory pool.
+
+On a GPU the codec runs on its own CUDA stream and waits only for that stream. Inside the LM component
+(`codec_in_process`), the pump thread's decodes then run beside the engine's steps instead of queueing behind
+them on the default stream: a `.cpu()` there would wait for the LM's queued step, and the LM's token read
+would wait for the codec.
 """
 
 from __future__ import annotations
@@ -58,10 +63,12 @@ class SnacCodec:
     max_batch: int = 64  # windows per decoder run (larger batches run in slices)
     use_cuda_graphs: bool = False
     graphs: dict[int, _Graph] = field(default_factory=dict)
+    stream: torch.cuda.Stream | None = None  # the codec's own stream on a GPU (see the module doc)
 
     def __post_init__(self) -> None:
         self.samples_per_frame = self.decoder.samples_per_code * 4  # 4 finest codes per frame
         if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
             # kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
             # residual head too, for measuring; it lost to cuDNN on the H200, docs/benchmarks.md)
             self.decoder.use_fused_kernels(residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1")
@@ -77,11 +84,20 @@ class SnacCodec:
 
     def decode(self, windows: np.ndarray) -> np.ndarray:
         check_windows(windows)
-        out = np.empty((windows.shape[0], self.samples_per_frame), dtype=np.float32)
-        for start in range(0, windows.shape[0], self.max_batch):
-            part = torch.from_numpy(np.ascontiguousarray(windows[start:start + self.max_batch]))
-            out[start:start + len(part)] = self._run(part).float().cpu().numpy()
-        return out
+        if self.stream is None or not len(windows):
+            out = np.empty((windows.shape[0], self.samples_per_frame), dtype=np.float32)
+            for start in range(0, windows.shape[0], self.max_batch):
+                part = torch.from_numpy(np.ascontiguousarray(windows[start:start + self.max_batch]))
+                out[start:start + len(part)] = self._run(part).float().cpu().numpy()
+            return out
+        with torch.cuda.stream(self.stream):
+            parts = []
+            for start in range(0, windows.shape[0], self.max_batch):
+                part = torch.from_numpy(np.ascontiguousarray(windows[start:start + self.max_batch]))
+                # into pinned host memory, in stream order (the graph's output buffer is reused by the next run)
+                parts.append(self._run(part).float().to("cpu", non_blocking=True))
+        self.stream.synchronize()
+        return torch.cat(parts).numpy() if len(parts) > 1 else parts[0].numpy()
 
     @torch.inference_mode()
     def _run(self, windows: torch.Tensor) -> torch.Tensor:
@@ -113,7 +129,7 @@ class SnacCodec:
             for _ in range(2):  # warm up (cuDNN algorithm choice, allocator) outside the graph
                 self.played_frames(windows)
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph()  # captured on torch's side stream; replayed on `self.stream`
             with torch.cuda.graph(graph, pool=pool):
                 audio = self.played_frames(windows)
             pool = graph.pool()

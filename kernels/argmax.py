@@ -1,0 +1,72 @@
+"""Row argmax over a vocabulary, in two short launches: the greedy token of a decode step.
+
+torch's `argmax(dim=-1)` reduces a row in one thread block: on the H200 it takes 28 us for one row of
+Llama-3's 128,256 logits, more than a layer's attention (scripts/profile_decode_step.py, 2026-12-01). Here
+each program reduces a `BLOCK` chunk of a row to its maximum and that maximum's first index, and a second
+kernel picks, per row, the first chunk holding the row's maximum. The result is torch's: the lowest index of
+the maximum (ties go left in both steps, and chunks are in column order); a row of -inf gives 0.
+
+`gumbel_argmax` is the sampling draw's argmax with the noise added on load (kernels/sampling.py's race), so
+the noised `[B, V]` fp32 logits are never written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096
+
+
+@triton.jit
+def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks, GUMBEL: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if GUMBEL:  # kernels/sampling.py _gumbel_race_kernel's noise, term for term
+        u = tl.maximum(tl.rand(tl.load(seed_ptr + row), cols), 1.1754943508222875e-38)
+        x = tl.where(mask, x + -tl.log(-tl.log(u)), float("-inf"))
+    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * num_chunks + chunk, value)
+    tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
+
+
+@triton.jit
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_PAD)
+    values = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + best).to(tl.int64))
+
+
+def _launch(x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [B, V] with unit column stride"
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0 or vocab == 0:
+        return out.zero_()
+    num_chunks = triton.cdiv(vocab, BLOCK)
+    values = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device)
+    indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
+    _chunk_max_kernel[(rows, num_chunks)](x, seeds if seeds is not None else x, values, indices, x.stride(0),
+                                          vocab, num_chunks, GUMBEL=seeds is not None, BLOCK=BLOCK, num_warps=8)
+    _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks,
+                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
+    return out
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for `[B, V]` (int64, first index of the maximum). Graph safe."""
+    return _launch(x, None)
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """`kernels.sampling.gumbel_race(logits, seeds).argmax(-1)` without the noised copy. Graph safe."""
+    assert seeds.shape == (logits.shape[0],)
+    return _launch(logits, seeds)
+

@@ -1,0 +1,50 @@
+"""The two-launch row argmax (kernels/argmax.py) against torch's argmax, and the fused Gumbel draw against
+kernels/sampling.py's noised logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE, GPU_ONLY, sweep
+
+pytest.importorskip("triton")
+pytestmark = GPU_ONLY
+
+from kernels.argmax import BLOCK, gumbel_argmax, row_argmax  # noqa: E402
+from kernels.sampling import gumbel_race  # noqa: E402
+
+VOCABS = sweep([128256, 151936, 28672, 4096, 5000, 1], [2 * BLOCK + 7, BLOCK, 300, 1])
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torchs(vocab, rows, dtype):
+    gen = torch.Generator().manual_seed(vocab + rows)
+    x = torch.randn(rows, vocab, generator=gen).to(dtype)
+    if vocab > 2:  # the maximum twice in one row, in different chunks where there are several: the first wins
+        top = x[0].max() + 1
+        x[0, vocab // 2], x[0, vocab - 1] = top, top
+    if rows > 1:
+        x[1] = float("-inf")  # an all -inf row gives 0, as torch does
+        x[2] = 0.0  # all ties: 0
+    x = x.to(DEVICE)
+    assert torch.equal(row_argmax(x).cpu(), x.cpu().argmax(dim=-1))
+
+
+def test_row_argmax_reads_a_strided_batch():
+    x = torch.randn(3, 2 * BLOCK + 100, device=DEVICE)[:, : BLOCK + 50]  # row stride > width
+    assert torch.equal(row_argmax(x).cpu(), x.cpu().argmax(dim=-1))
+    assert row_argmax(torch.empty(0, 10, device=DEVICE)).shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", sweep([128256, 28672, 1000], [BLOCK + 9, 300]))
+def test_gumbel_argmax_is_the_race_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[1, : vocab // 2] = float("-inf")  # filtered tokens never win
+    logits, seeds = logits.to(DEVICE), torch.tensor([1, 2, 3, 1 << 40], device=DEVICE)
+    drawn = gumbel_argmax(logits, seeds)
+    assert torch.equal(drawn.cpu(), gumbel_race(logits, seeds).argmax(dim=-1).cpu())
+    assert int(drawn[1]) >= vocab // 2
