@@ -194,9 +194,19 @@ def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s:
     return summarize("mstar-triton", logs, time.perf_counter() - start)
 
 
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set: expected KEY=VALUE, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path,
                  codec_in_process: bool = False, kv_dtype: str | None = None,
-                 first_chunk_frames: int | None = None):
+                 first_chunk_frames: int | None = None, model_kwargs: dict | None = None):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, render_repository
@@ -213,6 +223,7 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
         raw["resources"]["kv_cache"]["dtype"] = kv_dtype
     if first_chunk_frames:
         raw["model_kwargs"]["first_chunk_frames"] = first_chunk_frames
+    raw["model_kwargs"].update(model_kwargs or {})
     raw["max_concurrent_requests"] = max(raw.get("max_concurrent_requests", 1), max_concurrency)
     dep = deployment_from_dict(raw, source=config.name)
     repo = workdir / "model_repository"
@@ -308,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", help="override resources.kv_cache.dtype (auto | fp8_e4m3)")
     parser.add_argument("--first-chunk-frames", type=int,
                         help="override model_kwargs.first_chunk_frames (frames in each stream's first response)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a model_kwargs entry (YAML value), e.g. --set codec_dtype=bfloat16")
     parser.add_argument("--streams-per-proc", type=int, default=32, help="client streams per load process")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
@@ -334,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             elif url is None:
                 proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir),
-                                                   args.codec_in_process, args.kv_dtype, args.first_chunk_frames)
+                                                   args.codec_in_process, args.kv_dtype, args.first_chunk_frames,
+                                                   _overrides(args.set))
             if concurrencies:
                 warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
                 print("warm-up:", json.dumps(asdict(warm)), flush=True)

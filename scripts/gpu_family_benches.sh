@@ -5,7 +5,7 @@
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
 #   [gpu-tests] [sweeps] [gemv-sweep] [profile] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
-#   [whisper-probe] [stub-health]
+#   [whisper-probe] [stub-health] [orpheus-pyspy]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
@@ -158,6 +158,25 @@ if has orpheus-inproc; then
     --baseline-concurrency "" --codec-in-process ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_inproc.json" \
     || echo "STAGE FAILED: orpheus in-process"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Fatal" -A3 | head -30
+fi
+if has orpheus-pyspy; then
+  # py-spy on the LM stub during a c=256 in-process run: where its threads spend their time (needs the py-spy
+  # wheel in .whl/: pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl py-spy)
+  build_orpheus
+  stage "orpheus: py-spy of the LM stub at c=256 (codec in process)"
+  rm -rf /tmp/pyspy && $IMAGE_PY -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy*.whl
+  MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-300} $PY scripts/bench_orpheus.py --baseline-concurrency "" \
+    --codec-in-process --concurrency 256 ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_pyspy_run.json" > "$OUT/orpheus_pyspy_run.log" 2>&1 &
+  BENCH=$!
+  for _ in $(seq 1 240); do grep -q "warm-up:" "$OUT/orpheus_pyspy_run.log" 2>/dev/null && break; sleep 1; done
+  sleep 4
+  LM_PID=$(pgrep -f "triton_python_backend_stub.*orpheus_lm" | head -1)
+  /tmp/pyspy/bin/py-spy record -p "$LM_PID" -d 10 -r 250 -f raw --threads --nonblocking -o "$OUT/lm_stacks.txt" \
+    || echo "STAGE FAILED: py-spy"
+  /tmp/pyspy/bin/py-spy record -p "$LM_PID" -d 3 -r 250 -f raw --gil --nonblocking -o "$OUT/lm_stacks_gil.txt" \
+    || echo "STAGE FAILED: py-spy --gil"
+  wait $BENCH
+  grep -E "^system|^mstar" "$OUT/orpheus_pyspy_run.log"
 fi
 if has stub-health; then
   stage "256-stream stub health: random-weight Qwen3-0.6B, configs/qwen3_0_6b_gpu.yaml"
