@@ -40,6 +40,8 @@ def main() -> int:
                         "suffix turns on the fused residual-unit kernel (MSTAR_SNAC_RESIDUAL_KERNEL=1)")
     parser.add_argument("--codec-throughput", action="store_true", help="codec windows/s per --codec-dtype "
                         "even without --walk")
+    parser.add_argument("--walk-profile", type=Path, help="trace 2 s of each walk run (CUDA kernels of both the "
+                        "engine and the codec) into this directory and print GPU busy time per stream")
     parser.add_argument("--kv-dtype", default="auto", help="resources.kv_cache.dtype: auto | fp8_e4m3")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)  # a stuck run: every stack, exit
@@ -77,7 +79,9 @@ def main() -> int:
             engine.add_request(f"{rule}{c}#{i}", prompt, params, tracker.on_output)
         if not engine._thread:
             engine.start()
-        if rule == "profile":
+        if rule == "profile" and args.walk_profile:
+            trace_walk(engine, args.walk_profile / f"engine_alone_c{c}.json")
+        elif rule == "profile":
             profile_window()
         tracker.wait()
         stamps = tracker.stamps
@@ -92,7 +96,7 @@ def main() -> int:
         codec = build_codec(raw, dtype, checkpoint, args.device)
         codec_throughput(codec, dtype)
         for c in walk:
-            run_walk(rt, codec, prompt, c, args.tokens, dtype)
+            run_walk(rt, codec, prompt, c, args.tokens, dtype, args.walk_profile)
     engine.shutdown()
     faulthandler.cancel_dump_traceback_later()
     return 0
@@ -166,7 +170,7 @@ class RecordingSink:
         return False
 
 
-def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str) -> None:
+def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str, profile_dir: Path | None = None) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_orpheus import StreamLog, summarize
 
@@ -189,12 +193,58 @@ def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str) -> N
                                   rt.sample_rate, num_prompt_tokens=len(prompt)))
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **DEFAULT_SAMPLING)
         rt.engine.add_request(rid, prompt, params, pump.on_output)
+    if profile_dir is not None:
+        trace_walk(rt.engine, profile_dir / f"walk_{dtype}_c{c}.json")
     tracker.wait()
     result = summarize(f"walk codec {dtype}", logs, time.perf_counter() - start)
     pump.stop()
     print(f"walk codec={dtype:8s} c={c:4d} wall={result.wall_s:.2f}s first p50={result.first_audio_p50_ms:.1f}ms "
           f"real-time={result.streams_real_time}/{c} audio-s/s={result.audio_s_per_s:.1f} RTF p50={result.rtf_p50:.3f} "
           f"codec calls={pump.num_codec_calls} windows={pump.num_windows} errors={result.errors}", flush=True)
+
+
+def trace_walk(engine, path: Path, delay_s: float = 4.0, window_s: float = 2.0) -> None:
+    """2 s of the walk under the torch profiler (CUDA activity: every thread's kernels, both streams), saved as a
+    Chrome trace; prints, per CUDA stream, kernel time and count, the union of all kernels (GPU busy), and the
+    engine steps in the window."""
+    import gzip
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    time.sleep(delay_s)
+    steps0 = engine.num_steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(window_s)
+    steps = engine.num_steps - steps0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    with gzip.open(f"{path}.gz", "wt") as f:
+        json.dump(events, f)
+    path.unlink()
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not gpu:
+        print("[walk-profile] no GPU events recorded", flush=True)
+        return
+    per_stream: dict = {}
+    for e in gpu:
+        key = (e["args"].get("stream"), e["cat"])
+        total, count = per_stream.get(key, (0.0, 0))
+        per_stream[key] = (total + e["dur"], count + 1)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    wall = spans[-1][1] - spans[0][0]
+    print(f"[walk-profile] {path.name}: {steps} engine steps in {wall / 1e3:.0f} ms "
+          f"({wall / 1e3 / max(steps, 1):.2f} ms per step); GPU busy {busy / 1e3:.0f} ms ({100 * busy / wall:.1f}%)",
+          flush=True)
+    for (stream, cat), (total, count) in sorted(per_stream.items(), key=lambda kv: -kv[1][0]):
+        print(f"[walk-profile]   stream {stream} {cat}: {total / 1e3:.1f} ms in {count} ops "
+              f"({total / 1e3 / max(steps, 1):.2f} ms per step)", flush=True)
 
 
 def profile_window() -> None:
