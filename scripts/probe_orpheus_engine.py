@@ -37,11 +37,13 @@ def main() -> int:
     parser.add_argument("--walk", default="", help="comma list of concurrencies for the in-process walk: engine + "
                         "codec pump + SNAC (no Triton), per --codec-dtype; reports real-time streams")
     parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16; a '+residual' "
-                        "suffix turns on the fused residual-unit kernel (MSTAR_SNAC_RESIDUAL_KERNEL=1)")
+                        "suffix turns on the fused residual-unit kernel (MSTAR_SNAC_RESIDUAL_KERNEL=1), '+cudnn' the "
+                        "depthwise convs through cuDNN (MSTAR_SNAC_CUDNN_DEPTHWISE=1)")
     parser.add_argument("--codec-throughput", action="store_true", help="codec windows/s per --codec-dtype "
                         "even without --walk")
     parser.add_argument("--walk-profile", type=Path, help="trace 2 s of each walk run (CUDA kernels of both the "
                         "engine and the codec) into this directory and print GPU busy time per stream")
+    parser.add_argument("--codec-only", action="store_true", help="only the codec runs (--codec-throughput)")
     parser.add_argument("--kv-dtype", default="auto", help="resources.kv_cache.dtype: auto | fp8_e4m3")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)  # a stuck run: every stack, exit
@@ -58,6 +60,11 @@ def main() -> int:
     raw = yaml.safe_load(args.config.read_text())
     raw["checkpoint"] = args.checkpoint
     raw["model_kwargs"].pop("codec_checkpoint", None)
+    if args.codec_only:
+        checkpoint = resolve_checkpoint(args.checkpoint, OrpheusFamily.builtin_checkpoints)
+        for dtype in args.codec_dtype.split(","):
+            codec_throughput(build_codec(raw, dtype, checkpoint, args.device), dtype)
+        return 0
     raw["resources"]["kv_cache"]["dtype"] = args.kv_dtype
     dep = deployment_from_dict(raw, source=args.config.name)
     checkpoint = resolve_checkpoint(args.checkpoint, OrpheusFamily.builtin_checkpoints)
@@ -108,6 +115,7 @@ def build_codec(raw: dict, dtype: str, checkpoint, device: str):
 
     dtype, _, variant = dtype.partition("+")
     os.environ["MSTAR_SNAC_RESIDUAL_KERNEL"] = "1" if variant == "residual" else "0"
+    os.environ["MSTAR_SNAC_CUDNN_DEPTHWISE"] = "1" if variant == "cudnn" else "0"
     raw = {**raw, "model_kwargs": {**raw["model_kwargs"], "codec_dtype": dtype}}
     return _build_snac(deployment_from_dict(raw, source="probe"), checkpoint, device)
 

@@ -157,3 +157,19 @@ def test_decode_range_equals_the_full_decode_cut(full):
             assert (part - whole[..., start:stop]).abs().max().item() <= ATOL
         with pytest.raises(ValueError, match="outside"):
             codec.decoder.decode_range(codes, 8000, 8200)
+
+
+@pytest.mark.gpu
+def test_cudnn_depthwise_convs_give_the_same_frames(full):
+    """`cudnn_depthwise` (MSTAR_SNAC_CUDNN_DEPTHWISE=1) runs the residual units' depthwise convs through cuDNN:
+    the same frames as PyTorch's own depthwise kernel, to TF32's rounding."""
+    decoder = full[1].decoder.to("cuda")
+    windows = torch.from_numpy(np.random.default_rng(5).integers(0, CODEBOOK_SIZE, size=(6, 4, 7)).astype(np.int32))
+    codec = SnacCodec(decoder, torch.device("cuda"), max_batch=8)
+    with torch.inference_mode():
+        native = codec.played_frames(windows.cuda()).cpu()
+        decoder.use_fused_kernels(cudnn_depthwise=True)
+        assert any(getattr(m, "use_cudnn_depthwise", False) for m in decoder.modules())
+        via_cudnn = codec.played_frames(windows.cuda()).cpu()
+        decoder.use_fused_kernels()
+    assert (via_cudnn - native).abs().max().item() <= 1e-3

@@ -71,7 +71,8 @@ class SnacCodec:
             self.stream = torch.cuda.Stream(self.device)
             # kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
             # residual head too, for measuring; it lost to cuDNN on the H200, docs/benchmarks.md)
-            self.decoder.use_fused_kernels(residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1")
+            self.decoder.use_fused_kernels(residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1",
+                                           cudnn_depthwise=os.environ.get("MSTAR_SNAC_CUDNN_DEPTHWISE") == "1")
         if self.use_cuda_graphs:
             self.capture()
 

@@ -78,6 +78,7 @@ class ResidualUnit(nn.Module):
             nn.Conv1d(dim, dim, kernel_size=1),
         )
         self.use_kernel = False
+        self.use_cudnn_depthwise = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
@@ -86,7 +87,19 @@ class ResidualUnit(nn.Module):
             snake1, conv, snake2, pointwise = self.block
             head = snake_dwconv_snake(x, snake1.alpha, conv.weight, conv.bias, conv.dilation[0], snake2.alpha)
             return x + pointwise(head)
+        if self.use_cudnn_depthwise:
+            snake1, conv, snake2, pointwise = self.block
+            return x + pointwise(snake2(_cudnn_depthwise(snake1(x), conv)))
         return x + self.block(x)  # "same" padding: no crop needed
+
+
+def _cudnn_depthwise(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """`conv(x)` for a depthwise conv through cuDNN. PyTorch sends fp32 depthwise convs to its own CUDA kernel
+    (cuDNN only for half types), which was the SNAC decoder's slowest kernel on the H200."""
+    dilation, pad = conv.dilation[0], conv.padding[0]
+    out = torch.cudnn_convolution(x.unsqueeze(2), conv.weight.unsqueeze(2), (0, pad), (1, 1), (1, dilation),
+                                  conv.groups, False, False, torch.backends.cudnn.allow_tf32)
+    return out.squeeze(2) + conv.bias[:, None]
 
 
 def _decoder_block(in_dim: int, out_dim: int, stride: int, noise: bool, groups: int) -> nn.Sequential:
@@ -156,15 +169,18 @@ class SnacDecoder(nn.Module):
         """`snac.SNAC.decode`: codes per level `[B, T_i]` (int64) -> audio `[B, 1, T_0 * stride_0 * hop]`."""
         return self.decoder.model(self.quantizer(codes))
 
-    def use_fused_kernels(self, enabled: bool = True, residual: bool = False) -> None:
+    def use_fused_kernels(self, enabled: bool = True, residual: bool = False, cudnn_depthwise: bool = False) -> None:
         """Snake in one Triton kernel; with `residual`, each residual unit's snake -> depthwise conv -> snake
-        too (measured slower on an H200 than cuDNN's conv between two Snake kernels: off by default)."""
+        too (measured slower on an H200 than cuDNN's conv between two Snake kernels: off by default); with
+        `cudnn_depthwise`, the depthwise convs through cuDNN whatever the dtype."""
         for module in self.modules():
             if isinstance(module, Snake1d):
                 module.use_kernel = enabled
             elif isinstance(module, ResidualUnit):
                 conv = module.block[1]
-                module.use_kernel = enabled and residual and conv.groups == conv.in_channels == conv.out_channels
+                depthwise = conv.groups == conv.in_channels == conv.out_channels
+                module.use_kernel = enabled and residual and depthwise
+                module.use_cudnn_depthwise = enabled and cudnn_depthwise and depthwise and not module.use_kernel
 
     def decode_range(self, codes: list[torch.Tensor], start: int, stop: int) -> torch.Tensor:
         """`forward(codes)[:, :, start:stop]`, computing only what those samples depend on.
