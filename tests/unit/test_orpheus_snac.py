@@ -13,7 +13,7 @@ import torch
 
 from mstar_common.families.orpheus.codec import SnacCodec, window_codes
 from mstar_common.families.orpheus.codes import SpeechChunker
-from mstar_common.families.orpheus.snac import SNAC_24KHZ, Snake1d, load_snac_decoder
+from mstar_common.families.orpheus.snac import SNAC_24KHZ, ResidualUnit, Snake1d, load_snac_decoder
 from mstar_common.families.orpheus.tokens import CODEBOOK_SIZE, TokenLayout
 
 snac = pytest.importorskip("snac")
@@ -161,15 +161,15 @@ def test_decode_range_equals_the_full_decode_cut(full):
 
 @pytest.mark.gpu
 def test_cudnn_depthwise_convs_give_the_same_frames(full):
-    """`cudnn_depthwise` (MSTAR_SNAC_CUDNN_DEPTHWISE=1) runs the residual units' depthwise convs through cuDNN:
-    the same frames as PyTorch's own depthwise kernel, to TF32's rounding."""
+    """An fp32 codec on CUDA runs the residual units' depthwise convs through cuDNN (MSTAR_SNAC_CUDNN_DEPTHWISE,
+    default on): the same frames as PyTorch's own depthwise kernel, to TF32's rounding."""
     decoder = full[1].decoder.to("cuda")
     windows = torch.from_numpy(np.random.default_rng(5).integers(0, CODEBOOK_SIZE, size=(6, 4, 7)).astype(np.int32))
     codec = SnacCodec(decoder, torch.device("cuda"), max_batch=8)
+    assert all(m.use_cudnn_depthwise for m in decoder.modules() if isinstance(m, ResidualUnit))
     with torch.inference_mode():
+        via_cudnn = codec.played_frames(windows.cuda()).cpu()
+        decoder.use_fused_kernels(cudnn_depthwise=False)
         native = codec.played_frames(windows.cuda()).cpu()
         decoder.use_fused_kernels(cudnn_depthwise=True)
-        assert any(getattr(m, "use_cudnn_depthwise", False) for m in decoder.modules())
-        via_cudnn = codec.played_frames(windows.cuda()).cpu()
-        decoder.use_fused_kernels()
     assert (via_cudnn - native).abs().max().item() <= 1e-3

@@ -71,8 +71,12 @@ class SnacCodec:
             self.stream = torch.cuda.Stream(self.device)
             # kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
             # residual head too, for measuring; it lost to cuDNN on the H200, docs/benchmarks.md)
-            self.decoder.use_fused_kernels(residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1",
-                                           cudnn_depthwise=os.environ.get("MSTAR_SNAC_CUDNN_DEPTHWISE") == "1")
+            # fp32 depthwise convs through cuDNN (PyTorch's own kernel otherwise): 18,791 against 17,177 windows/s
+            # at batch 128 on the H200 (docs/benchmarks.md); bf16 already reaches cuDNN and lost with the call
+            fp32 = next(self.decoder.parameters()).dtype == torch.float32
+            self.decoder.use_fused_kernels(
+                residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1",
+                cudnn_depthwise=fp32 and os.environ.get("MSTAR_SNAC_CUDNN_DEPTHWISE", "1") != "0")
         if self.use_cuda_graphs:
             self.capture()
 
