@@ -37,8 +37,8 @@ def main() -> int:
     parser.add_argument("--walk", default="", help="comma list of concurrencies for the in-process walk: engine + "
                         "codec pump + SNAC (no Triton), per --codec-dtype; reports real-time streams")
     parser.add_argument("--codec-dtype", default="float32", help="comma list: float32, bfloat16; a '+residual' "
-                        "suffix turns on the fused residual-unit kernel (MSTAR_SNAC_RESIDUAL_KERNEL=1), '+native' PyTorch's "
-                        "own fp32 depthwise kernel instead of cuDNN (MSTAR_SNAC_CUDNN_DEPTHWISE=0)")
+                        "suffix turns on the fused residual-unit kernel (MSTAR_SNAC_RESIDUAL_KERNEL=1), '+cudnn' the "
+                        "depthwise convs through cuDNN (MSTAR_SNAC_CUDNN_DEPTHWISE=1)")
     parser.add_argument("--codec-throughput", action="store_true", help="codec windows/s per --codec-dtype "
                         "even without --walk")
     parser.add_argument("--walk-profile", type=Path, help="trace 2 s of each walk run (CUDA kernels of both the "
@@ -115,7 +115,7 @@ def build_codec(raw: dict, dtype: str, checkpoint, device: str):
 
     dtype, _, variant = dtype.partition("+")
     os.environ["MSTAR_SNAC_RESIDUAL_KERNEL"] = "1" if variant == "residual" else "0"
-    os.environ["MSTAR_SNAC_CUDNN_DEPTHWISE"] = "0" if variant == "native" else "1"  # the default: on for fp32
+    os.environ["MSTAR_SNAC_CUDNN_DEPTHWISE"] = "1" if variant == "cudnn" else "0"
     raw = {**raw, "model_kwargs": {**raw["model_kwargs"], "codec_dtype": dtype}}
     return _build_snac(deployment_from_dict(raw, source="probe"), checkpoint, device)
 

@@ -160,16 +160,17 @@ def test_decode_range_equals_the_full_decode_cut(full):
 
 
 @pytest.mark.gpu
-def test_cudnn_depthwise_convs_give_the_same_frames(full):
-    """An fp32 codec on CUDA runs the residual units' depthwise convs through cuDNN (MSTAR_SNAC_CUDNN_DEPTHWISE,
-    default on): the same frames as PyTorch's own depthwise kernel, to TF32's rounding."""
+def test_cudnn_depthwise_convs_give_the_same_frames(full, monkeypatch):
+    """With MSTAR_SNAC_CUDNN_DEPTHWISE=1 an fp32 codec on CUDA runs the residual units' depthwise convs through
+    cuDNN: the same frames as PyTorch's own depthwise kernel, to TF32's rounding."""
     decoder = full[1].decoder.to("cuda")
     windows = torch.from_numpy(np.random.default_rng(5).integers(0, CODEBOOK_SIZE, size=(6, 4, 7)).astype(np.int32))
+    monkeypatch.setenv("MSTAR_SNAC_CUDNN_DEPTHWISE", "1")
     codec = SnacCodec(decoder, torch.device("cuda"), max_batch=8)
     assert all(m.use_cudnn_depthwise for m in decoder.modules() if isinstance(m, ResidualUnit))
     with torch.inference_mode():
         via_cudnn = codec.played_frames(windows.cuda()).cpu()
         decoder.use_fused_kernels(cudnn_depthwise=False)
         native = codec.played_frames(windows.cuda()).cpu()
-        decoder.use_fused_kernels(cudnn_depthwise=True)
+        decoder.use_fused_kernels()
     assert (via_cudnn - native).abs().max().item() <= 1e-3

@@ -71,12 +71,13 @@ class SnacCodec:
             self.stream = torch.cuda.Stream(self.device)
             # kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
             # residual head too, for measuring; it lost to cuDNN on the H200, docs/benchmarks.md)
-            # fp32 depthwise convs through cuDNN (PyTorch's own kernel otherwise): 18,791 against 17,177 windows/s
-            # at batch 128 on the H200 (docs/benchmarks.md); bf16 already reaches cuDNN and lost with the call
+            # MSTAR_SNAC_CUDNN_DEPTHWISE=1: fp32 depthwise convs through cuDNN (PyTorch's own kernel otherwise).
+            # Alone on the H200: 18,791 against 17,177 windows/s at batch 128; beside the LM at c=256 it served
+            # fewer audio-s/s (242 against 250-253, docs/benchmarks.md), so it is off.
             fp32 = next(self.decoder.parameters()).dtype == torch.float32
             self.decoder.use_fused_kernels(
                 residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1",
-                cudnn_depthwise=fp32 and os.environ.get("MSTAR_SNAC_CUDNN_DEPTHWISE", "1") != "0")
+                cudnn_depthwise=fp32 and os.environ.get("MSTAR_SNAC_CUDNN_DEPTHWISE") == "1")
         if self.use_cuda_graphs:
             self.capture()
 
