@@ -9,7 +9,8 @@
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
-#   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT; DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
+#   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT, GEMV_ARGS (sweep_gemv.py), PROFILE_ARGS / PROFILE_TIMEOUT
+#   (profile_decode_step.py); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
 #   MSTAR_FP8_FP16_DOTS, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION
 #   reach every engine built.
 set -u

@@ -45,8 +45,16 @@ def cold_copies(tensor, min_bytes: int = COLD_BYTES) -> list:
     """`tensor` and enough copies of it to hold `min_bytes` together: a decode step streams each layer's weights
     from HBM once, and a kernel timed back to back on one small weight would read it from L2 instead (an 18 MB
     projection fits an H200's L2 whole)."""
+    import torch
+
     count = max(1, -(-min_bytes // (tensor.numel() * tensor.element_size())))
-    return [tensor] + [tensor.clone() for _ in range(count - 1)]
+    copies = [tensor]
+    for _ in range(count - 1):
+        try:
+            copies.append(tensor.clone())
+        except torch.cuda.OutOfMemoryError:  # a full GPU: time on fewer copies (partly warm) rather than fail
+            break
+    return copies
 
 
 def event_time_ms(fn: Callable[[], object], repeats: int = 50, warmup: int = 5) -> float:

@@ -32,7 +32,7 @@ class GemvLinear(nn.Linear):
 
     gemv_plan: dict[int, tuple[int, ...]] = {}  # rows -> kernels/gemv.py gemv_with setting
 
-    def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, int] | None:
+    def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
             return self.gemv_plan.get(x.shape[0])
         return None
