@@ -206,7 +206,7 @@ def _overrides(pairs: list[str]) -> dict:
 
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path,
                  codec_in_process: bool = False, kv_dtype: str | None = None,
-                 first_chunk_frames: int | None = None, model_kwargs: dict | None = None):
+                 first_chunk_frames: int | str | None = None, model_kwargs: dict | None = None):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, render_repository
@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
     parser.add_argument("--codec-in-process", action="store_true", help="SNAC inside the LM component (no BLS hop)")
     parser.add_argument("--kv-dtype", help="override resources.kv_cache.dtype (auto | fp8_e4m3)")
-    parser.add_argument("--first-chunk-frames", type=int,
-                        help="override model_kwargs.first_chunk_frames (frames in each stream's first response)")
+    parser.add_argument("--first-chunk-frames", type=lambda v: v if v == "auto" else int(v),
+                        help="override model_kwargs.first_chunk_frames (frames in each stream's first response, "
+                             "or auto)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a model_kwargs entry (YAML value), e.g. --set codec_dtype=bfloat16")
     parser.add_argument("--streams-per-proc", type=int, default=32, help="client streams per load process")

@@ -8,7 +8,9 @@ token, and the codec sees the whole step's batch. Each stream then gets its audi
 as it is decoded (several frames per response when it fell behind), and a finished stream's FINAL follows
 its last audio. A stream's first response can be held until it carries `first_chunk_frames` frames (a
 deployment knob, default 1): a playback buffer that trades first-audio latency for no gap when many streams
-start at once and the first frames come faster than the ones right after.
+start at once and the first frames come faster than the ones right after. With `first_chunk_frames` None
+("auto"), the hold is set when the stream's first frame is decoded, from how many streams the pump serves then
+(`auto_first_chunk_frames`): one frame for a lone stream, a longer buffer under load.
 
 Cancellation: the inherited poll drops the stream (its chunker is the stream's codec state, so nothing of
 it is decoded any more), closes the request and cancels it in the engine, which frees its KV pages within
@@ -32,6 +34,15 @@ from mstar_common.engine.types import FinishReason
 logger = logging.getLogger(__name__)
 
 PCM_SCALE = 32767  # float [-1, 1] -> int16, truncating toward zero as the reference does
+AUTO_STREAMS_PER_FRAME = 64  # "auto" first chunk: one more held frame per this many streams being served
+AUTO_MAX_FRAMES = 6  # ... up to 6 frames (512 ms)
+
+
+def auto_first_chunk_frames(num_streams: int) -> int:
+    """The "auto" first-chunk hold: 1 frame below 64 streams, 2 from 64, 3 from 128, 4 from 192, 5 from 256.
+    On the H200 (docs/benchmarks.md) one frame kept 64/64 streams without a gap and none of 192; three kept
+    148/192."""
+    return min(AUTO_MAX_FRAMES, 1 + num_streams // AUTO_STREAMS_PER_FRAME)
 
 
 class Chunker(Protocol):
@@ -58,7 +69,7 @@ class AudioStream:
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet reported in a response
     arrival: float = field(default_factory=time.monotonic)
     is_audio_started: bool = False
-    first_chunk_frames: int = 1  # frames the first audio response carries (a playback buffer; see the module doc)
+    first_chunk_frames: int | None = 1  # frames the first audio response carries (a playback buffer; None: auto)
     held: list[np.ndarray] = field(default_factory=list)  # decoded frames waiting for the first response
 
     def take_first_chunk(self, chunk: np.ndarray, is_last: bool) -> np.ndarray | None:
@@ -148,6 +159,8 @@ class CodecPump(OutputPump):
         offset = 0
         for r in ready:
             chunk, offset = audio[offset:offset + len(r.windows)], offset + len(r.windows)
+            if r.stream.first_chunk_frames is None:  # "auto": decided now, from the load its first frame meets
+                r.stream.first_chunk_frames = auto_first_chunk_frames(self.num_streams)
             chunk = r.stream.take_first_chunk(chunk, is_last=r.finish is not None)
             if chunk is None:
                 continue  # held for a fuller first response

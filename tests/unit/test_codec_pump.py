@@ -136,3 +136,25 @@ def test_a_stream_ending_before_its_first_chunk_fills_sends_what_it_holds():
     pump._deliver({"a": (tokens, None, None)})
     pump._deliver({"a": ([], FinishReason.STOP, None)})
     assert not sink.chunks and pcm_codes(sink.final) == [100, 101, 102]
+
+
+def test_auto_first_chunk_holds_more_frames_under_load():
+    """first_chunk_frames None ("auto"): the hold is fixed when the stream's first frame is decoded, from the
+    streams the pump serves at that moment (1 frame alone; 3 with 128 streams)."""
+    from mstar_common.engine.codec_pump import auto_first_chunk_frames
+
+    assert [auto_first_chunk_frames(n) for n in (1, 63, 64, 128, 192, 256, 10_000)] == [1, 1, 2, 3, 4, 5, 6]
+    pump, sink = _stream_with_first_chunk(None)
+    tokens = frame_tokens(100, 3)
+    pump._deliver({"a": (tokens[:21], None, None)})  # alone: the first frame goes out at once
+    assert pcm_codes(sink.chunks[0]) == [100] and pump._streams["a"].first_chunk_frames == 1
+
+    pump, sink = _stream_with_first_chunk(None)
+    for i in range(127):  # 128 streams registered when "a" decodes its first frame
+        pump.register(AudioStream(f"b{i}", FakeSink(), SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
+    tokens = frame_tokens(100, 5)
+    pump._deliver({"a": (tokens[:21], None, None)})
+    pump._deliver({"a": (tokens[21:28], None, None)})
+    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 3
+    pump._deliver({"a": (tokens[28:35], None, None)})
+    assert pcm_codes(sink.chunks[0]) == [100, 101, 102]

@@ -164,7 +164,10 @@ def test_first_chunk_frames_reaches_the_runtime_and_is_validated(tmp_path):
     dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": 1})
     OrpheusFamily().validate_deployment(dep, "test")
     assert OrpheusFamily().build_component("lm", dep, checkpoint, "cpu").first_chunk_frames == 1
-    for value in (0, 1.5, True):
+    dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": "auto"})
+    OrpheusFamily().validate_deployment(dep, "test")
+    assert OrpheusFamily().build_component("lm", dep, checkpoint, "cpu").first_chunk_frames is None
+    for value in (0, 1.5, True, "fast", None):
         bad = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": value})
-        with pytest.raises(Exception, match="first_chunk_frames: must be an integer >= 1"):
+        with pytest.raises(Exception, match="first_chunk_frames: must be an integer >= 1 or 'auto'"):
             OrpheusFamily().validate_deployment(bad, "test")

@@ -29,13 +29,13 @@ MODEL_KWARGS = {
     "codec_in_process": "decode SNAC inside the LM component instead of through the BLS hop (default false)",
     "first_chunk_frames": "SNAC frames (85 ms each) in a stream's first audio response (default 3: a 256 ms "
                           "playback buffer against the gaps when many streams start together; 1: the first frame "
-                          "as soon as it is decoded)",
+                          "as soon as it is decoded; auto: 1 frame per 64 streams being served, 1 to 6)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # H200, 2026-12-01 (docs/benchmarks.md): with 3, c=192 had 148/192 streams without a playback gap against 0/192
 # with 1, for 35 ms more first audio at c=1 (93 ms).
 DEFAULT_FIRST_CHUNK_FRAMES = 3
-_POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens", "first_chunk_frames")
+_POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens")
 
 
 def _builtin(preset: str):
@@ -64,6 +64,10 @@ class OrpheusFamily(Family):
         for key in _POSITIVE_INTS:
             if key in kw and (isinstance(kw[key], bool) or not isinstance(kw[key], int) or kw[key] < 1):
                 raise DeploymentError(f"{source}: model_kwargs.{key}: must be an integer >= 1, got {kw[key]!r}")
+        frames = kw.get("first_chunk_frames", DEFAULT_FIRST_CHUNK_FRAMES)
+        if frames != "auto" and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+            raise DeploymentError(f"{source}: model_kwargs.first_chunk_frames: must be an integer >= 1 or 'auto', "
+                                  f"got {frames!r}")
         for key in ("codec_noise", "codec_in_process"):
             if key in kw and not isinstance(kw[key], bool):
                 raise DeploymentError(f"{source}: model_kwargs.{key}: must be true or false")
@@ -134,9 +138,14 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         max_input_tokens=kw.get("max_input_tokens", 1024), default_max_tokens=kw.get("default_max_tokens", 1200),
         frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
         sample_rate=int(snac_config.get("sampling_rate", 24000)),
-        first_chunk_frames=kw.get("first_chunk_frames", DEFAULT_FIRST_CHUNK_FRAMES),
+        first_chunk_frames=_first_chunk_frames(kw.get("first_chunk_frames", DEFAULT_FIRST_CHUNK_FRAMES)),
         local_codec=_build_snac(dep, checkpoint, device) if kw.get("codec_in_process", False) else None,
     )
+
+
+def _first_chunk_frames(value: int | str) -> int | None:
+    """The knob's value for codec_pump.AudioStream: a frame count, or None for "auto"."""
+    return None if value == "auto" else int(value)
 
 
 def _build_snac(dep: Deployment, checkpoint: Path, device: str):

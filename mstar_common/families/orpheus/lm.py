@@ -91,7 +91,7 @@ class OrpheusLMRuntime:
     frame_rule: FrameRule
     codec_model: str  # the Triton model of the SNAC component
     sample_rate: int
-    first_chunk_frames: int = 1  # frames in each stream's first audio response (codec_pump.AudioStream)
+    first_chunk_frames: int | None = 1  # frames in each stream's first audio response (None: auto; AudioStream)
     local_codec: Any = None  # a SnacCodec when `codec_in_process` (no BLS hop), else None
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> SpeechRequest:
