@@ -6,8 +6,9 @@ each program reduces a `BLOCK` chunk of a row to its maximum and that maximum's 
 kernel picks, per row, the first chunk holding the row's maximum. The result is torch's: the lowest index of
 the maximum (ties go left in both steps, and chunks are in column order); a row of -inf gives 0.
 
-`gumbel_argmax` is the sampling draw's argmax with the noise added on load (kernels/sampling.py's race), so
-the noised `[B, V]` fp32 logits are never written.
+`gumbel_argmax` is the sampling draw (kernels/sampling.py): the argmax of `logits + Gumbel(seed_row, col)`, an
+exponential race whose winner is a draw from softmax(logits). The noise is added on load, so the noised
+`[B, V]` fp32 logits are never written; a token depends only on (seed, column, logits).
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ BLOCK = 4096
 
 
 @triton.jit
+def gumbel_noise(seed, cols):
+    """Gumbel(0, 1) noise per column from a counter-based RNG keyed by the row's seed."""
+    u = tl.maximum(tl.rand(seed, cols), 1.1754943508222875e-38)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks, GUMBEL: tl.constexpr,
                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -27,9 +35,8 @@ def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_ch
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    if GUMBEL:  # kernels/sampling.py _gumbel_race_kernel's noise, term for term
-        u = tl.maximum(tl.rand(tl.load(seed_ptr + row), cols), 1.1754943508222875e-38)
-        x = tl.where(mask, x + -tl.log(-tl.log(u)), float("-inf"))
+    if GUMBEL:
+        x = tl.where(mask, x + gumbel_noise(tl.load(seed_ptr + row), cols), float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * num_chunks + chunk, value)
     tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
@@ -66,7 +73,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """`kernels.sampling.gumbel_race(logits, seeds).argmax(-1)` without the noised copy. Graph safe."""
+    """`(logits + gumbel_noise(seed_row, col)).argmax(-1)` without the noised copy. Graph safe."""
     assert seeds.shape == (logits.shape[0],)
     return _launch(logits, seeds)
 

@@ -5,6 +5,7 @@ unchanged), then draws by an exponential race whose noise comes from a counter-b
 seed: `argmax(logits - log(-log(U)))`, `U = rand(seed_row, token)`. The host sets each row's seed to a mix of
 the request's seed and the row's output index, so a token depends only on (seed, step, logits), never on the
 batch or on whether the step was replayed from a graph. Greedy rows take the argmax of the raw logits.
+Both argmaxes are kernels/argmax.py's; the draw adds the noise as it reads the filtered logits.
 """
 
 from __future__ import annotations
@@ -12,46 +13,17 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
+from kernels.argmax import gumbel_argmax, row_argmax
 from kernels.top_k_top_p import MAX_VOCAB, top_k_top_p
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
 
 _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
 
 
-@triton.jit
-def _gumbel_race_kernel(logits_ptr, seed_ptr, out_ptr, stride_l, stride_o, vocab, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < vocab
-    seed = tl.load(seed_ptr + row)
-    u = tl.rand(seed, cols)
-    u = tl.maximum(u, 1.1754943508222875e-38)
-    noise = -tl.log(-tl.log(u))
-    logit = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, logit + noise, mask=mask)
-
-
-def gumbel_race(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """`logits + Gumbel(seed_row, col)` `[B, V]` fp32; its argmax is a draw from softmax(logits)."""
-    assert logits.dim() == 2 and logits.stride(1) == 1 and seeds.shape == (logits.shape[0],)
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    if logits.shape[0] == 0:
-        return out
-    block = 4096
-    _gumbel_race_kernel[(logits.shape[0], triton.cdiv(logits.shape[1], block))](
-        logits, seeds, out, logits.stride(0), out.stride(0), logits.shape[1], BLOCK=block, num_warps=8,
-    )
-    return out
-
-
 def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]` fp32). Graph safe."""
-    from kernels.argmax import gumbel_argmax, row_argmax
-
     greedy = row_argmax(logits.contiguous())
     scaled = logits / temperature[:, None]
     if _SORT_FREE_FILTER and logits.shape[1] <= MAX_VOCAB:
@@ -59,7 +31,7 @@ def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature:
     else:
         filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
     filtered = apply_min_p(filtered, min_p[:, None])
-    sampled = gumbel_argmax(filtered.contiguous(), seeds)  # == gumbel_race(filtered, seeds).argmax(-1)
+    sampled = gumbel_argmax(filtered.contiguous(), seeds)
     return torch.where(is_greedy, greedy, sampled)
 
 

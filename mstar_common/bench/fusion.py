@@ -56,14 +56,10 @@ def _decode_batch(rows: int, context_len: int, page_size: int):
     return batch
 
 
-@torch.inference_mode()
-def measure(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
-            page_size: int = 64) -> list[dict]:
-    from mstar_common.engine.attention import select_attention_backend
-    from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
+def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int, page_size: int):
+    """The model in bf16 on the GPU and a KV cache holding `max(batch_sizes)` rows of `context_len` tokens,
+    filled with random values (decode attends over real-looking values, not zeros)."""
     from mstar_common.engine.kv_cache import KVCache
-    from mstar_common.engine.model_runner import ModelRunner
-    from mstar_common.engine.sampler import Sampler
 
     if family == "llama":
         from mstar_common.families.llama.loader import load_llama as load
@@ -72,21 +68,45 @@ def measure(checkpoint: str | Path, family: str, batch_sizes: list[int], context
     model, config = load(checkpoint, dtype="bfloat16", device="cuda")
     num_pages = max(batch_sizes) * -(-context_len // page_size) + 1
     kv_cache = KVCache(model.kv_spec, num_pages, page_size, torch.bfloat16, "cuda")
-    kv_cache._pool.normal_()  # attend over real-looking values, not zeros
+    kv_cache._pool.normal_()
+    return model, config, kv_cache
+
+
+def _decode_graphs(model, config, kv_cache, batch_sizes: list[int]):
+    from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
+
+    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, [64], capture_sampling=False),
+                             max(batch_sizes), 4096, config["vocab_size"], torch.device("cuda"))
+    graphs.capture()
+    return graphs
+
+
+def _staged_replay(graphs, rows: int, context_len: int, page_size: int):
+    """Fill the step buffers with a decode batch of `rows` rows; returns (the batch, its graph's replay)."""
+    batch = _decode_batch(rows, context_len, page_size)
+    key = graphs.pick(batch)
+    graphs._fill(graphs.buffers.host_views(0), batch, key)
+    graphs.buffers.copy_in(0, rows, with_sampling=False)
+    return batch, graphs.graphs[key].replay
+
+
+@torch.inference_mode()
+def measure(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
+            page_size: int = 64) -> list[dict]:
+    from mstar_common.engine.attention import select_attention_backend
+    from mstar_common.engine.model_runner import ModelRunner
+    from mstar_common.engine.sampler import Sampler
+
+    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size)
     results = []
     for name, (backend, fused_ops) in CONFIGS.items():
         model.attn_backend = select_attention_backend("cuda", backend)
         model.enable_fused_ops(fused_ops)
-        graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, [64], capture_sampling=False),
-                                 max(batch_sizes), 4096, config["vocab_size"], torch.device("cuda"))
-        graphs.capture()
+        graphs = _decode_graphs(model, config, kv_cache, batch_sizes)
         runner = ModelRunner(model, kv_cache, Sampler(), torch.device("cuda"), config["vocab_size"])
         for rows in batch_sizes:
-            batch = _decode_batch(rows, context_len, page_size)
-            key = graphs.pick(batch)
-            graphs._fill(graphs.buffers.host_views(0), batch, key)
-            graphs.buffers.copy_in(0, rows, with_sampling=False)
-            graph_ms = event_time_ms(graphs.graphs[key].replay)
+            batch, replay = _staged_replay(graphs, rows, context_len, page_size)
+            graph_ms = event_time_ms(replay)
             eager_ms = _time_host(lambda batch=batch, runner=runner: runner._run_eager(batch))
             results.append({"config": name, "batch": rows, "graph_step_ms": graph_ms, "eager_step_ms": eager_ms})
             print(f"[fusion] {family} {name:40s} batch {rows:3d}: graph {graph_ms:.3f} ms, eager {eager_ms:.3f} ms",
@@ -121,28 +141,14 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     from torch.profiler import ProfilerActivity, profile
 
     from mstar_common.config import ComponentConfig
-    from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig, configure_fast_path
-    from mstar_common.engine.kv_cache import KVCache
+    from mstar_common.engine.cuda_graph import configure_fast_path
 
-    if family == "llama":
-        from mstar_common.families.llama.loader import load_llama as load
-    else:
-        from mstar_common.families.qwen3.loader import load_qwen3 as load
-    model, config = load(checkpoint, dtype="bfloat16", device="cuda")
+    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size)
     configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
-    num_pages = max(batch_sizes) * -(-context_len // page_size) + 1
-    kv_cache = KVCache(model.kv_spec, num_pages, page_size, torch.bfloat16, "cuda")
-    kv_cache._pool.normal_()
-    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, [64], capture_sampling=False),
-                             max(batch_sizes), 4096, config["vocab_size"], torch.device("cuda"))
-    graphs.capture()
+    graphs = _decode_graphs(model, config, kv_cache, batch_sizes)
     results = []
     for rows in batch_sizes:
-        batch = _decode_batch(rows, context_len, page_size)
-        key = graphs.pick(batch)
-        graphs._fill(graphs.buffers.host_views(0), batch, key)
-        graphs.buffers.copy_in(0, rows, with_sampling=False)
-        replay = graphs.graphs[key].replay
+        _, replay = _staged_replay(graphs, rows, context_len, page_size)
         step_ms = event_time_ms(replay)
         for _ in range(3):
             replay()

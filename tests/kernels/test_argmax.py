@@ -1,5 +1,5 @@
 """The two-launch row argmax (kernels/argmax.py) against torch's argmax, and the fused Gumbel draw against
-kernels/sampling.py's noised logits."""
+torch's argmax of the noised logits written out."""
 
 from __future__ import annotations
 
@@ -11,8 +11,26 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, sweep
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.argmax import BLOCK, gumbel_argmax, row_argmax  # noqa: E402
-from kernels.sampling import gumbel_race  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels.argmax import BLOCK, gumbel_argmax, gumbel_noise, row_argmax  # noqa: E402
+
+
+@triton.jit
+def _noised_kernel(logits_ptr, seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    logit = tl.load(logits_ptr + row * vocab + cols, mask=mask)
+    tl.store(out_ptr + row * vocab + cols, logit + gumbel_noise(tl.load(seed_ptr + row), cols), mask=mask)
+
+
+def _noised(logits, seeds):
+    out = torch.empty_like(logits)
+    _noised_kernel[(logits.shape[0], triton.cdiv(logits.shape[1], BLOCK))](logits, seeds, out, logits.shape[1],
+                                                                         BLOCK=BLOCK)
+    return out
 
 VOCABS = sweep([128256, 151936, 28672, 4096, 5000, 1], [2 * BLOCK + 7, BLOCK, 300, 1])
 
@@ -46,5 +64,5 @@ def test_gumbel_argmax_is_the_race_argmax(vocab):
     logits[1, : vocab // 2] = float("-inf")  # filtered tokens never win
     logits, seeds = logits.to(DEVICE), torch.tensor([1, 2, 3, 1 << 40], device=DEVICE)
     drawn = gumbel_argmax(logits, seeds)
-    assert torch.equal(drawn.cpu(), gumbel_race(logits, seeds).argmax(dim=-1).cpu())
+    assert torch.equal(drawn.cpu(), _noised(logits, seeds).argmax(dim=-1).cpu())
     assert int(drawn[1]) >= vocab // 2

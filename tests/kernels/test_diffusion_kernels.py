@@ -50,6 +50,20 @@ def _no_less_accurate(out: torch.Tensor, eager: torch.Tensor, exact: torch.Tenso
     assert err <= 1.25 * eager_err + floor, (err, eager_err)
 
 
+def _fused_transformer_no_less_accurate(model, x, context, t, rope) -> None:
+    """A whole DiT `model(x, context, t, rope)` with its fused kernels against its eager ops: close to them, no
+    further from the fp64 forward than they are, and the switch back off gives the eager result again."""
+    with torch.inference_mode():
+        ref = model(x, context, t, rope)
+        model.use_fused_kernels(True)
+        out = model(x, context, t, rope)
+        model.use_fused_kernels(False)
+        assert torch.equal(model(x, context, t, rope), ref)  # switched back off
+        exact = model.double()(x.double(), context.double(), t, rope)
+    assert rel_err(out, ref) < 5 * TOL
+    _no_less_accurate(out, ref, exact)
+
+
 def _randn(*shape, dtype, gen, scale=1.0, offset=0.0):
     return (torch.randn(*shape, generator=gen) * scale + offset).to(dtype).to(DEVICE)
 
@@ -181,15 +195,7 @@ def test_flux2_transformer_with_the_kernels_matches_eager(dtype):
     img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width),
                                    torch.arange(1)).to(DEVICE)
     rope = model.rope(txt_ids, img_ids)
-    with torch.inference_mode():
-        ref = model(hidden, prompt, timestep, rope)
-        model.use_fused_kernels(True)
-        out = model(hidden, prompt, timestep, rope)
-        model.use_fused_kernels(False)
-        assert torch.equal(model(hidden, prompt, timestep, rope), ref)  # switched back off
-        exact = model.double()(hidden.double(), prompt.double(), timestep, rope)
-    assert rel_err(out, ref) < 5 * TOL
-    _no_less_accurate(out, ref, exact)
+    _fused_transformer_no_less_accurate(model, hidden, prompt, timestep, rope)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -288,11 +294,4 @@ def test_z_image_transformer_with_the_kernels_matches_eager(dtype):
     with torch.inference_mode():
         caption = model.encode_caption(feats).expand(batch, -1, -1)
         rope = model.rope(height, width, padded_length(caption_len))
-        ref = model(tokens, caption, t, rope)
-        model.use_fused_kernels(True)
-        out = model(tokens, caption, t, rope)
-        model.use_fused_kernels(False)
-        assert torch.equal(model(tokens, caption, t, rope), ref)  # switched back off
-        exact = model.double()(tokens.double(), caption.double(), t, rope)
-    assert rel_err(out, ref) < 5 * TOL
-    _no_less_accurate(out, ref, exact)
+    _fused_transformer_no_less_accurate(model, tokens, caption, t, rope)

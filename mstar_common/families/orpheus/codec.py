@@ -18,6 +18,7 @@ would wait for the codec.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -90,19 +91,17 @@ class SnacCodec:
 
     def decode(self, windows: np.ndarray) -> np.ndarray:
         check_windows(windows)
-        if self.stream is None or not len(windows):
-            out = np.empty((windows.shape[0], self.samples_per_frame), dtype=np.float32)
+        on_gpu = self.stream is not None
+        parts = []
+        with torch.cuda.stream(self.stream) if on_gpu else contextlib.nullcontext():
             for start in range(0, windows.shape[0], self.max_batch):
                 part = torch.from_numpy(np.ascontiguousarray(windows[start:start + self.max_batch]))
-                out[start:start + len(part)] = self._run(part).float().cpu().numpy()
-            return out
-        with torch.cuda.stream(self.stream):
-            parts = []
-            for start in range(0, windows.shape[0], self.max_batch):
-                part = torch.from_numpy(np.ascontiguousarray(windows[start:start + self.max_batch]))
-                # into pinned host memory, in stream order (the graph's output buffer is reused by the next run)
-                parts.append(self._run(part).float().to("cpu", non_blocking=True))
-        self.stream.synchronize()
+                # to the host in stream order (a graph's output buffer is reused by the next run); pinned on a GPU
+                parts.append(self._run(part).float().to("cpu", non_blocking=on_gpu))
+        if on_gpu:
+            self.stream.synchronize()
+        if not parts:
+            return np.empty((0, self.samples_per_frame), dtype=np.float32)
         return torch.cat(parts).numpy() if len(parts) > 1 else parts[0].numpy()
 
     @torch.inference_mode()
