@@ -20,14 +20,19 @@ BLOCK_N = 64  # context tokens per inner iteration
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head, stride_bt,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, MIXED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    tok = row
+    if MIXED:  # a mixed step's packed queries: only rows with exactly one new token are this kernel's
+        tok = tl.load(qsl_ptr + row).to(tl.int64)
+        if tl.load(qsl_ptr + row + 1) - tok != 1:
+            return
     ctx = tl.load(ctx_ptr + row)
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK) * BLOCK
     start = split * per_split
@@ -35,7 +40,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+    q = tl.load(q_ptr + tok * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                 other=0.0)
     if FP16_DOTS:  # an fp8 pool read back as fp16 (the hardware's e4m3 -> f16 conversion), dots in fp16
         q = q.to(tl.float16)
@@ -60,7 +65,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc
     g_mask = (g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         out = acc / lsum[:, None]
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + tok * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask)
     else:
         # partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
@@ -72,10 +77,86 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc
 
 
 @triton.jit
-def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, part_acc_ptr,
+                                part_ml_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head,
+                                stride_bt, scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                                GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                                NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+                                MIXED: tl.constexpr, QK_FP8: tl.constexpr):
+    """The same attention with the context tokens as the dots' M dimension: scores^T = K q^T and
+    out^T = V^T p^T. K and V (converted from an fp8 pool in registers) are then the dots' left operands, which
+    Hopper's tensor cores read from registers, and M is a full 64/128-token tile instead of 16 padded query
+    rows. `QK_FP8` (an fp8 pool only): the query is quantised per head to e4m3 (scale max|q| / 448) and q.K
+    runs as an fp8 dot on the pool's bytes, with no conversion of K at all."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    tok = row
+    if MIXED:
+        tok = tl.load(qsl_ptr + row).to(tl.int64)
+        if tl.load(qsl_ptr + row + 1) - tok != 1:
+            return
+    ctx = tl.load(ctx_ptr + row)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + tok * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0)
+    q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
+    if QK_FP8:
+        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), axis=1), 1e-12) / 448.0
+        q = (q.to(tl.float32) / q_scale[:, None]).to(k_ptr.dtype.element_ty)
+    elif FP16_DOTS:
+        q = q.to(tl.float16)
+    q_t = tl.trans(q)  # [HEAD_DIM, GROUP_PAD]
+    col_scale = q_scale * scale_log2
+    pv_dtype: tl.constexpr = tl.float16 if (FP16_DOTS or QK_FP8) else q_ptr.dtype.element_ty
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        t = n0 + tl.arange(0, BLOCK)
+        t_mask = t < end
+        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slot = (page * PAGE_SIZE + t % PAGE_SIZE) * stride_slot + kv_head * stride_kv_head
+        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
+        if not QK_FP8:
+            k = k.to(q_t.dtype)
+        s = tl.dot(k, q_t, input_precision=DOT_PRECISION) * col_scale[None, :]  # [BLOCK, GROUP_PAD]
+        s = tl.where(t_mask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        lsum = lsum * alpha + tl.sum(p, axis=0)
+        v_t = tl.load(v_ptr + slot[None, :] + d[:, None], mask=t_mask[None, :], other=0.0).to(pv_dtype)
+        acc = acc * alpha[None, :] + tl.dot(v_t, p.to(pv_dtype), input_precision=DOT_PRECISION)
+        m = m_new
+    g_mask = (g < GROUP)[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / lsum[None, :]
+        tl.store(out_ptr + tok * stride_ob + heads[None, :] * stride_oh + d[:, None],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask)
+    else:
+        num_q_heads = tl.num_programs(1) * GROUP
+        part = (row * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[None, :] * HEAD_DIM + d[:, None], acc, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g < GROUP)
+        tl.store(part_ml_ptr + part * 2 + 1, lsum, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, MIXED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    tok = row
+    if MIXED:
+        tok = tl.load(qsl_ptr + row).to(tl.int64)
+        if tl.load(qsl_ptr + row + 1) - tok != 1:
+            return
     base = row * tl.num_programs(1) + head
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM)
@@ -85,7 +166,7 @@ def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_o
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     acc = tl.load(part_acc_ptr + (base * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + tok * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
@@ -96,15 +177,28 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> i
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, block: int = BLOCK_N, num_warps: int = 4,
-                           num_stages: int | None = None, fp16_dots: bool = False) -> torch.Tensor:
+                           num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
+                           num_stages: int | None = None, fp16_dots: bool = False, tokens_major: bool = False,
+                           qk_fp8: bool = False, query_start_loc: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch knobs (`block` context tokens per iteration, warps, pipeline stages) default to the measured
     choice: scripts/sweep_decode_attention.py on the H200 found 64 tokens, 4 warps and 2 stages within a few
     percent of the best everywhere, and 3 stages 5% faster once the grid is many waves deep (256 rows x 8
     KV heads: 163 us, 4.1 TB/s of KV, the copy bandwidth). `fp16_dots` (an fp8 pool only) converts K/V
-    e4m3 -> fp16 (one hardware conversion, where bf16 takes two) and runs the dots in fp16: the candidate
-    for reading an fp8 pool at bandwidth, off until the sweep has timed it; queries must fit fp16's range."""
-    num_rows, num_heads, head_dim = query.shape
+    e4m3 -> fp16 (one hardware conversion, where bf16 takes two) and runs the dots in fp16; queries must fit
+    fp16's range. `tokens_major` runs `_decode_split_tokens_kernel` (context tokens as the dots' rows), and
+    `qk_fp8` (with it, an fp8 pool only) its fp8 q.k: the `--variants` sweep on the H200 (2026-12-01) timed an
+    fp8 pool at 256 rows x 640 tokens (Llama-3.2-3B heads) at 108 us this way (128 tokens per iteration,
+    3.1 TB/s of fp8 KV), against 147 us heads-major with fp16 dots and 158 us for the bf16 pool.
+
+    Mixed steps: with `query_start_loc` ([rows + 1], packed `query` [T, Hq, D]) the kernel attends only the rows
+    that have exactly one new token, each at its packed position, and writes those rows' outputs into `out`
+    (the ragged prefill kernel's output for the other rows), so a mixed step's decode rows keep this kernel's
+    GQA-shared, split-K reads instead of the prefill kernel's one pass per query head."""
+    mixed = query_start_loc is not None
+    num_heads, head_dim = query.shape[1:]
+    num_rows = block_tables.shape[0] if mixed else query.shape[0]
+    assert not mixed or (query_start_loc.shape == (num_rows + 1,) and query_start_loc.dtype == torch.int32)
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
@@ -112,28 +206,38 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
     assert context_lens.shape == (num_rows,) and block_tables.dtype == context_lens.dtype == torch.int32
     group = num_heads // num_kv_heads
-    assert not fp16_dots or k_cache.element_size() == 1, "fp16_dots is for an fp8 pool"
+    assert not (fp16_dots or qk_fp8) or k_cache.element_size() == 1, "fp16_dots and qk_fp8 are for an fp8 pool"
+    assert not qk_fp8 or tokens_major, "qk_fp8 runs in the tokens-major kernel"
     splits = num_splits or decode_num_splits(num_rows, num_kv_heads)
+    if block is None:  # an fp8 tile of 128 tokens moves as many bytes as a bf16 one of 64
+        block = 128 if qk_fp8 else BLOCK_N
     if num_stages is None:
         num_stages = 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1
     if num_rows == 0:
         return out
     part_acc = part_ml = out  # unused with one split
     if splits > 1:
         part_acc = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(num_rows, num_kv_heads, splits)](
-        query, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
+    kernel, extra = _decode_split_kernel, {}
+    if tokens_major:
+        kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}
+    kernel[(num_rows, num_kv_heads, splits)](
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc if mixed else context_lens, out,
+        part_acc, part_ml,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * _LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK=block, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots, num_warps=num_warps, num_stages=num_stages,
+        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if splits > 1:
-        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),
-                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits, num_warps=4)
+        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, query_start_loc if mixed else part_ml, out,
+                                                    out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                                                    NUM_SPLITS=splits, MIXED=mixed, num_warps=4)
     return out
 
 

@@ -7,6 +7,8 @@ Device: source .device/prepare.sh && python scripts/sweep_decode_attention.py [-
 Shapes: Orpheus/Llama-3.2-3B (24 q heads, 8 KV heads, head dim 128) at 256 and 64 rows, Qwen3-0.6B (16/8/128)
 at 1 and 64 rows, Whisper large-v3 (20/20/64) at 1 row over the 1,500 encoder positions; bf16 and fp8 pools.
 The first shape is swept in full; the five best settings are then timed on the others.
+`--variants` instead compares the kernel's forms (heads-major, tokens-major, fp16 dots, fp8 q.k) over a smaller
+grid of launch knobs, per pool dtype.
 """
 
 from __future__ import annotations
@@ -84,10 +86,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--variants", action="store_true", help="compare the kernel's forms (see above)")
+    parser.add_argument("--mixed", action="store_true", help="time a mixed step's attention both ways")
     args = parser.parse_args()
     import torch
 
-    from kernels.paged_decode_attention import BLOCK_N, decode_num_splits, paged_decode_attention
+    from kernels.paged_decode_attention import decode_num_splits, paged_decode_attention
 
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth {bandwidth:.2f} TB/s ({torch.cuda.get_device_name()})", flush=True)
@@ -100,18 +104,95 @@ def main() -> int:
                                                                          kv_dtype, "cuda")
         block, warps, stages, splits, *rest = setting
         fp16_dots = bool(rest and rest[0])
+        tokens_major = bool(len(rest) > 1 and rest[1])
+        qk_fp8 = bool(len(rest) > 2 and rest[2])
         splits = splits or decode_num_splits(rows, kv_heads)
         try:
             us = time_us(lambda: paged_decode_attention(query, k_cache, v_cache, tables, ctx_lens, 0.088,
                                                         num_splits=splits, block=block, num_warps=warps,
-                                                        num_stages=stages, fp16_dots=fp16_dots))
+                                                        num_stages=stages, fp16_dots=fp16_dots,
+                                                        tokens_major=tokens_major, qk_fp8=qk_fp8))
         except Exception as exc:  # an out-of-resources launch: report it and go on
             print(f"{name} {kv_dtype} {setting}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
             return {}
         row = {"shape": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "block": block, "warps": warps,
-               "stages": stages, "splits": splits, "fp16_dots": fp16_dots, "us": round(us, 2), "TB/s": round(kv_bytes / us / 1e6, 3)}
+               "stages": stages, "splits": splits, "fp16_dots": fp16_dots,
+               "tokens_major": tokens_major, "qk_fp8": qk_fp8, "us": round(us, 2), "TB/s": round(kv_bytes / us / 1e6, 3)}
         results.append(row)
         return row
+
+    if args.mixed:
+        results.extend(time_mixed_step())
+    elif args.variants:
+        sweep_variants(run, args.top)
+    else:
+        sweep_grid(run, grid, args.top)
+    if args.out:
+        args.out.write_text(json.dumps({"copy_TBps": bandwidth, "results": results}, indent=1))
+    return 0
+
+
+def time_mixed_step(rows: int = 256, ctx: int = 640, prompt: int = 32) -> list[dict]:
+    """A mixed step's attention (one layer, Llama-3.2-3B heads): `rows` decode rows of `ctx` tokens plus one
+    new `prompt`, all through the ragged prefill kernel (one pass per query head) against the prefill kernel
+    for the prompt and the decode kernel for the one-token rows (the engine's path since 2026-12-01)."""
+    import torch
+
+    from kernels.paged_decode_attention import paged_decode_attention
+    from kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
+
+    out = []
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        query, k_cache, v_cache, tables, ctx_lens, _ = make_case(rows + 1, 24, 8, 128, ctx, kv_dtype, "cuda")
+        query_lens = [1] * rows + [prompt]
+        qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        packed = torch.randn((rows + prompt, 24, 128), device="cuda", dtype=torch.bfloat16)
+        capacity = prefill_work_capacity(rows + prompt, rows + 1)
+        work = {skip: [torch.tensor(w, dtype=torch.int32, device="cuda")
+                       for w in build_prefill_work(query_lens, capacity, skip_single=skip)] for skip in (False, True)}
+        fp8 = kv_dtype == torch.float8_e4m3fn
+
+        def prefill_only():
+            return paged_prefill_attention(packed, k_cache, v_cache, qsl, ctx_lens, tables, *work[False], 0.088)
+
+        def split():
+            o = paged_prefill_attention(packed, k_cache, v_cache, qsl, ctx_lens, tables, *work[True], 0.088)
+            return paged_decode_attention(packed, k_cache, v_cache, tables, ctx_lens, 0.088, query_start_loc=qsl,
+                                          out=o, tokens_major=fp8, qk_fp8=fp8)
+
+        row = {"shape": f"mixed-{rows}x{ctx}+{prompt}", "kv_dtype": str(kv_dtype).removeprefix("torch."),
+               "prefill_kernel_us": round(time_us(prefill_only), 2), "prefill_plus_decode_us": round(time_us(split), 2)}
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+# (fp16 dots, tokens major, fp8 q.k) per pool dtype
+VARIANTS = {"bfloat16": [(False, False, False), (False, True, False)],
+            "float8_e4m3fn": [(True, False, False), (False, True, False), (True, True, False), (False, True, True)]}
+
+
+def sweep_variants(run, top: int) -> None:
+    import torch
+
+    knobs = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for variant in VARIANTS[str(kv_dtype).removeprefix("torch.")]:
+            rows = [r for r in (run(SHAPES[0], kv_dtype, (*k, 0, *variant)) for k in knobs) if r]
+            rows.sort(key=lambda r: r["us"])
+            print(f"\n{SHAPES[0][0]} {kv_dtype} fp16_dots/tokens_major/qk_fp8={variant}:", flush=True)
+            for r in rows[:top]:
+                print("  best", r, flush=True)
+            for shape in SHAPES[1:4]:
+                for r in rows[:2]:
+                    print("  ", run(shape, kv_dtype, (r["block"], r["warps"], r["stages"], 0, *variant)),
+                          flush=True)
+
+
+def sweep_grid(run, grid, top: int) -> None:
+    import torch
+
+    from kernels.paged_decode_attention import BLOCK_N, decode_num_splits
 
     first = SHAPES[0]
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -121,16 +202,13 @@ def main() -> int:
         default = next((r for r in rows if (r["block"], r["warps"], r["stages"]) == (BLOCK_N, 4, 2)
                         and r["splits"] == decode_num_splits(first[1], first[3])), None)
         print(f"\n{first[0]} {kv_dtype}: current default {default}", flush=True)
-        for r in rows[: args.top]:
+        for r in rows[:top]:
             print("  best", r, flush=True)
-        best = [(r["block"], r["warps"], r["stages"], 0, r["fp16_dots"]) for r in rows[: args.top]]
+        best = [(r["block"], r["warps"], r["stages"], 0, r["fp16_dots"]) for r in rows[:top]]
         for shape in SHAPES[1:]:
             print(f"{shape[0]} {kv_dtype}:", flush=True)
             for setting in [(BLOCK_N, 4, 2, 0)] + best:
                 print("  ", run(shape, kv_dtype, setting), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps({"copy_TBps": bandwidth, "results": results}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

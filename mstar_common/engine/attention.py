@@ -40,7 +40,8 @@ class AttentionMetadata:
     context_lens_host: list[int]
     # Set for the graph-safe backends (static shapes; host lists above are then not to be read):
     is_decode: bool = False  # every row has exactly one new token (decode kernel)
-    work_rows: torch.Tensor | None = None  # [N] int32: prefill work items (row, first query), row -1 = padding
+    work_rows: torch.Tensor | None = None  # [N] int32: prefill work items (row, first query), row -1 = padding;
+    # rows with one new token have none (the decode kernel attends them, also in mixed steps)
     work_firsts: torch.Tensor | None = None  # [N] int32
     request_slots: torch.Tensor | None = None  # [B] int32: each row's model-owned slot (scheduler.RequestHooks)
 
@@ -61,11 +62,16 @@ def prefill_work_capacity(num_tokens: int, num_rows: int) -> int:
     return -(-num_tokens // PREFILL_BLOCK_M) + min(num_rows, num_tokens)
 
 
-def build_prefill_work(query_lens: Sequence[int], capacity: int | None = None) -> tuple[list[int], list[int]]:
-    """(row, first query) per PREFILL_BLOCK_M block of each row's queries, padded to `capacity` with row -1."""
+def build_prefill_work(query_lens: Sequence[int], capacity: int | None = None,
+                       skip_single: bool = False) -> tuple[list[int], list[int]]:
+    """(row, first query) per PREFILL_BLOCK_M block of each row's queries, padded to `capacity` with row -1.
+    `skip_single`: no items for rows with one new token (a mixed step's decode rows, which the Triton backend
+    hands to the decode kernel)."""
     rows: list[int] = []
     firsts: list[int] = []
     for row, n in enumerate(query_lens):
+        if skip_single and n == 1:
+            continue
         for first in range(0, n, PREFILL_BLOCK_M):
             rows.append(row)
             firsts.append(first)
@@ -95,7 +101,7 @@ def build_attention_metadata(
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
     max_pages = max((math.ceil(c / page_size) for c in context_lens), default=0)
     block_tables = [list(pages[:max_pages]) + [sink_page] * (max_pages - len(pages)) for pages in page_tables]
-    work_rows, work_firsts = build_prefill_work(query_lens)
+    work_rows, work_firsts = build_prefill_work(query_lens, skip_single=True)
     return AttentionMetadata(
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
@@ -255,8 +261,11 @@ class TorchStaticAttention(TorchPagedAttention):
 class TritonPagedAttention(AttentionBackend):
     """The portable GPU path: Triton kernels from `kernels/`, graph safe.
 
-    Decode steps (`metadata.is_decode`) use the split-K paged decode kernel; every other step uses the ragged
-    paged prefill kernel over the metadata's work list. `fused_prologue` runs q/k norm + RoPE + KV write as
+    Decode steps (`metadata.is_decode`) use the split-K paged decode kernel. Every other step runs the ragged
+    paged prefill kernel over the metadata's work list (the rows of several new tokens) and then the decode
+    kernel over the rows of one new token, at their packed positions: a mixed step's decodes keep the decode
+    kernel's GQA-shared reads (H200, 256 decode rows + a 32-token prompt, Llama-3.2-3B heads: 584 us per layer
+    through the prefill kernel alone, 223 us split; fp8 pool 574 -> 168 us). `fused_prologue` runs q/k norm + RoPE + KV write as
     one kernel instead of the eager ops.
     """
 
@@ -284,17 +293,25 @@ class TritonPagedAttention(AttentionBackend):
         store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
     def attend(self, query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
-        if metadata.is_decode:
-            from kernels.paged_decode_attention import paged_decode_attention
+        from kernels.paged_decode_attention import paged_decode_attention
 
+        fp8 = k_cache.element_size() == 1
+        form = _DECODE_FORM if _DECODE_FORM != "auto" else ("tokens_qk_fp8" if fp8 else "heads")
+        knobs = dict(tokens_major=form.startswith("tokens"),
+                     fp16_dots=fp8 and (_FP8_FP16_DOTS or form == "tokens_fp16"), qk_fp8=fp8 and form == "tokens_qk_fp8")
+        if metadata.is_decode:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-                                          scale, fp16_dots=k_cache.element_size() == 1 and _FP8_FP16_DOTS)
+                                          scale, **knobs)
         from kernels.paged_prefill_attention import paged_prefill_attention
 
         if metadata.work_rows is None:
             raise ValueError("the Triton prefill kernel needs metadata.work_rows (build_attention_metadata sets it)")
-        return paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.context_lens,
-                                       metadata.block_tables, metadata.work_rows, metadata.work_firsts, scale)
+        # rows of several new tokens through the ragged prefill kernel, the one-token rows (a mixed step's
+        # decodes) through the decode kernel into the same output
+        out = paged_prefill_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.context_lens,
+                                      metadata.block_tables, metadata.work_rows, metadata.work_firsts, scale)
+        return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale,
+                                      query_start_loc=metadata.query_start_loc, out=out, **knobs)
 
 
 BACKENDS = ("auto", "torch", "torch_static", "triton", "triton_unfused")
@@ -318,6 +335,15 @@ def select_attention_backend(device: torch.device | str, name: str = "auto") -> 
 
 # An fp8 pool's decode dots in fp16 (kernels/paged_decode_attention.py `fp16_dots`): off until timed.
 _FP8_FP16_DOTS = os.environ.get("MSTAR_FP8_FP16_DOTS") == "1"
+# The decode kernel's form (kernels/paged_decode_attention.py): heads (query heads as the dots' rows) | tokens
+# (context tokens as the rows) | tokens_fp16 (and an fp8 pool's dots in fp16) | tokens_qk_fp8 (an fp8 pool's
+# q.k as an fp8 dot on the pool's bytes, the query quantised per head). auto: heads for a bf16/fp32 pool,
+# tokens_qk_fp8 for an fp8 one (the fastest of each in scripts/sweep_decode_attention.py --variants on the H200:
+# 158 us and 108 us at 256 rows x 640 tokens, Llama-3.2-3B's heads).
+_DECODE_FORMS = ("auto", "heads", "tokens", "tokens_fp16", "tokens_qk_fp8")
+_DECODE_FORM = os.environ.get("MSTAR_DECODE_FORM", "auto")
+if _DECODE_FORM not in _DECODE_FORMS:
+    raise ValueError(f"MSTAR_DECODE_FORM must be one of {list(_DECODE_FORMS)}, got {_DECODE_FORM!r}")
 
 
 def _has_triton() -> bool:

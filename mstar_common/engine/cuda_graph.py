@@ -318,7 +318,8 @@ class CudaGraphRunner:
             h["gather_dst"][: len(batch.gather_dst)] = batch.gather_dst
             h["gather_src"][: len(batch.gather_src)] = batch.gather_src
         if kind == MIXED:
-            work_rows, work_firsts = build_prefill_work(batch.query_lens, prefill_work_capacity(tokens, rows))
+            work_rows, work_firsts = build_prefill_work(batch.query_lens, prefill_work_capacity(tokens, rows),
+                                                        skip_single=True)
             h["work_rows"][: len(work_rows)] = work_rows
             h["work_firsts"][: len(work_firsts)] = work_firsts
         if sampling:

@@ -58,6 +58,42 @@ def test_paged_decode_matches_reference(head_dim, num_heads, num_kv_heads, page_
     for splits in sweep([None, 1, 8], [1, 4]):
         out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), splits
+        out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, num_splits=splits,
+                                     tokens_major=True)
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), ("tokens major", splits)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("form", [{}, {"tokens_major": True}])
+def test_mixed_step_splits_rows_between_the_prefill_and_decode_kernels(head_dim, num_heads, num_kv_heads, form):
+    """A mixed step as the Triton backend runs it: the prefill kernel over the multi-token rows (their work
+    items only), then the decode kernel over the one-token rows at their packed positions into the same output;
+    trailing padding rows (no queries, as in a captured bucket) are skipped."""
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    rows = [(1, 300), (40, 40), (1, 77), (1, 1), (17, 530), (1, 64)]
+    query_lens = [q for q, _ in rows]
+    k_cache, v_cache, tables = _pool([c for _, c in rows], PAGE_SIZE, num_kv_heads, head_dim, dtype, gen)
+    tokens = sum(query_lens)
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    ctx = [c for _, c in rows]
+    query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    ref = paged_prefill_attention_ref(query, k_cache, v_cache, torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+                                      torch.tensor(ctx, dtype=torch.int32, device=DEVICE), tables, scale=scale)
+    padded_tables = torch.cat([tables, tables[:2]])  # two padding rows
+    padded_qsl = torch.tensor(qsl + [tokens, tokens], dtype=torch.int32, device=DEVICE)
+    padded_ctx = torch.tensor(ctx + [1, 1], dtype=torch.int32, device=DEVICE)
+    capacity = prefill_work_capacity(tokens, len(rows) + 2)
+    work_rows, work_firsts = build_prefill_work(query_lens + [0, 0], capacity, skip_single=True)
+    assert sum(r >= 0 for r in work_rows) == 2  # the 40- and 17-token rows only
+    out = paged_prefill_attention(query, k_cache, v_cache, padded_qsl, padded_ctx, padded_tables,
+                                  torch.tensor(work_rows, dtype=torch.int32, device=DEVICE),
+                                  torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale)
+    for splits in (1, 4):
+        mixed = paged_decode_attention(query, k_cache, v_cache, padded_tables, padded_ctx, scale, num_splits=splits,
+                                       query_start_loc=padded_qsl, out=out.clone(), **form)
+        assert rel_err(mixed, ref) < (1e-5 if dtype == torch.float32 else 1e-2), splits
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,page_size", CASES)
@@ -106,6 +142,17 @@ def test_fp8_kv_pool_is_read_back_exactly(dtype):
     if dtype == torch.bfloat16:  # the fp16-dot variant for fp8 pools: fp16 holds e4m3 and bf16 queries here
         fp16 = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, fp16_dots=True)
         assert fp16.dtype == dtype and rel_err(fp16, ref) < tol
+        for splits in (1, 4):
+            fp16 = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, fp16_dots=True,
+                                          tokens_major=True, num_splits=splits)
+            assert rel_err(fp16, ref) < tol, ("tokens major, fp16 dots", splits)
+            # the query quantised to e4m3 per head: ~3% error per score at most, a few % on the output
+            fp8 = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, tokens_major=True,
+                                         qk_fp8=True, num_splits=splits)
+            err = rel_err(fp8, ref)
+            assert 1e-4 < err < 0.05, ("tokens major, fp8 q.k", splits, err)
+    out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, tokens_major=True)
+    assert rel_err(out, ref) < tol
     query_lens = [min(n, 5) for n in lengths]  # the last few positions of each context are new queries
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
