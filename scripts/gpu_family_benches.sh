@@ -4,14 +4,14 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [gemv-sweep] [profile] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health] [orpheus-pyspy]
-# Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
+# Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, BASELINE_CONCURRENCY / BASELINE_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
 #   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT, GEMV_ARGS (sweep_gemv.py), PROFILE_ARGS / PROFILE_TIMEOUT
 #   (profile_decode_step.py); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
-#   MSTAR_FP8_FP16_DOTS, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION
+#   MSTAR_FP8_FP16_DOTS, MSTAR_DECODE_FORM, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION
 #   reach every engine built.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,6 +47,16 @@ if has sweeps; then
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --out "$OUT/sweep_attention.json" \
     > "$OUT/sweep_attention.txt" 2>&1 || echo "STAGE FAILED: attention sweep"
   grep -v "^  " "$OUT/sweep_attention.txt" | tail -12
+fi
+if has attention-variants; then
+  stage "decode attention forms (heads/tokens major, fp16 dots, fp8 q.k) on bf16 and fp8 pools"
+  timeout ${GPU_TESTS_TIMEOUT:-240} $IMAGE_PY -m pytest -q -m gpu tests/kernels/test_paged_attention.py -p no:cacheprovider \
+    --tb=short > "$OUT/attention_tests.log" 2>&1 || echo "STAGE FAILED: attention tests"
+  tail -3 "$OUT/attention_tests.log"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --variants --top 3 \
+    --out "$OUT/sweep_attention_variants.json" > "$OUT/sweep_attention_variants.txt" 2>&1 \
+    || echo "STAGE FAILED: attention variants"
+  cat "$OUT/sweep_attention_variants.txt" | cut -c1-220
 fi
 if has gemv-sweep; then
   stage "skinny GEMM vs cuBLAS on cold weights (GEMV_ARGS, e.g. --shapes llama --rows 1)"
@@ -92,12 +102,13 @@ fi
 if has orpheus; then
   build_orpheus
   stage "orpheus: served (3B LM + SNAC, random weights, 1200 audio tokens)"
-  MSTAR_BENCH_LOG_DIR=$OUT timeout 220 $PY scripts/bench_orpheus.py --baseline-concurrency "" \
-    --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
+  MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-240} $PY scripts/bench_orpheus.py --baseline-concurrency "" \
+    ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" | head -20
-  stage "orpheus: HF generate + snac baseline"
-  timeout 150 $IMAGE_PY scripts/bench_orpheus.py --concurrency "" --baseline-concurrency 1,16 \
-    --out "$OUT/orpheus_baseline.json" || echo "STAGE FAILED: orpheus baseline"
+  stage "orpheus: HF generate + snac baseline (BASELINE_CONCURRENCY, default 1,16)"
+  timeout ${BASELINE_TIMEOUT:-150} $IMAGE_PY scripts/bench_orpheus.py --concurrency "" \
+    --baseline-concurrency ${BASELINE_CONCURRENCY:-1,16} --out "$OUT/orpheus_baseline.json" \
+    || echo "STAGE FAILED: orpheus baseline"
 fi
 if has flux2; then
   stage "flux2 klein-4B shapes: engine + diffusers, 1024x1024, 4 steps"

@@ -34,14 +34,15 @@ from mstar_common.engine.types import FinishReason
 logger = logging.getLogger(__name__)
 
 PCM_SCALE = 32767  # float [-1, 1] -> int16, truncating toward zero as the reference does
-AUTO_STREAMS_PER_FRAME = 64  # "auto" first chunk: one more held frame per this many streams being served
+AUTO_STREAMS_PER_FRAME = 48  # "auto" first chunk: one more held frame per this many streams being served
 AUTO_MAX_FRAMES = 6  # ... up to 6 frames (512 ms)
 
 
 def auto_first_chunk_frames(num_streams: int) -> int:
-    """The "auto" first-chunk hold: 1 frame below 64 streams, 2 from 64, 3 from 128, 4 from 192, 5 from 256.
-    On the H200 (docs/benchmarks.md) one frame kept 64/64 streams without a gap and none of 192; three kept
-    148/192."""
+    """The "auto" first-chunk hold: 1 frame below 48 streams, 2 from 48, 3 from 96, 4 from 144, 5 from 192 and
+    6 (512 ms) from 240. On the H200 (docs/benchmarks.md) one frame kept 64/64 streams without a gap and none
+    of 192; three kept 148/192; at 256 streams with an fp8 KV pool five kept 241-256 of 256, with stalls of
+    a few ms in the others."""
     return min(AUTO_MAX_FRAMES, 1 + num_streams // AUTO_STREAMS_PER_FRAME)
 
 
