@@ -85,6 +85,11 @@ class Result:
     stall_p50_ms: float = float("nan")  # total playback stall per stream (0 for a real-time one)
     stall_p90_ms: float = float("nan")
     first_stall_p50_s: float | None = None  # among stalled streams: when (since the request) the first gap began
+    # among stalled streams: the median rank of their first audio among all streams' (0 = first to start
+    # playing, 1 = last): were the stalled ones the early starters or the late ones?
+    stalled_start_rank_p50: float | None = None
+    # per stream, in seed order: [first audio s, total stall ms, first stall s or None, last audio s, responses]
+    streams: list = field(default_factory=list)
 
 
 def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
@@ -95,11 +100,24 @@ def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
     stalls = [log.stalls() for log in ok] or [(float("nan"), None)]
     totals_ms = [total * 1e3 for total, _ in stalls]
     first_stalls = [at for total, at in stalls if total >= MAX_STALL_S and at is not None]
+    order = np.argsort([log.arrivals[0][0] for log in ok], kind="stable")
+    rank = np.empty(len(ok))
+    rank[order] = np.arange(len(ok)) / max(1, len(ok) - 1)
+    stalled_ranks = [rank[i] for i, (total, _) in enumerate(stalls) if ok and total >= MAX_STALL_S]
+    streams = []
+    for log in logs:
+        if log.error is not None or not log.arrivals:
+            streams.append(None)
+            continue
+        total, at = log.stalls()
+        streams.append([round(log.arrivals[0][0], 4), round(total * 1e3, 2), None if at is None else round(at, 4),
+                        round(log.arrivals[-1][0], 4), len(log.arrivals)])
     return Result(system, len(logs), round(wall, 3), round(float(np.percentile(first, 50)), 1),
                   round(float(np.percentile(first, 90)), 1), sum(total < MAX_STALL_S for total, _ in stalls),
                   round(audio, 2), round(audio / wall, 2), round(float(np.median(rtf)), 3), len(logs) - len(ok),
                   round(float(np.percentile(totals_ms, 50)), 1), round(float(np.percentile(totals_ms, 90)), 1),
-                  round(float(np.median(first_stalls)), 3) if first_stalls else None)
+                  round(float(np.median(first_stalls)), 3) if first_stalls else None,
+                  round(float(np.median(stalled_ranks)), 2) if stalled_ranks else None, streams)
 
 
 # ---- the served system (tritonclient gRPC streaming, one stream per request) -------------------------------
@@ -352,12 +370,12 @@ def main(argv: list[str] | None = None) -> int:
                                                    _overrides(args.set))
             if concurrencies:
                 warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
-                print("warm-up:", json.dumps(asdict(warm)), flush=True)
+                print("warm-up:", _brief(warm), flush=True)
                 if warm.errors:
                     raise RuntimeError(f"{warm.errors} of {args.warmup} warm-up streams failed (see the server log)")
             for c in concurrencies:
                 results.append(bench_served(url, model, c, args.tokens, streams_per_proc=args.streams_per_proc))
-                print(json.dumps(asdict(results[-1])), flush=True)
+                print(_brief(results[-1]), flush=True)
         finally:
             stop_process(proc)
     import torch
@@ -365,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for c in baseline:
         results.append(bench_baseline(checkpoint, c, args.tokens, device))
-        print(json.dumps(asdict(results[-1])), flush=True)
+        print(_brief(results[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"tokens": args.tokens, "config": str(args.config), "checkpoint": args.checkpoint, "device": device,
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "date": time.strftime("%Y-%m-%d")}
@@ -374,14 +392,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _brief(result: Result) -> str:
+    """One JSON line without the per-stream records (those go to --out only)."""
+    return json.dumps({k: v for k, v in asdict(result).items() if k != "streams"})
+
+
 def _print_table(results: list[Result]) -> None:
     print(f"{'system':18} {'c':>4} {'first p50 ms':>12} {'real-time':>9} {'audio-s/s':>9} {'RTF p50':>8} {'err':>4}"
-          f" {'stall p50/p90 ms':>16} {'1st stall s':>11}")
+          f" {'stall p50/p90 ms':>16} {'1st stall s':>11} {'stalled rank':>12}")
     for r in results:
         real_time = f"{r.streams_real_time}/{r.concurrency}"
         first_stall = "-" if r.first_stall_p50_s is None else f"{r.first_stall_p50_s:.2f}"
+        rank = "-" if r.stalled_start_rank_p50 is None else f"{r.stalled_start_rank_p50:.2f}"
         print(f"{r.system:18} {r.concurrency:>4} {r.first_audio_p50_ms:>12.1f} {real_time:>9} {r.audio_s_per_s:>9.2f}"
-              f" {r.rtf_p50:>8.3f} {r.errors:>4} {r.stall_p50_ms:>7.1f}/{r.stall_p90_ms:<8.1f} {first_stall:>11}")
+              f" {r.rtf_p50:>8.3f} {r.errors:>4} {r.stall_p50_ms:>7.1f}/{r.stall_p90_ms:<8.1f} {first_stall:>11}"
+              f" {rank:>12}")
 
 
 if __name__ == "__main__":

@@ -59,3 +59,9 @@ def test_orpheus_bench_playback_stalls():
     result = bench.summarize("x", [steady, late], wall=1.0)
     assert result.streams_real_time == 1 and result.first_stall_p50_s == pytest.approx(0.1 + frame_s, abs=1e-3)
     assert result.stall_p90_ms == pytest.approx(72.0, abs=0.1)  # 90th percentile of (0, 80) ms
+    assert result.streams[1][:3] == [0.1, 80.0, pytest.approx(0.1 + frame_s, abs=1e-4)] and result.streams[0][1] == 0
+    for shift, rank in ((-0.05, 0.0), (0.3, 1.0)):  # the same stall in a stream that starts first / last
+        moved = bench.StreamLog(0.0, [(a + shift, n) for a, n in late.arrivals])
+        assert bench.summarize("x", [steady, moved], wall=1.0).stalled_start_rank_p50 == rank
+    failed = bench.StreamLog(0.0, error="boom")
+    assert bench.summarize("x", [steady, failed], wall=1.0).streams[1] is None
