@@ -7,6 +7,9 @@ second kernel merges the splits' partial softmax states. The grid depends only o
 context lengths (read on the device), so the launch is CUDA-graph safe.
 
 Layouts: query/out `[B, Hq, D]`; caches `[P, page, Hkv, D]`; `block_tables` `[B, W]` int32; `context_lens` `[B]`.
+Two forms: heads-major (`_decode_split_kernel`, the query heads as the dots' rows) and tokens-major
+(`_decode_split_tokens_kernel`, the context tokens as the rows; with an fp8 pool its q.k is an fp8 dot). In a
+mixed step (`query_start_loc` given) both attend only the rows of one new token, at their packed positions.
 """
 
 from __future__ import annotations
@@ -84,10 +87,11 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
                                 NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
                                 MIXED: tl.constexpr, QK_FP8: tl.constexpr):
     """The same attention with the context tokens as the dots' M dimension: scores^T = K q^T and
-    out^T = V^T p^T. K and V (converted from an fp8 pool in registers) are then the dots' left operands, which
-    Hopper's tensor cores read from registers, and M is a full 64/128-token tile instead of 16 padded query
-    rows. `QK_FP8` (an fp8 pool only): the query is quantised per head to e4m3 (scale max|q| / 448) and q.K
-    runs as an fp8 dot on the pool's bytes, with no conversion of K at all."""
+    out^T = V^T p^T. K and V are then the dots' left operands and M is a full 64/128-token tile instead of 16
+    padded query rows (the reasoning: a left operand converted from fp8 can stay in registers; measured
+    only end to end, see `paged_decode_attention`). `QK_FP8` (an fp8 pool only): the query is quantised per
+    head to e4m3 (scale max|q| / 448) and q.K runs as an fp8 dot on the pool's bytes, with no conversion of
+    K at all."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
