@@ -44,6 +44,9 @@ def main() -> int:
     parser.add_argument("--walk-profile", type=Path, help="trace 2 s of each walk run (CUDA kernels of both the "
                         "engine and the codec) into this directory and print GPU busy time per stream")
     parser.add_argument("--codec-only", action="store_true", help="only the codec runs (--codec-throughput)")
+    parser.add_argument("--walk-timeline", type=float, default=0.0, metavar="SECONDS",
+                        help="print the engine's ms per step, running and waiting requests, and streams stalled "
+                        "so far, per 100 ms over the first SECONDS of each walk run (the start-up of c streams)")
     parser.add_argument("--kv-dtype", default="auto", help="resources.kv_cache.dtype: auto | fp8_e4m3")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(240, exit=True, file=sys.__stderr__)  # a stuck run: every stack, exit
@@ -103,7 +106,7 @@ def main() -> int:
         codec = build_codec(raw, dtype, checkpoint, args.device)
         codec_throughput(codec, dtype)
         for c in walk:
-            run_walk(rt, codec, prompt, c, args.tokens, dtype, args.walk_profile)
+            run_walk(rt, codec, prompt, c, args.tokens, dtype, args.walk_profile, args.walk_timeline)
     engine.shutdown()
     faulthandler.cancel_dump_traceback_later()
     return 0
@@ -178,7 +181,8 @@ class RecordingSink:
         return False
 
 
-def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str, profile_dir: Path | None = None) -> None:
+def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str, profile_dir: Path | None = None,
+             timeline_s: float = 0.0) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_orpheus import StreamLog, summarize
 
@@ -201,14 +205,41 @@ def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str, prof
                                   rt.sample_rate, num_prompt_tokens=len(prompt)))
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **DEFAULT_SAMPLING)
         rt.engine.add_request(rid, prompt, params, pump.on_output)
+    if timeline_s > 0:
+        samples = sample_engine(rt.engine, timeline_s)
     if profile_dir is not None:
         trace_walk(rt.engine, profile_dir / f"walk_{dtype}_c{c}.json")
     tracker.wait()
     result = summarize(f"walk codec {dtype}", logs, time.perf_counter() - start)
+    if timeline_s > 0:
+        print_timeline(samples, logs, start)
     pump.stop()
     print(f"walk codec={dtype:8s} c={c:4d} wall={result.wall_s:.2f}s first p50={result.first_audio_p50_ms:.1f}ms "
           f"real-time={result.streams_real_time}/{c} audio-s/s={result.audio_s_per_s:.1f} RTF p50={result.rtf_p50:.3f} "
           f"codec calls={pump.num_codec_calls} windows={pump.num_windows} errors={result.errors}", flush=True)
+
+
+def sample_engine(engine, seconds: float, period_s: float = 0.1) -> list[tuple[float, int, int, int]]:
+    """(time, engine steps so far, running, waiting) every `period_s` for `seconds`, from this thread."""
+    out = []
+    end = time.perf_counter() + seconds
+    while True:
+        now = time.perf_counter()
+        out.append((now, engine.num_steps, engine.scheduler.num_running, engine.scheduler.num_waiting))
+        if now >= end:
+            return out
+        time.sleep(period_s)
+
+
+def print_timeline(samples, logs, start: float) -> None:
+    """Per window: ms per engine step, running/waiting requests, and how many streams had begun a playback
+    gap by then (a slow stretch of steps right before the gaps start is the start-up dip)."""
+    first_gaps = [at for log in logs if log.arrivals for total, at in [log.stalls()] if at is not None and total >= 1e-2]
+    for (t0, s0, _, _), (t1, s1, running, waiting) in zip(samples, samples[1:]):
+        per_step = (t1 - t0) * 1e3 / (s1 - s0) if s1 > s0 else float("inf")
+        stalled = sum(at <= t1 - start for at in first_gaps)
+        print(f"[timeline] t={t1 - start:5.2f}s  {per_step:7.2f} ms/step  running={running:4d} waiting={waiting:4d}"
+              f"  streams stalled so far={stalled}", flush=True)
 
 
 def trace_walk(engine, path: Path, delay_s: float = 4.0, window_s: float = 2.0) -> None:

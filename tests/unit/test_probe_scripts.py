@@ -38,9 +38,12 @@ def test_orpheus_engine_probe_with_the_walk(capsys, monkeypatch):
     probe = _load("probe_orpheus_engine")
     monkeypatch.setattr(sys, "argv", ["probe", "--config", str(CONFIGS / "orpheus.yaml"), "--checkpoint",
                                       "builtin:orpheus-tiny", "--device", "cpu", "--concurrency", "2",
-                                      "--tokens", "28", "--walk", "2", "--kv-dtype", "fp8_e4m3"])
+                                      "--tokens", "28", "--walk", "2", "--kv-dtype", "fp8_e4m3",
+                                      "--walk-timeline", "0.3"])
     assert probe.main() == 0
     out = capsys.readouterr().out
+    timeline = [line for line in out.splitlines() if line.startswith("[timeline]")]
+    assert len(timeline) >= 2 and all("ms/step" in line and "running=" in line for line in timeline)
     assert "reference c=   2" in out and "codec float32  batch= 128" in out
     assert "walk codec=float32  c=   2" in out and "errors=0" in out
 
