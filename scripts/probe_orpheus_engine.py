@@ -44,6 +44,8 @@ def main() -> int:
     parser.add_argument("--walk-profile", type=Path, help="trace 2 s of each walk run (CUDA kernels of both the "
                         "engine and the codec) into this directory and print GPU busy time per stream")
     parser.add_argument("--codec-only", action="store_true", help="only the codec runs (--codec-throughput)")
+    parser.add_argument("--walk-first-chunk", default="1", help="first_chunk_frames of the walk's streams: "
+                        "an integer or auto (as the deployment knob)")
     parser.add_argument("--walk-timeline", type=float, default=0.0, metavar="SECONDS",
                         help="print the engine's ms per step, running and waiting requests, and streams stalled "
                         "so far, per 100 ms over the first SECONDS of each walk run (the start-up of c streams)")
@@ -106,7 +108,8 @@ def main() -> int:
         codec = build_codec(raw, dtype, checkpoint, args.device)
         codec_throughput(codec, dtype)
         for c in walk:
-            run_walk(rt, codec, prompt, c, args.tokens, dtype, args.walk_profile, args.walk_timeline)
+            run_walk(rt, codec, prompt, c, args.tokens, dtype, args.walk_profile, args.walk_timeline,
+                     None if args.walk_first_chunk == "auto" else int(args.walk_first_chunk))
     engine.shutdown()
     faulthandler.cancel_dump_traceback_later()
     return 0
@@ -182,7 +185,7 @@ class RecordingSink:
 
 
 def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str, profile_dir: Path | None = None,
-             timeline_s: float = 0.0) -> None:
+             timeline_s: float = 0.0, first_chunk_frames: int | None = 1) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_orpheus import StreamLog, summarize
 
@@ -202,7 +205,8 @@ def run_walk(rt, codec, prompt: list[int], c: int, tokens: int, dtype: str, prof
     for i in range(c):
         rid = f"walk-{dtype}-{c}#{i}"
         pump.register(AudioStream(rid, RecordingSink(logs[i], tracker.end_one), SpeechChunker(rt.layout, "wrap"),
-                                  rt.sample_rate, num_prompt_tokens=len(prompt)))
+                                  rt.sample_rate, num_prompt_tokens=len(prompt),
+                                  first_chunk_frames=first_chunk_frames))
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **DEFAULT_SAMPLING)
         rt.engine.add_request(rid, prompt, params, pump.on_output)
     if timeline_s > 0:

@@ -39,7 +39,7 @@ def test_orpheus_engine_probe_with_the_walk(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["probe", "--config", str(CONFIGS / "orpheus.yaml"), "--checkpoint",
                                       "builtin:orpheus-tiny", "--device", "cpu", "--concurrency", "2",
                                       "--tokens", "28", "--walk", "2", "--kv-dtype", "fp8_e4m3",
-                                      "--walk-timeline", "0.3"])
+                                      "--walk-timeline", "0.3", "--walk-first-chunk", "auto"])
     assert probe.main() == 0
     out = capsys.readouterr().out
     timeline = [line for line in out.splitlines() if line.startswith("[timeline]")]
