@@ -27,6 +27,7 @@ from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.output_pump import OutputPump, TextStream
 from mstar_common.engine.stop_strings import StopStringMatcher
+from mstar_common.gc_policy import settle_heap
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class TritonPythonModel:
         self.metrics = ComponentMetrics(self.engine, self.pump.latency, labels)
         self.metrics.start()
         install_stack_dumps(self.engine.stats)
+        settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready on %s", self.model_name, device)
 
     def execute(self, requests: list) -> None:

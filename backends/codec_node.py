@@ -22,6 +22,7 @@ from backends.bls import release_stub_objects
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder
 from mstar_common import wire
+from mstar_common.gc_policy import settle_heap
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class TritonPythonModel:
         self._thread = threading.Thread(target=self._loop, name=f"{self.model_name}-step", daemon=True)
         self._thread.start()
         install_stack_dumps()
+        settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready on %s", self.model_name, setup.device)
 
     def execute(self, requests: list) -> None:

@@ -26,6 +26,7 @@ from backends.responder import Responder, request_inputs
 from mstar_common import wire
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
 from mstar_common.families.orpheus.codes import SpeechChunker
+from mstar_common.gc_policy import settle_heap
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class TritonPythonModel:
         self.metrics = ComponentMetrics(self, self.pump.latency, labels)
         self.metrics.start()
         install_stack_dumps(self.stats)
+        settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready on %s; codec %s", self.model_name, setup.device,
                     "in process" if self.runtime.local_codec else f"model {self.runtime.codec_model} (BLS)")
 

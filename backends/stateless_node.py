@@ -25,6 +25,7 @@ from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.diffusion.batcher import Cancelled
+from mstar_common.gc_policy import settle_heap
 
 logger = logging.getLogger(__name__)
 TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"
@@ -44,6 +45,7 @@ class ComponentNode:
         labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": setup.device}
         self.metrics = ComponentMetrics(self.runtime.engine, None, labels)  # steps, running, waiting
         self.metrics.start()
+        settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready on %s", self.model_name, setup.device)
 
     def execute(self, requests: list) -> None:

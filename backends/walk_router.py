@@ -33,6 +33,7 @@ import triton_python_backend_utils as pb_utils
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
+from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
 from mstar_common.walk_api import ComponentError
 
@@ -49,6 +50,7 @@ class TritonPythonModel:
         self.components = setup.family.graph.components
         self.walk = setup.build()  # .input_names; async .run(inputs, call) -> outputs
         self._ids = itertools.count()
+        settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready", self.model_name)
 
     async def execute(self, requests: list) -> None:
