@@ -2,9 +2,10 @@
 
 A component process holds ~350k Python objects once torch, transformers and a model are loaded. CPython's
 full (generation 2) collection walks all of them with the GIL held: 250-320 ms on the development machine's
-CPU for the tiny Orpheus LM's process (`gc.collect()` after building it). It runs when enough new objects have
-survived since the last one, so under a burst of new requests it lands at a moment no one chose, and every
-thread of the process (the engine's step loop, the codec pump, the response senders) stops for its length.
+CPU for the tiny Orpheus LM's process (`gc.collect()` after building it). CPython starts one by itself when
+enough new objects have survived since the last, so under a burst of new requests it could land at a moment
+no one chose, and every thread of the process (the engine's step loop, the codec pump, the response senders)
+would stop for its length (not yet observed while serving: docs/reliability.md).
 
 `settle_heap()` runs once at the end of a node's `initialize`: one collection, then `gc.freeze()` moves every
 surviving object to the permanent generation, which later collections skip (the same collection then took
