@@ -28,10 +28,13 @@ class ZImageTurboWalk(ImageWalk):
         input_ids, text_len = self.tokenize(req.prompt)
         encoded = await call("text_encoder", {g.INPUT_IDS: input_ids, g.TEXT_LEN: i32(text_len)})
         size = {g.WIDTH: i32(req.width), g.HEIGHT: i32(req.height)}
-        latents = (await call("denoise", {g.PROMPT_EMBEDS: encoded[g.PROMPT_EMBEDS], **size,
+        denoised = await call("denoise", {g.PROMPT_EMBEDS: encoded[g.PROMPT_EMBEDS], **size,
                                           g.NUM_IMAGES: i32(req.num_images), g.SEED: np.array([req.seed], np.int64),
-                                          g.NUM_STEPS: i32(req.num_steps)}))[g.LATENTS]
-        pixels = (await call("vae_decode", {g.LATENTS: latents, **size}))[g.PIXELS]
+                                          g.NUM_STEPS: i32(req.num_steps)})
+        if g.PIXELS in denoised:  # model_kwargs.vae_in_denoise: decoded in the denoise component
+            pixels = denoised[g.PIXELS]
+        else:
+            pixels = (await call("vae_decode", {g.LATENTS: denoised[g.LATENTS], **size}))[g.PIXELS]
         images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 

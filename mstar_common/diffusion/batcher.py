@@ -43,7 +43,7 @@ class BatchingEngine:
             raise ValueError(f"{name}: max_rows must be >= 1, got {max_rows}")
         self.name = name
         self.max_rows = max_rows
-        self._run_batch, self._key_of, self._rows_of = run_batch, key_of, rows_of
+        self._run_batch, self.key_of, self.rows_of = run_batch, key_of, rows_of
         self._waiting: deque[WorkItem] = deque()
         self._cond = threading.Condition()
         self._is_stopped = False
@@ -62,10 +62,10 @@ class BatchingEngine:
 
     def submit(self, request_id: str, payload: Any, on_done: OnDone,
                is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        rows = self._rows_of(payload)
+        rows = self.rows_of(payload)
         if rows > self.max_rows:
             raise ValueError(f"{self.name}: a request of {rows} rows exceeds the batch limit of {self.max_rows}")
-        item = WorkItem(request_id, payload, self._key_of(payload), rows, on_done, is_cancelled)
+        item = WorkItem(request_id, payload, self.key_of(payload), rows, on_done, is_cancelled)
         with self._cond:
             if self._is_stopped:
                 raise RuntimeError(f"{self.name} is shut down")

@@ -73,14 +73,19 @@ class DenoiseEngine:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-denoise", daemon=True)
         self.num_steps = 0  # batched forwards run
         self.num_rows_stepped = 0  # rows advanced by them (num_rows_stepped / num_steps = mean batch)
+        self.companions: list[Any] = []  # engines started and stopped with this one (an in-process VAE decoder)
 
     def start(self) -> None:
+        for engine in self.companions:
+            engine.start()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._is_stopped = True
         self._incoming.put(None)
         self._thread.join(timeout)
+        for engine in self.companions:
+            engine.shutdown()
 
     def submit(self, job: DenoiseJob) -> None:
         if job.num_rows > self.max_rows:

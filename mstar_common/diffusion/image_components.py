@@ -183,20 +183,82 @@ def parse_denoise_scalars(inputs: Inputs, lim: DenoiseLimits) -> DenoiseScalars:
 
 
 class DenoiseComponent(Component):
-    """Base of a family's denoise runtime: `parse` builds a `DenoiseJob`, `finish` turns its latents into outputs."""
+    """Base of a family's denoise runtime: `parse` builds a `DenoiseJob`, `finish` turns its latents into outputs.
+
+    With a decoder attached (`attach_decoder`, the deployment's `vae_in_denoise`), a finished job's latents go to
+    that VAE decode component in this process instead, and the request is answered with its pixels: the walk then
+    skips its hop to the vae_decode component."""
+
+    decoder: LocalDecoder | None = None
 
     def submit(self, request_id: str, inputs: Inputs, on_done: OnDone,
                is_cancelled: Callable[[], bool] = lambda: False) -> None:
         job = self.parse(inputs)
         job.request_id, job.is_cancelled = request_id, is_cancelled
-        job.on_done = lambda latents, error: on_done(None if error else self.finish(job.layout, latents), error)
+        if self.decoder is None:
+            job.on_done = lambda latents, error: on_done(None if error else self.finish(job.layout, latents), error)
+        else:
+            job.on_done = lambda latents, error: self._decode(job, latents, error, on_done)
         self.engine.submit(job)
+
+    def _decode(self, job: DenoiseJob, latents: torch.Tensor | None, error: BaseException | None,
+                on_done: OnDone) -> None:
+        """On the denoise thread: hand a finished job's latents to the in-process decoder."""
+        if error is not None:
+            on_done(None, error)
+            return
+        try:
+            self.decoder.submit(job.request_id, self.decode_payload(job.layout, latents), on_done, job.is_cancelled)
+        except Exception as exc:  # noqa: BLE001 - e.g. the decoder shut down: this request fails, the loop goes on
+            on_done(None, exc)
+
+    def attach_decoder(self, decoder: Component) -> None:
+        """Decode in this process: `decoder` is the family's VAE decode component, built on this device."""
+        self.decoder = LocalDecoder(decoder)
+        self.engine.companions.append(self.decoder.engine)
 
     def parse(self, inputs: Inputs) -> DenoiseJob:
         raise NotImplementedError
 
     def finish(self, layout: Any, latents: torch.Tensor) -> Inputs:
         raise NotImplementedError
+
+    def decode_payload(self, layout: Any, latents: torch.Tensor) -> Any:
+        """What the VAE decode component's `parse` would make of `finish`'s outputs, from the latents on the
+        device and as a copy (the step's captured output buffer is overwritten by the next replay)."""
+        raise NotImplementedError
+
+
+class LocalDecoder:
+    """A VAE decode component run inside the denoise process: its own batching thread, and on a GPU its own
+    CUDA stream, so a decode overlaps the next denoise steps instead of waiting behind them. Each payload
+    carries an event recorded on the denoise thread's stream after its latents were copied; the decode stream
+    waits for it, and the copy is marked as used by that stream (the caching allocator then keeps it)."""
+
+    def __init__(self, decoder: Component):
+        self.decoder = decoder
+        inner = decoder.engine
+        self.stream = torch.cuda.Stream(decoder.device) if decoder.device.type == "cuda" else None
+        self.engine = BatchingEngine(f"{inner.name}/in-denoise", self._run_batch, max_rows=inner.max_rows,
+                                     key_of=lambda p: inner.key_of(p[0]), rows_of=lambda p: inner.rows_of(p[0]))
+
+    def submit(self, request_id: str, payload: Any, on_done: OnDone, is_cancelled: Callable[[], bool]) -> None:
+        event = None
+        if self.stream is not None:
+            for tensor in payload if isinstance(payload, tuple) else (payload,):
+                if isinstance(tensor, torch.Tensor):
+                    tensor.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record()
+        self.engine.submit(request_id, (payload, event), on_done, is_cancelled)
+
+    def _run_batch(self, items: list[tuple[Any, torch.cuda.Event | None]]) -> list[Inputs]:
+        if self.stream is None:
+            return self.decoder.run_batch([payload for payload, _ in items])
+        with torch.cuda.stream(self.stream):
+            for _, event in items:
+                self.stream.wait_event(event)
+            return self.decoder.run_batch([payload for payload, _ in items])
 
 
 class BucketedStepper:

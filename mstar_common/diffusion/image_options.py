@@ -27,7 +27,8 @@ def options_from_kwargs(cls: type[Options], kwargs: dict[str, Any], source: str,
 
 
 def check_value(key: str, value: Any, where: str) -> Any:
-    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes; any other is an integer >= 1."""
+    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes, vae_in_denoise; any other is an
+    integer >= 1."""
     if key == "dtype":
         if value is not None and value not in DTYPES:
             raise DeploymentError(f"{where}: must be one of {list(DTYPES)}, got {value!r}")
@@ -36,6 +37,10 @@ def check_value(key: str, value: Any, where: str) -> Any:
         return check_size(value, where)
     if key == "capture_sizes":
         return check_sizes(value, where)
+    if key == "vae_in_denoise":
+        if not isinstance(value, bool):
+            raise DeploymentError(f"{where}: must be true or false, got {value!r}")
+        return value
     if key == "capture_batch_sizes":
         if not isinstance(value, list) or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a list of batch sizes >= 1, got {value!r}")

@@ -181,3 +181,23 @@ def test_native_triton_clients_reach_the_walk_and_components(served_images):
     assert "invalid_request: num_inference_steps" in error
     _, error = triton_call(served_images.grpc_url, "flux2_klein_text_encoder", input_ids=np.zeros(512, np.int32))
     assert "invalid_request: text_len" in error
+
+
+def test_vae_in_denoise_serves_the_same_images_without_the_vae_decode_hop(served_images, oai, tmp_path):
+    """model_kwargs.vae_in_denoise on a second server: the denoise component answers pixels (its response then
+    lacks the latents the walk also asks for) and the images equal the hop server's, byte for byte."""
+    kwargs = dict(prompt="a red kite", size="64x64", n=2, response_format="b64_json",
+                  extra_body={"seed": 5, "num_inference_steps": 2})
+    want = [d.b64_json for d in oai.images.generate(model=served_images.name, **kwargs).data]
+    raw = yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text())
+    raw["model_kwargs"] = {**raw.get("model_kwargs", {}), "vae_in_denoise": True}
+    dep = deployment_from_dict({**raw, "checkpoint": str(served_images.checkpoint)}, source="flux2-local-vae")
+    with serve_deployment(dep, tmp_path, "flux2-local-vae") as served:
+        local = openai.OpenAI(base_url=served.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        got = [d.b64_json for d in local.images.generate(model=dep.name, **kwargs).data]
+        counts = {line.split('model="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                  for line in httpx.get(served.metrics_url).text.splitlines()
+                  if line.startswith("nv_inference_request_success{")}
+    assert got == want
+    assert [n for name, n in counts.items() if name.endswith("vae_decode")] == [0.0]  # no hop to it
+    assert [n for name, n in counts.items() if name.endswith("denoise")] == [1.0]

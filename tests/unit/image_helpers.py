@@ -84,3 +84,25 @@ def assert_transformer_coverage_checked(loader, checkpoint: Path, tmp_path: Path
     with pytest.raises(ValueError, match=f"missing {required}"):
         loader.load_transformer(broken, "float32", "cpu")
     return broken
+
+
+def assert_vae_in_denoise_matches_the_hop(family, make_deployment, checkpoint: Path, requests: list[dict]) -> None:
+    """model_kwargs.vae_in_denoise: the denoise component decodes on its own thread and answers pixels, the walk
+    skips the vae_decode hop. The first request, alone, gives the hop path's images byte for byte (fp32 CPU); run
+    together, each path's decoder batches whatever finished together, and a batch of other rows rounds the last
+    bits differently, so those are held to the batching tests' 60 dB."""
+
+    async def run(dep):
+        async with LocalWalk(family, dep, checkpoint) as walk:
+            outputs = [await walk.run(requests[0])] + list(await asyncio.gather(*(walk.run(r) for r in requests)))
+            return outputs, walk.components["vae_decode"].engine.num_batches, walk.components["denoise"]
+
+    hop, hop_decodes, _ = asyncio.run(run(make_deployment(checkpoint)))
+    local, local_decodes, denoise = asyncio.run(run(make_deployment(checkpoint, vae_in_denoise=True)))
+    assert hop_decodes > 0 and local_decodes == 0
+    rows = sum(int(r.get("num_images", np.array([1]))[0]) for r in requests) + int(
+        requests[0].get("num_images", np.array([1]))[0])
+    assert denoise.decoder is not None and denoise.decoder.engine.num_rows_run == rows
+    assert list(hop[0]["images"]) == list(local[0]["images"])
+    assert [a["seed"] for a in hop] == [b["seed"] for b in local]
+    assert_batched_images_match(hop[1:], local[1:], 60.0)

@@ -201,3 +201,16 @@ def test_batched_requests_match_their_solo_images(checkpoint):
     solo, together, (steps, rows) = image_helpers.run_solo_and_batched(Flux2KleinFamily(), dep, checkpoint, requests)
     assert rows == 4 + 4 + 6 + 2 * 4 + 2 and steps < 20  # solo, the same rows take 20 forwards
     image_helpers.assert_batched_images_match(solo, together, 60.0)
+
+
+def test_vae_in_denoise_gives_the_hop_paths_images_without_calling_vae_decode(checkpoint):
+    requests = [request("a cat", 64, 64, 1), request("a dog on a hill", 96, 64, 2, num_images=2),
+                request("a boat", 64, 64, 3, num_inference_steps=2)]
+    image_helpers.assert_vae_in_denoise_matches_the_hop(Flux2KleinFamily(), tiny_deployment, checkpoint, requests)
+
+
+def test_vae_in_denoise_must_be_a_boolean(checkpoint):
+    from mstar_common.config import DeploymentError
+
+    with pytest.raises(DeploymentError, match=r"model_kwargs.vae_in_denoise: must be true or false, got 1"):
+        Flux2KleinFamily().build_component("denoise", tiny_deployment(checkpoint, vae_in_denoise=1), checkpoint, "cpu")

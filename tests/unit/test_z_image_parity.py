@@ -175,6 +175,11 @@ def test_batched_requests_match_their_solo_images(checkpoint):
     image_helpers.assert_batched_images_match(solo, together, MIN_BATCHED_PSNR)
 
 
+def test_vae_in_denoise_gives_the_hop_paths_images_without_calling_vae_decode(checkpoint):
+    requests = [request("a cat", 64, 64, 1), request("a boat", 96, 64, 4, num_images=2)]
+    image_helpers.assert_vae_in_denoise_matches_the_hop(ZImageTurboFamily(), tiny_deployment, checkpoint, requests)
+
+
 @torch.no_grad()
 def test_bucketed_step_equals_the_eager_step(checkpoint):
     dep = tiny_deployment(checkpoint, capture_sizes=["64x64"], capture_caption_tokens=[32], capture_batch_sizes=[2])

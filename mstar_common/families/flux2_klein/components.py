@@ -196,6 +196,10 @@ class DenoiseComponent(image_components.DenoiseComponent):
     def finish(self, layout: Layout, latents: torch.Tensor) -> Inputs:
         return {g.LATENTS: latents.float().cpu()}
 
+    def decode_payload(self, layout: Layout, latents: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        multiple = self.limits.multiple
+        return latents.to(torch.float32, copy=True), layout.width * multiple, layout.height * multiple
+
 
 # VAE decode
 

@@ -78,6 +78,8 @@ def _denoise(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, devi
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
     if image_family.captures(dep, "denoise", device):
         capture_denoise_graphs(runtime, options)
+    if options.vae_in_denoise:
+        runtime.attach_decoder(_vae_decode(dep, options, checkpoint, device))
     return runtime
 
 

@@ -6,6 +6,7 @@
         ├─▶ denoise       the whole Euler loop inside the component ─▶ latents [n, N, C]
         │                 (every step batched across requests of one token layout, each row at its own step)
         └─▶ vae_decode    latents ─▶ uint8 RGB [n, H, W, 3]                            (batched per output size)
+                          (with model_kwargs.vae_in_denoise the denoise component decodes and answers the pixels)
     walk ─PNG/JPEG/WebP bytes [n] + the seed used─▶ client
 
 The walk makes one async BLS call per component per request: each hop carries a whole prompt or image
@@ -29,7 +30,8 @@ DENOISE = Component(
     inputs=(TensorSpec(w.PROMPT_EMBEDS, "FP32", (-1, -1)), TensorSpec(w.REF_TOKENS, "FP32", (-1, -1)),
             TensorSpec(w.REF_GRID, "INT32", (-1, 2)), *w.SIZE, TensorSpec(w.NUM_IMAGES, "INT32"),
             TensorSpec(w.SEED, "INT64"), TensorSpec(w.NUM_STEPS, "INT32")),
-    outputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1)),),
+    # latents for the vae_decode hop; pixels instead with model_kwargs.vae_in_denoise (the decode in this process)
+    outputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1)), TensorSpec(w.PIXELS, "UINT8", (-1, -1, -1, 3))),
 )
 VAE_DECODE = Component(
     "vae_decode", "stateless",

@@ -31,6 +31,9 @@ class Flux2KleinOptions:
     capture_sizes: list[str] = field(default_factory=lambda: ["1024x1024"])  # WxH of captured denoise steps
     capture_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     capture_edit_sizes: list[str] | None = None  # one reference of the output size; None: capture_sizes
+    # decode the latents inside the denoise component (its own thread and CUDA stream) and answer pixels,
+    # instead of the walk's hop to the vae_decode component
+    vae_in_denoise: bool = False
 
     @property
     def edit_sizes(self) -> list[str]:

@@ -147,6 +147,10 @@ class DenoiseComponent(image_components.DenoiseComponent):
         patch = self.model.config.patch_size
         return {g.LATENTS: unpatchify(latents.float().cpu(), layout.height, layout.width, patch)}
 
+    def decode_payload(self, layout: Layout, latents: torch.Tensor) -> torch.Tensor:
+        patch = self.model.config.patch_size
+        return unpatchify(latents.to(torch.float32, copy=True), layout.height, layout.width, patch).contiguous()
+
 
 # VAE decode
 

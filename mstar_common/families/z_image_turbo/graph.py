@@ -21,7 +21,8 @@ DENOISE = Component(
     "denoise", "denoise_loop",
     inputs=(TensorSpec(w.PROMPT_EMBEDS, "FP32", (-1, -1)), *w.SIZE, TensorSpec(w.NUM_IMAGES, "INT32"),
             TensorSpec(w.SEED, "INT64"), TensorSpec(w.NUM_STEPS, "INT32")),
-    outputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1, -1)),),
+    # latents for the vae_decode hop; pixels instead with model_kwargs.vae_in_denoise (the decode in this process)
+    outputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1, -1)), TensorSpec(w.PIXELS, "UINT8", (-1, -1, -1, 3))),
 )
 VAE_DECODE = Component(
     "vae_decode", "stateless",

@@ -28,6 +28,9 @@ class ZImageTurboOptions:
     vae_max_batch: int = 4  # images per VAE decode forward
     capture_sizes: list[str] = field(default_factory=lambda: ["1024x1024"])  # WxH of captured denoise steps
     capture_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    # decode the latents inside the denoise component (its own thread and CUDA stream) and answer pixels,
+    # instead of the walk's hop to the vae_decode component
+    vae_in_denoise: bool = False
     capture_caption_tokens: list[int] = field(default_factory=lambda: [64, 128])  # padded caption lengths
 
     def dtype_for(self, device: str) -> str:
