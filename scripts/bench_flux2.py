@@ -223,6 +223,8 @@ def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
               "vae_max_batch": args.vae_max_batch, "capture_sizes": [size],
               "capture_batch_sizes": [b for b in (1, 2, 4, 8, 16) if b <= max(args.concurrency)],
               **FAMILIES[args.family].model_kwargs(checkpoint, args)}
+    if args.vae_in_denoise:
+        kwargs["vae_in_denoise"] = True
     return deployment_from_dict({"name": "bench", "family": args.family, "checkpoint": str(checkpoint),
                                  "components": components, "model_kwargs": kwargs,
                                  "server": {"shm_default_byte_size": 1 << 27, "stub_timeout_seconds": 600}})
@@ -723,6 +725,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--diffusers-calls", type=int, default=3, help="timed pipeline calls per concurrency")
     parser.add_argument("--vae-max-batch", type=int, default=4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--vae-in-denoise", action="store_true",
+                        help="model_kwargs.vae_in_denoise: decode inside the denoise component (no vae_decode hop)")
     parser.add_argument("--skip-diffusers", action="store_true")
     parser.add_argument("--skip-ours", action="store_true",
                         help="only diffusers' pipeline (the device runs --mode served under the server's Python, "
@@ -762,7 +766,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "family": args.family,
         "device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "torch": torch.__version__,
         "mode": args.mode, "size": f"{args.width}x{args.height}", "steps": args.steps, "dtype": args.dtype,
-        "cuda_graphs": device != "cpu" and not args.no_cuda_graphs,
+        "cuda_graphs": device != "cpu" and not args.no_cuda_graphs, "vae_in_denoise": args.vae_in_denoise,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     if not args.skip_ours:

@@ -43,6 +43,13 @@ def test_smoke_run_reports_both_systems(tmp_path, family, steps):
         assert all(ms > 0 for ms in row["component_p50_ms"].values())
 
 
+def test_smoke_run_with_the_vae_in_denoise(tmp_path):
+    report = bench.main(["--smoke", "--skip-diffusers", "--vae-in-denoise", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert report["vae_in_denoise"] and all(row["images_per_s"] > 0 for row in report["ours"])
+    for row in report["ours"]:  # no hop to the vae_decode component
+        assert "denoise" in row["component_p50_ms"] and "vae_decode" not in row["component_p50_ms"]
+
+
 def test_random_checkpoint_loads_in_our_loader_and_the_reference_classes(tmp_path):
     import torch
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
