@@ -238,7 +238,8 @@ def sample_engine(engine, seconds: float, period_s: float = 0.1) -> list[tuple[f
 def print_timeline(samples, logs, start: float) -> None:
     """Per window: ms per engine step, running/waiting requests, and how many streams had begun a playback
     gap by then (a slow stretch of steps right before the gaps start is the start-up dip)."""
-    first_gaps = [at for log in logs if log.arrivals for total, at in [log.stalls()] if at is not None and total >= 1e-2]
+    stalls = [log.stalls() for log in logs if log.arrivals]
+    first_gaps = [at for total, at in stalls if at is not None and total >= 1e-2]
     for (t0, s0, _, _), (t1, s1, running, waiting) in zip(samples, samples[1:]):
         per_step = (t1 - t0) * 1e3 / (s1 - s0) if s1 > s0 else float("inf")
         stalled = sum(at <= t1 - start for at in first_gaps)

@@ -117,7 +117,8 @@ def main() -> int:
             return {}
         row = {"shape": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "block": block, "warps": warps,
                "stages": stages, "splits": splits, "fp16_dots": fp16_dots,
-               "tokens_major": tokens_major, "qk_fp8": qk_fp8, "us": round(us, 2), "TB/s": round(kv_bytes / us / 1e6, 3)}
+               "tokens_major": tokens_major, "qk_fp8": qk_fp8, "us": round(us, 2),
+               "TB/s": round(kv_bytes / us / 1e6, 3)}
         results.append(row)
         return row
 

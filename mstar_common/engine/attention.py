@@ -265,8 +265,8 @@ class TritonPagedAttention(AttentionBackend):
     paged prefill kernel over the metadata's work list (the rows of several new tokens) and then the decode
     kernel over the rows of one new token, at their packed positions: a mixed step's decodes keep the decode
     kernel's GQA-shared reads (H200, 256 decode rows + a 32-token prompt, Llama-3.2-3B heads: 584 us per layer
-    through the prefill kernel alone, 223 us split; fp8 pool 574 -> 168 us). `fused_prologue` runs q/k norm + RoPE + KV write as
-    one kernel instead of the eager ops.
+    through the prefill kernel alone, 223 us split; fp8 pool 574 -> 168 us). `fused_prologue` runs q/k norm +
+    RoPE + KV write as one kernel instead of the eager ops.
     """
 
     name = "triton"
@@ -297,8 +297,8 @@ class TritonPagedAttention(AttentionBackend):
 
         fp8 = k_cache.element_size() == 1
         form = _DECODE_FORM if _DECODE_FORM != "auto" else ("tokens_qk_fp8" if fp8 else "heads")
-        knobs = dict(tokens_major=form.startswith("tokens"),
-                     fp16_dots=fp8 and (_FP8_FP16_DOTS or form == "tokens_fp16"), qk_fp8=fp8 and form == "tokens_qk_fp8")
+        knobs = dict(tokens_major=form.startswith("tokens"), qk_fp8=fp8 and form == "tokens_qk_fp8",
+                     fp16_dots=fp8 and (_FP8_FP16_DOTS or form == "tokens_fp16"))
         if metadata.is_decode:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
                                           scale, **knobs)
@@ -333,7 +333,8 @@ def select_attention_backend(device: torch.device | str, name: str = "auto") -> 
     return TritonPagedAttention(fused_prologue=name == "triton")
 
 
-# An fp8 pool's decode dots in fp16 (kernels/paged_decode_attention.py `fp16_dots`): off until timed.
+# An fp8 pool's decode dots in fp16 with the heads form (kernels/paged_decode_attention.py `fp16_dots`): timed at
+# 147 us against the fp8 q.k form's 108 us (docs/deployment.md), so off.
 _FP8_FP16_DOTS = os.environ.get("MSTAR_FP8_FP16_DOTS") == "1"
 # The decode kernel's form (kernels/paged_decode_attention.py): heads (query heads as the dots' rows) | tokens
 # (context tokens as the rows) | tokens_fp16 (and an fp8 pool's dots in fp16) | tokens_qk_fp8 (an fp8 pool's

@@ -143,7 +143,8 @@ def test_auto_first_chunk_holds_more_frames_under_load():
     streams the pump serves at that moment (1 frame alone; 3 with 128 streams)."""
     from mstar_common.engine.codec_pump import auto_first_chunk_frames
 
-    assert [auto_first_chunk_frames(n) for n in (1, 47, 48, 96, 144, 192, 240, 256, 10_000)] == [1, 1, 2, 3, 4, 5, 6, 6, 6]
+    streams = (1, 47, 48, 96, 144, 192, 240, 256, 10_000)
+    assert [auto_first_chunk_frames(n) for n in streams] == [1, 1, 2, 3, 4, 5, 6, 6, 6]
     pump, sink = _stream_with_first_chunk(None)
     tokens = frame_tokens(100, 3)
     pump._deliver({"a": (tokens[:21], None, None)})  # alone: the first frame goes out at once

@@ -6,7 +6,7 @@
         ├─▶ denoise       the whole Euler loop inside the component ─▶ latents [n, N, C]
         │                 (every step batched across requests of one token layout, each row at its own step)
         └─▶ vae_decode    latents ─▶ uint8 RGB [n, H, W, 3]                            (batched per output size)
-                          (with model_kwargs.vae_in_denoise the denoise component decodes and answers the pixels)
+                          (model_kwargs.vae_in_denoise: the denoise component decodes, answers pixels)
     walk ─PNG/JPEG/WebP bytes [n] + the seed used─▶ client
 
 The walk makes one async BLS call per component per request: each hop carries a whole prompt or image
