@@ -2,6 +2,7 @@
 
 import faulthandler
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -68,3 +69,22 @@ def test_orpheus_bench_playback_stalls():
         assert bench.summarize("x", [steady, moved], wall=1.0).stalled_start_rank_p50 == rank
     failed = bench.StreamLog(0.0, error="boom")
     assert bench.summarize("x", [steady, failed], wall=1.0).streams[1] is None
+
+
+def test_orpheus_streams_places_the_stalled_streams(tmp_path, capsys):
+    """scripts/orpheus_streams.py on bench_orpheus.py's per-stream records: stalled streams counted per tenth of
+    the streams ordered by first audio, their first gaps, the worst first; failed streams skipped."""
+    tool = _load("orpheus_streams")
+    streams = [[0.1 * i, 0.0, None, 14.0, 170] for i in range(20)]
+    streams[1] = [0.1, 55.0, 1.7, 14.1, 168]  # an early starter stalls
+    streams[19] = [1.9, 12.0, 2.0, 14.2, 169]  # and the last one, less
+    streams.append(None)
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"results": [{"system": "mstar-triton", "concurrency": 21, "streams": streams},
+                                               {"system": "hf", "concurrency": 1}]}))
+    assert tool.main([str(results), "--worst", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("2/20 streams stalled; by first-audio tenth (earliest first): 1 0 0 0 0 0 0 0 0 1")
+    assert out[1] == "  first gap began 1.70-2.00 s into the request (median 2.00)"
+    assert out[2].startswith("  stream    1: first audio  0.100 s, stall    55.0 ms from 1.7 s")
+    assert len(out) == 4 and out[3] == "hf c=1: no per-stream records"
