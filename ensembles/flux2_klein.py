@@ -50,13 +50,7 @@ class Flux2KleinWalk(ImageWalk):
         if references:
             denoise_inputs[g.REF_TOKENS] = np.concatenate([np.asarray(out[g.REF_TOKENS]) for out in encoded[1:]])
             denoise_inputs[g.REF_GRID] = np.stack([np.asarray(out[g.REF_GRID]) for out in encoded[1:]])
-        denoised = await call("denoise", denoise_inputs)
-        if g.PIXELS in denoised:  # model_kwargs.vae_in_denoise: decoded in the denoise component
-            pixels = denoised[g.PIXELS]
-        else:
-            decoded = await call("vae_decode", {g.LATENTS: denoised[g.LATENTS], g.WIDTH: i32(width),
-                                                g.HEIGHT: i32(height)})
-            pixels = decoded[g.PIXELS]
+        pixels = await self.pixels(await call("denoise", denoise_inputs), call, width, height)
         images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 

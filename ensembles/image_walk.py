@@ -14,6 +14,7 @@ import numpy as np
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.png import encode_png
 from mstar_common.images import OutputOptions, check_geometry, encode_image, output_options, parse_size
+from mstar_common.walk_api import Call
 
 MAX_SEED = 2**63 - 1
 
@@ -76,6 +77,15 @@ class ImageWalk:
             raise ValueError(f"prompt: {len(ids)} tokens with the chat template exceed the text encoder's "
                              f"{self.text_tokens}-token input; shorten the prompt")
         return np.asarray(ids, dtype=np.int32), int(sum(mask))
+
+    async def pixels(self, denoised: dict[str, np.ndarray], call: Call, width: int, height: int) -> np.ndarray:
+        """The denoise component's answer as pixels: its own (model_kwargs.vae_in_denoise, decoded in that
+        component) or the vae_decode component's for its latents."""
+        if g.PIXELS in denoised:
+            return np.asarray(denoised[g.PIXELS])
+        decoded = await call("vae_decode", {g.LATENTS: denoised[g.LATENTS], g.WIDTH: i32(width),
+                                            g.HEIGHT: i32(height)})
+        return np.asarray(decoded[g.PIXELS])
 
     def encode_images(self, pixels: np.ndarray, output: OutputOptions) -> list[bytes]:
         """uint8 `[n, H, W, 3]` -> one encoded image each; PNG in parallel strips (`mstar_common/diffusion/png.py`),

@@ -31,10 +31,7 @@ class ZImageTurboWalk(ImageWalk):
         denoised = await call("denoise", {g.PROMPT_EMBEDS: encoded[g.PROMPT_EMBEDS], **size,
                                           g.NUM_IMAGES: i32(req.num_images), g.SEED: np.array([req.seed], np.int64),
                                           g.NUM_STEPS: i32(req.num_steps)})
-        if g.PIXELS in denoised:  # model_kwargs.vae_in_denoise: decoded in the denoise component
-            pixels = denoised[g.PIXELS]
-        else:
-            pixels = (await call("vae_decode", {g.LATENTS: denoised[g.LATENTS], **size}))[g.PIXELS]
+        pixels = await self.pixels(denoised, call, req.width, req.height)
         images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 

@@ -23,6 +23,27 @@ BLOCK_N = 64  # context tokens per inner iteration
 
 
 @triton.jit
+def _split_span(ctx_ptr, row, split, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """This split's share [start, end) of the row's context, in whole BLOCKs but the last."""
+    ctx = tl.load(ctx_ptr + row)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    return start, tl.minimum(start + per_split, ctx)
+
+
+@triton.jit
+def _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """The query heads sharing `kv_head`, padded to GROUP_PAD rows: (g, d, heads, q [GROUP_PAD, HEAD_DIM])."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + tok * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0)
+    return g, d, heads, q
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head, stride_bt,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -36,15 +57,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
         tok = tl.load(qsl_ptr + row).to(tl.int64)
         if tl.load(qsl_ptr + row + 1) - tok != 1:
             return
-    ctx = tl.load(ctx_ptr + row)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK) * BLOCK
-    start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + tok * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
-                other=0.0)
+    start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+    g, d, heads, q = _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     if FP16_DOTS:  # an fp8 pool read back as fp16 (the hardware's e4m3 -> f16 conversion), dots in fp16
         q = q.to(tl.float16)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -100,15 +114,8 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
         tok = tl.load(qsl_ptr + row).to(tl.int64)
         if tl.load(qsl_ptr + row + 1) - tok != 1:
             return
-    ctx = tl.load(ctx_ptr + row)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK) * BLOCK
-    start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + tok * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
-                other=0.0)
+    start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+    g, d, heads, q = _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
     if QK_FP8:
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), axis=1), 1e-12) / 448.0

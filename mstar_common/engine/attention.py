@@ -16,6 +16,7 @@ portable GPU path. `select_attention_backend` picks one for a device.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from abc import ABC, abstractmethod
@@ -295,10 +296,7 @@ class TritonPagedAttention(AttentionBackend):
     def attend(self, query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
         from kernels.paged_decode_attention import paged_decode_attention
 
-        fp8 = k_cache.element_size() == 1
-        form = _DECODE_FORM if _DECODE_FORM != "auto" else ("tokens_qk_fp8" if fp8 else "heads")
-        knobs = dict(tokens_major=form.startswith("tokens"), qk_fp8=fp8 and form == "tokens_qk_fp8",
-                     fp16_dots=fp8 and (_FP8_FP16_DOTS or form == "tokens_fp16"))
+        knobs = _decode_knobs(k_cache.element_size() == 1)
         if metadata.is_decode:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
                                           scale, **knobs)
@@ -345,6 +343,14 @@ _DECODE_FORMS = ("auto", "heads", "tokens", "tokens_fp16", "tokens_qk_fp8")
 _DECODE_FORM = os.environ.get("MSTAR_DECODE_FORM", "auto")
 if _DECODE_FORM not in _DECODE_FORMS:
     raise ValueError(f"MSTAR_DECODE_FORM must be one of {list(_DECODE_FORMS)}, got {_DECODE_FORM!r}")
+
+
+@functools.cache
+def _decode_knobs(fp8: bool) -> dict[str, bool]:
+    """paged_decode_attention's form arguments for a pool of this kind, under MSTAR_DECODE_FORM."""
+    form = _DECODE_FORM if _DECODE_FORM != "auto" else ("tokens_qk_fp8" if fp8 else "heads")
+    return {"tokens_major": form.startswith("tokens"), "qk_fp8": fp8 and form == "tokens_qk_fp8",
+            "fp16_dots": fp8 and (_FP8_FP16_DOTS or form == "tokens_fp16")}
 
 
 def _has_triton() -> bool:

@@ -72,3 +72,22 @@ def test_engine_config_refuses_an_unknown_kv_dtype():
 
     with pytest.raises(ValueError, match=r"EngineConfig.kv_dtype must be 'auto' or one of \['fp8_e4m3'\]"):
         _check_config(EngineConfig(kv_dtype="fp16"))
+
+
+def test_an_unknown_decode_form_is_refused_naming_the_variable():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MSTAR_DECODE_FORM": "sideways"}
+    proc = subprocess.run([sys.executable, "-c", "import mstar_common.engine.attention"], env=env,
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode != 0
+    assert "MSTAR_DECODE_FORM must be one of ['auto', 'heads', 'tokens', 'tokens_fp16', 'tokens_qk_fp8']" in proc.stderr
+
+
+def test_decode_knobs_per_pool_kind():
+    from mstar_common.engine.attention import _decode_knobs
+
+    assert _decode_knobs(False) == {"tokens_major": False, "qk_fp8": False, "fp16_dots": False}
+    assert _decode_knobs(True) == {"tokens_major": True, "qk_fp8": True, "fp16_dots": False}
