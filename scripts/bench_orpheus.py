@@ -38,15 +38,17 @@ sys.path.insert(0, str(ROOT))
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 2048
 MAX_STALL_S = 0.010
-CLIENT_STARTUP_S = 4.0  # head start for the load processes of a multi-process client
+READY = "READY"  # a load process's line once its streams are connected
+START_LEAD_S = 0.2  # from the last load process ready to the common send instant
 TEXT = "Hey there, my name is Tara, and I'm a speech generation model that can sound like a person."
 
 
 @dataclass
 class StreamLog:
-    start: float
+    start: float  # the common send instant (perf_counter seconds)
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, samples)
     error: str | None = None
+    sent: float | None = None  # seconds after `start` at which this stream's request went out
 
     @property
     def audio_s(self) -> float:
@@ -88,8 +90,10 @@ class Result:
     # among stalled streams: the median rank of their first audio among all streams' (0 = first to start
     # playing, 1 = last): were the stalled ones the early starters or the late ones?
     stalled_start_rank_p50: float | None = None
-    # per stream, in seed order: [first audio s, total stall ms, first stall s or None, last audio s, responses]
+    # per stream, in seed order: [first audio s, total stall ms, first stall s or None, last audio s, responses,
+    # request sent s after the common start or None]
     streams: list = field(default_factory=list)
+    send_spread_ms: float | None = None  # latest minus earliest request send across the streams
 
 
 def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
@@ -111,61 +115,86 @@ def summarize(system: str, logs: list[StreamLog], wall: float) -> Result:
             continue
         total, at = log.stalls()
         streams.append([round(log.arrivals[0][0], 4), round(total * 1e3, 2), None if at is None else round(at, 4),
-                        round(log.arrivals[-1][0], 4), len(log.arrivals)])
+                        round(log.arrivals[-1][0], 4), len(log.arrivals),
+                        None if log.sent is None else round(log.sent, 4)])
+    sent = [log.sent for log in logs if log.sent is not None]
     return Result(system, len(logs), round(wall, 3), round(float(np.percentile(first, 50)), 1),
                   round(float(np.percentile(first, 90)), 1), sum(total < MAX_STALL_S for total, _ in stalls),
                   round(audio, 2), round(audio / wall, 2), round(float(np.median(rtf)), 3), len(logs) - len(ok),
                   round(float(np.percentile(totals_ms, 50)), 1), round(float(np.percentile(totals_ms, 90)), 1),
                   round(float(np.median(first_stalls)), 3) if first_stalls else None,
-                  round(float(np.median(stalled_ranks)), 2) if stalled_ranks else None, streams)
+                  round(float(np.median(stalled_ranks)), 2) if stalled_ranks else None, streams,
+                  round((max(sent) - min(sent)) * 1e3, 1) if sent else None)
 
 
 # ---- the served system (tritonclient gRPC streaming, one stream per request) -------------------------------
 
 
-def _stream(url: str, model: str, tokens: int, seed: int, log: StreamLog, timeout_s: float = 600) -> None:
-    import tritonclient.grpc as grpcclient
+class _Stream:
+    """One tritonclient gRPC stream: `open()` connects ahead of time, `run()` sends the request at `log.start`
+    and records every audio response's arrival."""
 
-    from mstar_common import wire
+    def __init__(self, url: str, model: str, tokens: int, seed: int, timeout_s: float = 600) -> None:
+        self.url, self.model, self.tokens, self.seed, self.timeout_s = url, model, tokens, seed, timeout_s
+        self.results: queue.Queue = queue.Queue()
+        self.client = None
+        self.inputs: list = []
 
-    values = {wire.TEXT_INPUT: (np.array([TEXT.encode()], dtype=np.object_), "BYTES"),
-              "max_tokens": (np.array([tokens], np.int32), "INT32"), "ignore_eos": (np.array([True]), "BOOL"),
-              "seed": (np.array([seed], np.int64), "INT64")}
-    inputs = []
-    for name, (arr, dtype) in values.items():
-        tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
-        tensor.set_data_from_numpy(arr)
-        inputs.append(tensor)
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((time.perf_counter(), result, error)))
-    try:
-        client.async_stream_infer(model, inputs, request_id=str(seed), enable_empty_final_response=True)
-        while True:
-            try:
-                now, result, error = results.get(timeout=timeout_s)
-            except queue.Empty:
-                log.error = f"no response within {timeout_s:.0f} s"
-                return
-            if error is not None:
-                log.error = str(error)
-                return
-            audio = result.as_numpy(wire.AUDIO_CHUNK)
-            if audio is not None and audio.size:
-                log.arrivals.append((now - log.start, int(audio.size)))
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return
-    finally:
-        client.stop_stream(cancel_requests=log.error is not None)  # a stuck stream is cancelled, not awaited
-        client.close()
+    def open(self) -> None:
+        import tritonclient.grpc as grpcclient
+
+        from mstar_common import wire
+
+        values = {wire.TEXT_INPUT: (np.array([TEXT.encode()], dtype=np.object_), "BYTES"),
+                  "max_tokens": (np.array([self.tokens], np.int32), "INT32"),
+                  "ignore_eos": (np.array([True]), "BOOL"), "seed": (np.array([self.seed], np.int64), "INT64")}
+        for name, (arr, dtype) in values.items():
+            tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+            tensor.set_data_from_numpy(arr)
+            self.inputs.append(tensor)
+        self.client = grpcclient.InferenceServerClient(self.url)
+        self.client.start_stream(callback=lambda result, error: self.results.put((time.perf_counter(), result, error)))
+
+    def run(self, log: StreamLog) -> None:
+        from mstar_common import wire
+
+        try:
+            if self.client is None:
+                self.open()
+            time.sleep(max(0.0, log.start - time.perf_counter()))
+            log.sent = time.perf_counter() - log.start
+            self.client.async_stream_infer(self.model, self.inputs, request_id=str(self.seed),
+                                           enable_empty_final_response=True)
+            while True:
+                try:
+                    now, result, error = self.results.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    log.error = f"no response within {self.timeout_s:.0f} s"
+                    return
+                if error is not None:
+                    log.error = str(error)
+                    return
+                audio = result.as_numpy(wire.AUDIO_CHUNK)
+                if audio is not None and audio.size:
+                    log.arrivals.append((now - log.start, int(audio.size)))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            if self.client is not None:
+                self.client.stop_stream(cancel_requests=log.error is not None)  # a stuck stream is cancelled
+                self.client.close()
 
 
-def _client_streams(url: str, model: str, tokens: int, seeds: list[int], start: float,
-                    timeout_s: float) -> dict[int, StreamLog]:
-    """A thread per stream, all in this process."""
+def _client_streams(url: str, model: str, tokens: int, seeds: list[int], when_ready, timeout_s: float
+                    ) -> dict[int, StreamLog]:
+    """A thread per stream, all in this process. Every stream connects first; `when_ready()` then returns the
+    common start instant (perf_counter seconds) at which all of them send their requests."""
+    streams = {seed: _Stream(url, model, tokens, seed, timeout_s) for seed in seeds}
+    for stream in streams.values():
+        stream.open()
+    start = when_ready()
     logs = {seed: StreamLog(start) for seed in seeds}
-    threads = [threading.Thread(target=_stream, args=(url, model, tokens, seed, logs[seed], timeout_s))
-               for seed in seeds]
+    threads = [threading.Thread(target=streams[seed].run, args=(logs[seed],)) for seed in seeds]
     for t in threads:
         t.start()
     for t in threads:
@@ -174,42 +203,69 @@ def _client_streams(url: str, model: str, tokens: int, seeds: list[int], start: 
 
 
 def _client_worker(spec: str) -> int:
-    """`bench_orpheus.py --client-worker JSON`: one load process; prints its streams' logs as JSON."""
+    """`bench_orpheus.py --client-worker JSON`: one load process. It connects its streams, prints READY, reads the
+    common start instant from stdin, and prints its streams' logs as JSON."""
     job = json.loads(spec)
-    time.sleep(max(0.0, job["start"] - time.perf_counter()))  # every process opens its streams at `start`
-    logs = _client_streams(job["url"], job["model"], job["tokens"], job["seeds"], job["start"], job["timeout_s"])
-    print(json.dumps({seed: [log.arrivals, log.error] for seed, log in logs.items()}), flush=True)
+
+    def when_ready() -> float:
+        print(READY, flush=True)
+        return float(sys.stdin.readline())
+
+    logs = _client_streams(job["url"], job["model"], job["tokens"], job["seeds"], when_ready, job["timeout_s"])
+    print(json.dumps({seed: [log.arrivals, log.error, log.sent] for seed, log in logs.items()}), flush=True)
     return 0
 
 
 def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s: float = 600,
-                 streams_per_proc: int = 32) -> Result:
+                 streams_per_proc: int = 32, stagger_s: float = 0.0) -> Result:
     """`timeout_s`: the longest wait for any one response of a stream (a stuck stream is an error).
 
     Streams are spread over ceil(concurrency / streams_per_proc) client processes (this script, re-run as
     `--client-worker`), so the client's own Python (one GIL decoding every stream's responses) is not what
-    limits 256 streams. Arrival times are `time.perf_counter` (CLOCK_MONOTONIC on Linux: one clock for all);
-    every process opens its streams at the same `start`, after a head start for its imports.
+    limits 256 streams. Arrival times are `time.perf_counter` (CLOCK_MONOTONIC on Linux: one clock for all).
+    Every process imports and connects its streams first and says READY; once all have, they all send their
+    requests at one common instant `start`, so a slow process start-up does not stagger the streams.
+    `stagger_s` > 0 staggers them on purpose: load process i sends at `start + i * stagger_s` (arrivals in
+    waves of `streams_per_proc`; each stream's times count from its own process's send instant).
     """
     import subprocess
 
     num_procs = max(1, -(-concurrency // max(1, streams_per_proc)))
     groups = [list(range(i, concurrency, num_procs)) for i in range(num_procs)]
-    # Several processes start a few seconds ahead (Python + tritonclient imports) and wait for `start`.
-    start = time.perf_counter() + (CLIENT_STARTUP_S if num_procs > 1 else 0.0)
     if num_procs == 1:
-        logs = list(_client_streams(url, model, tokens, groups[0], start, timeout_s).values())
-        return summarize("mstar-triton", logs, time.perf_counter() - start)
+        logs = list(_client_streams(url, model, tokens, groups[0], lambda: time.perf_counter() + START_LEAD_S,
+                                    timeout_s).values())
+        return summarize("mstar-triton", logs, time.perf_counter() - logs[0].start)
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client-worker", json.dumps(
-        {"url": url, "model": model, "tokens": tokens, "seeds": g, "start": start, "timeout_s": timeout_s})],
-        stdout=subprocess.PIPE, text=True) for g in groups]
+        {"url": url, "model": model, "tokens": tokens, "seeds": g, "timeout_s": timeout_s})],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for g in groups]
+    ready = [_wait_ready(proc) for proc in procs]
+    start = time.perf_counter() + START_LEAD_S  # every process sends its streams' requests at this instant
+    for i, (proc, ok) in enumerate(zip(procs, ready)):
+        if ok:
+            proc.stdin.write(f"{start + i * stagger_s!r}\n")
+        proc.stdin.close()  # a process that was not ready reads an empty line and exits
     logs = [StreamLog(start, error="client process failed") for _ in range(concurrency)]
     for proc in procs:
-        out, _ = proc.communicate()
-        if proc.returncode == 0:
-            for seed, (arrivals, error) in json.loads(out.strip().splitlines()[-1]).items():
-                logs[int(seed)].arrivals, logs[int(seed)].error = [tuple(a) for a in arrivals], error
+        out = proc.stdout.read()  # after READY a process writes only its final JSON line
+        proc.wait()
+        if proc.returncode == 0 and out.strip():
+            for seed, (arrivals, error, sent) in json.loads(out.strip().splitlines()[-1]).items():
+                log = logs[int(seed)]
+                log.arrivals, log.error, log.sent = [tuple(a) for a in arrivals], error, sent
     return summarize("mstar-triton", logs, time.perf_counter() - start)
+
+
+def _wait_ready(proc, timeout_s: float = 120.0) -> bool:
+    """Block until a load process has connected its streams (its READY line); False if it died first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            return False
+        if line.strip() == READY:
+            return True
+    return False
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -341,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a model_kwargs entry (YAML value), e.g. --set codec_dtype=bfloat16")
     parser.add_argument("--streams-per-proc", type=int, default=32, help="client streams per load process")
+    parser.add_argument("--stagger-ms", type=float, default=0.0,
+                        help="send each load process's streams this much after the previous process's (arrivals in "
+                             "waves instead of all at once)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny config, 70 tokens, c=1,2")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_orpheus.json")
     args = parser.parse_args(argv)
@@ -374,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 if warm.errors:
                     raise RuntimeError(f"{warm.errors} of {args.warmup} warm-up streams failed (see the server log)")
             for c in concurrencies:
-                results.append(bench_served(url, model, c, args.tokens, streams_per_proc=args.streams_per_proc))
+                results.append(bench_served(url, model, c, args.tokens, streams_per_proc=args.streams_per_proc,
+                                            stagger_s=args.stagger_ms / 1e3))
                 print(_brief(results[-1]), flush=True)
         finally:
             stop_process(proc)
@@ -399,14 +459,14 @@ def _brief(result: Result) -> str:
 
 def _print_table(results: list[Result]) -> None:
     print(f"{'system':18} {'c':>4} {'first p50 ms':>12} {'real-time':>9} {'audio-s/s':>9} {'RTF p50':>8} {'err':>4}"
-          f" {'stall p50/p90 ms':>16} {'1st stall s':>11} {'stalled rank':>12}")
+          f" {'stall p50/p90 ms':>16} {'1st stall s':>11} {'stalled rank':>12} {'send spread ms':>14}")
     for r in results:
         real_time = f"{r.streams_real_time}/{r.concurrency}"
         first_stall = "-" if r.first_stall_p50_s is None else f"{r.first_stall_p50_s:.2f}"
         rank = "-" if r.stalled_start_rank_p50 is None else f"{r.stalled_start_rank_p50:.2f}"
         print(f"{r.system:18} {r.concurrency:>4} {r.first_audio_p50_ms:>12.1f} {real_time:>9} {r.audio_s_per_s:>9.2f}"
               f" {r.rtf_p50:>8.3f} {r.errors:>4} {r.stall_p50_ms:>7.1f}/{r.stall_p90_ms:<8.1f} {first_stall:>11}"
-              f" {rank:>12}")
+              f" {rank:>12} {'-' if r.send_spread_ms is None else r.send_spread_ms:>14}")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ start playing), when their first gap began, and the worst ones.
 
     python scripts/orpheus_streams.py results.json [--worst 10]
 
-A stream's record: [first audio s, total stall ms, first stall s or null, last audio s, responses] (null for
-a stream that failed).
+A stream's record: [first audio s, total stall ms, first stall s or null, last audio s, responses, and (since
+the client sends at one common instant) request sent s after that instant] (null for a stream that failed).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ def describe(run: dict, worst: int = 10) -> list[str]:
             lines.append(f"  first gap began {gaps[0]:.2f}-{gaps[-1]:.2f} s into the request "
                          f"(median {gaps[len(gaps) // 2]:.2f})")
         for i in sorted(stalled, key=lambda i: -streams[i][1])[:worst]:
-            first, total, at, last, responses = streams[i]
+            first, total, at, last, responses = streams[i][:5]
+            sent = streams[i][5] if len(streams[i]) > 5 and streams[i][5] is not None else None
             lines.append(f"  stream {i:4d}: first audio {first:6.3f} s, stall {total:7.1f} ms from "
-                         f"{at if at is None else round(at, 3)} s, last audio {last:6.2f} s, {responses} responses")
+                         f"{at if at is None else round(at, 3)} s, last audio {last:6.2f} s, {responses} responses"
+                         + ("" if sent is None else f", sent at +{sent * 1e3:.1f} ms"))
     return lines
 
 

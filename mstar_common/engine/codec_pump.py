@@ -10,7 +10,8 @@ its last audio. A stream's first response can be held until it carries `first_ch
 deployment knob, default 1): a playback buffer that trades first-audio latency for no gap when many streams
 start at once and the first frames come faster than the ones right after. With `first_chunk_frames` None
 ("auto"), the hold is set when the stream's first frame is decoded, from how many streams the pump serves then
-(`auto_first_chunk_frames`): one frame for a lone stream, a longer buffer under load.
+(`auto_first_chunk_frames`): one frame for a lone stream, a longer buffer under load; until the stream's first
+response goes out, it grows if more streams join meanwhile (it never shrinks).
 
 Cancellation: the inherited poll drops the stream (its chunker is the stream's codec state, so nothing of
 it is decoded any more), closes the request and cancels it in the engine, which frees its KV pages within
@@ -71,6 +72,7 @@ class AudioStream:
     arrival: float = field(default_factory=time.monotonic)
     is_audio_started: bool = False
     first_chunk_frames: int | None = 1  # frames the first audio response carries (a playback buffer; None: auto)
+    is_auto_hold: bool = False  # first_chunk_frames came from "auto": it may still grow until the first response
     held: list[np.ndarray] = field(default_factory=list)  # decoded frames waiting for the first response
 
     def take_first_chunk(self, chunk: np.ndarray, is_last: bool) -> np.ndarray | None:
@@ -161,7 +163,9 @@ class CodecPump(OutputPump):
         for r in ready:
             chunk, offset = audio[offset:offset + len(r.windows)], offset + len(r.windows)
             if r.stream.first_chunk_frames is None:  # "auto": decided now, from the load its first frame meets
-                r.stream.first_chunk_frames = auto_first_chunk_frames(self.num_streams)
+                r.stream.is_auto_hold, r.stream.first_chunk_frames = True, 0
+            if r.stream.is_auto_hold and not r.stream.is_audio_started:  # ... and raised while streams keep joining
+                r.stream.first_chunk_frames = max(r.stream.first_chunk_frames, auto_first_chunk_frames(self.num_streams))
             chunk = r.stream.take_first_chunk(chunk, is_last=r.finish is not None)
             if chunk is None:
                 continue  # held for a fuller first response

@@ -247,4 +247,7 @@ def test_bench_script_smoke_mode(tts, tmp_path):
     assert set(results) == {("mstar-triton", 1), ("mstar-triton", 2), ("hf-generate+snac", 1)}
     served = results[("mstar-triton", 2)]
     assert served["errors"] == 0 and served["audio_s"] == pytest.approx(2 * 10 * SAMPLES_PER_FRAME / 24000, abs=0.01)
+    # both load processes connected first and sent at one instant: each record keeps its send time
+    assert all(len(record) == 6 and 0 <= record[5] < 0.15 for record in served["streams"])
+    assert served["send_spread_ms"] < 150
     assert results[("hf-generate+snac", 1)]["audio_s"] > 0

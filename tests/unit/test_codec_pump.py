@@ -159,3 +159,24 @@ def test_auto_first_chunk_holds_more_frames_under_load():
     assert not sink.chunks and pump._streams["a"].first_chunk_frames == 3
     pump._deliver({"a": (tokens[28:35], None, None)})
     assert pcm_codes(sink.chunks[0]) == [100, 101, 102]
+
+
+def test_auto_hold_grows_while_streams_join_before_the_first_response():
+    """An "auto" hold is re-read at every decoded frame until the first response: a stream that decoded its
+    first frame among 100 streams (hold 3) holds 5 frames once 200 are served, and never less again."""
+    pump, sink = _stream_with_first_chunk(None)
+    for i in range(99):
+        pump.register(AudioStream(f"b{i}", FakeSink(), SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
+    tokens = frame_tokens(100, 7)
+    pump._deliver({"a": (tokens[:21], None, None)})
+    assert pump._streams["a"].first_chunk_frames == 3
+    for i in range(99, 199):  # 100 more streams arrive
+        pump.register(AudioStream(f"b{i}", FakeSink(), SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
+    pump._deliver({"a": (tokens[21:35], None, None)})  # 3 frames decoded: no longer enough
+    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 5
+    for i in range(150):  # most of them leave again: the hold stays
+        pump.unregister(f"b{i}")
+    pump._deliver({"a": (tokens[35:42], None, None)})
+    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 5
+    pump._deliver({"a": (tokens[42:49], None, None)})
+    assert pcm_codes(sink.chunks[0]) == [100, 101, 102, 103, 104]
