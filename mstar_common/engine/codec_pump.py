@@ -35,15 +35,15 @@ from mstar_common.engine.types import FinishReason
 logger = logging.getLogger(__name__)
 
 PCM_SCALE = 32767  # float [-1, 1] -> int16, truncating toward zero as the reference does
-AUTO_STREAMS_PER_FRAME = 48  # "auto" first chunk: one more held frame per this many streams being served
-AUTO_MAX_FRAMES = 6  # ... up to 6 frames (512 ms)
+AUTO_STREAMS_PER_FRAME = 40  # "auto" first chunk: one more held frame per this many streams being served
+AUTO_MAX_FRAMES = 8  # ... up to 8 frames (683 ms)
 
 
 def auto_first_chunk_frames(num_streams: int) -> int:
-    """The "auto" first-chunk hold: 1 frame below 48 streams, 2 from 48, 3 from 96, 4 from 144, 5 from 192 and
-    6 (512 ms) from 240. On the H200 (docs/benchmarks.md) one frame kept 64/64 streams without a gap and none
-    of 192; three kept 148/192; at 256 streams with an fp8 KV pool five kept 241-256 of 256, with stalls of
-    a few ms in the others."""
+    """The "auto" first-chunk hold: 1 frame below 40 streams, 2 from 40, 3 from 80, 4 from 120, 5 from 160, 6 from
+    200, 7 (597 ms) from 240 and at most 8. On the H200 (docs/benchmarks.md) one frame kept 64/64 streams
+    without a gap and none of 192; three kept 148/192; at 256 streams with an fp8 KV pool, six kept 248-256 of
+    256 in five runs, the others stalling 12 ms once, 1.45 s in."""
     return min(AUTO_MAX_FRAMES, 1 + num_streams // AUTO_STREAMS_PER_FRAME)
 
 

@@ -140,11 +140,11 @@ def test_a_stream_ending_before_its_first_chunk_fills_sends_what_it_holds():
 
 def test_auto_first_chunk_holds_more_frames_under_load():
     """first_chunk_frames None ("auto"): the hold is fixed when the stream's first frame is decoded, from the
-    streams the pump serves at that moment (1 frame alone; 3 with 128 streams)."""
+    streams the pump serves at that moment (1 frame alone; 4 with 128 streams)."""
     from mstar_common.engine.codec_pump import auto_first_chunk_frames
 
-    streams = (1, 47, 48, 96, 144, 192, 240, 256, 10_000)
-    assert [auto_first_chunk_frames(n) for n in streams] == [1, 1, 2, 3, 4, 5, 6, 6, 6]
+    streams = (1, 39, 40, 80, 128, 192, 240, 256, 10_000)
+    assert [auto_first_chunk_frames(n) for n in streams] == [1, 1, 2, 3, 4, 5, 7, 7, 8]
     pump, sink = _stream_with_first_chunk(None)
     tokens = frame_tokens(100, 3)
     pump._deliver({"a": (tokens[:21], None, None)})  # alone: the first frame goes out at once
@@ -153,30 +153,30 @@ def test_auto_first_chunk_holds_more_frames_under_load():
     pump, sink = _stream_with_first_chunk(None)
     for i in range(127):  # 128 streams registered when "a" decodes its first frame
         pump.register(AudioStream(f"b{i}", FakeSink(), SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
-    tokens = frame_tokens(100, 5)
+    tokens = frame_tokens(100, 6)
     pump._deliver({"a": (tokens[:21], None, None)})
-    pump._deliver({"a": (tokens[21:28], None, None)})
-    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 3
-    pump._deliver({"a": (tokens[28:35], None, None)})
-    assert pcm_codes(sink.chunks[0]) == [100, 101, 102]
+    pump._deliver({"a": (tokens[21:35], None, None)})
+    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 4
+    pump._deliver({"a": (tokens[35:42], None, None)})
+    assert pcm_codes(sink.chunks[0]) == [100, 101, 102, 103]
 
 
 def test_auto_hold_grows_while_streams_join_before_the_first_response():
     """An "auto" hold is re-read at every decoded frame until the first response: a stream that decoded its
-    first frame among 100 streams (hold 3) holds 5 frames once 200 are served, and never less again."""
+    first frame among 100 streams (hold 3) holds 6 frames once 200 are served, and never less again."""
     pump, sink = _stream_with_first_chunk(None)
     for i in range(99):
         pump.register(AudioStream(f"b{i}", FakeSink(), SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
-    tokens = frame_tokens(100, 7)
+    tokens = frame_tokens(100, 8)
     pump._deliver({"a": (tokens[:21], None, None)})
     assert pump._streams["a"].first_chunk_frames == 3
     for i in range(99, 199):  # 100 more streams arrive
         pump.register(AudioStream(f"b{i}", FakeSink(), SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
     pump._deliver({"a": (tokens[21:35], None, None)})  # 3 frames decoded: no longer enough
-    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 5
+    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 6
     for i in range(150):  # most of them leave again: the hold stays
         pump.unregister(f"b{i}")
-    pump._deliver({"a": (tokens[35:42], None, None)})
-    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 5
-    pump._deliver({"a": (tokens[42:49], None, None)})
-    assert pcm_codes(sink.chunks[0]) == [100, 101, 102, 103, 104]
+    pump._deliver({"a": (tokens[35:49], None, None)})
+    assert not sink.chunks and pump._streams["a"].first_chunk_frames == 6
+    pump._deliver({"a": (tokens[49:56], None, None)})
+    assert pcm_codes(sink.chunks[0]) == [100, 101, 102, 103, 104, 105]

@@ -29,7 +29,7 @@ MODEL_KWARGS = {
     "codec_in_process": "decode SNAC inside the LM component instead of through the BLS hop (default false)",
     "first_chunk_frames": "SNAC frames (85 ms each) in a stream's first audio response (default 3: a 256 ms "
                           "playback buffer against the gaps when many streams start together; 1: the first frame "
-                          "as soon as it is decoded; auto: 1 frame, plus one per 48 streams being served, up to 6)",
+                          "as soon as it is decoded; auto: 1 frame, plus one per 40 streams being served, up to 8)",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # H200, 2026-12-01 (docs/benchmarks.md): with 3, c=192 had 148/192 streams without a playback gap against 0/192
