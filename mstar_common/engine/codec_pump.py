@@ -146,6 +146,7 @@ class CodecPump(OutputPump):
 
     def _decode_and_send(self, ready: list[_Ready]) -> None:
         batch = [r.windows for r in ready if len(r.windows)]
+        started = time.perf_counter()
         try:
             audio = self._codec.decode(np.concatenate(batch)) if batch else np.zeros((0, 0), np.float32)
         except Exception as exc:  # noqa: BLE001 - the streams of this step end; the pump keeps serving others
@@ -156,6 +157,7 @@ class CodecPump(OutputPump):
                     self._engine.cancel(r.stream.request_id)
                 r.stream.sink.send_server_error(exc)
             return
+        self.times.codec_s += time.perf_counter() - started
         if batch:
             self.num_codec_calls += 1
             self.num_windows += len(audio)
@@ -170,11 +172,14 @@ class CodecPump(OutputPump):
             if chunk is None:
                 continue  # held for a fuller first response
             outputs = r.stream.outputs(chunk, r.finish)
+            self.times.responses += 1
             if len(chunk) and not r.stream.is_audio_started:
                 r.stream.is_audio_started = True
                 self.latency.first_audio.append(time.monotonic() - r.stream.arrival)
+            sending = time.perf_counter()
             if r.finish is None:
                 r.stream.sink.send_chunk(outputs)
-                continue
-            self.unregister(r.stream.request_id)
-            r.stream.sink.send_final(outputs)
+            else:
+                self.unregister(r.stream.request_id)
+                r.stream.sink.send_final(outputs)
+            self.times.send_s += time.perf_counter() - sending

@@ -3,7 +3,10 @@
 The engine's loop thread only queues (request id, new tokens, finish) per step. The pump thread drains
 the queue, merges everything pending for a stream into one response (so a stream that falls behind gets
 several tokens per response instead of a backlog), detokenizes byte-safely, applies stop strings (and
-cancels the engine request when one matches), and polls client cancellation at a bounded rate.
+cancels the engine request when one matches), and polls client cancellation at a bounded rate and cost:
+every 50 ms, at most 32 streams in turn (on Triton each ask is an IPC round trip to the server, ~0.1 ms; asking
+all of 256 streams 20 times a second would take the pump thread half its time). A busy pump logs where its time
+went every 10 s (`PumpTimes`).
 
 A cancelled request gets no more output: the poll that notices it closes the stream with a flags-only FINAL
 (the handshake Triton needs to release the request) and then cancels it in the engine. Latency samples
@@ -29,7 +32,9 @@ from mstar_common.engine.types import FinishReason
 
 logger = logging.getLogger(__name__)
 
-CANCEL_POLL_S = 0.05  # how often live streams are asked whether their client went away
+CANCEL_POLL_S = 0.05  # how often live streams are asked whether their client went away ...
+CANCEL_POLL_STREAMS = 32  # ... at most this many per poll, in turn (each ask is an IPC round trip on Triton)
+STATS_LOG_S = 10.0  # how often a busy pump logs where its time went (PumpTimes)
 
 
 class Sink(Protocol):
@@ -99,9 +104,36 @@ class LatencySamples:
         self.itl: deque[float] = deque(maxlen=self.MAX_SAMPLES)
 
 
+@dataclass(slots=True)
+class PumpTimes:
+    """Where a pump thread's time goes, summed since the last log line: delivering (for a codec pump split into
+    the codec call and the rest, mostly the sends) and polling the live streams for cancellation."""
+
+    cycles: int = 0
+    responses: int = 0
+    deliver_s: float = 0.0
+    codec_s: float = 0.0
+    send_s: float = 0.0  # in the sinks' send calls (measured by the codec pump)
+    polls: int = 0
+    polled: int = 0
+    poll_s: float = 0.0
+    since: float = field(default_factory=time.monotonic)
+
+    def line(self, now: float) -> str:
+        span = max(1e-9, now - self.since)
+        per_cycle = 1e3 / max(1, self.cycles)
+        return (f"{self.cycles / span:.0f} cycles/s, {self.responses / span:.0f} responses/s; per cycle: deliver "
+                f"{self.deliver_s * per_cycle:.1f} ms (codec {self.codec_s * per_cycle:.1f} ms, sends "
+                f"{self.send_s * 1e3 / max(1, self.responses):.2f} ms each); cancel polls "
+                f"{self.polls / span:.1f}/s, {self.poll_s * 1e3 / max(1, self.polls):.1f} ms each over "
+                f"{self.polled / max(1, self.polls):.0f} streams; busy {100 * (self.deliver_s + self.poll_s) / span:.0f}%")
+
+
 class OutputPump:
     def __init__(self, engine: Any, name: str = "output-pump"):
         self._engine = engine
+        self._name = name
+        self.times = PumpTimes()
         self.latency = LatencySamples()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, TextStream] = {}
@@ -109,6 +141,7 @@ class OutputPump:
         self._is_running = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._next_cancel_poll = 0.0
+        self._poll_cursor = 0  # where the next cancellation poll starts among the live streams
 
     def start(self) -> None:
         self._is_running = True
@@ -151,10 +184,23 @@ class OutputPump:
                 if item is not None:
                     batch.append(item)
             try:
-                self._deliver(_merge(batch))
+                started = time.perf_counter()
+                if batch:
+                    self._deliver(_merge(batch))
+                    self.times.cycles += 1
+                self.times.deliver_s += time.perf_counter() - started
                 self._poll_cancellations()
             except Exception:  # never let one bad stream stop every other stream's output
                 logger.exception("output pump iteration failed")
+            self._log_times()
+
+    def _log_times(self) -> None:
+        now = time.monotonic()
+        if now - self.times.since < STATS_LOG_S:
+            return
+        if self.times.cycles:
+            logger.info("[%s] %s", self._name, self.times.line(now))
+        self.times = PumpTimes(since=now)
 
     def _deliver(self, merged: dict[str, tuple[list[int], FinishReason | None, str | None]]) -> None:
         for request_id, (new_ids, finish, error) in merged.items():
@@ -171,6 +217,7 @@ class OutputPump:
                 continue
             stream.record_latency(self.latency, len(new_ids))
             outputs, reason = stream.update(new_ids, finish)
+            self.times.responses += 1
             if reason is None:
                 stream.sink.send_chunk(outputs)
                 continue
@@ -184,14 +231,22 @@ class OutputPump:
         if now < self._next_cancel_poll:
             return
         self._next_cancel_poll = now + CANCEL_POLL_S
+        started = time.perf_counter()
         with self._lock:
             streams = list(self._streams.values())
+        if len(streams) > CANCEL_POLL_STREAMS:  # a slice per poll, so 256 streams are each asked every ~0.4 s
+            start = self._poll_cursor % len(streams)
+            streams = (streams + streams)[start:start + CANCEL_POLL_STREAMS]
+            self._poll_cursor = start + CANCEL_POLL_STREAMS
+        self.times.polls += 1
+        self.times.polled += len(streams)
         for stream in streams:
             if stream.sink.is_closed or stream.sink.is_cancelled():
                 logger.info("[%s] client cancelled; freeing its resources", stream.request_id)
                 self.unregister(stream.request_id)
                 stream.sink.send_final()  # flags only: nothing more reaches a cancelled request
                 self._engine.cancel(stream.request_id)
+        self.times.poll_s += time.perf_counter() - started
 
 
 def _merge(batch: list[tuple]) -> dict[str, tuple[list[int], FinishReason | None, str | None]]:

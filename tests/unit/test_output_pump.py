@@ -101,3 +101,30 @@ def test_limit_errors_keep_their_prefix_and_faults_are_scrubbed():
     assert limited.sent[-1] == ("error", wire.DEADLINE_PREFIX + "deadline of 2 s")
     assert faulty.sent[-1][0] == "server_error"
     assert len(pump.latency.ttft) == 1 and len(pump.latency.itl) == 0
+
+
+def test_cancellation_polls_ask_a_bounded_slice_of_the_streams_in_turn():
+    """Each poll asks at most CANCEL_POLL_STREAMS streams (an IPC round trip each on Triton), the next poll the
+    next ones, so every stream is asked within ceil(N / 32) polls and a cancelled one among 100 is found."""
+    from mstar_common.engine import output_pump
+
+    class CountingSink(FakeSink):
+        asked = 0
+
+        def is_cancelled(self):
+            CountingSink.asked += 1
+            return self.cancelled
+
+    engine, pump = FakeEngine(), OutputPump(FakeEngine())
+    pump._engine = engine
+    sinks = {f"r{i}": CountingSink() for i in range(100)}
+    for rid, sink in sinks.items():
+        pump.register(_stream(rid, sink))
+    sinks["r77"].cancelled = True
+    for poll in range(4):
+        CountingSink.asked = 0
+        pump._next_cancel_poll = 0.0
+        pump._poll_cancellations()
+        assert CountingSink.asked == output_pump.CANCEL_POLL_STREAMS == 32
+        assert (engine.cancelled == ["r77"]) == (poll >= 2), poll  # r77 sits in the third slice
+    assert sinks["r77"].sent == [("final", None)] and pump.num_streams == 99
