@@ -180,3 +180,41 @@ def test_auto_hold_grows_while_streams_join_before_the_first_response():
     assert not sink.chunks and pump._streams["a"].first_chunk_frames == 6
     pump._deliver({"a": (tokens[49:56], None, None)})
     assert pcm_codes(sink.chunks[0]) == [100, 101, 102, 103, 104, 105]
+
+
+def test_a_started_pump_sends_on_its_sender_thread_in_play_order():
+    """Started, the pump hands each response to its sender thread: the sink sees them from that thread, in play
+    order, the FINAL last; stop() ends both threads."""
+    import threading
+    import time
+
+    engine, codec = FakeEngine(), FakeCodec()
+    pump = CodecPump(engine, codec, name="t")
+    threads = []
+
+    class ThreadSink(FakeSink):
+        def send_chunk(self, outputs):
+            threads.append(threading.current_thread().name)
+            super().send_chunk(outputs)
+
+        def send_final(self, outputs=None):
+            threads.append(threading.current_thread().name)
+            super().send_final(outputs)
+
+    sink = ThreadSink()
+    pump.register(AudioStream("a", sink, SpeechChunker(LAYOUT), 24000, num_prompt_tokens=5))
+    pump.start()
+    try:
+        tokens = frame_tokens(100, 6)
+        for i in range(0, 42, 7):
+            pump.on_output("a", tokens[i:i + 7], None, None)
+        pump.on_output("a", [], FinishReason.STOP, None)
+        deadline = time.monotonic() + 5
+        while sink.final is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        pump.stop()
+    played = [code for chunk in sink.chunks for code in pcm_codes(chunk)] + pcm_codes(sink.final)
+    assert played == [100, 101, 102, 103, 104, 105] and set(threads) == {"t-sender"}
+    assert not pump._sender.is_alive() and not pump._thread.is_alive()
