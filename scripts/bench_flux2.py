@@ -225,6 +225,8 @@ def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
               **FAMILIES[args.family].model_kwargs(checkpoint, args)}
     if args.vae_in_denoise:
         kwargs["vae_in_denoise"] = True
+    if args.dit_fp8:
+        kwargs["dit_fp8"] = True
     return deployment_from_dict({"name": "bench", "family": args.family, "checkpoint": str(checkpoint),
                                  "components": components, "model_kwargs": kwargs,
                                  "server": {"shm_default_byte_size": 1 << 27, "stub_timeout_seconds": 600}})
@@ -725,6 +727,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--diffusers-calls", type=int, default=3, help="timed pipeline calls per concurrency")
     parser.add_argument("--vae-max-batch", type=int, default=4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--dit-fp8", action="store_true",
+                        help="model_kwargs.dit_fp8 (flux2_klein): the transformer blocks' GEMMs as scaled e4m3")
     parser.add_argument("--vae-in-denoise", action="store_true",
                         help="model_kwargs.vae_in_denoise: decode inside the denoise component (no vae_decode hop)")
     parser.add_argument("--skip-diffusers", action="store_true")
@@ -767,6 +771,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "torch": torch.__version__,
         "mode": args.mode, "size": f"{args.width}x{args.height}", "steps": args.steps, "dtype": args.dtype,
         "cuda_graphs": device != "cpu" and not args.no_cuda_graphs, "vae_in_denoise": args.vae_in_denoise,
+        "dit_fp8": args.dit_fp8,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     if not args.skip_ours:

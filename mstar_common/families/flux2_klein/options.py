@@ -34,6 +34,9 @@ class Flux2KleinOptions:
     # decode the latents inside the denoise component (its own thread and CUDA stream) and answer pixels,
     # instead of the walk's hop to the vae_decode component
     vae_in_denoise: bool = False
+    # the transformer blocks' linears as row-wise scaled fp8 (e4m3) GEMMs (mstar_common/layers/fp8_linear.py):
+    # faster on fp8 tensor cores, images close to but not equal to bf16's
+    dit_fp8: bool = False
 
     @property
     def edit_sizes(self) -> list[str]:
@@ -48,6 +51,10 @@ def options_from_kwargs(kwargs: dict[str, Any], source: str) -> Flux2KleinOption
 
 
 def _check(key: str, value: Any, where: str) -> Any:
+    if key == "dit_fp8":
+        if not isinstance(value, bool):
+            raise DeploymentError(f"{where}: must be true or false, got {value!r}")
+        return value
     if key == "text_encoder_out_layers":
         if not isinstance(value, list) or not value or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a non-empty list of layer numbers >= 1, got {value!r}")
