@@ -6,8 +6,7 @@ feeds each stream's chunker, and sends every window that became ready, across al
 in ONE call (on Triton a BLS request to the codec component): hops are per step, never per request or per
 token, and the codec sees the whole step's batch. Each stream then gets its audio in play order, as soon
 as it is decoded (several frames per response when it fell behind), and a finished stream's FINAL follows
-its last audio. Once the pump is started, a sender thread makes the sends, in order, while the pump thread
-goes on to the next codec call. A stream's first response can be held until it carries `first_chunk_frames` frames (a
+its last audio. A stream's first response can be held until it carries `first_chunk_frames` frames (a
 deployment knob, default 1): a playback buffer that trades first-audio latency for no gap when many streams
 start at once and the first frames come faster than the ones right after. With `first_chunk_frames` None
 ("auto"), the hold is set when the stream's first frame is decoded, from how many streams the pump serves then
@@ -22,8 +21,6 @@ a step. Errors the engine reports end a stream by the text pump's rule.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -123,47 +120,6 @@ class CodecPump(OutputPump):
         self._codec = codec
         self.num_codec_calls = 0
         self.num_windows = 0
-        # Once started, audio responses go out on a sender thread, in order, so the next codec call (mostly a
-        # wait on the GPU) overlaps this call's sends (H200, 256 streams: ~0.5 ms per send, ~45% of the pump
-        # thread's time when it sent them itself). Not started (tests that drive `_deliver`): sent inline.
-        self._sends: queue.SimpleQueue | None = None
-        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-sender", daemon=True)
-
-    def start(self) -> None:
-        self._sends = queue.SimpleQueue()
-        self._sender.start()
-        super().start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        super().stop(timeout)
-        if self._sends is not None:
-            self._sends.put(None)
-            if self._sender.is_alive():
-                self._sender.join(timeout)
-
-    def _emit(self, sink: Sink, outputs: dict[str, np.ndarray] | None, is_final: bool) -> None:
-        if self._sends is not None:
-            self._sends.put((sink, outputs, is_final))
-        else:
-            self._send(sink, outputs, is_final)
-
-    def _send_loop(self) -> None:
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            try:
-                self._send(*item)
-            except Exception:  # noqa: BLE001 - one stream's failed send must not stop everyone's audio
-                logger.exception("audio response send failed")
-
-    def _send(self, sink: Sink, outputs: dict[str, np.ndarray] | None, is_final: bool) -> None:
-        sending = time.perf_counter()
-        if is_final:
-            sink.send_final(outputs)
-        else:
-            sink.send_chunk(outputs)
-        self.times.send_s += time.perf_counter() - sending
 
     def _deliver(self, merged: dict[str, tuple[list[int], FinishReason | None, str | None]]) -> None:
         ready: list[_Ready] = []
@@ -176,7 +132,7 @@ class CodecPump(OutputPump):
                 continue
             if finish is FinishReason.CANCELLED:  # dropped without decoding what it still held
                 self.unregister(request_id)
-                self._emit(stream.sink, None, is_final=True)
+                stream.sink.send_final()
                 continue
             stream.num_completion_tokens += len(new_ids)
             stream.pending_ids += new_ids
@@ -211,8 +167,7 @@ class CodecPump(OutputPump):
             if r.stream.first_chunk_frames is None:  # "auto": decided now, from the load its first frame meets
                 r.stream.is_auto_hold, r.stream.first_chunk_frames = True, 0
             if r.stream.is_auto_hold and not r.stream.is_audio_started:  # ... and raised while streams keep joining
-                hold = auto_first_chunk_frames(self.num_streams)
-                r.stream.first_chunk_frames = max(r.stream.first_chunk_frames, hold)
+                r.stream.first_chunk_frames = max(r.stream.first_chunk_frames, auto_first_chunk_frames(self.num_streams))
             chunk = r.stream.take_first_chunk(chunk, is_last=r.finish is not None)
             if chunk is None:
                 continue  # held for a fuller first response
@@ -221,6 +176,10 @@ class CodecPump(OutputPump):
             if len(chunk) and not r.stream.is_audio_started:
                 r.stream.is_audio_started = True
                 self.latency.first_audio.append(time.monotonic() - r.stream.arrival)
-            if r.finish is not None:
+            sending = time.perf_counter()
+            if r.finish is None:
+                r.stream.sink.send_chunk(outputs)
+            else:
                 self.unregister(r.stream.request_id)
-            self._emit(r.stream.sink, outputs, is_final=r.finish is not None)
+                r.stream.sink.send_final(outputs)
+            self.times.send_s += time.perf_counter() - sending
