@@ -241,7 +241,7 @@ def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for g in groups]
     ready = [_wait_ready(proc) for proc in procs]
     start = time.perf_counter() + START_LEAD_S  # every process sends its streams' requests at this instant
-    for i, (proc, ok) in enumerate(zip(procs, ready)):
+    for i, (proc, ok) in enumerate(zip(procs, ready, strict=True)):
         if ok:
             proc.stdin.write(f"{start + i * stagger_s!r}\n")
         proc.stdin.close()  # a process that was not ready reads an empty line and exits
