@@ -67,6 +67,22 @@ def captures(dep: Deployment, component: str, device: str) -> bool:
     return dep.components[component].cuda_graphs and device.startswith("cuda")
 
 
+def quantize_dit_fp8(modules: list[Any], device: str) -> int:
+    """`model_kwargs.dit_fp8`: every eligible linear under `modules` (a family's transformer blocks, or their
+    attention and MLP parts) becomes a row-wise scaled e4m3 GEMM (mstar_common/layers/fp8_linear.py). Refused
+    on a GPU without fp8 tensor cores (compute capability < 8.9)."""
+    import torch
+
+    from mstar_common.layers.fp8_linear import quantize_linears
+
+    if device.startswith("cuda") and torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
+        raise DeploymentError(f"model_kwargs.dit_fp8: needs fp8 tensor cores (compute capability >= 8.9); "
+                              f"{torch.cuda.get_device_name(torch.device(device))} has none")
+    count = sum(quantize_linears(module) for module in modules)
+    logger.info("dit_fp8: %d transformer linears run as row-wise scaled e4m3 GEMMs", count)
+    return count
+
+
 def family_module(family: str, module: str) -> Any:
     return importlib.import_module(f"mstar_common.families.{family}.{module}")
 

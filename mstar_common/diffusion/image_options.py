@@ -27,8 +27,8 @@ def options_from_kwargs(cls: type[Options], kwargs: dict[str, Any], source: str,
 
 
 def check_value(key: str, value: Any, where: str) -> Any:
-    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes, vae_in_denoise; any other is an
-    integer >= 1."""
+    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes, vae_in_denoise, dit_fp8; any other
+    is an integer >= 1."""
     if key == "dtype":
         if value is not None and value not in DTYPES:
             raise DeploymentError(f"{where}: must be one of {list(DTYPES)}, got {value!r}")
@@ -37,7 +37,7 @@ def check_value(key: str, value: Any, where: str) -> Any:
         return check_size(value, where)
     if key == "capture_sizes":
         return check_sizes(value, where)
-    if key == "vae_in_denoise":
+    if key in ("vae_in_denoise", "dit_fp8"):
         if not isinstance(value, bool):
             raise DeploymentError(f"{where}: must be true or false, got {value!r}")
         return value

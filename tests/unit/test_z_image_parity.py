@@ -225,3 +225,27 @@ def test_denoise_refuses_sizes_past_the_rope_range(checkpoint):
         runtime.parse(inputs)
     with pytest.raises(ValueError, match="prompt_embeds: expected shape"):
         runtime.parse({**inputs, "width": torch.tensor([64]), "prompt_embeds": torch.randn(5, 23)})
+
+
+def test_dit_fp8_runs_the_attention_and_mlp_linears_in_e4m3_and_stays_close(checkpoint):
+    """model_kwargs.dit_fp8 on Z-Image: each block's attention and MLP linears become Fp8Linear where fp8 GEMMs
+    take their shape (features multiples of 16: all of them at the 6B shapes; the tiny MLP's 85-wide hidden
+    layer is not), the adaLN modulations stay, and the image stays close to the full-precision one: 52.3 dB
+    measured (tiny random weights, fp32 on the CPU); a broken fp8 GEMM gives noise, far below the bound."""
+    from mstar_common.layers.fp8_linear import Fp8Linear, is_eligible
+
+    async def run(dep):
+        async with LocalWalk(ZImageTurboFamily(), dep, checkpoint) as walk:
+            out = await walk.run(request("a lighthouse at dusk", 64, 64, 5))
+            return out, walk.components["denoise"].model
+
+    full, _ = asyncio.run(run(tiny_deployment(checkpoint)))
+    fp8, model = asyncio.run(run(tiny_deployment(checkpoint, dit_fp8=True)))
+    blocks = [*model.noise_refiner, *model.context_refiner, *model.layers]
+    parts = [m for b in blocks for part in (b.attention, b.feed_forward) for m in part.modules()]
+    assert not any(is_eligible(m) for m in parts)  # every linear fp8 can take was swapped
+    assert sum(isinstance(m, Fp8Linear) for m in parts) == 4 * len(blocks)  # q, k, v, out (the tiny MLP: 85 wide)
+    adaln = [b.adaLN_modulation[0] for b in blocks if b.adaLN_modulation is not None]
+    assert adaln and all(type(m) is torch.nn.Linear for m in adaln)
+    value = psnr(decode(full["images"][0]), decode(fp8["images"][0]))
+    assert 40.0 < value < float("inf"), value

@@ -4,7 +4,6 @@ the deployment checks are the image families' (`mstar_common/diffusion/image_fam
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -13,8 +12,6 @@ from mstar_common.diffusion import image_family
 from mstar_common.diffusion.image_family import Builder, ImageFamily, tiny_builder
 from mstar_common.families.flux2_klein.graph import GRAPH
 from mstar_common.families.flux2_klein.options import Flux2KleinOptions
-
-logger = logging.getLogger(__name__)
 
 
 class Flux2KleinFamily(ImageFamily):
@@ -78,29 +75,14 @@ def _denoise(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, devi
 
     limits = DenoiseLimits.from_options(options, multiple=2 * vae_config(checkpoint).scale_factor)
     model = load_transformer(checkpoint, options.dtype_for(device), device)
-    if options.dit_fp8:
-        quantize_blocks_fp8(model, device)
+    if options.dit_fp8:  # the blocks' linears; the embedders, modulations and output projection stay
+        image_family.quantize_dit_fp8([*model.transformer_blocks, *model.single_transformer_blocks], device)
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
     if image_family.captures(dep, "denoise", device):
         capture_denoise_graphs(runtime, options)
     if options.vae_in_denoise:
         runtime.attach_decoder(_vae_decode(dep, options, checkpoint, device))
     return runtime
-
-
-def quantize_blocks_fp8(model, device: str) -> int:
-    """`dit_fp8`: the double and single blocks' linears as fp8 GEMMs (the embedders, the modulations and the
-    output projection stay in the model's dtype). Refused on a GPU without fp8 tensor cores."""
-    import torch
-
-    from mstar_common.layers.fp8_linear import quantize_linears
-
-    if device.startswith("cuda") and torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
-        raise DeploymentError(f"model_kwargs.dit_fp8: needs fp8 tensor cores (compute capability >= 8.9); "
-                              f"{torch.cuda.get_device_name(torch.device(device))} has none")
-    count = quantize_linears(model.transformer_blocks) + quantize_linears(model.single_transformer_blocks)
-    logger.info("dit_fp8: %d transformer-block linears run as row-wise scaled e4m3 GEMMs", count)
-    return count
 
 
 def capture_denoise_graphs(runtime, options: Flux2KleinOptions, capture: bool = True) -> None:

@@ -51,10 +51,6 @@ def options_from_kwargs(kwargs: dict[str, Any], source: str) -> Flux2KleinOption
 
 
 def _check(key: str, value: Any, where: str) -> Any:
-    if key == "dit_fp8":
-        if not isinstance(value, bool):
-            raise DeploymentError(f"{where}: must be true or false, got {value!r}")
-        return value
     if key == "text_encoder_out_layers":
         if not isinstance(value, list) or not value or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a non-empty list of layer numbers >= 1, got {value!r}")

@@ -65,6 +65,10 @@ def _denoise(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, dev
 
     limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
     model = load_transformer(checkpoint, options.dtype_for(device), device)
+    if options.dit_fp8:  # attention and MLP linears; the adaLN modulations and the embedders stay
+        blocks = [*model.noise_refiner, *model.context_refiner, *model.layers]
+        image_family.quantize_dit_fp8([part for block in blocks for part in (block.attention, block.feed_forward)],
+                                      device)
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
     if image_family.captures(dep, "denoise", device):
         capture_denoise_graphs(runtime, options)

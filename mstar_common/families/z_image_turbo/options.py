@@ -31,6 +31,8 @@ class ZImageTurboOptions:
     # decode the latents inside the denoise component (its own thread and CUDA stream) and answer pixels,
     # instead of the walk's hop to the vae_decode component
     vae_in_denoise: bool = False
+    # the blocks' attention and MLP linears as row-wise scaled fp8 (e4m3) GEMMs (mstar_common/layers/fp8_linear.py)
+    dit_fp8: bool = False
     capture_caption_tokens: list[int] = field(default_factory=lambda: [64, 128])  # padded caption lengths
 
     def dtype_for(self, device: str) -> str:
