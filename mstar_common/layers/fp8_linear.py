@@ -43,8 +43,10 @@ class Fp8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         codes, scale = _quantize_rows(rows)
+        # CUDA's row-wise scaled GEMM writes bf16 only: another dtype is cast from it
+        mm_dtype = torch.bfloat16 if rows.is_cuda else self.out_dtype
         out = torch._scaled_mm(codes, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,
-                               out_dtype=self.out_dtype)
+                               out_dtype=mm_dtype).to(self.out_dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
