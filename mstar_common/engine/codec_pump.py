@@ -167,7 +167,8 @@ class CodecPump(OutputPump):
             if r.stream.first_chunk_frames is None:  # "auto": decided now, from the load its first frame meets
                 r.stream.is_auto_hold, r.stream.first_chunk_frames = True, 0
             if r.stream.is_auto_hold and not r.stream.is_audio_started:  # ... and raised while streams keep joining
-                r.stream.first_chunk_frames = max(r.stream.first_chunk_frames, auto_first_chunk_frames(self.num_streams))
+                hold = auto_first_chunk_frames(self.num_streams)
+                r.stream.first_chunk_frames = max(r.stream.first_chunk_frames, hold)
             chunk = r.stream.take_first_chunk(chunk, is_last=r.finish is not None)
             if chunk is None:
                 continue  # held for a fuller first response

@@ -122,11 +122,12 @@ class PumpTimes:
     def line(self, now: float) -> str:
         span = max(1e-9, now - self.since)
         per_cycle = 1e3 / max(1, self.cycles)
+        busy = 100 * (self.deliver_s + self.poll_s) / span
         return (f"{self.cycles / span:.0f} cycles/s, {self.responses / span:.0f} responses/s; per cycle: deliver "
                 f"{self.deliver_s * per_cycle:.1f} ms (codec {self.codec_s * per_cycle:.1f} ms, sends "
                 f"{self.send_s * 1e3 / max(1, self.responses):.2f} ms each); cancel polls "
                 f"{self.polls / span:.1f}/s, {self.poll_s * 1e3 / max(1, self.polls):.1f} ms each over "
-                f"{self.polled / max(1, self.polls):.0f} streams; busy {100 * (self.deliver_s + self.poll_s) / span:.0f}%")
+                f"{self.polled / max(1, self.polls):.0f} streams; busy {busy:.0f}%")
 
 
 class OutputPump:
