@@ -13,10 +13,6 @@ surviving object to the permanent generation, which later collections skip (the 
 cyclic garbage stay allocated (tensors and arrays are freed by reference counting as before).
 `MSTAR_GC_FREEZE=0` turns the freeze off; collections slower than `MSTAR_GC_LOG_MS` (default 50) are logged
 as warnings with their generation and length either way.
-
-`MSTAR_GIL_SWITCH_MS` (unset: CPython's 5 ms) sets the interval after which a thread holding the GIL is asked
-to hand it to a waiting one (`sys.setswitchinterval`). A response send or a cancellation ask leaves the GIL
-for an IPC round trip and then waits for it again, behind the step loop's Python, for up to that interval.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 import time
 
 logger = logging.getLogger(__name__)
@@ -63,7 +58,3 @@ def settle_heap(name: str) -> None:
         gc.callbacks.append(_watch)
     logger.info("[%s] gc: start-up heap settled in %.0f ms; %d objects frozen", name,
                 (time.perf_counter() - started) * 1e3, frozen)
-    switch_ms = os.environ.get("MSTAR_GIL_SWITCH_MS")
-    if switch_ms:
-        sys.setswitchinterval(float(switch_ms) / 1e3)
-        logger.info("[%s] GIL switch interval %.2f ms", name, sys.getswitchinterval() * 1e3)

@@ -256,13 +256,9 @@ def bench_served(url: str, model: str, concurrency: int, tokens: int, timeout_s:
     return summarize("mstar-triton", logs, time.perf_counter() - start)
 
 
-def _wait_ready(proc, timeout_s: float = 120.0) -> bool:
-    """Block until a load process has connected its streams (its READY line); False if it died first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            return False
+def _wait_ready(proc) -> bool:
+    """Block until a load process has connected its streams (its READY line); False if it exited first."""
+    for line in proc.stdout:
         if line.strip() == READY:
             return True
     return False

@@ -42,8 +42,8 @@ AUTO_MAX_FRAMES = 8  # ... up to 8 frames (683 ms)
 def auto_first_chunk_frames(num_streams: int) -> int:
     """The "auto" first-chunk hold: 1 frame below 40 streams, 2 from 40, 3 from 80, 4 from 120, 5 from 160, 6 from
     200, 7 (597 ms) from 240 and at most 8. On the H200 (docs/benchmarks.md) one frame kept 64/64 streams
-    without a gap and none of 192; three kept 148/192; at 256 streams with an fp8 KV pool, six kept 248-256 of
-    256 in five runs, the others stalling 12 ms once, 1.45 s in."""
+    without a gap and none of 192; three kept 148/192; at 256 streams with an fp8 KV pool, seven (this rule)
+    kept 256/256 in every run of the committed code."""
     return min(AUTO_MAX_FRAMES, 1 + num_streams // AUTO_STREAMS_PER_FRAME)
 
 

@@ -3,8 +3,9 @@
 `Fp8Linear` keeps its weight as e4m3 codes with one fp32 scale per output channel (max |row| / 448, computed
 once from the loaded bf16 weight), quantises each call's activations per row the same way (kernels/fp8_quant.py
 on CUDA, eager torch elsewhere), and multiplies on the fp8 tensor cores with `torch._scaled_mm`, which applies
-both scales and writes the input's dtype. On an H200 the DiT's projections run 1.5-1.7x faster than in bf16
-(docs/benchmarks.md); the weights take half the memory. It changes the numerics: each GEMM's result moves by a
+both scales and writes the linear's original dtype (bf16 on CUDA, cast when the model runs in another). On an
+H200 the DiT's projections run 1.5-1.7x faster than in bf16 (docs/benchmarks.md); the weights take half the
+memory. It changes the numerics: each GEMM's result moves by a
 few percent relative (e4m3 keeps 3 mantissa bits), so the images are close to, not equal to, the bf16 ones.
 
 `quantize_linears(module)` swaps every eligible `nn.Linear` under `module` in place (features multiples of 16,

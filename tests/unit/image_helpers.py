@@ -106,3 +106,16 @@ def assert_vae_in_denoise_matches_the_hop(family, make_deployment, checkpoint: P
     assert list(hop[0]["images"]) == list(local[0]["images"])
     assert [a["seed"] for a in hop] == [b["seed"] for b in local]
     assert_batched_images_match(hop[1:], local[1:], 60.0)
+
+
+def fp8_against_full_precision(family, make_deployment, checkpoint: Path, inputs: dict):
+    """model_kwargs.dit_fp8: one request through the full-precision walk and through the fp8 one; returns (the
+    two images' PSNR, the fp8 walk's transformer)."""
+
+    async def run(dep):
+        async with LocalWalk(family, dep, checkpoint) as walk:
+            return await walk.run(inputs), walk.components["denoise"].model
+
+    full, _ = asyncio.run(run(make_deployment(checkpoint)))
+    fp8, model = asyncio.run(run(make_deployment(checkpoint, dit_fp8=True)))
+    return psnr(decode(full["images"][0]), decode(fp8["images"][0])), model

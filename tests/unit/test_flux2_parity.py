@@ -222,23 +222,14 @@ def test_dit_fp8_runs_the_blocks_linears_in_e4m3_and_stays_close(checkpoint):
     one: tiny random weights, fp32 on the CPU, 4 steps, 62.8 dB measured (not bit-exact: the bound's upper end
     fails if the swap did nothing; a GEMM missing a scale or a transposed weight gives noise, far below 40 dB).
     At klein-4B's shapes on the H200: docs/benchmarks.md."""
-    import asyncio
-
     from mstar_common.layers.fp8_linear import Fp8Linear
-    from mstar_common.local_walk import LocalWalk
 
-    async def run(dep):
-        async with LocalWalk(Flux2KleinFamily(), dep, checkpoint) as walk:
-            out = await walk.run(request("a red cube on a table", 64, 64, 7))
-            return out, walk.components["denoise"].model
-
-    full, _ = asyncio.run(run(tiny_deployment(checkpoint)))
-    fp8, model = asyncio.run(run(tiny_deployment(checkpoint, dit_fp8=True)))
+    value, model = image_helpers.fp8_against_full_precision(Flux2KleinFamily(), tiny_deployment, checkpoint,
+                                                            request("a red cube on a table", 64, 64, 7))
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     in_blocks = [m for b in blocks for m in b.modules() if isinstance(m, (Fp8Linear, torch.nn.Linear))]
     assert in_blocks and all(isinstance(m, Fp8Linear) for m in in_blocks)
     assert not any(isinstance(m, Fp8Linear) for m in (model.x_embedder, model.proj_out, model.context_embedder))
-    value = image_helpers.psnr(image_helpers.decode(full["images"][0]), image_helpers.decode(fp8["images"][0]))
     assert 40.0 < value < float("inf"), value
 
 

@@ -43,17 +43,3 @@ def test_slow_collections_are_logged(restore_gc, monkeypatch, caplog):
         gc.collect()
     assert not caplog.records
 
-
-def test_gil_switch_interval_is_set_only_when_asked(restore_gc, monkeypatch):
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        monkeypatch.delenv("MSTAR_GIL_SWITCH_MS", raising=False)
-        gc_policy.settle_heap("test")
-        assert sys.getswitchinterval() == before
-        monkeypatch.setenv("MSTAR_GIL_SWITCH_MS", "0.5")
-        gc_policy.settle_heap("test")
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)

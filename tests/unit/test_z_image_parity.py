@@ -234,18 +234,12 @@ def test_dit_fp8_runs_the_attention_and_mlp_linears_in_e4m3_and_stays_close(chec
     measured (tiny random weights, fp32 on the CPU); a broken fp8 GEMM gives noise, far below the bound."""
     from mstar_common.layers.fp8_linear import Fp8Linear, is_eligible
 
-    async def run(dep):
-        async with LocalWalk(ZImageTurboFamily(), dep, checkpoint) as walk:
-            out = await walk.run(request("a lighthouse at dusk", 64, 64, 5))
-            return out, walk.components["denoise"].model
-
-    full, _ = asyncio.run(run(tiny_deployment(checkpoint)))
-    fp8, model = asyncio.run(run(tiny_deployment(checkpoint, dit_fp8=True)))
+    value, model = image_helpers.fp8_against_full_precision(ZImageTurboFamily(), tiny_deployment, checkpoint,
+                                                            request("a lighthouse at dusk", 64, 64, 5))
     blocks = [*model.noise_refiner, *model.context_refiner, *model.layers]
     parts = [m for b in blocks for part in (b.attention, b.feed_forward) for m in part.modules()]
     assert not any(is_eligible(m) for m in parts)  # every linear fp8 can take was swapped
     assert sum(isinstance(m, Fp8Linear) for m in parts) == 4 * len(blocks)  # q, k, v, out (the tiny MLP: 85 wide)
     adaln = [b.adaLN_modulation[0] for b in blocks if b.adaLN_modulation is not None]
     assert adaln and all(type(m) is torch.nn.Linear for m in adaln)
-    value = psnr(decode(full["images"][0]), decode(fp8["images"][0]))
     assert 40.0 < value < float("inf"), value
