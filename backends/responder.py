@@ -12,6 +12,7 @@ import logging
 import uuid
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from mstar_common import wire
@@ -77,15 +78,37 @@ class Responder:
             logger.debug("[%s] send failed: %s", self.request_id, exc)
 
 
-def _response(outputs: dict[str, np.ndarray]):
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
+def _response(outputs: dict[str, np.ndarray | torch.Tensor]):
+    return pb_utils.InferenceResponse(output_tensors=[to_pb_tensor(k, v) for k, v in outputs.items()])
 
 
-def request_inputs(request, names) -> dict[str, np.ndarray]:
-    """The request's tensors among `names`, as numpy arrays; absent optional inputs are left out."""
+def to_pb_tensor(name: str, value: np.ndarray | torch.Tensor) -> pb_utils.Tensor:
+    """A numpy array, or a CPU torch tensor (bfloat16 ones travel through DLPack), as a Triton tensor."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().contiguous()
+        if value.dtype == torch.bfloat16:
+            return pb_utils.Tensor.from_dlpack(name, value)
+        value = value.numpy()
+    return pb_utils.Tensor(name, np.ascontiguousarray(value))
+
+
+def tensor_value(tensor: pb_utils.Tensor) -> np.ndarray | torch.Tensor:
+    """A received tensor's values: a numpy array, or for BF16 a CPU torch tensor.
+
+    Neither copies again: the stub already copied a numeric tensor into the array `as_numpy` returns (pybind11
+    copies an array made from a pointer without a base), and a BF16 tensor's DLPack view holds a reference to
+    the Triton tensor that owns its shared memory."""
+    try:
+        return tensor.as_numpy()
+    except Exception:  # noqa: BLE001 - BF16, which as_numpy refuses (the 2.51 stub cannot return triton_dtype())
+        return torch.from_dlpack(tensor.to_dlpack())
+
+
+def request_inputs(request, names) -> dict[str, np.ndarray | torch.Tensor]:
+    """The request's tensors among `names` (`tensor_value`); absent optional inputs are left out."""
     inputs = {}
     for name in names:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
-            inputs[name] = tensor.as_numpy()
+            inputs[name] = tensor_value(tensor)
     return inputs

@@ -26,8 +26,10 @@ from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.diffusion.batcher import Cancelled
 from mstar_common.gc_policy import settle_heap
+from mstar_common.graph import MODEL_DTYPE
 
 logger = logging.getLogger(__name__)
+WIRE_TORCH_DTYPES = {"FP32": torch.float32, "BF16": torch.bfloat16, "FP16": torch.float16}  # Family.wire_dtype
 TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"
 
 
@@ -39,6 +41,7 @@ class ComponentNode:
         setup = load_node(args, kind=self.KIND)
         self.model_name = setup.model_name
         self.input_names = [spec.name for spec in setup.component.inputs]
+        self.wire_dtypes = wire_dtypes(setup)  # MODEL_DTYPE outputs -> the torch dtype they are sent in
         self.runtime = setup.build()  # .submit(request_id, inputs, on_done, is_cancelled); .engine
         self.runtime.engine.start()
         self._ids = itertools.count()
@@ -62,9 +65,9 @@ class ComponentNode:
     def _submit(self, request) -> None:
         responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
         try:
-            inputs = {name: torch.from_numpy(np.array(value)) for name, value in
-                      request_inputs(request, self.input_names).items()}
-            on_done = _on_done(responder, self.model_name if TIMINGS else None)
+            inputs = {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+                      for name, value in request_inputs(request, self.input_names).items()}
+            on_done = _on_done(responder, self.wire_dtypes, self.model_name if TIMINGS else None)
             self.runtime.submit(responder.request_id, inputs, on_done, responder.is_cancelled)
         except ValueError as exc:
             responder.send_invalid(str(exc))
@@ -72,8 +75,19 @@ class ComponentNode:
             responder.send_server_error(exc)
 
 
-def _on_done(responder: Responder, timed_as: str | None = None):
+def wire_dtypes(setup) -> dict[str, torch.dtype]:
+    """The component's MODEL_DTYPE outputs and the torch dtype the deployment sends them in."""
+    dtype = WIRE_TORCH_DTYPES[setup.family.wire_dtype(setup.deployment)]
+    return {spec.name: dtype for spec in setup.component.outputs if spec.dtype == MODEL_DTYPE}
+
+
+def _on_done(responder: Responder, dtypes: dict[str, torch.dtype], timed_as: str | None = None):
     started = time.perf_counter()
+
+    def wire(name: str, tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
+        if name in dtypes:
+            return tensor.to(dtypes[name])  # bfloat16 stays a tensor: to_pb_tensor sends it through DLPack
+        return np.ascontiguousarray(tensor.numpy())
 
     def on_done(outputs: dict[str, torch.Tensor] | None, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
@@ -81,7 +95,7 @@ def _on_done(responder: Responder, timed_as: str | None = None):
         elif error is not None:
             responder.send_server_error(error)
         else:
-            responder.send_final({name: np.ascontiguousarray(t.numpy()) for name, t in outputs.items()})
+            responder.send_final({name: wire(name, t) for name, t in outputs.items()})
         if timed_as:
             logger.info("[%s] timing %s: %.1f ms from arrival to response sent", responder.request_id, timed_as,
                         (time.perf_counter() - started) * 1e3)

@@ -5,6 +5,7 @@
     └─ decode, check, resize and crop each reference image (in a thread)        ─▶ vae_encode  ──┤ concurrently
     denoise (the whole Euler loop, batched across requests inside the component) ◀──────────────┘
     vae_decode ─▶ encode PNG / JPEG / WebP (in a thread) ─▶ images [n] + the seed used
+    (for a PNG the decoder answers Paeth-filtered rows, filtered on its GPU; the walk only deflates them)
 
 Every hop carries a whole prompt or image, so its ~1 ms BLS cost is small against the work; the
 components batch across concurrent requests. Image preprocessing reproduces the reference pipeline's
@@ -19,7 +20,7 @@ import math
 
 import numpy as np
 
-from ensembles.image_walk import ImageRequest, ImageWalk, i32
+from ensembles.image_walk import ImageRequest, ImageWalk, concat, i32
 from mstar_common.diffusion import image_graph as g
 from mstar_common.families.flux2_klein.options import TEXT_TOKENS
 from mstar_common.images import check_geometry, decode_image
@@ -48,10 +49,12 @@ class Flux2KleinWalk(ImageWalk):
             g.NUM_STEPS: i32(req.num_steps),
         }
         if references:
-            denoise_inputs[g.REF_TOKENS] = np.concatenate([np.asarray(out[g.REF_TOKENS]) for out in encoded[1:]])
+            denoise_inputs[g.REF_TOKENS] = concat([out[g.REF_TOKENS] for out in encoded[1:]])
             denoise_inputs[g.REF_GRID] = np.stack([np.asarray(out[g.REF_GRID]) for out in encoded[1:]])
-        pixels = await self.pixels(await call("denoise", denoise_inputs), call, width, height)
-        images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
+        png_rows = self.wants_png_rows(req.output)
+        denoise_inputs[g.WANT_PNG_ROWS] = i32(int(png_rows))
+        decoded, is_rows = await self.decoded(await call("denoise", denoise_inputs), call, width, height, png_rows)
+        images = await asyncio.to_thread(self.encode_images, decoded, req.output, is_rows)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 
     # parse

@@ -4,19 +4,33 @@ padded to the text encoder's fixed input. The families add their own fields and 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mstar_common.diffusion import image_graph as g
-from mstar_common.diffusion.png import encode_png
+from mstar_common.diffusion.png import DEFLATE, encode_png, encode_png_rows
 from mstar_common.images import OutputOptions, check_geometry, encode_image, output_options, parse_size
 from mstar_common.walk_api import Call
 
 MAX_SEED = 2**63 - 1
+TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log the walk's own parts beside the router's hop times
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def timed(label: str):
+    """With MSTAR_TIMINGS=1, log the block's wall time as `timing <label>` (scripts/bench_flux2.py reads it)."""
+    started = time.perf_counter()
+    yield
+    if TIMINGS:
+        logger.info("[walk] timing %s: %.1f ms", label, (time.perf_counter() - started) * 1e3)
 
 
 @dataclass(slots=True)
@@ -42,6 +56,8 @@ class ImageWalk:
         self.tokenizer = tokenizer
         self.options = options
         self.multiple = multiple  # pixels per token side
+        if DEFLATE != "isal":  # what a missing dependency costs, said once (the PNG deflate, png.py)
+            logger.warning("[walk] PNG deflate on zlib: `isal` is not importable here (6-12x slower per image)")
 
     def parse_common(self, inputs: dict[str, np.ndarray]) -> ImageRequest:
         opts = self.options
@@ -69,30 +85,55 @@ class ImageWalk:
 
     def tokenize(self, prompt: str) -> tuple[np.ndarray, int]:
         messages = [{"role": "user", "content": prompt}]
-        chat = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=self.enable_thinking)
-        encoded = self.tokenizer(chat, padding="max_length", max_length=self.text_tokens, truncation=False)
+        with timed("tokenize"):
+            chat = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=self.enable_thinking)
+            encoded = self.tokenizer(chat, padding="max_length", max_length=self.text_tokens, truncation=False)
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
         if len(ids) > self.text_tokens:
             raise ValueError(f"prompt: {len(ids)} tokens with the chat template exceed the text encoder's "
                              f"{self.text_tokens}-token input; shorten the prompt")
         return np.asarray(ids, dtype=np.int32), int(sum(mask))
 
-    async def pixels(self, denoised: dict[str, np.ndarray], call: Call, width: int, height: int) -> np.ndarray:
-        """The denoise component's answer as pixels: its own (model_kwargs.vae_in_denoise, decoded in that
-        component) or the vae_decode component's for its latents."""
-        if g.PIXELS in denoised:
-            return np.asarray(denoised[g.PIXELS])
-        decoded = await call("vae_decode", {g.LATENTS: denoised[g.LATENTS], g.WIDTH: i32(width),
-                                            g.HEIGHT: i32(height)})
-        return np.asarray(decoded[g.PIXELS])
+    def wants_png_rows(self, output: OutputOptions) -> bool:
+        """Whether to ask the decoder for PNG rows (Paeth-filtered on its device, mstar_common/diffusion/png.py):
+        for a PNG from our encoder (`MSTAR_PNG_ENCODER=pil` encodes the pixels with PIL instead)."""
+        return output.format == "png" and os.environ.get("MSTAR_PNG_ENCODER", "parallel") != "pil"
 
-    def encode_images(self, pixels: np.ndarray, output: OutputOptions) -> list[bytes]:
-        """uint8 `[n, H, W, 3]` -> one encoded image each; PNG in parallel strips (`mstar_common/diffusion/png.py`),
-        the same pixels as PIL's encoder in a fraction of its single-core time. Blocking: call it in a thread."""
-        if output.format == "png" and os.environ.get("MSTAR_PNG_ENCODER", "parallel") != "pil":
-            return [encode_png(p, output.png_compress_level) for p in pixels]
-        return [encode_image(p, output) for p in pixels]
+    async def decoded(self, denoised: dict[str, np.ndarray], call: Call, width: int, height: int,
+                      png_rows: bool) -> tuple[np.ndarray, bool]:
+        """The denoise component's answer decoded: its own (model_kwargs.vae_in_denoise, decoded in that component)
+        or the vae_decode component's for its latents; PNG rows if asked for, else pixels. -> (array, is_rows)"""
+        for name in (g.PNG_ROWS, g.PIXELS):
+            if name in denoised:
+                return np.asarray(denoised[name]), name == g.PNG_ROWS
+        decoded = await call("vae_decode", {g.LATENTS: denoised[g.LATENTS], g.WIDTH: i32(width), g.HEIGHT: i32(height),
+                                            g.WANT_PNG_ROWS: i32(int(png_rows))})
+        name = g.PNG_ROWS if g.PNG_ROWS in decoded else g.PIXELS
+        return np.asarray(decoded[name]), name == g.PNG_ROWS
+
+    def encode_images(self, images: np.ndarray, output: OutputOptions, png_rows: bool = False) -> list[bytes]:
+        """uint8 pixels `[n, H, W, 3]`, or (`png_rows`) the decoder's PNG scanlines `[n, H, 1 + 3W]` -> one encoded
+        image each: the scanlines deflated in parallel strips (`mstar_common/diffusion/png.py`); other formats, and
+        PNG with MSTAR_PNG_ENCODER=pil, through PIL. Blocking: call it in a thread."""
+        with timed(f"encode_images[{DEFLATE}]"):
+            if png_rows:
+                return [encode_png_rows(rows, 3, output.png_compress_level) for rows in images]
+            if self.wants_png_rows(output):
+                return [encode_png(p, output.png_compress_level) for p in images]
+            return [encode_image(p, output) for p in images]
+
+
+def concat(parts: list) -> Any:
+    """Component outputs joined along the first axis: numpy arrays, or torch tensors (a bfloat16 wire). One part
+    is passed on as it is, so the walk router can forward the tensor it received without a copy."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import torch
+
+    return torch.cat(parts)
 
 
 def i32(value: int) -> np.ndarray:

@@ -28,11 +28,12 @@ class ZImageTurboWalk(ImageWalk):
         input_ids, text_len = self.tokenize(req.prompt)
         encoded = await call("text_encoder", {g.INPUT_IDS: input_ids, g.TEXT_LEN: i32(text_len)})
         size = {g.WIDTH: i32(req.width), g.HEIGHT: i32(req.height)}
+        png_rows = self.wants_png_rows(req.output)
         denoised = await call("denoise", {g.PROMPT_EMBEDS: encoded[g.PROMPT_EMBEDS], **size,
                                           g.NUM_IMAGES: i32(req.num_images), g.SEED: np.array([req.seed], np.int64),
-                                          g.NUM_STEPS: i32(req.num_steps)})
-        pixels = await self.pixels(denoised, call, req.width, req.height)
-        images = await asyncio.to_thread(self.encode_images, np.asarray(pixels), req.output)
+                                          g.NUM_STEPS: i32(req.num_steps), g.WANT_PNG_ROWS: i32(int(png_rows))})
+        decoded, is_rows = await self.decoded(denoised, call, req.width, req.height, png_rows)
+        images = await asyncio.to_thread(self.encode_images, decoded, req.output, is_rows)
         return {g.IMAGES: np.array(images, dtype=np.object_), g.SEED: np.array([req.seed], np.int64)}
 
     def parse(self, inputs: dict[str, np.ndarray]) -> ImageRequest:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mstar_common.config import Deployment, load_deployment
 from mstar_common.families.registry import get_family
-from mstar_common.graph import Component, FamilyGraph, Step, TensorSpec, Walk, components_in, is_static_dag
+from mstar_common.graph import MODEL_DTYPE, Component, FamilyGraph, Step, TensorSpec, Walk, components_in, is_static_dag
 from mstar_common.graph.walk import Sequential
 
 NODE_MODULES = {
@@ -47,13 +47,14 @@ def entry_model(dep: Deployment, walk: str | None = None) -> str:
 
 def render_repository(dep: Deployment, source: str) -> dict[str, str]:
     """Relative path -> file text, for every file of the repository."""
-    graph = get_family(dep.family).graph
+    family = get_family(dep.family)
+    graph, wire = family.graph, family.wire_dtype(dep)
     deployment_json = json.dumps(dep.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     files: dict[str, str] = {}
     for name, comp in sorted(graph.components.items()):
         model = model_name(dep.family, name)
         files[f"{model}/config.pbtxt"] = HEADER.format(source=source) + _component_pbtxt(
-            model, comp, dep, deployment_json
+            model, comp, dep, deployment_json, wire
         )
         module = NODE_MODULES.get(comp.kind)
         if module is None:
@@ -62,7 +63,7 @@ def render_repository(dep: Deployment, source: str) -> dict[str, str]:
     for walk in graph.walks.values():
         if _needs_ensemble(walk):
             model = model_name(dep.family, walk.name)
-            ensemble = _ensemble_pbtxt(model, dep.family, walk, graph)
+            ensemble = _ensemble_pbtxt(model, dep.family, walk, graph, wire)
             files[f"{model}/config.pbtxt"] = HEADER.format(source=source) + ensemble
             files[f"{model}/1/.keep"] = ""
     return files
@@ -100,11 +101,11 @@ def _needs_ensemble(walk: Walk) -> bool:
     return is_static_dag(walk.body) and len(set(components_in(walk.body))) > 1
 
 
-def _component_pbtxt(model: str, comp: Component, dep: Deployment, deployment_json: str) -> str:
+def _component_pbtxt(model: str, comp: Component, dep: Deployment, deployment_json: str, wire: str) -> str:
     lines = [f'name: "{model}"', 'backend: "python"', "max_batch_size: 0"]
     if comp.streams:
         lines.append("model_transaction_policy { decoupled: true }")
-    lines += _io_block("input", comp.inputs) + _io_block("output", comp.outputs)
+    lines += _io_block("input", comp.inputs, wire) + _io_block("output", comp.outputs, wire)
     lines += _instance_group(dep.components[comp.name].placement)
     lines.append("parameters [")
     params = [("family", dep.family), ("component", comp.name), ("deployment", deployment_json)]
@@ -113,12 +114,13 @@ def _component_pbtxt(model: str, comp: Component, dep: Deployment, deployment_js
     return "\n".join(lines) + "\n"
 
 
-def _io_block(kind: str, specs: tuple[TensorSpec, ...]) -> list[str]:
+def _io_block(kind: str, specs: tuple[TensorSpec, ...], wire: str) -> list[str]:
+    """`wire`: the deployment's dtype for MODEL_DTYPE tensors (Family.wire_dtype)."""
     if not specs:
         return []
     entries = []
     for spec in specs:
-        dtype = "TYPE_STRING" if spec.dtype == "BYTES" else f"TYPE_{spec.dtype}"
+        dtype = "TYPE_STRING" if spec.dtype == "BYTES" else f"TYPE_{wire if spec.dtype == MODEL_DTYPE else spec.dtype}"
         dims = ", ".join(str(d) for d in spec.dims)
         optional = " optional: true" if spec.optional and kind == "input" else ""
         entries.append(f'  {{ name: "{spec.name}" data_type: {dtype} dims: [ {dims} ]{optional} }}')
@@ -134,7 +136,7 @@ def _instance_group(placement) -> list[str]:
     return ["instance_group [", groups, "]"]
 
 
-def _ensemble_pbtxt(model: str, family: str, walk: Walk, graph: FamilyGraph) -> str:
+def _ensemble_pbtxt(model: str, family: str, walk: Walk, graph: FamilyGraph, wire: str) -> str:
     """A Sequential walk over stateless components; tensors flow by name from step to step."""
     if not isinstance(walk.body, Sequential) or not all(isinstance(s, Step) for s in walk.body.steps):
         raise NotImplementedError(f"ensemble for walk {walk.name!r}: only flat Sequential walks are rendered")
@@ -142,7 +144,7 @@ def _ensemble_pbtxt(model: str, family: str, walk: Walk, graph: FamilyGraph) -> 
     produced = {o.name for c in comps for o in c.outputs}
     inputs = tuple({i.name: i for c in comps for i in c.inputs if i.name not in produced}.values())
     lines = [f'name: "{model}"', 'platform: "ensemble"', "max_batch_size: 0"]
-    lines += _io_block("input", inputs) + _io_block("output", comps[-1].outputs)
+    lines += _io_block("input", inputs, wire) + _io_block("output", comps[-1].outputs, wire)
     steps = []
     for comp in comps:
         maps = [f'input_map {{ key: "{i.name}" value: "{i.name}" }}' for i in comp.inputs]

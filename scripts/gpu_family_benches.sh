@@ -24,6 +24,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
+# The stubs do not see /tmp/site: what they import beyond the image goes into the server's venv (isal: PNG deflate).
+if ls .whl/isal-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile .whl/isal-*.whl
+fi
 # Native frames of any stub that dies of a fatal signal (docs/architecture.md); skipped without a C compiler.
 if $PY -m mstar_common.native_backtrace /tmp/mstar_backtrace.so >/dev/null 2>&1; then
   export MSTAR_NATIVE_BACKTRACE=/tmp/mstar_backtrace.so

@@ -47,6 +47,7 @@ class DenoiseJob:
     step: int = 0
     last_run: int = -1  # loop iteration of its last step (fairness when a layout's batch is full)
     order: int = field(default=0)
+    png_rows: bool = False  # the in-process decoder answers PNG rows, not pixels (want_png_rows)
 
     @property
     def num_rows(self) -> int:

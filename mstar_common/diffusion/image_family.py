@@ -47,6 +47,14 @@ class ImageFamily(Family):
         if dep.components["walk"].placement.device != "cpu":
             raise DeploymentError(f"{source}: components.walk.placement: the walk router runs on the cpu")
 
+    def wire_dtype(self, dep: Deployment) -> str:
+        """The components' dtype when they all compute in one (placements on the cpu and a gpu may differ: the
+        default is float32 on the cpu and bfloat16 on a gpu), else FP32."""
+        options = self.options_from_kwargs(dep.model_kwargs, dep.name)
+        dtypes = {options.dtype_for("cpu" if comp.placement.device == "cpu" else "cuda")
+                  for name, comp in dep.components.items() if self.graph.components[name].kind != "walk_router"}
+        return WIRE_DTYPES[dtypes.pop()] if len(dtypes) == 1 else "FP32"
+
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         options = self.options_from_kwargs(dep.model_kwargs, dep.name)
         builders = self.builders()
@@ -59,6 +67,7 @@ class ImageFamily(Family):
         return runtime
 
 
+WIRE_DTYPES = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}  # model_kwargs.dtype -> Triton's
 CAPTURED = ("denoise", "text_encoder")  # the components whose forwards can be captured as CUDA graphs
 
 

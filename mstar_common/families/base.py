@@ -20,6 +20,12 @@ class Family(ABC):
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         """Family checks beyond the generic schema (raise config.DeploymentError naming the key)."""
 
+    def wire_dtype(self, dep: Deployment) -> str:
+        """The Triton dtype (FP32, BF16 or FP16) of the tensors declared with MODEL_DTYPE: activations that cross
+        from one component to another travel in the dtype the components compute in, so a bf16 deployment moves
+        half the bytes of fp32 and rounds nothing on the way."""
+        return "FP32"
+
     @abstractmethod
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         """Load one component's runtime (weights, resources, engine) for a Triton instance."""

@@ -1,4 +1,5 @@
 from mstar_common.graph.walk import (
+    MODEL_DTYPE,
     Component,
     FamilyGraph,
     Loop,
@@ -13,6 +14,7 @@ from mstar_common.graph.walk import (
 )
 
 __all__ = [
+    "MODEL_DTYPE",
     "Component",
     "FamilyGraph",
     "Loop",

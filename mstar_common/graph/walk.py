@@ -16,10 +16,13 @@ from typing import Literal
 ComponentKind = Literal["autoregressive", "speech_lm", "stateless", "denoise_loop", "codec", "walk_router"]
 
 
+MODEL_DTYPE = "MODEL"  # a TensorSpec dtype: the activations' dtype, which the deployment decides (Family.wire_dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
-    dtype: str  # Triton dtype name without the TYPE_ prefix: BYTES, INT32, FP32, ...
+    dtype: str  # Triton dtype name without the TYPE_ prefix: BYTES, INT32, FP32, ..., or MODEL_DTYPE
     dims: tuple[int, ...] = (1,)
     optional: bool = True
 

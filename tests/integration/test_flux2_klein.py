@@ -201,3 +201,41 @@ def test_vae_in_denoise_serves_the_same_images_without_the_vae_decode_hop(served
     assert got == want
     assert [n for name, n in counts.items() if name.endswith("vae_decode")] == [0.0]  # no hop to it
     assert [n for name, n in counts.items() if name.endswith("denoise")] == [1.0]
+
+
+def test_a_bfloat16_deployment_moves_bf16_between_components(served_images, tmp_path):
+    """model_kwargs.dtype bfloat16 (here on the CPU): the repository declares the activations that cross between
+    components (prompt_embeds, ref_tokens, latents) as TYPE_BF16, and the walk hands the text encoder's and the
+    VAE encoder's tensors on as it received them. bf16 on the wire rounds nothing the components did not round
+    already, so the served edit equals the in-process walk's (LocalWalk, the same bf16 components) pixel for
+    pixel; the fp32 server's image differs, so the comparison can tell the dtypes apart."""
+    import asyncio
+
+    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+    from mstar_common.local_walk import LocalWalk
+    from mstar_common.repository import render_repository
+
+    raw = yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text())
+    raw["model_kwargs"] = {**raw.get("model_kwargs", {}), "dtype": "bfloat16"}
+    dep = deployment_from_dict({**raw, "checkpoint": str(served_images.checkpoint)}, source="flux2-bf16")
+    configs = render_repository(dep, "flux2-bf16")
+    for model, name in [("text_encoder", "prompt_embeds"), ("vae_encode", "ref_tokens"), ("denoise", "latents"),
+                        ("vae_decode", "latents")]:
+        assert f'name: "{name}" data_type: TYPE_BF16' in configs[f"flux2_klein_{model}/config.pbtxt"], (model, name)
+    reference = png(64, 64, 3)
+    inputs = {"prompt": np.array([b"a paper boat"], dtype=object), "seed": np.array([9], np.int64),
+              "num_inference_steps": np.array([2], np.int32), "reference_images": np.array([reference], dtype=object)}
+
+    async def local():
+        async with LocalWalk(Flux2KleinFamily(), dep, served_images.checkpoint) as walk:
+            return (await walk.run(inputs))["images"]
+
+    want = [pixels(b) for b in asyncio.run(local())]
+    with serve_deployment(dep, tmp_path, "flux2-bf16") as served:
+        outputs, error = triton_call(served.grpc_url, "flux2_klein_walk", **inputs)
+    assert error is None
+    got = [pixels(b) for b in outputs["images"]]
+    assert len(got) == 1 and got[0].shape == (64, 64, 3)
+    assert np.array_equal(got[0], want[0])
+    fp32 = [pixels(d) for d in triton_call(served_images.grpc_url, "flux2_klein_walk", **inputs)[0]["images"]]
+    assert not np.array_equal(fp32[0], want[0])  # the comparison can tell the dtypes apart

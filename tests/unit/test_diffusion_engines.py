@@ -166,3 +166,12 @@ def test_step_graph_buckets_pad_rows_and_match_the_eager_step(tmp_path):
         bucketed = runtime.stepper(layout, *args)
         assert bucketed.shape == eager.shape and torch.allclose(bucketed, eager, atol=1e-5)
     assert runtime.stepper.graphs.bucket_for(runtime.layout_for(64, 64), 1) is None  # uncaptured size: eager
+
+
+def test_want_png_rows_is_0_or_1():
+    from mstar_common.diffusion import image_components
+
+    assert image_components.wants_png_rows({}) is False
+    assert image_components.wants_png_rows({"want_png_rows": torch.tensor([1], dtype=torch.int32)}) is True
+    with pytest.raises(ValueError, match="want_png_rows: must be 0 or 1"):
+        image_components.wants_png_rows({"want_png_rows": torch.tensor([2], dtype=torch.int32)})

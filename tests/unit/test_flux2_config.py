@@ -61,6 +61,26 @@ def test_repository_has_the_walk_router_entry_and_four_decoupled_components(conf
     assert "KIND_CPU" in files["flux2_klein_walk/config.pbtxt"]
 
 
+def test_activations_cross_hops_in_the_components_dtype():
+    """Family.wire_dtype: one dtype for every component -> that dtype on the wire (bf16 halves the bytes of the
+    text embeddings each request carries); components that compute in different dtypes -> FP32."""
+    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+
+    def embeds_type(dep) -> str:
+        text = render_repository(dep, "t")["flux2_klein_text_encoder/config.pbtxt"]
+        return text.split('name: "prompt_embeds" data_type: ')[1].split()[0]
+
+    gpu = yaml.safe_load((CONFIGS / "flux2_klein_4b_gpu.yaml").read_text())
+    assert Flux2KleinFamily().wire_dtype(deployment_from_dict(gpu)) == "BF16"
+    assert embeds_type(deployment_from_dict(gpu)) == "TYPE_BF16"
+    assert embeds_type(with_kwargs()) == "TYPE_FP32"  # the CPU config: float32
+    assert embeds_type(with_kwargs(dtype="float16")) == "TYPE_FP16"
+    gpu["components"]["text_encoder"]["placement"] = {"device": "cpu", "instances": 1}
+    gpu["components"]["text_encoder"].pop("cuda_graphs")
+    gpu["model_kwargs"].pop("dtype")  # the defaults: float32 on the cpu, bfloat16 on a gpu
+    assert embeds_type(deployment_from_dict(gpu)) == "TYPE_FP32"
+
+
 # the walk's refusals (no server needed)
 
 

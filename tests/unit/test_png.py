@@ -72,3 +72,41 @@ def test_the_walk_encodes_png_in_strips_and_other_formats_with_pil():
     assert [_decode(data).tolist() for data in encoded] == [p.tolist() for p in pixels]
     jpeg = walk.encode_images(pixels, OutputOptions("jpeg", 6, 90))
     assert [Image.open(io.BytesIO(data)).format for data in jpeg] == ["JPEG", "JPEG"]
+
+
+def test_deflates_with_isal_where_installed_else_zlib(monkeypatch):
+    """ISA-L (levels 1-9 mapped onto its 1-3) and zlib make different bytes of the same pixels; level 0 stores,
+    the same bytes either way."""
+    pytest.importorskip("isal")
+    pixels = _smooth(200, 100)
+    fast, stored = png.encode_png(pixels, 6), png.encode_png(pixels, 0)
+    monkeypatch.setattr(png, "isal_zlib", None)
+    slow = png.encode_png(pixels, 6)
+    assert fast != slow and png.encode_png(pixels, 0) == stored
+    for data in (fast, slow, stored):
+        assert np.array_equal(_decode(data), pixels)
+    assert [png.isal_level(level) for level in range(1, 10)] == [1, 1, 1, 1, 1, 2, 2, 2, 3]
+
+
+def test_a_batch_of_images_filters_as_each_image_alone():
+    """paeth_filter over `[n, H, W*C]` starts every image from a zero row above (the decoders filter a request's
+    images in one call); encode_png_rows of each image's scanlines decodes to that image."""
+    import torch
+
+    images = RNG.integers(0, 256, (3, 40, 24, 3), dtype=np.uint8)
+    batch = png.paeth_filter(torch.from_numpy(images.reshape(3, 40, 72)), 3)
+    for image, rows in zip(images, batch, strict=True):
+        assert torch.equal(rows, png.paeth_filter(torch.from_numpy(image.reshape(40, 72)), 3))
+        assert np.array_equal(_decode(png.encode_png_rows(rows.numpy(), 3, 6)), image)
+    with pytest.raises(ValueError, match="scanlines"):
+        png.encode_png_rows(batch[0].numpy()[:, :-1], 3)
+
+
+@pytest.mark.gpu
+def test_the_filter_on_the_gpu_equals_the_cpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rows = torch.from_numpy(RNG.integers(0, 256, (2, 1024, 3072), dtype=np.uint8))
+    assert torch.equal(png.paeth_filter(rows.cuda(), 3).cpu(), png.paeth_filter(rows, 3))

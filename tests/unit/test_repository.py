@@ -53,7 +53,7 @@ def test_static_dag_walks_render_as_ensembles():
     dec = Component("dec", "stateless", (TensorSpec("latent", "FP32", (-1,)),), (TensorSpec("pixels", "FP32", (-1,)),))
     walk = Walk("roundtrip", Sequential((Step("enc"), Step("dec"))), entry="enc")
     graph = FamilyGraph({"enc": enc, "dec": dec}, {"roundtrip": walk})
-    text = _ensemble_pbtxt("fam_roundtrip", "fam", walk, graph)
+    text = _ensemble_pbtxt("fam_roundtrip", "fam", walk, graph, "FP32")
     assert 'platform: "ensemble"' in text
     assert 'name: "image"' in text and 'name: "pixels"' in text and 'input [\n  { name: "latent"' not in text
     assert text.index('model_name: "fam_enc"') < text.index('model_name: "fam_dec"')

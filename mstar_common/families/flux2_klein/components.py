@@ -1,6 +1,7 @@
 """The four FLUX.2 [klein] components as the Triton nodes run them: parse a request's tensors (refusing bad
 input with a ValueError naming the field), then hand it to the component's engine, which batches across
-requests and calls back with the output tensors (float32 / uint8 on the CPU: the wire format).
+requests and calls back with the output tensors on the CPU (activations in the model dtype, which the node
+sends in the deployment's wire dtype; pixels as uint8).
 
 The scaffolding (`submit`, the text encoder, the denoise scalars, the bucketed stepper) is the image families'
 (`mstar_common/diffusion/image_components.py`); this module supplies klein's layouts, RoPE, noise and VAE halves.
@@ -71,7 +72,7 @@ class VaeEncodeComponent(Component):
         # The reference's preprocessing: uint8 -> [0, 1] in float32 -> [-1, 1], then the VAE dtype.
         pixels = torch.stack(payloads).permute(0, 3, 1, 2).float() / 255.0
         pixels = (2.0 * pixels - 1.0).to(self.device, self.model.bn.running_var.dtype)
-        tokens = self.model(pixels).float().cpu()
+        tokens = self.model(pixels).cpu()
         height, width = payloads[0].shape[:2]
         grid = torch.tensor([height // self.multiple, width // self.multiple], dtype=torch.int32)
         return [{g.REF_TOKENS: row, g.REF_GRID: grid} for row in tokens]
@@ -194,11 +195,12 @@ class DenoiseComponent(image_components.DenoiseComponent):
         return noise.reshape(num_images, shape[1], -1).permute(0, 2, 1)
 
     def finish(self, layout: Layout, latents: torch.Tensor) -> Inputs:
-        return {g.LATENTS: latents.float().cpu()}
+        return {g.LATENTS: latents.cpu()}
 
-    def decode_payload(self, layout: Layout, latents: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    def decode_payload(self, layout: Layout, latents: torch.Tensor,
+                       png_rows: bool) -> tuple[torch.Tensor, int, int, bool]:
         multiple = self.limits.multiple
-        return latents.to(torch.float32, copy=True), layout.width * multiple, layout.height * multiple
+        return latents.to(torch.float32, copy=True), layout.width * multiple, layout.height * multiple, png_rows
 
 
 # VAE decode
@@ -212,7 +214,7 @@ class VaeDecodeComponent(Component):
         self.engine = BatchingEngine("flux2_klein/vae_decode", self.run_batch, max_rows=max_batch,
                                      key_of=lambda p: (p[1], p[2]), rows_of=lambda p: p[0].shape[0])
 
-    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int, int]:
+    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, int, int, bool]:
         width, height = scalar(inputs, g.WIDTH), scalar(inputs, g.HEIGHT)
         check_geometry(width, height, self.multiple, self.max_area)
         latents = inputs.get(g.LATENTS)
@@ -221,11 +223,12 @@ class VaeDecodeComponent(Component):
                                                                                  self.model.config.token_channels):
             raise ValueError(f"{g.LATENTS}: expected [n, {tokens}, {self.model.config.token_channels}] for "
                              f"{width}x{height}")
-        return latents, width, height
+        return latents, width, height, image_components.wants_png_rows(inputs)
 
     @torch.inference_mode()
-    def run_batch(self, payloads: list[tuple[torch.Tensor, int, int]]) -> list[Inputs]:
-        _, width, height = payloads[0]
+    def run_batch(self, payloads: list[tuple[torch.Tensor, int, int, bool]]) -> list[Inputs]:
+        _, width, height, _ = payloads[0]
         latents = torch.cat([p[0] for p in payloads]).to(self.device, self.model.bn.running_var.dtype)
-        pixels = torch.cat([self.model(rows, height, width) for rows in decode_slices(latents, self.device)]).cpu()
-        return [{g.PIXELS: part} for part in pixels.split([p[0].shape[0] for p in payloads])]
+        pixels = torch.cat([self.model(rows, height, width) for rows in decode_slices(latents, self.device)])
+        return [image_components.host_image(part, p[3])
+                for part, p in zip(pixels.split([p[0].shape[0] for p in payloads]), payloads, strict=True)]

@@ -1,6 +1,7 @@
 """The three Z-Image-Turbo components as the Triton nodes run them: parse a request's tensors (refusing bad input
 with a ValueError naming the field), then hand it to the component's engine, which batches across requests and
-calls back with the output tensors (float32 / uint8 on the CPU: the wire format).
+calls back with the output tensors on the CPU (activations in the model dtype, which the node sends in the
+deployment's wire dtype; pixels as uint8).
 
 The runtimes share the image families' interface and scaffolding (`mstar_common/diffusion/image_components.py`:
 `engine`, `submit(request_id, inputs, on_done, is_cancelled)`), so `backends/stateless_node.py`,
@@ -145,11 +146,12 @@ class DenoiseComponent(image_components.DenoiseComponent):
 
     def finish(self, layout: Layout, latents: torch.Tensor) -> Inputs:
         patch = self.model.config.patch_size
-        return {g.LATENTS: unpatchify(latents.float().cpu(), layout.height, layout.width, patch)}
+        return {g.LATENTS: unpatchify(latents.cpu(), layout.height, layout.width, patch)}
 
-    def decode_payload(self, layout: Layout, latents: torch.Tensor) -> torch.Tensor:
+    def decode_payload(self, layout: Layout, latents: torch.Tensor, png_rows: bool) -> tuple[torch.Tensor, bool]:
         patch = self.model.config.patch_size
-        return unpatchify(latents.to(torch.float32, copy=True), layout.height, layout.width, patch).contiguous()
+        latents = unpatchify(latents.to(torch.float32, copy=True), layout.height, layout.width, patch).contiguous()
+        return latents, png_rows
 
 
 # VAE decode
@@ -160,9 +162,9 @@ class VaeDecodeComponent(Component):
         self.model, self.device, self.max_area = model, torch.device(device), max_area
         self.multiple = 2 * model.config.scale_factor  # the DiT's 2×2 patches over the VAE's ×8
         self.engine = BatchingEngine("z_image_turbo/vae_decode", self.run_batch, max_rows=max_batch,
-                                     key_of=lambda p: tuple(p.shape[1:]), rows_of=lambda p: p.shape[0])
+                                     key_of=lambda p: tuple(p[0].shape[1:]), rows_of=lambda p: p[0].shape[0])
 
-    def parse(self, inputs: Inputs) -> torch.Tensor:
+    def parse(self, inputs: Inputs) -> tuple[torch.Tensor, bool]:
         width, height = scalar(inputs, g.WIDTH), scalar(inputs, g.HEIGHT)
         check_geometry(width, height, self.multiple, self.max_area)
         latents = inputs.get(g.LATENTS)
@@ -170,10 +172,11 @@ class VaeDecodeComponent(Component):
         want = (self.model.config.latent_channels, height // factor, width // factor)
         if latents is None or latents.dim() != 4 or tuple(latents.shape[1:]) != want:
             raise ValueError(f"{g.LATENTS}: expected [n, {', '.join(map(str, want))}] for {width}x{height}")
-        return latents
+        return latents, image_components.wants_png_rows(inputs)
 
     @torch.inference_mode()
-    def run_batch(self, payloads: list[torch.Tensor]) -> list[Inputs]:
-        latents = torch.cat(payloads).to(self.device, self.model.dtype)
-        pixels = torch.cat([self.model(rows) for rows in decode_slices(latents, self.device)]).cpu()
-        return [{g.PIXELS: part} for part in pixels.split([p.shape[0] for p in payloads])]
+    def run_batch(self, payloads: list[tuple[torch.Tensor, bool]]) -> list[Inputs]:
+        latents = torch.cat([p[0] for p in payloads]).to(self.device, self.model.dtype)
+        pixels = torch.cat([self.model(rows) for rows in decode_slices(latents, self.device)])
+        return [image_components.host_image(part, p[1])
+                for part, p in zip(pixels.split([p[0].shape[0] for p in payloads]), payloads, strict=True)]

@@ -13,21 +13,22 @@ No reference-image conditioning: a request carrying reference images (/v1/images
 
 from mstar_common.diffusion import image_graph as w
 from mstar_common.diffusion.image_graph import TEXT_ENCODER, WALK
-from mstar_common.graph import Component, FamilyGraph, Loop, Sequential, Step, TensorSpec, Walk
+from mstar_common.graph import MODEL_DTYPE, Component, FamilyGraph, Loop, Sequential, Step, TensorSpec, Walk
 
 # The wire tensors (w.*) and the walk and text encoder components are shared by the image families.
 
 DENOISE = Component(
     "denoise", "denoise_loop",
-    inputs=(TensorSpec(w.PROMPT_EMBEDS, "FP32", (-1, -1)), *w.SIZE, TensorSpec(w.NUM_IMAGES, "INT32"),
-            TensorSpec(w.SEED, "INT64"), TensorSpec(w.NUM_STEPS, "INT32")),
-    # latents for the vae_decode hop; pixels instead with model_kwargs.vae_in_denoise (the decode in this process)
-    outputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1, -1)), TensorSpec(w.PIXELS, "UINT8", (-1, -1, -1, 3))),
+    inputs=(TensorSpec(w.PROMPT_EMBEDS, MODEL_DTYPE, (-1, -1)), *w.SIZE, TensorSpec(w.NUM_IMAGES, "INT32"),
+            TensorSpec(w.SEED, "INT64"), TensorSpec(w.NUM_STEPS, "INT32"), TensorSpec(w.WANT_PNG_ROWS, "INT32")),
+    # latents for the vae_decode hop; with model_kwargs.vae_in_denoise (the decode in this process) pixels or,
+    # asked with want_png_rows, PNG rows
+    outputs=(TensorSpec(w.LATENTS, MODEL_DTYPE, (-1, -1, -1, -1)), *w.DECODED),
 )
 VAE_DECODE = Component(
     "vae_decode", "stateless",
-    inputs=(TensorSpec(w.LATENTS, "FP32", (-1, -1, -1, -1)), *w.SIZE),
-    outputs=(TensorSpec(w.PIXELS, "UINT8", (-1, -1, -1, 3)),),
+    inputs=(TensorSpec(w.LATENTS, MODEL_DTYPE, (-1, -1, -1, -1)), *w.SIZE, TensorSpec(w.WANT_PNG_ROWS, "INT32")),
+    outputs=w.DECODED,
 )
 
 GRAPH = FamilyGraph(
