@@ -165,6 +165,10 @@ def bench_vae(batches: list[int], iters: int) -> dict:
             row["fused_ms"] = _time(lambda: model.decoder(latents), iters)
             row["fused_rel_err"] = round(_rel(out, ref), 5)
             row["fused_ms_per_image"] = round(row["fused_ms"] / batch, 3)
+            torch.backends.cudnn.benchmark = True  # cuDNN times its convolution algorithms on the first call
+            model.decoder(latents)
+            row["fused_cudnn_benchmark_ms"] = _time(lambda: model.decoder(latents), iters)
+            torch.backends.cudnn.benchmark = False
             model.decoder.to(memory_format=torch.channels_last)
             last = latents.contiguous(memory_format=torch.channels_last)
             use_fused_group_norm(model, False)

@@ -281,6 +281,42 @@ def bench_engine(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
         walk.close()
 
 
+def fp8_quality(checkpoint: Path, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """--fp8-quality N: N requests (seeds 0..N-1) through the in-process walk twice, in the benchmark's dtype
+    (bf16; fp32 in --smoke) and then with model_kwargs.dit_fp8 (eager: the same arithmetic as the captured
+    graphs, which the GPU tests pin); the PSNR of each fp8 image against the other's."""
+    import gc
+    import io
+
+    from PIL import Image
+
+    from mstar_common.families.registry import get_family
+    from mstar_common.local_walk import LocalWalk
+
+    images: dict[bool, list[np.ndarray]] = {}
+    for fp8 in (False, True):
+        variant = argparse.Namespace(**{**vars(args), "dit_fp8": fp8, "no_cuda_graphs": True})
+        kind = "cpu" if device == "cpu" else "gpu"
+        walk = LocalWalk(get_family(args.family), deployment(checkpoint, variant, kind), checkpoint, device).start()
+        try:
+            outputs = [asyncio.run(walk.run(request_inputs(args, seed))) for seed in range(args.fp8_quality)]
+        finally:
+            walk.close()
+        images[fp8] = [np.asarray(Image.open(io.BytesIO(out["images"][0]))) for out in outputs]
+        del walk, outputs
+        gc.collect()
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    psnrs = []
+    for bf16, fp8 in zip(images[False], images[True], strict=True):
+        mse = float(np.mean((bf16.astype(np.float64) - fp8.astype(np.float64)) ** 2))
+        psnrs.append(round(float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse), 2))
+    result = {"seeds": list(range(args.fp8_quality)), f"psnr_db_fp8_vs_{args.dtype}": psnrs,
+              "median_psnr_db": statistics.median(psnrs)}
+    print(f"[bench] dit_fp8 against {args.dtype}, PSNR per image (dB): {psnrs}", flush=True)
+    return result
+
+
 async def _clients(one, concurrency: int, total: int) -> list[float]:
     seeds = iter(range(total))
     latencies: list[float] = []
@@ -732,6 +768,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vae-in-denoise", action="store_true",
                         help="model_kwargs.vae_in_denoise: decode inside the denoise component (no vae_decode hop)")
     parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument("--fp8-quality", type=int, default=0, metavar="N",
+                        help="after the rest: N seeded images in bf16 and with dit_fp8, in process; PSNR of each pair")
     parser.add_argument("--skip-ours", action="store_true",
                         help="only diffusers' pipeline (the device runs --mode served under the server's Python, "
                              "which lacks the numpy 2 stack transformers' model classes need, then this)")
@@ -784,6 +822,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["diffusers"] = bench_diffusers(checkpoint, args, device)
     if args.profile:
         report["profile"] = write_profile(args, checkpoint)
+    if args.fp8_quality:
+        report["fp8_quality"] = fp8_quality(checkpoint, args, device)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
