@@ -53,9 +53,10 @@ def wants_png_rows(inputs: Inputs) -> bool:
 
 def host_image(pixels: torch.Tensor, png_rows: bool) -> Inputs:
     """One request's decoded images, uint8 `[n, H, W, C]` where the VAE ran -> its answer on the host: the pixels,
-    or (`png_rows`) their PNG scanlines `[n, H, 1 + W*C]`, Paeth-filtered where the pixels are (on a GPU that is
-    ~0.1 ms against 5-75 ms on the walk's CPU; the walk then only deflates them)."""
-    if not png_rows:
+    or (`png_rows`, on a GPU) their PNG scanlines `[n, H, 1 + W*C]`, Paeth-filtered there (~0.1 ms against 5-75 ms
+    on the walk's CPU; the walk then only deflates them). A decoder on the CPU answers pixels: the walk's strip
+    filter beats torch's CPU ops beside the other busy processes (mstar_common/diffusion/png.py)."""
+    if not png_rows or pixels.device.type != "cuda":
         return {g.PIXELS: pixels.cpu()}
     n, height, width, channels = pixels.shape
     return {g.PNG_ROWS: paeth_filter(pixels.reshape(n, height, width * channels), channels).cpu()}

@@ -110,3 +110,34 @@ def test_the_filter_on_the_gpu_equals_the_cpu():
         pytest.skip("needs a CUDA GPU")
     rows = torch.from_numpy(RNG.integers(0, 256, (2, 1024, 3072), dtype=np.uint8))
     assert torch.equal(png.paeth_filter(rows.cuda(), 3).cpu(), png.paeth_filter(rows, 3))
+
+
+def test_the_strip_filter_equals_the_torch_filter():
+    import torch
+
+    for shape in [(130, 67, 3), (64, 64, 4), (90, 33, 1)]:
+        pixels = RNG.integers(0, 256, shape, dtype=np.uint8)
+        rows = pixels.reshape(shape[0], -1)
+        strips = np.concatenate([png.paeth_filter_strip(rows[s:s + 64], rows[s - 1] if s else None, shape[2])
+                                 for s in range(0, shape[0], 64)])
+        assert np.array_equal(strips, png.paeth_filter(torch.from_numpy(rows), shape[2]).numpy())
+
+
+def test_decoders_answer_png_rows_on_a_gpu_and_pixels_on_the_cpu():
+    """host_image: PNG rows are filtered where the VAE ran only on a GPU; the walk encodes either answer."""
+    import torch
+
+    from mstar_common.diffusion.image_components import host_image
+
+    pixels = torch.from_numpy(RNG.integers(0, 256, (2, 40, 24, 3), dtype=np.uint8))
+    assert set(host_image(pixels, png_rows=True)) == {"pixels"}
+    walk = ImageWalk(tokenizer=None, options=None, multiple=16)
+    want = [p.numpy() for p in pixels]
+    assert [_decode(d).tolist() for d in walk.encode_images(pixels.numpy(), OutputOptions("png", 6))] == \
+        [w.tolist() for w in want]
+    rows = png.paeth_filter(pixels.reshape(2, 40, 72), 3).numpy()  # what a GPU decoder answers
+    encoded = walk.encode_images(rows, OutputOptions("png", 6), png_rows=True)
+    assert [_decode(d).tolist() for d in encoded] == [w.tolist() for w in want]
+    if torch.cuda.is_available():
+        answer = host_image(pixels.cuda(), png_rows=True)
+        assert np.array_equal(answer["png_rows"].numpy(), rows)
