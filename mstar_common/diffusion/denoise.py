@@ -139,18 +139,23 @@ class DenoiseEngine:
         self._running = kept
 
     def _schedule(self) -> list[tuple[Hashable, list[DenoiseJob]]]:
-        """Per layout, the jobs that step this iteration: least recently stepped first, up to max_rows rows."""
+        """Per layout, the jobs that step this iteration: least recently stepped first, up to max_rows rows, or
+        fewer where the stepper's `rows_to_run` says a smaller captured batch steps more rows per second."""
         groups: dict[Hashable, list[DenoiseJob]] = {}
         for job in sorted(self._running, key=lambda j: (j.last_run, j.order)):
             groups.setdefault(job.layout, []).append(job)
         plan = []
+        rows_to_run = getattr(self.stepper, "rows_to_run", None)
         for layout, jobs in groups.items():
+            limit = self.max_rows
+            if rows_to_run is not None:  # a captured step pads to its bucket: maybe step fewer rows, exactly
+                limit = rows_to_run(layout, min(self.max_rows, sum(job.num_rows for job in jobs)))
             chosen, rows = [], 0
             for job in jobs:
-                if rows + job.num_rows <= self.max_rows:
+                if rows + job.num_rows <= limit:
                     chosen.append(job)
                     rows += job.num_rows
-            plan.append((layout, chosen))
+            plan.append((layout, chosen or jobs[:1]))
         return plan
 
     def _step(self, layout: Hashable, jobs: list[DenoiseJob]) -> None:

@@ -337,6 +337,10 @@ class BucketedStepper:
 
         return step
 
+    def rows_to_run(self, layout: Any, rows: int) -> int:
+        """The engine's step size for `rows` waiting rows (StepGraphs.rows_to_run; all of them when eager)."""
+        return rows if self.graphs is None else self.graphs.rows_to_run(layout, rows)
+
     def __call__(self, layout: Any, latents, prompt_embeds, ref_tokens, timesteps, dts) -> torch.Tensor:
         if self.graphs is not None:
             out = self.graphs.run(layout, latents, prompt_embeds, ref_tokens, timesteps, dts)

@@ -175,3 +175,36 @@ def test_want_png_rows_is_0_or_1():
     assert image_components.wants_png_rows({"want_png_rows": torch.tensor([1], dtype=torch.int32)}) is True
     with pytest.raises(ValueError, match="want_png_rows: must be 0 or 1"):
         image_components.wants_png_rows({"want_png_rows": torch.tensor([2], dtype=torch.int32)})
+
+
+def test_rows_to_run_steps_fewer_rows_exactly_when_padding_costs_more():
+    """Per-row costs (large images): 12 waiting rows step 8 now rather than pad to 16; costs dominated by a fixed
+    part (small images): all 12 pad to 16. Untimed layouts and rows above the largest bucket step as they are."""
+    from mstar_common.diffusion.step_graphs import StepGraphs
+
+    graphs = StepGraphs()
+    graphs.costs["big"] = {1: 0.06, 2: 0.12, 4: 0.24, 8: 0.47, 16: 0.95}
+    graphs.costs["small"] = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.014, 16: 0.018}
+    assert [graphs.rows_to_run("big", rows) for rows in (1, 3, 8, 12, 16, 20)] == [1, 2, 8, 8, 16, 20]
+    assert [graphs.rows_to_run("small", rows) for rows in (3, 12)] == [3, 12]
+    assert graphs.rows_to_run("untimed", 12) == 12
+
+
+def test_the_engine_steps_no_more_rows_than_the_stepper_asks():
+    class Bucketed(RecordingStepper):
+        def rows_to_run(self, layout, rows):
+            return 1 << (rows.bit_length() - 1)  # the largest power of two <= rows
+
+    stepper = Bucketed()
+    engine = DenoiseEngine("test", stepper, max_rows=8)
+    results = []
+    for name in "abcdef":  # six single-row jobs: steps of 4 and 2 rows, never 6
+        j, r = job(name, "64x64", steps=3)
+        engine.submit(j)
+        results.append(r)
+    engine.start()
+    assert all(r.done.wait(5) for r in results)
+    engine.shutdown()
+    assert {len(ts) for _, ts in stepper.calls} <= {1, 2, 4}
+    assert sum(len(ts) for _, ts in stepper.calls) == 6 * 3
+    assert all(torch.allclose(r.value, torch.full((1, 2, 1), -1.0)) for r in results)
