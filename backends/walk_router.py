@@ -193,7 +193,9 @@ class Received:
     denoise hop), sends the received tensor itself: its shared memory goes to the next component as it is, with
     no copy in this stub (15.7 MB of fp32 embeddings per FLUX.2 request, half that in bf16). Anything else (a new
     array, a slice, another name) is copied into a new tensor as before. An entry lives as long as the walk
-    holds its value (a weak reference), so a long streaming walk keeps nothing it dropped."""
+    holds its value (a weak reference), so a long streaming walk keeps nothing it dropped. Received numpy arrays
+    are read-only: they are the stub's copy, so a change made in place would not travel with the forwarded
+    tensor; a walk that needs to change one copies it first."""
 
     __slots__ = ("_tensors",)
 
@@ -202,6 +204,8 @@ class Received:
 
     def add(self, tensor: pb_utils.Tensor):
         value = tensor_value(tensor)
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)
         key = id(value)
         # The callback runs before the value is freed, so its id cannot be reused while the entry exists.
         self._tensors[key] = (weakref.ref(value, lambda _, key=key: self._tensors.pop(key, None)), tensor)
