@@ -168,6 +168,39 @@ def test_step_graph_buckets_pad_rows_and_match_the_eager_step(tmp_path):
     assert runtime.stepper.graphs.bucket_for(runtime.layout_for(64, 64), 1) is None  # uncaptured size: eager
 
 
+@pytest.mark.gpu
+def test_captured_step_buckets_are_timed_and_replay_the_eager_step(tmp_path):
+    """On a GPU: the buckets are captured, each replay timed at capture (what rows_to_run weighs), and a padded
+    replay equals the eager step."""
+    pytest.importorskip("diffusers")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mstar_common.families.flux2_klein.components import DenoiseComponent, DenoiseLimits
+    from mstar_common.families.flux2_klein.family import capture_denoise_graphs
+    from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config
+    from mstar_common.families.flux2_klein.options import Flux2KleinOptions
+    from mstar_common.families.flux2_klein.tiny import build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny")
+    limits = DenoiseLimits(multiple=16, max_area=65536, max_images=4, max_steps=50, default_steps=4)
+    runtime = DenoiseComponent(load_transformer(checkpoint, "float32", "cuda"), scheduler_config(checkpoint), limits,
+                               "cuda", max_batch=4)
+    capture_denoise_graphs(runtime, Flux2KleinOptions(capture_sizes=["64x48"], capture_batch_sizes=[1, 2, 4],
+                                                      capture_edit_sizes=[]))
+    layout = runtime.layout_for(64, 48)
+    costs = runtime.stepper.graphs.costs[layout]
+    assert sorted(costs) == [1, 2, 4] and all(t > 0 for t in costs.values())
+    assert runtime.stepper.rows_to_run(layout, 3) in (2, 3)
+    torch.manual_seed(0)
+    args = (torch.randn(3, 12, 16, device="cuda"), torch.randn(3, 512, 48, device="cuda"), None,
+            torch.tensor([900.0, 500.0, 100.0], device="cuda"), torch.tensor([-0.1, -0.2, -0.3], device="cuda"))
+    with torch.no_grad():
+        eager = runtime.stepper.step_fn(layout)(*args)
+        replayed = runtime.stepper(layout, *args)
+    assert runtime.stepper.graphs.num_replays == 1
+    torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_want_png_rows_is_0_or_1():
     from mstar_common.diffusion import image_components
 
