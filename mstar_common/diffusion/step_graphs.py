@@ -13,12 +13,14 @@ Padding is not free: at 1024x1024 a step costs about the same per row at any bat
 batch 1, 474 ms at batch 8), so 9 rows replayed in a batch-16 graph waste 7/16 of it. Each captured bucket's
 replay is timed once at capture (`costs`), and `rows_to_run` tells the engine how many of the rows waiting to
 step to take this time: all of them (padded to the bucket above), or only as many as the bucket below holds,
-whichever steps more rows per second. The rows left out go first on the next step.
+whichever steps more rows per second. The rows left out go first on the next step. `MSTAR_DENOISE_EXACT_BATCHES=0`
+skips the timing, and every step pads as before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -42,6 +44,14 @@ def capture_graph(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDA
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+def exact_batches() -> bool:
+    """`MSTAR_DENOISE_EXACT_BATCHES` (default 1): time the buckets so that steps may take a smaller one exactly."""
+    flag = os.environ.get("MSTAR_DENOISE_EXACT_BATCHES", "1") or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"MSTAR_DENOISE_EXACT_BATCHES={flag!r}: expected 0 or 1")
+    return flag == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +121,7 @@ class StepGraphs:
             self._buckets[layout] = sorted(buckets, key=lambda b: b.batch)
             logger.info("denoise step %s for layout %s, batch sizes %s", "captured" if capture else "bucketed",
                         layout, [b.batch for b in self._buckets[layout]])
-            if capture:
+            if capture and exact_batches():
                 self.costs[layout] = {b.batch: b.time_replay() for b in self._buckets[layout]}
                 logger.info("denoise step replay ms for layout %s: %s", layout,
                             {batch: round(t * 1e3, 1) for batch, t in self.costs[layout].items()})

@@ -223,6 +223,17 @@ def test_rows_to_run_steps_fewer_rows_exactly_when_padding_costs_more():
     assert graphs.rows_to_run("untimed", 12) == 12
 
 
+def test_the_exact_batches_switch_names_the_variable(monkeypatch):
+    from mstar_common.diffusion.step_graphs import exact_batches
+
+    assert exact_batches()
+    monkeypatch.setenv("MSTAR_DENOISE_EXACT_BATCHES", "0")
+    assert not exact_batches()
+    monkeypatch.setenv("MSTAR_DENOISE_EXACT_BATCHES", "yes")
+    with pytest.raises(ValueError, match="MSTAR_DENOISE_EXACT_BATCHES='yes': expected 0 or 1"):
+        exact_batches()
+
+
 def test_the_engine_steps_no_more_rows_than_the_stepper_asks():
     class Bucketed(RecordingStepper):
         def rows_to_run(self, layout, rows):
