@@ -17,7 +17,6 @@ import logging
 import os
 import time
 
-import numpy as np
 import torch
 
 from backends.bls import release_stub_objects
@@ -84,18 +83,14 @@ def wire_dtypes(setup) -> dict[str, torch.dtype]:
 def _on_done(responder: Responder, dtypes: dict[str, torch.dtype], timed_as: str | None = None):
     started = time.perf_counter()
 
-    def wire(name: str, tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
-        if name in dtypes:
-            return tensor.to(dtypes[name])  # bfloat16 stays a tensor: to_pb_tensor sends it through DLPack
-        return np.ascontiguousarray(tensor.numpy())
-
     def on_done(outputs: dict[str, torch.Tensor] | None, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
             responder.send_error(f"cancelled: {error}")
         elif error is not None:
             responder.send_server_error(error)
         else:
-            responder.send_final({name: wire(name, t) for name, t in outputs.items()})
+            # activations in the wire dtype; responder.to_pb_tensor sends bfloat16 through DLPack
+            responder.send_final({name: t.to(dtypes[name]) if name in dtypes else t for name, t in outputs.items()})
         if timed_as:
             logger.info("[%s] timing %s: %.1f ms from arrival to response sent", responder.request_id, timed_as,
                         (time.perf_counter() - started) * 1e3)

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class Stepper(Protocol):
+    """Optionally also `rows_to_run(layout, rows) -> int`: how many of the rows waiting to step the engine takes
+    (image_components.BucketedStepper: fewer when padding them to a captured batch would cost more)."""
+
     def __call__(self, layout: Hashable, latents: torch.Tensor, prompt_embeds: torch.Tensor,
                  ref_tokens: torch.Tensor | None, timesteps: torch.Tensor, dts: torch.Tensor) -> torch.Tensor:
         """One Euler step of `B` rows of `layout`: `latents` `[B, N, C]` -> `[B, N, C]`; `timesteps`, `dts` `[B]`."""

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar_common.bench.gpu_timing import event_time_ms
+
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[..., torch.Tensor]  # step_fn(latents, prompt_embeds, ref_tokens, timesteps, dts) -> latents
@@ -81,14 +83,8 @@ class _Bucket:
         self._graph, self.out = capture_graph(lambda: step_fn(**self.static), pool) if capture else (None, None)
 
     def time_replay(self) -> float:
-        """Seconds one replay takes on the GPU (the second of two, between CUDA events)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._graph.replay()
-        start.record()
-        self._graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        """Seconds one replay takes on the GPU (after one warm-up replay, between CUDA events)."""
+        return event_time_ms(self._graph.replay, repeats=1, warmup=1) / 1e3
 
     def run(self, latents: torch.Tensor, prompt_embeds: torch.Tensor, ref_tokens: torch.Tensor | None,
             timesteps: torch.Tensor, dts: torch.Tensor) -> torch.Tensor:
