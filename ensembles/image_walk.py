@@ -57,7 +57,7 @@ class ImageWalk:
         self.options = options
         self.multiple = multiple  # pixels per token side
         if DEFLATE != "isal":  # what a missing dependency costs, said once (the PNG deflate, png.py)
-            logger.warning("[walk] PNG deflate on zlib: `isal` is not importable here (6-12x slower per image)")
+            logger.warning("[walk] PNG deflate on zlib: `isal` is not importable here (6-15x slower per image)")
 
     def parse_common(self, inputs: dict[str, np.ndarray]) -> ImageRequest:
         opts = self.options

@@ -753,13 +753,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", choices=tuple(FAMILIES), default="flux2_klein")
     parser.add_argument("--mode", choices=("engine", "served"), default="engine")
-    parser.add_argument("--smoke", action="store_true", help="CPU smoke: tiny checkpoint, 64x64, c=1/2")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU smoke: tiny checkpoint; defaults 64x64, c=1/2, one request per client, float32")
     parser.add_argument("--checkpoint-dir", help="default: /tmp/flux2-klein-4b-random, /tmp/z-image-turbo-random "
                         "(--smoke: /tmp/flux2-klein-tiny-bench, /tmp/z-image-turbo-tiny-bench)")
-    parser.add_argument("--size", default="1024x1024")
+    parser.add_argument("--size", help="WxH (default 1024x1024)")
     parser.add_argument("--steps", type=int, help="default: 4 (flux2_klein), 8 (z_image_turbo)")
-    parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--concurrency", help="levels (default 1,4,16)")
+    parser.add_argument("--requests-per-client", type=int, help="default 4")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16")
     parser.add_argument("--diffusers-calls", type=int, default=3, help="timed pipeline calls per concurrency")
     parser.add_argument("--vae-max-batch", type=int, default=4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -787,13 +789,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.profile_report = {}
     if missing := _missing_requirements(args.mode):
         parser.error("missing: " + "; ".join(missing))
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.width, args.height = (int(v) for v in args.size.lower().split("x"))
-    args.dtype, args.taps = "bfloat16", [9, 18, 27]
-    if args.smoke:
-        args.width = args.height = 64
-        args.concurrency, args.requests_per_client, args.diffusers_calls = [1, 2], 1, 1
-        args.dtype = "float32"
+    smoke = args.smoke
+    args.concurrency = [int(c) for c in (args.concurrency or ("1,2" if smoke else "1,4,16")).split(",")]
+    args.width, args.height = (int(v) for v in (args.size or ("64x64" if smoke else "1024x1024")).lower().split("x"))
+    args.requests_per_client = args.requests_per_client or (1 if smoke else 4)
+    args.dtype = args.dtype or ("float32" if smoke else "bfloat16")
+    args.taps = [9, 18, 27]
+    if smoke:
+        args.diffusers_calls = 1
         device = "cpu"
         checkpoint = family.tiny(Path(args.checkpoint_dir or family.tiny_dir), args)
     else:

@@ -7,7 +7,8 @@ than the whole GPU pipeline's budget at c=1). Here the work is split:
   by a dozen elementwise torch ops on any device. The image components run it on the GPU, where the pixels are,
   when the walk asks for PNG rows (`want_png_rows`): ~0.1 ms there. On the CPU the same ops took 5-75 ms per
   1024x1024 image on the H200 host depending on what else ran, so a decoder on the CPU answers pixels and
-  `encode_png` filters them with numpy over strips on a thread pool (22 ms in a bare process there).
+  `encode_png` filters them with numpy over strips on a thread pool (8.5 ms on 8 threads there, in a bare
+  process). `scripts/probe_png.py` measures each part on the machine it runs on.
 - `encode_png_rows`: the filtered rows cut into strips of `STRIP_ROWS`, deflated on a thread pool, each strip
   primed with the 32 KiB before it so the size stays within a few percent of PIL's. The strips' raw deflate
   streams, sync-flushed, concatenate into one zlib stream (as pigz does).
@@ -15,12 +16,13 @@ than the whole GPU pipeline's budget at c=1). Here the work is split:
 The output is a standard PNG of exactly the same pixels; only the bytes differ from PIL's, and they do not
 depend on the number of cores or on where the filter ran.
 
-Deflate runs on Intel's ISA-L (`isal`, a dependency) where it is installed: 6-12x faster than zlib's level 6
-on one core (1024x1024 RGB, Paeth-filtered: 6-12 ms against 72-121 ms) and no larger (noise-like content: the
-same size; smooth content: 4% smaller). ISA-L has levels 1-3, so `level` maps 1-5 -> 1, 6-8 -> 2, 9 -> 3; level 0
-stores (zlib's level 0, as PNG's "no compression" means). Without ISA-L, zlib at `level`. Unlike zlib, python-isal
-holds the GIL while it compresses (two threads were no faster than one), ~0.35 ms per strip of a noise-like
-1024-wide image: the walk's event loop waits at most that long.
+Deflate runs on Intel's ISA-L (`isal`, a dependency) where it is installed: 6-15x faster than zlib's level 6
+on one core and no larger (`scripts/probe_png.py`, 1024x1024 RGB, Paeth-filtered, 2-core CPU, 2026-12-01:
+noise-like 5.9 against 86 ms at the same size, smooth 22 against 131 ms and 3.4% smaller). ISA-L has levels
+1-3, so `level` maps 1-5 -> 1, 6-8 -> 2, 9 -> 3; level 0 stores (zlib's level 0, as PNG's "no compression"
+means). Without ISA-L, zlib at `level`. Unlike zlib, python-isal holds the GIL for much of its work (two
+threads ran 1.3x one, zlib's 1.8x), ~0.35 ms per strip of a noise-like 1024-wide image: the walk's event loop
+waits about that long at most.
 """
 
 from __future__ import annotations

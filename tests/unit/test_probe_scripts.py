@@ -88,3 +88,22 @@ def test_orpheus_streams_places_the_stalled_streams(tmp_path, capsys):
     assert out[1] == "  first gap began 1.70-2.00 s into the request (median 2.00)"
     assert out[2].startswith("  stream    1: first audio  0.100 s, stall    55.0 ms from 1.7 s")
     assert len(out) == 4 and out[3] == "hf c=1: no per-stream records"
+
+
+def test_png_probe(tmp_path, monkeypatch):
+    probe = _load("probe_png")
+    out = tmp_path / "png.json"
+    monkeypatch.setattr(sys, "argv", ["probe", "--size", "128", "--repeats", "1", "--json", str(out)])
+    probe.main()
+    report = json.loads(out.read_text())
+    assert {"noise", "smooth", "two_thread_speedup"} <= set(report)
+    assert report["noise"]["zlib_6_bytes"] > 0 and report["smooth"]["encode_png_bytes"] > 0
+
+
+@pytest.mark.server
+def test_hop_probe(capsys, monkeypatch):
+    probe = _load("probe_hops")
+    monkeypatch.setattr(sys, "argv", ["probe", "--requests", "1"])
+    probe.main()
+    printed = capsys.readouterr().out
+    assert all(f"{mode}: embedding hop p50" in printed for mode in probe.MODES)
