@@ -33,6 +33,7 @@ GAUGES = {
 COUNTERS = {
     "num_steps": ("mstar_engine_steps_total", "engine steps run (rate() gives steps per second)"),
     "num_graph_steps": ("mstar_graph_steps_total", "engine steps replayed from a captured CUDA graph"),
+    "num_rows_stepped": ("mstar_engine_rows_stepped_total", "rows the engine's steps advanced (per step: its batch)"),
     "num_refused": ("mstar_requests_overloaded_total", "requests refused because the queue was full (429)"),
     "num_expired": ("mstar_requests_expired_total", "requests ended by their deadline or queue wait limit"),
 }

@@ -356,9 +356,14 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
                 return [t for ts in pool.map(lambda _: _grpc_client(url, model, args, seeds), range(c)) for t in ts]
 
         rows = []
+        metrics_url = f"http://127.0.0.1:{ports.metrics}/metrics"
         for c in _warm(args, lambda: run(1, 2)):
             offset = log.stat().st_size
+            before = step_counters(metrics_url)
             rows.append(_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True))
+            time.sleep(2 * METRICS_PERIOD_S)  # the components' metrics threads publish their last steps
+            rows[-1]["steps"] = step_deltas(before, step_counters(metrics_url))
+            print(f"[bench]         steps {rows[-1]['steps']}", flush=True)
             if os.environ.get("MSTAR_TIMINGS") == "1":  # the server's per-hop log lines of this level
                 with log.open("rb") as f:
                     f.seek(offset)
@@ -367,6 +372,43 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
         return rows
     finally:
         stop_process(server)
+
+
+METRICS_PERIOD_S = 0.1  # backends/metrics.PERIOD_S
+_COUNTER = re.compile(r'^(mstar_engine_steps_total|mstar_graph_steps_total|mstar_engine_rows_stepped_total)'
+                      r'\{[^}]*model="([^"]+)"[^}]*\} ([0-9.e+]+)$', re.M)
+
+
+def step_counters(metrics_url: str) -> dict[tuple[str, str], float]:
+    """Triton's /metrics -> {(model, series): value} for the engines' step counters, summed over instances."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        return parse_step_counters(response.read().decode())
+
+
+def parse_step_counters(text: str) -> dict[tuple[str, str], float]:
+    totals: dict[tuple[str, str], float] = {}
+    for series, model, value in _COUNTER.findall(text):
+        totals[model, series] = totals.get((model, series), 0.0) + float(value)
+    return totals
+
+
+def step_deltas(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, dict]:
+    """Per model that stepped between two scrapes: steps, the share replayed from graphs, and rows per step
+    (where the engine counts rows: the denoise loop's batch)."""
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    out = {}
+    for model in sorted({model for model, _ in delta}):
+        steps = delta.get((model, "mstar_engine_steps_total"), 0.0)
+        if steps <= 0:
+            continue
+        out[model] = {"steps": int(steps),
+                      "graph_share": round(delta.get((model, "mstar_graph_steps_total"), 0.0) / steps, 3)}
+        rows = delta.get((model, "mstar_engine_rows_stepped_total"), 0.0)
+        if rows > 0:
+            out[model]["rows_per_step"] = round(rows / steps, 2)
+    return out
 
 
 _TIMING = re.compile(r"\] timing (hop \S+|walk|\S+)(?: from arrival to response sent)?: ([\d.]+) ms")

@@ -148,3 +148,23 @@ def test_timing_summary_reads_the_servers_timing_lines():
     ])
     assert bench.timing_summary(log) == {"flux2_klein_text_encoder": 18.6, "hop text_encoder": 25.0,
                                                "walk": 169.8}
+
+
+def test_step_deltas_give_each_engines_steps_and_rows_per_step():
+    def scrape(steps, graph_steps, rows):
+        return bench.parse_step_counters("\n".join([
+            "# HELP mstar_engine_steps_total engine steps run",
+            "# TYPE mstar_engine_steps_total counter",
+            f'mstar_engine_steps_total{{instance="0",model="flux2_klein_denoise"}} {steps}',
+            f'mstar_engine_steps_total{{instance="1",model="flux2_klein_denoise"}} {steps}',
+            f'mstar_graph_steps_total{{instance="0",model="flux2_klein_denoise"}} {graph_steps}',
+            f'mstar_engine_rows_stepped_total{{instance="0",model="flux2_klein_denoise"}} {rows}',
+            'mstar_engine_steps_total{instance="0",model="flux2_klein_text_encoder"} 7',
+            'nv_inference_count{model="flux2_klein_denoise",version="1"} 99',
+        ]))
+
+    before, after = scrape(10, 10, 40), scrape(30, 20, 440)
+    assert before[("flux2_klein_denoise", "mstar_engine_steps_total")] == 20  # both instances
+    # 40 more steps (two instances), 10 of them from graphs, 400 more rows; the text encoder did not step
+    assert bench.step_deltas(before, after) == {
+        "flux2_klein_denoise": {"steps": 40, "graph_share": 0.25, "rows_per_step": 10.0}}
