@@ -9,8 +9,9 @@ Buckets are captured largest first and share one memory pool. Layouts or batches
 `capture=False` builds the same buckets with an eager "replay" over the static buffers, which lets the CPU
 tests check the bucket plumbing against the eager path.
 
-Padding is not free: at 1024x1024 a step costs about the same per row at any batch (klein-4B, H200: 60 ms at
-batch 1, 474 ms at batch 8), so 9 rows replayed in a batch-16 graph waste 7/16 of it. Each captured bucket's
+Padding is not free: at 1024x1024 a step costs about the same per row at any batch (klein-4B, H200, captured
+with dit_fp8: 41.3 ms at batch 1, 342 ms at 8, 666 ms at 16), so 9 rows replayed in a batch-16 graph waste 7/16
+of it (served at c=16: 3.80 img/s padded, 4.30 exact; docs/benchmarks.md). Each captured bucket's
 replay is timed once at capture (`costs`), and `rows_to_run` tells the engine how many of the rows waiting to
 step to take this time: all of them (padded to the bucket above), or only as many as the bucket below holds,
 whichever steps more rows per second. The rows left out go first on the next step. `MSTAR_DENOISE_EXACT_BATCHES=0`
