@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch
+
 BLOCK = 4096
 
 
@@ -29,7 +31,8 @@ def gumbel_noise(seed, cols):
 
 @triton.jit
 def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks, GUMBEL: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -43,7 +46,8 @@ def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_ch
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     values = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -61,9 +65,10 @@ def _launch(x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
     values = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device)
     indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
     _chunk_max_kernel[(rows, num_chunks)](x, seeds if seeds is not None else x, values, indices, x.stride(0),
-                                          vocab, num_chunks, GUMBEL=seeds is not None, BLOCK=BLOCK, num_warps=8)
+                                          vocab, num_chunks, GUMBEL=seeds is not None, BLOCK=BLOCK, num_warps=8,
+                                          **pdl_launch(x, rows))
     _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks,
-                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
+                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1, **pdl_launch(x, rows))
     return out
 
 

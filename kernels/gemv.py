@@ -12,6 +12,9 @@ results differ in the last bit now and then.
 for steps of up to `MSTAR_GEMV_MAX_ROWS` rows (default 4), and only where `tune_gemv`
 (`mstar_common/layers/linear.py`) timed it 5% faster than cuBLAS on the GPU at hand (on the H200: the
 output-narrow projections, o and down, at one row; Qwen3-0.6B's o at 12.4 -> 3.2 us).
+
+Launched with PDL (kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
+before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch
 from kernels._rounding import round_to
 
 MAX_ROWS = 8
@@ -27,27 +31,42 @@ TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across th
 
 
 @triton.jit
+def _x_chunk(x_ptr, m, k, x_mask, K, stride_xm, SWIGLU: tl.constexpr):
+    """Rows `m` of x at columns `k` in fp32; with `SWIGLU` (x is [M, 2K]: gate | up) silu(gate) * up, rounded as
+    kernels/silu_mul.py rounds."""
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+    if SWIGLU:
+        up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_mask, other=0.0)
+        gate = x.to(tl.float32)
+        act = round_to(gate / (1.0 + tl.exp(-gate)), x.dtype)
+        return round_to(act * up.to(tl.float32), x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_mask, m_mask = n < N, m < M
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        if SWIGLU:  # x is [M, 2K] (gate | up): silu(gate) * up, rounded as kernels/silu_mul.py rounds
-            up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_mask, other=0.0)
-            gate = x.to(tl.float32)
-            act = round_to(gate / (1.0 + tl.exp(-gate)), x.dtype)
-            x = round_to(act * up.to(tl.float32), x.dtype)
-        else:
-            x = x.to(tl.float32)
+    k = tl.arange(0, BLOCK_K)
+    start = 0
+    if USE_GDC:
+        # Launched with PDL: the first chunk of weights streams in while the kernel before this one (which
+        # writes x) finishes; the weights are nobody's output. Same sums in the same order as the loop's.
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        gdc_enter(USE_GDC)
+        x = _x_chunk(x_ptr, m, k, m_mask[:, None] & (k < K)[None, :], K, stride_xm, SWIGLU)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        start = BLOCK_K
+    for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+        kk = k0 + k
+        k_mask = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x = _x_chunk(x_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm, SWIGLU)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -93,6 +112,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, num_rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=max(1, triton.next_power_of_2(num_rows)),
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x, num_rows),
     )
     return out
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch
+
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner iteration
 
@@ -48,7 +50,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head, stride_bt,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, MIXED: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, MIXED: tl.constexpr,
+                         USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,13 +103,14 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
                                 stride_bt, scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
                                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                                 NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-                                MIXED: tl.constexpr, QK_FP8: tl.constexpr):
+                                MIXED: tl.constexpr, QK_FP8: tl.constexpr, USE_GDC: tl.constexpr):
     """The same attention with the context tokens as the dots' M dimension: scores^T = K q^T and
     out^T = V^T p^T. K and V are then the dots' left operands and M is a full 64/128-token tile instead of 16
     padded query rows (the reasoning: a left operand converted from fp8 can stay in registers; measured
     only end to end, see `paged_decode_attention`). `QK_FP8` (an fp8 pool only): the query is quantised per
     head to e4m3 (scale max|q| / 448) and q.K runs as an fp8 dot on the pool's bytes, with no conversion of
     K at all."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,7 +165,8 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
 
 @triton.jit
 def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIXED: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, MIXED: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     tok = row
@@ -243,12 +249,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables.stride(0), scale * _LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK=block, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
+        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra, **pdl_launch(query, num_rows),
     )
     if splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, query_start_loc if mixed else part_ml, out,
                                                     out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                                                    NUM_SPLITS=splits, MIXED=mixed, num_warps=4)
+                                                    NUM_SPLITS=splits, MIXED=mixed, num_warps=4,
+                                                    **pdl_launch(query, num_rows))
     return out
 
 

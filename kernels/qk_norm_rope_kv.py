@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch
 from kernels._rounding import round_to
 
 
@@ -22,7 +23,8 @@ from kernels._rounding import round_to
 def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                             stride_tok, stride_cos, stride_qo_tok, stride_slot, stride_kv_head, eps,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            HAS_NORM: tl.constexpr):
+                            HAS_NORM: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -87,6 +89,7 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w
         qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, num_warps=1,
+        **pdl_launch(qkv, num_tokens),
     )
     return query
 

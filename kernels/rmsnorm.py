@@ -11,12 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch
 from kernels._rounding import load_row_add_residual, round_to
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -42,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_launch(x, x.shape[0]),
     )
     return out
 

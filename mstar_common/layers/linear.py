@@ -91,6 +91,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     gives the same bits. Returns one record per decision taken now."""
     import torch.nn.functional as F
 
+    from kernels._pdl import use_pdl
     from kernels.gemv import TILE_ELEMENTS, gemv_blocks, gemv_with
     from mstar_common.bench.gpu_timing import cold_copies
 
@@ -113,8 +114,13 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         n, k = weight.shape
         weights = None
         shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
+
+        def key_of(rows: int, shape_key=shape_key, weight=weight) -> str:
+            # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
+            return f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
+
         for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
-            key = f"{shape_key}:rows={rows}"
+            key = key_of(rows)
             if key in known:
                 continue
             if weights is None:
@@ -143,7 +149,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 + (f"kernel {best_us:.2f} us with blocks {best}" if best else "kernel not 5% faster: cuBLAS"))
         plan = {}
         for rows in module.gemv_plan:
-            blocks = known[f"{shape_key}:rows={_row_bucket(rows)}"]
+            blocks = known[key_of(_row_bucket(rows))]
             if blocks is not None:
                 plan[rows] = tuple(blocks)
         module.gemv_plan = plan

@@ -1,0 +1,100 @@
+"""Programmatic Dependent Launch (kernels/_pdl.py): the decode kernels give the same bits with and without it,
+eager and inside a captured CUDA graph, where the launches overlap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import IS_INTERPRETED
+
+pytest.importorskip("triton")
+
+from kernels import _pdl  # noqa: E402
+
+
+def test_switch_and_launch_keywords(monkeypatch):
+    monkeypatch.setenv("MSTAR_PDL", "0")
+    assert not _pdl.enabled() and _pdl.pdl_launch(torch.zeros(1), 1) == {"USE_GDC": False}
+    monkeypatch.setenv("MSTAR_PDL", "1")
+    assert _pdl.enabled() and _pdl.max_rows() == 1
+    assert _pdl.pdl_launch(torch.zeros(1), 1) == {"USE_GDC": False}  # a CPU tensor never launches with PDL
+    monkeypatch.setenv("MSTAR_PDL", "yes")
+    with pytest.raises(ValueError, match="MSTAR_PDL='yes': expected 0 or 1"):
+        _pdl.enabled()
+    monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "-1")
+    with pytest.raises(ValueError, match="MSTAR_PDL_MAX_ROWS='-1'"):
+        _pdl.max_rows()
+
+
+def _decode_layer_chain(rows: int):
+    """A one-layer decode chain through every kernel that launches with PDL: RMSNorm (with the residual add) ->
+    qkv GEMV -> q/k norm + RoPE + KV write -> split-K decode attention + merge -> o GEMV -> RMSNorm -> gate_up
+    GEMV -> down GEMV (SwiGLU on load) -> argmax of a logits GEMV."""
+    from kernels.argmax import row_argmax
+    from kernels.gemv import gemv
+    from kernels.paged_decode_attention import paged_decode_attention
+    from kernels.qk_norm_rope_kv import qk_norm_rope_kv
+    from kernels.rmsnorm import rms_norm
+
+    hidden, heads, kv_heads, head_dim, inter, vocab, page, ctx = 1024, 16, 8, 128, 3072, 4096, 64, 200
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=gen) * scale).bfloat16()  # noqa: E731
+    w = {"n1": 1 + rand(hidden, scale=0.1), "n2": 1 + rand(hidden, scale=0.1), "qn": 1 + rand(head_dim, scale=0.1),
+         "kn": 1 + rand(head_dim, scale=0.1), "qkv": rand((heads + 2 * kv_heads) * head_dim, hidden, scale=0.03),
+         "o": rand(hidden, heads * head_dim, scale=0.03), "gu": rand(2 * inter, hidden, scale=0.03),
+         "down": rand(hidden, inter, scale=0.02), "lm": rand(vocab, hidden, scale=0.03)}
+    pages = rows * 4
+    k_cache = rand(pages, page, kv_heads, head_dim)
+    v_cache = rand(pages, page, kv_heads, head_dim)
+    tables = torch.arange(pages, device="cuda", dtype=torch.int32).reshape(rows, 4)
+    lens = torch.full((rows,), ctx, device="cuda", dtype=torch.int32)
+    slots = (tables[:, 0].long() * page + ctx - 1).to(torch.int32)
+    angles = torch.rand(rows, head_dim // 2, device="cuda", generator=gen) * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1).bfloat16(), torch.cat([angles.sin()] * 2, -1).bfloat16()
+    x0, res0 = rand(rows, hidden), rand(rows, hidden)
+    static = {"x": x0.clone(), "res": res0.clone()}
+
+    def step():
+        static["res"].copy_(res0)
+        h = rms_norm(static["x"], w["n1"], 1e-6, static["res"])
+        q = qk_norm_rope_kv(gemv(h, w["qkv"]), cos, sin, w["qn"], w["kn"], 1e-6, k_cache, v_cache, slots, heads,
+                            kv_heads, head_dim)
+        attn = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, num_splits=4)
+        h = rms_norm(gemv(attn.reshape(rows, -1), w["o"]), w["n2"], 1e-6, static["res"])
+        gate_up = gemv(h, w["gu"])
+        out = gemv(gate_up, w["down"], swiglu=True)
+        return out, row_argmax(gemv(out, w["lm"]).float())
+
+    return step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows):
+    if IS_INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability >= 9.0")
+    monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")  # PDL at 4 rows too (by default only 1-row launches take it)
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MSTAR_PDL", flag)
+        step = _decode_layer_chain(rows)
+        eager = step()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        results[flag] = (eager, captured)
+    for plain, pdl in zip(results["0"], results["1"], strict=True):
+        for a, b in zip(plain, pdl, strict=True):
+            assert torch.equal(a, b)
+    assert torch.equal(results["1"][0][0], results["1"][1][0])  # the replayed graph == eager, with PDL
