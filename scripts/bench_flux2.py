@@ -359,6 +359,7 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
         metrics_url = f"http://127.0.0.1:{ports.metrics}/metrics"
         for c in _warm(args, lambda: run(1, 2)):
             offset = log.stat().st_size
+            time.sleep(2 * METRICS_PERIOD_S)  # the warm-up's (or the last level's) steps are published first
             before = step_counters(metrics_url)
             rows.append(_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True))
             time.sleep(2 * METRICS_PERIOD_S)  # the components' metrics threads publish their last steps

@@ -50,6 +50,7 @@ class BatchingEngine:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
         self.num_batches = 0
         self.num_rows_run = 0
+        self.graph_replays: Callable[[], int] | None = None  # the component's captured-graph runs, for stats()
 
     def start(self) -> None:
         self._thread.start()
@@ -75,8 +76,9 @@ class BatchingEngine:
     def stats(self) -> dict[str, float]:
         with self._cond:
             waiting = len(self._waiting)
-        # num_steps: batched forwards run (the metrics' step counter); num_rows_run / num_steps: mean batch
-        return {"num_waiting": waiting, "num_steps": self.num_batches, "num_rows_run": self.num_rows_run}
+        # num_steps: batched forwards run (the metrics' step counter); num_rows_stepped / num_steps: mean batch
+        return {"num_waiting": waiting, "num_steps": self.num_batches, "num_rows_stepped": self.num_rows_run,
+                "num_graph_steps": self.graph_replays() if self.graph_replays is not None else 0}
 
     # the loop
 

@@ -87,6 +87,7 @@ class TextEncoderComponent(Component):
         self.max_batch = max_batch
         self.graphs: TextGraphs | None = None
         self.engine = BatchingEngine(name, self.run_batch, max_rows=max_batch)
+        self.engine.graph_replays = lambda: self.graphs.num_replays if self.graphs is not None else 0
 
     def capture_graphs(self, capture: bool = True) -> None:
         """Capture the forward at batch 1, 2, 4, ... up to `max_batch` (`capture=False`: the same buckets run

@@ -140,6 +140,10 @@ def test_batcher_groups_equal_keys_in_arrival_order():
     engine.shutdown()
     assert batches == [[1, 3], [2, 4], [5]]
     assert [r.value for r in results] == [10, 20, 30, 50, 40]
+    # the metrics' view (backends/metrics.py): 3 batches of 5 rows; graph runs as the component reports them
+    assert engine.stats() == {"num_waiting": 0, "num_steps": 3, "num_rows_stepped": 5, "num_graph_steps": 0}
+    engine.graph_replays = lambda: 2
+    assert engine.stats()["num_graph_steps"] == 2
 
 
 def test_step_graph_buckets_pad_rows_and_match_the_eager_step(tmp_path):
