@@ -4,13 +4,13 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health] [orpheus-pyspy]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, BASELINE_CONCURRENCY / BASELINE_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
 #   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT, GEMV_ARGS (sweep_gemv.py), PROFILE_ARGS / PROFILE_TIMEOUT
-#   (profile_decode_step.py); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
+#   (profile_decode_step.py); PDL_FAMILIES / PDL_ROWS / PDL_MAX_ROWS (the pdl stage); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
 #   MSTAR_FP8_FP16_DOTS, MSTAR_DECODE_FORM, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION, MSTAR_DENOISE_EXACT_BATCHES,
 #   MSTAR_PDL, MSTAR_PDL_MAX_ROWS
 #   reach every engine built.
@@ -73,6 +73,18 @@ if has profile; then
   stage "decode step kernel by kernel (PROFILE_ARGS, e.g. --family llama --rows 1,256)"
   timeout ${PROFILE_TIMEOUT:-240} $IMAGE_PY scripts/profile_decode_step.py --out "$OUT/profile_decode.json" \
     ${PROFILE_ARGS:---family llama --rows 1,256} || echo "STAGE FAILED: profile"
+fi
+if has pdl; then
+  stage "Programmatic Dependent Launch: the chain probe, then each decode step with MSTAR_PDL=0/1 (PDL_ROWS, PDL_FAMILIES)"
+  timeout 120 $IMAGE_PY scripts/probe_pdl.py --json "$OUT/probe_pdl.json" > "$OUT/probe_pdl.log" 2>&1 \
+    || echo "STAGE FAILED: pdl probe"
+  for family in ${PDL_FAMILIES:-qwen3 llama}; do
+    for flag in 0 1; do
+      MSTAR_PDL=$flag MSTAR_PDL_MAX_ROWS=${PDL_MAX_ROWS:-1024} timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY \
+        scripts/profile_decode_step.py --family $family --rows ${PDL_ROWS:-1,2,4} \
+        --out "$OUT/profile_${family}_pdl$flag.json" 2>&1 | grep "^\[profile\]" || echo "STAGE FAILED: $family pdl=$flag"
+    done
+  done
 fi
 build_orpheus() {
   stage "orpheus: random-weight 3B checkpoint (built with transformers under the image's Python)"
