@@ -47,7 +47,7 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def use_pdl(tensor: torch.Tensor, rows: int = 1) -> bool:
+def use_pdl(tensor: torch.Tensor, rows: int) -> bool:
     """Whether a kernel of `rows` rows on `tensor`'s device launches with PDL (a Hopper-or-newer GPU, `MSTAR_PDL`
     not 0, at most `MSTAR_PDL_MAX_ROWS` rows)."""
     if not tensor.is_cuda or not enabled() or rows > max_rows():

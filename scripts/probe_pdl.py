@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
+
 
 @triton.jit
 def _norm_kernel(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
@@ -105,29 +108,6 @@ class Chain:
         return self.out
 
 
-def time_graph(fn, replays: int = 50) -> float:
-    """Microseconds per replay of a graph capturing `fn` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=28)
@@ -146,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for mode in ("plain", "pdl", "pdl_prefetch", "plain"):
         try:
-            us = time_graph(lambda mode=mode: chain.run(mode))
+            us = graph_time_us(lambda mode=mode: chain.run(mode), calls=1, replays=50)  # one chain per replay
             same = bool(torch.equal(chain.run(mode), reference))
         except Exception as exc:  # noqa: BLE001 - a mode the stack cannot capture is a finding, not a crash
             report["modes"][mode] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
