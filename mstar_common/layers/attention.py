@@ -62,13 +62,15 @@ class SelfAttention(nn.Module):
             del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
-        self, hidden: torch.Tensor, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor]
+        self, hidden: torch.Tensor | None, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor],
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`hidden` `[T, hidden_size]` -> `[T, hidden_size]`; writes this step's K/V into `kv` (this layer's pool)."""
-        num_tokens = hidden.shape[0]
-        if self.qkv_proj is not None:
+        """`hidden` `[T, hidden_size]` -> `[T, hidden_size]`; writes this step's K/V into `kv` (this layer's pool).
+        `qkv` (with `hidden` None): the packed projection already taken (the decoder layer's norm + qkv launch)."""
+        num_tokens = hidden.shape[0] if qkv is None else qkv.shape[0]
+        if qkv is None and self.qkv_proj is not None:
             qkv = self.qkv_proj(hidden)
-        else:
+        elif qkv is None:
             qkv = torch.cat((self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), dim=-1)
         query = ctx.backend.prologue(qkv, self, ctx.cos, ctx.sin, kv, ctx.metadata)
         out = ctx.backend.attend(query, kv[0], kv[1], ctx.metadata, self.scale)

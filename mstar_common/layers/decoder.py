@@ -2,10 +2,15 @@
 
 The residual stream is carried beside the hidden states (`(hidden, residual)` in and out), so each norm can
 fold in the preceding residual add: `residual += x; x = norm(residual)` is one op (one kernel on CUDA).
+
+With `norm_gemv` set (`enable_fused_ops` on CUDA, `MSTAR_NORM_GEMV` not 0), a step whose qkv or gate_up
+projection runs on the skinny GEMM (kernels/gemv.py, a few rows) takes the add and the norm in that GEMM's load
+(`norm_gemv`): one launch instead of two, twice per layer.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,16 +48,56 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_gemv = False
+
+    def norm_gemv_pairs(self) -> list[tuple[RMSNorm, nn.Linear]]:
+        """The (norm, projection) pairs that run as one launch where the projection's GEMV plan takes the step
+        (`tune_gemv` times them so)."""
+        if not self.norm_gemv:
+            return []
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm,
+                                                                  self.mlp.gate_up_proj)]
+        return [(norm, linear) for norm, linear in pairs if linear is not None]
+
+    def _norm_project(self, norm: RMSNorm, linear: nn.Linear | None, hidden: torch.Tensor,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(linear(norm(hidden + residual)), hidden + residual)` as one skinny-GEMM launch, or None where the
+        projection's plan does not take this step (or the fusion is off)."""
+        if not self.norm_gemv or linear is None or not hasattr(linear, "gemv_blocks_for"):
+            return None
+        setting = linear.gemv_blocks_for(hidden)
+        if setting is None:
+            return None
+        from kernels.gemv import norm_gemv_with
+
+        return norm_gemv_with(hidden, norm.weight, norm.eps, linear.weight, linear.bias, residual, setting)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual` None on the first layer. Returns the MLP output and the residual stream before it."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+        fused = self._norm_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        if fused is not None:
+            qkv, residual = fused
+            hidden = self.self_attn(None, ctx, kv, qkv=qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, ctx, kv)
+            if residual is None:
+                residual, hidden = hidden, self.input_layernorm(hidden)
+            else:
+                hidden, residual = self.input_layernorm(hidden, residual)
+            hidden = self.self_attn(hidden, ctx, kv)
+        fused = self._norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        if fused is not None:
+            gate_up, residual = fused
+            return self.mlp(None, gate_up=gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def norm_gemv_enabled() -> bool:
+    """`MSTAR_NORM_GEMV` (default 0, the norm kernel before the projection; 1 folds it in)."""
+    flag = os.environ.get("MSTAR_NORM_GEMV", "0") or "0"
+    if flag not in ("0", "1"):
+        raise ValueError(f"MSTAR_NORM_GEMV={flag!r}: expected 0 or 1")
+    return flag == "1"

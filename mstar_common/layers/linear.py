@@ -83,16 +83,16 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     """Time each distinct `GemvLinear` shape at each planned power-of-two row count against cuBLAS (the down
     projection of a fused SwiGLU MLP against silu_mul + cuBLAS, as it would otherwise run), keep the kernel
     with its fastest setting only where it wins by `GEMV_MARGIN`, and give the other row counts the plan of the
-    next power of two. `timer(fns) -> microseconds per call` (default: inside a captured CUDA graph); `fns`
+    next power of two. A projection that a decoder layer runs with its norm in the GEMM's load
+    (`norm_gemv_pairs()`, kernels/gemv.py `norm_gemv`) is timed so, against the norm kernel + cuBLAS.
+    `timer(fns) -> microseconds per call` (default: inside a captured CUDA graph); `fns`
     are the same call on the weight and on copies of it (`cold_copies`: a decode step reads each layer's
     weights from HBM, never from L2, and the timing must too). Decisions are kept
     in `cache` (JSON; default: one file per GPU model under the mstar cache directory when timing on CUDA), so
     every process on a machine (a restarted server, the benchmark's eager check) runs the same kernels and
     gives the same bits. Returns one record per decision taken now."""
-    import torch.nn.functional as F
-
     from kernels._pdl import use_pdl
-    from kernels.gemv import TILE_ELEMENTS, gemv_blocks, gemv_with
+    from kernels.gemv import TILE_ELEMENTS, gemv_blocks
     from mstar_common.bench.gpu_timing import cold_copies
 
     cold = timer is None
@@ -105,15 +105,19 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     known: dict[str, list[int] | None] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
     swiglu_downs = {id(m.down_proj) for m in model.modules()
                     if getattr(m, "gate_up_proj", None) is not None and getattr(m, "use_kernel", False)}
+    norm_fed = {id(linear): norm for m in model.modules() if hasattr(m, "norm_gemv_pairs")
+                for norm, linear in m.norm_gemv_pairs()}
     records = []
     for module in model.modules():
         if not isinstance(module, GemvLinear) or not module.gemv_plan:
             continue
         swiglu = id(module) in swiglu_downs
+        norm = norm_fed.get(id(module))
         weight, bias = module.weight, module.bias
         n, k = weight.shape
         weights = None
         shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
+        shape_key += ":norm" if norm is not None else ""
 
         def key_of(rows: int, shape_key=shape_key, weight=weight) -> str:
             # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
@@ -126,12 +130,8 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             if weights is None:
                 weights = cold_copies(weight) if cold else [weight]
             x = torch.randn(rows, 2 * k if swiglu else k, device=weight.device, dtype=weight.dtype)
-            if swiglu:
-                from kernels.silu_mul import silu_mul
-
-                cublas_us = timer([lambda w=w: F.linear(silu_mul(x), w, bias) for w in weights])
-            else:
-                cublas_us = timer([lambda w=w: F.linear(x, w, bias) for w in weights])
+            residual = torch.randn_like(x) if norm is not None else None
+            cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual))
             best, best_us = None, cublas_us * GEMV_MARGIN
             for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES}):
                 block_n, block_k = setting[:2]
@@ -139,13 +139,15 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                     continue
                 if len(setting) > 2 and setting[3] > 1 and block_k >= k:  # one iteration: nothing to pipeline
                     continue
-                us = timer([lambda w=w, s=setting: gemv_with(x, w, bias, s, swiglu=swiglu) for w in weights])
+                us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual))
                 if us < best_us:
                     best, best_us = setting, us
             known[key] = list(best) if best else None
-            records.append({"n": n, "k": k, "swiglu": swiglu, "rows": rows, "cublas_us": round(cublas_us, 2),
-                            "gemv_us": round(best_us, 2) if best else None, "blocks": best})
-            log(f"gemv tune: {n}x{k}{' (swiglu)' if swiglu else ''} rows {rows}: cuBLAS {cublas_us:.2f} us, "
+            records.append({"n": n, "k": k, "swiglu": swiglu, "norm": norm is not None, "rows": rows,
+                            "cublas_us": round(cublas_us, 2), "gemv_us": round(best_us, 2) if best else None,
+                            "blocks": best})
+            prologue = " (swiglu)" if swiglu else " (norm)" if norm is not None else ""
+            log(f"gemv tune: {n}x{k}{prologue} rows {rows}: cuBLAS {cublas_us:.2f} us, "
                 + (f"kernel {best_us:.2f} us with blocks {best}" if best else "kernel not 5% faster: cuBLAS"))
         plan = {}
         for rows in module.gemv_plan:
@@ -160,6 +162,28 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
         tmp.replace(cache)  # atomic: a concurrent reader sees the old file or the new one
     return records
+
+
+def _timed_calls(x, weights, bias, setting, swiglu, norm, residual) -> list:
+    """One projection call per weight copy, as a step would run it: cuBLAS after the op in front of it (SiLU*up or
+    the norm kernel) where `setting` is None, else the skinny GEMM with that op in its load."""
+    import torch.nn.functional as F
+
+    from kernels.gemv import gemv_with, norm_gemv_with
+
+    if setting is not None and norm is not None:
+        return [lambda w=w: norm_gemv_with(x, norm.weight, norm.eps, w, bias, residual, setting) for w in weights]
+    if setting is not None:
+        return [lambda w=w: gemv_with(x, w, bias, setting, swiglu=swiglu) for w in weights]
+    if swiglu:
+        from kernels.silu_mul import silu_mul
+
+        return [lambda w=w: F.linear(silu_mul(x), w, bias) for w in weights]
+    if norm is not None:
+        from kernels.rmsnorm import rms_norm
+
+        return [lambda w=w: F.linear(rms_norm(x, norm.weight, norm.eps, residual), w, bias) for w in weights]
+    return [lambda w=w: F.linear(x, w, bias) for w in weights]
 
 
 def _row_bucket(rows: int) -> int:

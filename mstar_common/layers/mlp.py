@@ -27,10 +27,13 @@ class GatedMLP(nn.Module):
             self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate_up` (with `x` None): the packed gate/up projection already taken (the decoder layer's norm +
+        gate_up launch)."""
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self.gate_up_proj(x)
+        if gate_up is None:
+            gate_up = self.gate_up_proj(x)
         down = self.down_proj
         blocks = down.gemv_blocks_for(gate_up) if self.use_kernel and hasattr(down, "gemv_blocks_for") else None
         if blocks is not None:

@@ -155,6 +155,24 @@ def test_skinny_gemv_projections_match_cublas(separated):
     _assert_near_ties(separated, prompts, reference, outputs)
 
 
+def test_norms_inside_the_gemv_match_the_norm_kernels(separated, monkeypatch):
+    """MSTAR_NORM_GEMV: in steps of <= 4 rows each layer's add + RMSNorm runs inside its qkv and gate_up GEMVs
+    (kernels/gemv.py norm_gemv). Against the same engine with the separate norm kernels: equal tokens or ties."""
+    import kernels.gemv as gemv_module
+
+    prompts = _prompts(4, 100, seed=4)
+    monkeypatch.setenv("MSTAR_NORM_GEMV", "0")
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    monkeypatch.setenv("MSTAR_NORM_GEMV", "1")
+    calls = []
+    real = gemv_module.norm_gemv
+    monkeypatch.setattr(gemv_module, "norm_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    outputs = [generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
+               for graphs in (False, True)]
+    assert calls and set(calls) <= {1, 2, 3, 4}, "the fused launch ran, and only in steps of <= 4 rows"
+    _assert_near_ties(separated, prompts, reference, outputs)
+
+
 def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:
     """Where a run's sequence first differs from the reference's, both tokens lie within twice the largest
     |bf16 - fp32| logit difference of the top of transformers' fp32 logits for the reference prefix."""

@@ -52,6 +52,46 @@ def test_gemv_swiglu_equals_the_activation_kernel_then_gemv(rows, dtype):
         gemv(gate_up[:, :k], weight, swiglu=True)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", sweep([torch.bfloat16, torch.float32], [torch.bfloat16]))
+def test_norm_gemv_equals_the_norm_kernel_then_gemv(rows, with_residual, dtype):
+    """The pre-norm block's add + RMSNorm inside the projection's load: the reference ops' output within the
+    tolerance of one bf16 rounding, the norm kernel's bits but for the odd ulp, and the residual stream it
+    returns equal to the add's."""
+    from kernels.gemv import norm_gemv
+    from kernels.rmsnorm import rms_norm_ref
+
+    n, k = sweep([(4096, 1024), (1024, 3072)], [(96, 200)])[0]
+    gen = torch.Generator().manual_seed(rows + 7 * with_residual)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    before = residual.clone() if with_residual else None
+    out, stream = norm_gemv(x, gamma, 1e-6, weight, bias, residual, block_k=64)  # several K chunks
+    assert residual is None or torch.equal(residual, before), "the input residual is read, never written"
+
+    ref_stream = before.clone() if with_residual else None
+    normed = rms_norm_ref(x, gamma, 1e-6, ref_stream)
+    want_stream = ref_stream if with_residual else x
+    assert torch.equal(stream, want_stream)
+    assert stream is x or stream.data_ptr() != x.data_ptr()
+    ref = gemv_ref(normed, weight, bias)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.shape == (rows, n) and rel_err(out, ref) < tol
+    assert rel_err(out, gemv(normed, weight, bias)) < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+def test_norm_gemv_checks_its_operands():
+    from kernels.gemv import norm_gemv
+
+    x = torch.randn(1, 64, device=DEVICE)
+    with pytest.raises(AssertionError, match="x's width must be K"):
+        norm_gemv(x, torch.ones(64, device=DEVICE), 1e-6, torch.randn(32, 48, device=DEVICE))
+
+
 def test_gemv_on_a_strided_row_view():
     """Rows of a wider tensor (the last row of each sequence, as the runner gathers them)."""
     gen = torch.Generator().manual_seed(0)

@@ -196,3 +196,21 @@ def test_bfloat16_forward_tracks_float32(checkpoint, model):
     logits32 = runner32.forward([(runner32.new_table(16), ids, 0)])
     logits16 = runner16.forward([(runner16.new_table(16), ids, 0)]).float()
     assert torch.nn.functional.cosine_similarity(logits16, logits32, dim=-1).min() > 0.99
+
+
+def test_norm_gemv_switch(checkpoint, monkeypatch):
+    """`MSTAR_NORM_GEMV=1` marks each decoder layer's (norm, qkv) and (norm, gate_up) pairs for one launch (the
+    GEMV tuning then times them so); off by default and with fused ops off; a bad value is refused."""
+    model, _ = load_qwen3(checkpoint, dtype="float32", device="cpu")
+    model.enable_fused_ops(True)
+    assert all(layer.norm_gemv_pairs() == [] for layer in model.model.layers)
+    monkeypatch.setenv("MSTAR_NORM_GEMV", "1")
+    model.enable_fused_ops(True)
+    layer = model.model.layers[0]
+    assert layer.norm_gemv_pairs() == [(layer.input_layernorm, layer.self_attn.qkv_proj),
+                                       (layer.post_attention_layernorm, layer.mlp.gate_up_proj)]
+    model.enable_fused_ops(False)
+    assert layer.norm_gemv_pairs() == []
+    monkeypatch.setenv("MSTAR_NORM_GEMV", "yes")
+    with pytest.raises(ValueError, match="MSTAR_NORM_GEMV"):
+        model.enable_fused_ops(True)
