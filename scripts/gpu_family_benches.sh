@@ -4,13 +4,14 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [ab] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health] [orpheus-pyspy]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, BASELINE_CONCURRENCY / BASELINE_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
 #   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT, GEMV_ARGS (sweep_gemv.py), PROFILE_ARGS / PROFILE_TIMEOUT
-#   (profile_decode_step.py); PDL_FAMILIES / PDL_ROWS / PDL_MAX_ROWS (the pdl stage); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
+#   (profile_decode_step.py); PDL_FAMILIES / PDL_ROWS / PDL_MAX_ROWS (the pdl stage); AB_FAMILIES / AB_ROWS / AB_VARIANTS (the
+#   ab stage: ab_decode_step.py --variant flags); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
 #   MSTAR_FP8_FP16_DOTS, MSTAR_DECODE_FORM, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION, MSTAR_DENOISE_EXACT_BATCHES,
 #   MSTAR_PDL, MSTAR_PDL_MAX_ROWS
 #   reach every engine built.
@@ -84,6 +85,14 @@ if has pdl; then
         scripts/profile_decode_step.py --family $family --rows ${PDL_ROWS:-1,2,4} \
         --out "$OUT/profile_${family}_pdl$flag.json" 2>&1 | grep "^\[profile\]" || echo "STAGE FAILED: $family pdl=$flag"
     done
+  done
+fi
+if has ab; then
+  stage "A/B of decode-step kernel switches in one process per family (AB_FAMILIES, AB_ROWS, AB_VARIANTS)"
+  read -r -a variants <<< "${AB_VARIANTS:---variant base:MSTAR_NORM_GEMV=0 --variant norm_gemv:MSTAR_NORM_GEMV=1 --variant no_pdl:MSTAR_PDL=0}"
+  for family in ${AB_FAMILIES:-qwen3 llama}; do
+    timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY scripts/ab_decode_step.py --family $family --rows ${AB_ROWS:-1,2,4} \
+      "${variants[@]}" --out "$OUT/ab_${family}.json" 2>&1 | grep "^\[ab\]" || echo "STAGE FAILED: ab $family"
   done
 fi
 build_orpheus() {

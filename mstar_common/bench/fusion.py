@@ -174,3 +174,48 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     del graphs, model, kv_cache
     torch.cuda.empty_cache()
     return results
+
+
+@torch.inference_mode()
+def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], variants: dict[str, dict[str, str]],
+             context_len: int = 640, page_size: int = 64, rounds: int = 7, replays: int = 20) -> list[dict]:
+    """A/B of kernel switches in one process: each variant's environment (`MSTAR_*` switches) is set while the
+    model is configured as the server configures it and its decode steps are captured; then the variants'
+    replays are timed in alternation, `rounds` times (each the median of `replays` event-timed replays), so
+    that clock and thermal drift between separate runs (a few percent on the H200) cannot pass for a
+    difference. Returns, per variant and batch size, every round's time and their median."""
+    import os
+
+    from mstar_common.config import ComponentConfig
+    from mstar_common.engine.cuda_graph import configure_fast_path
+
+    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size)
+    captured = {}
+    for name, env in variants.items():
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
+            captured[name] = _decode_graphs(model, config, kv_cache, batch_sizes)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for rows in batch_sizes:
+            for name, graphs in captured.items():
+                _, replay = _staged_replay(graphs, rows, context_len, page_size)
+                times.setdefault((name, rows), []).append(event_time_ms(replay, repeats=replays))
+    results = []
+    for (name, rows), ms in times.items():
+        median = sorted(ms)[len(ms) // 2]
+        results.append({"family": family, "variant": name, "env": variants[name], "rows": rows,
+                        "context_len": context_len, "step_ms": median, "rounds_ms": ms})
+        print(f"[ab] {family} rows {rows:3d} {name:24s} {median:.4f} ms  (rounds {min(ms):.4f}-{max(ms):.4f})",
+              flush=True)
+    del captured, model, kv_cache
+    torch.cuda.empty_cache()
+    return results

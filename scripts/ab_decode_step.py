@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""A/B of decode-step kernel switches in one process (GPU): `mstar_common.bench.fusion.ab_steps`.
+
+    python scripts/ab_decode_step.py --family qwen3 --rows 1,2,4 \
+        --variant base:MSTAR_NORM_GEMV=0 --variant norm_gemv:MSTAR_NORM_GEMV=1 --out ab.json
+
+Each `--variant NAME:KEY=VALUE[,KEY=VALUE...]` is captured with those environment switches set, on one model
+and one KV cache; the replays are then timed in alternation (median of rounds), so drift between separate
+processes does not pass for a difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CHECKPOINTS = {"llama": "llama-3.2-3b", "qwen3": "qwen3-0.6b"}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, settings = text.partition(":")
+    env = dict(item.split("=", 1) for item in settings.split(",") if item)
+    if not name or any(not key.startswith("MSTAR_") for key in env):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME:MSTAR_KEY=VALUE[,MSTAR_KEY=VALUE...]")
+    return name, env
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(CHECKPOINTS), default="qwen3")
+    parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
+    parser.add_argument("--rows", default="1,2,4", help="decode batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--variant", type=parse_variant, action="append", required=True)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from mstar_common.bench.checkpoints import build_random_checkpoint
+    from mstar_common.bench.fusion import ab_steps
+
+    checkpoint = args.checkpoint or Path(build_random_checkpoint(CHECKPOINTS[args.family],
+                                                                 f"/tmp/mstar-profile/{CHECKPOINTS[args.family]}"))
+    results = ab_steps(checkpoint, args.family, [int(r) for r in args.rows.split(",")], dict(args.variant),
+                       args.context, rounds=args.rounds)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
