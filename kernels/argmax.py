@@ -68,7 +68,8 @@ def _launch(x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
                                           vocab, num_chunks, GUMBEL=seeds is not None, BLOCK=BLOCK, num_warps=8,
                                           **pdl_launch(x, rows))
     _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks,
-                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1, **pdl_launch(x, rows))
+                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1,
+                                **pdl_launch(x, rows))
     return out
 
 

@@ -249,7 +249,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables.stride(0), scale * _LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK=block, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra, **pdl_launch(query, num_rows),
+        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
+        **pdl_launch(query, num_rows),
     )
     if splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, query_start_loc if mixed else part_ml, out,
