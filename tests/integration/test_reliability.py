@@ -292,7 +292,9 @@ def test_a_stub_killed_mid_stream_fails_in_flight_requests_cleanly_and_service_r
         assert not t.is_alive(), "an in-flight request hung after its stub died"
 
     whole_r = outcomes["whole"]
-    assert whole_r.status_code == 500
+    # 500 when Triton reports the dead stub first; 503 (Triton unavailable) when the supervisor's relaunch closes
+    # the connection first (seen on a loaded 2-core box). Either is a server error with its id in the log.
+    assert whole_r.status_code in (500, 503), whole_r.text
     error_id = whole_r.json()["error"]["code"]
     assert error_id and error_id in (capped.log_dir / "proxy.log").read_text()
     last_event = json.loads(outcomes["stream"][-1].removeprefix("data: "))
