@@ -38,7 +38,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--variant", type=parse_variant, action="append", required=True)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--log", action="store_true", help="print the engine's INFO log (the GEMV tuning's decisions)")
     args = parser.parse_args()
+    if args.log:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     from mstar_common.bench.checkpoints import build_random_checkpoint
     from mstar_common.bench.fusion import ab_steps
 
