@@ -35,19 +35,6 @@ TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across th
 
 
 @triton.jit
-def _x_chunk(x_ptr, m, k, x_mask, K, stride_xm, SWIGLU: tl.constexpr):
-    """Rows `m` of x at columns `k` in fp32; with `SWIGLU` (x is [M, 2K]: gate | up) silu(gate) * up, rounded as
-    kernels/silu_mul.py rounds."""
-    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-    if SWIGLU:
-        up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_mask, other=0.0)
-        gate = x.to(tl.float32)
-        act = round_to(gate / (1.0 + tl.exp(-gate)), x.dtype)
-        return round_to(act * up.to(tl.float32), x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _residual_sum(x_ptr, res_ptr, m, k, mask, stride_xm, stride_rm, HAS_RES: tl.constexpr):
     """Rows `m` of `x` (+ `residual`, the sum rounded as eager torch rounds it) at columns `k`, in fp32."""
     x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)

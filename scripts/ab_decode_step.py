@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CHECKPOINTS = {"llama": "llama-3.2-3b", "qwen3": "qwen3-0.6b"}
+from mstar_common.bench.checkpoints import FAMILY_SHAPES, family_checkpoint  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -31,7 +31,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(CHECKPOINTS), default="qwen3")
+    parser.add_argument("--family", choices=sorted(FAMILY_SHAPES), default="qwen3")
     parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
     parser.add_argument("--rows", default="1,2,4", help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
@@ -44,11 +44,9 @@ def main() -> int:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from mstar_common.bench.checkpoints import build_random_checkpoint
     from mstar_common.bench.fusion import ab_steps
 
-    checkpoint = args.checkpoint or Path(build_random_checkpoint(CHECKPOINTS[args.family],
-                                                                 f"/tmp/mstar-profile/{CHECKPOINTS[args.family]}"))
+    checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = ab_steps(checkpoint, args.family, [int(r) for r in args.rows.split(",")], dict(args.variant),
                        args.context, rounds=args.rounds)
     if args.out:

@@ -17,23 +17,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHECKPOINTS = {"llama": "llama-3.2-3b", "qwen3": "qwen3-0.6b"}
+from mstar_common.bench.checkpoints import FAMILY_SHAPES, family_checkpoint  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(CHECKPOINTS), default="llama")
+    parser.add_argument("--family", choices=sorted(FAMILY_SHAPES), default="llama")
     parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
     parser.add_argument("--rows", default="1,256", help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from mstar_common.bench.checkpoints import build_random_checkpoint
     from mstar_common.bench.fusion import profile_step
 
-    checkpoint = args.checkpoint or Path(build_random_checkpoint(CHECKPOINTS[args.family],
-                                                                 f"/tmp/mstar-profile/{CHECKPOINTS[args.family]}"))
+    checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = profile_step(checkpoint, args.family, [int(r) for r in args.rows.split(",")], args.context,
                            args.page_size)
     if args.out:

@@ -21,6 +21,17 @@ SHAPES = {
 }
 
 
+FAMILY_SHAPES = {"llama": "llama-3.2-3b", "qwen3": "qwen3-0.6b"}  # the real shape the device scripts build
+
+
+def family_checkpoint(family: str, given: str | Path | None = None) -> Path:
+    """`given`, else the family's random checkpoint at its real shape, built once under /tmp/mstar-profile."""
+    if given:
+        return Path(given)
+    name = FAMILY_SHAPES[family]
+    return build_random_checkpoint(name, f"/tmp/mstar-profile/{name}")
+
+
 def build_random_checkpoint(name: str, out_dir: str | Path, device: str = "cuda") -> Path:
     out = Path(out_dir)
     if (out / "config.json").exists():

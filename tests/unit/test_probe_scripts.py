@@ -107,3 +107,16 @@ def test_hop_probe(capsys, monkeypatch):
     probe.main()
     printed = capsys.readouterr().out
     assert all(f"{mode}: embedding hop p50" in printed for mode in probe.MODES)
+
+
+def test_ab_decode_step_variants_are_parsed_and_checked():
+    """The A/B script's `--variant NAME:MSTAR_KEY=VALUE,...`: environment switches only, a name required."""
+    import argparse
+
+    ab = _load("ab_decode_step")
+    assert ab.parse_variant("both:MSTAR_NORM_GEMV=1,MSTAR_PDL=0") == ("both", {"MSTAR_NORM_GEMV": "1",
+                                                                            "MSTAR_PDL": "0"})
+    assert ab.parse_variant("base:") == ("base", {})
+    for bad in ("x:PATH=/tmp", ":MSTAR_PDL=0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:MSTAR_KEY=VALUE"):
+            ab.parse_variant(bad)
