@@ -27,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_common.config import env_switch
+
 
 def enabled() -> bool:
-    flag = os.environ.get("MSTAR_PDL", "1") or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"MSTAR_PDL={flag!r}: expected 0 or 1")
-    return flag == "1"
+    return env_switch("MSTAR_PDL", True)
 
 
 def max_rows() -> int:

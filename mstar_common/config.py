@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A `0`/`1` environment switch (`MSTAR_PDL`, `MSTAR_NORM_GEMV`, ...); unset or empty is `default`, anything
+    else is refused with the switch's name."""
+    flag = os.environ.get(name, "") or ("1" if default else "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{name}={flag!r}: expected 0 or 1")
+    return flag == "1"
 
 
 class DeploymentError(ValueError):

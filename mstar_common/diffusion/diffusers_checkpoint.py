@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar_common.config import env_switch
 from mstar_common.families.qwen3.modeling import Qwen3Config
 from mstar_common.safetensors_io import format_names, iter_tensors
 
@@ -25,10 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def kernels_enabled(device: str) -> bool:
     """Whether a loaded module runs its fused Triton kernels: on CUDA, unless `MSTAR_DIFFUSION_KERNELS=0`."""
-    flag = os.environ.get("MSTAR_DIFFUSION_KERNELS", "1") or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"MSTAR_DIFFUSION_KERNELS={flag!r}: expected 0 or 1")
-    return torch.device(device).type == "cuda" and flag == "1"
+    return torch.device(device).type == "cuda" and env_switch("MSTAR_DIFFUSION_KERNELS", True)
 
 
 def read_json(path: Path) -> dict[str, Any]:

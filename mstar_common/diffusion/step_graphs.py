@@ -21,13 +21,13 @@ skips the timing, and every step pads as before.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 
 from mstar_common.bench.gpu_timing import event_time_ms
+from mstar_common.config import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,7 @@ def capture_graph(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDA
 
 def exact_batches() -> bool:
     """`MSTAR_DENOISE_EXACT_BATCHES` (default 1): time the buckets so that steps may take a smaller one exactly."""
-    flag = os.environ.get("MSTAR_DENOISE_EXACT_BATCHES", "1") or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"MSTAR_DENOISE_EXACT_BATCHES={flag!r}: expected 0 or 1")
-    return flag == "1"
+    return env_switch("MSTAR_DENOISE_EXACT_BATCHES", True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,12 +10,12 @@ projection runs on the skinny GEMM (kernels/gemv.py, a few rows) takes the add a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from mstar_common.config import env_switch
 from mstar_common.layers.attention import AttentionContext, SelfAttention
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
@@ -97,7 +97,4 @@ class DecoderLayer(nn.Module):
 
 def norm_gemv_enabled() -> bool:
     """`MSTAR_NORM_GEMV` (default 0, the norm kernel before the projection; 1 folds it in)."""
-    flag = os.environ.get("MSTAR_NORM_GEMV", "0") or "0"
-    if flag not in ("0", "1"):
-        raise ValueError(f"MSTAR_NORM_GEMV={flag!r}: expected 0 or 1")
-    return flag == "1"
+    return env_switch("MSTAR_NORM_GEMV", False)
