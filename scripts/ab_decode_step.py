@@ -38,6 +38,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--variant", type=parse_variant, action="append", required=True)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--served-like", action="store_true",
+                        help="also time each variant's steps as the engine runs them (inputs in, tokens back)")
     parser.add_argument("--log", action="store_true", help="print the engine's INFO log (the GEMV tuning's decisions)")
     args = parser.parse_args()
     if args.log:
@@ -48,7 +50,7 @@ def main() -> int:
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = ab_steps(checkpoint, args.family, [int(r) for r in args.rows.split(",")], dict(args.variant),
-                       args.context, rounds=args.rounds)
+                       args.context, rounds=args.rounds, served_like=args.served_like)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

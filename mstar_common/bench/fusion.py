@@ -178,12 +178,14 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
 
 @torch.inference_mode()
 def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], variants: dict[str, dict[str, str]],
-             context_len: int = 640, page_size: int = 64, rounds: int = 7, replays: int = 20) -> list[dict]:
+             context_len: int = 640, page_size: int = 64, rounds: int = 7, replays: int = 20,
+             served_like: bool = False) -> list[dict]:
     """A/B of kernel switches in one process: each variant's environment (`MSTAR_*` switches) is set while the
     model is configured as the server configures it and its decode steps are captured; then the variants'
     replays are timed in alternation, `rounds` times (each the median of `replays` event-timed replays), so
     that clock and thermal drift between separate runs (a few percent on the H200) cannot pass for a
-    difference. Returns, per variant and batch size, every round's time and their median."""
+    difference. Returns, per variant and batch size, every round's time and their median. `served_like`: also
+    each variant's steps as the engine runs them (`served_like_ms`)."""
     import os
 
     from mstar_common.config import ComponentConfig
@@ -216,6 +218,48 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
                         "context_len": context_len, "step_ms": median, "rounds_ms": ms})
         print(f"[ab] {family} rows {rows:3d} {name:24s} {median:.4f} ms  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)
+    if served_like:
+        for rows in batch_sizes:
+            for name, graphs in captured.items():
+                for gather in (True, False):
+                    ms = served_like_ms(graphs, rows, context_len, page_size, gather=gather)
+                    results.append({"family": family, "variant": name, "env": variants[name], "rows": rows,
+                                    "context_len": context_len, "served_like_ms": ms, "gather": gather})
+                    print(f"[ab] {family} rows {rows:3d} {name:24s} served-like {ms:.4f} ms per step "
+                          f"({'with' if gather else 'without'} the token gather)", flush=True)
     del captured, model, kv_cache
     torch.cuda.empty_cache()
     return results
+
+
+def served_like_ms(graphs, rows: int, context_len: int, page_size: int, steps: int = 200,
+                   gather: bool = True) -> float:
+    """GPU time per decode step when steps run as the engine runs them with overlap: per step the host fills the
+    inputs, copies them in, gathers the previous step's tokens into the input ids (`gather`), replays the graph
+    and starts the token readback; step N is collected after step N+1 is launched. Against a bare replay this
+    is what the served loop adds on the GPU."""
+    from mstar_common.engine.model_runner import TokenReadback
+
+    batch = _decode_batch(rows, context_len, page_size)
+    if gather:
+        batch.gather_dst, batch.gather_src = list(range(rows)), list(range(rows))
+    readback = TokenReadback(rows, torch.device("cuda"))
+    last = graphs.buffers.out_tokens[:rows]
+
+    def launch():
+        return readback.start(batch.sampling_seqs, graphs.try_replay(batch, last))
+
+    for _ in range(5):
+        launch().tokens()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    previous = None
+    for _ in range(steps):
+        pending = launch()
+        if previous is not None:
+            previous.tokens()
+        previous = pending
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / steps

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mstar_common.engine import loop_times
 from mstar_common.engine.admission import Admission, EngineUnavailable
 from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
 from mstar_common.engine.kv_cache import KVCache, PageAllocator
@@ -77,7 +78,9 @@ class AREngine:
             graph_runner = CudaGraphRunner(model, self.kv_cache, graphs, config.max_num_seqs, self.max_model_len,
                                            vocab_size, self.device, penalty)
             graph_runner.capture()
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device, vocab_size, graph_runner, penalty)
+        self.times = loop_times.LoopTimes() if loop_times.enabled() else None  # MSTAR_STEP_TIMES=1
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device, vocab_size, graph_runner, penalty,
+                                  timing_events=self.times is not None)
         self.is_overlapped = self.device.type == "cuda" if overlap is None else overlap
         self._pending: PendingStep | None = None  # the launched step not yet collected (overlap only)
         self._seeds = random.Random()
@@ -180,7 +183,9 @@ class AREngine:
 
     def _step_overlapped(self) -> bool:
         """Launch step N+1, then collect and deliver step N."""
+        times = self.times
         with self._step_lock:
+            started = time.perf_counter() if times is not None else 0.0
             did_intake = self._intake()
             did_intake |= self._expire()
             previous, self._pending = self._pending, None
@@ -190,7 +195,14 @@ class AREngine:
             plan = self._schedule()
             if not plan.is_empty:
                 self.num_steps += 1
-                self._pending = self._launch(plan)
+                if times is not None:
+                    launched = time.perf_counter()
+                    times.start_step(started)
+                    times.schedule_s += launched - started
+                    self._pending = self._launch(plan)
+                    times.launch_s += time.perf_counter() - launched
+                else:
+                    self._pending = self._launch(plan)
             if previous is not None:
                 self._collect(previous)
             return did_intake or not plan.is_empty or previous is not None
@@ -224,8 +236,16 @@ class AREngine:
         return pending
 
     def _collect(self, pending: PendingStep) -> None:
+        times = self.times
         try:
-            tokens = pending.tokens()
+            if times is not None:
+                waited = time.perf_counter()
+                tokens = pending.tokens()
+                delivered = time.perf_counter()
+                times.wait_s += delivered - waited
+                times.tokens_ready(pending.event)
+            else:
+                tokens = pending.tokens()
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             logger.exception("collecting step tokens failed (error id %s)", error_id)
@@ -242,6 +262,8 @@ class AREngine:
             else:
                 del seq.token_ids[index + 1:]
                 self._finish(seq, reason, [token])
+        if times is not None:
+            times.deliver_s += time.perf_counter() - delivered
 
     def _intake(self) -> bool:
         with self._cond:
@@ -334,6 +356,8 @@ class AREngine:
                 logger.exception("engine step raised outside the model run; failing every request")
                 self._fail_everything()
                 did_work = True
+            if self.times is not None:
+                self.times = self.times.maybe_log("ar-engine", idle=not did_work)
             if not did_work:
                 self._wait_for_work()
         self._cancel_everything()

@@ -124,11 +124,11 @@ class PendingStep:
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, event=None) -> None:
         self.seqs = seqs
         self.indices: list[int] = []  # where each row's token goes in its token list (set by the engine)
-        self._tokens, self._event = tokens, event
+        self._tokens, self.event = tokens, event
 
     def tokens(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return self._tokens.tolist()
 
 
@@ -138,16 +138,17 @@ class TokenReadback:
     Two buffers suffice: the engine collects step N before it launches step N+2.
     """
 
-    def __init__(self, max_rows: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, device: torch.device, timing: bool = False) -> None:
         self._buffers = [torch.empty(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._parity = 0
         self.device = device
+        self.timing = timing  # events that can be timed (MSTAR_STEP_TIMES)
 
     def start(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingStep:
         buffer = self._buffers[self._parity][: len(seqs)]
         self._parity ^= 1
         buffer.copy_(tokens[: len(seqs)], non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=self.timing)
         event.record()
         return PendingStep(seqs, buffer, event)
 
@@ -162,7 +163,8 @@ def logits_window(model, vocab_size: int) -> tuple[int, int]:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 vocab_size: int | None = None, graphs=None, penalty: PenaltyState | None = None) -> None:
+                 vocab_size: int | None = None, graphs=None, penalty: PenaltyState | None = None,
+                 timing_events: bool = False) -> None:
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
         self.vocab_size = vocab_size
         self.logits_offset = int(getattr(model, "logits_offset", 0))
@@ -172,7 +174,7 @@ class ModelRunner:
         self.has_request_slots = hasattr(model, "admit_request")
         self._process_logits = getattr(model, "process_logits", None)  # a model's own logits rules, if any
         self._last_tokens: torch.Tensor | None = None  # device tokens of the last launched step
-        self._readback = TokenReadback(max_rows=4096, device=device) if device.type == "cuda" else None
+        self._readback = TokenReadback(4096, device, timing_events) if device.type == "cuda" else None
 
     def run(self, plan: StepPlan) -> list[int]:
         """One token per sampling row of `plan`, in plan order (rows that only prefill produce nothing)."""

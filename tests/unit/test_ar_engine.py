@@ -4,6 +4,7 @@ prefill, paging, cancellation, admission refusals, stops, seeded sampling and fa
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -199,6 +200,34 @@ def test_step_loop_thread_matches_transformers(loaded, prompts, reference):
     assert not engine._thread.is_alive()
     assert_matches_reference(collector, reference)
     assert_pool_empty(engine)
+
+
+def test_step_times_are_summed_and_logged_when_the_loop_goes_idle(loaded, prompts, reference, monkeypatch, caplog):
+    """MSTAR_STEP_TIMES=1: the overlapped loop sums where each step's time went and logs it when it goes idle;
+    the tokens are unchanged."""
+    monkeypatch.setenv("MSTAR_STEP_TIMES", "1")
+    engine, collector = AREngine(loaded[0], EngineConfig(num_kv_pages=128, page_size=4, max_num_seqs=8,
+                                                         max_batch_tokens=16), eos_token_ids=loaded[1],
+                                 vocab_size=loaded[2], overlap=True), Collector()
+    assert engine.times is not None and engine.is_overlapped
+    caplog.set_level("INFO", logger="mstar_common.engine.loop_times")
+    engine.start()
+    try:
+        for index, ids in enumerate(prompts):
+            engine.add_request(str(index), ids, greedy(), collector)
+        collector.wait([str(i) for i in range(len(prompts))])
+        deadline = time.monotonic() + 10
+        while "step times]" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    assert_matches_reference(collector, reference)
+    line = next(r.getMessage() for r in caplog.records if "step times]" in r.getMessage())
+    steps = int(line.split("] ")[1].split(" steps")[0])
+    assert 0 < steps <= engine.num_steps
+    for part in ("schedule", "launch", "wait", "deliver"):
+        assert float(line.split(f"{part} ")[1].split(",")[0].split(";")[0]) >= 0.0
+    assert "gpu - ms" in line  # no device events on the CPU
 
 
 def test_cancel_mid_generation_frees_pages_within_a_step(loaded, prompts):

@@ -1,0 +1,68 @@
+"""Where an engine's step loop spends its time, with `MSTAR_STEP_TIMES=1` (off by default: it adds timing events).
+
+Summed over a busy stretch of steps and logged when the loop goes idle (or every `LOG_S` while busy), per step:
+intake and scheduling, preparing and launching the step (graph replay or eager), blocking on the device for a
+step's tokens, and handing the tokens to the streams. With overlap, `gpu` is the device time between the token
+events of consecutive steps: what a step costs on the GPU as served (a step's kernels plus anything the device
+waits for between them). Where `wait` is near zero the host is the bottleneck; where `gpu` exceeds a captured
+step's replay time (scripts/ab_decode_step.py), the device waited on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from mstar_common.config import env_switch
+
+logger = logging.getLogger(__name__)
+
+LOG_S = 10.0
+
+
+def enabled() -> bool:
+    return env_switch("MSTAR_STEP_TIMES", False)
+
+
+@dataclass(slots=True)
+class LoopTimes:
+    steps: int = 0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    wait_s: float = 0.0
+    deliver_s: float = 0.0
+    gpu_ms: float = 0.0
+    gpu_steps: int = 0
+    since: float = field(default_factory=time.perf_counter)
+    last_event: object = None  # the previous collected step's token event (gpu intervals)
+
+    def start_step(self, now: float) -> None:
+        if self.steps == 0:
+            self.since = now
+        self.steps += 1
+
+    def tokens_ready(self, event) -> None:
+        """After a step's tokens were read: the device time since the previous step's tokens."""
+        if event is None:
+            return
+        if self.last_event is not None:
+            self.gpu_ms += self.last_event.elapsed_time(event)
+            self.gpu_steps += 1
+        self.last_event = event
+
+    def line(self, now: float) -> str:
+        per = 1e3 / max(1, self.steps)
+        span_ms = (now - self.since) * 1e3
+        gpu = f"{self.gpu_ms / self.gpu_steps:.3f}" if self.gpu_steps else "-"
+        return (f"{self.steps} steps in {span_ms:.0f} ms, {span_ms / max(1, self.steps):.3f} ms each: schedule "
+                f"{self.schedule_s * per:.3f}, launch {self.launch_s * per:.3f}, wait {self.wait_s * per:.3f}, "
+                f"deliver {self.deliver_s * per:.3f}; gpu {gpu} ms per step")
+
+    def maybe_log(self, name: str, idle: bool) -> LoopTimes:
+        """Log and start over when the loop went idle after steps, or every LOG_S; returns the live record."""
+        now = time.perf_counter()
+        if not self.steps or not (idle or now - self.since >= LOG_S):
+            return self
+        logger.info("[%s step times] %s", name, self.line(now))
+        return LoopTimes()
