@@ -23,8 +23,6 @@ exercises the same buffers, padding and bucketing.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -369,8 +367,6 @@ def configure_fast_path(model, component, device: str, max_rows: int, max_tokens
     model.enable_fused_ops(fused)
     if fused:
         use_gemv_from_env(model)
-    if hasattr(model, "configure_l2_prefetch"):
-        l2_prefetch_from_env(model, fused)
     if not (component.cuda_graphs and is_cuda):
         return None
     return GraphConfig(
@@ -378,22 +374,3 @@ def configure_fast_path(model, component, device: str, max_rows: int, max_tokens
         token_buckets=component.prefill_token_buckets or default_token_buckets(max_tokens),
         capture_sampling=component.capture_sampling,
     )
-
-
-def l2_prefetch_from_env(model, fused: bool) -> bool:
-    """`MSTAR_L2_PREFETCH=1` (default 0; fused ops only): prefetch the weights named by `MSTAR_L2_PREFETCH_SET`
-    (default qkv,o,gate_up,down; `+` separates too) into L2 one layer ahead in steps of at most
-    `MSTAR_L2_PREFETCH_MAX_ROWS` tokens (default 1); kernels/l2_prefetch.py."""
-    from mstar_common.config import env_switch
-
-    names = [n for n in re.split(r"[,+]", os.environ.get("MSTAR_L2_PREFETCH_SET", "qkv,o,gate_up,down")) if n]
-    raw = os.environ.get("MSTAR_L2_PREFETCH_MAX_ROWS", "1") or "1"
-    if not raw.isdigit():
-        raise ValueError(f"MSTAR_L2_PREFETCH_MAX_ROWS={raw!r}: expected a non-negative integer")
-    on = fused and env_switch("MSTAR_L2_PREFETCH", False)
-    if not model.configure_l2_prefetch(names if on else None, int(raw)):
-        return False
-    nbytes = model.model.l2_prefetch.nbytes
-    logger.info("[l2 prefetch] %s one layer ahead in steps of <= %s tokens: %.1f MB per layer", ",".join(names),
-                raw, max(nbytes) / 1e6)
-    return True

@@ -86,9 +86,6 @@ class DenseLMConfig:
         )
 
 
-L2_PREFETCH_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
 class DecoderModel(nn.Module):
     def __init__(self, layer: DecoderLayerConfig, num_layers: int, vocab_size: int, rope_theta: float,
                  rope_scaling: dict[str, float] | None = None) -> None:
@@ -97,23 +94,13 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(layer) for _ in range(num_layers))
         self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
         self.rotary = RotaryEmbedding(layer.head_dim, rope_theta, rope_scaling)
-        self.l2_prefetch = None  # a kernels.l2_prefetch.L2Prefetcher (`DecoderOnlyLM.configure_l2_prefetch`)
-        self.l2_prefetch_max_rows = 1
-        self.retired_prefetchers: list = []  # replaced prefetchers, kept alive for the graphs that launch them
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, kv_cache: KVCache) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        prefetch = self.l2_prefetch if input_ids.shape[0] <= self.l2_prefetch_max_rows else None
-        if prefetch is not None:
-            prefetch.issue(0)
         residual = None
         for index, layer in enumerate(self.layers):
-            if prefetch is not None:
-                prefetch.issue(index + 1)
             hidden, residual = layer(hidden, residual, ctx, kv_cache.layer(index))
         hidden, _ = self.norm(hidden, residual)
-        if prefetch is not None:
-            prefetch.join()
         return hidden
 
 
@@ -154,39 +141,6 @@ class DecoderOnlyLM(nn.Module):
                 module.use_kernel = enabled
             if isinstance(module, DecoderLayer):
                 module.norm_gemv = fold_norms
-
-    def configure_l2_prefetch(self, projections: list[str] | None, max_rows: int = 1) -> bool:
-        """Prefetch each layer's projection weights into L2 from a side stream in steps of at most `max_rows`
-        tokens (kernels/l2_prefetch.py): at the start of layer i its `projections` among o, gate_up and down, and
-        layer i+1's qkv if named. None or []: off. Returns whether it is on (CUDA, compute capability >= 9.0)."""
-        if self.model.l2_prefetch is not None:  # graphs captured with it still read its address tables
-            self.model.retired_prefetchers.append(self.model.l2_prefetch)
-        self.model.l2_prefetch = None
-        unknown = set(projections or ()) - set(L2_PREFETCH_PROJECTIONS)
-        if unknown:
-            raise ValueError(f"MSTAR_L2_PREFETCH_SET: unknown projections {sorted(unknown)}; expected some of "
-                             f"{', '.join(L2_PREFETCH_PROJECTIONS)}")
-        weight = self.model.embed_tokens.weight
-        if not projections or not weight.is_cuda or torch.cuda.get_device_capability(weight.device)[0] < 9:
-            return False
-        from kernels.l2_prefetch import L2Prefetcher
-
-        def weights(layer: DecoderLayer) -> dict[str, torch.Tensor]:
-            attn, mlp = layer.self_attn, layer.mlp
-            return {"qkv": getattr(attn, "qkv_proj", None), "o": attn.o_proj,
-                    "gate_up": getattr(mlp, "gate_up_proj", None), "down": mlp.down_proj}
-
-        per_layer = [weights(layer) for layer in self.model.layers]
-        slots = [[per_layer[0]["qkv"]] if "qkv" in projections else []]
-        for index, named in enumerate(per_layer):
-            slot = [named[name] for name in ("o", "gate_up", "down") if name in projections]
-            if "qkv" in projections and index + 1 < len(per_layer):
-                slot.append(per_layer[index + 1]["qkv"])
-            slots.append(slot)
-        slots = [[linear.weight for linear in slot if linear is not None] for slot in slots]
-        self.model.l2_prefetch = L2Prefetcher(slots, weight.device)
-        self.model.l2_prefetch_max_rows = max_rows
-        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:

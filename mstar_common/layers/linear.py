@@ -95,7 +95,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     from kernels.gemv import TILE_ELEMENTS, gemv_blocks
     from mstar_common.bench.gpu_timing import cold_copies
 
-    margin = gemv_margin()
     cold = timer is None
     if timer is None:
         from mstar_common.bench.gpu_timing import graph_time_us as timer
@@ -122,8 +121,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
 
         def key_of(rows: int, shape_key=shape_key, weight=weight) -> str:
             # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
-            key = f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
-            return key + (f":margin={margin}" if margin != GEMV_MARGIN else "")
+            return f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
 
         for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
             key = key_of(rows)
@@ -134,7 +132,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             x = torch.randn(rows, 2 * k if swiglu else k, device=weight.device, dtype=weight.dtype)
             residual = torch.randn_like(x) if norm is not None else None
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual))
-            best, best_us = None, cublas_us * margin
+            best, best_us = None, cublas_us * GEMV_MARGIN
             for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES}):
                 block_n, block_k = setting[:2]
                 if block_k > max(64, 1 << (k - 1).bit_length()) or block_n * block_k * rows > 2 * TILE_ELEMENTS:
@@ -150,7 +148,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                             "blocks": best})
             prologue = " (swiglu)" if swiglu else " (norm)" if norm is not None else ""
             log(f"gemv tune: {n}x{k}{prologue} rows {rows}: cuBLAS {cublas_us:.2f} us, "
-                + (f"kernel {best_us:.2f} us with blocks {best}" if best else f"kernel not under {margin}x: cuBLAS"))
+                + (f"kernel {best_us:.2f} us with blocks {best}" if best else "kernel not 5% faster: cuBLAS"))
         plan = {}
         for rows in module.gemv_plan:
             blocks = known[key_of(_row_bucket(rows))]
@@ -164,22 +162,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
         tmp.replace(cache)  # atomic: a concurrent reader sees the old file or the new one
     return records
-
-
-def gemv_margin() -> float:
-    """`MSTAR_GEMV_MARGIN` (default GEMV_MARGIN, 0.95): the kernel takes a shape where its time is below cuBLAS's
-    times this. Above 1 it takes shapes where it is slower standalone (to A/B whole steps, where a GEMV launched
-    with PDL overlaps the kernel before it and cuBLAS does not)."""
-    raw = os.environ.get("MSTAR_GEMV_MARGIN", "")
-    if not raw:
-        return GEMV_MARGIN
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 10.0:
-        raise ValueError(f"MSTAR_GEMV_MARGIN={raw!r}: expected a number in (0, 10]")
-    return value
 
 
 def _timed_calls(x, weights, bias, setting, swiglu, norm, residual) -> list:

@@ -57,16 +57,13 @@ def separated(tmp_path_factory) -> Path:
 def generate(checkpoint: Path, prompts, *, graphs: bool, overlap: bool, backend: str = "triton",
              fused_ops: bool = True, max_tokens: int = 48, penalty: float = 1.0,
              device_penalty: bool | None = None, gemv_rows: int = 0, kv_dtype: str = "auto",
-             stagger: int = 0, l2_prefetch_rows: int = 0) -> list[list[int]]:
-    """`stagger`: the second half of the prompts arrives after that many steps (mixed decode + prefill steps).
-    `l2_prefetch_rows`: prefetch every projection into L2 in steps of at most that many tokens."""
+             stagger: int = 0) -> list[list[int]]:
+    """`stagger`: the second half of the prompts arrives after that many steps (mixed decode + prefill steps)."""
     model, config = load_qwen3(checkpoint, dtype="bfloat16", device="cuda")
     model.attn_backend = select_attention_backend("cuda", backend)
     model.enable_fused_ops(fused_ops)
     if gemv_rows:
         use_gemv(model, gemv_rows)
-    if l2_prefetch_rows:
-        assert model.configure_l2_prefetch(["qkv", "o", "gate_up", "down"], l2_prefetch_rows)
     graph_config = GraphConfig([1, 2, 4, 8], [64, 256, 512], capture_sampling=True) if graphs else None
     engine = AREngine(model, EngineConfig(num_kv_pages=256, page_size=16, max_num_seqs=8, max_batch_tokens=512,
                                           max_model_len=1024, dtype="bfloat16", device="cuda", kv_dtype=kv_dtype),
@@ -174,24 +171,6 @@ def test_norms_inside_the_gemv_match_the_norm_kernels(separated, monkeypatch):
                for graphs in (False, True)]
     assert calls and set(calls) <= {1, 2, 3, 4}, "the fused launch ran, and only in steps of <= 4 rows"
     _assert_near_ties(separated, prompts, reference, outputs)
-
-
-def test_l2_prefetch_leaves_the_tokens_unchanged(real_shape, monkeypatch):
-    """kernels/l2_prefetch.py: the side stream's prefetches (eager, and forked/joined inside captured graphs) in
-    steps of <= 1 and <= 8 tokens give the greedy tokens of the step without them, bit for bit."""
-    from kernels.l2_prefetch import L2Prefetcher
-
-    issued = []
-    real = L2Prefetcher.issue
-    monkeypatch.setattr(L2Prefetcher, "issue", lambda self, slot: issued.append(slot) or real(self, slot))
-    prompts = _prompts(8, 64, seed=9)
-    reference = generate(real_shape, prompts, graphs=False, overlap=False, gemv_rows=4)
-    assert not issued
-    for rows in (1, 8):
-        for graphs in (False, True):
-            assert generate(real_shape, prompts, graphs=graphs, overlap=graphs, gemv_rows=4,
-                            l2_prefetch_rows=rows) == reference, (rows, graphs)
-    assert issued, "the prefetch kernels were launched"
 
 
 def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:

@@ -176,24 +176,6 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     assert model[0].gemv_plan == {}
 
 
-def test_a_margin_above_one_takes_a_slower_kernel_under_its_own_cache_key(monkeypatch, tmp_path):
-    """MSTAR_GEMV_MARGIN=2: a kernel 20% slower than cuBLAS standalone takes the shape (its fastest setting), and
-    the decision is cached apart from the default margin's."""
-    import json
-
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 96)).to(DEVICE)
-    use_gemv(model, 1)
-    times = iter([5.0] + [7.0, 6.0] + [9.0] * 20)  # cuBLAS, then the kernel's settings: the second is the fastest
-    monkeypatch.setenv("MSTAR_GEMV_MARGIN", "2")
-    cache = tmp_path / "gemv.json"
-    tune_gemv(model, timer=lambda fns: next(times), log=lambda line: None, cache=cache)
-    assert len(model[0].gemv_plan) == 1
-    assert all(key.endswith(":margin=2.0") for key in json.loads(cache.read_text()))
-    monkeypatch.setenv("MSTAR_GEMV_MARGIN", "0")
-    with pytest.raises(ValueError, match=r"MSTAR_GEMV_MARGIN='0': expected a number in \(0, 10\]"):
-        tune_gemv(model, timer=lambda fns: 1.0, log=lambda line: None, cache=cache)
-
-
 def test_the_environment_switch_is_checked(monkeypatch):
     from mstar_common.layers.linear import use_gemv_from_env
 
