@@ -9,6 +9,9 @@ the maximum (ties go left in both steps, and chunks are in column order); a row 
 `gumbel_argmax` is the sampling draw (kernels/sampling.py): the argmax of `logits + Gumbel(seed_row, col)`, an
 exponential race whose winner is a draw from softmax(logits). The noise is added on load, so the noised
 `[B, V]` fp32 logits are never written; a token depends only on (seed, column, logits).
+
+`penalised_argmax` is the greedy token under the repetition penalty (engine/penalty.py): the penalty is applied on
+load and the chosen token recorded in the second launch, instead of ~10 elementwise launches over the logits.
 """
 
 from __future__ import annotations
@@ -30,14 +33,20 @@ def gumbel_noise(seed, cols):
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks, GUMBEL: tl.constexpr,
-                      BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+def _chunk_max_kernel(x_ptr, seed_ptr, seen_ptr, slot_ptr, factor_ptr, val_ptr, idx_ptr, stride_x, vocab,
+                      num_chunks, GUMBEL: tl.constexpr, PENALTY: tl.constexpr, BLOCK: tl.constexpr,
+                      USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if PENALTY:  # HF's repetition penalty on the ids the row's slot has seen, rounded as torch rounds it
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        factor = tl.load(factor_ptr + row)
+        seen = tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0
+        x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, factor), x * factor), x)
     if GUMBEL:
         x = tl.where(mask, x + gumbel_noise(tl.load(seed_ptr + row), cols), float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -46,36 +55,54 @@ def _chunk_max_kernel(x_ptr, seed_ptr, val_ptr, idx_ptr, stride_x, vocab, num_ch
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr, USE_GDC: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, seen_ptr, slot_ptr, num_chunks, vocab, CHUNKS_PAD: tl.constexpr,
+                       RECORD: tl.constexpr, USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     values = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
     _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_chunks + best).to(tl.int64))
+    token = tl.load(idx_ptr + row * num_chunks + best).to(tl.int64)
+    tl.store(out_ptr + row, token)
+    if RECORD:  # the slot has now seen this token (rows sharing the scratch slot write the same byte)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        tl.store(seen_ptr + slot * vocab + token, tl.full((), 1, tl.uint8))
 
 
-def _launch(x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, seeds: torch.Tensor | None, penalty=None) -> torch.Tensor:
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [B, V] with unit column stride"
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0 or vocab == 0:
         return out.zero_()
+    seen, slots, factors = penalty if penalty is not None else (x, x, x)
+    if penalty is not None:
+        assert seen.dtype == torch.uint8 and seen.dim() == 2 and seen.shape[1] == vocab and seen.is_contiguous()
+        assert slots.shape == (rows,) and factors.shape == (rows,) and factors.dtype == torch.float32
     num_chunks = triton.cdiv(vocab, BLOCK)
     values = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device)
     indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
-    _chunk_max_kernel[(rows, num_chunks)](x, seeds if seeds is not None else x, values, indices, x.stride(0),
-                                          vocab, num_chunks, GUMBEL=seeds is not None, BLOCK=BLOCK, num_warps=8,
-                                          **pdl_launch(x, rows))
-    _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks,
-                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), num_warps=1,
-                                **pdl_launch(x, rows))
+    _chunk_max_kernel[(rows, num_chunks)](x, seeds if seeds is not None else x, seen, slots, factors, values,
+                                          indices, x.stride(0), vocab, num_chunks, GUMBEL=seeds is not None,
+                                          PENALTY=penalty is not None, BLOCK=BLOCK, num_warps=8, **pdl_launch(x, rows))
+    _pick_chunk_kernel[(rows,)](values, indices, out, seen, slots, num_chunks, vocab,
+                                CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), RECORD=penalty is not None,
+                                num_warps=1, **pdl_launch(x, rows))
     return out
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for `[B, V]` (int64, first index of the maximum). Graph safe."""
     return _launch(x, None)
+
+
+def penalised_argmax(x: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row of `x` `[B, V]` under HF's repetition penalty, recorded: where
+    `seen[slots[row], col]` (uint8 `[S, V]`) the logit is divided by `factors[row]` if positive, else multiplied
+    (in fp32, rounded as torch's division rounds); then the row's argmax, as `row_argmax`; then
+    `seen[slots[row], token] = 1`. The same tokens and mask as `PenaltyState.apply` + argmax + `record`, in the
+    two launches of the plain argmax. Graph safe."""
+    return _launch(x, None, (seen, slots, factors))
 
 
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,8 @@ class StepBuffers:
         ints, floats, longs = _Layout(), _Layout(), _Layout()
         for name, length in (("query_start_loc", max_rows + 1), ("context_lens", max_rows), ("request_slots", max_rows),
                              ("sample_indices", max_rows), ("is_greedy", max_rows), ("top_k", max_rows),
-                             ("gather_dst", max_rows), ("gather_src", max_rows), ("penalty_slots", max_rows),
+                             ("gather_dst", max_rows), ("gather_src", max_rows), ("gather_count", 1),
+                             ("penalty_slots", max_rows),
                              ("work_rows", self.work_capacity),
                              ("work_firsts", self.work_capacity), ("input_ids", max_tokens),
                              ("positions", max_tokens), ("slot_mapping", max_tokens),
@@ -121,13 +122,14 @@ class StepBuffers:
                 views[name] = array[start:start + length]
         return views
 
-    def copy_in(self, parity: int, num_rows: int, with_sampling: bool) -> None:
-        """Host mirror -> device, the int buffer up to the last block-table row in use."""
+    def copy_in(self, parity: int, num_rows: int, with_sampling: bool, with_penalty: bool = False) -> None:
+        """Host mirror -> device, the int buffer up to the last block-table row in use; the float columns (sampling
+        parameters, penalties) for a sampling or penalised step, the seeds for a sampling one."""
         start, _ = self.layouts["ints"].offsets["block_tables"]
         end = start + num_rows * self.max_pages
         self.device["ints"][:end].copy_(self.host[parity]["ints"][:end], non_blocking=True)
-        if with_sampling:
-            for key in ("floats", "longs"):
+        for key, wanted in (("floats", with_sampling or with_penalty), ("longs", with_sampling)):
+            if wanted:
                 self.device[key].copy_(self.host[parity][key], non_blocking=True)
 
 
@@ -213,26 +215,33 @@ class CudaGraphRunner:
         logits_out = None if self.logits_out is None else self.logits_out[:rows]
         penalty, offset = self.penalty, self.logits_offset
 
+        gather = (v["gather_dst"][:rows], v["gather_src"][:rows], v["gather_count"], self.buffers.out_tokens)
+
         def step() -> None:
+            _gather_tokens(v["input_ids"], *gather)  # decode rows' newest ids: the previous step's tokens
             hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
             if kind == MIXED:
                 hidden = hidden[v["sample_indices"][:rows]]
-            logits = model.compute_logits(hidden).float()
+            logits = model.compute_logits(hidden)
             if logits_out is not None:  # the model's logits rules and the sampler run after the replay
-                logits_out.copy_(logits)
+                logits_out.copy_(logits.float())
                 return
+            if not sampling:  # greedy: the argmax reads the model-dtype logits (and applies the penalty) itself
+                if penalty is not None:
+                    sampled = penalty.greedy(logits, v["penalty_slots"][:rows], v["penalty"][:rows])
+                else:
+                    from mstar_common.engine.sampler import greedy_tokens
+
+                    sampled = greedy_tokens(logits)
+                out.copy_(sampled + offset if offset else sampled)
+                return
+            logits = logits.float()
             if penalty is not None:
                 logits = penalty.apply(logits, v["penalty_slots"][:rows], v["penalty"][:rows])
-            if sampling:
-                from kernels.sampling import sample_on_device
+            from kernels.sampling import sample_on_device
 
-                sampled = sample_on_device(logits, v["is_greedy"][:rows] != 0, v["temperature"][:rows],
-                                           v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows],
-                                           v["seeds"][:rows])
-            else:
-                from mstar_common.engine.sampler import greedy_tokens
-
-                sampled = greedy_tokens(logits)
+            sampled = sample_on_device(logits, v["is_greedy"][:rows] != 0, v["temperature"][:rows],
+                                       v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows], v["seeds"][:rows])
             if penalty is not None:
                 penalty.record(v["penalty_slots"][:rows], sampled)
             out.copy_(sampled + offset if offset else sampled)
@@ -272,11 +281,10 @@ class CudaGraphRunner:
         parity, self._parity = self._parity, self._parity ^ 1
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)
-        self.buffers.copy_in(parity, rows, with_sampling=key[2] or self.penalty is not None)
-        v = self.buffers.views
-        if batch.gather_dst:
-            num = len(batch.gather_dst)
-            v["input_ids"][v["gather_dst"][:num]] = last_tokens[v["gather_src"][:num]].to(torch.int32)
+        self.buffers.copy_in(parity, rows, with_sampling=key[2], with_penalty=self.penalty is not None)
+        previous = self.buffers.out_tokens
+        if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
+            previous[: last_tokens.numel()].copy_(last_tokens)
         self.graphs[key].replay()
         self.num_replays += 1
         num_sampling = len(batch.sampling_seqs)
@@ -314,6 +322,7 @@ class CudaGraphRunner:
             h["penalty_slots"][num_sampling:rows] = self.penalty.scratch
             h["penalty"][:num_sampling] = batch.penalties
             h["penalty"][num_sampling:rows] = 1.0
+        h["gather_count"][0] = len(batch.gather_dst)
         if batch.gather_dst:
             h["gather_dst"][: len(batch.gather_dst)] = batch.gather_dst
             h["gather_src"][: len(batch.gather_src)] = batch.gather_src
@@ -353,6 +362,19 @@ class CudaGraphRunner:
         self.buffers.copy_in(0, rows, with_sampling=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+
+def _gather_tokens(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor,
+                   previous: torch.Tensor) -> None:
+    """`input_ids[dst[i]] = previous[src[i]]` for `i < count[0]`: one launch inside the graph on CUDA
+    (kernels/gather_tokens.py); torch ops on the CPU stand-in, which replays eagerly."""
+    if input_ids.is_cuda:
+        from kernels.gather_tokens import gather_tokens
+
+        gather_tokens(input_ids, dst, src, count, previous)
+        return
+    n = int(count[0])
+    input_ids[dst[:n].long()] = previous[src[:n].long()].to(input_ids.dtype)
 
 
 def configure_fast_path(model, component, device: str, max_rows: int, max_tokens: int) -> GraphConfig | None:

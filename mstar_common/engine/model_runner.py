@@ -273,7 +273,11 @@ class ModelRunner:
         if self.penalty is not None:  # the history is on the device
             rows = [self._penalty_row(s) for s in seqs]
             slots = column([slot for slot, _ in rows], torch.int64)
-            logits = self.penalty.apply(logits, slots, column([f for _, f in rows], torch.float32))
+            factors = column([f for _, f in rows], torch.float32)
+            if self.is_device_sampling and all(sampling_columns(seqs, logits.shape[-1]).is_greedy):
+                tokens = self.penalty.greedy(logits, slots, factors)  # as the captured greedy step does it
+                return tokens + offset if offset else tokens
+            logits = self.penalty.apply(logits, slots, factors)
             history = [[] for _ in seqs]
         else:
             history = [[t - offset for t in s.token_ids if t >= offset] if s.params.repetition_penalty != 1.0 else []

@@ -14,7 +14,7 @@ pytestmark = GPU_ONLY
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.argmax import BLOCK, gumbel_argmax, gumbel_noise, row_argmax  # noqa: E402
+from kernels.argmax import BLOCK, gumbel_argmax, gumbel_noise, penalised_argmax, row_argmax  # noqa: E402
 
 
 @triton.jit
@@ -66,3 +66,33 @@ def test_gumbel_argmax_is_the_race_argmax(vocab):
     drawn = gumbel_argmax(logits, seeds)
     assert torch.equal(drawn.cpu(), _noised(logits, seeds).argmax(dim=-1).cpu())
     assert int(drawn[1]) >= vocab // 2
+
+
+@pytest.mark.parametrize("vocab", sweep([151936, 1000], [BLOCK + 9]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalised_argmax_is_penalty_state_apply_argmax_record(vocab, dtype):
+    """The fused greedy step under the repetition penalty (engine/penalty.py `PenaltyState.greedy` on CUDA)
+    against the torch ops it replaces: the same tokens and the same seen mask afterwards. Each row's best
+    logit is a seen one, so the penalty decides the token."""
+    from mstar_common.engine.penalty import PenaltyState
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 5
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    state = PenaltyState(4, vocab, 0, torch.device("cpu"))  # slots 0-3, scratch 4
+    state.seen[:] = torch.rand(5, vocab, generator=gen) < 0.3
+    for row, slot in enumerate([0, 1, 4, 4, 2]):
+        best = int(logits[row].float().argmax())
+        state.seen[slot, best] = True  # the unpenalised winner is seen: a penalty above 1 must move the token
+    logits[3, : vocab // 2] = -2.0  # negative logits are multiplied
+    slots = torch.tensor([0, 1, 4, 4, 2])
+    factors = torch.tensor([1.3, 2.0, 1.0, 1.0, 0.7])  # scratch rows carry 1.0; below 1 boosts seen ids
+    ref_state = PenaltyState(4, vocab, 0, torch.device("cpu"))
+    ref_state.seen.copy_(state.seen)
+    expected = ref_state.apply(logits.float(), slots, factors).argmax(dim=-1)
+    ref_state.record(slots, expected)
+    assert not torch.equal(expected, logits.float().argmax(dim=-1)), "the penalty changes some tokens"
+    seen = state.seen.to(DEVICE).view(torch.uint8)
+    got = penalised_argmax(logits.to(DEVICE), seen, slots.to(DEVICE), factors.to(DEVICE))
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(seen.cpu().bool(), ref_state.seen)

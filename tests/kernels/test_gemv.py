@@ -176,6 +176,33 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     assert model[0].gemv_plan == {}
 
 
+def test_pdl_row_counts_are_timed_behind_a_norm_launch(monkeypatch):
+    """At a row count that launches with PDL a projection is timed behind an RMSNorm launch that produces its
+    input (both cuBLAS and the kernel), and decided under its own cache key; MSTAR_GEMV_CHAINED=0 times it alone."""
+    import kernels._pdl as pdl
+    import kernels.rmsnorm as rmsnorm
+    from mstar_common.layers import linear
+
+    w = torch.randn(96, 64, device=DEVICE)
+    real_use_pdl = pdl.use_pdl
+    monkeypatch.setattr(pdl, "use_pdl", lambda tensor, rows: rows == 1)
+    assert linear._is_chained(w, 1, None) and not linear._is_chained(w, 2, None)
+    assert not linear._is_chained(w, 1, norm=object()), "a projection with its norm inside is timed as it runs"
+    monkeypatch.setenv("MSTAR_GEMV_CHAINED", "0")
+    assert not linear._is_chained(w, 1, None)
+    monkeypatch.setattr(pdl, "use_pdl", real_use_pdl)  # the launches below as this device runs them
+    norms = []
+    real = rmsnorm.rms_norm
+    monkeypatch.setattr(rmsnorm, "rms_norm", lambda *a, **k: norms.append(a[0].shape) or real(*a, **k))
+    x = torch.randn(1, 64, device=DEVICE)
+    for setting in (None, (4, 64)):
+        calls = linear._timed_calls(x, [w, w.clone()], None, setting, False, None, None, chained=True)
+        outs = [call() for call in calls]
+        ref = torch.nn.functional.linear(rmsnorm.rms_norm_ref(x, torch.ones(64, device=DEVICE), 1e-6), w)
+        assert torch.allclose(outs[0], ref, atol=1e-3, rtol=1e-3)
+    assert len(norms) == 4, "every timed call ran its norm first"
+
+
 def test_the_environment_switch_is_checked(monkeypatch):
     from mstar_common.layers.linear import use_gemv_from_env
 

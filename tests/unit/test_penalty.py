@@ -43,3 +43,18 @@ def test_rows_on_the_scratch_slot_are_untouched_and_slots_are_reused_clean():
         assert "no repetition-penalty slot" in str(exc)
     else:
         raise AssertionError("a full pool must refuse")
+
+
+def test_greedy_applies_argmaxes_and_records_in_one_call():
+    """`PenaltyState.greedy` (the captured greedy step's call; fused on CUDA) == apply, argmax, record."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=gen).to(torch.bfloat16)
+    state, ref = PenaltyState(2, 50, 0, torch.device("cpu")), PenaltyState(2, 50, 0, torch.device("cpu"))
+    for s in (state, ref):
+        s.seen[0, int(logits[0].float().argmax())] = True
+    slots, factors = torch.tensor([0, 2, 1]), torch.tensor([5.0, 1.0, 1.0])
+    expected = ref.apply(logits.float(), slots, factors).argmax(dim=-1)
+    ref.record(slots, expected)
+    got = state.greedy(logits, slots, factors)
+    assert torch.equal(got, expected) and int(got[0]) != int(logits[0].float().argmax())
+    assert torch.equal(state.seen, ref.seen)
