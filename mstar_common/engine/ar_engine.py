@@ -185,7 +185,7 @@ class AREngine:
         """Launch step N+1, then collect and deliver step N."""
         times = self.times
         with self._step_lock:
-            started = time.perf_counter() if times is not None else 0.0
+            started = time.perf_counter()
             did_intake = self._intake()
             did_intake |= self._expire()
             previous, self._pending = self._pending, None
@@ -195,14 +195,10 @@ class AREngine:
             plan = self._schedule()
             if not plan.is_empty:
                 self.num_steps += 1
+                launched = time.perf_counter()
+                self._pending = self._launch(plan)
                 if times is not None:
-                    launched = time.perf_counter()
-                    times.start_step(started)
-                    times.schedule_s += launched - started
-                    self._pending = self._launch(plan)
-                    times.launch_s += time.perf_counter() - launched
-                else:
-                    self._pending = self._launch(plan)
+                    times.launched(started, launched, time.perf_counter())
             if previous is not None:
                 self._collect(previous)
             return did_intake or not plan.is_empty or previous is not None
@@ -238,20 +234,17 @@ class AREngine:
     def _collect(self, pending: PendingStep) -> None:
         times = self.times
         try:
-            if times is not None:
-                waited = time.perf_counter()
-                tokens = pending.tokens()
-                delivered = time.perf_counter()
-                times.wait_s += delivered - waited
-                times.tokens_ready(pending.event)
-            else:
-                tokens = pending.tokens()
+            waited = time.perf_counter()
+            tokens = pending.tokens()
+            delivered = time.perf_counter()
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             logger.exception("collecting step tokens failed (error id %s)", error_id)
             for seq in pending.seqs:
                 self._finish(seq, FinishReason.ERROR, error=f"engine step failed (error id {error_id})")
             return
+        if times is not None:
+            times.tokens_ready(pending.event, delivered - waited)
         for seq, index, token in zip(pending.seqs, pending.indices, tokens, strict=True):
             if seq.is_finished:
                 continue  # stopped (or cancelled) while this step was in flight: its row was wasted

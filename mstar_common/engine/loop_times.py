@@ -37,13 +37,18 @@ class LoopTimes:
     since: float = field(default_factory=time.perf_counter)
     last_event: object = None  # the previous collected step's token event (gpu intervals)
 
-    def start_step(self, now: float) -> None:
+    def launched(self, started: float, launched: float, done: float) -> None:
+        """A step was scheduled from `started` to `launched` and launched by `done` (perf_counter seconds)."""
         if self.steps == 0:
-            self.since = now
+            self.since = started
         self.steps += 1
+        self.schedule_s += launched - started
+        self.launch_s += done - launched
 
-    def tokens_ready(self, event) -> None:
-        """After a step's tokens were read: the device time since the previous step's tokens."""
+    def tokens_ready(self, event, waited_s: float) -> None:
+        """A step's tokens were read after blocking `waited_s`; with its event, the device time since the previous
+        step's tokens."""
+        self.wait_s += waited_s
         if event is None:
             return
         if self.last_event is not None:

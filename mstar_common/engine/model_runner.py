@@ -269,12 +269,13 @@ class ModelRunner:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
 
+        cols = sampling_columns(seqs, logits.shape[-1]) if self.is_device_sampling else None
         slots = None
         if self.penalty is not None:  # the history is on the device
             rows = [self._penalty_row(s) for s in seqs]
             slots = column([slot for slot, _ in rows], torch.int64)
             factors = column([f for _, f in rows], torch.float32)
-            if self.is_device_sampling and all(sampling_columns(seqs, logits.shape[-1]).is_greedy):
+            if cols is not None and all(cols.is_greedy):
                 tokens = self.penalty.greedy(logits, slots, factors)  # as the captured greedy step does it
                 return tokens + offset if offset else tokens
             logits = self.penalty.apply(logits, slots, factors)
@@ -287,7 +288,6 @@ class ModelRunner:
         else:
             if slots is None:
                 logits = apply_repetition_penalty(logits, [s.params.repetition_penalty for s in seqs], history)
-            cols = sampling_columns(seqs, logits.shape[-1])
             if all(cols.is_greedy):
                 from mstar_common.engine.sampler import greedy_tokens
 
