@@ -62,6 +62,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
         if tl.load(qsl_ptr + row + 1) - tok != 1:
             return
     start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+    if split > 0 and start >= end:  # past the context: no partials (the merge reads only the splits that ran)
+        return
     g, d, heads, q = _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     if FP16_DOTS:  # an fp8 pool read back as fp16 (the hardware's e4m3 -> f16 conversion), dots in fp16
         q = q.to(tl.float16)
@@ -120,6 +122,8 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
         if tl.load(qsl_ptr + row + 1) - tok != 1:
             return
     start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+    if split > 0 and start >= end:  # past the context: no partials (the merge reads only the splits that ran)
+        return
     g, d, heads, q = _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
     if QK_FP8:
@@ -164,8 +168,11 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
 
 
 @triton.jit
-def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIXED: tl.constexpr, USE_GDC: tl.constexpr):
+def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, qsl_ptr, out_ptr, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MIXED: tl.constexpr,
+                         USE_GDC: tl.constexpr):
+    """Merges the splits that held context (split 0 always writes; a split past the row's context writes
+    nothing): at one row the grid has 32 splits, but 640 tokens fill only 10 of them."""
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -177,11 +184,14 @@ def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, stride_ob,
     base = row * tl.num_programs(1) + head
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    m = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2)
-    lsum = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2 + 1)
+    start, _ = _split_span(ctx_ptr, row, s, NUM_SPLITS, BLOCK)
+    used = (s == 0) | (start < tl.load(ctx_ptr + row))
+    m = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2, mask=used, other=float("-inf"))
+    lsum = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2 + 1, mask=used, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
-    acc = tl.load(part_acc_ptr + (base * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
+    acc = tl.load(part_acc_ptr + (base * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=used[:, None],
+                  other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(out_ptr + tok * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -253,9 +263,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         **pdl_launch(query, num_rows),
     )
     if splits > 1:
-        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, query_start_loc if mixed else part_ml, out,
+        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens,
+                                                    query_start_loc if mixed else part_ml, out,
                                                     out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                                                    NUM_SPLITS=splits, MIXED=mixed, num_warps=4,
+                                                    NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
                                                     **pdl_launch(query, num_rows))
     return out
 

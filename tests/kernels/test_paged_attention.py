@@ -63,6 +63,28 @@ def test_paged_decode_matches_reference(head_dim, num_heads, num_kv_heads, page_
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), ("tokens major", splits)
 
 
+def test_decode_merge_reads_only_the_splits_that_ran():
+    """Splits past a row's context write no partials, so the merge must not read their (uninitialised) slots:
+    with deterministic algorithms torch fills `torch.empty` with NaN, which would reach the output."""
+    gen = torch.Generator().manual_seed(5)
+    dtype = DTYPES[0]
+    lengths = [1, 40, 64, 65, 130]  # at 32 splits of 64 tokens: 1, 1, 1, 2 and 3 splits hold context
+    k_cache, v_cache, tables = _pool(lengths, 64, 2, 64, dtype, gen)
+    query = torch.randn(len(lengths), 4, 64, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, 0.125)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for tokens_major in (False, True):
+            out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=32,
+                                         tokens_major=tokens_major)
+            assert not out.isnan().any()
+            assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), tokens_major
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("form", [{}, {"tokens_major": True}])
 def test_mixed_step_splits_rows_between_the_prefill_and_decode_kernels(head_dim, num_heads, num_kv_heads, form):
