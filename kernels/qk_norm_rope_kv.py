@@ -2,18 +2,25 @@
 
 Input is the packed projection `qkv` `[T, (Hq + 2 Hkv) * D]` (q heads, then k heads, then v heads). Output is
 the rotated query `[T, Hq, D]`; the rotated key and the value are written to the paged caches at
-`slot_mapping[t]`. `cos`/`sin` `[T, D]` are the step's RoPE tables in the activation dtype (rotate-half layout,
-so each half repeats). Roundings follow the unfused torch ops (norm, weight multiply, `x*cos`, `rot*sin`, sum),
-so the fused path gives the same bits as the eager layers in nearly every case.
+`slot_mapping[t]`. The RoPE angles come either from `cos`/`sin` `[T, D]`, the step's tables in the activation
+dtype (rotate-half layout, so each half repeats), or from `positions` `[T]` and `inv_freq` `[D/2]` (fp32): the
+kernel then takes `cos(position * inv_freq)` itself, with the same fp32 product and the same libdevice cos/sin as
+torch's ops on the GPU, so the model's step launches none of the table ops (a cast, a product, a concatenation,
+cos, sin and two casts: seven launches ahead of every decode step). Roundings follow the unfused torch ops (norm,
+weight multiply, `x*cos`, `rot*sin`, sum), so the fused path gives the same bits as the eager layers in nearly
+every case.
 
 `store_kv` is the plain KV write (no norm, no RoPE) used by the unfused path.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels._pdl import gdc_enter, pdl_launch
 from kernels._rounding import round_to
@@ -23,7 +30,9 @@ from kernels._rounding import round_to
 def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                             stride_tok, stride_cos, stride_qo_tok, stride_slot, stride_kv_head, eps,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            HAS_NORM: tl.constexpr, USE_GDC: tl.constexpr):
+                            HAS_NORM: tl.constexpr, FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
+                            USE_GDC: tl.constexpr):
+    """With FROM_POSITIONS, `cos_ptr` is the positions [T] and `sin_ptr` the inverse frequencies [D/2] (fp32)."""
     gdc_enter(USE_GDC)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -43,8 +52,17 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
         w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
         a1 = round_to(round_to(a1 * rstd, dtype) * w1, dtype)
         a2 = round_to(round_to(a2 * rstd, dtype) * w2, dtype)
-    c = tl.load(cos_ptr + tok * stride_cos + d).to(tl.float32)
-    s = tl.load(sin_ptr + tok * stride_cos + d).to(tl.float32)
+    if FROM_POSITIONS:  # torch: positions.float() * inv_freq, then cos/sin, then a cast to the model dtype
+        angle = tl.load(cos_ptr + tok).to(tl.float32) * tl.load(sin_ptr + d)
+        if INTERPRETED:  # the interpreter has no libdevice; numpy's cos/sin stand in
+            c, s = tl.cos(angle), tl.sin(angle)
+        else:
+            c, s = libdevice.cos(angle), libdevice.sin(angle)
+        c = c.to(dtype).to(tl.float32)
+        s = s.to(dtype).to(tl.float32)
+    else:
+        c = tl.load(cos_ptr + tok * stride_cos + d).to(tl.float32)
+        s = tl.load(sin_ptr + tok * stride_cos + d).to(tl.float32)
     out1 = (round_to(a1 * c, dtype) - round_to(a2 * s, dtype)).to(dtype)
     out2 = (round_to(a2 * c, dtype) + round_to(a1 * s, dtype)).to(dtype)
     if is_q:
@@ -68,13 +86,24 @@ def _check_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
     assert cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(0) == cache.shape[1] * cache.stride(1)
 
 
-def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
-                    k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Returns the rotated query `[T, Hq, D]`; writes rotated k and v into the caches."""
+def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    head_dim: int, positions: torch.Tensor | None = None,
+                    inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns the rotated query `[T, Hq, D]`; writes rotated k and v into the caches. RoPE from the `cos`/`sin`
+    tables, or (both None) from `positions` and `inv_freq`."""
     num_tokens = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
-    assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
+    from_positions = cos is None
+    if from_positions:
+        assert sin is None and positions is not None and positions.shape == (num_tokens,)
+        assert inv_freq is not None and inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
+        cos, sin = positions, inv_freq.contiguous()
+        stride_cos = 0
+    else:
+        assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
+        stride_cos = cos.stride(0)
     assert slot_mapping.shape == (num_tokens,) and head_dim % 2 == 0 and (head_dim & (head_dim - 1)) == 0
     _check_cache(k_cache, num_kv_heads, head_dim)
     assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
@@ -83,12 +112,13 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w
     query = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return query
-    qw = q_weight if has_norm else cos
-    kw = k_weight if has_norm else cos
+    qw = q_weight if has_norm else qkv
+    kw = k_weight if has_norm else qkv
     _qk_norm_rope_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,
-        qkv.stride(0), cos.stride(0), query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, num_warps=1,
+        qkv.stride(0), stride_cos, query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        FROM_POSITIONS=from_positions, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1,
         **pdl_launch(qkv, num_tokens),
     )
     return query

@@ -133,10 +133,11 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook, no-op by default
         """Per-step planning (e.g. FlashInfer's plan) shared by all layers; the reference needs none."""
 
-    def prologue(self, qkv: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
-                 kv: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+    def prologue(self, qkv: torch.Tensor, layer, rope, kv: tuple[torch.Tensor, torch.Tensor],
+                 metadata: AttentionMetadata) -> torch.Tensor:
         """Packed `qkv` `[T, (Hq + 2 Hkv) * D]` -> rotated query `[T, Hq, D]`, after per-head q/k norm (when the
-        layer has one), RoPE and writing k/v to the layer's pool. The eager reference; backends may fuse it."""
+        layer has one), RoPE (`rope`: layers/rotary.py `RopeInputs`) and writing k/v to the layer's pool. The
+        eager reference; backends may fuse it."""
         from mstar_common.layers.rotary import apply_rotary
 
         num_tokens, heads, kv_heads, dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -146,6 +147,7 @@ class AttentionBackend(ABC):
         value = value.reshape(num_tokens, kv_heads, dim)
         if layer.q_norm is not None:
             query, key = layer.q_norm(query), layer.k_norm(key)
+        cos, sin = rope.tables()
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         self.write_kv(key, value, kv[0], kv[1], metadata)
         return query
@@ -276,16 +278,16 @@ class TritonPagedAttention(AttentionBackend):
     def __init__(self, fused_prologue: bool = True) -> None:
         self.fused_prologue = fused_prologue
 
-    def prologue(self, qkv, layer, cos, sin, kv, metadata) -> torch.Tensor:
+    def prologue(self, qkv, layer, rope, kv, metadata) -> torch.Tensor:
         if not self.fused_prologue:
-            return super().prologue(qkv, layer, cos, sin, kv, metadata)
+            return super().prologue(qkv, layer, rope, kv, metadata)
         from kernels.qk_norm_rope_kv import qk_norm_rope_kv
 
         has_norm = layer.q_norm is not None
-        return qk_norm_rope_kv(
-            qkv, cos, sin, layer.q_norm.weight if has_norm else None, layer.k_norm.weight if has_norm else None,
+        return qk_norm_rope_kv(  # the RoPE angles in-kernel, from the positions
+            qkv, None, None, layer.q_norm.weight if has_norm else None, layer.k_norm.weight if has_norm else None,
             layer.q_norm.eps if has_norm else 0.0, kv[0], kv[1], metadata.slot_mapping,
-            layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            layer.num_heads, layer.num_kv_heads, layer.head_dim, positions=rope.positions, inv_freq=rope.inv_freq(),
         )
 
     def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:

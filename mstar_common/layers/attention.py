@@ -16,14 +16,14 @@ from torch import nn
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata
 from mstar_common.layers.linear import concat_linears
 from mstar_common.layers.norm import RMSNorm
+from mstar_common.layers.rotary import RopeInputs
 
 
 @dataclass(slots=True)
 class AttentionContext:
-    """What every attention layer of one forward shares: RoPE angles of the packed positions and the batch."""
+    """What every attention layer of one forward shares: RoPE of the packed positions and the batch."""
 
-    cos: torch.Tensor  # [T, head_dim]
-    sin: torch.Tensor  # [T, head_dim]
+    rope: RopeInputs
     metadata: AttentionMetadata
     backend: AttentionBackend
 
@@ -72,6 +72,6 @@ class SelfAttention(nn.Module):
             qkv = self.qkv_proj(hidden)
         elif qkv is None:
             qkv = torch.cat((self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), dim=-1)
-        query = ctx.backend.prologue(qkv, self, ctx.cos, ctx.sin, kv, ctx.metadata)
+        query = ctx.backend.prologue(qkv, self, ctx.rope, kv, ctx.metadata)
         out = ctx.backend.attend(query, kv[0], kv[1], ctx.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

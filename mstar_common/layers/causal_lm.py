@@ -22,7 +22,7 @@ from mstar_common.layers.attention import AttentionContext
 from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig, norm_gemv_enabled
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
-from mstar_common.layers.rotary import RotaryEmbedding, rope_from_config, rope_theta_from_config
+from mstar_common.layers.rotary import RopeInputs, RotaryEmbedding, rope_from_config, rope_theta_from_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +145,8 @@ class DecoderOnlyLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         """`input_ids`/`positions` `[T]` (packed rows) -> final-norm hidden states `[T, hidden_size]`."""
-        dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = self.model.rotary(positions, dtype)
-        ctx = AttentionContext(cos=cos, sin=sin, metadata=attn_metadata, backend=self.attn_backend)
+        rope = RopeInputs(positions, self.model.rotary, self.model.embed_tokens.weight.dtype)
+        ctx = AttentionContext(rope=rope, metadata=attn_metadata, backend=self.attn_backend)
         return self.model(input_ids, ctx, kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,26 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}{scaled}"
 
 
+class RopeInputs:
+    """One forward's RoPE inputs, shared by its layers: the packed positions and the frequencies. `tables()`
+    computes (cos, sin) `[T, head_dim]` on first use, for the eager prologue; the fused Triton prologue takes the
+    angles in-kernel from `positions` and `inv_freq()` instead, so its steps launch none of the table ops."""
+
+    __slots__ = ("positions", "rotary", "dtype", "_tables")
+
+    def __init__(self, positions: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        self.positions, self.rotary, self.dtype = positions, rotary, dtype
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def inv_freq(self) -> torch.Tensor:
+        return self.rotary.inv_freq(self.positions.device)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self._tables = self.rotary(self.positions, self.dtype)
+        return self._tables
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[T, heads, head_dim]` by `cos`/`sin` `[T, head_dim]` (rotate-half pairing)."""
     cos, sin = cos[:, None, :], sin[:, None, :]

@@ -93,6 +93,16 @@ def test_qk_norm_rope_kv_write(head_dim, num_heads, num_kv_heads, has_norm, dtyp
     assert torch.equal(caches[1], caches[3])  # v is copied verbatim
     if dtype == torch.bfloat16 and not IS_INTERPRETED:
         assert (q != q_ref).float().mean() < 0.01 and (caches[0] != caches[2]).float().mean() < 0.01
+    # the angles taken in-kernel from the positions: on the GPU the same bits as the tables torch computes
+    rotary = RotaryEmbedding(head_dim, 1e6)
+    k_pos, v_pos = torch.zeros_like(caches[0]), torch.zeros_like(caches[1])
+    q_pos = qk_norm_rope_kv(qkv, None, None, qw, kw, 1e-6, k_pos, v_pos, slots, num_heads, num_kv_heads, head_dim,
+                            positions=positions, inv_freq=rotary.inv_freq(positions.device))
+    assert torch.equal(v_pos, caches[1])
+    if IS_INTERPRETED:  # numpy's cos/sin stand in for libdevice's
+        assert rel_err(q_pos, q) < TOL and rel_err(k_pos, caches[0]) < TOL
+    else:
+        assert torch.equal(q_pos, q) and torch.equal(k_pos, caches[0])
 
 
 def test_store_kv_writes_exactly_the_mapped_slots():
