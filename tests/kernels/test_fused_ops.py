@@ -76,9 +76,11 @@ def test_silu_mul(inter, dtype):
                                                                      [(64, 4, 2), (128, 2, 1)]))
 @pytest.mark.parametrize("has_norm", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_kv_write(head_dim, num_heads, num_kv_heads, has_norm, dtype):
+@pytest.mark.parametrize("num_tokens", [sweep(37, 6), 300])  # one token per program; 16 (a prefill, masked tail)
+def test_qk_norm_rope_kv_write(head_dim, num_heads, num_kv_heads, has_norm, dtype, num_tokens):
     gen = torch.Generator().manual_seed(head_dim * num_heads)
-    num_tokens, page_size, num_pages = sweep(37, 6), 16, 8
+    page_size = 16
+    num_pages = -(-num_tokens // page_size) + 2
     qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen, scale=3.0)
     positions = torch.randint(0, 40000, (num_tokens,), generator=gen).to(DEVICE)
     cos, sin = RotaryEmbedding(head_dim, 1e6)(positions, dtype)
