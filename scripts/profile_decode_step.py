@@ -27,13 +27,15 @@ def main() -> int:
     parser.add_argument("--rows", default="1,256", help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--prefill", help="also a step of ROWSxLEN fresh prompts (e.g. 8x512: a 4096-token step)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    prefill = tuple(int(x) for x in args.prefill.split("x")) if args.prefill else None
     from mstar_common.bench.fusion import profile_step
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = profile_step(checkpoint, args.family, [int(r) for r in args.rows.split(",")], args.context,
-                           args.page_size)
+                           args.page_size, prefill=prefill)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -56,9 +56,36 @@ def _decode_batch(rows: int, context_len: int, page_size: int):
     return batch
 
 
-def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int, page_size: int):
-    """The model in bf16 on the GPU and a KV cache holding `max(batch_sizes)` rows of `context_len` tokens,
-    filled with random values (decode attends over real-looking values, not zeros)."""
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _prefill_batch(rows: int, prompt_len: int, page_size: int):
+    """`rows` fresh prompts of `prompt_len` tokens in one step (each samples its first token), on the pages after
+    those of `_decode_batch`'s rows."""
+    from mstar_common.engine.model_runner import HostBatch
+    from mstar_common.engine.types import SamplingParams
+
+    pages_per_row = -(-prompt_len // page_size)
+    batch = HostBatch()
+    for row in range(rows):
+        pages = list(range(row * pages_per_row, (row + 1) * pages_per_row))
+        batch.input_ids += [(11 + row * 7 + i) % 1000 for i in range(prompt_len)]
+        batch.positions += range(prompt_len)
+        batch.slot_mapping += [pages[pos // page_size] * page_size + pos % page_size for pos in range(prompt_len)]
+        batch.query_lens.append(prompt_len)
+        batch.context_lens.append(prompt_len)
+        batch.page_tables.append(pages)
+        batch.sample_indices.append(len(batch.input_ids) - 1)
+        batch.sampling_seqs.append(_Seq(SamplingParams(temperature=0.0)))
+    return batch
+
+
+def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int, page_size: int,
+          min_pages: int = 0):
+    """The model in bf16 on the GPU and a KV cache holding `max(batch_sizes)` rows of `context_len` tokens
+    (at least `min_pages` pages), filled with random values (decode attends over real-looking values, not
+    zeros)."""
     from mstar_common.engine.kv_cache import KVCache
 
     if family == "llama":
@@ -66,27 +93,29 @@ def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_l
     else:
         from mstar_common.families.qwen3.loader import load_qwen3 as load
     model, config = load(checkpoint, dtype="bfloat16", device="cuda")
-    num_pages = max(batch_sizes) * -(-context_len // page_size) + 1
+    num_pages = max(max(batch_sizes) * -(-context_len // page_size), min_pages) + 1
     kv_cache = KVCache(model.kv_spec, num_pages, page_size, torch.bfloat16, "cuda")
     kv_cache._pool.normal_()
     return model, config, kv_cache
 
 
-def _decode_graphs(model, config, kv_cache, batch_sizes: list[int]):
+def _decode_graphs(model, config, kv_cache, batch_sizes: list[int], token_buckets: list[int] | None = None,
+                   max_rows: int = 1):
     from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
 
-    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, [64], capture_sampling=False),
-                             max(batch_sizes), 4096, config["vocab_size"], torch.device("cuda"))
+    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, token_buckets or [64], capture_sampling=False),
+                             max(batch_sizes + [max_rows]), 4096, config["vocab_size"], torch.device("cuda"))
     graphs.capture()
     return graphs
 
 
-def _staged_replay(graphs, rows: int, context_len: int, page_size: int):
-    """Fill the step buffers with a decode batch of `rows` rows; returns (the batch, its graph's replay)."""
-    batch = _decode_batch(rows, context_len, page_size)
+def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=None):
+    """Fill the step buffers with `batch` (default: a decode batch of `rows` rows); returns (the batch, its graph's
+    replay)."""
+    batch = batch if batch is not None else _decode_batch(rows, context_len, page_size)
     key = graphs.pick(batch)
     graphs._fill(graphs.buffers.host_views(0), batch, key)
-    graphs.buffers.copy_in(0, rows, with_sampling=False)
+    graphs.buffers.copy_in(0, graphs._shape(key[0], key[1])[0], with_sampling=False)
     return batch, graphs.graphs[key].replay
 
 
@@ -133,22 +162,30 @@ def _time_host(fn, repeats: int = 10) -> float:
 
 @torch.inference_mode()
 def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
-                 page_size: int = 64, replays: int = 20) -> list[dict]:
+                 page_size: int = 64, replays: int = 20, prefill: tuple[int, int] | None = None) -> list[dict]:
     """Each batch size's decode step as the server runs it (the component defaults: Triton attention, fused
     ops, the tuned skinny GEMM), captured and replayed under the torch profiler: per kernel name, its GPU time
     per step and its calls per step, next to the replay's wall time (CUDA events), so that the gaps between
-    kernels show as the difference."""
+    kernels show as the difference. `prefill` (rows, prompt length): also a step of that many fresh prompts,
+    replayed from the smallest captured prefill/mixed bucket that holds it."""
     from torch.profiler import ProfilerActivity, profile
 
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
 
-    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size)
+    min_pages = prefill[0] * -(-prefill[1] // page_size) if prefill else 0
+    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, min_pages)
     configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
-    graphs = _decode_graphs(model, config, kv_cache, batch_sizes)
+    token_buckets = [_next_power_of_2(prefill[0] * prefill[1])] if prefill else None
+    graphs = _decode_graphs(model, config, kv_cache, batch_sizes, token_buckets, prefill[0] if prefill else 1)
+    steps = [(rows, None) for rows in batch_sizes] + ([(prefill[0], prefill[1])] if prefill else [])
     results = []
-    for rows in batch_sizes:
-        _, replay = _staged_replay(graphs, rows, context_len, page_size)
+    for rows, prompt_len in steps:
+        if prompt_len is None:
+            _, replay = _staged_replay(graphs, rows, context_len, page_size)
+        else:
+            _, replay = _staged_replay(graphs, rows, prompt_len, page_size, _prefill_batch(rows, prompt_len,
+                                                                                           page_size))
         step_ms = event_time_ms(replay)
         for _ in range(3):
             replay()
@@ -165,9 +202,11 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
                          "calls_per_step": len(times) / replays} for name, times in kernels.items()),
                        key=lambda row: -row["us_per_step"])
         busy_ms = sum(row["us_per_step"] for row in table) / 1e3
-        results.append({"family": family, "rows": rows, "context_len": context_len, "step_ms": step_ms,
-                        "kernel_busy_ms": busy_ms, "kernels": table})
-        print(f"[profile] {family} rows {rows} context {context_len}: replay {step_ms:.3f} ms, kernels busy "
+        kind = "decode" if prompt_len is None else f"prefill of {prompt_len}-token prompts"
+        results.append({"family": family, "rows": rows, "context_len": prompt_len or context_len, "step": kind,
+                        "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table})
+        print(f"[profile] {family} {kind} rows {rows} context {prompt_len or context_len}: replay {step_ms:.3f} ms, "
+              f"kernels busy "
               f"{busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
         for row in table[:25]:
             print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['kernel']}", flush=True)
