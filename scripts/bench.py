@@ -272,7 +272,7 @@ def add_baselines(model: dict, args) -> None:
         from mstar_common.bench.baseline import hf_generate
 
         model["hf_generate"] = hf_generate(args.checkpoint, args.prompt_len, args.hf_output_len or args.output_len,
-                                           args.hf_batch)
+                                           args.hf_batch, repeats=args.hf_repeats)
 
 
 def cmd_baseline(args) -> int:
@@ -352,6 +352,8 @@ def add_baseline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-baseline", action="store_true", help="time HF generate on the same checkpoint")
     p.add_argument("--hf-batch", type=int, nargs="*", default=[1, 64])
     p.add_argument("--hf-output-len", type=int, default=None)
+    p.add_argument("--hf-repeats", type=int, default=3,
+                   help="timed HF generate runs per batch size; the fastest is the baseline")
 
 
 def main(argv: list[str] | None = None) -> int:

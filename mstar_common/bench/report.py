@@ -60,7 +60,9 @@ def comparisons(model: dict) -> list[str]:
     for conc in sorted(closed):
         if conc in hf:
             ours, theirs = closed[conc]["output_tok_per_s"], hf[conc]["output_tok_per_s"]
-            out.append(f"c={conc}: {ours:,.0f} output tok/s vs HF generate batch {conc}: {theirs:,.0f} tok/s "
+            runs = hf[conc].get("runs_tok_per_s") or []
+            spread = f" (fastest of {len(runs)} runs: {', '.join(f'{r:,.0f}' for r in runs)})" if len(runs) > 1 else ""
+            out.append(f"c={conc}: {ours:,.0f} output tok/s vs HF generate batch {conc}: {theirs:,.0f} tok/s{spread} "
                        f"= {ours / theirs:.1f}x")
     for check, value in (model.get("checks") or {}).items():
         out.append(f"{check}: {value}")

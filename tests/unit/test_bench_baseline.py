@@ -1,0 +1,31 @@
+"""The HF `generate` baseline of scripts/bench.py: fastest-of-N timing and the ratio lines built on it (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar_common.bench.baseline import hf_generate
+from mstar_common.bench.report import comparisons
+from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+
+def test_hf_baseline_takes_the_fastest_of_its_runs(tmp_path):
+    checkpoint = build_tiny_checkpoint(tmp_path / "qwen3_tiny")
+    rows = hf_generate(checkpoint, prompt_len=12, output_len=16, batch_sizes=[1, 3], device="cpu", repeats=3,
+                       dtype=torch.float32)
+    assert [r["batch"] for r in rows] == [1, 3]
+    for row in rows:
+        assert len(row["runs_tok_per_s"]) == 3
+        assert row["output_tok_per_s"] == pytest.approx(max(row["runs_tok_per_s"]))
+        assert row["output_tok_per_s"] == pytest.approx(row["batch"] * 16 / row["wall_s"])
+    with pytest.raises(ValueError, match="repeats"):
+        hf_generate(checkpoint, 12, 16, [1], device="cpu", repeats=0)
+
+
+def test_ratio_line_is_against_the_fastest_hf_run():
+    summary = {"output_tok_per_s": 1000.0, "itl_ms": {"p50": 1.0}}
+    model = {"runs": [{"target": "triton", "concurrency": 1, "summary": summary}],
+             "hf_generate": [{"batch": 1, "output_tok_per_s": 40.0, "runs_tok_per_s": [25.0, 40.0, 31.0]}]}
+    line = next(line for line in comparisons(model) if line.startswith("c=1:"))
+    assert "= 25.0x" in line and "fastest of 3 runs: 25, 40, 31" in line
