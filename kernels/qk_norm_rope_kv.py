@@ -101,6 +101,7 @@ def _rotate_head(qkv_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_ca
 
 
 _ONE_TOKEN_MAX = 256  # tokens up to which the prologue runs one token per program
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
 
 
 def _check_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -145,7 +146,7 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
         qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,
         num_tokens, qkv.stride(0), stride_cos, query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        FROM_POSITIONS=from_positions, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_T=block_t,
+        FROM_POSITIONS=from_positions, INTERPRETED=_INTERPRETED, BLOCK_T=block_t,
         HEADS_PER_PROG=heads_per_prog,
         num_warps=1 if block_t == 1 else 4, **pdl_launch(qkv, num_tokens),
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mstar_common.bench.checkpoints import FAMILY_SHAPES, family_checkpoint  # noqa: E402
+from mstar_common.bench.checkpoints import add_step_args, family_checkpoint, rows_list  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -31,10 +31,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(FAMILY_SHAPES), default="qwen3")
-    parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
-    parser.add_argument("--rows", default="1,2,4", help="decode batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
+    add_step_args(parser, family="qwen3", rows="1,2,4")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--variant", type=parse_variant, action="append", required=True)
     parser.add_argument("--out", type=Path)
@@ -49,7 +46,7 @@ def main() -> int:
     from mstar_common.bench.fusion import ab_steps
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
-    results = ab_steps(checkpoint, args.family, [int(r) for r in args.rows.split(",")], dict(args.variant),
+    results = ab_steps(checkpoint, args.family, rows_list(args), dict(args.variant),
                        args.context, rounds=args.rounds, served_like=args.served_like)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -17,15 +17,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mstar_common.bench.checkpoints import FAMILY_SHAPES, family_checkpoint  # noqa: E402
+from mstar_common.bench.checkpoints import add_step_args, family_checkpoint, rows_list  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(FAMILY_SHAPES), default="llama")
-    parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
-    parser.add_argument("--rows", default="1,256", help="decode batch sizes, comma-separated")
-    parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
+    add_step_args(parser, family="llama", rows="1,256")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--prefill", help="also a step of ROWSxLEN fresh prompts (e.g. 8x512: a 4096-token step)")
     parser.add_argument("--out", type=Path)
@@ -34,7 +31,7 @@ def main() -> int:
     from mstar_common.bench.fusion import profile_step
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
-    results = profile_step(checkpoint, args.family, [int(r) for r in args.rows.split(",")], args.context,
+    results = profile_step(checkpoint, args.family, rows_list(args), args.context,
                            args.page_size, prefill=prefill)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

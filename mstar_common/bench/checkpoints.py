@@ -24,6 +24,19 @@ SHAPES = {
 FAMILY_SHAPES = {"llama": "llama-3.2-3b", "qwen3": "qwen3-0.6b"}  # the real shape the device scripts build
 
 
+def add_step_args(parser, family: str, rows: str) -> None:
+    """The arguments the decode-step scripts share (scripts/ab_decode_step.py, scripts/profile_decode_step.py);
+    `rows_list(args)` reads `--rows`."""
+    parser.add_argument("--family", choices=sorted(FAMILY_SHAPES), default=family)
+    parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
+    parser.add_argument("--rows", default=rows, help="decode batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
+
+
+def rows_list(args) -> list[int]:
+    return [int(r) for r in args.rows.split(",")]
+
+
 def family_checkpoint(family: str, given: str | Path | None = None) -> Path:
     """`given`, else the family's random checkpoint at its real shape, built once under /tmp/mstar-profile."""
     if given:

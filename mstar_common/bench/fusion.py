@@ -181,11 +181,8 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     steps = [(rows, None) for rows in batch_sizes] + ([(prefill[0], prefill[1])] if prefill else [])
     results = []
     for rows, prompt_len in steps:
-        if prompt_len is None:
-            _, replay = _staged_replay(graphs, rows, context_len, page_size)
-        else:
-            _, replay = _staged_replay(graphs, rows, prompt_len, page_size, _prefill_batch(rows, prompt_len,
-                                                                                           page_size))
+        batch = _prefill_batch(rows, prompt_len, page_size) if prompt_len else None
+        _, replay = _staged_replay(graphs, rows, context_len, page_size, batch)
         step_ms = event_time_ms(replay)
         for _ in range(3):
             replay()
@@ -206,8 +203,7 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
         results.append({"family": family, "rows": rows, "context_len": prompt_len or context_len, "step": kind,
                         "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table})
         print(f"[profile] {family} {kind} rows {rows} context {prompt_len or context_len}: replay {step_ms:.3f} ms, "
-              f"kernels busy "
-              f"{busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
+              f"kernels busy {busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
         for row in table[:25]:
             print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['kernel']}", flush=True)
     del graphs, model, kv_cache
