@@ -47,7 +47,7 @@ def main() -> int:
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = ab_steps(checkpoint, args.family, rows_list(args), dict(args.variant),
-                       args.context, rounds=args.rounds, served_like=args.served_like)
+                       args.context, rounds=args.rounds, served_like=args.served_like, kv_dtype=args.kv_dtype)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

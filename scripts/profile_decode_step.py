@@ -32,7 +32,7 @@ def main() -> int:
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = profile_step(checkpoint, args.family, rows_list(args), args.context,
-                           args.page_size, prefill=prefill)
+                           args.page_size, prefill=prefill, kv_dtype=args.kv_dtype)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -31,6 +31,8 @@ def add_step_args(parser, family: str, rows: str) -> None:
     parser.add_argument("--checkpoint", type=Path, help="default: a random one at the real shape under /tmp")
     parser.add_argument("--rows", default=rows, help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=640, help="tokens of context per row")
+    parser.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="the KV pool's element type (resources.kv_cache.dtype): auto = bf16")
 
 
 def rows_list(args) -> list[int]:

@@ -82,10 +82,11 @@ def _prefill_batch(rows: int, prompt_len: int, page_size: int):
 
 
 def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int, page_size: int,
-          min_pages: int = 0):
+          min_pages: int = 0, kv_dtype: str = "auto"):
     """The model in bf16 on the GPU and a KV cache holding `max(batch_sizes)` rows of `context_len` tokens
     (at least `min_pages` pages), filled with random values (decode attends over real-looking values, not
-    zeros)."""
+    zeros); `kv_dtype` as `resources.kv_cache.dtype` (auto: bf16, or fp8_e4m3)."""
+    from mstar_common.engine.ar_engine import _KV_DTYPES
     from mstar_common.engine.kv_cache import KVCache
 
     if family == "llama":
@@ -94,8 +95,8 @@ def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_l
         from mstar_common.families.qwen3.loader import load_qwen3 as load
     model, config = load(checkpoint, dtype="bfloat16", device="cuda")
     num_pages = max(max(batch_sizes) * -(-context_len // page_size), min_pages) + 1
-    kv_cache = KVCache(model.kv_spec, num_pages, page_size, torch.bfloat16, "cuda")
-    kv_cache._pool.normal_()
+    kv_cache = KVCache(model.kv_spec, num_pages, page_size, _KV_DTYPES.get(kv_dtype, torch.bfloat16), "cuda")
+    kv_cache._pool.copy_(torch.randn(kv_cache._pool.shape, device="cuda", dtype=torch.bfloat16))
     return model, config, kv_cache
 
 
@@ -162,7 +163,8 @@ def _time_host(fn, repeats: int = 10) -> float:
 
 @torch.inference_mode()
 def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
-                 page_size: int = 64, replays: int = 20, prefill: tuple[int, int] | None = None) -> list[dict]:
+                 page_size: int = 64, replays: int = 20, prefill: tuple[int, int] | None = None,
+                 kv_dtype: str = "auto") -> list[dict]:
     """Each batch size's decode step as the server runs it (the component defaults: Triton attention, fused
     ops, the tuned skinny GEMM), captured and replayed under the torch profiler: per kernel name, its GPU time
     per step and its calls per step, next to the replay's wall time (CUDA events), so that the gaps between
@@ -174,7 +176,7 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     from mstar_common.engine.cuda_graph import configure_fast_path
 
     min_pages = prefill[0] * -(-prefill[1] // page_size) if prefill else 0
-    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, min_pages)
+    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, min_pages, kv_dtype)
     configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
     token_buckets = [_next_power_of_2(prefill[0] * prefill[1])] if prefill else None
     graphs = _decode_graphs(model, config, kv_cache, batch_sizes, token_buckets, prefill[0] if prefill else 1)
@@ -200,7 +202,8 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
                        key=lambda row: -row["us_per_step"])
         busy_ms = sum(row["us_per_step"] for row in table) / 1e3
         kind = "decode" if prompt_len is None else f"prefill of {prompt_len}-token prompts"
-        results.append({"family": family, "rows": rows, "context_len": prompt_len or context_len, "step": kind,
+        results.append({"family": family, "kv_dtype": kv_dtype, "rows": rows, "context_len": prompt_len or context_len,
+                        "step": kind,
                         "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table})
         print(f"[profile] {family} {kind} rows {rows} context {prompt_len or context_len}: replay {step_ms:.3f} ms, "
               f"kernels busy {busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
@@ -214,7 +217,7 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
 @torch.inference_mode()
 def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], variants: dict[str, dict[str, str]],
              context_len: int = 640, page_size: int = 64, rounds: int = 7, replays: int = 20,
-             served_like: bool = False) -> list[dict]:
+             served_like: bool = False, kv_dtype: str = "auto") -> list[dict]:
     """A/B of kernel switches in one process: each variant's environment (`MSTAR_*` switches) is set while the
     model is configured as the server configures it and its decode steps are captured; then the variants'
     replays are timed in alternation, `rounds` times (each the median of `replays` event-timed replays), so
@@ -226,7 +229,7 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
 
-    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size)
+    model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, kv_dtype=kv_dtype)
     captured = {}
     for name, env in variants.items():
         saved = {key: os.environ.get(key) for key in env}
@@ -249,7 +252,7 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
     results = []
     for (name, rows), ms in times.items():
         median = sorted(ms)[len(ms) // 2]
-        results.append({"family": family, "variant": name, "env": variants[name], "rows": rows,
+        results.append({"family": family, "kv_dtype": kv_dtype, "variant": name, "env": variants[name], "rows": rows,
                         "context_len": context_len, "step_ms": median, "rounds_ms": ms})
         print(f"[ab] {family} rows {rows:3d} {name:24s} {median:.4f} ms  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)
