@@ -66,8 +66,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, ctx_ptr, bt_ptr, work_r
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            work_rows: torch.Tensor, work_firsts: torch.Tensor, scale: float) -> torch.Tensor:
-    """`query` `[T, Hq, D]` -> `[T, Hq, D]`; tokens not covered by a work item are left unwritten."""
+                            work_rows: torch.Tensor, work_firsts: torch.Tensor, scale: float, block_n: int = BLOCK_N,
+                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """`query` `[T, Hq, D]` -> `[T, Hq, D]`; tokens not covered by a work item are left unwritten. The launch
+    knobs (keys per iteration, warps, pipeline stages) are swept by `scripts/sweep_decode_attention.py
+    --prefill`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
@@ -82,8 +85,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         query, k_cache, v_cache, out, query_start_loc, context_lens, block_tables, work_rows, work_firsts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * _LOG2E,
-        PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BM=BLOCK_M, BN=BLOCK_N,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BM=BLOCK_M, BN=block_n,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

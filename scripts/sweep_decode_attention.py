@@ -8,7 +8,9 @@ Shapes: Orpheus/Llama-3.2-3B (24 q heads, 8 KV heads, head dim 128) at 256 and 6
 at 1 and 64 rows, Whisper large-v3 (20/20/64) at 1 row over the 1,500 encoder positions; bf16 and fp8 pools.
 The first shape is swept in full; the five best settings are then timed on the others.
 `--variants` instead compares the kernel's forms (heads-major, tokens-major, fp16 dots, fp8 q.k) over a smaller
-grid of launch knobs, per pool dtype.
+grid of launch knobs, per pool dtype. `--focus NAME` sweeps one shape's launch knobs and context splits for each
+pool's default form (bf16: heads-major; fp8: tokens-major with the fp8 q.k), against the defaults. `--prefill`
+sweeps the ragged prefill kernel's launch knobs on a step of 8 fresh 512-token prompts.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--variants", action="store_true", help="compare the kernel's forms (see above)")
     parser.add_argument("--mixed", action="store_true", help="time a mixed step's attention both ways")
+    parser.add_argument("--focus", choices=[shape[0] for shape in SHAPES], help="sweep one shape (see above)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="sweep the ragged prefill kernel's launch knobs on a step of 8 fresh 512-token prompts")
     args = parser.parse_args()
     import torch
 
@@ -124,6 +129,10 @@ def main() -> int:
 
     if args.mixed:
         results.extend(time_mixed_step())
+    elif args.prefill:
+        results.extend(sweep_prefill(args.top))
+    elif args.focus:
+        sweep_focus(run, next(shape for shape in SHAPES if shape[0] == args.focus), args.top)
     elif args.variants:
         sweep_variants(run, args.top)
     else:
@@ -131,6 +140,47 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps({"copy_TBps": bandwidth, "results": results}, indent=1))
     return 0
+
+
+def sweep_prefill(top: int, rows: int = 8, prompt: int = 512) -> list[dict]:
+    """The ragged prefill kernel on `rows` fresh prompts of `prompt` tokens (pages of 64, as served), Qwen3-0.6B's
+    and Llama-3.2-3B's heads: every (keys per iteration, warps, stages), in TFLOPS of the causal attention."""
+    import torch
+
+    from kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
+
+    out = []
+    for name, heads, kv_heads in (("qwen3-prefill", 16, 8), ("llama-prefill", 24, 8)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        pages = rows * (prompt // 64)
+        shape = (pages + 1, 64, kv_heads, 128)
+        k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        tables = (torch.randperm(pages, generator=gen, device="cuda").to(torch.int32) + 1).view(rows, -1)
+        ctx = torch.full((rows,), prompt, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
+        query = torch.randn((rows * prompt, heads, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+        work = [torch.tensor(w, dtype=torch.int32, device="cuda")
+                for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
+        flops = 4 * heads * 128 * rows * prompt * (prompt + 1) / 2  # q.k and p.v over the causal half
+        found = []
+        args = (query, k_cache, v_cache, qsl, ctx, tables, *work, 0.088)
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+            try:
+                us = time_us(lambda a=args, b=block_n, w=warps, st=stages: paged_prefill_attention(
+                    *a, block_n=b, num_warps=w, num_stages=st))
+            except Exception as exc:  # an out-of-resources launch: report it and go on
+                print(f"{name} {block_n}/{warps}/{stages}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                continue
+            found.append({"shape": name, "block_n": block_n, "warps": warps, "stages": stages, "us": round(us, 2),
+                          "TFLOPS": round(flops / us / 1e6, 1)})
+        found.sort(key=lambda r: r["us"])
+        default = next((r for r in found if (r["block_n"], r["warps"], r["stages"]) == (64, 4, 2)), None)
+        print(f"\n{name}: default {default}", flush=True)
+        for r in found[:top]:
+            print("  best", r, flush=True)
+        out.extend(found)
+    return out
 
 
 def time_mixed_step(rows: int = 256, ctx: int = 640, prompt: int = 32) -> list[dict]:
@@ -153,11 +203,14 @@ def time_mixed_step(rows: int = 256, ctx: int = 640, prompt: int = 32) -> list[d
                        for w in build_prefill_work(query_lens, capacity, skip_single=skip)] for skip in (False, True)}
         fp8 = kv_dtype == torch.float8_e4m3fn
 
-        def prefill_only():
-            return paged_prefill_attention(packed, k_cache, v_cache, qsl, ctx_lens, tables, *work[False], 0.088)
+        args = (packed, k_cache, v_cache, qsl, ctx_lens, tables)
 
-        def split():
-            o = paged_prefill_attention(packed, k_cache, v_cache, qsl, ctx_lens, tables, *work[True], 0.088)
+        def prefill_only(args=args, work=work):
+            return paged_prefill_attention(*args, *work[False], 0.088)
+
+        def split(args=args, work=work, fp8=fp8):
+            packed, k_cache, v_cache, qsl, ctx_lens, tables = args
+            o = paged_prefill_attention(*args, *work[True], 0.088)
             return paged_decode_attention(packed, k_cache, v_cache, tables, ctx_lens, 0.088, query_start_loc=qsl,
                                           out=o, tokens_major=fp8, qk_fp8=fp8)
 
@@ -188,6 +241,19 @@ def sweep_variants(run, top: int) -> None:
                 for r in rows[:2]:
                     print("  ", run(shape, kv_dtype, (r["block"], r["warps"], r["stages"], 0, *variant)),
                           flush=True)
+
+
+def sweep_focus(run, shape, top: int) -> None:
+    import torch
+
+    knobs = list(itertools.product((32, 64, 128), (1, 2, 4), (2, 3), (1, 2)))
+    for kv_dtype, variant in ((torch.bfloat16, (False, False, False)), (torch.float8_e4m3fn, (False, True, True))):
+        default = run(shape, kv_dtype, (None, 4, None, 0, *variant))  # the wrapper's own choices
+        rows = [r for r in (run(shape, kv_dtype, (*k, *variant)) for k in knobs) if r]
+        rows.sort(key=lambda r: r["us"])
+        print(f"\n{shape[0]} {kv_dtype} fp16_dots/tokens_major/qk_fp8={variant}: default {default}", flush=True)
+        for r in rows[:top]:
+            print("  best", r, flush=True)
 
 
 def sweep_grid(run, grid, top: int) -> None:
