@@ -216,7 +216,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     fp16's range. `tokens_major` runs `_decode_split_tokens_kernel` (context tokens as the dots' rows), and
     `qk_fp8` (with it, an fp8 pool only) its fp8 q.k: the `--variants` sweep on the H200 (2026-12-01) timed an
     fp8 pool at 256 rows x 640 tokens (Llama-3.2-3B heads) at 108 us this way (128 tokens per iteration,
-    3.1 TB/s of fp8 KV), against 147 us heads-major with fp16 dots and 158 us for the bf16 pool.
+    3.1 TB/s of fp8 KV), against 147 us heads-major with fp16 dots and 158 us for the bf16 pool. On a grid of
+    fewer than 1,024 programs 64 tokens per iteration are faster: Qwen3-0.6B's 64 rows x 700 tokens, 37.3 us
+    against 41.2 (`--focus qwen3-64`, 2026-12-02).
 
     Mixed steps: with `query_start_loc` ([rows + 1], packed `query` [T, Hq, D]) the kernel attends only the rows
     that have exactly one new token, each at its packed position, and writes those rows' outputs into `out`
@@ -236,8 +238,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert not (fp16_dots or qk_fp8) or k_cache.element_size() == 1, "fp16_dots and qk_fp8 are for an fp8 pool"
     assert not qk_fp8 or tokens_major, "qk_fp8 runs in the tokens-major kernel"
     splits = num_splits or decode_num_splits(num_rows, num_kv_heads)
-    if block is None:  # an fp8 tile of 128 tokens moves as many bytes as a bf16 one of 64
-        block = 128 if qk_fp8 else BLOCK_N
+    if block is None:  # an fp8 tile of 128 tokens moves as many bytes as a bf16 one of 64; it pays on deep grids
+        block = 128 if qk_fp8 and num_rows * num_kv_heads * splits >= 1024 else BLOCK_N
     if num_stages is None:
         num_stages = 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
     if out is None:
