@@ -203,8 +203,7 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
         busy_ms = sum(row["us_per_step"] for row in table) / 1e3
         kind = "decode" if prompt_len is None else f"prefill of {prompt_len}-token prompts"
         results.append({"family": family, "kv_dtype": kv_dtype, "rows": rows, "context_len": prompt_len or context_len,
-                        "step": kind,
-                        "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table})
+                        "step": kind, "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table})
         print(f"[profile] {family} {kind} rows {rows} context {prompt_len or context_len}: replay {step_ms:.3f} ms, "
               f"kernels busy {busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
         for row in table[:25]:
