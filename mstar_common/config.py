@@ -59,7 +59,7 @@ class ComponentConfig:
     decode_buckets: list[int] | None = None  # rows captured for decode steps (default 1, 2, 4, 8, 16, 24, 32, ...)
     prefill_token_buckets: list[int] | None = None  # packed tokens captured for prefill/mixed steps (64 ... 4096)
     capture_sampling: bool = True  # also capture the on-device sampling variant of each bucket
-    attention_backend: str = "auto"  # auto | triton | triton_unfused | torch | torch_static (engine/attention.py)
+    attention_backend: str = "auto"  # auto | triton | triton_unfused | torch | torch_static | flashinfer
     fused_ops: bool = True  # Triton kernels for residual-add+RMSNorm and SiLU*up on the GPU
 
 
@@ -184,10 +184,14 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             buckets = getattr(comp, key)
             if buckets is not None and (not buckets or min(buckets) < 1):
                 raise DeploymentError(f"{source}: components.{name}.{key}: must be a non-empty list of integers >= 1")
-        backends = ("auto", "triton", "triton_unfused", "torch", "torch_static")
+        backends = ("auto", "triton", "triton_unfused", "torch", "torch_static", "flashinfer")
         if comp.attention_backend not in backends:
             raise DeploymentError(f"{source}: components.{name}.attention_backend: must be one of {list(backends)}, "
                                   f"got {comp.attention_backend!r}")
+        if comp.attention_backend == "flashinfer" and dep.resources.kv_cache.dtype != "auto":
+            raise DeploymentError(f"{source}: components.{name}.attention_backend: 'flashinfer' reads bf16/fp16 KV "
+                                  f"pools only; resources.kv_cache.dtype {dep.resources.kv_cache.dtype!r} needs "
+                                  f"'triton'")
     family.validate_deployment(dep, source)
 
 

@@ -45,6 +45,7 @@ class AttentionMetadata:
     # rows with one new token have none (the decode kernel attends them, also in mixed steps)
     work_firsts: torch.Tensor | None = None  # [N] int32
     request_slots: torch.Tensor | None = None  # [B] int32: each row's model-owned slot (scheduler.RequestHooks)
+    page_tables_host: Sequence[Sequence[int]] | None = None  # each row's pages (eager steps; the flashinfer plan)
 
     @property
     def num_rows(self) -> int:
@@ -115,6 +116,7 @@ def build_attention_metadata(
         is_decode=bool(query_lens) and all(n == 1 for n in query_lens),
         work_rows=torch.tensor(work_rows, dtype=torch.int32, device=device),
         work_firsts=torch.tensor(work_firsts, dtype=torch.int32, device=device),
+        page_tables_host=page_tables,
     )
 
 
@@ -132,6 +134,12 @@ class AttentionBackend(ABC):
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook, no-op by default
         """Per-step planning (e.g. FlashInfer's plan) shared by all layers; the reference needs none."""
+
+    def plan_graph_step(  # noqa: B027 - optional hook, no-op by default
+            self, key: tuple, rows: int, tokens: int, host: dict, width: int, page_size: int, sink_page: int) -> None:
+        """Per-replay planning of a captured bucket `key` (engine/cuda_graph.py), from the host arrays its inputs
+        are copied from (`host`: StepBuffers views; `width`: pages per block-table row). Called before the bucket's
+        capture and before each of its replays; the backends that read only the graph's inputs need none."""
 
     def prologue(self, qkv: torch.Tensor, layer, rope, kv: tuple[torch.Tensor, torch.Tensor],
                  metadata: AttentionMetadata) -> torch.Tensor:
@@ -314,7 +322,7 @@ class TritonPagedAttention(AttentionBackend):
                                       query_start_loc=metadata.query_start_loc, out=out, **knobs)
 
 
-BACKENDS = ("auto", "torch", "torch_static", "triton", "triton_unfused")
+BACKENDS = ("auto", "torch", "torch_static", "triton", "triton_unfused", "flashinfer")
 
 
 def select_attention_backend(device: torch.device | str, name: str = "auto") -> AttentionBackend:
@@ -330,6 +338,12 @@ def select_attention_backend(device: torch.device | str, name: str = "auto") -> 
         return TorchPagedAttention()
     if name == "torch_static":
         return TorchStaticAttention()
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
+        from mstar_common.engine.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention()
     return TritonPagedAttention(fused_prologue=name == "triton")
 
 

@@ -178,6 +178,7 @@ class CudaGraphRunner:
         for index, key in enumerate(keys, 1):
             t0 = time.perf_counter()
             self._fill_padding(key)
+            self._plan(key, self.buffers.host_views(0))
             fn = self._step_fn(*key)
             if is_cuda:
                 stream = torch.cuda.Stream()
@@ -281,6 +282,7 @@ class CudaGraphRunner:
         parity, self._parity = self._parity, self._parity ^ 1
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)
+        self._plan(key, self.buffers.host_views(parity))
         self.buffers.copy_in(parity, rows, with_sampling=key[2], with_penalty=self.penalty is not None)
         previous = self.buffers.out_tokens
         if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
@@ -291,6 +293,12 @@ class CudaGraphRunner:
         if self.logits_out is not None:
             return sample(self.logits_out[:num_sampling], batch.sampling_seqs)
         return self.buffers.out_tokens[:num_sampling]
+
+    def _plan(self, key: tuple[str, int, bool], host: dict[str, np.ndarray]) -> None:
+        """The attention backend's per-replay planning (a no-op but for FlashInfer's)."""
+        rows, tokens = self._shape(key[0], key[1])
+        self.model.attn_backend.plan_graph_step(key, rows, tokens, host, self.buffers.max_pages,
+                                                self.kv_cache.page_size, self.kv_cache.sink_page)
 
     def _fill(self, h: dict[str, np.ndarray], batch, key: tuple[str, int, bool]) -> None:
         kind, size, sampling = key
