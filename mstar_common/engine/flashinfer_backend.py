@@ -28,17 +28,31 @@ keeps its own backend), pages of any size FlashInfer accepts.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from mstar_common.engine.attention import AttentionMetadata, TritonPagedAttention
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partials), shared by all wrappers
+
+
+def prefill_kernel_family() -> str:
+    """`MSTAR_FLASHINFER_PREFILL`: FlashInfer's prefill kernels, auto (its choice: fa3 on Hopper) | fa2 | fa3."""
+    value = os.environ.get("MSTAR_FLASHINFER_PREFILL", "auto")
+    if value not in ("auto", "fa2", "fa3"):
+        raise ValueError(f"MSTAR_FLASHINFER_PREFILL must be auto, fa2 or fa3, got {value!r}")
+    return value
 DECODE, MIXED = "decode", "mixed"  # as engine/cuda_graph.py names its bucket kinds
 
 
 def import_flashinfer():
-    """The `flashinfer` module, or a clear error naming the package."""
+    """The `flashinfer` module, or a clear error naming the package. With CUDA 13 its JIT build needs nvcc's
+    `-static-global-template-stub=false` (FlashInfer instantiates a kernel in one file and launches it from
+    another; scripts/probe_flashinfer.py), which nvcc reads from `NVCC_APPEND_FLAGS`."""
+    if int((torch.version.cuda or "0").split(".")[0]) >= 13:
+        os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
     try:
         import flashinfer
     except ImportError as exc:
@@ -157,7 +171,8 @@ class FlashInferAttention(TritonPagedAttention):
         if kind not in self._eager:
             ws = self._workspace_on(device)
             self._eager[kind] = (self._fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD") if kind == DECODE
-                                 else self._fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"))
+                                 else self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                                     ws, "NHD", backend=prefill_kernel_family()))
         return self._eager[kind]
 
     def _graph_wrapper(self, kind: str, rows: int, width: int):
@@ -174,7 +189,8 @@ class FlashInferAttention(TritonPagedAttention):
         batch = rows + 1  # the dummy row of the padding tokens
         return self._fi.BatchPrefillWithPagedKVCacheWrapper(
             ws, "NHD", use_cuda_graph=True, qo_indptr_buf=ints(batch + 1), paged_kv_indptr_buf=ints(batch + 1),
-            paged_kv_indices_buf=ints(rows * width + 1), paged_kv_last_page_len_buf=ints(batch))
+            paged_kv_indices_buf=ints(rows * width + 1), paged_kv_last_page_len_buf=ints(batch),
+            backend=prefill_kernel_family())
 
     def _learn(self, query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         if self._problem is not None:
