@@ -116,6 +116,7 @@ def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=No
     batch = batch if batch is not None else _decode_batch(rows, context_len, page_size)
     key = graphs.pick(batch)
     graphs._fill(graphs.buffers.host_views(0), batch, key)
+    graphs._plan(key, graphs.buffers.host_views(0))  # the attention backend's plan (FlashInfer's; else a no-op)
     graphs.buffers.copy_in(0, graphs._shape(key[0], key[1])[0], with_sampling=False)
     return batch, graphs.graphs[key].replay
 
@@ -222,7 +223,8 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
     replays are timed in alternation, `rounds` times (each the median of `replays` event-timed replays), so
     that clock and thermal drift between separate runs (a few percent on the H200) cannot pass for a
     difference. Returns, per variant and batch size, every round's time and their median. `served_like`: also
-    each variant's steps as the engine runs them (`served_like_ms`)."""
+    each variant's steps as the engine runs them (`served_like_ms`). A variant's `MSTAR_AB_ATTENTION_BACKEND`
+    (not an engine switch) picks its attention backend, as a component's `attention_backend` does."""
     import os
 
     from mstar_common.config import ComponentConfig
@@ -234,7 +236,8 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
-            configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
+            component = ComponentConfig(attention_backend=env.get("MSTAR_AB_ATTENTION_BACKEND", "auto"))
+            configure_fast_path(model, component, "cuda", max(batch_sizes), 4096)
             captured[name] = _decode_graphs(model, config, kv_cache, batch_sizes)
         finally:
             for key, value in saved.items():

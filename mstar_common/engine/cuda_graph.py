@@ -141,6 +141,7 @@ class CudaGraphRunner:
             raise ValueError(f"attention backend {model.attn_backend.name!r} cannot be captured in a CUDA graph; "
                              f"use 'triton' (or 'torch_static')")
         self.model, self.kv_cache, self.config, self.device = model, kv_cache, config, device
+        self.attn_backend = model.attn_backend  # set again at capture: the backend whose kernels the graphs hold
         self.vocab_size = vocab_size
         self.logits_offset = int(getattr(model, "logits_offset", 0))
         self.logits_width = vocab_size - self.logits_offset
@@ -170,6 +171,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         keys = self.keys()
+        self.attn_backend = self.model.attn_backend  # the backend whose kernels the graphs hold: it plans replays
         is_cuda = self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if is_cuda else None
         started = time.perf_counter()
@@ -297,8 +299,8 @@ class CudaGraphRunner:
     def _plan(self, key: tuple[str, int, bool], host: dict[str, np.ndarray]) -> None:
         """The attention backend's per-replay planning (a no-op but for FlashInfer's)."""
         rows, tokens = self._shape(key[0], key[1])
-        self.model.attn_backend.plan_graph_step(key, rows, tokens, host, self.buffers.max_pages,
-                                                self.kv_cache.page_size, self.kv_cache.sink_page)
+        self.attn_backend.plan_graph_step(key, rows, tokens, host, self.buffers.max_pages, self.kv_cache.page_size,
+                                          self.kv_cache.sink_page)
 
     def _fill(self, h: dict[str, np.ndarray], batch, key: tuple[str, int, bool]) -> None:
         kind, size, sampling = key
