@@ -14,6 +14,8 @@ mixed step (`query_start_loc` given) both attend only the rows of one new token,
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -202,6 +204,18 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> i
     return min(32, 1 << (want.bit_length() - 1))
 
 
+def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int, tokens_major: bool) -> int:
+    """Pipeline stages of the split kernel. 3 where each (row, KV head) is one program that walks its whole
+    context: the heads-major (bf16) form at any grid (Qwen3-0.6B's 64 rows x 700 tokens: 46.5 us against
+    47.6 at 2 stages, `sweep_decode_attention.py --focus qwen3-64`, H200, 2026-12-02), the tokens-major (fp8)
+    form once the grid is many waves deep (2 were faster below 1,024 programs in the same sweep). With
+    splits, 2. `MSTAR_DECODE_STAGES=N` forces N (read at each launch, so at capture for a graph)."""
+    forced = int(os.environ.get("MSTAR_DECODE_STAGES", "0") or 0)
+    if forced:
+        return forced
+    return 3 if splits == 1 and (not tokens_major or num_rows * num_kv_heads >= 1024) else 2
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
@@ -241,7 +255,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if block is None:  # an fp8 tile of 128 tokens moves as many bytes as a bf16 one of 64; it pays on deep grids
         block = 128 if qk_fp8 and num_rows * num_kv_heads * splits >= 1024 else BLOCK_N
     if num_stages is None:
-        num_stages = 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
+        num_stages = decode_num_stages(num_rows, num_kv_heads, splits, tokens_major)
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(2) == 1

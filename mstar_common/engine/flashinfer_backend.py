@@ -111,6 +111,7 @@ class FlashInferAttention(TritonPagedAttention):
         self._eager: dict[str, object] = {}  # DECODE / MIXED -> wrapper without graph buffers
         self._graph: dict[tuple, object] = {}  # (kind, size) -> wrapper with graph buffers
         self._plan_events: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan's copy
+        self._pins: dict[tuple[int, str], torch.Tensor] = {}  # (id(wrapper), input) -> the plan's staged input
         self._problem: dict | None = None  # heads, head dim, page size, scale, dtypes: from the first attend
         self._pending: tuple | None = None  # (wrapper, is_decode, inputs) to plan at the next attend
         self._active = None  # the wrapper `attend` runs
@@ -202,6 +203,32 @@ class FlashInferAttention(TritonPagedAttention):
                          "page_size": k_cache.shape[1], "scale": float(scale), "dtype": query.dtype,
                          "kv_dtype": k_cache.dtype}
 
+    def _pinned(self, wrapper, name: str, array: np.ndarray) -> torch.Tensor:
+        """`array` in this wrapper's page-locked buffer `name` (grown by doubling), so that the plan's copies to
+        the device queue behind the running step instead of going through a pageable staging copy. The caller has
+        waited for this wrapper's previous plan's copies, the only readers of the buffer."""
+        key = (id(wrapper), name)
+        buf = self._pins.get(key)
+        if buf is None or buf.numel() < array.size:
+            size = max(64, 1 << max(0, array.size - 1).bit_length())
+            buf = self._pins[key] = torch.empty(size, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        view = buf[: array.size]
+        view.numpy()[:] = array
+        return view
+
+    def _device_copy(self, wrapper, staged: torch.Tensor) -> torch.Tensor:
+        """The page indices on the device, queued from their page-locked stage. FlashInfer's plan reads only their
+        length on the host, and copies host indices into its graph buffer with `non_blocking=False`, which waits
+        for the stream: for a captured bucket, for the step that is running."""
+        key = (id(wrapper), "indices@device")
+        buf = self._pins.get(key)
+        if buf is None or buf.numel() < staged.numel():
+            buf = self._pins[key] = torch.empty(max(64, 1 << max(0, staged.numel() - 1).bit_length()),
+                                                dtype=torch.int32, device=self._workspace.device)
+        view = buf[: staged.numel()]
+        view.copy_(staged, non_blocking=True)
+        return view
+
     def _plan(self, wrapper, kind: str, inputs: dict[str, np.ndarray]) -> None:
         event = self._plan_events.get(id(wrapper))
         if event is not None:
@@ -209,14 +236,15 @@ class FlashInferAttention(TritonPagedAttention):
         p = self._problem
 
         def host(name: str) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(inputs[name], dtype=np.int32))
+            return self._pinned(wrapper, name, np.ascontiguousarray(inputs[name], dtype=np.int32))
 
         common = {"q_data_type": p["dtype"], "kv_data_type": p["kv_dtype"], "sm_scale": p["scale"]}
+        indices = self._device_copy(wrapper, host("indices"))
         if kind == DECODE:
-            wrapper.plan(host("indptr"), host("indices"), host("last_page_len"), p["num_heads"], p["num_kv_heads"],
+            wrapper.plan(host("indptr"), indices, host("last_page_len"), p["num_heads"], p["num_kv_heads"],
                          p["head_dim"], p["page_size"], **common)
         else:
-            wrapper.plan(host("qo_indptr"), host("indptr"), host("indices"), host("last_page_len"), p["num_heads"],
+            wrapper.plan(host("qo_indptr"), host("indptr"), indices, host("last_page_len"), p["num_heads"],
                          p["num_kv_heads"], p["head_dim"], p["page_size"], causal=True, **common)
         event = self._plan_events.setdefault(id(wrapper), torch.cuda.Event())
         event.record()

@@ -99,3 +99,17 @@ def test_flashinfer_is_refused_off_the_gpu_and_with_an_fp8_pool():
            "resources": {"kv_cache": {"num_pages": 512, "page_size": 16, "dtype": "fp8_e4m3"}}}
     with pytest.raises(DeploymentError, match="'flashinfer' reads bf16/fp16 KV pools only"):
         deployment_from_dict(raw, source="test")
+
+
+def test_plan_inputs_are_staged_in_one_buffer_per_wrapper_and_input():
+    from mstar_common.engine.flashinfer_backend import FlashInferAttention
+
+    backend = FlashInferAttention.__new__(FlashInferAttention)  # no flashinfer on the CPU: only the staging
+    backend._pins = {}
+    first, second = object(), object()
+    a = backend._pinned(first, "indices", np.arange(5, dtype=np.int32))
+    b = backend._pinned(first, "indices", np.arange(3, dtype=np.int32) + 10)
+    assert b.tolist() == [10, 11, 12] and b.data_ptr() == a.data_ptr()  # the same buffer, refilled
+    assert backend._pinned(second, "indices", np.zeros(2, np.int32)).data_ptr() != a.data_ptr()
+    grown = backend._pinned(first, "indices", np.arange(100, dtype=np.int32))
+    assert grown.tolist() == list(range(100)) and backend._pins[(id(first), "indices")].numel() == 128
