@@ -204,16 +204,16 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int = 132) -> i
     return min(32, 1 << (want.bit_length() - 1))
 
 
-def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int, tokens_major: bool) -> int:
-    """Pipeline stages of the split kernel. 3 where each (row, KV head) is one program that walks its whole
-    context: the heads-major (bf16) form at any grid (Qwen3-0.6B's 64 rows x 700 tokens: 46.5 us against
-    47.6 at 2 stages, `sweep_decode_attention.py --focus qwen3-64`, H200, 2026-12-02), the tokens-major (fp8)
-    form once the grid is many waves deep (2 were faster below 1,024 programs in the same sweep). With
-    splits, 2. `MSTAR_DECODE_STAGES=N` forces N (read at each launch, so at capture for a graph)."""
+def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int) -> int:
+    """Pipeline stages of the split kernel: 3 once the grid is many waves deep with one split per row, else 2.
+    `MSTAR_DECODE_STAGES=N` forces N (read at each launch, so at capture for a graph). 3 stages for every
+    one-split grid of the bf16 form was 2.3% faster alone at 64 rows x 700 tokens (Qwen3-0.6B's heads), but in
+    the captured step (H200, 2026-12-02, `ab_decode_step.py`) 1.1% faster at 32 rows and 0.3% slower at 64, so
+    the rule stayed."""
     forced = int(os.environ.get("MSTAR_DECODE_STAGES", "0") or 0)
     if forced:
         return forced
-    return 3 if splits == 1 and (not tokens_major or num_rows * num_kv_heads >= 1024) else 2
+    return 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -255,7 +255,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if block is None:  # an fp8 tile of 128 tokens moves as many bytes as a bf16 one of 64; it pays on deep grids
         block = 128 if qk_fp8 and num_rows * num_kv_heads * splits >= 1024 else BLOCK_N
     if num_stages is None:
-        num_stages = decode_num_stages(num_rows, num_kv_heads, splits, tokens_major)
+        num_stages = decode_num_stages(num_rows, num_kv_heads, splits)
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(2) == 1

@@ -172,7 +172,7 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
 
 def cmd_serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
-                   "kv_dtype": args.kv_dtype}
+                   "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)

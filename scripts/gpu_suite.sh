@@ -4,6 +4,8 @@
 # then the kernel and graph tests and the fusion micro-benchmark. Results land in $OUT:
 #   suite.log  results.json  results.md  <model>.png  fusion.json  server_logs.tar.gz
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_suite.sh [--bench-only]
+# With FLASHINFER_SDIST=<flashinfer-python 0.2.5 source archive> it also installs FlashInfer and runs the
+# FlashInfer backend's tests (which skip without it in the main test stage).
 # Every stage has its own time limit and the report is rewritten after each benchmark, so a stage that fails
 # or runs out of time never costs the figures already taken.
 set -u
@@ -60,6 +62,13 @@ bench llama-3.2-3b llama 100 --concurrency 1 64 --rates --proxy-concurrency --ch
 stage "kernel and graph tests"
 MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 100 $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider \
   || echo "STAGE FAILED: gpu tests"
+
+if [ -n "${FLASHINFER_SDIST:-}" ]; then  # e.g. flashinfer_python-0.2.5.tar.gz (pip download --no-deps ...)
+  stage "flashinfer backend tests (JIT builds its kernels first: ~3 minutes)"
+  timeout 60 $IMAGE_PY -m pip install -q --no-deps --no-build-isolation "$FLASHINFER_SDIST" || echo "STAGE FAILED: flashinfer install"
+  timeout 300 $IMAGE_PY -m pytest -q -m gpu tests/gpu/test_flashinfer_backend.py -p no:cacheprovider \
+    || echo "STAGE FAILED: flashinfer tests"
+fi
 
 stage "fusion micro-benchmark (decode-step GPU time per configuration)"
 timeout 60 $IMAGE_PY -c "

@@ -1,8 +1,8 @@
 """FlashInfer's paged attention kernels behind `AttentionBackend` (`attention_backend: flashinfer`).
 
-Status: WORK IN PROGRESS on branch wip/flashinfer-backend. The host-side planning inputs are unit-tested on the CPU
-(tests/unit/test_flashinfer_backend.py); the backend itself has not yet run on a GPU. FlashInfer 0.2.5 (a 2.5 MB
-source release, JIT-compiled at first use) was built and timed on the lent H200 by scripts/probe_flashinfer.py.
+Status: built and checked on the H200 (tests/gpu/test_flashinfer_backend.py, 2026-12-02) with FlashInfer 0.2.5 (a
+2.5 MB source release, JIT-compiled at first use). Slower than the Triton backend there at every measured step
+(docs/deployment.md), so `auto` does not pick it; it is here for GPUs and shapes where FlashInfer's kernels win.
 
 What it does. The KV write stays the Triton backend's (the fused q/k-norm + RoPE + KV-write prologue, or
 `store_kv`); only `attend` changes. FlashInfer wants each step "planned" on the host before its kernels run: the

@@ -184,3 +184,13 @@ def test_fp8_kv_pool_is_read_back_exactly(dtype):
                                   torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, qsl, ctx, tables, scale=scale)
     assert rel_err(out, ref) < tol
+
+
+def test_decode_stages_rule_and_switch(monkeypatch):
+    from kernels.paged_decode_attention import decode_num_stages
+
+    monkeypatch.delenv("MSTAR_DECODE_STAGES", raising=False)
+    assert decode_num_stages(256, 8, 1) == 3  # one split, 2,048 programs: deep enough for 3 stages
+    assert decode_num_stages(64, 8, 1) == 2 and decode_num_stages(256, 8, 2) == 2
+    monkeypatch.setenv("MSTAR_DECODE_STAGES", "4")
+    assert decode_num_stages(64, 8, 1) == 4 and decode_num_stages(1, 8, 32) == 4
