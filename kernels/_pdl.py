@@ -54,12 +54,31 @@ def use_pdl(tensor: torch.Tensor, rows: int) -> bool:
     return _supported(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(tensor: torch.Tensor, rows: int) -> dict:
-    """Launch keywords for a kernel of `rows` rows with a `USE_GDC` constexpr: `USE_GDC` and Triton's
-    `launch_pdl`."""
-    if use_pdl(tensor, rows):
-        return {"USE_GDC": True, "launch_pdl": True}
-    return {"USE_GDC": False}
+def trigger_mode() -> str:
+    """`MSTAR_PDL_TRIGGER`: when a PDL kernel lets the next one start. `early` (default): each program right after
+    its wait. `fit`: so only if the grid fits on the GPU's SMs at once; a deeper grid's programs do not trigger,
+    so the next kernel starts when this one ends (else the next kernel's programs, launched early, wait on SMs
+    that this kernel's later waves need)."""
+    mode = os.environ.get("MSTAR_PDL_TRIGGER", "early") or "early"
+    if mode not in ("early", "fit"):
+        raise ValueError(f"MSTAR_PDL_TRIGGER={mode!r}: expected early or fit")
+    return mode
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pdl_launch(tensor: torch.Tensor, rows: int, programs: int | None = None) -> dict:
+    """Launch keywords for a kernel of `rows` rows (and `programs` programs) with a `USE_GDC` constexpr: `USE_GDC`
+    (0: no PDL; 1: wait, then trigger the next kernel; 2: wait only) and Triton's `launch_pdl`."""
+    if not use_pdl(tensor, rows):
+        return {"USE_GDC": 0}
+    if programs is not None and trigger_mode() == "fit":
+        if programs > _num_sms(tensor.device):
+            return {"USE_GDC": 2, "launch_pdl": True}
+    return {"USE_GDC": 1, "launch_pdl": True}
 
 
 @triton.jit
@@ -67,4 +86,5 @@ def gdc_enter(USE_GDC: tl.constexpr):
     """Wait for the kernel before this one, then let the kernel after this one start (a no-op without PDL)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_GDC == 1:
+            tl.extra.cuda.gdc_launch_dependents()

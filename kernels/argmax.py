@@ -84,10 +84,11 @@ def _launch(x: torch.Tensor, seeds: torch.Tensor | None, penalty=None) -> torch.
     indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
     _chunk_max_kernel[(rows, num_chunks)](x, seeds if seeds is not None else x, seen, slots, factors, values,
                                           indices, x.stride(0), vocab, num_chunks, GUMBEL=seeds is not None,
-                                          PENALTY=penalty is not None, BLOCK=BLOCK, num_warps=8, **pdl_launch(x, rows))
+                                          PENALTY=penalty is not None, BLOCK=BLOCK, num_warps=8,
+                                          **pdl_launch(x, rows, rows * num_chunks))
     _pick_chunk_kernel[(rows,)](values, indices, out, seen, slots, num_chunks, vocab,
                                 CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), RECORD=penalty is not None,
-                                num_warps=1, **pdl_launch(x, rows))
+                                num_warps=1, **pdl_launch(x, rows, rows))
     return out
 
 

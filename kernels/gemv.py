@@ -186,7 +186,7 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x, num_rows),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x, num_rows, triton.cdiv(n, block_n)),
     )
     return out, res_out
 

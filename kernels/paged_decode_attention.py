@@ -276,14 +276,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK=block, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
-        **pdl_launch(query, num_rows),
+        **pdl_launch(query, num_rows, num_rows * num_kv_heads * splits),
     )
     if splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens,
                                                     query_start_loc if mixed else part_ml, out,
                                                     out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                     NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
-                                                    **pdl_launch(query, num_rows))
+                                                    **pdl_launch(query, num_rows, num_rows * num_heads))
     return out
 
 

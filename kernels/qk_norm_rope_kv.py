@@ -148,7 +148,7 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
         FROM_POSITIONS=from_positions, INTERPRETED=_INTERPRETED, BLOCK_T=block_t,
         HEADS_PER_PROG=heads_per_prog,
-        num_warps=1 if block_t == 1 else 4, **pdl_launch(qkv, num_tokens),
+        num_warps=1 if block_t == 1 else 4, **pdl_launch(qkv, num_tokens, grid[0] * grid[1]),
     )
     return query
 

@@ -45,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **pdl_launch(x, x.shape[0]),
+        **pdl_launch(x, x.shape[0], x.shape[0]),
     )
     return out
 

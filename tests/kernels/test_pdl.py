@@ -27,6 +27,21 @@ def test_switch_and_launch_keywords(monkeypatch):
         _pdl.max_rows()
 
 
+def test_trigger_modes(monkeypatch):
+    monkeypatch.setattr(_pdl, "use_pdl", lambda tensor, rows: True)
+    monkeypatch.setattr(_pdl, "_num_sms", lambda device: 132)
+    x = torch.zeros(1)
+    monkeypatch.delenv("MSTAR_PDL_TRIGGER", raising=False)
+    assert _pdl.pdl_launch(x, 64, 512) == {"USE_GDC": 1, "launch_pdl": True}  # early: every grid triggers
+    monkeypatch.setenv("MSTAR_PDL_TRIGGER", "fit")
+    assert _pdl.pdl_launch(x, 1, 132) == {"USE_GDC": 1, "launch_pdl": True}  # one wave: triggers
+    assert _pdl.pdl_launch(x, 64, 133) == {"USE_GDC": 2, "launch_pdl": True}  # deeper: waits only
+    assert _pdl.pdl_launch(x, 64) == {"USE_GDC": 1, "launch_pdl": True}  # grid not given
+    monkeypatch.setenv("MSTAR_PDL_TRIGGER", "late")
+    with pytest.raises(ValueError, match="MSTAR_PDL_TRIGGER='late': expected early or fit"):
+        _pdl.pdl_launch(x, 64, 512)
+
+
 def _decode_layer_chain(rows: int):
     """A one-layer decode chain through every kernel that launches with PDL: RMSNorm (with the residual add) ->
     qkv GEMV -> q/k norm + RoPE + KV write -> split-K decode attention + merge -> o GEMV -> RMSNorm -> gate_up
@@ -78,8 +93,9 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows):
         pytest.skip("PDL needs compute capability >= 9.0")
     monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")  # PDL at 4 rows too (by default only 1-row launches take it)
     results = {}
-    for flag in ("0", "1"):
+    for flag, trigger in (("0", "early"), ("1", "early"), ("1", "fit")):
         monkeypatch.setenv("MSTAR_PDL", flag)
+        monkeypatch.setenv("MSTAR_PDL_TRIGGER", trigger)
         step = _decode_layer_chain(rows)
         eager = step()
         stream = torch.cuda.Stream()
@@ -93,8 +109,9 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows):
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        results[flag] = (eager, captured)
-    for plain, pdl in zip(results["0"], results["1"], strict=True):
-        for a, b in zip(plain, pdl, strict=True):
-            assert torch.equal(a, b)
-    assert torch.equal(results["1"][0][0], results["1"][1][0])  # the replayed graph == eager, with PDL
+        results[flag + trigger] = (eager, captured)
+    for mode in ("1early", "1fit"):
+        for plain, pdl in zip(results["0early"], results[mode], strict=True):
+            for a, b in zip(plain, pdl, strict=True):
+                assert torch.equal(a, b)
+        assert torch.equal(results[mode][0][0], results[mode][1][0])  # the replayed graph == eager, with PDL
