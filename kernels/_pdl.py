@@ -10,12 +10,19 @@ has finished and its writes are visible.
 `scripts/probe_pdl.py` on the H200 (2026-12-01): 28 layers of RMSNorm + two 8 MB projections at one row
 (84 kernels in a CUDA graph) took 358 us, 338 us with PDL, 263 us with PDL and the weight prefetch; the same bits.
 
-PDL pays only where a step is a chain of the shortest kernels: one row. A Qwen3-0.6B decode step replayed on the
-H200 (`scripts/profile_decode_step.py`, 2026-12-01, replay ms without -> with PDL on every launch): 1 row
+PDL pays where a step is a chain of the shortest kernels. A Qwen3-0.6B decode step replayed on the H200
+(`scripts/profile_decode_step.py`, 2026-12-01, replay ms without -> with PDL on every launch): 1 row
 1.019 -> 0.905 (1.037 -> 0.868 in another run), 2 rows 1.157 -> 1.208, 4 1.370 -> 1.388, 8 1.481 -> 1.590,
-16 1.695 -> 1.871, 64 2.432 -> 2.556. So launches of more than `MSTAR_PDL_MAX_ROWS` rows (tokens; default 1)
-go without it. `MSTAR_PDL=0` turns it off. A kernel whose wrapper does not pass `**pdl_launch(tensor, rows)`
-launches as before.
+16 1.695 -> 1.871, 64 2.432 -> 2.556. Measured again in one process after the chained GEMV tuning
+(`scripts/ab_decode_step.py`, 2026-12-02, PDL at 1 row -> at every row count): 2 rows 1.107 -> 1.018, 4 rows
+1.295 -> 1.295, 8 1.398 -> 1.412, 16 1.595 -> 1.626, 64 2.339 -> 2.307. So launches of more than
+`MSTAR_PDL_MAX_ROWS` rows (tokens; default 2) go without it. `MSTAR_PDL=0` turns it off. A kernel whose wrapper
+does not pass `**pdl_launch(tensor, rows, programs)` launches as before.
+
+`MSTAR_PDL_TRIGGER=fit` (default `early`) lets a kernel trigger the next one early only when its grid fits on the
+SMs at once. In the same A/B, with PDL at every row count, `fit` against `early`: 1 row +6.7% (the GEMVs' grids
+are deeper than the SMs, so they lose the early start), 2 rows +5.7%, 4 +2.7%, 8 -1.4%, 16 -2.9%, 64 +1.7%; its
+best, 16 rows at 1.578 ms, is 1.0% under the default's 1.595. Kept as a switch for such A/Bs.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ def enabled() -> bool:
 
 
 def max_rows() -> int:
-    raw = os.environ.get("MSTAR_PDL_MAX_ROWS", "1") or "1"
+    raw = os.environ.get("MSTAR_PDL_MAX_ROWS", "2") or "2"
     if not raw.isdigit():
         raise ValueError(f"MSTAR_PDL_MAX_ROWS={raw!r}: expected a non-negative integer")
     return int(raw)

@@ -17,7 +17,7 @@ def test_switch_and_launch_keywords(monkeypatch):
     monkeypatch.setenv("MSTAR_PDL", "0")
     assert not _pdl.enabled() and _pdl.pdl_launch(torch.zeros(1), 1) == {"USE_GDC": False}
     monkeypatch.setenv("MSTAR_PDL", "1")
-    assert _pdl.enabled() and _pdl.max_rows() == 1
+    assert _pdl.enabled() and _pdl.max_rows() == 2
     assert _pdl.pdl_launch(torch.zeros(1), 1) == {"USE_GDC": False}  # a CPU tensor never launches with PDL
     monkeypatch.setenv("MSTAR_PDL", "yes")
     with pytest.raises(ValueError, match="MSTAR_PDL='yes': expected 0 or 1"):
@@ -91,7 +91,7 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows):
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability >= 9.0")
-    monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")  # PDL at 4 rows too (by default only 1-row launches take it)
+    monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")  # PDL at 4 rows too (by default only 1-2 row launches take it)
     results = {}
     for flag, trigger in (("0", "early"), ("1", "early"), ("1", "fit")):
         monkeypatch.setenv("MSTAR_PDL", flag)
