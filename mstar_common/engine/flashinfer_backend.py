@@ -111,9 +111,9 @@ class FlashInferAttention(TritonPagedAttention):
         self._eager: dict[str, object] = {}  # DECODE / MIXED -> wrapper without graph buffers
         self._graph: dict[tuple, object] = {}  # (kind, size) -> wrapper with graph buffers
         self._plan_events: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan's copy
-        self._pins: dict[tuple[int, str], torch.Tensor] = {}  # (id(wrapper), input) -> the plan's staged input
+        self._staging: dict[tuple[int, str], torch.Tensor] = {}  # (id(wrapper), input) -> the plan's input
         self._problem: dict | None = None  # heads, head dim, page size, scale, dtypes: from the first attend
-        self._pending: tuple | None = None  # (wrapper, is_decode, inputs) to plan at the next attend
+        self._pending: tuple | None = None  # (wrapper, kind, inputs) to plan at the next attend
         self._active = None  # the wrapper `attend` runs
 
     # ---- eager steps -------------------------------------------------------------------------------------------
@@ -203,16 +203,23 @@ class FlashInferAttention(TritonPagedAttention):
                          "page_size": k_cache.shape[1], "scale": float(scale), "dtype": query.dtype,
                          "kv_dtype": k_cache.dtype}
 
-    def _pinned(self, wrapper, name: str, array: np.ndarray) -> torch.Tensor:
-        """`array` in this wrapper's page-locked buffer `name` (grown by doubling), so that the plan's copies to
-        the device queue behind the running step instead of going through a pageable staging copy. The caller has
-        waited for this wrapper's previous plan's copies, the only readers of the buffer."""
+    def _buffer(self, wrapper, name: str, size: int, device: torch.device | None = None) -> torch.Tensor:
+        """The first `size` int32 of this wrapper's staging buffer `name`: page-locked host memory, or `device`
+        memory; grown by doubling."""
         key = (id(wrapper), name)
-        buf = self._pins.get(key)
-        if buf is None or buf.numel() < array.size:
-            size = max(64, 1 << max(0, array.size - 1).bit_length())
-            buf = self._pins[key] = torch.empty(size, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        view = buf[: array.size]
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < size:
+            capacity = max(64, 1 << max(0, size - 1).bit_length())
+            buf = self._staging[key] = (torch.empty(capacity, dtype=torch.int32, device=device) if device is not None
+                                        else torch.empty(capacity, dtype=torch.int32,
+                                                         pin_memory=torch.cuda.is_available()))
+        return buf[:size]
+
+    def _pinned(self, wrapper, name: str, array: np.ndarray) -> torch.Tensor:
+        """`array` in this wrapper's page-locked buffer `name`, so that the plan's copies to the device queue
+        behind the running step instead of going through a pageable staging copy. The caller has waited for this
+        wrapper's previous plan's copies, the only readers of the buffer."""
+        view = self._buffer(wrapper, name, array.size)
         view.numpy()[:] = array
         return view
 
@@ -220,12 +227,7 @@ class FlashInferAttention(TritonPagedAttention):
         """The page indices on the device, queued from their page-locked stage. FlashInfer's plan reads only their
         length on the host, and copies host indices into its graph buffer with `non_blocking=False`, which waits
         for the stream: for a captured bucket, for the step that is running."""
-        key = (id(wrapper), "indices@device")
-        buf = self._pins.get(key)
-        if buf is None or buf.numel() < staged.numel():
-            buf = self._pins[key] = torch.empty(max(64, 1 << max(0, staged.numel() - 1).bit_length()),
-                                                dtype=torch.int32, device=self._workspace.device)
-        view = buf[: staged.numel()]
+        view = self._buffer(wrapper, "indices@device", staged.numel(), self._workspace.device)
         view.copy_(staged, non_blocking=True)
         return view
 

@@ -105,11 +105,11 @@ def test_plan_inputs_are_staged_in_one_buffer_per_wrapper_and_input():
     from mstar_common.engine.flashinfer_backend import FlashInferAttention
 
     backend = FlashInferAttention.__new__(FlashInferAttention)  # no flashinfer on the CPU: only the staging
-    backend._pins = {}
+    backend._staging = {}
     first, second = object(), object()
     a = backend._pinned(first, "indices", np.arange(5, dtype=np.int32))
     b = backend._pinned(first, "indices", np.arange(3, dtype=np.int32) + 10)
     assert b.tolist() == [10, 11, 12] and b.data_ptr() == a.data_ptr()  # the same buffer, refilled
     assert backend._pinned(second, "indices", np.zeros(2, np.int32)).data_ptr() != a.data_ptr()
     grown = backend._pinned(first, "indices", np.arange(100, dtype=np.int32))
-    assert grown.tolist() == list(range(100)) and backend._pins[(id(first), "indices")].numel() == 128
+    assert grown.tolist() == list(range(100)) and backend._staging[(id(first), "indices")].numel() == 128
