@@ -82,10 +82,8 @@ def pdl_launch(tensor: torch.Tensor, rows: int, programs: int | None = None) -> 
     (0: no PDL; 1: wait, then trigger the next kernel; 2: wait only) and Triton's `launch_pdl`."""
     if not use_pdl(tensor, rows):
         return {"USE_GDC": 0}
-    if programs is not None and trigger_mode() == "fit":
-        if programs > _num_sms(tensor.device):
-            return {"USE_GDC": 2, "launch_pdl": True}
-    return {"USE_GDC": 1, "launch_pdl": True}
+    deep = programs is not None and trigger_mode() == "fit" and programs > _num_sms(tensor.device)
+    return {"USE_GDC": 2 if deep else 1, "launch_pdl": True}
 
 
 @triton.jit

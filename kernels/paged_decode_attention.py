@@ -210,9 +210,11 @@ def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int) -> int:
     one-split grid of the bf16 form was 2.3% faster alone at 64 rows x 700 tokens (Qwen3-0.6B's heads), but in
     the captured step (H200, 2026-12-02, `ab_decode_step.py`) 1.1% faster at 32 rows and 0.3% slower at 64, so
     the rule stayed."""
-    forced = int(os.environ.get("MSTAR_DECODE_STAGES", "0") or 0)
-    if forced:
-        return forced
+    raw = os.environ.get("MSTAR_DECODE_STAGES", "") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"MSTAR_DECODE_STAGES={raw!r}: expected a positive integer (or 0 / unset for the rule)")
+    if int(raw):
+        return int(raw)
     return 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
 
 

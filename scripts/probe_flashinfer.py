@@ -12,7 +12,8 @@ With CUDA 13's nvcc the JIT build of FlashInfer 0.2.5 fails to link: nvcc 13 mak
 instantiations of a `__global__` template hidden (`-static-global-template-stub=true`), and FlashInfer
 instantiates its kernels in one file and launches them from another. So this probe sets
 `NVCC_APPEND_FLAGS=-static-global-template-stub=false` (nvcc reads it from the environment) when torch was built
-for CUDA 13 or newer. H200, 2026-12-02: the batch decode kernel compiled in 27 s and ran.
+for CUDA 13 or newer (through the backend's `import_flashinfer`). H200, 2026-12-02: the batch decode kernel
+compiled in 27 s and ran.
 
 Device: pip install --no-deps --no-build-isolation flashinfer_python-0.2.5.tar.gz; python scripts/probe_flashinfer.py
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,10 +38,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    if int((torch.version.cuda or "0").split(".")[0]) >= 13:
-        os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
     from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
     from mstar_common.bench.gpu_timing import graph_time_us
+    from mstar_common.engine.flashinfer_backend import import_flashinfer  # sets the nvcc flag first
 
     started = time.perf_counter()
     report: dict = {"rows": args.rows, "context": args.context}
@@ -50,8 +49,7 @@ def main() -> int:
         report[name] = {"at_s": round(time.perf_counter() - started, 1), **values}
         print(f"[probe] {name} at {report[name]['at_s']} s: {values}", flush=True)
 
-    import flashinfer
-
+    flashinfer = import_flashinfer()
     phase("import", version=flashinfer.__version__)
     rows, ctx, heads, kv_heads, dim, page = args.rows, args.context, 16, 8, 128, 64
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -141,7 +141,7 @@ class CudaGraphRunner:
             raise ValueError(f"attention backend {model.attn_backend.name!r} cannot be captured in a CUDA graph; "
                              f"use 'triton' (or 'torch_static')")
         self.model, self.kv_cache, self.config, self.device = model, kv_cache, config, device
-        self.attn_backend = model.attn_backend  # set again at capture: the backend whose kernels the graphs hold
+        self.attn_backend = model.attn_backend  # the backend whose kernels the graphs hold: it plans their replays
         self.vocab_size = vocab_size
         self.logits_offset = int(getattr(model, "logits_offset", 0))
         self.logits_width = vocab_size - self.logits_offset
@@ -171,7 +171,6 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         keys = self.keys()
-        self.attn_backend = self.model.attn_backend  # the backend whose kernels the graphs hold: it plans replays
         is_cuda = self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if is_cuda else None
         started = time.perf_counter()

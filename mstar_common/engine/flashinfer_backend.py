@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from mstar_common.engine.attention import AttentionMetadata, TritonPagedAttention
+from mstar_common.engine.cuda_graph import DECODE, MIXED
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partials), shared by all wrappers
 
@@ -44,7 +45,6 @@ def prefill_kernel_family() -> str:
     if value not in ("auto", "fa2", "fa3"):
         raise ValueError(f"MSTAR_FLASHINFER_PREFILL must be auto, fa2 or fa3, got {value!r}")
     return value
-DECODE, MIXED = "decode", "mixed"  # as engine/cuda_graph.py names its bucket kinds
 
 
 def import_flashinfer():
@@ -248,5 +248,6 @@ class FlashInferAttention(TritonPagedAttention):
         else:
             wrapper.plan(host("qo_indptr"), host("indptr"), indices, host("last_page_len"), p["num_heads"],
                          p["num_kv_heads"], p["head_dim"], p["page_size"], causal=True, **common)
-        event = self._plan_events.setdefault(id(wrapper), torch.cuda.Event())
+        if event is None:
+            event = self._plan_events[id(wrapper)] = torch.cuda.Event()
         event.record()

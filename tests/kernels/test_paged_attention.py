@@ -194,3 +194,6 @@ def test_decode_stages_rule_and_switch(monkeypatch):
     assert decode_num_stages(64, 8, 1) == 2 and decode_num_stages(256, 8, 2) == 2
     monkeypatch.setenv("MSTAR_DECODE_STAGES", "4")
     assert decode_num_stages(64, 8, 1) == 4 and decode_num_stages(1, 8, 32) == 4
+    monkeypatch.setenv("MSTAR_DECODE_STAGES", "three")
+    with pytest.raises(ValueError, match="MSTAR_DECODE_STAGES='three': expected a positive integer"):
+        decode_num_stages(64, 8, 1)

@@ -113,3 +113,15 @@ def test_plan_inputs_are_staged_in_one_buffer_per_wrapper_and_input():
     assert backend._pinned(second, "indices", np.zeros(2, np.int32)).data_ptr() != a.data_ptr()
     grown = backend._pinned(first, "indices", np.arange(100, dtype=np.int32))
     assert grown.tolist() == list(range(100)) and backend._staging[(id(first), "indices")].numel() == 128
+
+
+def test_prefill_kernel_family_switch(monkeypatch):
+    from mstar_common.engine.flashinfer_backend import prefill_kernel_family
+
+    monkeypatch.delenv("MSTAR_FLASHINFER_PREFILL", raising=False)
+    assert prefill_kernel_family() == "auto"
+    monkeypatch.setenv("MSTAR_FLASHINFER_PREFILL", "fa2")
+    assert prefill_kernel_family() == "fa2"
+    monkeypatch.setenv("MSTAR_FLASHINFER_PREFILL", "fa4")
+    with pytest.raises(ValueError, match="MSTAR_FLASHINFER_PREFILL must be auto, fa2 or fa3, got 'fa4'"):
+        prefill_kernel_family()
