@@ -19,7 +19,13 @@ from torch import nn
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from mstar_common.engine.kv_cache import KVCache, KVSpec
 from mstar_common.layers.attention import AttentionContext
-from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig, norm_gemv_enabled
+from mstar_common.layers.decoder import (
+    DecoderLayer,
+    DecoderLayerConfig,
+    fused_mlp_options,
+    fused_mlp_rows,
+    norm_gemv_enabled,
+)
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
 from mstar_common.layers.rotary import RopeInputs, RotaryEmbedding, rope_from_config, rope_theta_from_config
@@ -134,13 +140,18 @@ class DecoderOnlyLM(nn.Module):
     def enable_fused_ops(self, enabled: bool = True) -> None:
         """Run the residual-add+RMSNorm and SiLU*up as Triton kernels on CUDA (the q/k prologue is the
         attention backend's choice); with `MSTAR_NORM_GEMV` (default on) a norm before a projection that runs on
-        the skinny GEMM goes into that GEMM's launch."""
+        the skinny GEMM goes into that GEMM's launch; with `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP
+        half as one persistent launch."""
         fold_norms = enabled and norm_gemv_enabled()
+        mlp_rows = fused_mlp_rows() if enabled else 0
+        mlp_options = fused_mlp_options() if mlp_rows else {}
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP)):
                 module.use_kernel = enabled
             if isinstance(module, DecoderLayer):
                 module.norm_gemv = fold_norms
+                module.fused_mlp_rows = mlp_rows
+                module.fused_mlp_options = mlp_options
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:

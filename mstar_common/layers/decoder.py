@@ -6,10 +6,15 @@ fold in the preceding residual add: `residual += x; x = norm(residual)` is one o
 With `norm_gemv` set (`enable_fused_ops` on CUDA, `MSTAR_NORM_GEMV` not 0), a step whose qkv or gate_up
 projection runs on the skinny GEMM (kernels/gemv.py, a few rows) takes the add and the norm in that GEMM's load
 (`norm_gemv`): one launch instead of two, twice per layer.
+
+With `fused_mlp_rows` set (`enable_fused_ops` on CUDA, `MSTAR_FUSED_MLP_ROWS`), a step of at most that many rows runs
+the MLP half (residual add + RMSNorm, gate/up, SwiGLU, down) as one persistent launch with a grid barrier between
+the projections (kernels/fused_mlp.py): one launch instead of three.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +54,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm_gemv = False
+        self.fused_mlp_rows = 0
+        self.fused_mlp_options: dict[str, int] = {}  # kernels/fused_mlp.py launch settings (MSTAR_FUSED_MLP_OPTIONS)
+        self._mlp_sync: torch.Tensor | None = None  # the persistent MLP kernel's barrier counters
 
     def norm_gemv_pairs(self) -> list[tuple[RMSNorm, nn.Linear]]:
         """The (norm, projection) pairs that run as one launch where the projection's GEMV plan takes the step
@@ -72,6 +80,24 @@ class DecoderLayer(nn.Module):
 
         return norm_gemv_with(hidden, norm.weight, norm.eps, linear.weight, linear.bias, residual, setting)
 
+    def _fused_mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(mlp(norm(hidden + residual)), hidden + residual)` as one persistent launch, or None where it does not
+        apply (more rows than `fused_mlp_rows`, biases, quantised or unfused projections, not CUDA)."""
+        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        if not 0 < hidden.shape[0] <= self.fused_mlp_rows or gate_up is None or not hidden.is_cuda:
+            return None
+        linears = (gate_up, down)
+        if not all(isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == hidden.dtype
+                   for lin in linears):
+            return None
+        from kernels.fused_mlp import fused_mlp, new_sync
+
+        if self._mlp_sync is None or self._mlp_sync.device != hidden.device:
+            self._mlp_sync = new_sync(hidden.device)
+        norm = self.post_attention_layernorm
+        return fused_mlp(hidden, residual, norm.weight, norm.eps, gate_up.weight, down.weight, self._mlp_sync,
+                         **self.fused_mlp_options)
+
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext,
         kv: tuple[torch.Tensor, torch.Tensor],
@@ -87,12 +113,41 @@ class DecoderLayer(nn.Module):
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
             hidden = self.self_attn(hidden, ctx, kv)
+        fused = self._fused_mlp(hidden, residual)
+        if fused is not None:
+            return fused
         fused = self._norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
         if fused is not None:
             gate_up, residual = fused
             return self.mlp(None, gate_up=gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def fused_mlp_rows() -> int:
+    """`MSTAR_FUSED_MLP_ROWS` (default 0: off): steps of at most this many rows (<= 8) take the persistent MLP
+    kernel."""
+    raw = os.environ.get("MSTAR_FUSED_MLP_ROWS", "0") or "0"
+    if not raw.isdigit() or int(raw) > 8:
+        raise ValueError(f"MSTAR_FUSED_MLP_ROWS={raw!r}: expected an integer in [0, 8]")
+    return int(raw)
+
+
+FUSED_MLP_OPTIONS = ("programs", "num_warps", "tile")
+
+
+def fused_mlp_options() -> dict[str, int]:
+    """`MSTAR_FUSED_MLP_OPTIONS` (e.g. `num_warps=16+tile=8192`; `,` also separates): the persistent MLP
+    kernel's launch settings, for A/Bs (scripts/ab_decode_step.py); unset, the kernel's defaults."""
+    raw = os.environ.get("MSTAR_FUSED_MLP_OPTIONS", "")
+    options = {}
+    for item in filter(None, raw.replace("+", ",").split(",")):
+        key, _, value = item.partition("=")
+        if key not in FUSED_MLP_OPTIONS or not value.isdigit() or int(value) == 0:
+            raise ValueError(f"MSTAR_FUSED_MLP_OPTIONS: {item!r} is not KEY=positive integer with KEY one of "
+                             f"{list(FUSED_MLP_OPTIONS)}")
+        options[key] = int(value)
+    return options
 
 
 def norm_gemv_enabled() -> bool:

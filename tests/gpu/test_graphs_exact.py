@@ -173,6 +173,24 @@ def test_norms_inside_the_gemv_match_the_norm_kernels(separated, monkeypatch):
     _assert_near_ties(separated, prompts, reference, outputs)
 
 
+def test_the_persistent_mlp_kernel_matches_the_separate_launches(separated, monkeypatch):
+    """MSTAR_FUSED_MLP_ROWS=2: in steps of <= 2 rows each layer's MLP half is one persistent launch with a grid
+    barrier (kernels/fused_mlp.py), eager and replayed. Against the same engine without it: equal tokens or ties."""
+    import kernels.fused_mlp as fused_module
+
+    prompts = _prompts(4, 100, seed=6)
+    monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", "0")
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", "2")
+    calls = []
+    real = fused_module.fused_mlp
+    monkeypatch.setattr(fused_module, "fused_mlp", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    outputs = [generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
+               for graphs in (False, True)]
+    assert calls and set(calls) <= {1, 2}, "the persistent launch ran, and only in steps of <= 2 rows"
+    _assert_near_ties(separated, prompts, reference, outputs)
+
+
 def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:
     """Where a run's sequence first differs from the reference's, both tokens lie within twice the largest
     |bf16 - fp32| logit difference of the top of transformers' fp32 logits for the reference prefix."""

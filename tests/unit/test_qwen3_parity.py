@@ -214,3 +214,33 @@ def test_norm_gemv_switch(checkpoint, monkeypatch):
     monkeypatch.setenv("MSTAR_NORM_GEMV", "yes")
     with pytest.raises(ValueError, match="MSTAR_NORM_GEMV"):
         model.enable_fused_ops(True)
+
+
+def test_fused_mlp_switch(checkpoint, monkeypatch):
+    """`MSTAR_FUSED_MLP_ROWS=N` gives every decoder layer the persistent MLP kernel for steps of <= N rows; 0 by
+    default and with fused ops off; off CUDA the layer keeps the eager ops (the same logits); a bad value is
+    refused with its name."""
+    model, _ = load_qwen3(checkpoint, dtype="float32", device="cpu")
+    model.enable_fused_ops(True)
+    assert all(layer.fused_mlp_rows == 0 for layer in model.model.layers)
+    monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", "2")
+    model.enable_fused_ops(True)
+    assert all(layer.fused_mlp_rows == 2 for layer in model.model.layers)
+    layer = model.model.layers[0]
+    width = layer.mlp.down_proj.out_features
+    hidden, residual = torch.randn(1, width), torch.randn(1, width)
+    assert layer._fused_mlp(hidden, residual) is None  # a CPU tensor: the eager ops
+    model.enable_fused_ops(False)
+    assert layer.fused_mlp_rows == 0
+    monkeypatch.setenv("MSTAR_FUSED_MLP_OPTIONS", "num_warps=16,tile=8192")
+    model.enable_fused_ops(True)
+    assert layer.fused_mlp_options == {"num_warps": 16, "tile": 8192}
+    for bad in ("warps=16", "num_warps=0", "tile=big"):
+        monkeypatch.setenv("MSTAR_FUSED_MLP_OPTIONS", bad)
+        with pytest.raises(ValueError, match="MSTAR_FUSED_MLP_OPTIONS"):
+            model.enable_fused_ops(True)
+    monkeypatch.delenv("MSTAR_FUSED_MLP_OPTIONS")
+    for bad in ("9", "one"):
+        monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", bad)
+        with pytest.raises(ValueError, match="MSTAR_FUSED_MLP_ROWS"):
+            model.enable_fused_ops(True)
