@@ -125,3 +125,43 @@ def test_prefill_kernel_family_switch(monkeypatch):
     monkeypatch.setenv("MSTAR_FLASHINFER_PREFILL", "fa4")
     with pytest.raises(ValueError, match="MSTAR_FLASHINFER_PREFILL must be auto, fa2 or fa3, got 'fa4'"):
         prefill_kernel_family()
+
+
+class _FakeDecodeWrapper:
+    """Records FlashInfer-style decode plans; holds the device buffer of last-page lengths the kernels read."""
+
+    def __init__(self) -> None:
+        self.plans = 0
+        self._paged_kv_last_page_len_buf = None
+
+    def plan(self, indptr, indices, last_page_len, *args, **kwargs) -> None:
+        self.plans += 1
+        self._paged_kv_last_page_len_buf = last_page_len.clone()
+
+
+def test_decode_steps_on_the_same_pages_refresh_only_the_last_page_lengths(monkeypatch):
+    from mstar_common.engine import flashinfer_backend as fb
+
+    class _Event:  # no CUDA here: the plan's copy fence is a no-op
+        def record(self) -> None: ...
+
+        def synchronize(self) -> None: ...
+
+    monkeypatch.setattr(fb.torch.cuda, "Event", _Event)
+    backend = fb.FlashInferAttention.__new__(fb.FlashInferAttention)
+    backend._staging, backend._plan_events, backend._decode_pages = {}, {}, {}
+    backend._workspace = torch.empty(0)
+    backend._problem = {"num_heads": 16, "num_kv_heads": 8, "head_dim": 128, "page_size": 16, "scale": 0.1,
+                        "dtype": torch.bfloat16, "kv_dtype": torch.bfloat16}
+    wrapper = _FakeDecodeWrapper()
+
+    def step(context_lens):
+        indptr, indices, last = paged_kv_csr(context_lens, [[3, 4, 5], [7, 8, 9]], page_size=16)
+        backend._plan(wrapper, DECODE, {"indptr": indptr, "indices": indices, "last_page_len": last})
+        return wrapper._paged_kv_last_page_len_buf.tolist()
+
+    assert step([20, 5]) == [4, 5] and wrapper.plans == 1
+    assert step([21, 6]) == [5, 6] and wrapper.plans == 1  # same pages: the lengths only
+    assert step([32, 16]) == [16, 16] and wrapper.plans == 1
+    assert step([33, 17]) == [1, 1] and wrapper.plans == 2  # each row entered a new page: planned again
+    assert step([34, 18]) == [2, 2] and wrapper.plans == 2
