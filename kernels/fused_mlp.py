@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels._pdl import gdc_enter, pdl_launch
 from kernels._rounding import round_to
-from kernels.gemv import MAX_ROWS, _inv_rms, _residual_sum, _x_chunk
+from kernels.gemv import MAX_ROWS, _residual_sum, _x_chunk
 
 
 @triton.jit
@@ -140,94 +140,6 @@ def _fused_mlp_kernel(x_ptr, res_ptr, g_ptr, w1_ptr, w2_ptr, res_out_ptr, act_pt
             _grid_leave(sync_ptr, tl.num_programs(0))
 
 
-@triton.jit
-def _dot_rows(a, w, acc, F32: tl.constexpr):
-    """`acc + a @ w.T` in fp32; `F32`: through fp32 operands (the interpreter, whose bf16 dots are wrong; the
-    products of bf16 values are exact in fp32 either way)."""
-    if F32:
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
-def _fused_mlp_dot_kernel(x_ptr, res_ptr, g_ptr, w1_ptr, w2_ptr, res_out_ptr, xn_ptr, act_ptr, out_ptr, sync_ptr, M, H,
-                          inter, cols1, cols2, stride_xm, stride_rm, stride_ro, stride_w1, stride_w2, stride_am,
-                          stride_om, eps, HAS_RES: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr,
-                          BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, BLOCK_X: tl.constexpr, STAGES: tl.constexpr,
-                          PHASE1: tl.constexpr, PHASE2: tl.constexpr, F32: tl.constexpr, USE_GDC: tl.constexpr):
-    """The `dots` form: program p owns gate columns [p * cols1, (p + 1) * cols1) and the up columns that pair with
-    them, so it writes silu(gate) * up itself; then down columns [p * cols2, ...). The products are tensor-core dots
-    with the rows padded to 16, so that Triton's software pipeline streams the weights through shared memory,
-    STAGES chunks in flight per program. The normed input row goes through a per-program scratch row first: the
-    loop's loads then feed the dots directly and pipeline with the weights."""
-    pid = tl.program_id(0)
-    m = tl.arange(0, 16)
-    m_mask = m < M
-    dtype = x_ptr.dtype.element_ty
-    if PHASE1:
-        j = tl.arange(0, BLOCK_N1)
-        first = pid * cols1
-        n_mask = j < tl.minimum(cols1, inter - first)
-        gate_rows = w1_ptr + (first + j).to(tl.int64)[:, None] * stride_w1
-        up_rows = gate_rows + inter * stride_w1
-        k = tl.arange(0, BLOCK_K1)
-        w_mask = n_mask[:, None] & (k < H)[None, :]
-        # weights are nobody's output: the first chunk loads before the wait for the kernel that writes x
-        wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)
-        wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
-        gdc_enter(USE_GDC)
-        inv = _inv_rms(x_ptr, res_ptr, m, m_mask, H, stride_xm, stride_rm, eps, HAS_RES, 16, BLOCK_X)
-        scratch = xn_ptr + pid * M * H
-        kx = tl.arange(0, BLOCK_X)
-        res_rows = tl.where(pid == 0, M, 0)  # program 0 writes the residual stream h
-        for k0 in range(0, H, BLOCK_X):
-            x_mask = m_mask[:, None] & (k0 + kx < H)[None, :]
-            xn = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k0 + kx, x_mask, H, stride_xm, stride_rm, stride_ro,
-                          inv, res_rows, False, True, HAS_RES)
-            tl.store(scratch + m[:, None] * H + (k0 + kx)[None, :], xn.to(dtype), mask=x_mask)
-        tl.debug_barrier()  # the row is in the scratch for every thread of this program
-        x_rows = scratch + m[:, None] * H
-        xk = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < H)[None, :], other=0.0)
-        acc_g = _dot_rows(xk, wg, tl.zeros([16, BLOCK_N1], dtype=tl.float32), F32)
-        acc_u = _dot_rows(xk, wu, tl.zeros([16, BLOCK_N1], dtype=tl.float32), F32)
-        for k0 in tl.range(BLOCK_K1, H, BLOCK_K1, num_stages=STAGES):
-            kk = k0 + k
-            k_mask = kk < H
-            xk = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wg = tl.load(gate_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            wu = tl.load(up_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_g = _dot_rows(xk, wg, acc_g, F32)
-            acc_u = _dot_rows(xk, wu, acc_u, F32)
-        gate = round_to(acc_g, dtype)  # the gate/up projection's output rounding, then kernels/silu_mul.py's
-        act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * round_to(acc_u, dtype), dtype)
-        tl.store(act_ptr + m[:, None] * stride_am + (first + j)[None, :], act.to(dtype),
-                 mask=m_mask[:, None] & n_mask[None, :])
-    else:
-        gdc_enter(USE_GDC)
-    if PHASE2:
-        jd = tl.arange(0, BLOCK_N2)
-        first_d = pid * cols2
-        nd_mask = jd < tl.minimum(cols2, H - first_d)
-        down_rows = w2_ptr + (first_d + jd).to(tl.int64)[:, None] * stride_w2
-        kd = tl.arange(0, BLOCK_K2)
-        v = tl.load(down_rows + kd[None, :], mask=nd_mask[:, None] & (kd < inter)[None, :], other=0.0)
-        if PHASE1:  # the first down chunk above is in flight while the slowest program finishes phase 1
-            _grid_barrier(sync_ptr, tl.num_programs(0))
-        a_rows = act_ptr + m[:, None] * stride_am
-        ak = tl.load(a_rows + kd[None, :], mask=m_mask[:, None] & (kd < inter)[None, :], other=0.0)
-        acc = _dot_rows(ak, v, tl.zeros([16, BLOCK_N2], dtype=tl.float32), F32)
-        for k0 in tl.range(BLOCK_K2, inter, BLOCK_K2, num_stages=STAGES):
-            kk = k0 + kd
-            k_mask = kk < inter
-            ak = tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            v = tl.load(down_rows + kk[None, :], mask=nd_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = _dot_rows(ak, v, acc, F32)
-        tl.store(out_ptr + m[:, None] * stride_om + (first_d + jd)[None, :], acc.to(dtype),
-                 mask=m_mask[:, None] & nd_mask[None, :])
-        if PHASE1:
-            _grid_leave(sync_ptr, tl.num_programs(0))
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -241,16 +153,14 @@ def new_sync(device: torch.device | str) -> torch.Tensor:
 
 def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               gate_up_weight: torch.Tensor, down_weight: torch.Tensor, sync: torch.Tensor,
-              split: bool | None = None, programs: int | None = None, num_warps: int | None = None,
-              tile: int = 16384, block_n: tuple[int, int] | None = None, dots: bool = False,
-              num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+              split: bool | None = None, programs: int | None = None, num_warps: int = 8,
+              tile: int = 16384, block_n: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(down(silu(gate) * up), h)` with `h = x (+ residual)` and `gate | up = rms_norm(h) @ gate_up_weight.T`,
     for `x` `[M <= 8, H]`, `gate_up_weight` `[2I, H]` (gate rows first), `down_weight` `[H, I]`. `h` is a new
     tensor (the residual stream for the next block), or `x` itself without a residual. `split`: the two phases as
     two launches instead of one with the grid barrier (default: on the CPU, the interpreter). `programs`: the
     grid (default and at most the SM count); `tile`: weights per block (columns x K, K whole), which sets the
-    columns per block; `block_n`: (gate/up, down) columns per block instead. `dots`: the tensor-core form
-    (bf16/fp16), its weights streamed through `num_stages` pipeline stages."""
+    columns per block; `block_n`: (gate/up, down) columns per block instead."""
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, H], unit stride"
     num_rows, hidden = x.shape
     inter = down_weight.shape[1]
@@ -261,6 +171,7 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     assert sync.dtype == torch.int32 and sync.numel() >= 2 and sync.device == x.device
     split = not x.is_cuda if split is None else split
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    act = torch.empty((num_rows, 2 * inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return out, res_out
@@ -275,46 +186,16 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 
     block_n1, block_n2 = block_n or (columns(cols1, block_k1), columns(cols2, block_k2))
     res = residual if residual is not None else x
-    if dots:
-        assert x.dtype in (torch.bfloat16, torch.float16), "the dots form takes bf16/fp16"
-        _launch_dots(x, res, residual is not None, norm_weight, eps, gate_up_weight, down_weight, res_out, out, sync,
-                     split, programs, num_warps or 4, num_stages)
-        return out, res_out
-    act = torch.empty((num_rows, 2 * inter), dtype=x.dtype, device=x.device)
     for phase in ((1,), (2,)) if split else ((1, 2),):
         _fused_mlp_kernel[(programs,)](
             x, res, norm_weight, gate_up_weight, down_weight, res_out, act, out, sync, num_rows, hidden, inter,
             cols1, cols2, x.stride(0), res.stride(0), res_out.stride(0), gate_up_weight.stride(0),
             down_weight.stride(0), act.stride(0), out.stride(0), eps,
             HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_N2=block_n2,
-            BLOCK_K2=block_k2, PHASE1=1 in phase, PHASE2=2 in phase, num_warps=num_warps or 8,
+            BLOCK_K2=block_k2, PHASE1=1 in phase, PHASE2=2 in phase, num_warps=num_warps,
             **pdl_launch(x, num_rows, programs),
         )
     return out, res_out
-
-
-def _launch_dots(x, res, has_res, norm_weight, eps, gate_up_weight, down_weight, res_out, out, sync, split, programs,
-                 num_warps, num_stages):
-    num_rows, hidden = x.shape
-    inter = down_weight.shape[1]
-    cols1, cols2 = triton.cdiv(inter, programs), triton.cdiv(hidden, programs)
-    block_n1 = max(16, triton.next_power_of_2(cols1))
-    block_n2 = max(16, triton.next_power_of_2(cols2))
-    # ~16 KB of weights per pipeline stage (gate and up: two tiles of block_n1 rows)
-    block_k1 = max(16, min(triton.next_power_of_2(hidden), 4096 // block_n1))
-    block_k2 = max(16, min(triton.next_power_of_2(inter), 8192 // block_n2))
-    scratch = torch.empty((programs, num_rows, hidden), dtype=x.dtype, device=x.device)
-    act = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
-    for phase in ((1,), (2,)) if split else ((1, 2),):
-        _fused_mlp_dot_kernel[(programs,)](
-            x, res, norm_weight, gate_up_weight, down_weight, res_out, scratch, act, out, sync, num_rows, hidden,
-            inter, cols1, cols2, x.stride(0), res.stride(0), res_out.stride(0), gate_up_weight.stride(0),
-            down_weight.stride(0), act.stride(0), out.stride(0), eps,
-            HAS_RES=has_res, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_N2=block_n2, BLOCK_K2=block_k2,
-            BLOCK_X=min(triton.next_power_of_2(hidden), 1024), STAGES=num_stages, PHASE1=1 in phase,
-            PHASE2=2 in phase, F32=not x.is_cuda, num_warps=num_warps, num_stages=num_stages,
-            **pdl_launch(x, num_rows, programs),
-        )
 
 
 def fused_mlp_ref(x, residual, norm_weight, eps, gate_up_weight, down_weight):

@@ -133,7 +133,7 @@ def fused_mlp_rows() -> int:
     return int(raw)
 
 
-FUSED_MLP_OPTIONS = ("programs", "num_warps", "tile", "dots", "num_stages")
+FUSED_MLP_OPTIONS = ("programs", "num_warps", "tile")
 
 
 def fused_mlp_options() -> dict[str, int]:

@@ -36,11 +36,10 @@ def _inputs(hidden, inter, rows, seed):
 @pytest.mark.parametrize("hidden,inter", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("dots", [False, True])
-def test_fused_mlp_matches_the_eager_ops(hidden, inter, rows, with_residual, dots):
+def test_fused_mlp_matches_the_eager_ops(hidden, inter, rows, with_residual):
     x, residual, norm_w, gate_up, down = _inputs(hidden, inter, rows, hidden + inter + rows)
     sync = new_sync(DEVICE)
-    out, h = fused_mlp(x, residual if with_residual else None, norm_w, EPS, gate_up, down, sync, dots=dots)
+    out, h = fused_mlp(x, residual if with_residual else None, norm_w, EPS, gate_up, down, sync)
     ref, ref_h = fused_mlp_ref(x, residual if with_residual else None, norm_w, EPS, gate_up, down)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert torch.equal(h, ref_h)  # the residual stream: one rounded add, written whole by block 0's program
@@ -68,22 +67,20 @@ def test_fused_mlp_equals_the_launches_it_replaces():
 
 @pytest.mark.skipif(IS_INTERPRETED, reason="one launch with the grid barrier needs a GPU")
 @pytest.mark.parametrize("programs", [None, 7])
-@pytest.mark.parametrize("dots", [False, True])
-def test_one_launch_equals_two_and_replays_in_a_graph(programs, dots):
+def test_one_launch_equals_two_and_replays_in_a_graph(programs):
     """The barrier version against the two-launch version, eager and replayed from a captured graph (the counters
     come back to zero after every launch, so each replay passes its barrier exactly once)."""
     x, residual, norm_w, gate_up, down = _inputs(1024, 3072, 1, 11)
     sync = new_sync(DEVICE)
-    two, h_two = fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, split=True, programs=programs, dots=dots)
-    one, h_one = fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, split=False, programs=programs, dots=dots)
+    two, h_two = fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, split=True, programs=programs)
+    one, h_one = fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, split=False, programs=programs)
     assert torch.equal(one, two) and torch.equal(h_one, h_two)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, programs=programs, dots=dots)  # compile first
+        fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, programs=programs)  # compile outside capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            outs = [fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, programs=programs, dots=dots)
-                    for _ in range(3)]
+            outs = [fused_mlp(x, residual, norm_w, EPS, gate_up, down, sync, programs=programs) for _ in range(3)]
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
