@@ -71,6 +71,7 @@ class KVCacheConfig:
     num_pages: int = 512  # pages per instance
     page_size: int = 16  # tokens per page
     dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16; attention reads it back)
+    prefix_caching: bool = True  # reuse earlier prompts' KV pages for a common start (text-only LMs)
 
 
 @dataclass(slots=True)

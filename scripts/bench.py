@@ -54,7 +54,8 @@ def deployment(args) -> dict:
             **({"decode_buckets": args.decode_buckets} if args.decode_buckets else {}),
             **({"prefill_token_buckets": args.token_buckets} if args.token_buckets else {}),
         }},
-        "resources": {"kv_cache": {"num_pages": args.num_pages, "page_size": args.page_size, "dtype": args.kv_dtype},
+        "resources": {"kv_cache": {"num_pages": args.num_pages, "page_size": args.page_size, "dtype": args.kv_dtype,
+                                   "prefix_caching": args.prefix_caching},
                       "max_model_len": args.max_model_len, "max_batch_tokens": args.max_batch_tokens},
         "max_concurrent_requests": args.max_concurrent,
         "admission": {"queue_timeout_s": None, "request_timeout_s": None},
@@ -172,7 +173,8 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
 
 def cmd_serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
-                   "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend}
+                   "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
+                   "prefix_caching": args.prefix_caching}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
@@ -377,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="the KV pool's element type (resources.kv_cache.dtype; auto: the model's)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="serve with the prefix cache on (resources.kv_cache.prefix_caching). Off by default: the "
+                        "levels reuse the workload's prompts, so a cache would skip their prefills")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     add_baseline_args(p)

@@ -276,7 +276,8 @@ def _overrides(pairs: list[str]) -> dict:
 
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path,
                  codec_in_process: bool = False, kv_dtype: str | None = None,
-                 first_chunk_frames: int | str | None = None, model_kwargs: dict | None = None):
+                 first_chunk_frames: int | str | None = None, model_kwargs: dict | None = None,
+                 prefix_caching: bool = False):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, render_repository
@@ -291,6 +292,8 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
         raw["model_kwargs"]["codec_in_process"] = True
     if kv_dtype:
         raw["resources"]["kv_cache"]["dtype"] = kv_dtype
+    # every stream speaks the same text: a prefix cache would skip the prompts' prefills (off unless asked)
+    raw["resources"]["kv_cache"]["prefix_caching"] = prefix_caching
     if first_chunk_frames:
         raw["model_kwargs"]["first_chunk_frames"] = first_chunk_frames
     raw["model_kwargs"].update(model_kwargs or {})
@@ -387,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up streams before measuring")
     parser.add_argument("--codec-in-process", action="store_true", help="SNAC inside the LM component (no BLS hop)")
     parser.add_argument("--kv-dtype", help="override resources.kv_cache.dtype (auto | fp8_e4m3)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="serve with the prefix cache on (every stream has the same prompt; off by default)")
     parser.add_argument("--first-chunk-frames", type=lambda v: v if v == "auto" else int(v),
                         help="override model_kwargs.first_chunk_frames (frames in each stream's first response, "
                              "or auto)")
@@ -422,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             elif url is None:
                 proc, url, model, _ = start_server(args.config, args.checkpoint, max(concurrencies), Path(workdir),
                                                    args.codec_in_process, args.kv_dtype, args.first_chunk_frames,
-                                                   _overrides(args.set))
+                                                   _overrides(args.set), args.prefix_caching)
             if concurrencies:
                 warm = bench_served(url, model, args.warmup, min(args.tokens, 140), timeout_s=60)
                 print("warm-up:", _brief(warm), flush=True)

@@ -71,6 +71,7 @@ def main() -> int:
             codec_throughput(build_codec(raw, dtype, checkpoint, args.device), dtype)
         return 0
     raw["resources"]["kv_cache"]["dtype"] = args.kv_dtype
+    raw["resources"]["kv_cache"]["prefix_caching"] = False  # one prompt for every stream: keep its prefills
     dep = deployment_from_dict(raw, source=args.config.name)
     checkpoint = resolve_checkpoint(args.checkpoint, OrpheusFamily.builtin_checkpoints)
     rt = OrpheusFamily().build_component("lm", dep, checkpoint, args.device)

@@ -63,10 +63,11 @@ class AREngine:
         self.eos_token_ids = frozenset(_check_eos(eos_token_ids, vocab_size))
         dtype = _DTYPES[config.dtype]
         _check_model_placement(model, dtype, self.device)
-        self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
+        hooks = model if hasattr(model, "admit_request") else None  # scheduler.RequestHooks
+        self.allocator = PageAllocator(config.num_kv_pages, config.page_size,
+                                       prefix_caching=_prefix_caching(model, config, hooks))
         kv_dtype = dtype if config.kv_dtype == "auto" else _KV_DTYPES[config.kv_dtype]
         self.kv_cache = KVCache(model.kv_spec, config.num_kv_pages, config.page_size, kv_dtype, self.device)
-        hooks = model if hasattr(model, "admit_request") else None  # scheduler.RequestHooks
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens, hooks)
         self._needs_history = getattr(model, "logits_need_history", None)
         offset, width = logits_window(model, vocab_size)
@@ -158,6 +159,10 @@ class AREngine:
             "num_used_pages": self.allocator.num_used_pages,
             "num_reserved_pages": self.allocator.num_reserved_pages,
             "num_free_pages": self.allocator.num_free_pages,
+            "num_cached_pages": self.allocator.num_cached_pages,
+            "prefix_cache_queried_tokens": self.allocator.num_prefix_queried_tokens,
+            "prefix_cache_hit_tokens": self.allocator.num_prefix_hit_tokens,
+            "prefix_cache_evicted_pages": self.allocator.num_evicted_pages,
             "num_steps": self.num_steps,
             "num_refused": self.admission.num_refused,
             "num_expired": self.admission.num_expired,
@@ -225,6 +230,7 @@ class AREngine:
             return None
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            pending.written.append((chunk.seq, chunk.seq.num_computed_tokens))
         for row, seq in enumerate(pending.seqs):
             pending.indices.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER)
@@ -245,6 +251,7 @@ class AREngine:
             return
         if times is not None:
             times.tokens_ready(pending.event, delivered - waited)
+        self._commit(pending.written)  # the step has run: its KV is written
         for seq, index, token in zip(pending.seqs, pending.indices, tokens, strict=True):
             if seq.is_finished:
                 continue  # stopped (or cancelled) while this step was in flight: its row was wasted
@@ -301,6 +308,7 @@ class AREngine:
         sampling = [chunk.seq for chunk in plan.chunks if chunk.is_sampling]
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+        self._commit([(chunk.seq, chunk.seq.num_computed_tokens) for chunk in plan.chunks])
         for seq, token in zip(sampling, tokens, strict=True):
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token, seq.num_output_tokens)
@@ -308,6 +316,12 @@ class AREngine:
                 self._deliver(seq, [token], None, None)
             else:
                 self._finish(seq, reason, [token])
+
+    def _commit(self, written: list[tuple[Sequence, int]]) -> None:
+        """Key the pages whose KV a completed step wrote in the prefix index (before any of them ends)."""
+        for seq, num_tokens in written:
+            if not seq.is_finished:
+                self.allocator.commit(seq.page_table, seq.token_ids, num_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int) -> FinishReason | None:
         """Why `seq` ends at `token`, its `num_output_tokens`-th output, or None."""
@@ -435,6 +449,18 @@ def _check_config(config: EngineConfig) -> None:
         value = getattr(config, name)
         if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
             raise ValueError(f"EngineConfig.{name} must be None or a finite number > 0, got {value!r}")
+
+
+def _prefix_caching(model: CausalLM, config: EngineConfig, hooks: Any) -> bool:
+    """Whether the prefix cache may key this model's pages: its KV must be a function of the token ids alone
+    (`supports_prefix_caching`), and a model with per-request state beside the pages (request hooks, e.g.
+    Whisper's cross-attention to its audio) never is."""
+    if not config.prefix_caching:
+        return False
+    if not getattr(model, "supports_prefix_caching", False) or hooks is not None:
+        logger.info("prefix caching off: this model's KV depends on more than the token ids")
+        return False
+    return True
 
 
 def _resolve_max_model_len(model: CausalLM, config: EngineConfig) -> int:

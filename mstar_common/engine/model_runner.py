@@ -124,6 +124,7 @@ class PendingStep:
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, event=None) -> None:
         self.seqs = seqs
         self.indices: list[int] = []  # where each row's token goes in its token list (set by the engine)
+        self.written: list[tuple[Sequence, int]] = []  # each chunk's sequence, and its tokens with KV after this step
         self._tokens, self.event = tokens, event
 
     def tokens(self) -> list[int]:

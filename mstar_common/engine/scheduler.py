@@ -1,5 +1,8 @@
 """Continuous batching with chunked prefill, FIFO admission by KV footprint, no preemption.
 
+An admitted prompt starts from the pages the prefix cache matched (engine/kv_cache.py): its prefill computes only
+the tokens after them.
+
 Each step packs, within `max_batch_tokens`: every running decode (one token each), then prefill chunks of
 admitted sequences still prefilling (oldest first), then newly admitted sequences from the head of the
 queue while `max_num_seqs` and the unreserved KV pages allow. Admission is strictly FIFO: when the head of
@@ -125,6 +128,10 @@ class Scheduler:
                 self.refused.append((seq, f"{type(exc).__name__}: {exc}"))
                 return None
         self.allocator.allocate(seq.page_table, self.footprint(seq))
+        # pages whose KV an earlier prompt with the same start left in the prefix index (kv_cache.py); the last
+        # prompt token is always computed, since its row samples the first output
+        max_pages = (seq.num_prompt_tokens - 1) // self.allocator.page_size
+        seq.num_computed_tokens = self.allocator.match_prefix(seq.page_table, seq.token_ids, max_pages)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return seq

@@ -113,6 +113,8 @@ class DecoderModel(nn.Module):
 class DecoderOnlyLM(nn.Module):
     """Implements the engine's `CausalLM` contract (`mstar_common/engine/model_runner.py`)."""
 
+    supports_prefix_caching = True  # the KV of a position depends only on the token ids up to it
+
     def __init__(self, layer: DecoderLayerConfig, num_layers: int, vocab_size: int, rope_theta: float,
                  max_position_embeddings: int, tie_word_embeddings: bool,
                  attn_backend: AttentionBackend | None = None, rope_scaling: dict[str, float] | None = None) -> None:

@@ -39,3 +39,10 @@ def test_kv_dtype_default_is_the_models_and_bad_values_are_refused(bench, monkey
     with pytest.raises(SystemExit):
         _serve_args(bench, monkeypatch, "--kv-dtype", "fp4")
     assert "--kv-dtype" in capsys.readouterr().err
+
+
+def test_the_benchmark_serves_without_the_prefix_cache_unless_asked(bench, monkeypatch):
+    """Its levels reuse the workload's prompts, so a prefix cache would skip their prefills and flatter TTFT."""
+    for extra, expected in (((), False), (("--prefix-caching",), True)):
+        dep = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, *extra)), source="test")
+        assert dep.resources.kv_cache.prefix_caching is expected

@@ -121,6 +121,7 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         num_kv_pages=kv.num_pages, page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
         max_batch_tokens=dep.resources.max_batch_tokens, max_model_len=dep.resources.max_model_len,
         dtype=dtype, kv_dtype=dep.resources.kv_cache.dtype, device=device,
+        prefix_caching=dep.resources.kv_cache.prefix_caching,
         max_queue=dep.admission.resolved_max_queue(dep.max_concurrent_requests),
         queue_timeout_s=dep.admission.queue_timeout_s, request_timeout_s=dep.admission.request_timeout_s,
     )

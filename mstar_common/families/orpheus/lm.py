@@ -49,6 +49,7 @@ class AudioTokenLM(nn.Module):
         self.custom_start, self.vocab_size = custom_start, vocab_size
         self.logits_offset = custom_start  # compute_logits covers ids [custom_start, vocab_size)
         self.kv_spec = lm.kv_spec
+        self.supports_prefix_caching = getattr(lm, "supports_prefix_caching", False)
         self.max_position_embeddings = lm.max_position_embeddings
 
     @property

@@ -74,7 +74,7 @@ class Qwen3Family(Family):
             max_num_seqs=dep.max_concurrent_requests,
             max_batch_tokens=dep.resources.max_batch_tokens,
             max_model_len=dep.resources.max_model_len,
-            dtype=dtype, kv_dtype=dep.resources.kv_cache.dtype,
+            dtype=dtype, kv_dtype=dep.resources.kv_cache.dtype, prefix_caching=dep.resources.kv_cache.prefix_caching,
             device=device,
             max_queue=dep.admission.resolved_max_queue(dep.max_concurrent_requests),
             queue_timeout_s=dep.admission.queue_timeout_s,
