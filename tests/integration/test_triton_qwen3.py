@@ -61,6 +61,25 @@ def test_greedy_tokens_equal_transformers_eight_at_once(served, reference):
         assert got[f"batch-{i}"].finish_reason == want_reason
 
 
+def test_prompts_sharing_a_long_start_match_transformers_through_the_prefix_cache(served, reference):
+    """The deployment's prefix cache is on (the default): prompts that start with the same 70+ tokens, sent one
+    after another, take the earlier prompts' pages and prefill only their ends. Greedy tokens still equal
+    transformers', which computes every prompt whole."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _ = reference
+    model = AutoModelForCausalLM.from_pretrained(str(served.checkpoint), dtype=torch.float32).eval()
+    system = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
+    assert len(system) >= 64  # four pages of 16 or more, shared by every prompt below
+    for i, prompt in enumerate(PROMPTS[:3] + PROMPTS[:1]):  # the last repeats the first exactly
+        ids = system + tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):]
+        got = run_stream(served.grpc_url, served.entry, {f"shared-{i}": _request(ids)})[f"shared-{i}"]
+        assert got.error is None
+        assert got.token_ids == want.tolist(), prompt
+
+
 def test_text_input_streams_decoded_text(served, reference):
     tokenizer, expected = reference
     prompt = PROMPTS[1]
