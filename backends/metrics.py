@@ -26,6 +26,7 @@ GAUGES = {
     "num_used_pages": ("mstar_kv_pages_used", "paged-KV pages holding tokens"),
     "num_reserved_pages": ("mstar_kv_pages_reserved", "paged-KV pages reserved by admitted requests"),
     "num_free_pages": ("mstar_kv_pages_free", "paged-KV pages free"),
+    "num_cached_pages": ("mstar_kv_pages_cached", "paged-KV pages no request holds, kept for the prefix cache"),
     "num_used_state_slots": ("mstar_state_slots_used", "recurrent-state pool slots held (0: no state pool)"),
     "num_codec_streams": ("mstar_codec_streams", "speech streams holding codec state (0: no codec edge)"),
 }
@@ -36,6 +37,10 @@ COUNTERS = {
     "num_rows_stepped": ("mstar_engine_rows_stepped_total", "rows the engine's steps advanced (per step: its batch)"),
     "num_refused": ("mstar_requests_overloaded_total", "requests refused because the queue was full (429)"),
     "num_expired": ("mstar_requests_expired_total", "requests ended by their deadline or queue wait limit"),
+    "prefix_cache_queried_tokens": ("mstar_prefix_cache_queried_tokens_total",
+                                    "prompt tokens looked up in the prefix cache at admission"),
+    "prefix_cache_hit_tokens": ("mstar_prefix_cache_hit_tokens_total",
+                                "prompt tokens whose KV the prefix cache supplied (their prefill skipped)"),
 }
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 # LatencySamples attribute -> (series, help)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import time
+import urllib.request
+
 import pytest
 import torch
 
@@ -78,6 +82,10 @@ def test_prompts_sharing_a_long_start_match_transformers_through_the_prefix_cach
         got = run_stream(served.grpc_url, served.entry, {f"shared-{i}": _request(ids)})[f"shared-{i}"]
         assert got.error is None
         assert got.token_ids == want.tolist(), prompt
+    time.sleep(0.3)  # one metrics period
+    text = urllib.request.urlopen(served.metrics_url, timeout=5).read().decode()
+    hits = sum(float(v) for v in re.findall(r"^mstar_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+    assert hits >= 3 * (len(system) // 16) * 16  # the three prompts after the first matched the shared pages
 
 
 def test_text_input_streams_decoded_text(served, reference):
