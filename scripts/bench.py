@@ -138,36 +138,44 @@ def prompt_text_for(checkpoint: Path | None):
 
 
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
-    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature)
+    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
+                        shared_prefix_len=args.shared_prefix_len)
     triton = TritonDriver(grpc_url, entry)
     runs = []
+    issued = 0
+
+    def requests(count: int) -> list[dict]:  # new prompts for every level (none repeats within a run)
+        nonlocal issued
+        issued += count
+        return workload.requests(count, first=issued - count)
 
     def record(target: str, records, **load) -> None:
         summary = summarize(records)
         runs.append({"target": target, **load, "workload": {"prompt_len": workload.prompt_len,
                                                             "output_len": workload.output_len,
-                                                            "temperature": workload.temperature},
+                                                            "temperature": workload.temperature,
+                                                            "shared_prefix_len": workload.shared_prefix_len},
                      "summary": summary})
         s = summary
         print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
               f"TTFT p50 {s['ttft_ms']['p50']} ms, ITL p50/p99 {s['itl_ms']['p50']}/{s['itl_ms']['p99']} ms, "
               f"errors {s['num_errors']}", flush=True)
 
-    triton.run(workload.requests(args.warmup), concurrency=args.warmup)  # warm-up (not recorded)
+    triton.run(requests(args.warmup), concurrency=args.warmup)  # warm-up (not recorded)
     for conc in args.concurrency:
         count = max(args.min_requests, args.requests_per_level * conc)
-        record("triton", triton.run(workload.requests(count), concurrency=conc), concurrency=conc)
+        record("triton", triton.run(requests(count), concurrency=conc), concurrency=conc)
     for rate in args.rates:
         count = max(args.min_requests, int(rate * args.poisson_seconds))
-        record("triton", triton.run(workload.requests(count), rate=rate), rate=rate)
+        record("triton", triton.run(requests(count), rate=rate), rate=rate)
     if proxy_url is not None:
         openai = OpenAIDriver(proxy_url, args.name, prompt_text_for(checkpoint))
         for conc in args.proxy_concurrency:
             count = max(args.min_requests, args.requests_per_level * conc)
-            record("openai", openai.run(workload.requests(count), concurrency=conc), concurrency=conc)
+            record("openai", openai.run(requests(count), concurrency=conc), concurrency=conc)
         for rate in args.proxy_rates:
             count = max(args.min_requests, int(rate * args.poisson_seconds))
-            record("openai", openai.run(workload.requests(count), rate=rate), rate=rate)
+            record("openai", openai.run(requests(count), rate=rate), rate=rate)
     return runs
 
 
@@ -327,8 +335,11 @@ def meta(command: str | None) -> dict:
 def cmd_perf_analyzer_data(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature)
+    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
+                        shared_prefix_len=args.shared_prefix_len)
     name = f"fixed_{args.prompt_len}in_{args.output_len}out"
+    if args.shared_prefix_len:
+        name += f"_{args.shared_prefix_len}shared"
     (out / f"{name}.json").write_text(json.dumps(perf_analyzer_data(workload.requests(args.num_prompts))))
     print(f"[bench] wrote {out / name}.json")
     return 0
@@ -339,6 +350,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="leading prompt tokens every request shares (a system prompt; with --prefix-caching the "
+                        "served prompts then match it); the rest of each prompt is its own")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
     p.add_argument("--proxy-concurrency", type=int, nargs="*", default=[])
@@ -380,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="the KV pool's element type (resources.kv_cache.dtype; auto: the model's)")
     p.add_argument("--prefix-caching", action="store_true",
-                   help="serve with the prefix cache on (resources.kv_cache.prefix_caching). Off by default: the "
-                        "levels reuse the workload's prompts, so a cache would skip their prefills")
+                   help="serve with the prefix cache on (resources.kv_cache.prefix_caching). Off by default, so "
+                        "the figures are full prefills: the proxy's prompts are all alike, and "
+                        "--shared-prefix-len makes the Triton prompts share a start")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     add_baseline_args(p)
@@ -413,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens every request shares")
     p.set_defaults(func=cmd_perf_analyzer_data)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,10 @@
 """Workloads: fixed-length prompts and outputs, and their perf_analyzer input-data files.
 
 A workload is one prompt length, one output length (`ignore_eos`, so every request decodes exactly that
-many tokens) and greedy or sampled decoding. The same requests are written as perf_analyzer input-data JSON
+many tokens) and greedy or sampled decoding. Request `i` of a workload is the same in every call (its tokens
+come from the seed and `i`), and a sweep numbers its requests across levels, so no two requests of a run share
+a prompt; with `shared_prefix_len` every prompt starts with the same that many tokens (a system prompt, for the
+prefix cache). The same requests are written as perf_analyzer input-data JSON
 (`perf_analyzer_configs/`), and `load_perf_analyzer_data` reads such a file back into requests, so our
 harness and perf_analyzer send the same thing.
 """
@@ -23,16 +26,26 @@ class Workload:
     output_len: int = 256
     temperature: float = 0.0
     seed: int = 0
+    shared_prefix_len: int = 0  # leading tokens every prompt has in common
 
-    def requests(self, count: int) -> list[dict]:
-        """`count` requests (tensor name -> value, see mstar_common/wire.py), deterministic per seed."""
-        rng = random.Random(self.seed)
+    def __post_init__(self) -> None:
+        if not 0 <= self.shared_prefix_len <= self.prompt_len:
+            raise ValueError(f"shared_prefix_len must be in [0, prompt_len={self.prompt_len}], "
+                             f"got {self.shared_prefix_len}")
+
+    def requests(self, count: int, first: int = 0) -> list[dict]:
+        """Requests `first .. first + count - 1` (tensor name -> value, see mstar_common/wire.py)."""
+        shared = _tokens(random.Random(f"{self.seed}:shared"), self.shared_prefix_len)
         out = []
-        for _ in range(count):
-            ids = [rng.randrange(*PROMPT_ID_RANGE) for _ in range(self.prompt_len)]
+        for index in range(first, first + count):
+            ids = shared + _tokens(random.Random(f"{self.seed}:{index}"), self.prompt_len - self.shared_prefix_len)
             out.append({"input_ids": ids, "max_tokens": self.output_len, "ignore_eos": True,
                         "temperature": self.temperature})
         return out
+
+
+def _tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(*PROMPT_ID_RANGE) for _ in range(count)]
 
 
 def perf_analyzer_data(requests: list[dict]) -> dict:

@@ -42,7 +42,22 @@ def test_kv_dtype_default_is_the_models_and_bad_values_are_refused(bench, monkey
 
 
 def test_the_benchmark_serves_without_the_prefix_cache_unless_asked(bench, monkeypatch):
-    """Its levels reuse the workload's prompts, so a prefix cache would skip their prefills and flatter TTFT."""
+    """Its figures are full prefills unless asked: the proxy's prompts are all alike, which a cache would skip."""
     for extra, expected in (((), False), (("--prefix-caching",), True)):
         dep = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, *extra)), source="test")
         assert dep.resources.kv_cache.prefix_caching is expected
+
+
+def test_workload_prompts_are_distinct_across_a_run_and_share_only_the_asked_start():
+    from mstar_common.bench.workload import Workload
+
+    plain = Workload("w", prompt_len=64, output_len=4)
+    first, later = plain.requests(3), plain.requests(3, first=3)
+    assert plain.requests(3) == first  # the same requests again for the same numbers
+    prompts = [r["input_ids"] for r in first + later]
+    assert all(len(p) == 64 for p in prompts) and len({tuple(p[:8]) for p in prompts}) == 6
+    shared = Workload("w", prompt_len=64, output_len=4, shared_prefix_len=40).requests(4)
+    starts = {tuple(r["input_ids"][:40]) for r in shared}
+    assert len(starts) == 1 and len({tuple(r["input_ids"][40:]) for r in shared}) == 4
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        Workload("w", prompt_len=8, output_len=4, shared_prefix_len=9)
