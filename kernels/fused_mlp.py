@@ -6,14 +6,17 @@ projection, SwiGLU and the down projection, with a grid-wide barrier between the
 Why. A one-row decode step is a chain of ~270 short kernels, and the GPU spends most of the step in their latency
 chain rather than in weight bytes (docs/benchmarks.md). Here the grid is one program per SM, and each owns one
 contiguous slice of gate/up columns and one of down columns, taken a block of columns (by the whole K) at a time,
-with the load of the block two ahead issued before this block's sums (a persistent program must keep its own loads in
-flight: there are no other programs on its SM to hide their latency). In phase 1 each program takes the row's
-mean of squares itself, as kernels/gemv.py `norm_gemv` does. Each program then loads the first block of its
-down-projection weights, arrives at the barrier (an atomic
-counter, release/acquire at GPU scope), and waits there for the others' gate/up columns. So the down weights are
-in flight while the slowest program finishes phase 1, and the chain has one link where it had three
-(norm, gate_up, down). Launched with PDL (kernels/_pdl.py), phase 1's first weight chunk also loads before the
-wait for the kernel that writes `x`.
+with the load of the block two ahead issued before this block's sums (a persistent program must keep its own
+loads in flight: no other program on its SM hides their latency). In phase 1 each program takes the row's mean
+of squares itself, as kernels/gemv.py `norm_gemv` does. Each program then loads the first two blocks of its
+down-projection weights, arrives at the barrier (an atomic counter, release/acquire at GPU scope) and waits
+there for the others' gate/up columns: the down weights are in flight while the slowest program finishes phase
+1, and the chain has one link where it had three (norm, gate_up, down). Launched with PDL (kernels/_pdl.py),
+phase 1's first two blocks also load before the wait for the kernel that writes `x`.
+
+Measured slower than the three PDL-chained launches it replaces (H200, one-row steps: Qwen3-0.6B 0.851 -> 0.918
+ms, Llama-3.2-3B 2.252 -> 2.866 ms; docs/benchmarks.md), so the layers use it only when asked
+(`MSTAR_FUSED_MLP_ROWS`). Its barrier is what a whole-step persistent kernel would need.
 
 The barrier needs every program resident at once: the grid is at most the SM count, and one program per SM
 always fits. A counter pair per caller (`sync`, two int32 zeros) is handed back at zero by the last program to
