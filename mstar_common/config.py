@@ -71,7 +71,9 @@ class KVCacheConfig:
     num_pages: int = 512  # pages per instance
     page_size: int = 16  # tokens per page
     dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16; attention reads it back)
-    prefix_caching: bool = True  # reuse earlier prompts' KV pages for a common start (text-only LMs)
+    # reuse earlier prompts' KV pages for a common start. null (default): on where the model's KV depends only on
+    # the token ids; true: the same, and a family whose KV does not is refused at startup; false: off
+    prefix_caching: bool | None = None
 
 
 @dataclass(slots=True)

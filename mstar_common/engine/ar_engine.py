@@ -454,10 +454,13 @@ def _check_config(config: EngineConfig) -> None:
 def _prefix_caching(model: CausalLM, config: EngineConfig, hooks: Any) -> bool:
     """Whether the prefix cache may key this model's pages: its KV must be a function of the token ids alone
     (`supports_prefix_caching`), and a model with per-request state beside the pages (request hooks, e.g.
-    Whisper's cross-attention to its audio) never is."""
-    if not config.prefix_caching:
+    Whisper's cross-attention to its audio) never is. Asked for (`True`) on such a model: a ValueError."""
+    if config.prefix_caching is False:
         return False
     if not getattr(model, "supports_prefix_caching", False) or hooks is not None:
+        if config.prefix_caching:
+            raise ValueError("prefix_caching: true, but this model's KV depends on more than its token ids "
+                             "(per-request inputs beside them), so no prompt prefix of it can be reused")
         logger.info("prefix caching off: this model's KV depends on more than the token ids")
         return False
     return True

@@ -95,7 +95,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output cap; None: the checkpoint's max_position_embeddings
     dtype: str = "float32"  # float32 | bfloat16 | float16
     kv_dtype: str = "auto"  # the KV pool's element type: auto (= dtype) | fp8_e4m3 (stored rounded, scale 1)
-    prefix_caching: bool = True  # reuse the KV pages of earlier prompts' common starts (models that allow it)
+    # reuse the KV pages of earlier prompts' common starts: None (default) where the model allows it, True the same
+    # and refused (ValueError) for a model that does not, False off
+    prefix_caching: bool | None = None
     device: str = "cpu"
     max_queue: int | None = None  # requests waiting beyond max_num_seqs before new ones are refused; None: no cap
     queue_timeout_s: float | None = None  # the longest a request waits for admission; None: no limit

@@ -52,10 +52,11 @@ def test_wrong_type_names_the_key():
     _refused(_with(max_concurrent_requests="many"), "max_concurrent_requests", "integer")
 
 
-def test_prefix_caching_is_on_by_default_and_must_be_a_boolean():
-    assert deployment_from_dict(copy.deepcopy(BASE)).resources.kv_cache.prefix_caching is True
-    off = deployment_from_dict(_with(resources__kv_cache__prefix_caching=False))
-    assert off.resources.kv_cache.prefix_caching is False
+def test_prefix_caching_is_auto_by_default_and_must_be_a_boolean():
+    assert deployment_from_dict(copy.deepcopy(BASE)).resources.kv_cache.prefix_caching is None
+    for value in (True, False):
+        dep = deployment_from_dict(_with(resources__kv_cache__prefix_caching=value))
+        assert dep.resources.kv_cache.prefix_caching is value
     _refused(_with(resources__kv_cache__prefix_caching="no"), "resources.kv_cache.prefix_caching")
 
 

@@ -134,11 +134,13 @@ def test_models_whose_kv_is_not_a_function_of_the_ids_get_no_prefix_cache():
     class IdsOnly:
         supports_prefix_caching = True
 
-    config = EngineConfig()
-    assert _prefix_caching(IdsOnly(), config, None)
-    assert not _prefix_caching(IdsOnly(), EngineConfig(prefix_caching=False), None)
-    assert not _prefix_caching(IdsOnly(), config, hooks=object())  # per-request state, e.g. Whisper's audio
-    assert not _prefix_caching(object(), config, None)  # not declared
+    auto, on, off = EngineConfig(), EngineConfig(prefix_caching=True), EngineConfig(prefix_caching=False)
+    assert _prefix_caching(IdsOnly(), auto, None) and _prefix_caching(IdsOnly(), on, None)
+    assert not _prefix_caching(IdsOnly(), off, None)
+    assert not _prefix_caching(IdsOnly(), auto, hooks=object())  # per-request state, e.g. Whisper's audio
+    assert not _prefix_caching(object(), auto, None)  # not declared
+    with pytest.raises(ValueError, match="prefix_caching: true"):
+        _prefix_caching(object(), on, None)  # asked for explicitly: refused, not quietly off
 
 
 def _serve(loaded, token_lists, sequential: bool, **config) -> tuple[list[list[int]], dict]:  # noqa: F811

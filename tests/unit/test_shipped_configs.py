@@ -25,3 +25,16 @@ def test_the_streams_deployment_differs_from_the_default_only_where_it_says():
     assert streams.resources.kv_cache.dtype == "fp8_e4m3" and base.resources.kv_cache.dtype == "auto"
     extra = {k: v for k, v in streams.model_kwargs.items() if base.model_kwargs.get(k) != v}
     assert extra == {"codec_in_process": True, "first_chunk_frames": "auto"}
+
+
+def test_whisper_refuses_an_explicit_prefix_cache():
+    """Its decoder's KV depends on the audio too: `prefix_caching: true` is refused at startup, unset it is off."""
+    import dataclasses
+
+    from mstar_common.config import DeploymentError
+
+    dep = load_deployment(Path(CONFIGS[0]).parent / "whisper.yaml")
+    validate_deployment(dep, "whisper.yaml")  # unset: valid (off for this family)
+    dep.resources.kv_cache = dataclasses.replace(dep.resources.kv_cache, prefix_caching=True)
+    with pytest.raises(DeploymentError, match="resources.kv_cache.prefix_caching"):
+        validate_deployment(dep, "whisper.yaml")

@@ -83,6 +83,10 @@ class WhisperFamily(Family):
         if body_cap is not None and options.max_audio_bytes > body_cap:
             raise DeploymentError(f"{source}: model_kwargs.max_audio_bytes: {options.max_audio_bytes} exceeds "
                                   f"limits.max_body_bytes ({body_cap}); the proxy would refuse such uploads first")
+        if dep.resources.kv_cache.prefix_caching:
+            raise DeploymentError(f"{source}: resources.kv_cache.prefix_caching: the decoder's KV depends on the "
+                                  "audio as well as the token ids, so whisper cannot reuse prompt prefixes "
+                                  "(leave it unset or false)")
         check_kv_pool_holds_cap(dep, source)
 
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
