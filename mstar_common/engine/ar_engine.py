@@ -319,6 +319,8 @@ class AREngine:
 
     def _commit(self, written: list[tuple[Sequence, int]]) -> None:
         """Key the pages whose KV a completed step wrote in the prefix index (before any of them ends)."""
+        if not self.allocator.prefix_caching:
+            return
         for seq, num_tokens in written:
             if not seq.is_finished:
                 self.allocator.commit(seq.page_table, seq.token_ids, num_tokens)

@@ -160,17 +160,8 @@ def test_norms_inside_the_gemv_match_the_norm_kernels(separated, monkeypatch):
     (kernels/gemv.py norm_gemv). Against the same engine with the separate norm kernels: equal tokens or ties."""
     import kernels.gemv as gemv_module
 
-    prompts = _prompts(4, 100, seed=4)
-    monkeypatch.setenv("MSTAR_NORM_GEMV", "0")
-    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
-    monkeypatch.setenv("MSTAR_NORM_GEMV", "1")
-    calls = []
-    real = gemv_module.norm_gemv
-    monkeypatch.setattr(gemv_module, "norm_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    outputs = [generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
-               for graphs in (False, True)]
-    assert calls and set(calls) <= {1, 2, 3, 4}, "the fused launch ran, and only in steps of <= 4 rows"
-    _assert_near_ties(separated, prompts, reference, outputs)
+    _assert_switch_keeps_tokens(separated, monkeypatch, "MSTAR_NORM_GEMV", "1", gemv_module, "norm_gemv",
+                                max_rows=4, seed=4)
 
 
 def test_the_persistent_mlp_kernel_matches_the_separate_launches(separated, monkeypatch):
@@ -178,17 +169,25 @@ def test_the_persistent_mlp_kernel_matches_the_separate_launches(separated, monk
     barrier (kernels/fused_mlp.py), eager and replayed. Against the same engine without it: equal tokens or ties."""
     import kernels.fused_mlp as fused_module
 
-    prompts = _prompts(4, 100, seed=6)
-    monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", "0")
-    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
-    monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", "2")
+    _assert_switch_keeps_tokens(separated, monkeypatch, "MSTAR_FUSED_MLP_ROWS", "2", fused_module, "fused_mlp",
+                                max_rows=2, seed=6)
+
+
+def _assert_switch_keeps_tokens(checkpoint: Path, monkeypatch, switch: str, on: str, module, launch: str,
+                                max_rows: int, seed: int) -> None:
+    """With the environment `switch` at `on`, `module.launch` runs (counted), only in steps of <= `max_rows` rows,
+    and the tokens, eager and replayed, equal or tie those of the engine with the switch at 0."""
+    prompts = _prompts(4, 100, seed=seed)
+    monkeypatch.setenv(switch, "0")
+    reference = generate(checkpoint, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    monkeypatch.setenv(switch, on)
     calls = []
-    real = fused_module.fused_mlp
-    monkeypatch.setattr(fused_module, "fused_mlp", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    outputs = [generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
+    real = getattr(module, launch)
+    monkeypatch.setattr(module, launch, lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    outputs = [generate(checkpoint, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
                for graphs in (False, True)]
-    assert calls and set(calls) <= {1, 2}, "the persistent launch ran, and only in steps of <= 2 rows"
-    _assert_near_ties(separated, prompts, reference, outputs)
+    assert calls and set(calls) <= set(range(1, max_rows + 1)), f"{launch} ran, and only in steps of <= {max_rows} rows"
+    _assert_near_ties(checkpoint, prompts, reference, outputs)
 
 
 def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:
