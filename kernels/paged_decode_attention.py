@@ -19,8 +19,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels._pdl import gdc_enter, pdl_launch
+from kernels._rounding import round_to
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner iteration
@@ -170,6 +172,128 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
 
 
 @triton.jit
+def _norm_rope_heads(qkv_ptr, w_ptr, row, stride_qkv, heads, h_mask, c, s, eps, HAS_NORM: tl.constexpr,
+                     HEAD_DIM: tl.constexpr):
+    """Heads `heads` of the packed projection's `row`, RMS-normed per head (with `HAS_NORM`) and rotated
+    (rotate-half pairing, angles `c`/`s` [HEAD_DIM]), as fp32 [R, HEAD_DIM] holding model-dtype values: the
+    roundings of kernels/qk_norm_rope_kv.py (norm, weight multiply, `x*cos`, `partner*sin`, sum)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    partner = (d + HALF) % HEAD_DIM
+    base = qkv_ptr + row * stride_qkv + heads[:, None] * HEAD_DIM
+    x = tl.load(base + d[None, :], mask=h_mask[:, None], other=0.0)
+    dtype = x.dtype
+    a = x.to(tl.float32)
+    b = tl.load(base + partner[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(a * a, axis=1) / HEAD_DIM + eps)[:, None]
+        a = round_to(round_to(a * rstd, dtype) * tl.load(w_ptr + d).to(tl.float32)[None, :], dtype)
+        b = round_to(round_to(b * rstd, dtype) * tl.load(w_ptr + partner).to(tl.float32)[None, :], dtype)
+    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
+    return round_to(a * c[None, :], dtype) + sign * round_to(b * s[None, :], dtype)
+
+
+@triton.jit
+def _attend_block(q, k, v, t_mask, m, lsum, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One BLOCK of context into the running softmax state; a block may hold no token of `t_mask` (the new
+    token's block when it holds only that token)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _decode_rope_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr,
+                              out_ptr, part_acc_ptr, part_ml_ptr, stride_qkv, stride_ob, stride_oh, stride_slot,
+                              stride_kv_head, stride_bt, scale_log2, eps, NUM_Q_HEADS: tl.constexpr,
+                              HAS_NORM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                              NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+                              INTERPRETED: tl.constexpr, USE_GDC: tl.constexpr):
+    """`_decode_split_kernel` with the attention prologue inside (decode steps: one new token per row, at context
+    position `ctx - 1`). Each program norms and rotates its query heads from the packed projection; the program
+    whose split holds the new token also norms and rotates its key, writes key and value to the pool at the row's
+    slot, and adds them to its softmax state from registers after its loop. The loop's tiles go untouched from
+    load to dot: a first version that swapped the new token into each tile was 40% slower at 64 rows (H200).
+    Loading the first block before the PDL wait (the context but the new token is older than this step) made
+    no difference at 1-16 rows and was dropped."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+    if split > 0 and start >= end:
+        return
+    holds_new = end == tl.load(ctx_ptr + row)  # this split holds the row's last token, the one this step writes
+    new_pos = tl.where(holds_new, end - 1, -1)
+    d = tl.arange(0, HEAD_DIM)
+    gdc_enter(USE_GDC)
+    dtype = qkv_ptr.dtype.element_ty
+    angle = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % (HEAD_DIM // 2))
+    if INTERPRETED:  # the interpreter has no libdevice
+        c, s = tl.cos(angle), tl.sin(angle)
+    else:
+        c, s = libdevice.cos(angle), libdevice.sin(angle)
+    c = round_to(c, dtype)
+    s = round_to(s, dtype)
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    q = _norm_rope_heads(qkv_ptr, qw_ptr, row, stride_qkv, heads, g < GROUP, c, s, eps, HAS_NORM,
+                         HEAD_DIM).to(dtype)
+    if FP16_DOTS:
+        q = q.to(tl.float16)
+    one = tl.arange(0, 1)
+    k_new = _norm_rope_heads(qkv_ptr, kw_ptr, row, stride_qkv, NUM_Q_HEADS + kv_head + one, one == 0, c, s, eps,
+                             HAS_NORM, HEAD_DIM).to(dtype)
+    v_new = tl.load(qkv_ptr + row * stride_qkv + (NUM_Q_HEADS + tl.num_programs(1) + kv_head) * HEAD_DIM
+                    + d[None, :] + one[:, None] * 0)
+    cache_type = k_ptr.dtype.element_ty  # explicit casts: the pool may be fp8 (e4m3)
+    k_new = k_new.to(cache_type)
+    v_new = v_new.to(cache_type)
+    if holds_new:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        tl.store(k_ptr + slot * stride_slot + kv_head * stride_kv_head + d[None, :] + one[:, None] * 0, k_new)
+        tl.store(v_ptr + slot * stride_slot + kv_head * stride_kv_head + d[None, :] + one[:, None] * 0, v_new)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        t = n0 + tl.arange(0, BLOCK)
+        t_mask = t < end
+        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        offs = (page * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        old = t_mask & (t != new_pos)
+        k = tl.load(k_ptr + offs, mask=old[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=old[:, None], other=0.0)
+        m, lsum, acc = _attend_block(q, k, v, old, m, lsum, acc, scale_log2, DOT_PRECISION)
+    if holds_new:  # the new token, as the pool reads it back: one more score per head
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), axis=1) * scale_log2
+        m_new = tl.maximum(m, s_new)
+        alpha = tl.exp2(m - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        lsum = lsum * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(q.dtype).to(tl.float32)
+        m = m_new
+    g_mask = (g < GROUP)[:, None]
+    if NUM_SPLITS == 1:
+        out = acc / lsum[:, None]
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask)
+    else:
+        num_q_heads = tl.num_programs(1) * GROUP
+        part = (row * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g < GROUP)
+        tl.store(part_ml_ptr + part * 2 + 1, lsum, mask=g < GROUP)
+
+
+@triton.jit
 def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, qsl_ptr, out_ptr, stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MIXED: tl.constexpr,
                          USE_GDC: tl.constexpr):
@@ -286,6 +410,84 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                                     out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                     NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
                                                     **pdl_launch(query, num_rows, num_rows * num_heads))
+    return out
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
+
+
+ROPE_IN_ATTENTION_ROWS = (3, 16)  # decode steps of these many rows take `paged_decode_attention_rope` by default
+
+
+def rope_in_attention(num_rows: int) -> bool:
+    """Whether a decode step of `num_rows` rows (Triton backend, heads form) runs the attention prologue inside
+    the decode kernel (`paged_decode_attention_rope`). `MSTAR_DECODE_ROPE_IN_ATTENTION`: `rule` (default) for
+    3-16 rows, `1` always, `0` never; read at each call, so at capture for a graph. The rule is the A/B of
+    2026-12-02 (H200, Qwen3-0.6B, context 640, `scripts/ab_decode_step.py`, ms per step, prologue kernel ->
+    inside): 1 row 0.852 -> 0.869, 2 rows 1.025 -> 1.036 (the prologue's launch is already hidden by PDL
+    there), 4 rows 1.297 -> 1.277, 8 rows 1.400 -> 1.356, 16 rows 1.587 -> 1.542, 64 rows 2.343 -> 2.704 (each
+    of 512 programs redoes its query heads' norm and RoPE, and the heavier kernel reads the pool slower)."""
+    mode = os.environ.get("MSTAR_DECODE_ROPE_IN_ATTENTION", "rule") or "rule"
+    if mode not in ("rule", "0", "1"):
+        raise ValueError(f"MSTAR_DECODE_ROPE_IN_ATTENTION={mode!r}: expected rule, 0 or 1")
+    if mode == "rule":
+        return ROPE_IN_ATTENTION_ROWS[0] <= num_rows <= ROPE_IN_ATTENTION_ROWS[1]
+    return mode == "1"
+
+
+def paged_decode_attention_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                                eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                                context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                                scale: float, num_splits: int | None = None, num_warps: int = 4,
+                                num_stages: int | None = None, fp16_dots: bool = False) -> torch.Tensor:
+    """A decode step's attention prologue and attention in one launch (plus the merge): kernels/qk_norm_rope_kv.py
+    on the packed projection `qkv` `[B, (Hq + 2 Hkv) * D]` (the per-head q/k RMSNorm with `q_weight`, RoPE from
+    `positions` `[B]` and `inv_freq` `[D/2]` fp32, the new key and value into the pool at `slot_mapping` `[B]`),
+    then `paged_decode_attention` (heads form) for the one new token per row, whose context (`context_lens`,
+    counting the new token) ends at the written slot. Returns the attention output `[B, Hq, D]`. The query and
+    the new key are the prologue's up to the order of the norm's sum, and the new token's score is a sum rather
+    than a dot, so outputs agree with the two-launch path to rounding."""
+    num_rows = qkv.shape[0]
+    assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert positions.shape == slot_mapping.shape == context_lens.shape == (num_rows,)
+    assert inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
+    assert num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    num_kv_heads_pool, page_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_kv_heads_pool == num_kv_heads and k_cache.shape[3] == head_dim
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.stride(0) == page_size * k_cache.stride(1), "each page must be contiguous"
+    assert k_cache.dtype in (qkv.dtype, torch.float8_e4m3fn), "the pool holds the model dtype or fp8 (e4m3)"
+    assert not fp16_dots or k_cache.element_size() == 1, "fp16_dots is for an fp8 pool"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
+    assert block_tables.dtype == context_lens.dtype == torch.int32
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_rows == 0:
+        return out
+    group = num_heads // num_kv_heads
+    splits = num_splits or decode_num_splits(num_rows, num_kv_heads)
+    if num_stages is None:
+        num_stages = decode_num_stages(num_rows, num_kv_heads, splits)
+    part_acc = part_ml = out  # unused with one split
+    if splits > 1:
+        part_acc = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=qkv.device)
+        part_ml = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=qkv.device)
+    has_norm = q_weight is not None
+    _decode_rope_split_kernel[(num_rows, num_kv_heads, splits)](
+        qkv, positions, inv_freq.contiguous(), q_weight if has_norm else qkv, k_weight if has_norm else qkv,
+        slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
+        qkv.stride(0), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * _LOG2E, eps, NUM_Q_HEADS=num_heads, HAS_NORM=has_norm, PAGE_SIZE=page_size, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", FP16_DOTS=fp16_dots,
+        INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(qkv, num_rows, num_rows * num_kv_heads * splits),
+    )
+    if splits > 1:
+        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens, part_ml, out, out.stride(0),
+                                                    out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                                                    BLOCK=BLOCK_N, MIXED=False, num_warps=4,
+                                                    **pdl_launch(qkv, num_rows, num_rows * num_heads))
     return out
 
 

@@ -160,6 +160,12 @@ class AttentionBackend(ABC):
         self.write_kv(key, value, kv[0], kv[1], metadata)
         return query
 
+    def prologue_attend(self, qkv: torch.Tensor, layer, rope, kv: tuple[torch.Tensor, torch.Tensor],
+                        metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`prologue` then `attend`: packed `qkv` -> attention output `[T, Hq, D]`. Backends may fuse the two."""
+        query = self.prologue(qkv, layer, rope, kv, metadata)
+        return self.attend(query, kv[0], kv[1], metadata, scale)
+
     @abstractmethod
     def write_kv(
         self,
@@ -277,7 +283,8 @@ class TritonPagedAttention(AttentionBackend):
     kernel over the rows of one new token, at their packed positions: a mixed step's decodes keep the decode
     kernel's GQA-shared reads (H200, 256 decode rows + a 32-token prompt, Llama-3.2-3B heads: 584 us per layer
     through the prefill kernel alone, 223 us split; fp8 pool 574 -> 168 us). `fused_prologue` runs q/k norm +
-    RoPE + KV write as one kernel instead of the eager ops.
+    RoPE + KV write as one kernel instead of the eager ops; in decode steps of 3-16 rows (heads form) that kernel
+    is the decode attention itself (kernels/paged_decode_attention.py `rope_in_attention`).
     """
 
     name = "triton"
@@ -296,6 +303,21 @@ class TritonPagedAttention(AttentionBackend):
             qkv, None, None, layer.q_norm.weight if has_norm else None, layer.k_norm.weight if has_norm else None,
             layer.q_norm.eps if has_norm else 0.0, kv[0], kv[1], metadata.slot_mapping,
             layer.num_heads, layer.num_kv_heads, layer.head_dim, positions=rope.positions, inv_freq=rope.inv_freq(),
+        )
+
+    def prologue_attend(self, qkv, layer, rope, kv, metadata, scale) -> torch.Tensor:
+        from kernels.paged_decode_attention import paged_decode_attention_rope, rope_in_attention
+
+        knobs = _decode_knobs(kv[0].element_size() == 1)
+        if not (self.fused_prologue and metadata.is_decode and not knobs["tokens_major"]
+                and rope_in_attention(qkv.shape[0])):
+            return super().prologue_attend(qkv, layer, rope, kv, metadata, scale)
+        has_norm = layer.q_norm is not None
+        return paged_decode_attention_rope(
+            qkv, layer.q_norm.weight if has_norm else None, layer.k_norm.weight if has_norm else None,
+            layer.q_norm.eps if has_norm else 0.0, rope.positions, rope.inv_freq(), kv[0], kv[1],
+            metadata.slot_mapping, metadata.block_tables, metadata.context_lens, layer.num_heads,
+            layer.num_kv_heads, layer.head_dim, scale, fp16_dots=knobs["fp16_dots"],
         )
 
     def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:

@@ -72,6 +72,5 @@ class SelfAttention(nn.Module):
             qkv = self.qkv_proj(hidden)
         elif qkv is None:
             qkv = torch.cat((self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), dim=-1)
-        query = ctx.backend.prologue(qkv, self, ctx.rope, kv, ctx.metadata)
-        out = ctx.backend.attend(query, kv[0], kv[1], ctx.metadata, self.scale)
+        out = ctx.backend.prologue_attend(qkv, self, ctx.rope, kv, ctx.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

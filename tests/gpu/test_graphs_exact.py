@@ -173,6 +173,16 @@ def test_the_persistent_mlp_kernel_matches_the_separate_launches(separated, monk
                                 max_rows=2, seed=6)
 
 
+def test_the_prologue_inside_the_decode_kernel_matches_the_two_launches(separated, monkeypatch):
+    """MSTAR_DECODE_ROPE_IN_ATTENTION=1 (by default only steps of 3-16 rows): decode steps run q/k norm + RoPE + KV
+    write inside the decode attention kernel (kernels/paged_decode_attention.py paged_decode_attention_rope), eager
+    and replayed. Against the same engine with the prologue kernel: equal tokens or ties."""
+    import kernels.paged_decode_attention as attention_module
+
+    _assert_switch_keeps_tokens(separated, monkeypatch, "MSTAR_DECODE_ROPE_IN_ATTENTION", "1", attention_module,
+                                "paged_decode_attention_rope", max_rows=8, seed=8)
+
+
 def _assert_switch_keeps_tokens(checkpoint: Path, monkeypatch, switch: str, on: str, module, launch: str,
                                 max_rows: int, seed: int) -> None:
     """With the environment `switch` at `on`, `module.launch` runs (counted), only in steps of <= `max_rows` rows,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, GPU_ONLY, rel_err, sweep
+from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
 
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
@@ -186,6 +186,70 @@ def test_fp8_kv_pool_is_read_back_exactly(dtype):
     assert rel_err(out, ref) < tol
 
 
+def _row_slots(tables, lengths, page_size):
+    """The KV slot of each row's last context position (the token a decode step writes)."""
+    return torch.tensor([int(tables[r, (n - 1) // page_size]) * page_size + (n - 1) % page_size
+                         for r, n in enumerate(lengths)], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("has_norm", [True, False])
+@pytest.mark.parametrize("pool", ["model", "fp8"])
+def test_decode_with_the_prologue_inside_matches_the_two_launches(head_dim, num_heads, num_kv_heads, has_norm, pool):
+    """`paged_decode_attention_rope` (q/k norm + RoPE + KV write inside the decode kernel) against the prologue
+    kernel followed by the decode kernel: the same pool afterwards (bit-equal without the norm: the one rounding
+    that can differ is the norm's sum order) and the same attention output to rounding (the new token's score is a
+    sum, not a dot), at 1 to 32 splits (the new token in
+    the first block, a middle one or a split of its own), and against the torch reference."""
+    from kernels.paged_decode_attention import paged_decode_attention_rope
+    from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref
+    from mstar_common.layers.rotary import RotaryEmbedding
+
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(head_dim + num_heads * 3 + has_norm)
+    lengths = sweep([1, 17, 64, 65, 300, 1000], [1, 17, 64, 65, 130])
+    k_cache, v_cache, tables = _pool(lengths, PAGE_SIZE, num_kv_heads, head_dim, dtype, gen)
+    fp16_dots = pool == "fp8" and dtype == torch.bfloat16
+    if pool == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    slots = _row_slots(tables, lengths, PAGE_SIZE)
+    positions = ctx.long() - 1
+    inv_freq = RotaryEmbedding(head_dim, 1e6).inv_freq(positions.device)
+    qkv = (3 * torch.randn(len(lengths), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)).to(dtype)
+    qkv = qkv.to(DEVICE)
+    qw = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE) if has_norm else None
+    kw = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE) if has_norm else None
+    scale = head_dim**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # the torch reference: the prologue's ops, then attention over the written pool
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    cos, sin = RotaryEmbedding(head_dim, 1e6)(positions, dtype)
+    q_ref = qk_norm_rope_kv_ref(qkv, cos, sin, qw, kw, 1e-6, k_ref, v_ref, slots, num_heads, num_kv_heads, head_dim)
+    ref = paged_decode_attention_ref(q_ref, k_ref, v_ref, tables, ctx, scale)
+    for splits in sweep([1, 8, 32], [1, 4, 32]):
+        k_two, v_two = k_cache.clone(), v_cache.clone()
+        query = qk_norm_rope_kv(qkv, None, None, qw, kw, 1e-6, k_two, v_two, slots, num_heads, num_kv_heads,
+                                head_dim, positions=positions, inv_freq=inv_freq)
+        two = paged_decode_attention(query, k_two, v_two, tables, ctx, scale, num_splits=splits, fp16_dots=fp16_dots)
+        k_one, v_one = k_cache.clone(), v_cache.clone()
+        one = paged_decode_attention_rope(qkv, qw, kw, 1e-6, positions, inv_freq, k_one, v_one, slots, tables, ctx,
+                                          num_heads, num_kv_heads, head_dim, scale, num_splits=splits,
+                                          fp16_dots=fp16_dots)
+        assert one.shape == two.shape == (len(lengths), num_heads, head_dim) and one.dtype == dtype
+        assert torch.equal(v_one.float(), v_two.float()), splits  # v is copied verbatim
+        written = torch.zeros(k_cache.shape[:3], dtype=torch.bool, device=DEVICE)
+        written.view(-1, num_kv_heads)[slots] = True
+        assert torch.equal(k_one[~written].float(), k_cache[~written].float()), "a slot besides the new ones changed"
+        if has_norm:
+            assert rel_err(k_one.float(), k_two.float()) < tol, splits
+        else:
+            assert torch.equal(k_one.float(), k_two.float()), splits
+        assert rel_err(one, two) < tol, splits
+        if pool == "model" or not IS_INTERPRETED:  # the interpreter rounds fp32 -> e4m3 unlike torch
+            assert rel_err(one, ref) < tol, splits
+
+
 def test_decode_stages_rule_and_switch(monkeypatch):
     from kernels.paged_decode_attention import decode_num_stages
 
@@ -197,3 +261,17 @@ def test_decode_stages_rule_and_switch(monkeypatch):
     monkeypatch.setenv("MSTAR_DECODE_STAGES", "three")
     with pytest.raises(ValueError, match="MSTAR_DECODE_STAGES='three': expected a positive integer"):
         decode_num_stages(64, 8, 1)
+
+
+def test_rope_in_attention_rule_and_switch(monkeypatch):
+    from kernels.paged_decode_attention import rope_in_attention
+
+    monkeypatch.delenv("MSTAR_DECODE_ROPE_IN_ATTENTION", raising=False)
+    assert [n for n in (1, 2, 3, 4, 8, 16, 17, 32, 64) if rope_in_attention(n)] == [3, 4, 8, 16]
+    monkeypatch.setenv("MSTAR_DECODE_ROPE_IN_ATTENTION", "1")
+    assert rope_in_attention(1) and rope_in_attention(64)
+    monkeypatch.setenv("MSTAR_DECODE_ROPE_IN_ATTENTION", "0")
+    assert not rope_in_attention(8)
+    monkeypatch.setenv("MSTAR_DECODE_ROPE_IN_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="MSTAR_DECODE_ROPE_IN_ATTENTION='yes': expected rule, 0 or 1"):
+        rope_in_attention(8)

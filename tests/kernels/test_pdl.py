@@ -42,13 +42,14 @@ def test_trigger_modes(monkeypatch):
         _pdl.pdl_launch(x, 64, 512)
 
 
-def _decode_layer_chain(rows: int):
+def _decode_layer_chain(rows: int, rope_in_attention: bool = False):
     """A one-layer decode chain through every kernel that launches with PDL: RMSNorm (with the residual add) ->
     qkv GEMV -> q/k norm + RoPE + KV write -> split-K decode attention + merge -> o GEMV -> RMSNorm -> gate_up
-    GEMV -> down GEMV (SwiGLU on load) -> argmax of a logits GEMV."""
+    GEMV -> down GEMV (SwiGLU on load) -> argmax of a logits GEMV. `rope_in_attention`: the prologue inside the
+    decode kernel, which reads the pool's older tokens before its wait."""
     from kernels.argmax import row_argmax
     from kernels.gemv import gemv
-    from kernels.paged_decode_attention import paged_decode_attention
+    from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rope
     from kernels.qk_norm_rope_kv import qk_norm_rope_kv
     from kernels.rmsnorm import rms_norm
 
@@ -67,15 +68,21 @@ def _decode_layer_chain(rows: int):
     slots = (tables[:, 0].long() * page + ctx - 1).to(torch.int32)
     angles = torch.rand(rows, head_dim // 2, device="cuda", generator=gen) * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1).bfloat16(), torch.cat([angles.sin()] * 2, -1).bfloat16()
+    positions, inv_freq = lens.long() - 1, torch.rand(head_dim // 2, device="cuda", generator=gen) * 0.01
     x0, res0 = rand(rows, hidden), rand(rows, hidden)
     static = {"x": x0.clone(), "res": res0.clone()}
 
     def step():
         static["res"].copy_(res0)
         h = rms_norm(static["x"], w["n1"], 1e-6, static["res"])
-        q = qk_norm_rope_kv(gemv(h, w["qkv"]), cos, sin, w["qn"], w["kn"], 1e-6, k_cache, v_cache, slots, heads,
-                            kv_heads, head_dim)
-        attn = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, num_splits=4)
+        if rope_in_attention:
+            attn = paged_decode_attention_rope(gemv(h, w["qkv"]), w["qn"], w["kn"], 1e-6, positions, inv_freq,
+                                               k_cache, v_cache, slots.long(), tables, lens, heads, kv_heads,
+                                               head_dim, head_dim**-0.5, num_splits=4)
+        else:
+            q = qk_norm_rope_kv(gemv(h, w["qkv"]), cos, sin, w["qn"], w["kn"], 1e-6, k_cache, v_cache, slots, heads,
+                                kv_heads, head_dim)
+            attn = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, num_splits=4)
         h = rms_norm(gemv(attn.reshape(rows, -1), w["o"]), w["n2"], 1e-6, static["res"])
         gate_up = gemv(h, w["gu"])
         out = gemv(gate_up, w["down"], swiglu=True)
@@ -86,7 +93,8 @@ def _decode_layer_chain(rows: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4])
-def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows):
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows, rope_in_attention):
     if IS_INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability()[0] < 9:
@@ -96,7 +104,7 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows):
     for flag, trigger in (("0", "early"), ("1", "early"), ("1", "fit")):
         monkeypatch.setenv("MSTAR_PDL", flag)
         monkeypatch.setenv("MSTAR_PDL_TRIGGER", trigger)
-        step = _decode_layer_chain(rows)
+        step = _decode_layer_chain(rows, rope_in_attention)
         eager = step()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
