@@ -120,6 +120,21 @@ class Server:
         return f"http://127.0.0.1:{self.ports.proxy}"
 
 
+ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache_hit_tokens_total",
+                  "mstar_kv_pages_cached")
+
+
+def engine_metrics(metrics_port: int) -> dict[str, float]:
+    """The engine's prefix-cache counters from Triton's metrics endpoint, summed over instances (0 if absent)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+            for name in ENGINE_METRICS}
+
+
 def prompt_text_for(checkpoint: Path | None):
     """Text prompts of an exact token length for the proxy (' the' is one token in the tiny tokenizer)."""
     tokenizer = None
@@ -189,6 +204,12 @@ def cmd_serve(args) -> int:
         model["startup_s"] = server.startup_s
         model["runs"] = sweep(args, server.grpc_url, server.entry, server.proxy_url if with_proxy else None,
                               args.checkpoint)
+        model["engine_metrics"] = engine_metrics(server.ports.metrics)
+        queried = model["engine_metrics"]["mstar_prefix_cache_queried_tokens_total"]
+        if args.prefix_caching and queried:
+            hit = model["engine_metrics"]["mstar_prefix_cache_hit_tokens_total"]
+            print(f"[bench] {args.name}: prefix cache hit {hit:,.0f} of {queried:,.0f} prompt tokens "
+                  f"({hit / queried:.1%})", flush=True)
         served = served_tokens(server.grpc_url, server.entry, args) if args.check_eager else None
     if served is not None:
         eager = eager_tokens(args)

@@ -61,3 +61,35 @@ def test_workload_prompts_are_distinct_across_a_run_and_share_only_the_asked_sta
     assert len(starts) == 1 and len({tuple(r["input_ids"][40:]) for r in shared}) == 4
     with pytest.raises(ValueError, match="shared_prefix_len"):
         Workload("w", prompt_len=8, output_len=4, shared_prefix_len=9)
+
+
+def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
+    """`engine_metrics` reads Triton's metrics text: each counter summed over its labelled series, 0 when absent."""
+    import http.server
+    import threading
+
+    text = ("# HELP mstar_prefix_cache_hit_tokens_total prompt tokens\n"
+            'mstar_prefix_cache_hit_tokens_total{model="qwen3_llm",instance="0"} 448\n'
+            'mstar_prefix_cache_hit_tokens_total{model="qwen3_llm",instance="1"} 64\n'
+            'mstar_prefix_cache_queried_tokens_total{model="qwen3_llm",instance="0"} 1024\n'
+            'nv_inference_count{model="qwen3_llm"} 9\n').encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        got = bench.engine_metrics(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == {"mstar_prefix_cache_queried_tokens_total": 1024.0, "mstar_prefix_cache_hit_tokens_total": 512.0,
+                   "mstar_kv_pages_cached": 0.0}
