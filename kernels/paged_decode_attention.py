@@ -19,10 +19,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from kernels._pdl import gdc_enter, pdl_launch
 from kernels._rounding import round_to
+from kernels.qk_norm_rope_kv import INTERPRETED, cos_sin
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner iteration
@@ -47,6 +47,24 @@ def _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr,
     q = tl.load(q_ptr + tok * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                 other=0.0)
     return g, d, heads, q
+
+
+@triton.jit
+def _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, tok, split, g, d, heads, stride_ob,
+                 stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A heads-major program's result: with one split the output rows of its query heads at `tok`, else its
+    partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]."""
+    g_mask = (g < GROUP)[:, None]
+    if NUM_SPLITS == 1:
+        out = acc / lsum[:, None]
+        tl.store(out_ptr + tok * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask)
+    else:
+        num_q_heads = tl.num_programs(1) * GROUP
+        part = (row * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g < GROUP)
+        tl.store(part_ml_ptr + part * 2 + 1, lsum, mask=g < GROUP)
 
 
 @triton.jit
@@ -89,18 +107,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
         v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    g_mask = (g < GROUP)[:, None]
-    if NUM_SPLITS == 1:
-        out = acc / lsum[:, None]
-        tl.store(out_ptr + tok * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask)
-    else:
-        # partials: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
-        num_q_heads = tl.num_programs(1) * GROUP
-        part = (row * num_q_heads + heads) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask)
-        tl.store(part_ml_ptr + part * 2, m, mask=g < GROUP)
-        tl.store(part_ml_ptr + part * 2 + 1, lsum, mask=g < GROUP)
+    _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, tok, split, g, d, heads, stride_ob,
+                 stride_oh, GROUP, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -236,10 +244,7 @@ def _decode_rope_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, sl
     gdc_enter(USE_GDC)
     dtype = qkv_ptr.dtype.element_ty
     angle = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + d % (HEAD_DIM // 2))
-    if INTERPRETED:  # the interpreter has no libdevice
-        c, s = tl.cos(angle), tl.sin(angle)
-    else:
-        c, s = libdevice.cos(angle), libdevice.sin(angle)
+    c, s = cos_sin(angle, INTERPRETED)
     c = round_to(c, dtype)
     s = round_to(s, dtype)
     g = tl.arange(0, GROUP_PAD)
@@ -280,17 +285,8 @@ def _decode_rope_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, sl
         lsum = lsum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(q.dtype).to(tl.float32)
         m = m_new
-    g_mask = (g < GROUP)[:, None]
-    if NUM_SPLITS == 1:
-        out = acc / lsum[:, None]
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask)
-    else:
-        num_q_heads = tl.num_programs(1) * GROUP
-        part = (row * num_q_heads + heads) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask)
-        tl.store(part_ml_ptr + part * 2, m, mask=g < GROUP)
-        tl.store(part_ml_ptr + part * 2 + 1, lsum, mask=g < GROUP)
+    _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, row, split, g, d, heads, stride_ob,
+                 stride_oh, GROUP, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -369,11 +365,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_rows = block_tables.shape[0] if mixed else query.shape[0]
     assert not mixed or (query_start_loc.shape == (num_rows + 1,) and query_start_loc.dtype == torch.int32)
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert k_cache.stride(0) == page_size * k_cache.stride(1), "each page must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
-    assert context_lens.shape == (num_rows,) and block_tables.dtype == context_lens.dtype == torch.int32
+    assert query.stride(2) == 1
+    _check_inputs(k_cache, v_cache, block_tables, context_lens, num_rows, num_heads, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
     assert not (fp16_dots or qk_fp8) or k_cache.element_size() == 1, "fp16_dots and qk_fp8 are for an fp8 pool"
     assert not qk_fp8 or tokens_major, "qk_fp8 runs in the tokens-major kernel"
@@ -387,10 +380,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert out.shape == query.shape and out.stride(2) == 1
     if num_rows == 0:
         return out
-    part_acc = part_ml = out  # unused with one split
-    if splits > 1:
-        part_acc = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=query.device)
+    part_acc, part_ml = _partials(out, num_rows, splits)
     kernel, extra = _decode_split_kernel, {}
     if tokens_major:
         kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}
@@ -404,16 +394,39 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
         **pdl_launch(query, num_rows, num_rows * num_kv_heads * splits),
     )
-    if splits > 1:
-        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens,
-                                                    query_start_loc if mixed else part_ml, out,
-                                                    out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                                                    NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
-                                                    **pdl_launch(query, num_rows, num_rows * num_heads))
+    _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows, splits, block)
     return out
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
+def _check_inputs(k_cache, v_cache, block_tables, context_lens, num_rows, num_heads, num_kv_heads, head_dim):
+    """The pool `[P, page, Hkv, D]` (contiguous pages, K and V alike) and the int32 block tables and lengths."""
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(3) == 1
+    assert num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "each page must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
+    assert context_lens.shape == (num_rows,) and block_tables.dtype == context_lens.dtype == torch.int32
+
+
+def _partials(out: torch.Tensor, num_rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's partials (acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]); `out` stands in with one split."""
+    if splits == 1:
+        return out, out
+    num_heads, head_dim = out.shape[1:]
+    return (torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=out.device),
+            torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=out.device))
+
+
+def _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows: int, splits: int, block: int) -> None:
+    """The merge of the splits' partials into `out` (none with one split)."""
+    if splits == 1:
+        return
+    mixed = query_start_loc is not None
+    num_heads, head_dim = out.shape[1:]
+    _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens, query_start_loc if mixed else part_ml,
+                                                out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                                                NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
+                                                **pdl_launch(out, num_rows, num_rows * num_heads))
 
 
 ROPE_IN_ATTENTION_ROWS = (3, 16)  # decode steps of these many rows take `paged_decode_attention_rope` by default
@@ -452,15 +465,9 @@ def paged_decode_attention_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None
     assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert positions.shape == slot_mapping.shape == context_lens.shape == (num_rows,)
     assert inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32
-    assert num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
-    num_kv_heads_pool, page_size = k_cache.shape[2], k_cache.shape[1]
-    assert num_kv_heads_pool == num_kv_heads and k_cache.shape[3] == head_dim
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert k_cache.stride(0) == page_size * k_cache.stride(1), "each page must be contiguous"
+    _check_inputs(k_cache, v_cache, block_tables, context_lens, num_rows, num_heads, num_kv_heads, head_dim)
     assert k_cache.dtype in (qkv.dtype, torch.float8_e4m3fn), "the pool holds the model dtype or fp8 (e4m3)"
     assert not fp16_dots or k_cache.element_size() == 1, "fp16_dots is for an fp8 pool"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1
-    assert block_tables.dtype == context_lens.dtype == torch.int32
     out = torch.empty((num_rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_rows == 0:
         return out
@@ -468,26 +475,19 @@ def paged_decode_attention_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None
     splits = num_splits or decode_num_splits(num_rows, num_kv_heads)
     if num_stages is None:
         num_stages = decode_num_stages(num_rows, num_kv_heads, splits)
-    part_acc = part_ml = out  # unused with one split
-    if splits > 1:
-        part_acc = torch.empty((num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=qkv.device)
-        part_ml = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=qkv.device)
+    part_acc, part_ml = _partials(out, num_rows, splits)
     has_norm = q_weight is not None
     _decode_rope_split_kernel[(num_rows, num_kv_heads, splits)](
         qkv, positions, inv_freq.contiguous(), q_weight if has_norm else qkv, k_weight if has_norm else qkv,
         slot_mapping, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
         qkv.stride(0), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * _LOG2E, eps, NUM_Q_HEADS=num_heads, HAS_NORM=has_norm, PAGE_SIZE=page_size, GROUP=group,
+        scale * _LOG2E, eps, NUM_Q_HEADS=num_heads, HAS_NORM=has_norm, PAGE_SIZE=k_cache.shape[1], GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=BLOCK_N, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", FP16_DOTS=fp16_dots,
-        INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+        INTERPRETED=INTERPRETED, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(qkv, num_rows, num_rows * num_kv_heads * splits),
     )
-    if splits > 1:
-        _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens, part_ml, out, out.stride(0),
-                                                    out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                                                    BLOCK=BLOCK_N, MIXED=False, num_warps=4,
-                                                    **pdl_launch(qkv, num_rows, num_rows * num_heads))
+    _merge(part_acc, part_ml, context_lens, None, out, num_rows, splits, BLOCK_N)
     return out
 
 

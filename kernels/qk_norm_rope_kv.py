@@ -27,6 +27,15 @@ from kernels._rounding import round_to
 
 
 @triton.jit
+def cos_sin(angle, INTERPRETED: tl.constexpr):
+    """libdevice's cos and sin (torch's CUDA kernels call the same); the interpreter has no libdevice, so numpy's
+    stand in there."""
+    if INTERPRETED:
+        return tl.cos(angle), tl.sin(angle)
+    return libdevice.cos(angle), libdevice.sin(angle)
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                             num_tokens, stride_tok, stride_cos, stride_qo_tok, stride_slot, stride_kv_head, eps,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -43,10 +52,7 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
     dtype = qkv_ptr.dtype.element_ty
     if FROM_POSITIONS:  # torch: positions.float() * inv_freq, then cos/sin, then a cast to the model dtype
         angle = tl.load(cos_ptr + tok, mask=t_mask, other=0).to(tl.float32)[:, None] * tl.load(sin_ptr + d)
-        if INTERPRETED:  # the interpreter has no libdevice; numpy's cos/sin stand in
-            c, s = tl.cos(angle), tl.sin(angle)
-        else:
-            c, s = libdevice.cos(angle), libdevice.sin(angle)
+        c, s = cos_sin(angle, INTERPRETED)
         c = c.to(dtype).to(tl.float32)
         s = s.to(dtype).to(tl.float32)
     else:
@@ -101,7 +107,7 @@ def _rotate_head(qkv_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_ca
 
 
 _ONE_TOKEN_MAX = 256  # tokens up to which the prologue runs one token per program
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
 
 
 def _check_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -146,7 +152,7 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
         qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,
         num_tokens, qkv.stride(0), stride_cos, query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        FROM_POSITIONS=from_positions, INTERPRETED=_INTERPRETED, BLOCK_T=block_t,
+        FROM_POSITIONS=from_positions, INTERPRETED=INTERPRETED, BLOCK_T=block_t,
         HEADS_PER_PROG=heads_per_prog,
         num_warps=1 if block_t == 1 else 4, **pdl_launch(qkv, num_tokens, grid[0] * grid[1]),
     )

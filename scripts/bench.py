@@ -20,11 +20,13 @@ import datetime
 import json
 import logging
 import os
+import re
 import shlex
 import socket
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -125,12 +127,14 @@ ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache
 
 
 def engine_metrics(metrics_port: int) -> dict[str, float]:
-    """The engine's prefix-cache counters from Triton's metrics endpoint, summed over instances (0 if absent)."""
-    import re
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    """The engine's prefix-cache counters from Triton's metrics endpoint, summed over instances (0 if absent;
+    an unreachable endpoint is reported and gives {}, so a finished sweep is never lost to it)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        print(f"[bench] metrics endpoint unreadable ({exc}); no engine counters recorded", flush=True)
+        return {}
     return {name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
             for name in ENGINE_METRICS}
 
@@ -205,7 +209,7 @@ def cmd_serve(args) -> int:
         model["runs"] = sweep(args, server.grpc_url, server.entry, server.proxy_url if with_proxy else None,
                               args.checkpoint)
         model["engine_metrics"] = engine_metrics(server.ports.metrics)
-        queried = model["engine_metrics"]["mstar_prefix_cache_queried_tokens_total"]
+        queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
         if args.prefix_caching and queried:
             hit = model["engine_metrics"]["mstar_prefix_cache_hit_tokens_total"]
             print(f"[bench] {args.name}: prefix cache hit {hit:,.0f} of {queried:,.0f} prompt tokens "

@@ -93,3 +93,4 @@ def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
         server.server_close()
     assert got == {"mstar_prefix_cache_queried_tokens_total": 1024.0, "mstar_prefix_cache_hit_tokens_total": 512.0,
                    "mstar_kv_pages_cached": 0.0}
+    assert bench.engine_metrics(server.server_address[1]) == {}  # the server is gone: reported, not raised
