@@ -1,0 +1,315 @@
+"""Would a whole-step persistent decode kernel beat the chain of PDL launches at one row? The probe for it.
+
+A one-row decode step is a latency chain of ~250 short kernels (docs/benchmarks.md). A persistent kernel would
+replace each kernel boundary by a grid barrier and stream every layer's weights from one launch. The persistent
+MLP half (kernels/fused_mlp.py) lost to the chain, with one barrier per layer, and why was not measured. This
+probe measures the two things such a kernel rests on:
+
+- `barrier`: the cost of one grid barrier (an atomic counter, release add, acquire polls at GPU scope) for one and
+  two programs per SM, polling with an atomic (as kernels/fused_mlp.py) or with an `ld.acquire` load.
+- `chain`: `--layers` layers of the four one-row projections of a decoder layer (qkv, o, gate/up, down with SwiGLU
+  on load), each layer with its own weights: as one persistent launch with a barrier after each projection
+  (`persistent`), and as the chain of the skinny-GEMV launches with PDL that the served step runs (`launches`),
+  both in a CUDA graph. The persistent form loads the first weight blocks of a projection before the barrier
+  that precedes it. Both are checked against torch over the first two layers (bf16 tolerance; the probe exits 1
+  otherwise); tests/kernels/test_probe_persistent.py checks the kernel against the launches, NaN-filled buffers
+  between the projections, up to two programs per SM.
+
+Prints one JSON object (`--json` writes it too).
+
+    python scripts/probe_persistent_step.py [--shapes qwen3|llama] [--layers 28] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels._rounding import round_to  # noqa: E402
+from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
+
+CHECK_LAYERS = 2
+SHAPES = {  # hidden, q width (heads x head_dim), kv width, intermediate
+    "qwen3": (1024, 2048, 1024, 3072),
+    "llama": (3072, 3072, 1024, 8192),
+}
+
+
+@triton.jit
+def _poll(sync_ptr, POLL: tl.constexpr):
+    if POLL == 0:
+        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sync_ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    return seen
+
+
+@triton.jit
+def _barrier(sync_ptr, target, POLL: tl.constexpr):
+    """Wait until the counter reaches `target` (barrier i of a launch: (i + 1) x programs)."""
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    seen = _poll(sync_ptr, POLL)
+    while seen < target:
+        seen = _poll(sync_ptr, POLL)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _leave(sync_ptr, num_programs):
+    tl.debug_barrier()
+    left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == num_programs - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="release", scope="gpu")
+
+
+@triton.jit
+def _barrier_kernel(sync_ptr, iters, POLL: tl.constexpr):
+    num = tl.num_programs(0)
+    for i in range(iters):
+        _barrier(sync_ptr, (i + 1) * num, POLL)
+    _leave(sync_ptr, num)
+
+
+@triton.jit
+def _unit_w(w_ptr, t, units, pid, num, N, K, KC, j, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile of this program's unit `t` (column block pid + (t // KC) x num, K chunk t % KC)."""
+    rows = (pid + (t // KC) * num) * BLOCK_N + j
+    cols = (t % KC) * BLOCK_K + k
+    mask = (rows < N) & (j * 0 + t < units)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask[:, None], other=0.0)
+
+
+@triton.jit
+def _unit_x(x_ptr, t, KC, K, k, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = (t % KC) * BLOCK_K + k
+    x = tl.load(x_ptr + cols, cache_modifier=".cg")
+    if SWIGLU:
+        up = tl.load(x_ptr + K + cols, cache_modifier=".cg")
+        gate = x.to(tl.float32)
+        act = round_to(gate / (1.0 + tl.exp(-gate)), x.dtype)
+        return round_to(act * up.to(tl.float32), x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _units(N, K, pid, num, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    blocks = tl.cdiv(N, BLOCK_N)
+    KC = K // BLOCK_K
+    return tl.maximum(tl.cdiv(blocks - pid, num), 0) * KC, KC
+
+
+@triton.jit
+def _gemv_stage(x_ptr, w_ptr, out_ptr, N, K, pid, num, w0, w1, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """out = x @ W.T for this program's column blocks; `w0`, `w1`: its first two weight tiles, already loaded."""
+    units, KC = _units(N, K, pid, num, BLOCK_N, BLOCK_K)
+    j = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    x0 = _unit_x(x_ptr, 0, KC, K, k, SWIGLU, BLOCK_K)
+    x1 = _unit_x(x_ptr, 1, KC, K, k, SWIGLU, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in range(0, units):
+        w2 = _unit_w(w_ptr, t + 2, units, pid, num, N, K, KC, j, k, BLOCK_N, BLOCK_K)
+        x2 = _unit_x(x_ptr, t + 2, KC, K, k, SWIGLU, BLOCK_K)
+        acc += tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
+        last = (j * 0 + t) % KC == KC - 1
+        rows = (pid + (t // KC) * num) * BLOCK_N + j
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=(rows < N) & last)
+        acc = tl.where(last, 0.0, acc)
+        w0, w1, x0, x1 = w1, w2, x1, x2
+
+
+@triton.jit
+def _first_tiles(w_ptr, N, K, pid, num, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    units, KC = _units(N, K, pid, num, BLOCK_N, BLOCK_K)
+    j = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    return (_unit_w(w_ptr, 0, units, pid, num, N, K, KC, j, k, BLOCK_N, BLOCK_K),
+            _unit_w(w_ptr, 1, units, pid, num, N, K, KC, j, k, BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _chain_kernel(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, sync_ptr, layers, H, QKV, Q,
+                  INTER, POLL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num = tl.num_programs(0)
+    nb = 0
+    a0, a1 = _first_tiles(wqkv_ptr, QKV, H, pid, num, BLOCK_N, BLOCK_K)
+    for layer32 in range(layers):
+        layer = layer32 + tl.zeros([], dtype=tl.int64)
+        wqkv = wqkv_ptr + layer * QKV * H
+        wo = wo_ptr + layer * H * Q
+        wgu = wgu_ptr + layer * 2 * INTER * H
+        wd = wd_ptr + layer * H * INTER
+        _gemv_stage(h_ptr, wqkv, qkv_ptr, QKV, H, pid, num, a0, a1, False, BLOCK_N, BLOCK_K)
+        b0, b1 = _first_tiles(wo, H, Q, pid, num, BLOCK_N, BLOCK_K)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+        _gemv_stage(qkv_ptr, wo, o_ptr, H, Q, pid, num, b0, b1, False, BLOCK_N, BLOCK_K)
+        c0, c1 = _first_tiles(wgu, 2 * INTER, H, pid, num, BLOCK_N, BLOCK_K)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+        _gemv_stage(o_ptr, wgu, gu_ptr, 2 * INTER, H, pid, num, c0, c1, False, BLOCK_N, BLOCK_K)
+        d0, d1 = _first_tiles(wd, H, INTER, pid, num, BLOCK_N, BLOCK_K)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+        _gemv_stage(gu_ptr, wd, h_ptr, H, INTER, pid, num, d0, d1, True, BLOCK_N, BLOCK_K)
+        nxt = wqkv_ptr + (layer + 1) * QKV * H
+        # the next layer's first qkv tiles (none after the last layer) load before the barrier
+        a0, a1 = _first_tiles(nxt, tl.where(layer + 1 < layers, QKV, 0), H, pid, num, BLOCK_N, BLOCK_K)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+    _leave(sync_ptr, num)
+
+
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def barrier_us(per_sm: int, poll: int, iters: int = 2000) -> float:
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    grid = (_num_sms() * per_sm,)
+
+    def run():
+        _barrier_kernel[grid](sync, iters, POLL=poll, num_warps=4)
+
+    us = graph_time_us(run)
+    assert int(sync.sum()) == 0, "the barrier left its counters non-zero"
+    return us / iters
+
+
+def _reference(h0, wqkv, wo, wgu, wd, q: int) -> torch.Tensor:
+    """The chain in torch: fp32 products, each projection's output rounded to bf16."""
+    def bf16(t):
+        return t.to(torch.bfloat16).float()
+
+    x = h0.float()
+    for layer in range(wqkv.shape[0]):
+        qkv = bf16(x @ wqkv[layer].float().T)
+        o = bf16(qkv[:, :q] @ wo[layer].float().T)
+        gate, up = bf16(o @ wgu[layer].float().T).chunk(2, dim=-1)
+        x = bf16(bf16(bf16(torch.nn.functional.silu(gate)) * up) @ wd[layer].float().T)
+    return x
+
+
+def _rel_err(got: torch.Tensor, expect: torch.Tensor) -> float:
+    """The difference's norm over the reference's; inf where either holds a non-finite value. (Without norms the
+    chain's values shrink along the layers while each projection's rounding stays, so the error grows with depth:
+    a 2-layer chain of the kernels/gemv.py launches is ~3% from it on the CPU.)"""
+    if not (torch.isfinite(got).all() and torch.isfinite(expect).all()) or expect.norm() == 0:
+        return float("inf")
+    return ((got - expect).norm() / expect.norm()).item()
+
+
+def chain(shapes: str, layers: int, modes: list[dict]) -> dict:
+    from kernels.gemv import gemv
+
+    hidden, q, kv, inter = SHAPES[shapes]
+    qkv_n = q + 2 * kv
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def weights(n, k):
+        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
+
+    wqkv, wo, wgu, wd = weights(qkv_n, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
+    weight_bytes = sum(w.numel() * w.element_size() for w in (wqkv, wo, wgu, wd))
+    h0 = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    result = {"shapes": shapes, "layers": layers, "weight_mb": weight_bytes / 1e6,
+              "floor_us_at_4_3_tbs": weight_bytes / 4.3e12 * 1e6}
+
+    h_ref = h0.clone()
+
+    def launches(depth=layers):
+        h = h_ref
+        for layer in range(depth):
+            qkv = gemv(h, wqkv[layer])
+            o = gemv(qkv[:, :q], wo[layer])
+            gu = gemv(o, wgu[layer])
+            h = gemv(gu, wd[layer], swiglu=True)
+        return h
+
+    graph_out = {}
+
+    def run_launches():
+        graph_out["h"] = launches()
+
+    # Checked over the first CHECK_LAYERS layers: without norms the chain's values shrink layer by layer (SwiGLU
+    # squares small values), and by layer 28 they are zeros, which would check nothing.
+    depth = min(CHECK_LAYERS, layers)
+    expect = _reference(h0, wqkv[:depth], wo[:depth], wgu[:depth], wd[:depth], q)
+    got = launches(depth).float()
+    result["launches_rel_err"] = _rel_err(got, expect)
+    print(f"launches: eager ok, rel err {result['launches_rel_err']:.4f}", flush=True)
+    result["launches_us"] = graph_time_us(run_launches)
+    print(f"launches: {result['launches_us']:.1f} us", flush=True)
+    result["modes"] = []
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    h = torch.empty_like(h0)
+    qkv = torch.empty(1, qkv_n, dtype=torch.bfloat16, device="cuda")
+    o = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
+    gu = torch.empty(1, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    for mode in modes:
+        grid = (_num_sms() * mode["per_sm"],)
+
+        def run(grid=grid, mode=mode, depth=layers):
+            h.copy_(h0)
+            _chain_kernel[grid](h, qkv, o, gu, wqkv, wo, wgu, wd, sync, depth, hidden, qkv_n, q, inter,
+                                POLL=mode["poll"], BLOCK_N=mode["block_n"], BLOCK_K=mode["block_k"],
+                                num_warps=mode["warps"])
+
+        try:
+            run(depth=depth)
+            torch.cuda.synchronize()
+            err = _rel_err(h.float(), expect)
+            print(f"{mode}: eager ok, rel err {err:.4f}", flush=True)
+            us = graph_time_us(run, calls=4, replays=5)
+            result["modes"].append({**mode, "us": us, "rel_err": err})
+            print(f"{mode}: {us:.1f} us", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
+            result["modes"].append({**mode, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--per-sm", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--poll", type=int, nargs="+", default=[1], help="0: atomic polls, 1: ld.acquire polls")
+    parser.add_argument("--no-barrier", action="store_true", help="skip the barrier timing")
+    parser.add_argument("--barrier-only", action="store_true", help="time the barrier only")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    out = {"device": torch.cuda.get_device_name(0), "barrier_us": {}}
+    for per_sm, poll in itertools.product((1, 2), (0, 1)) if not args.no_barrier else ():
+        out["barrier_us"][f"{per_sm}_per_sm_{'atomic' if poll == 0 else 'ld_acquire'}"] = barrier_us(per_sm, poll)
+    print(json.dumps(out["barrier_us"]), flush=True)
+    if args.barrier_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return 0
+    modes = [dict(per_sm=s, poll=p, block_n=n, block_k=1024, warps=w)
+             for s, p, n, w in itertools.product(args.per_sm, args.poll, args.block_n, args.warps)]
+    out["chain"] = chain(args.shapes, args.layers, modes)
+    print(json.dumps(out, indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    errors = [out["chain"]["launches_rel_err"]] + [m["rel_err"] for m in out["chain"]["modes"] if "rel_err" in m]
+    return 1 if max(errors) > 0.1 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
