@@ -23,6 +23,7 @@ from mstar_common.diffusion.batcher import BatchingEngine, OnDone
 from mstar_common.diffusion.denoise import DenoiseJob
 from mstar_common.diffusion.png import paeth_filter
 from mstar_common.diffusion.step_graphs import StepGraphs, StepShapes, capture_graph
+from mstar_common.engine.capture_policy import capture_or_skip
 from mstar_common.images import check_geometry
 
 Inputs = dict[str, torch.Tensor]
@@ -143,7 +144,12 @@ class TextGraphs:
             graph, out = None, None
             if capture:
                 with torch.inference_mode():
-                    graph, out = capture_graph(lambda ids=ids, lens=lens: model(ids, lens, static=True), pool)
+                    captured = capture_or_skip(
+                        f"text encoder batch {batch}",
+                        lambda ids=ids, lens=lens: capture_graph(lambda: model(ids, lens, static=True), pool))
+                if captured is None:  # out of GPU memory: a larger bucket or the eager pass takes these batches
+                    continue
+                graph, out = captured
             self.buckets.append((batch, ids, lens, graph, out))
         self.buckets.sort(key=lambda bucket: bucket[0])
         self.num_replays = 0

@@ -28,6 +28,7 @@ import torch
 
 from mstar_common.bench.gpu_timing import event_time_ms
 from mstar_common.config import env_switch
+from mstar_common.engine.capture_policy import capture_or_skip
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +108,15 @@ class StepGraphs:
 
     def capture(self, step_fns: dict[Hashable, tuple[StepFn, StepShapes]], batches: list[int], *,
                 dtype: torch.dtype, device: torch.device, capture: bool = True) -> None:
-        """Build a bucket per layout × batch size, largest batches first, sharing one graph memory pool."""
+        """Build a bucket per layout × batch size, largest batches first, sharing one graph memory pool. A bucket
+        that runs out of GPU memory is dropped (a larger one, or eager, takes its steps; capture_policy.py)."""
         pool = torch.cuda.graph_pool_handle() if capture else None
         for layout, (step_fn, shapes) in step_fns.items():
-            buckets = [_Bucket(step_fn, shapes, batch, dtype, device, capture, pool)
+            buckets = [capture_or_skip(f"denoise step {layout} batch {batch}",
+                                       lambda batch=batch, step_fn=step_fn, shapes=shapes: _Bucket(
+                                           step_fn, shapes, batch, dtype, device, capture, pool))
                        for batch in sorted(set(batches), reverse=True)]
-            self._buckets[layout] = sorted(buckets, key=lambda b: b.batch)
+            self._buckets[layout] = sorted((b for b in buckets if b is not None), key=lambda b: b.batch)
             logger.info("denoise step %s for layout %s, batch sizes %s", "captured" if capture else "bucketed",
                         layout, [b.batch for b in self._buckets[layout]])
             if capture and exact_batches():

@@ -14,7 +14,9 @@ the replay's logits.
 Buffers. Every input of every graph is a view into three static device buffers (int32, fp32, int64) with
 one named layout; the host fills a pinned mirror (two, alternating, so a fill never races the previous
 step's copy) and one copy per buffer moves a step's inputs. Outputs land in `out_tokens`. All graphs share
-one memory pool and are captured largest first.
+one memory pool and are captured largest first. A bucket that runs out of GPU memory while it is captured is
+dropped with a warning, and its steps take the next larger captured bucket or run eager;
+`MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1` refuses to start instead (capture_policy.py).
 
 On a CPU (tests), `FakeGraph` stands in for `torch.cuda.CUDAGraph`: it re-runs the captured closure, which
 exercises the same buffers, padding and bucketing.
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from mstar_common.engine.attention import AttentionMetadata, build_prefill_work, prefill_work_capacity
+from mstar_common.engine.capture_policy import capture_or_skip
 from mstar_common.engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -159,6 +162,7 @@ class CudaGraphRunner:
         self.samples_in_graph = not hasattr(model, "process_logits")
         self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, self.logits_width, device=device)
         self.has_request_slots = hasattr(model, "admit_request")
+        self.uncaptured: list[tuple[str, int, bool]] = []  # buckets capture() had to drop (capture_policy.py)
 
     # ---- capture ---------------------------------------------------------------------------------------------
 
@@ -178,27 +182,36 @@ class CudaGraphRunner:
                     len(keys), self.decode_buckets, self.token_buckets, self.config.capture_sampling)
         for index, key in enumerate(keys, 1):
             t0 = time.perf_counter()
-            self._fill_padding(key)
-            self._plan(key, self.buffers.host_views(0))
-            fn = self._step_fn(*key)
-            if is_cuda:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fn()  # warm-up: JIT-compiles the Triton kernels and sizes the allocator outside capture
-                    fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    fn()
-            else:
-                graph = FakeGraph(fn)
+            name = f"{key[0]} {key[1]}{' (sampling)' if key[2] else ''}"
+            graph = capture_or_skip(f"[cuda graphs] {name}", lambda key=key: self._capture_one(key, pool))
+            if graph is None:
+                continue
             self.graphs[key] = graph
-            logger.info("[cuda graphs] %d/%d %s %d%s captured in %.2f s", index, len(keys), key[0], key[1],
-                        " (sampling)" if key[2] else "", time.perf_counter() - t0)
+            logger.info("[cuda graphs] %d/%d %s captured in %.2f s", index, len(keys), name, time.perf_counter() - t0)
         if is_cuda:
             torch.cuda.synchronize()
-        logger.info("[cuda graphs] %d graphs captured in %.1f s", len(keys), time.perf_counter() - started)
+        self.uncaptured = [key for key in keys if key not in self.graphs]
+        logger.info("[cuda graphs] %d of %d graphs captured in %.1f s%s", len(self.graphs), len(keys),
+                    time.perf_counter() - started, f"; not captured (out of GPU memory): "
+                    f"{[f'{kind} {size}' for kind, size, _ in self.uncaptured]}" if self.uncaptured else "")
+
+    def _capture_one(self, key: tuple[str, int, bool], pool):
+        """One bucket's graph (on the CPU a `FakeGraph` that re-runs the step)."""
+        self._fill_padding(key)
+        self._plan(key, self.buffers.host_views(0))
+        fn = self._step_fn(*key)
+        if self.device.type != "cuda":
+            return FakeGraph(fn)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up: JIT-compiles the Triton kernels and sizes the allocator outside capture
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        return graph
 
     def _step_fn(self, kind: str, size: int, sampling: bool):
         v = self.buffers.views
@@ -257,7 +270,8 @@ class CudaGraphRunner:
     # ---- replay ----------------------------------------------------------------------------------------------
 
     def pick(self, batch) -> tuple[str, int, bool] | None:
-        """The smallest captured bucket that holds `batch`, or None (run it eager)."""
+        """The smallest captured bucket that holds `batch`, or None (run it eager). A bucket that could not be
+        captured (out of GPU memory at startup) is passed over for the next larger one."""
         sampling = False
         if self.samples_in_graph:
             if batch.needs_history:
@@ -266,13 +280,13 @@ class CudaGraphRunner:
             if sampling and not self.config.capture_sampling:
                 return None
         if batch.is_decode:
-            i = bisect_left(self.decode_buckets, batch.num_rows)
-            if i < len(self.decode_buckets):
-                return DECODE, self.decode_buckets[i], sampling
-        i = bisect_left(self.token_buckets, batch.num_tokens)
-        if i < len(self.token_buckets) and batch.num_rows <= self._shape(MIXED, self.token_buckets[i])[0]:
-            return MIXED, self.token_buckets[i], sampling
-        return None
+            sizes = self.decode_buckets[bisect_left(self.decode_buckets, batch.num_rows):]
+            key = next((k for k in ((DECODE, size, sampling) for size in sizes) if k in self.graphs), None)
+            if key is not None:
+                return key
+        sizes = self.token_buckets[bisect_left(self.token_buckets, batch.num_tokens):]
+        return next((k for k in ((MIXED, size, sampling) for size in sizes)
+                     if k in self.graphs and batch.num_rows <= self._shape(MIXED, k[1])[0]), None)
 
     def try_replay(self, batch, last_tokens: torch.Tensor | None, sample=None) -> torch.Tensor | None:
         """Replay the bucket that holds `batch` and return its tokens (device), or None if none does.

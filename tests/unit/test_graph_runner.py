@@ -7,11 +7,21 @@ device-side gather of pending tokens, launch-before-collect) and check the token
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from mstar_common.engine.ar_engine import AREngine
 from mstar_common.engine.attention import TorchStaticAttention
-from mstar_common.engine.cuda_graph import GraphConfig, default_decode_buckets, default_token_buckets
+from mstar_common.engine.capture_policy import GraphCaptureError
+from mstar_common.engine.cuda_graph import (
+    CudaGraphRunner,
+    GraphConfig,
+    default_decode_buckets,
+    default_token_buckets,
+)
 from mstar_common.engine.types import EngineConfig, FinishReason, SamplingParams
 from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
 from tests.unit.test_ar_engine import (  # noqa: F401 - fixtures
@@ -103,3 +113,46 @@ def test_graph_capture_refuses_a_backend_that_cannot_be_captured(static_model, c
     with pytest.raises(ValueError, match="cannot be captured"):
         AREngine(model, EngineConfig(num_kv_pages=16, page_size=4), eos_token_ids=[0], vocab_size=config["vocab_size"],
                  graphs=GRAPHS)
+
+
+def _out_of_memory_at(monkeypatch, buckets: set[tuple[str, int]]) -> None:
+    """Make the capture of `buckets` ((kind, size)) raise CUDA's out-of-memory error."""
+    real = CudaGraphRunner._capture_one
+
+    def capture_one(self, key, pool):
+        if key[:2] in buckets:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+        return real(self, key, pool)
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)
+
+
+def test_buckets_out_of_memory_at_capture_are_passed_over(static_model, prompts, reference, monkeypatch,  # noqa: F811
+                                                          caplog):
+    """Decode 2 and 8 and mixed 16 run out of memory: the engine starts, says so, and their steps take the next
+    larger captured bucket (or run eager past the last) with the same tokens."""
+    _out_of_memory_at(monkeypatch, {("decode", 2), ("decode", 8), ("mixed", 16)})
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(static_model, GRAPHS, overlap=True)
+    graphs = engine.runner.graphs
+    assert sorted(key[:2] for key in graphs.uncaptured) == [("decode", 2), ("decode", 8), ("mixed", 16)]
+    assert "[cuda graphs] decode 2 not captured: out of GPU memory (CUDA out of memory" in caplog.text
+    assert len(graphs.graphs) == 3
+
+    def batch(rows, tokens):
+        return SimpleNamespace(needs_history=False, is_greedy=True, is_decode=rows == tokens, num_rows=rows,
+                               num_tokens=tokens)
+
+    picks = [graphs.pick(batch(rows, tokens)) for rows, tokens in ((1, 1), (2, 2), (3, 3), (5, 5), (2, 10), (9, 40))]
+    assert picks == [("decode", 1, False), ("decode", 4, False), ("decode", 4, False), ("mixed", 64, False),
+                     ("mixed", 64, False), None]  # 9 rows: more than max_num_seqs holds in a captured bucket
+    collector = run_all(engine, prompts, greedy(), stagger=3)
+    assert [collector.streams[str(i)].tokens for i in range(len(reference))] == reference
+    assert graphs.num_replays > 0
+
+
+def test_required_graphs_refuse_to_start_when_a_bucket_is_out_of_memory(static_model, monkeypatch):
+    _out_of_memory_at(monkeypatch, {("decode", 4)})
+    monkeypatch.setenv("MSTAR_REQUIRE_ACCELERATOR_GRAPHS", "1")
+    with pytest.raises(GraphCaptureError, match=r"\[cuda graphs\] decode 4: CUDA graph capture ran out of GPU memory"):
+        make_engine(static_model, GRAPHS, overlap=True)

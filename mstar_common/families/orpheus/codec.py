@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mstar_common.engine.capture_policy import capture_or_skip
 from mstar_common.families.orpheus.codes import LOOKBACK_FRAMES, WINDOW_FRAMES
 from mstar_common.families.orpheus.snac import SnacDecoder
 from mstar_common.families.orpheus.tokens import CODEBOOK_SIZE, CODES_PER_FRAME
@@ -130,16 +131,22 @@ class SnacCodec:
         """One graph per bucket, largest first, sharing one memory pool."""
         pool = None
         for bucket in sorted(graph_buckets(self.max_batch), reverse=True):
-            windows = torch.zeros((bucket, WINDOW_FRAMES, CODES_PER_FRAME), dtype=torch.int32, device=self.device)
-            for _ in range(2):  # warm up (cuDNN algorithm choice, allocator) outside the graph
-                self.played_frames(windows)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()  # captured on torch's side stream; replayed on `self.stream`
-            with torch.cuda.graph(graph, pool=pool):
-                audio = self.played_frames(windows)
-            pool = graph.pool()
-            self.graphs[bucket] = _Graph(graph, windows, audio)
+            captured = capture_or_skip(f"[orpheus/snac] batch {bucket}",
+                                       lambda bucket=bucket, pool=pool: self._capture_bucket(bucket, pool))
+            if captured is not None:  # else out of GPU memory: a larger bucket, or eager, takes these batches
+                self.graphs[bucket] = captured
+                pool = captured.graph.pool()
         logger.info("[orpheus/snac] captured CUDA graphs for batch buckets %s", sorted(self.graphs))
+
+    def _capture_bucket(self, bucket: int, pool) -> _Graph:
+        windows = torch.zeros((bucket, WINDOW_FRAMES, CODES_PER_FRAME), dtype=torch.int32, device=self.device)
+        for _ in range(2):  # warm up (cuDNN algorithm choice, allocator) outside the graph
+            self.played_frames(windows)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()  # captured on torch's side stream; replayed on `self.stream`
+        with torch.cuda.graph(graph, pool=pool):
+            audio = self.played_frames(windows)
+        return _Graph(graph, windows, audio)
 
 
 def check_windows(windows: np.ndarray) -> None:

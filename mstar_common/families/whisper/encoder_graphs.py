@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from mstar_common.engine.capture_policy import capture_or_skip
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -68,7 +70,11 @@ class EncoderGraphs:
         self._buckets: dict[int, _Bucket] = {}
         with torch.inference_mode():
             for batch in sorted(set(batches), reverse=True):  # largest first: the pool then fits the smaller
-                self._buckets[batch] = _Bucket(forward, batch, sample_shape, device, capture, pool)
+                bucket = capture_or_skip(f"[whisper/encoder] batch {batch}",
+                                         lambda batch=batch: _Bucket(forward, batch, sample_shape, device, capture,
+                                                                     pool))
+                if bucket is not None:  # else out of GPU memory: a larger bucket or eager takes these batches
+                    self._buckets[batch] = bucket
         if capture:
             logger.info("[whisper/encoder] captured CUDA graphs for batches %s", sorted(self._buckets))
 
