@@ -141,7 +141,7 @@ class DecoderOnlyLM(nn.Module):
 
     def enable_fused_ops(self, enabled: bool = True) -> None:
         """Run the residual-add+RMSNorm and SiLU*up as Triton kernels on CUDA (the q/k prologue is the
-        attention backend's choice); with `MSTAR_NORM_GEMV` (default on) a norm before a projection that runs on
+        attention backend's choice); with `MSTAR_NORM_GEMV=1` (default off) a norm before a projection that runs on
         the skinny GEMM goes into that GEMM's launch; with `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP
         half as one persistent launch."""
         fold_norms = enabled and norm_gemv_enabled()
