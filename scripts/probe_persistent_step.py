@@ -10,10 +10,12 @@ probe measures the two things such a kernel rests on:
 - `chain`: `--layers` layers of the four one-row projections of a decoder layer (qkv, o, gate/up, down with SwiGLU
   on load), each layer with its own weights: as one persistent launch with a barrier after each projection
   (`persistent`), and as the chain of the skinny-GEMV launches with PDL that the served step runs (`launches`),
-  both in a CUDA graph. The persistent form loads the first weight blocks of a projection before the barrier
-  that precedes it. Both are checked against torch over the first two layers (bf16 tolerance; the probe exits 1
-  otherwise); tests/kernels/test_probe_persistent.py checks the kernel against the launches, NaN-filled buffers
-  between the projections, up to two programs per SM.
+  both in a CUDA graph. The persistent launch holds its weight tiles in registers and loads a projection's
+  first two tiles before the barrier that precedes it; or, with `--tma-stages N`, it streams them through
+  tensor descriptors (TMA on Hopper) in an N-deep pipeline in shared memory, which fills after each barrier
+  (measured: the register form, 2026-12-02; the TMA form not yet on a GPU). Both are checked against torch
+  over the first two layers (bf16 tolerance; the probe exits 1 otherwise); tests/kernels/test_probe_persistent.py
+  checks both forms against the launches, NaN-filled buffers between the projections, up to two programs per SM.
 
 Prints one JSON object (`--json` writes it too).
 
@@ -173,6 +175,69 @@ def _chain_kernel(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_p
     _leave(sync_ptr, num)
 
 
+@triton.jit
+def _tma_stage(x_ptr, w_desc, out_ptr, row0, N, K, pid, num, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """out = x @ W.T for this program's column blocks, the weight tiles loaded through the tensor descriptor
+    `w_desc` (rows `row0 + n` of the stacked layers; TMA on Hopper) in a software pipeline `STAGES` deep, so the
+    tiles in flight sit in shared memory instead of registers."""
+    units, KC = _units(N, K, pid, num, BLOCK_N, BLOCK_K)
+    j = tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in tl.range(0, units, num_stages=STAGES):
+        block = pid + (t // KC) * num
+        w = w_desc.load([row0 + block * BLOCK_N, (t % KC) * BLOCK_K])
+        x = _unit_x(x_ptr, t, KC, K, k, SWIGLU, BLOCK_K)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        last = (j * 0 + t) % KC == KC - 1
+        rows = block * BLOCK_N + j
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=(rows < N) & last)
+        acc = tl.where(last, 0.0, acc)
+
+
+@triton.jit
+def _chain_kernel_tma(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_desc, wo_desc, wgu_desc, wd_desc, sync_ptr, layers, H,
+                      QKV, Q, INTER, POLL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """`_chain_kernel` with the weights streamed through tensor descriptors (`_tma_stage`); no tile is loaded
+    ahead of a barrier (each stage's pipeline fills after it)."""
+    pid = tl.program_id(0)
+    num = tl.num_programs(0)
+    nb = 0
+    for layer in range(layers):
+        _tma_stage(h_ptr, wqkv_desc, qkv_ptr, layer * QKV, QKV, H, pid, num, False, BLOCK_N, BLOCK_K, STAGES)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+        _tma_stage(qkv_ptr, wo_desc, o_ptr, layer * H, H, Q, pid, num, False, BLOCK_N, BLOCK_K, STAGES)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+        _tma_stage(o_ptr, wgu_desc, gu_ptr, layer * 2 * INTER, 2 * INTER, H, pid, num, False, BLOCK_N, BLOCK_K,
+                   STAGES)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+        _tma_stage(gu_ptr, wd_desc, h_ptr, layer * H, H, INTER, pid, num, True, BLOCK_N, BLOCK_K, STAGES)
+        nb += 1
+        _barrier(sync_ptr, nb * num, POLL)
+    _leave(sync_ptr, num)
+
+
+def launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers: int, q: int, mode: dict) -> None:
+    """One launch of the persistent chain over `layers` layers of the stacked weights ([L, N, K] each): the
+    register form, or with `mode["stages"]` the tensor-descriptor (TMA) form."""
+    hidden, qkv_n, inter = h.shape[-1], qkv.shape[-1], gu.shape[-1] // 2
+    common = dict(POLL=mode["poll"], BLOCK_N=mode["block_n"], BLOCK_K=mode["block_k"], num_warps=mode["warps"])
+    if not mode.get("stages"):
+        _chain_kernel[grid](h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers, hidden, qkv_n, q, inter, **common)
+        return
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block = [mode["block_n"], mode["block_k"]]
+    descs = [TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block) for w in (wqkv, wo, wgu, wd)]
+    _chain_kernel_tma[grid](h, qkv, o, gu, *descs, sync, layers, hidden, qkv_n, q, inter, STAGES=mode["stages"],
+                            **common)
+
+
 def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -264,9 +329,7 @@ def chain(shapes: str, layers: int, modes: list[dict]) -> dict:
 
         def run(grid=grid, mode=mode, depth=layers):
             h.copy_(h0)
-            _chain_kernel[grid](h, qkv, o, gu, wqkv, wo, wgu, wd, sync, depth, hidden, qkv_n, q, inter,
-                                POLL=mode["poll"], BLOCK_N=mode["block_n"], BLOCK_K=mode["block_k"],
-                                num_warps=mode["warps"])
+            launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, depth, q, mode)
 
         try:
             run(depth=depth)
@@ -289,6 +352,9 @@ def main() -> int:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--per-sm", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--poll", type=int, nargs="+", default=[1], help="0: atomic polls, 1: ld.acquire polls")
+    parser.add_argument("--tma-stages", type=int, nargs="+", default=[0],
+                        help="0: the register form; N > 0: the tensor-descriptor (TMA) form, N tiles in flight")
+    parser.add_argument("--tma-block-k", type=int, default=256, help="K per tile of the TMA form (<= 256)")
     parser.add_argument("--no-barrier", action="store_true", help="skip the barrier timing")
     parser.add_argument("--barrier-only", action="store_true", help="time the barrier only")
     parser.add_argument("--json")
@@ -301,8 +367,9 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
         return 0
-    modes = [dict(per_sm=s, poll=p, block_n=n, block_k=1024, warps=w)
-             for s, p, n, w in itertools.product(args.per_sm, args.poll, args.block_n, args.warps)]
+    modes = [dict(per_sm=s, poll=p, block_n=n, block_k=args.tma_block_k if st else 1024, warps=w, stages=st)
+             for s, p, n, w, st in itertools.product(args.per_sm, args.poll, args.block_n, args.warps,
+                                                      args.tma_stages)]
     out["chain"] = chain(args.shapes, args.layers, modes)
     print(json.dumps(out, indent=1), flush=True)
     if args.json:

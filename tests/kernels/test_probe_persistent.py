@@ -31,7 +31,8 @@ _SPEC.loader.exec_module(probe)
 
 @pytest.mark.parametrize("programs", [1] if IS_INTERPRETED else [1, 7, 264])
 @pytest.mark.parametrize("block_n", [4] if IS_INTERPRETED else [2, 8])
-def test_the_persistent_chain_matches_the_reference(programs, block_n):
+@pytest.mark.parametrize("stages", [0, 3])  # the register form; the tensor-descriptor (TMA) form, 3 tiles deep
+def test_the_persistent_chain_matches_the_reference(programs, block_n, stages):
     block_k = 32  # one K chunk for qkv and gate/up, two for o, three for down
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     layers, hidden, q, kv, inter = 2, 32, 64, 32, 96
@@ -55,8 +56,8 @@ def test_the_persistent_chain_matches_the_reference(programs, block_n):
     first = None
     for _ in range(2):  # a second launch finds the counters at zero again and gives the same bits
         h.copy_(h0)
-        probe._chain_kernel[(programs,)](h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers, hidden, q + 2 * kv, q,
-                                         inter, POLL=0 if programs in (1, 7) else 1, BLOCK_N=block_n, BLOCK_K=block_k)
+        mode = dict(poll=0 if programs in (1, 7) else 1, block_n=block_n, block_k=block_k, warps=4, stages=stages)
+        probe.launch_chain((programs,), h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers, q, mode)
         assert probe._rel_err(h.float(), launches.float()) < 0.02
         assert probe._rel_err(h.float(), expect) < 0.1
         assert sync.tolist() == [0, 0]
