@@ -145,7 +145,7 @@ class TextGraphs:
             if capture:
                 with torch.inference_mode():
                     captured = capture_or_skip(
-                        f"text encoder batch {batch}",
+                        f"[cuda graphs] text encoder batch {batch}",
                         lambda ids=ids, lens=lens: capture_graph(lambda: model(ids, lens, static=True), pool))
                 if captured is None:  # out of GPU memory: a larger bucket or the eager pass takes these batches
                     continue

@@ -112,7 +112,7 @@ class StepGraphs:
         that runs out of GPU memory is dropped (a larger one, or eager, takes its steps; capture_policy.py)."""
         pool = torch.cuda.graph_pool_handle() if capture else None
         for layout, (step_fn, shapes) in step_fns.items():
-            buckets = [capture_or_skip(f"denoise step {layout} batch {batch}",
+            buckets = [capture_or_skip(f"[cuda graphs] denoise step {layout} batch {batch}",
                                        lambda batch=batch, step_fn=step_fn, shapes=shapes: _Bucket(
                                            step_fn, shapes, batch, dtype, device, capture, pool))
                        for batch in sorted(set(batches), reverse=True)]

@@ -49,7 +49,7 @@ def capture_or_skip(what: str, capture: Callable[[], T]) -> T | None:
             f"requires every configured bucket; configure fewer or smaller buckets (decode_buckets, "
             f"prefill_token_buckets, or the component's own), or leave more GPU memory (fewer "
             f"resources.kv_cache.num_pages, fewer components on that GPU)")
-    logger.warning("[cuda graphs] %s not captured: out of GPU memory (%s); steps of that size take a larger "
+    logger.warning("%s not captured: out of GPU memory (%s); steps of that size take a larger "
                    "captured bucket or run eager (MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1 refuses to start instead)",
                    what, reason)
     return None

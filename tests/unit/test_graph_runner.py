@@ -137,6 +137,7 @@ def test_buckets_out_of_memory_at_capture_are_passed_over(static_model, prompts,
     graphs = engine.runner.graphs
     assert sorted(key[:2] for key in graphs.uncaptured) == [("decode", 2), ("decode", 8), ("mixed", 16)]
     assert "[cuda graphs] decode 2 not captured: out of GPU memory (CUDA out of memory" in caplog.text
+    assert "[cuda graphs] [cuda graphs]" not in caplog.text
     assert len(graphs.graphs) == 3
 
     def batch(rows, tokens):
