@@ -4,13 +4,14 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [ab] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [persistent] [ab] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health] [orpheus-pyspy]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, BASELINE_CONCURRENCY / BASELINE_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
 #   (e.g. --profile) / FLUX_TIMEOUT (bench_flux2.py), ZIMAGE_ARGS (both z-image runs, e.g. --concurrency 1,4) /
 #   ZIMAGE_TIMEOUT (each of them), SWEEP_TIMEOUT, GEMV_ARGS (sweep_gemv.py), PROFILE_ARGS / PROFILE_TIMEOUT
-#   (profile_decode_step.py); PDL_FAMILIES / PDL_ROWS / PDL_MAX_ROWS (the pdl stage); AB_FAMILIES / AB_ROWS / AB_VARIANTS (the
+#   (profile_decode_step.py); PDL_FAMILIES / PDL_ROWS / PDL_MAX_ROWS (the pdl stage); PERSISTENT_SETTINGS /
+#   PERSISTENT_TIMEOUT (the persistent stage); AB_FAMILIES / AB_ROWS / AB_VARIANTS (the
 #   ab stage: ab_decode_step.py --variant flags); DIT_ARGS / DIT_TIMEOUT (bench_dit_kernels.py); MSTAR_GEMV_MAX_ROWS, MSTAR_TOP_P_KERNEL,
 #   MSTAR_FP8_FP16_DOTS, MSTAR_DECODE_FORM, MSTAR_DIFFUSION_KERNELS, MSTAR_DIT_ATTENTION, MSTAR_DENOISE_EXACT_BATCHES,
 #   MSTAR_PDL, MSTAR_PDL_MAX_ROWS
@@ -85,6 +86,22 @@ if has pdl; then
         scripts/profile_decode_step.py --family $family --rows ${PDL_ROWS:-1,2,4} \
         --out "$OUT/profile_${family}_pdl$flag.json" 2>&1 | grep "^\[profile\]" || echo "STAGE FAILED: $family pdl=$flag"
     done
+  done
+fi
+if has persistent; then
+  stage "whole-step persistent decode probe: the barrier, then one process per setting (PERSISTENT_SETTINGS)"
+  timeout 60 $IMAGE_PY scripts/probe_persistent_step.py --barrier-only --json "$OUT/probe_barrier.json" \
+    || echo "STAGE FAILED: barrier probe"
+  # "shapes per_sm poll block_n warps tma_stages" each; tma_stages 0 is the register form (measured 2026-12-02)
+  default="qwen3 2 0 4 4 0;qwen3 1 0 8 4 4;qwen3 2 0 8 4 4;qwen3 1 0 16 4 3;qwen3 2 0 16 4 4;qwen3 1 0 32 4 4"
+  IFS=';' read -r -a settings <<< "${PERSISTENT_SETTINGS:-$default;llama 2 0 8 4 4}"
+  i=0
+  for setting in "${settings[@]}"; do
+    read -r shapes per_sm poll block_n warps stages <<< "$setting"; i=$((i + 1))
+    timeout ${PERSISTENT_TIMEOUT:-90} $IMAGE_PY scripts/probe_persistent_step.py --no-barrier --shapes $shapes \
+      --per-sm $per_sm --poll $poll --block-n $block_n --warps $warps --tma-stages $stages \
+      --json "$OUT/probe_persistent_$i.json" 2>&1 | grep -E "launches:|us$|rel err|Error" \
+      || echo "STAGE FAILED: persistent probe $setting"
   done
 fi
 if has ab; then
