@@ -42,12 +42,14 @@ from kernels.gemv import MAX_ROWS, _residual_sum, _x_chunk
 
 
 @triton.jit
-def _grid_barrier(sync_ptr, num_programs):
-    """Every program waits here until all `num_programs` have arrived; writes before it are visible after it."""
+def _grid_barrier(sync_ptr, target):
+    """Every program arrives, then waits until the counter reaches `target`: the number of programs for a launch's
+    only barrier, (i + 1) x that for the i-th of several (the counter only grows until `_grid_leave`). Writes
+    before it are visible after it."""
     tl.debug_barrier()  # this program's threads have all issued their stores
     tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-    while seen < num_programs:
+    while seen < target:
         seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 

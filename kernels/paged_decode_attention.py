@@ -50,6 +50,20 @@ def _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr,
 
 
 @triton.jit
+def _token_slots(bt_ptr, row, stride_bt, t, t_mask, stride_slot, kv_head, stride_kv_head, PAGE_SIZE: tl.constexpr):
+    """Where tokens `t` of `row`'s context sit in the pool for `kv_head`: offsets of their first element (int64)."""
+    page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+    return (page * PAGE_SIZE + t % PAGE_SIZE) * stride_slot + kv_head * stride_kv_head
+
+
+@triton.jit
+def _empty_state(GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax's start for a group of query heads: (running max, running sum, accumulator)."""
+    return (tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
+            tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32))
+
+
+@triton.jit
 def _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, tok, split, g, d, heads, stride_ob,
                  stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """A heads-major program's result: with one split the output rows of its query heads at `tok`, else its
@@ -89,14 +103,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
     g, d, heads, q = _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     if FP16_DOTS:  # an fp8 pool read back as fp16 (the hardware's e4m3 -> f16 conversion), dots in fp16
         q = q.to(tl.float16)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    lsum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    m, lsum, acc = _empty_state(GROUP_PAD, HEAD_DIM)
     for n0 in range(start, end, BLOCK):
         t = n0 + tl.arange(0, BLOCK)
         t_mask = t < end
-        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
-        offs = (page * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        offs = _token_slots(bt_ptr, row, stride_bt, t, t_mask, stride_slot, kv_head, stride_kv_head,
+                            PAGE_SIZE)[:, None] + d[None, :]
         k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)  # an fp8 pool: read back
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -152,8 +164,7 @@ def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, o
     for n0 in range(start, end, BLOCK):
         t = n0 + tl.arange(0, BLOCK)
         t_mask = t < end
-        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
-        slot = (page * PAGE_SIZE + t % PAGE_SIZE) * stride_slot + kv_head * stride_kv_head
+        slot = _token_slots(bt_ptr, row, stride_bt, t, t_mask, stride_slot, kv_head, stride_kv_head, PAGE_SIZE)
         k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
         if not QK_FP8:
             k = k.to(q_t.dtype)
@@ -265,14 +276,12 @@ def _decode_rope_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, sl
         slot = tl.load(slot_ptr + row).to(tl.int64)
         tl.store(k_ptr + slot * stride_slot + kv_head * stride_kv_head + d[None, :] + one[:, None] * 0, k_new)
         tl.store(v_ptr + slot * stride_slot + kv_head * stride_kv_head + d[None, :] + one[:, None] * 0, v_new)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    lsum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    m, lsum, acc = _empty_state(GROUP_PAD, HEAD_DIM)
     for n0 in range(start, end, BLOCK):
         t = n0 + tl.arange(0, BLOCK)
         t_mask = t < end
-        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
-        offs = (page * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        offs = _token_slots(bt_ptr, row, stride_bt, t, t_mask, stride_slot, kv_head, stride_kv_head,
+                            PAGE_SIZE)[:, None] + d[None, :]
         old = t_mask & (t != new_pos)
         k = tl.load(k_ptr + offs, mask=old[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=old[:, None], other=0.0)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels._rounding import round_to  # noqa: E402
+from kernels.fused_mlp import _grid_barrier, _grid_leave  # noqa: E402
 from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
 
 CHECK_LAYERS = 2
@@ -46,33 +47,23 @@ SHAPES = {  # hidden, q width (heads x head_dim), kv width, intermediate
 
 
 @triton.jit
-def _poll(sync_ptr, POLL: tl.constexpr):
-    if POLL == 0:
-        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-    else:
-        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sync_ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    return seen
-
-
-@triton.jit
 def _barrier(sync_ptr, target, POLL: tl.constexpr):
-    """Wait until the counter reaches `target` (barrier i of a launch: (i + 1) x programs)."""
-    tl.debug_barrier()
-    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    seen = _poll(sync_ptr, POLL)
-    while seen < target:
-        seen = _poll(sync_ptr, POLL)
-    tl.debug_barrier()
+    """kernels/fused_mlp.py's grid barrier (POLL 0: atomic polls), or the same with `ld.acquire` polls (POLL 1)."""
+    if POLL == 0:
+        _grid_barrier(sync_ptr, target)
+    else:
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+        seen = _acquire_load(sync_ptr)
+        while seen < target:
+            seen = _acquire_load(sync_ptr)
+        tl.debug_barrier()
 
 
 @triton.jit
-def _leave(sync_ptr, num_programs):
-    tl.debug_barrier()
-    left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if left == num_programs - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="release", scope="gpu")
+def _acquire_load(sync_ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sync_ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -80,7 +71,7 @@ def _barrier_kernel(sync_ptr, iters, POLL: tl.constexpr):
     num = tl.num_programs(0)
     for i in range(iters):
         _barrier(sync_ptr, (i + 1) * num, POLL)
-    _leave(sync_ptr, num)
+    _grid_leave(sync_ptr, num)
 
 
 @triton.jit
@@ -172,7 +163,7 @@ def _chain_kernel(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_p
         a0, a1 = _first_tiles(nxt, tl.where(layer + 1 < layers, QKV, 0), H, pid, num, BLOCK_N, BLOCK_K)
         nb += 1
         _barrier(sync_ptr, nb * num, POLL)
-    _leave(sync_ptr, num)
+    _grid_leave(sync_ptr, num)
 
 
 @triton.jit
@@ -219,7 +210,7 @@ def _chain_kernel_tma(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_desc, wo_desc, wgu_des
         _tma_stage(gu_ptr, wd_desc, h_ptr, layer * H, H, INTER, pid, num, True, BLOCK_N, BLOCK_K, STAGES)
         nb += 1
         _barrier(sync_ptr, nb * num, POLL)
-    _leave(sync_ptr, num)
+    _grid_leave(sync_ptr, num)
 
 
 def launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers: int, q: int, mode: dict) -> None:
