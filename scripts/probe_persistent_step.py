@@ -13,21 +13,31 @@ probe measures the two things such a kernel rests on:
   both in a CUDA graph. The persistent launch holds its weight tiles in registers and loads a projection's
   first two tiles before the barrier that precedes it; or, with `--tma-stages N`, it streams them through
   tensor descriptors (TMA on Hopper) in an N-deep pipeline in shared memory, which fills after each barrier
-  (measured: the register form, 2026-12-02; the TMA form not yet on a GPU). Both are checked against torch
-  over the first two layers (bf16 tolerance; the probe exits 1 otherwise); tests/kernels/test_probe_persistent.py
-  checks both forms against the launches, NaN-filled buffers between the projections, up to two programs per SM.
+  (both measured on 2026-12-02: both lost). With `--cuda` it runs the same chain as a CUDA C++ kernel instead
+  (scripts/probe_persistent_step.cu, built here with nvcc): one CTA per SM, 16-byte weight loads, two chunks in
+  flight per thread, the next projection's first chunk loaded before each barrier. Every form is checked against
+  torch over the first two layers (bf16 tolerance; the probe exits 1 otherwise);
+  tests/kernels/test_probe_persistent.py checks the forms against the launches, NaN-filled buffers between the
+  projections, up to two programs per SM.
 
 Prints one JSON object (`--json` writes it too).
 
     python scripts/probe_persistent_step.py [--shapes qwen3|llama] [--layers 28] [--json out.json]
+    python scripts/probe_persistent_step.py --cuda [--warps 16 32] [--unroll 4 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import itertools
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,6 +50,7 @@ from kernels.fused_mlp import _grid_barrier, _grid_leave  # noqa: E402
 from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
 
 CHECK_LAYERS = 2
+CUDA_SOURCE = Path(__file__).with_suffix(".cu")
 SHAPES = {  # hidden, q width (heads x head_dim), kv width, intermediate
     "qwen3": (1024, 2048, 1024, 3072),
     "llama": (3072, 3072, 1024, 8192),
@@ -213,10 +224,65 @@ def _chain_kernel_tma(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_desc, wo_desc, wgu_des
     _grid_leave(sync_ptr, num)
 
 
+def _nvcc() -> str:
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    for candidate in (shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise RuntimeError("the CUDA form needs nvcc (on PATH or under $CUDA_HOME/bin)")
+
+
+def cuda_library() -> ctypes.CDLL:
+    """scripts/probe_persistent_step.cu built for this GPU (cached by the source's hash and the architecture)."""
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + arch.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MSTAR_CACHE_DIR", tempfile.gettempdir())) / "probe_persistent_cuda"
+    library = cache / f"chain_{digest}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([_nvcc(), "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(partial),
+                        str(CUDA_SOURCE)], check=True)
+        partial.replace(library)
+    lib = ctypes.CDLL(str(library))
+    lib.mstar_chain_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.mstar_chain_trace.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.mstar_barrier_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _check_launch(code: int, what: str) -> None:
+    if code == -1:
+        raise ValueError(f"{what}: the CUDA kernel does not take this shape or setting (K a multiple of 256, "
+                         "at most 8192; at most 256 rows per CTA; threads a multiple of 32, at most 1024, 512 "
+                         "with unroll 8; a ring of 4, 8, 12 or 16 slots that fits in shared memory; units of at "
+                         "most 4, 8 or 16 vectors per lane, with at most 1024, 512 or 256 threads)")
+    if code == -2:
+        raise ValueError(f"{what}: more CTAs than the GPU holds at once (a grid barrier would never open)")
+    if code != 0:
+        raise RuntimeError(f"{what}: CUDA error {code}")
+
+
 def launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers: int, q: int, mode: dict) -> None:
     """One launch of the persistent chain over `layers` layers of the stacked weights ([L, N, K] each): the
-    register form, or with `mode["stages"]` the tensor-descriptor (TMA) form."""
+    register form, with `mode["stages"]` the tensor-descriptor (TMA) form, or with `mode["cuda"]` the CUDA C++
+    form (`mode["warps"]` warps per CTA; `mode["unroll"]` vectors per thread per chunk held in registers,
+    `mode["ring"]` slots per thread of the shared-memory ring that the weights stream through, or `mode["units"]`
+    vectors per lane of the (row, K segment) units that each warp takes whole; with `mode["early"]`, each warp's
+    first unit of a projection is copied into shared memory two projections ahead)."""
     hidden, qkv_n, inter = h.shape[-1], qkv.shape[-1], gu.shape[-1] // 2
+    if mode.get("cuda"):
+        lib = cuda_library()
+        ptrs = (ctypes.c_void_p * 9)(*(t.data_ptr() for t in (h, qkv, o, gu, wqkv, wo, wgu, wd, sync)))
+        dims = (ctypes.c_int * 5)(layers, hidden, qkv_n, q, inter)
+        units = mode.get("units", 0) * (-1 if mode.get("early") else 1)  # negative: the early-copy variant
+        code = lib.mstar_chain_launch(ptrs, dims, grid[0], mode["warps"] * 32, mode.get("unroll", 0),
+                                      mode.get("ring", 0), units, torch.cuda.current_stream().cuda_stream)
+        _check_launch(code, "mstar_chain_launch")
+        return
     common = dict(POLL=mode["poll"], BLOCK_N=mode["block_n"], BLOCK_K=mode["block_k"], num_warps=mode["warps"])
     if not mode.get("stages"):
         _chain_kernel[grid](h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers, hidden, qkv_n, q, inter, **common)
@@ -239,6 +305,63 @@ def barrier_us(per_sm: int, poll: int, iters: int = 2000) -> float:
 
     def run():
         _barrier_kernel[grid](sync, iters, POLL=poll, num_warps=4)
+
+    us = graph_time_us(run)
+    assert int(sync.sum()) == 0, "the barrier left its counters non-zero"
+    return us / iters
+
+
+TRACE_POINTS = ("input", "first_unit", "other_units", "write", "barrier")
+
+
+def trace_cuda_chain(shapes: str, layers: int, warps: int) -> dict:
+    """One launch of the early-copy unit form (4 vectors per lane, one CTA per SM) with each CTA's clock read at
+    five points of every projection: where its time goes, per projection kind, in us (medians over CTAs and
+    layers; `barrier` runs from the outputs' write to the next projection's start)."""
+    lib = cuda_library()
+    hidden, q, kv, inter = SHAPES[shapes]
+    qkv_n = q + 2 * kv
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def weights(n, k):
+        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
+
+    ws = weights(qkv_n, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
+    h = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    bufs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for n in (qkv_n, hidden, 2 * inter)]
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    blocks = _num_sms()
+    trace = torch.zeros(blocks, layers * 4, 5, dtype=torch.int64, device="cuda")
+    ptrs = (ctypes.c_void_p * 9)(*(t.data_ptr() for t in (h, *bufs, *ws, sync)))
+    dims = (ctypes.c_int * 5)(layers, hidden, qkv_n, q, inter)
+    for _ in range(3):  # the last of three launches is read
+        _check_launch(lib.mstar_chain_trace(ptrs, dims, blocks, warps * 32, trace.data_ptr(),
+                                            torch.cuda.current_stream().cuda_stream), "mstar_chain_trace")
+    torch.cuda.synchronize()
+    t = trace.double() / 1e3  # us
+    spans = torch.empty(blocks, layers * 4, 5, dtype=torch.float64)
+    spans[:, :, :4] = (t[:, :, 1:] - t[:, :, :4]).cpu()
+    spans[:, :-1, 4] = (t[:, 1:, 0] - t[:, :-1, 4]).cpu()
+    spans[:, -1, 4] = float("nan")
+    result = {"shapes": shapes, "warps": warps, "launch_us": float((t[:, -1, 4].max() - t[:, 0, 0].min()).item())}
+    for kind, name in enumerate(("qkv", "o", "gate_up", "down")):
+        kind_spans = spans[:, kind::4, :]
+        result[name] = {point: round(float(kind_spans[:, :, i].nanmedian()), 3) for i, point in enumerate(TRACE_POINTS)}
+    starts = t[:, :, 0]
+    result["start_skew_us_median"] = float((starts.max(0).values - starts.min(0).values).median().item())
+    return result
+
+
+def barrier_us_cuda(per_sm: int, iters: int = 2000) -> float:
+    """The CUDA form's grid barrier (one thread per CTA arrives with a release add and polls with
+    `ld.acquire`)."""
+    lib = cuda_library()
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    blocks = _num_sms() * per_sm
+
+    def run():
+        _check_launch(lib.mstar_barrier_launch(sync.data_ptr(), iters, blocks, 128,
+                                               torch.cuda.current_stream().cuda_stream), "mstar_barrier_launch")
 
     us = graph_time_us(run)
     assert int(sync.sum()) == 0, "the barrier left its counters non-zero"
@@ -346,21 +469,45 @@ def main() -> int:
     parser.add_argument("--tma-stages", type=int, nargs="+", default=[0],
                         help="0: the register form; N > 0: the tensor-descriptor (TMA) form, N tiles in flight")
     parser.add_argument("--tma-block-k", type=int, default=256, help="K per tile of the TMA form (<= 256)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="the CUDA C++ form (scripts/probe_persistent_step.cu) instead of the Triton forms")
+    parser.add_argument("--unroll", type=int, nargs="+", default=[4, 8],
+                        help="the CUDA form: 16-byte weight vectors per thread per chunk (2, 4 or 8)")
+    parser.add_argument("--ring", type=int, nargs="+", default=[],
+                        help="the CUDA form's ring variant: slots per thread (4, 8, 12, 16), instead of --unroll")
+    parser.add_argument("--units", type=int, nargs="+", default=[],
+                        help="the CUDA form's unit variant: vectors per lane per unit (4, 8, 16), instead of --unroll")
+    parser.add_argument("--early", action="store_true",
+                        help="with --units (4, 8): each warp's first unit copied two projections ahead")
+    parser.add_argument("--trace", action="store_true",
+                        help="the CUDA form: where one launch of the early-copy unit form spends its time")
     parser.add_argument("--no-barrier", action="store_true", help="skip the barrier timing")
     parser.add_argument("--barrier-only", action="store_true", help="time the barrier only")
     parser.add_argument("--json")
     args = parser.parse_args()
     out = {"device": torch.cuda.get_device_name(0), "barrier_us": {}}
-    for per_sm, poll in itertools.product((1, 2), (0, 1)) if not args.no_barrier else ():
+    for per_sm, poll in itertools.product((1, 2), (0, 1)) if not (args.no_barrier or args.cuda) else ():
         out["barrier_us"][f"{per_sm}_per_sm_{'atomic' if poll == 0 else 'ld_acquire'}"] = barrier_us(per_sm, poll)
+    for per_sm in (1, 2) if args.cuda and not args.no_barrier else ():
+        out["barrier_us"][f"cuda_{per_sm}_per_sm"] = barrier_us_cuda(per_sm)
     print(json.dumps(out["barrier_us"]), flush=True)
     if args.barrier_only:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
         return 0
-    modes = [dict(per_sm=s, poll=p, block_n=n, block_k=args.tma_block_k if st else 1024, warps=w, stages=st)
-             for s, p, n, w, st in itertools.product(args.per_sm, args.poll, args.block_n, args.warps,
-                                                      args.tma_stages)]
+    if args.cuda:
+        form, values = ("units", args.units) if args.units else ("ring", args.ring) if args.ring else ("unroll",
+                                                                                                   args.unroll)
+        extra = dict(early=True) if args.early and form == "units" else {}
+        modes = [dict(cuda=True, per_sm=s, warps=w, **{form: v}, **extra)
+                 for s, w, v in itertools.product(args.per_sm, args.warps, values)]
+    else:
+        modes = [dict(per_sm=s, poll=p, block_n=n, block_k=args.tma_block_k if st else 1024, warps=w, stages=st)
+                 for s, p, n, w, st in itertools.product(args.per_sm, args.poll, args.block_n, args.warps,
+                                                          args.tma_stages)]
+    if args.cuda and args.trace:
+        out["trace"] = [trace_cuda_chain(args.shapes, args.layers, warps) for warps in args.warps]
+        print(json.dumps(out["trace"], indent=1), flush=True)
     out["chain"] = chain(args.shapes, args.layers, modes)
     print(json.dumps(out, indent=1), flush=True)
     if args.json:

@@ -64,3 +64,87 @@ def test_the_persistent_chain_matches_the_reference(programs, block_n, stages):
         if first is not None:
             assert torch.equal(h, first)
         first = h.clone()
+
+
+def _cuda_form_available() -> bool:
+    if IS_INTERPRETED or not torch.cuda.is_available():
+        return False
+    try:
+        probe._nvcc()
+    except RuntimeError:
+        return False
+    return True
+
+
+CUDA_ONLY = pytest.mark.skipif(not _cuda_form_available(), reason="the CUDA form needs a GPU and nvcc")
+
+
+def _cuda_chain_case(layers=2, hidden=256, q=512, kv=256, inter=768, seed=5):
+    """Shapes whose inputs are multiples of 256 wide, as the CUDA form takes."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def weights(n, k):
+        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
+
+    ws = weights(q + 2 * kv, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
+    h0 = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    return h0, ws
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("blocks", [7, 31, "sms"])  # one CTA would hold over 256 rows of a projection
+@pytest.mark.parametrize("form", [dict(warps=32, unroll=2), dict(warps=32, unroll=4), dict(warps=16, unroll=8),
+                                  dict(warps=4, unroll=4),  # registers
+                                  dict(warps=32, ring=12), dict(warps=16, ring=16), dict(warps=4, ring=4),  # ring
+                                  dict(warps=32, units=4), dict(warps=16, units=8), dict(warps=8, units=16),
+                                  dict(warps=1, units=4),  # (row, K segment) units
+                                  dict(warps=32, units=4, early=True), dict(warps=16, units=8, early=True),
+                                  dict(warps=1, units=4, early=True)])  # first units copied two stages ahead
+def test_the_cuda_chain_matches_the_launches(blocks, form):
+    layers, q = 2, 512
+    h0, (wqkv, wo, wgu, wd) = _cuda_chain_case(layers=layers, q=q)
+    grid = (torch.cuda.get_device_properties(0).multi_processor_count if blocks == "sms" else blocks,)
+    h = h0.clone()
+    qkv = torch.full((1, wqkv.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o = torch.full((1, wo.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gu = torch.full((1, wgu.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    launches = h0
+    for layer in range(layers):
+        qkv_l = gemv(launches, wqkv[layer])
+        launches = gemv(gemv(gemv(qkv_l[:, :q], wo[layer]), wgu[layer]), wd[layer], swiglu=True)
+    expect = probe._reference(h0, wqkv, wo, wgu, wd, q)
+    mode = dict(cuda=True, **form)
+    for _ in range(2):  # the second launch finds the counters at zero again
+        h.copy_(h0)
+        probe.launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers, q, mode)
+        torch.cuda.synchronize()
+        # The row sums add in shared memory in no fixed order, so the bits may differ from launch to launch.
+        assert probe._rel_err(h.float(), launches.float()) < 0.02
+        assert probe._rel_err(h.float(), expect) < 0.1
+        assert sync.tolist() == [0, 0]
+    # the intermediate buffers hold the last layer's values, not NaN
+    assert torch.isfinite(qkv).all() and torch.isfinite(o).all() and torch.isfinite(gu).all()
+
+
+@CUDA_ONLY
+def test_the_cuda_chain_refuses_what_it_cannot_run():
+    h0, (wqkv, wo, wgu, wd) = _cuda_chain_case()
+    h, sync = h0.clone(), torch.zeros(2, dtype=torch.int32, device="cuda")
+    qkv = torch.empty(1, wqkv.shape[1], dtype=torch.bfloat16, device="cuda")
+    o = torch.empty(1, wo.shape[1], dtype=torch.bfloat16, device="cuda")
+    gu = torch.empty(1, wgu.shape[1], dtype=torch.bfloat16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    args = (h, qkv, o, gu, wqkv, wo, wgu, wd, sync, 2, 512)
+    with pytest.raises(ValueError, match="more CTAs than the GPU holds"):  # would hang at its first barrier
+        probe.launch_chain((sms * 4,), *args, dict(cuda=True, warps=32, unroll=4))
+    with pytest.raises(ValueError, match="does not take"):
+        probe.launch_chain((sms,), *args, dict(cuda=True, warps=32, unroll=8))  # 1,024 threads with unroll 8
+    with pytest.raises(ValueError, match="does not take"):  # 16 slots x 1,024 threads: 256 KB of shared memory
+        probe.launch_chain((sms,), *args, dict(cuda=True, warps=32, ring=16))
+    with pytest.raises(ValueError, match="does not take"):  # 16 vectors per lane need at most 256 threads
+        probe.launch_chain((sms,), *args, dict(cuda=True, warps=16, units=16))
+    h_odd = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")  # K = 320 is not a multiple of 256
+    with pytest.raises(ValueError, match="does not take"):
+        probe.launch_chain((sms,), h_odd, *args[1:], dict(cuda=True, warps=32, unroll=4))
+    assert sync.tolist() == [0, 0]

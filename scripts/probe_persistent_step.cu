@@ -1,0 +1,679 @@
+// The persistent projection chain of scripts/probe_persistent_step.py, written in CUDA C++.
+//
+// The Triton forms of the probe (registers, TMA) lost to the served chain of PDL launches. These forms ask
+// whether the loss is Triton's. All run one CTA per SM over the same grid barrier (a release add, `ld.acquire`
+// polls), and split each projection's output rows into one contiguous run of rows per CTA, so a CTA's slice of
+// a weight ([layers, N, K] bf16, row-major) is one contiguous run of memory read with 16-byte loads. The input
+// vector goes into shared memory as fp32 (read through L2 only: other SMs wrote it).
+//
+// - register form (`unroll`): thread t takes vectors t, t + T, ...; two chunks of `unroll` vectors per thread in
+//   registers (one summed while the next loads); a warp's 32 vectors always lie in one row (K is a multiple of
+//   256), so each vector's sum is reduced across the warp and added to the row's total in shared memory. The
+//   next projection's first chunk loads before the barrier in front of it.
+// - ring form (`ring`): the same vectors as one stream over all projections and layers, copied with cp.async
+//   into a per-thread ring of shared memory that keeps `ring` - 1 vectors in flight across barriers.
+// - unit form (`units`): (row, K segment) units, about one per warp; a lane sums its vectors of a unit in one
+//   register and the warp reduces once per unit. Optionally (`early`) each warp's first unit is copied into
+//   shared memory two projections ahead.
+//
+// Built by the probe with nvcc into a shared library that ctypes loads; the launchers take raw device pointers
+// and the caller's CUDA stream (so a torch CUDA graph captures them), and refuse a grid the GPU cannot hold at
+// once (its barrier would never open).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kMaxK = 8192;      // the longest input (Llama-3.2-3B's intermediate width)
+constexpr int kMaxRows = 256;    // rows of one projection per CTA
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Every CTA of the grid arrives, then waits until `target` arrivals are counted. The counter only grows during a
+// launch; grid_leave puts it back to zero at the end.
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    while (ld_acquire(counter) < target) {
+    }
+  }
+  __syncthreads();
+}
+
+// The last CTA to leave zeroes both counters; every other CTA has left its last wait by then.
+__device__ __forceinline__ void grid_leave(unsigned* sync) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (atomicAdd(sync + 1, 1u) == gridDim.x - 1) {
+      sync[0] = 0;
+      sync[1] = 0;
+      __threadfence();
+    }
+  }
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+struct Proj {
+  const __nv_bfloat16* x;  // input (K values; with swiglu: K gates, then K ups)
+  const __nv_bfloat16* w;  // this layer's [N, K] weight
+  __nv_bfloat16* out;      // N outputs
+  int n, k;
+  bool swiglu;
+};
+
+// This CTA's run of rows: [row0, row0 + rows).
+__device__ __forceinline__ void cta_rows(int n, int& row0, int& rows) {
+  int per = (n + gridDim.x - 1) / gridDim.x;
+  row0 = blockIdx.x * per;
+  rows = max(0, min(per, n - row0));
+}
+
+// Loads chunk `c` of this CTA's weight vectors (vector v = threadIdx.x + (c * U + u) * blockDim.x) into `r`.
+template <int U>
+__device__ __forceinline__ void load_chunk(const Proj& p, int c, uint4 (&r)[U]) {
+  int row0, rows;
+  cta_rows(p.n, row0, rows);
+  const int total = rows * (p.k / 8);
+  const uint4* base = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(row0) * p.k);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    int v = threadIdx.x + (c * U + u) * blockDim.x;
+    if (v < total) r[u] = __ldg(base + v);
+  }
+}
+
+template <int U>
+__device__ __forceinline__ void sum_chunk(const Proj& p, int c, const uint4 (&r)[U], const float* xs, float* acc) {
+  int row0, rows;
+  cta_rows(p.n, row0, rows);
+  const int per_row = p.k / 8;
+  const int total = rows * per_row;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    int v = threadIdx.x + (c * U + u) * blockDim.x;
+    if (v < total) {  // the same for the whole warp: total is a multiple of 32
+      const int row = v / per_row;
+      const float* x = xs + (v - row * per_row) * 8;
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&r[u]);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 wf = __bfloat1622float2(w2[i]);
+        s += wf.x * x[2 * i] + wf.y * x[2 * i + 1];
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if ((threadIdx.x & 31) == 0) atomicAdd(acc + row, s);
+    }
+  }
+}
+
+// out = x @ W.T for this CTA's rows; `a` holds chunk 0 of the weights on entry (loaded before the barrier).
+template <int U>
+__device__ void projection(const Proj& p, uint4 (&a)[U], uint4 (&b)[U], float* xs, float* acc) {
+  int row0, rows;
+  cta_rows(p.n, row0, rows);
+  for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
+    float v = __bfloat162float(__ldcg(p.x + i));
+    if (p.swiglu) {
+      float up = __bfloat162float(__ldcg(p.x + p.k + i));
+      v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
+    }
+    xs[i] = v;
+  }
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
+  __syncthreads();
+  const int per_thread = (rows * (p.k / 8) + blockDim.x - 1) / blockDim.x;
+  const int chunks = (per_thread + U - 1) / U;
+  for (int c = 0; c < chunks; c += 2) {
+    if (c + 1 < chunks) load_chunk<U>(p, c + 1, b);
+    sum_chunk<U>(p, c, a, xs, acc);
+    if (c + 2 < chunks) load_chunk<U>(p, c + 2, a);
+    if (c + 1 < chunks) sum_chunk<U>(p, c + 1, b, xs, acc);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
+}
+
+// Up to 1,024 threads per CTA with two chunks of 2 or 4 vectors per thread in registers, 512 with 8.
+template <int U>
+__global__ void __launch_bounds__(U >= 8 ? 512 : 1024, 1)
+    chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
+                 const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
+                 const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter) {
+  __shared__ float xs[kMaxK];
+  __shared__ float acc[kMaxRows];
+  uint4 a[U], b[U];
+  unsigned arrivals = 0;
+  auto stage = [&](int layer, int s) {
+    const int64_t l = layer;
+    switch (s) {
+      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
+      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
+      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
+      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
+    }
+  };
+  load_chunk<U>(stage(0, 0), 0, a);
+  for (int layer = 0; layer < layers; ++layer) {
+    for (int s = 0; s < 4; ++s) {
+      projection<U>(stage(layer, s), a, b, xs, acc);
+      const int next_layer = s == 3 ? layer + 1 : layer;
+      if (next_layer < layers) load_chunk<U>(stage(next_layer, (s + 1) % 4), 0, a);
+      arrivals += gridDim.x;
+      grid_barrier(sync, arrivals);
+    }
+  }
+  grid_leave(sync);
+}
+
+// The ring form: the weights of all projections of all layers are one stream of 16-byte vectors per thread, copied
+// into a per-thread ring of R slots in shared memory with cp.async. Each thread keeps R - 1 vectors in flight and
+// issues the next one as it consumes one, across projection and layer boundaries, so the copies keep streaming
+// while the CTA waits at a grid barrier or for its input vector. (Each thread reads back only the slots it
+// copied, so a cp.async.wait_group is all the ordering it needs.)
+struct Stream {  // the producer's cursor over this CTA's vectors
+  int layer, stage, item;
+};
+
+template <int R>
+__global__ void __launch_bounds__(1024, 1)
+    ring_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
+                      const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
+                      const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem);                       // [R][blockDim.x]
+  float* xs = reinterpret_cast<float*>(ring + R * blockDim.x);        // [kMaxK]
+  float* acc = xs + kMaxK;                                             // [kMaxRows]
+  auto stage = [&](int layer, int s) {
+    const int64_t l = layer;
+    switch (s) {
+      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
+      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
+      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
+      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
+    }
+  };
+  auto items = [&](const Proj& p) {  // vectors per thread of this CTA's rows (the same for all its threads)
+    int row0, rows;
+    cta_rows(p.n, row0, rows);
+    return (rows * (p.k / 8) + blockDim.x - 1) / blockDim.x;
+  };
+  Stream cursor{0, 0, 0};
+  unsigned issued = 0;
+  auto issue = [&]() {  // the next vector of the stream into its slot (an empty group past the end)
+    while (cursor.layer < layers && cursor.item >= items(stage(cursor.layer, cursor.stage))) {
+      cursor.item = 0;
+      if (++cursor.stage == 4) {
+        cursor.stage = 0;
+        ++cursor.layer;
+      }
+    }
+    if (cursor.layer < layers) {
+      const Proj p = stage(cursor.layer, cursor.stage);
+      int row0, rows;
+      cta_rows(p.n, row0, rows);
+      const int v = threadIdx.x + cursor.item * blockDim.x;
+      if (v < rows * (p.k / 8)) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(row0) * p.k) + v;
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(ring + (issued % R) * blockDim.x +
+                                                                            threadIdx.x));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+      }
+      ++cursor.item;
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    ++issued;
+  };
+  for (int i = 0; i < R - 1; ++i) issue();
+  unsigned consumed = 0, arrivals = 0;
+  for (int layer = 0; layer < layers; ++layer) {
+    for (int s = 0; s < 4; ++s) {
+      const Proj p = stage(layer, s);
+      int row0, rows;
+      cta_rows(p.n, row0, rows);
+      for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
+        float v = __bfloat162float(__ldcg(p.x + i));
+        if (p.swiglu) {
+          float up = __bfloat162float(__ldcg(p.x + p.k + i));
+          v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
+        }
+        xs[i] = v;
+      }
+      for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
+      __syncthreads();
+      const int per_row = p.k / 8, total = rows * per_row, n_items = items(p);
+      for (int it = 0; it < n_items; ++it) {
+        issue();
+        asm volatile("cp.async.wait_group %0;" ::"n"(R - 1) : "memory");
+        const int v = threadIdx.x + it * blockDim.x;
+        if (v < total) {  // the same for the whole warp
+          const uint4 w = ring[(consumed % R) * blockDim.x + threadIdx.x];
+          const int row = v / per_row;
+          const float* x = xs + (v - row * per_row) * 8;
+          const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float2 wf = __bfloat1622float2(w2[j]);
+            sum += wf.x * x[2 * j] + wf.y * x[2 * j + 1];
+          }
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+          if ((threadIdx.x & 31) == 0) atomicAdd(acc + row, sum);
+        }
+        ++consumed;
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
+      arrivals += gridDim.x;
+      grid_barrier(sync, arrivals);
+    }
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  grid_leave(sync);
+}
+
+// The unit form: a projection's rows are split into `splits` segments of K so that the CTA has about one
+// (row, segment) unit per warp; a warp takes whole units, each lane loads its `per_lane` vectors of the unit at
+// once (lane + 32 j), sums them against the input in one register, and the warp reduces once per unit. Row and
+// segment come from one division per unit, not per vector. Units are double-buffered in registers, and each
+// warp's first unit of the next projection loads before the barrier in front of it.
+struct Plan {
+  const __nv_bfloat16* w;  // the first of this CTA's rows
+  int k, rows, splits, per_lane, units;
+};
+
+__host__ __device__ inline Plan plan_for(const __nv_bfloat16* w, int n, int k, int ctas, int cta, int warps,
+                                         int vmax) {
+  const int per = (n + ctas - 1) / ctas;
+  const int row0 = cta * per;
+  const int rows = row0 < n ? (n - row0 < per ? n - row0 : per) : 0;
+  const int groups = k / 256;  // 32 lanes x 8 values
+  int splits = 1;
+  while ((rows * splits < warps || groups / splits > vmax) && groups % (splits * 2) == 0) splits *= 2;
+  return Plan{w + static_cast<int64_t>(row0) * k, k, rows, splits, groups / splits, rows * splits};
+}
+
+template <int V>
+__device__ __forceinline__ void load_unit(const Plan& p, int u, uint4 (&r)[V]) {
+  const int row = u / p.splits, seg = u - row * p.splits;
+  const uint4* base = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(row) * p.k) +
+                      seg * p.per_lane * 32 + (threadIdx.x & 31);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (j < p.per_lane) r[j] = __ldg(base + 32 * j);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void sum_unit(const Plan& p, int u, const uint4 (&r)[V], const float* xs, float* acc) {
+  const int row = u / p.splits, seg = u - row * p.splits;
+  const float* x = xs + (seg * p.per_lane * 32 + (threadIdx.x & 31)) * 8;
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (j < p.per_lane) {
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&r[j]);
+      const float4 xa = *reinterpret_cast<const float4*>(x + 256 * j);
+      const float4 xb = *reinterpret_cast<const float4*>(x + 256 * j + 4);
+      float2 w0 = __bfloat1622float2(w2[0]), w1 = __bfloat1622float2(w2[1]);
+      float2 w2f = __bfloat1622float2(w2[2]), w3 = __bfloat1622float2(w2[3]);
+      s += w0.x * xa.x + w0.y * xa.y + w1.x * xa.z + w1.y * xa.w + w2f.x * xb.x + w2f.y * xb.y + w3.x * xb.z +
+           w3.y * xb.w;
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if ((threadIdx.x & 31) == 0) atomicAdd(acc + row, s);
+}
+
+template <int V>
+__global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
+    unit_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
+                      const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
+                      const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter) {
+  __shared__ __align__(16) float xs[kMaxK];
+  __shared__ float acc[kMaxRows];
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  uint4 a[V], b[V];
+  unsigned arrivals = 0;
+  auto stage = [&](int layer, int s) {
+    const int64_t l = layer;
+    switch (s) {
+      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
+      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
+      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
+      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
+    }
+  };
+  auto plan = [&](const Proj& p) { return plan_for(p.w, p.n, p.k, gridDim.x, blockIdx.x, warps, V); };
+  {
+    const Plan first = plan(stage(0, 0));
+    if (warp < first.units) load_unit<V>(first, warp, a);
+  }
+  for (int layer = 0; layer < layers; ++layer) {
+    for (int s = 0; s < 4; ++s) {
+      const Proj p = stage(layer, s);
+      const Plan pl = plan(p);
+      int row0, rows;
+      cta_rows(p.n, row0, rows);
+      for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
+        float v = __bfloat162float(__ldcg(p.x + i));
+        if (p.swiglu) {
+          float up = __bfloat162float(__ldcg(p.x + p.k + i));
+          v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
+        }
+        xs[i] = v;
+      }
+      for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
+      __syncthreads();
+      for (int u = warp; u < pl.units; u += 2 * warps) {
+        if (u + warps < pl.units) load_unit<V>(pl, u + warps, b);
+        sum_unit<V>(pl, u, a, xs, acc);
+        if (u + 2 * warps < pl.units) load_unit<V>(pl, u + 2 * warps, a);
+        if (u + warps < pl.units) sum_unit<V>(pl, u + warps, b, xs, acc);
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
+      const int next_layer = s == 3 ? layer + 1 : layer;
+      if (next_layer < layers) {
+        const Plan next = plan(stage(next_layer, (s + 1) % 4));
+        if (warp < next.units) load_unit<V>(next, warp, a);
+      }
+      arrivals += gridDim.x;
+      grid_barrier(sync, arrivals);
+    }
+  }
+  grid_leave(sync);
+}
+
+// The unit form with each warp's first unit of a projection copied (cp.async) into shared memory two projections
+// ahead, into one of two buffers by the projection's parity: stage k + 2's copy is issued while stage k runs, so
+// it has two barriers' time to land. Each lane copies and reads back only its own vectors.
+template <int V>
+__device__ __forceinline__ void copy_unit(const Plan& p, int u, uint4* dst) {
+  const int lane = threadIdx.x & 31;
+  if (u < p.units) {
+    const int row = u / p.splits, seg = u - row * p.splits;
+    const uint4* base = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(row) * p.k) +
+                        seg * p.per_lane * 32 + lane;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (j < p.per_lane) {
+        const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + j * 32 + lane));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(base + 32 * j) : "memory");
+      }
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int V>
+__global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
+    early_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
+                       const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
+                       const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter,
+                       unsigned long long* trace) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* xs = reinterpret_cast<float*>(smem);                     // [kMaxK]
+  float* acc = xs + kMaxK;                                         // [kMaxRows]
+  uint4* pre = reinterpret_cast<uint4*>(acc + kMaxRows);           // [2][warps][V][32]
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  uint4 a[V], b[V];
+  unsigned arrivals = 0;
+  auto stage = [&](int k) {
+    const int64_t l = k / 4;
+    switch (k % 4) {
+      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
+      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
+      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
+      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
+    }
+  };
+  auto plan = [&](const Proj& p) { return plan_for(p.w, p.n, p.k, gridDim.x, blockIdx.x, warps, V); };
+  auto buffer = [&](int k) { return pre + ((k % 2) * warps + warp) * V * 32; };
+  const int stages = layers * 4;
+  for (int k = 0; k < 2; ++k) {
+    if (k < stages) {
+      copy_unit<V>(plan(stage(k)), warp, buffer(k));
+    } else {
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+  }
+  // With `trace`, thread 0 of each CTA records the GPU clock (ns) at 5 points of each stage: [cta][stage][5].
+  auto mark = [&](int k, int point) {
+    if (trace != nullptr && threadIdx.x == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      trace[(static_cast<int64_t>(blockIdx.x) * stages + k) * 5 + point] = t;
+    }
+  };
+  for (int k = 0; k < stages; ++k) {
+    mark(k, 0);  // after the barrier in front of this stage
+    const Proj p = stage(k);
+    const Plan pl = plan(p);
+    int row0, rows;
+    cta_rows(p.n, row0, rows);
+    for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
+      float v = __bfloat162float(__ldcg(p.x + i));
+      if (p.swiglu) {
+        float up = __bfloat162float(__ldcg(p.x + p.k + i));
+        v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
+      }
+      xs[i] = v;
+    }
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
+    __syncthreads();
+    mark(k, 1);  // the input is in shared memory
+    if (warp + warps < pl.units) load_unit<V>(pl, warp + warps, b);  // the second unit, if any, from HBM now
+    asm volatile("cp.async.wait_group 1;" ::: "memory");             // this stage's copy is in
+    if (warp < pl.units) {
+      const uint4* src = buffer(k);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (j < pl.per_lane) a[j] = src[j * 32 + lane];
+      }
+      sum_unit<V>(pl, warp, a, xs, acc);
+    }
+    mark(k, 2);  // warp 0's first unit is summed
+    if (k + 2 < stages) {  // the buffer was read into registers above: reuse it two stages ahead
+      copy_unit<V>(plan(stage(k + 2)), warp, buffer(k));
+    } else {
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    for (int u = warp + warps; u < pl.units; u += 2 * warps) {
+      if (u + warps < pl.units) load_unit<V>(pl, u + warps, a);
+      sum_unit<V>(pl, u, b, xs, acc);
+      if (u + 2 * warps < pl.units) load_unit<V>(pl, u + 2 * warps, b);
+      if (u + warps < pl.units) sum_unit<V>(pl, u + warps, a, xs, acc);
+    }
+    __syncthreads();
+    mark(k, 3);  // every unit is summed
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
+    mark(k, 4);  // the outputs are written; the barrier follows
+    arrivals += gridDim.x;
+    grid_barrier(sync, arrivals);
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  grid_leave(sync);
+}
+
+template <int R>
+size_t ring_smem(int threads) {
+  return static_cast<size_t>(R) * threads * sizeof(uint4) + (kMaxK + kMaxRows) * sizeof(float);
+}
+
+__global__ void barrier_kernel(unsigned* sync, int iters) {
+  unsigned arrivals = 0;
+  for (int i = 0; i < iters; ++i) {
+    arrivals += gridDim.x;
+    grid_barrier(sync, arrivals);
+  }
+  grid_leave(sync);
+}
+
+template <int U>
+int launch(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream) {
+  // A grid barrier needs every CTA resident at once: refuse a grid the SMs cannot hold (it would hang).
+  int per_sm = 0, device = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<U>, threads, 0);
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (blocks > per_sm * sms) return -2;
+  chain_kernel<U><<<blocks, threads, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
+      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
+      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
+      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
+      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int R>
+int launch_ring(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream) {
+  const size_t smem = ring_smem<R>(threads);
+  if (cudaFuncSetAttribute(ring_chain_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;  // more shared memory than a CTA may have
+  }
+  int per_sm = 0, device = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ring_chain_kernel<R>, threads, smem);
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (blocks > per_sm * sms) return -2;
+  ring_chain_kernel<R><<<blocks, threads, smem, stream>>>(
+      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
+      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
+      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
+      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
+      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int V>
+int launch_units(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream) {
+  const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
+  const int ks[4] = {hidden, q, hidden, inter};
+  const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
+  for (int s = 0; s < 4; ++s) {  // every CTA's plan must fit V vectors per lane per unit
+    for (int cta = 0; cta < blocks; ++cta) {
+      if (plan_for(nullptr, ns[s], ks[s], blocks, cta, threads / 32, V).per_lane > V) return -1;
+    }
+  }
+  int per_sm = 0, device = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, unit_chain_kernel<V>, threads, 0);
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (blocks > per_sm * sms) return -2;
+  unit_chain_kernel<V><<<blocks, threads, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
+      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
+      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
+      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
+      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int V>
+int launch_early(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream,
+                 unsigned long long* trace = nullptr) {
+  const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
+  const int ks[4] = {hidden, q, hidden, inter};
+  const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
+  for (int s = 0; s < 4; ++s) {
+    for (int cta = 0; cta < blocks; ++cta) {
+      if (plan_for(nullptr, ns[s], ks[s], blocks, cta, threads / 32, V).per_lane > V) return -1;
+    }
+  }
+  const size_t smem = (kMaxK + kMaxRows) * sizeof(float) + 2 * static_cast<size_t>(threads) * V * sizeof(uint4);
+  if (cudaFuncSetAttribute(early_chain_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  int per_sm = 0, device = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, early_chain_kernel<V>, threads, smem);
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (blocks > per_sm * sms) return -2;
+  early_chain_kernel<V><<<blocks, threads, smem, stream>>>(
+      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
+      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
+      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
+      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
+      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4], trace);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+// ptrs: h, qkv, o, gu, wqkv, wo, wgu, wd, sync (two zeroed uint32); dims: layers, hidden, qkv_n, q, inter.
+// Returns a cudaError_t (0: launched); -1 for a shape or setting this kernel does not take, -2 for a grid larger
+// than the GPU holds at once.
+// units 4/8/16: the unit form, at most that many vectors per lane per unit (-4/-8: with each warp's first unit
+// copied two projections ahead); else ring 4/8/12/16: the ring form with that many slots; else the register form,
+// `unroll` vectors per chunk.
+int mstar_chain_launch(void** ptrs, const int* dims, int blocks, int threads, int unroll, int ring, int units,
+                       void* stream) {
+  const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
+  const int ks[4] = {hidden, q, hidden, inter};
+  const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
+  for (int s = 0; s < 4; ++s) {
+    if (ks[s] % 256 != 0 || ks[s] > kMaxK || (ns[s] + blocks - 1) / blocks > kMaxRows) return -1;
+  }
+  const int vectors = units < 0 ? -units : units;
+  const int max_threads =
+      vectors >= 16 ? 256 : vectors >= 8 || (ring == 0 && units == 0 && unroll >= 8) ? 512 : 1024;
+  if (threads % 32 != 0 || threads > max_threads) return -1;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (units) {  // negative: the unit form with its first units copied two projections ahead
+    case 0: break;
+    case -4: return launch_early<4>(ptrs, dims, blocks, threads, s);
+    case -8: return launch_early<8>(ptrs, dims, blocks, threads, s);
+    case 4: return launch_units<4>(ptrs, dims, blocks, threads, s);
+    case 8: return launch_units<8>(ptrs, dims, blocks, threads, s);
+    case 16: return launch_units<16>(ptrs, dims, blocks, threads, s);
+    default: return -1;
+  }
+  switch (ring) {  // the ring form, `ring` slots per thread
+    case 0: break;
+    case 4: return launch_ring<4>(ptrs, dims, blocks, threads, s);
+    case 8: return launch_ring<8>(ptrs, dims, blocks, threads, s);
+    case 12: return launch_ring<12>(ptrs, dims, blocks, threads, s);
+    case 16: return launch_ring<16>(ptrs, dims, blocks, threads, s);
+    default: return -1;
+  }
+  switch (unroll) {
+    case 2: return launch<2>(ptrs, dims, blocks, threads, s);
+    case 4: return launch<4>(ptrs, dims, blocks, threads, s);
+    case 8: return launch<8>(ptrs, dims, blocks, threads, s);
+    default: return -1;
+  }
+}
+
+// The early-copy unit form (4 vectors per lane) with the per-stage clock trace written to `trace`
+// ([blocks][layers x 4][5] uint64 ns).
+int mstar_chain_trace(void** ptrs, const int* dims, int blocks, int threads, void* trace, void* stream) {
+  return launch_early<4>(ptrs, dims, blocks, threads, static_cast<cudaStream_t>(stream),
+                         static_cast<unsigned long long*>(trace));
+}
+
+int mstar_barrier_launch(void* sync, int iters, int blocks, int threads, void* stream) {
+  barrier_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<unsigned*>(sync), iters);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"
