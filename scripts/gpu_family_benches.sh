@@ -89,7 +89,7 @@ if has pdl; then
   done
 fi
 if has persistent; then
-  stage "whole-step persistent decode probe: the barrier, then one process per setting (PERSISTENT_SETTINGS)"
+  stage "whole-step persistent decode probe: the barrier, one process per Triton setting (PERSISTENT_SETTINGS), the CUDA forms"
   timeout 60 $IMAGE_PY scripts/probe_persistent_step.py --barrier-only --json "$OUT/probe_barrier.json" \
     || echo "STAGE FAILED: barrier probe"
   # "shapes per_sm poll block_n warps tma_stages" each; tma_stages 0 is the register form (measured 2026-12-02)
@@ -102,6 +102,12 @@ if has persistent; then
       --per-sm $per_sm --poll $poll --block-n $block_n --warps $warps --tma-stages $stages \
       --json "$OUT/probe_persistent_$i.json" 2>&1 | grep -E "launches:|us$|rel err|Error" \
       || echo "STAGE FAILED: persistent probe $setting"
+  done
+  # the CUDA C++ forms (scripts/probe_persistent_step.cu, built with the device's nvcc; measured 2026-12-02)
+  for shapes in qwen3 llama; do
+    timeout ${PERSISTENT_TIMEOUT:-90} $IMAGE_PY scripts/probe_persistent_step.py --cuda --no-barrier --shapes $shapes \
+      --per-sm 1 --warps 16 32 --units 4 --early 0 1 --trace --json "$OUT/probe_persistent_cuda_$shapes.json" 2>&1 \
+      | grep -E "launches:|us$|rel err|Error" || echo "STAGE FAILED: persistent probe, CUDA forms, $shapes"
   done
 fi
 if has ab; then

@@ -397,37 +397,53 @@ __global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
   grid_leave(sync);
 }
 
-// The unit form with each warp's first unit of a projection copied (cp.async) into shared memory two projections
-// ahead, into one of two buffers by the projection's parity: stage k + 2's copy is issued while stage k runs, so
-// it has two barriers' time to land. Each lane copies and reads back only its own vectors.
-template <int V>
-__device__ __forceinline__ void copy_unit(const Plan& p, int u, uint4* dst) {
-  const int lane = threadIdx.x & 31;
-  if (u < p.units) {
-    const int row = u / p.splits, seg = u - row * p.splits;
-    const uint4* base = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(row) * p.k) +
-                        seg * p.per_lane * 32 + lane;
+// The unit form with each warp's first M units of a projection copied (cp.async) into shared memory two
+// projections ahead, into one of two buffers by the projection's parity: stage k + 2's copies are issued while
+// stage k runs, so they have two barriers' time to land. Units past the first M stream through registers as in
+// the unit form. Each lane copies and reads back only its own vectors. The input vector is read 8 values per
+// 16-byte load, so a projection's input costs one round trip to L2.
+template <int V, int M>
+__device__ __forceinline__ void copy_units(const Plan& p, uint4* dst) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      if (j < p.per_lane) {
-        const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + j * 32 + lane));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(base + 32 * j) : "memory");
+  for (int m = 0; m < M; ++m) {
+    const int u = warp + m * warps;
+    if (u < p.units) {
+      const int row = u / p.splits, seg = u - row * p.splits;
+      const uint4* base = reinterpret_cast<const uint4*>(p.w + static_cast<int64_t>(row) * p.k) +
+                          seg * p.per_lane * 32 + lane;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (j < p.per_lane) {
+          const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + (m * V + j) * 32 + lane));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(base + 32 * j) : "memory");
+        }
       }
     }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-template <int V>
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
+  const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(v[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+template <int V, int M>
 __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
     early_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
                        const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
                        const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter,
-                       unsigned long long* trace) {
+                       int max_k, unsigned long long* trace) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* xs = reinterpret_cast<float*>(smem);                     // [kMaxK]
-  float* acc = xs + kMaxK;                                         // [kMaxRows]
-  uint4* pre = reinterpret_cast<uint4*>(acc + kMaxRows);           // [2][warps][V][32]
+  float* xs = reinterpret_cast<float*>(smem);                     // [max_k]
+  float* acc = xs + max_k;                                         // [kMaxRows]
+  uint4* pre = reinterpret_cast<uint4*>(acc + kMaxRows);           // [2][warps][M][V][32]
   const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
   uint4 a[V], b[V];
   unsigned arrivals = 0;
@@ -441,11 +457,11 @@ __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
     }
   };
   auto plan = [&](const Proj& p) { return plan_for(p.w, p.n, p.k, gridDim.x, blockIdx.x, warps, V); };
-  auto buffer = [&](int k) { return pre + ((k % 2) * warps + warp) * V * 32; };
+  auto buffer = [&](int k) { return pre + ((k % 2) * warps + warp) * M * V * 32; };
   const int stages = layers * 4;
   for (int k = 0; k < 2; ++k) {
     if (k < stages) {
-      copy_unit<V>(plan(stage(k)), warp, buffer(k));
+      copy_units<V, M>(plan(stage(k)), buffer(k));
     } else {
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
@@ -464,34 +480,43 @@ __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
     const Plan pl = plan(p);
     int row0, rows;
     cta_rows(p.n, row0, rows);
-    for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
-      float v = __bfloat162float(__ldcg(p.x + i));
+    const int first_streamed = warp + M * warps;                     // this warp's first unit not copied early
+    if (first_streamed < pl.units) load_unit<V>(pl, first_streamed, b);  // from HBM now
+    for (int i = threadIdx.x * 8; i < p.k; i += blockDim.x * 8) {
+      float v[8];
+      bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(p.x + i)), v);
       if (p.swiglu) {
-        float up = __bfloat162float(__ldcg(p.x + p.k + i));
-        v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
+        float up[8];
+        bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(p.x + p.k + i)), up);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = bf16_round(bf16_round(v[j] / (1.f + __expf(-v[j]))) * up[j]);
       }
-      xs[i] = v;
+      *reinterpret_cast<float4*>(xs + i) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(xs + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
     }
     for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
     __syncthreads();
     mark(k, 1);  // the input is in shared memory
-    if (warp + warps < pl.units) load_unit<V>(pl, warp + warps, b);  // the second unit, if any, from HBM now
-    asm volatile("cp.async.wait_group 1;" ::: "memory");             // this stage's copy is in
-    if (warp < pl.units) {
-      const uint4* src = buffer(k);
+    asm volatile("cp.async.wait_group 1;" ::: "memory");  // this stage's copies are in
+    const uint4* src = buffer(k);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if (j < pl.per_lane) a[j] = src[j * 32 + lane];
+    for (int m = 0; m < M; ++m) {
+      const int u = warp + m * warps;
+      if (u < pl.units) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (j < pl.per_lane) a[j] = src[(m * V + j) * 32 + lane];
+        }
+        sum_unit<V>(pl, u, a, xs, acc);
       }
-      sum_unit<V>(pl, warp, a, xs, acc);
     }
-    mark(k, 2);  // warp 0's first unit is summed
+    mark(k, 2);  // warp 0's early units are summed
     if (k + 2 < stages) {  // the buffer was read into registers above: reuse it two stages ahead
-      copy_unit<V>(plan(stage(k + 2)), warp, buffer(k));
+      copy_units<V, M>(plan(stage(k + 2)), buffer(k));
     } else {
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    for (int u = warp + warps; u < pl.units; u += 2 * warps) {
+    for (int u = first_streamed; u < pl.units; u += 2 * warps) {
       if (u + warps < pl.units) load_unit<V>(pl, u + warps, a);
       sum_unit<V>(pl, u, b, xs, acc);
       if (u + 2 * warps < pl.units) load_unit<V>(pl, u + 2 * warps, b);
@@ -585,35 +610,51 @@ int launch_units(void** ptrs, const int* dims, int blocks, int threads, cudaStre
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int V>
+template <int V, int M>
 int launch_early(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream,
-                 unsigned long long* trace = nullptr) {
+                 unsigned long long* trace) {
   const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
   const int ks[4] = {hidden, q, hidden, inter};
   const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
+  int max_k = 0;
   for (int s = 0; s < 4; ++s) {
+    max_k = ks[s] > max_k ? ks[s] : max_k;
     for (int cta = 0; cta < blocks; ++cta) {
       if (plan_for(nullptr, ns[s], ks[s], blocks, cta, threads / 32, V).per_lane > V) return -1;
     }
   }
-  const size_t smem = (kMaxK + kMaxRows) * sizeof(float) + 2 * static_cast<size_t>(threads) * V * sizeof(uint4);
-  if (cudaFuncSetAttribute(early_chain_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const size_t smem =
+      (max_k + kMaxRows) * sizeof(float) + 2 * static_cast<size_t>(threads) * M * V * sizeof(uint4);
+  if (cudaFuncSetAttribute(early_chain_kernel<V, M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)) != cudaSuccess) {
     cudaGetLastError();
-    return -1;
+    return -1;  // more shared memory than a CTA may have
   }
   int per_sm = 0, device = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, early_chain_kernel<V>, threads, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, early_chain_kernel<V, M>, threads, smem);
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (blocks > per_sm * sms) return -2;
-  early_chain_kernel<V><<<blocks, threads, smem, stream>>>(
+  early_chain_kernel<V, M><<<blocks, threads, smem, stream>>>(
       static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
       static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
       static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
       static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
-      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4], trace);
+      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4], max_k, trace);
   return static_cast<int>(cudaGetLastError());
+}
+
+int launch_early_any(void** ptrs, const int* dims, int blocks, int threads, int vectors, int early,
+                     cudaStream_t stream, unsigned long long* trace) {
+  switch (vectors * 10 + early) {
+    case 41: return launch_early<4, 1>(ptrs, dims, blocks, threads, stream, trace);
+    case 42: return launch_early<4, 2>(ptrs, dims, blocks, threads, stream, trace);
+    case 43: return launch_early<4, 3>(ptrs, dims, blocks, threads, stream, trace);
+    case 44: return launch_early<4, 4>(ptrs, dims, blocks, threads, stream, trace);
+    case 81: return launch_early<8, 1>(ptrs, dims, blocks, threads, stream, trace);
+    case 82: return launch_early<8, 2>(ptrs, dims, blocks, threads, stream, trace);
+    default: return -1;
+  }
 }
 
 }  // namespace
@@ -623,26 +664,23 @@ extern "C" {
 // ptrs: h, qkv, o, gu, wqkv, wo, wgu, wd, sync (two zeroed uint32); dims: layers, hidden, qkv_n, q, inter.
 // Returns a cudaError_t (0: launched); -1 for a shape or setting this kernel does not take, -2 for a grid larger
 // than the GPU holds at once.
-// units 4/8/16: the unit form, at most that many vectors per lane per unit (-4/-8: with each warp's first unit
-// copied two projections ahead); else ring 4/8/12/16: the ring form with that many slots; else the register form,
-// `unroll` vectors per chunk.
+// units 4/8/16: the unit form, at most that many vectors per lane per unit, with `early` (1-4 with 4 vectors,
+// 1-2 with 8) units per warp copied two projections ahead when early > 0; else ring 4/8/12/16: the ring form with
+// that many slots; else the register form, `unroll` vectors per chunk.
 int mstar_chain_launch(void** ptrs, const int* dims, int blocks, int threads, int unroll, int ring, int units,
-                       void* stream) {
+                       int early, void* stream) {
   const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
   const int ks[4] = {hidden, q, hidden, inter};
   const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
   for (int s = 0; s < 4; ++s) {
     if (ks[s] % 256 != 0 || ks[s] > kMaxK || (ns[s] + blocks - 1) / blocks > kMaxRows) return -1;
   }
-  const int vectors = units < 0 ? -units : units;
-  const int max_threads =
-      vectors >= 16 ? 256 : vectors >= 8 || (ring == 0 && units == 0 && unroll >= 8) ? 512 : 1024;
+  const int max_threads = units >= 16 ? 256 : units >= 8 || (ring == 0 && units == 0 && unroll >= 8) ? 512 : 1024;
   if (threads % 32 != 0 || threads > max_threads) return -1;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (units) {  // negative: the unit form with its first units copied two projections ahead
+  if (units > 0 && early > 0) return launch_early_any(ptrs, dims, blocks, threads, units, early, s, nullptr);
+  switch (units) {
     case 0: break;
-    case -4: return launch_early<4>(ptrs, dims, blocks, threads, s);
-    case -8: return launch_early<8>(ptrs, dims, blocks, threads, s);
     case 4: return launch_units<4>(ptrs, dims, blocks, threads, s);
     case 8: return launch_units<8>(ptrs, dims, blocks, threads, s);
     case 16: return launch_units<16>(ptrs, dims, blocks, threads, s);
@@ -664,11 +702,12 @@ int mstar_chain_launch(void** ptrs, const int* dims, int blocks, int threads, in
   }
 }
 
-// The early-copy unit form (4 vectors per lane) with the per-stage clock trace written to `trace`
-// ([blocks][layers x 4][5] uint64 ns).
-int mstar_chain_trace(void** ptrs, const int* dims, int blocks, int threads, void* trace, void* stream) {
-  return launch_early<4>(ptrs, dims, blocks, threads, static_cast<cudaStream_t>(stream),
-                         static_cast<unsigned long long*>(trace));
+// The early-copy unit form (4 vectors per lane, `early` units per warp copied ahead) with the per-stage clock
+// trace written to `trace` ([blocks][layers x 4][5] uint64 ns).
+int mstar_chain_trace(void** ptrs, const int* dims, int blocks, int threads, int early, void* trace,
+                      void* stream) {
+  return launch_early_any(ptrs, dims, blocks, threads, 4, early, static_cast<cudaStream_t>(stream),
+                          static_cast<unsigned long long*>(trace));
 }
 
 int mstar_barrier_launch(void* sync, int iters, int blocks, int threads, void* stream) {

@@ -13,9 +13,11 @@ probe measures the two things such a kernel rests on:
   both in a CUDA graph. The persistent launch holds its weight tiles in registers and loads a projection's
   first two tiles before the barrier that precedes it; or, with `--tma-stages N`, it streams them through
   tensor descriptors (TMA on Hopper) in an N-deep pipeline in shared memory, which fills after each barrier
-  (both measured on 2026-12-02: both lost). With `--cuda` it runs the same chain as a CUDA C++ kernel instead
-  (scripts/probe_persistent_step.cu, built here with nvcc): one CTA per SM, 16-byte weight loads, two chunks in
-  flight per thread, the next projection's first chunk loaded before each barrier. Every form is checked against
+  (both measured on 2026-12-02: both lost). With `--cuda` it runs the same chain as CUDA C++ kernels instead
+  (scripts/probe_persistent_step.cu, built here with nvcc; one CTA per SM, 16-byte weight loads): the register
+  (`--unroll`), ring (`--ring`) and unit (`--units`, `--early`) forms that file describes; `--trace` reads the GPU
+  clock at five points of every projection of one launch. (Measured on 2026-12-02: faster than the launches on
+  the Llama shapes, slower on Qwen3's; docs/benchmarks.md.) Every form is checked against
   torch over the first two layers (bf16 tolerance; the probe exits 1 otherwise);
   tests/kernels/test_probe_persistent.py checks the forms against the launches, NaN-filled buffers between the
   projections, up to two programs per SM.
@@ -23,7 +25,8 @@ probe measures the two things such a kernel rests on:
 Prints one JSON object (`--json` writes it too).
 
     python scripts/probe_persistent_step.py [--shapes qwen3|llama] [--layers 28] [--json out.json]
-    python scripts/probe_persistent_step.py --cuda [--warps 16 32] [--unroll 4 8]
+    python scripts/probe_persistent_step.py --cuda [--warps 16 32] [--unroll 4 8 | --ring 8 | --units 4 [--early 1]]
+        [--trace]
 """
 
 from __future__ import annotations
@@ -247,9 +250,10 @@ def cuda_library() -> ctypes.CDLL:
         partial.replace(library)
     lib = ctypes.CDLL(str(library))
     lib.mstar_chain_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
-                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_void_p]
     lib.mstar_chain_trace.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
-                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.mstar_barrier_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     return lib
 
@@ -259,7 +263,8 @@ def _check_launch(code: int, what: str) -> None:
         raise ValueError(f"{what}: the CUDA kernel does not take this shape or setting (K a multiple of 256, "
                          "at most 8192; at most 256 rows per CTA; threads a multiple of 32, at most 1024, 512 "
                          "with unroll 8; a ring of 4, 8, 12 or 16 slots that fits in shared memory; units of at "
-                         "most 4, 8 or 16 vectors per lane, with at most 1024, 512 or 256 threads)")
+                         "most 4, 8 or 16 vectors per lane, with at most 1024, 512 or 256 threads; 1-4 early units "
+                         "with 4 vectors, 1-2 with 8, within shared memory)")
     if code == -2:
         raise ValueError(f"{what}: more CTAs than the GPU holds at once (a grid barrier would never open)")
     if code != 0:
@@ -271,16 +276,16 @@ def launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers: int, q: i
     register form, with `mode["stages"]` the tensor-descriptor (TMA) form, or with `mode["cuda"]` the CUDA C++
     form (`mode["warps"]` warps per CTA; `mode["unroll"]` vectors per thread per chunk held in registers,
     `mode["ring"]` slots per thread of the shared-memory ring that the weights stream through, or `mode["units"]`
-    vectors per lane of the (row, K segment) units that each warp takes whole; with `mode["early"]`, each warp's
-    first unit of a projection is copied into shared memory two projections ahead)."""
+    vectors per lane of the (row, K segment) units that each warp takes whole; with `mode["early"]` = M, each
+    warp's first M units of a projection are copied into shared memory two projections ahead)."""
     hidden, qkv_n, inter = h.shape[-1], qkv.shape[-1], gu.shape[-1] // 2
     if mode.get("cuda"):
         lib = cuda_library()
         ptrs = (ctypes.c_void_p * 9)(*(t.data_ptr() for t in (h, qkv, o, gu, wqkv, wo, wgu, wd, sync)))
         dims = (ctypes.c_int * 5)(layers, hidden, qkv_n, q, inter)
-        units = mode.get("units", 0) * (-1 if mode.get("early") else 1)  # negative: the early-copy variant
         code = lib.mstar_chain_launch(ptrs, dims, grid[0], mode["warps"] * 32, mode.get("unroll", 0),
-                                      mode.get("ring", 0), units, torch.cuda.current_stream().cuda_stream)
+                                      mode.get("ring", 0), mode.get("units", 0), int(mode.get("early", 0)),
+                                      torch.cuda.current_stream().cuda_stream)
         _check_launch(code, "mstar_chain_launch")
         return
     common = dict(POLL=mode["poll"], BLOCK_N=mode["block_n"], BLOCK_K=mode["block_k"], num_warps=mode["warps"])
@@ -314,8 +319,9 @@ def barrier_us(per_sm: int, poll: int, iters: int = 2000) -> float:
 TRACE_POINTS = ("input", "first_unit", "other_units", "write", "barrier")
 
 
-def trace_cuda_chain(shapes: str, layers: int, warps: int) -> dict:
-    """One launch of the early-copy unit form (4 vectors per lane, one CTA per SM) with each CTA's clock read at
+def trace_cuda_chain(shapes: str, layers: int, warps: int, early: int = 1) -> dict:
+    """One launch of the early-copy unit form (4 vectors per lane, `early` units per warp copied ahead, one CTA
+    per SM) with each CTA's clock read at
     five points of every projection: where its time goes, per projection kind, in us (medians over CTAs and
     layers; `barrier` runs from the outputs' write to the next projection's start)."""
     lib = cuda_library()
@@ -335,7 +341,7 @@ def trace_cuda_chain(shapes: str, layers: int, warps: int) -> dict:
     ptrs = (ctypes.c_void_p * 9)(*(t.data_ptr() for t in (h, *bufs, *ws, sync)))
     dims = (ctypes.c_int * 5)(layers, hidden, qkv_n, q, inter)
     for _ in range(3):  # the last of three launches is read
-        _check_launch(lib.mstar_chain_trace(ptrs, dims, blocks, warps * 32, trace.data_ptr(),
+        _check_launch(lib.mstar_chain_trace(ptrs, dims, blocks, warps * 32, early, trace.data_ptr(),
                                             torch.cuda.current_stream().cuda_stream), "mstar_chain_trace")
     torch.cuda.synchronize()
     t = trace.double() / 1e3  # us
@@ -343,7 +349,8 @@ def trace_cuda_chain(shapes: str, layers: int, warps: int) -> dict:
     spans[:, :, :4] = (t[:, :, 1:] - t[:, :, :4]).cpu()
     spans[:, :-1, 4] = (t[:, 1:, 0] - t[:, :-1, 4]).cpu()
     spans[:, -1, 4] = float("nan")
-    result = {"shapes": shapes, "warps": warps, "launch_us": float((t[:, -1, 4].max() - t[:, 0, 0].min()).item())}
+    result = {"shapes": shapes, "warps": warps, "early": early,
+              "launch_us": float((t[:, -1, 4].max() - t[:, 0, 0].min()).item())}
     for kind, name in enumerate(("qkv", "o", "gate_up", "down")):
         kind_spans = spans[:, kind::4, :]
         result[name] = {point: round(float(kind_spans[:, :, i].nanmedian()), 3) for i, point in enumerate(TRACE_POINTS)}
@@ -477,8 +484,8 @@ def main() -> int:
                         help="the CUDA form's ring variant: slots per thread (4, 8, 12, 16), instead of --unroll")
     parser.add_argument("--units", type=int, nargs="+", default=[],
                         help="the CUDA form's unit variant: vectors per lane per unit (4, 8, 16), instead of --unroll")
-    parser.add_argument("--early", action="store_true",
-                        help="with --units (4, 8): each warp's first unit copied two projections ahead")
+    parser.add_argument("--early", type=int, nargs="+", default=[0],
+                        help="with --units 4 (8): each warp's first 1-4 (1-2) units copied two projections ahead")
     parser.add_argument("--trace", action="store_true",
                         help="the CUDA form: where one launch of the early-copy unit form spends its time")
     parser.add_argument("--no-barrier", action="store_true", help="skip the barrier timing")
@@ -498,15 +505,15 @@ def main() -> int:
     if args.cuda:
         form, values = ("units", args.units) if args.units else ("ring", args.ring) if args.ring else ("unroll",
                                                                                                    args.unroll)
-        extra = dict(early=True) if args.early and form == "units" else {}
-        modes = [dict(cuda=True, per_sm=s, warps=w, **{form: v}, **extra)
-                 for s, w, v in itertools.product(args.per_sm, args.warps, values)]
+        modes = [dict(cuda=True, per_sm=s, warps=w, **{form: v}, **(dict(early=e) if e and form == "units" else {}))
+                 for s, w, v, e in itertools.product(args.per_sm, args.warps, values, args.early)]
     else:
         modes = [dict(per_sm=s, poll=p, block_n=n, block_k=args.tma_block_k if st else 1024, warps=w, stages=st)
                  for s, p, n, w, st in itertools.product(args.per_sm, args.poll, args.block_n, args.warps,
                                                           args.tma_stages)]
     if args.cuda and args.trace:
-        out["trace"] = [trace_cuda_chain(args.shapes, args.layers, warps) for warps in args.warps]
+        out["trace"] = [trace_cuda_chain(args.shapes, args.layers, warps, early)
+                        for warps, early in itertools.product(args.warps, [e for e in args.early if e] or [1])]
         print(json.dumps(out["trace"], indent=1), flush=True)
     out["chain"] = chain(args.shapes, args.layers, modes)
     print(json.dumps(out, indent=1), flush=True)

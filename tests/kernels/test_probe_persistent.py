@@ -98,8 +98,9 @@ def _cuda_chain_case(layers=2, hidden=256, q=512, kv=256, inter=768, seed=5):
                                   dict(warps=32, ring=12), dict(warps=16, ring=16), dict(warps=4, ring=4),  # ring
                                   dict(warps=32, units=4), dict(warps=16, units=8), dict(warps=8, units=16),
                                   dict(warps=1, units=4),  # (row, K segment) units
-                                  dict(warps=32, units=4, early=True), dict(warps=16, units=8, early=True),
-                                  dict(warps=1, units=4, early=True)])  # first units copied two stages ahead
+                                  dict(warps=32, units=4, early=1), dict(warps=8, units=8, early=2),
+                                  dict(warps=1, units=4, early=1), dict(warps=16, units=4, early=3),
+                                  dict(warps=4, units=4, early=4)])  # first units copied two stages ahead
 def test_the_cuda_chain_matches_the_launches(blocks, form):
     layers, q = 2, 512
     h0, (wqkv, wo, wgu, wd) = _cuda_chain_case(layers=layers, q=q)
@@ -144,6 +145,8 @@ def test_the_cuda_chain_refuses_what_it_cannot_run():
         probe.launch_chain((sms,), *args, dict(cuda=True, warps=32, ring=16))
     with pytest.raises(ValueError, match="does not take"):  # 16 vectors per lane need at most 256 threads
         probe.launch_chain((sms,), *args, dict(cuda=True, warps=16, units=16))
+    with pytest.raises(ValueError, match="does not take"):  # 2 x 32 warps x 4 units x 2 KB: over 227 KB
+        probe.launch_chain((sms,), *args, dict(cuda=True, warps=32, units=4, early=4))
     h_odd = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")  # K = 320 is not a multiple of 256
     with pytest.raises(ValueError, match="does not take"):
         probe.launch_chain((sms,), h_odd, *args[1:], dict(cuda=True, warps=32, unroll=4))
