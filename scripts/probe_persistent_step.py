@@ -57,6 +57,7 @@ CUDA_SOURCE = Path(__file__).with_suffix(".cu")
 SHAPES = {  # hidden, q width (heads x head_dim), kv width, intermediate
     "qwen3": (1024, 2048, 1024, 3072),
     "llama": (3072, 3072, 1024, 8192),
+    "tiny": (256, 256, 256, 256),  # ~0.5 MB per layer: what each approach costs per projection besides weights
 }
 
 
