@@ -77,6 +77,17 @@ GEMV_CANDIDATES = ((1, 1024), (2, 1024), (4, 1024), (1, 4096), (2, 4096), (4, 20
                    (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 3), (2, 2048, 4, 3))
 
 
+# Wider programs that hold a whole K slice (0: the next power of two of K) and so load all of their weights before
+# their PDL wait. scripts/probe_gemv_chain.py on the H200 (2026-12-02): the one-row chain of 112 Qwen3-0.6B
+# projections 512.6 -> 476.0 us with (8, whole K, 8 warps) for all four. Their tile may hold up to
+# 4 x TILE_ELEMENTS products. Tried only with MSTAR_GEMV_WIDE=1 until the served step is measured with them.
+GEMV_WIDE_CANDIDATES = ((8, 0, 8, 1), (16, 0, 8, 1))
+
+
+def _wide_candidates() -> bool:
+    return env_switch("MSTAR_GEMV_WIDE", False)
+
+
 GEMV_MARGIN = 0.95  # the kernel must beat cuBLAS by 5% to take a shape: near-ties keep cuBLAS
 
 
@@ -124,6 +135,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         def key_of(rows: int, shape_key=shape_key, weight=weight, norm=norm) -> str:
             # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
             key = f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
+            key += ":wide" if _wide_candidates() else ""  # a decision taken over more candidates
             return key + (":chained" if _is_chained(weight, rows, norm) else "")
 
         for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
@@ -137,9 +149,13 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             chained = _is_chained(weight, rows, norm)
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual, chained))
             best, best_us = None, cublas_us * GEMV_MARGIN
-            for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES}):
+            whole_k = max(64, 1 << (k - 1).bit_length())
+            wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} \
+                if _wide_candidates() else set()
+            for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES} | wide):
                 block_n, block_k = setting[:2]
-                if block_k > max(64, 1 << (k - 1).bit_length()) or block_n * block_k * rows > 2 * TILE_ELEMENTS:
+                tile_cap = (4 if setting in wide else 2) * TILE_ELEMENTS
+                if block_k > whole_k or block_n * block_k * rows > tile_cap:
                     continue
                 if len(setting) > 2 and setting[3] > 1 and block_k >= k:  # one iteration: nothing to pipeline
                     continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -176,6 +178,37 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     assert model[0].gemv_plan == {}
 
 
+def test_wide_candidates_are_tried_only_when_switched_on(monkeypatch, tmp_path):
+    """MSTAR_GEMV_WIDE=1 adds the whole-K settings of GEMV_WIDE_CANDIDATES (8 and 16 columns, 8 warps), within
+    four tiles of products (so not at rows where they would exceed it), under a cache key of their own."""
+    from mstar_common.layers import linear
+
+    tried = []
+
+    def timer(fns):
+        return 5.0  # every setting ties cuBLAS: only the list of settings tried matters here
+
+    real_timed_calls = linear._timed_calls
+
+    def recording(x, weights, bias, setting, *args, **kwargs):
+        tried.append((x.shape[0], setting))
+        return real_timed_calls(x, weights, bias, setting, *args, **kwargs)
+
+    monkeypatch.setattr(linear, "_timed_calls", recording)
+    model = torch.nn.Sequential(torch.nn.Linear(3072, 96)).to(DEVICE)  # K 3072: whole K is 4096
+    use_gemv(model, 2)
+    tune_gemv(model, timer=timer, log=lambda line: None, cache=tmp_path / "gemv.json")
+    assert not [s for _, s in tried if s is not None and s[1] == 4096 and s[2:] == (8, 1)]
+    tried.clear()
+    monkeypatch.setenv("MSTAR_GEMV_WIDE", "1")
+    use_gemv(model, 2)
+    tune_gemv(model, timer=timer, log=lambda line: None, cache=tmp_path / "gemv.json")  # not answered from cache
+    # one row: 8 x 4096 products fit in four tiles, 16 x 4096 do not; two rows: neither
+    assert [(rows, s) for rows, s in tried if s is not None and s[2:] == (8, 1)] == [(1, (8, 4096, 8, 1))]
+    keys = json.loads((tmp_path / "gemv.json").read_text())
+    assert len([key for key in keys if ":rows=1:wide" in key]) == 1
+
+
 def test_pdl_row_counts_are_timed_behind_a_norm_launch(monkeypatch):
     """At a row count that launches with PDL a projection is timed behind an RMSNorm launch that produces its
     input (both cuBLAS and the kernel), and decided under its own cache key; MSTAR_GEMV_CHAINED=0 times it alone."""
@@ -219,7 +252,7 @@ def test_the_environment_switch_is_checked(monkeypatch):
     assert model[0].gemv_plan.keys() == {1, 2}
 
 
-@pytest.mark.parametrize("setting", [(4, 64), (8, 64, 4, 3), (2, 128, 4, 2)])
+@pytest.mark.parametrize("setting", [(4, 64), (8, 64, 4, 3), (2, 128, 4, 2), (8, 512, 8, 1)])  # last: whole K
 def test_pipelined_settings_give_the_reference(setting):
     """A tuned setting with a software-pipelined K loop (num_stages > 1) sums the same products as one without."""
     from kernels.gemv import gemv_with
