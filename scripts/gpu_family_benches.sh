@@ -4,7 +4,7 @@
 # (default: all).
 # Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
-#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [persistent] [ab] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
+#   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [persistent] [gemv-chain] [ab] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health] [orpheus-pyspy]
 # Env: ORPHEUS_ARGS (extra bench_orpheus.py flags), ORPHEUS_TIMEOUT, BASELINE_CONCURRENCY / BASELINE_TIMEOUT, MSTAR_STACK_DUMP_S, STUB_HEALTH_S,
 #   PROBE_ARGS / PROBE_CONCURRENCY / PROBE_SAMPLING / PROBE_PROFILE_C (probe_orpheus_engine.py), FLUX_ARGS
@@ -109,6 +109,11 @@ if has persistent; then
       --per-sm 1 --warps 16 32 --units 4 --early 0 1 --trace --json "$OUT/probe_persistent_cuda_$shapes.json" 2>&1 \
       | grep -E "launches:|us$|rel err|Error" || echo "STAGE FAILED: persistent probe, CUDA forms, $shapes"
   done
+fi
+if has gemv-chain; then
+  stage "the one-row chain of 112 skinny-GEMM launches with whole-K settings (scripts/probe_gemv_chain.py)"
+  timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY scripts/probe_gemv_chain.py qwen3 llama 2>&1 | grep -E " us|Error" \
+    | tee "$OUT/probe_gemv_chain.log" || echo "STAGE FAILED: gemv chain probe"
 fi
 if has ab; then
   stage "A/B of decode-step kernel switches in one process per family (AB_FAMILIES, AB_ROWS, AB_VARIANTS)"
