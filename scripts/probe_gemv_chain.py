@@ -15,7 +15,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import torch
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,13 +30,7 @@ _SPEC.loader.exec_module(probe)
 def measure(shapes: str, layers: int = 28) -> None:
     hidden, q, kv, inter = probe.SHAPES[shapes]
     qkv_n = q + 2 * kv
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def weights(n, k):
-        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-
-    wqkv, wo, wgu, wd = weights(qkv_n, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
-    h0 = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    h0, (wqkv, wo, wgu, wd) = probe.chain_case(hidden, q, kv, inter, layers)
     shapes_nk = [(qkv_n, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
 
     def chain(settings):

@@ -70,6 +70,56 @@ struct Proj {
   bool swiglu;
 };
 
+// The chain's buffers and shapes, as every kernel takes them.
+struct Chain {
+  __nv_bfloat16 *h, *qkv, *o, *gu;
+  const __nv_bfloat16 *wqkv, *wo, *wgu, *wd;
+  unsigned* sync;  // two zeroed counters
+  int layers, hidden, qkv_n, q, inter;
+};
+
+// Projection `s` of `layer`: 0 qkv, 1 o (on the q part of qkv), 2 gate/up, 3 down with SwiGLU on load.
+__host__ __device__ inline Proj stage_of(const Chain& c, int layer, int s) {
+  const int64_t l = layer;
+  switch (s) {
+    case 0: return Proj{c.h, c.wqkv + l * c.qkv_n * c.hidden, c.qkv, c.qkv_n, c.hidden, false};
+    case 1: return Proj{c.qkv, c.wo + l * c.hidden * c.q, c.o, c.hidden, c.q, false};
+    case 2: return Proj{c.o, c.wgu + l * 2 * c.inter * c.hidden, c.gu, 2 * c.inter, c.hidden, false};
+    default: return Proj{c.gu, c.wd + l * c.hidden * c.inter, c.h, c.hidden, c.inter, true};
+  }
+}
+
+// The projection's input into shared memory as fp32, one value per thread and iteration (through L2 only: other
+// SMs wrote it).
+__device__ __forceinline__ void input_to_shared(const Proj& p, float* xs) {
+  for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
+    float v = __bfloat162float(__ldcg(p.x + i));
+    if (p.swiglu) {
+      float up = __bfloat162float(__ldcg(p.x + p.k + i));
+      v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
+    }
+    xs[i] = v;
+  }
+}
+
+// One 16-byte weight vector (8 bf16) dotted with its 8 inputs (16-byte aligned in shared memory).
+__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+  const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+  const float4 xa = *reinterpret_cast<const float4*>(x);
+  const float4 xb = *reinterpret_cast<const float4*>(x + 4);
+  const float2 w0 = __bfloat1622float2(w2[0]), w1 = __bfloat1622float2(w2[1]);
+  const float2 w2f = __bfloat1622float2(w2[2]), w3 = __bfloat1622float2(w2[3]);
+  return w0.x * xa.x + w0.y * xa.y + w1.x * xa.z + w1.y * xa.w + w2f.x * xb.x + w2f.y * xb.y + w3.x * xb.z +
+         w3.y * xb.w;
+}
+
+// The warp's sum of `s` added to `total` (a row's fp32 sum in shared memory).
+__device__ __forceinline__ void warp_add(float s, float* total) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if ((threadIdx.x & 31) == 0) atomicAdd(total, s);
+}
+
 // This CTA's run of rows: [row0, row0 + rows).
 __device__ __forceinline__ void cta_rows(int n, int& row0, int& rows) {
   int per = (n + gridDim.x - 1) / gridDim.x;
@@ -102,17 +152,7 @@ __device__ __forceinline__ void sum_chunk(const Proj& p, int c, const uint4 (&r)
     int v = threadIdx.x + (c * U + u) * blockDim.x;
     if (v < total) {  // the same for the whole warp: total is a multiple of 32
       const int row = v / per_row;
-      const float* x = xs + (v - row * per_row) * 8;
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&r[u]);
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float2 wf = __bfloat1622float2(w2[i]);
-        s += wf.x * x[2 * i] + wf.y * x[2 * i + 1];
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if ((threadIdx.x & 31) == 0) atomicAdd(acc + row, s);
+      warp_add(dot8(r[u], xs + (v - row * per_row) * 8), acc + row);
     }
   }
 }
@@ -122,14 +162,7 @@ template <int U>
 __device__ void projection(const Proj& p, uint4 (&a)[U], uint4 (&b)[U], float* xs, float* acc) {
   int row0, rows;
   cta_rows(p.n, row0, rows);
-  for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
-    float v = __bfloat162float(__ldcg(p.x + i));
-    if (p.swiglu) {
-      float up = __bfloat162float(__ldcg(p.x + p.k + i));
-      v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
-    }
-    xs[i] = v;
-  }
+  input_to_shared(p, xs);
   for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
   const int per_thread = (rows * (p.k / 8) + blockDim.x - 1) / blockDim.x;
@@ -147,33 +180,22 @@ __device__ void projection(const Proj& p, uint4 (&a)[U], uint4 (&b)[U], float* x
 // Up to 1,024 threads per CTA with two chunks of 2 or 4 vectors per thread in registers, 512 with 8.
 template <int U>
 __global__ void __launch_bounds__(U >= 8 ? 512 : 1024, 1)
-    chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
-                 const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
-                 const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter) {
-  __shared__ float xs[kMaxK];
+    chain_kernel(Chain c) {
+  __shared__ __align__(16) float xs[kMaxK];
   __shared__ float acc[kMaxRows];
   uint4 a[U], b[U];
   unsigned arrivals = 0;
-  auto stage = [&](int layer, int s) {
-    const int64_t l = layer;
-    switch (s) {
-      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
-      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
-      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
-      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
-    }
-  };
-  load_chunk<U>(stage(0, 0), 0, a);
-  for (int layer = 0; layer < layers; ++layer) {
+  load_chunk<U>(stage_of(c, 0, 0), 0, a);
+  for (int layer = 0; layer < c.layers; ++layer) {
     for (int s = 0; s < 4; ++s) {
-      projection<U>(stage(layer, s), a, b, xs, acc);
+      projection<U>(stage_of(c, layer, s), a, b, xs, acc);
       const int next_layer = s == 3 ? layer + 1 : layer;
-      if (next_layer < layers) load_chunk<U>(stage(next_layer, (s + 1) % 4), 0, a);
+      if (next_layer < c.layers) load_chunk<U>(stage_of(c, next_layer, (s + 1) % 4), 0, a);
       arrivals += gridDim.x;
-      grid_barrier(sync, arrivals);
+      grid_barrier(c.sync, arrivals);
     }
   }
-  grid_leave(sync);
+  grid_leave(c.sync);
 }
 
 // The ring form: the weights of all projections of all layers are one stream of 16-byte vectors per thread, copied
@@ -187,22 +209,13 @@ struct Stream {  // the producer's cursor over this CTA's vectors
 
 template <int R>
 __global__ void __launch_bounds__(1024, 1)
-    ring_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
-                      const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
-                      const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter) {
+    ring_chain_kernel(Chain c) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);                       // [R][blockDim.x]
   float* xs = reinterpret_cast<float*>(ring + R * blockDim.x);        // [kMaxK]
   float* acc = xs + kMaxK;                                             // [kMaxRows]
-  auto stage = [&](int layer, int s) {
-    const int64_t l = layer;
-    switch (s) {
-      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
-      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
-      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
-      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
-    }
-  };
+  const int layers = c.layers;
+  auto stage = [&](int layer, int s) { return stage_of(c, layer, s); };
   auto items = [&](const Proj& p) {  // vectors per thread of this CTA's rows (the same for all its threads)
     int row0, rows;
     cta_rows(p.n, row0, rows);
@@ -241,14 +254,7 @@ __global__ void __launch_bounds__(1024, 1)
       const Proj p = stage(layer, s);
       int row0, rows;
       cta_rows(p.n, row0, rows);
-      for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
-        float v = __bfloat162float(__ldcg(p.x + i));
-        if (p.swiglu) {
-          float up = __bfloat162float(__ldcg(p.x + p.k + i));
-          v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
-        }
-        xs[i] = v;
-      }
+      input_to_shared(p, xs);
       for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
       __syncthreads();
       const int per_row = p.k / 8, total = rows * per_row, n_items = items(p);
@@ -257,30 +263,19 @@ __global__ void __launch_bounds__(1024, 1)
         asm volatile("cp.async.wait_group %0;" ::"n"(R - 1) : "memory");
         const int v = threadIdx.x + it * blockDim.x;
         if (v < total) {  // the same for the whole warp
-          const uint4 w = ring[(consumed % R) * blockDim.x + threadIdx.x];
           const int row = v / per_row;
-          const float* x = xs + (v - row * per_row) * 8;
-          const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float2 wf = __bfloat1622float2(w2[j]);
-            sum += wf.x * x[2 * j] + wf.y * x[2 * j + 1];
-          }
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-          if ((threadIdx.x & 31) == 0) atomicAdd(acc + row, sum);
+          warp_add(dot8(ring[(consumed % R) * blockDim.x + threadIdx.x], xs + (v - row * per_row) * 8), acc + row);
         }
         ++consumed;
       }
       __syncthreads();
       for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
       arrivals += gridDim.x;
-      grid_barrier(sync, arrivals);
+      grid_barrier(c.sync, arrivals);
     }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
-  grid_leave(sync);
+  grid_leave(c.sync);
 }
 
 // The unit form: a projection's rows are split into `splits` segments of K so that the CTA has about one
@@ -322,40 +317,20 @@ __device__ __forceinline__ void sum_unit(const Plan& p, int u, const uint4 (&r)[
   float s = 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    if (j < p.per_lane) {
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&r[j]);
-      const float4 xa = *reinterpret_cast<const float4*>(x + 256 * j);
-      const float4 xb = *reinterpret_cast<const float4*>(x + 256 * j + 4);
-      float2 w0 = __bfloat1622float2(w2[0]), w1 = __bfloat1622float2(w2[1]);
-      float2 w2f = __bfloat1622float2(w2[2]), w3 = __bfloat1622float2(w2[3]);
-      s += w0.x * xa.x + w0.y * xa.y + w1.x * xa.z + w1.y * xa.w + w2f.x * xb.x + w2f.y * xb.y + w3.x * xb.z +
-           w3.y * xb.w;
-    }
+    if (j < p.per_lane) s += dot8(r[j], x + 256 * j);
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if ((threadIdx.x & 31) == 0) atomicAdd(acc + row, s);
+  warp_add(s, acc + row);
 }
 
 template <int V>
 __global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
-    unit_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
-                      const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
-                      const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter) {
+    unit_chain_kernel(Chain c) {
   __shared__ __align__(16) float xs[kMaxK];
   __shared__ float acc[kMaxRows];
-  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, layers = c.layers;
   uint4 a[V], b[V];
   unsigned arrivals = 0;
-  auto stage = [&](int layer, int s) {
-    const int64_t l = layer;
-    switch (s) {
-      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
-      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
-      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
-      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
-    }
-  };
+  auto stage = [&](int layer, int s) { return stage_of(c, layer, s); };
   auto plan = [&](const Proj& p) { return plan_for(p.w, p.n, p.k, gridDim.x, blockIdx.x, warps, V); };
   {
     const Plan first = plan(stage(0, 0));
@@ -367,14 +342,7 @@ __global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
       const Plan pl = plan(p);
       int row0, rows;
       cta_rows(p.n, row0, rows);
-      for (int i = threadIdx.x; i < p.k; i += blockDim.x) {
-        float v = __bfloat162float(__ldcg(p.x + i));
-        if (p.swiglu) {
-          float up = __bfloat162float(__ldcg(p.x + p.k + i));
-          v = bf16_round(bf16_round(v / (1.f + __expf(-v))) * up);
-        }
-        xs[i] = v;
-      }
+      input_to_shared(p, xs);
       for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
       __syncthreads();
       for (int u = warp; u < pl.units; u += 2 * warps) {
@@ -391,10 +359,10 @@ __global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
         if (warp < next.units) load_unit<V>(next, warp, a);
       }
       arrivals += gridDim.x;
-      grid_barrier(sync, arrivals);
+      grid_barrier(c.sync, arrivals);
     }
   }
-  grid_leave(sync);
+  grid_leave(c.sync);
 }
 
 // The unit form with each warp's first M units of a projection copied (cp.async) into shared memory two
@@ -436,10 +404,7 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
 
 template <int V, int M>
 __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
-    early_chain_kernel(__nv_bfloat16* h, __nv_bfloat16* qkv, __nv_bfloat16* o, __nv_bfloat16* gu,
-                       const __nv_bfloat16* wqkv, const __nv_bfloat16* wo, const __nv_bfloat16* wgu,
-                       const __nv_bfloat16* wd, unsigned* sync, int layers, int hidden, int qkv_n, int q, int inter,
-                       int max_k, unsigned long long* trace) {
+    early_chain_kernel(Chain c, int max_k, unsigned long long* trace) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* xs = reinterpret_cast<float*>(smem);                     // [max_k]
   float* acc = xs + max_k;                                         // [kMaxRows]
@@ -447,18 +412,10 @@ __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
   const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
   uint4 a[V], b[V];
   unsigned arrivals = 0;
-  auto stage = [&](int k) {
-    const int64_t l = k / 4;
-    switch (k % 4) {
-      case 0: return Proj{h, wqkv + l * qkv_n * hidden, qkv, qkv_n, hidden, false};
-      case 1: return Proj{qkv, wo + l * hidden * q, o, hidden, q, false};
-      case 2: return Proj{o, wgu + l * 2 * inter * hidden, gu, 2 * inter, hidden, false};
-      default: return Proj{gu, wd + l * hidden * inter, h, hidden, inter, true};
-    }
-  };
+  auto stage = [&](int k) { return stage_of(c, k / 4, k % 4); };
   auto plan = [&](const Proj& p) { return plan_for(p.w, p.n, p.k, gridDim.x, blockIdx.x, warps, V); };
   auto buffer = [&](int k) { return pre + ((k % 2) * warps + warp) * M * V * 32; };
-  const int stages = layers * 4;
+  const int stages = c.layers * 4;
   for (int k = 0; k < 2; ++k) {
     if (k < stages) {
       copy_units<V, M>(plan(stage(k)), buffer(k));
@@ -527,10 +484,10 @@ __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
     for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
     mark(k, 4);  // the outputs are written; the barrier follows
     arrivals += gridDim.x;
-    grid_barrier(sync, arrivals);
+    grid_barrier(c.sync, arrivals);
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
-  grid_leave(sync);
+  grid_leave(c.sync);
 }
 
 template <int R>
@@ -547,112 +504,95 @@ __global__ void barrier_kernel(unsigned* sync, int iters) {
   grid_leave(sync);
 }
 
-template <int U>
-int launch(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream) {
-  // A grid barrier needs every CTA resident at once: refuse a grid the SMs cannot hold (it would hang).
+Chain make_chain(void** ptrs, const int* dims) {
+  return Chain{static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
+               static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
+               static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
+               static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
+               static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]};
+}
+
+// -1 for a shape a kernel does not take (every input a multiple of 256 wide, at most kMaxK; at most kMaxRows
+// rows of a projection per CTA), else 0.
+int check_shapes(const Chain& c, int blocks) {
+  for (int s = 0; s < 4; ++s) {
+    const Proj p = stage_of(c, 0, s);
+    if (p.k % 256 != 0 || p.k > kMaxK || (p.n + blocks - 1) / blocks > kMaxRows) return -1;
+  }
+  return 0;
+}
+
+// Whether every CTA's unit plan of every projection fits V vectors per lane.
+template <int V>
+bool plans_fit(const Chain& c, int blocks, int threads) {
+  for (int s = 0; s < 4; ++s) {
+    const Proj p = stage_of(c, 0, s);
+    for (int cta = 0; cta < blocks; ++cta) {
+      if (plan_for(nullptr, p.n, p.k, blocks, cta, threads / 32, V).per_lane > V) return false;
+    }
+  }
+  return true;
+}
+
+// Before a launch: -1 when a CTA may not have `smem` bytes of dynamic shared memory; -2 when the GPU cannot hold
+// all `blocks` CTAs at once (a grid barrier would never open); else 0.
+template <class Kernel>
+int ready_to_launch(Kernel kernel, int blocks, int threads, size_t smem) {
+  if (smem > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
   int per_sm = 0, device = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<U>, threads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (blocks > per_sm * sms) return -2;
-  chain_kernel<U><<<blocks, threads, 0, stream>>>(
-      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
-      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
-      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
-      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
-      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]);
+  return blocks > per_sm * sms ? -2 : 0;
+}
+
+template <int U>
+int launch(const Chain& c, int blocks, int threads, cudaStream_t stream) {
+  if (const int refused = ready_to_launch(chain_kernel<U>, blocks, threads, 0)) return refused;
+  chain_kernel<U><<<blocks, threads, 0, stream>>>(c);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <int R>
-int launch_ring(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream) {
+int launch_ring(const Chain& c, int blocks, int threads, cudaStream_t stream) {
   const size_t smem = ring_smem<R>(threads);
-  if (cudaFuncSetAttribute(ring_chain_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;  // more shared memory than a CTA may have
-  }
-  int per_sm = 0, device = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ring_chain_kernel<R>, threads, smem);
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (blocks > per_sm * sms) return -2;
-  ring_chain_kernel<R><<<blocks, threads, smem, stream>>>(
-      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
-      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
-      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
-      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
-      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]);
+  if (const int refused = ready_to_launch(ring_chain_kernel<R>, blocks, threads, smem)) return refused;
+  ring_chain_kernel<R><<<blocks, threads, smem, stream>>>(c);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <int V>
-int launch_units(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream) {
-  const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
-  const int ks[4] = {hidden, q, hidden, inter};
-  const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
-  for (int s = 0; s < 4; ++s) {  // every CTA's plan must fit V vectors per lane per unit
-    for (int cta = 0; cta < blocks; ++cta) {
-      if (plan_for(nullptr, ns[s], ks[s], blocks, cta, threads / 32, V).per_lane > V) return -1;
-    }
-  }
-  int per_sm = 0, device = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, unit_chain_kernel<V>, threads, 0);
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (blocks > per_sm * sms) return -2;
-  unit_chain_kernel<V><<<blocks, threads, 0, stream>>>(
-      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
-      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
-      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
-      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
-      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4]);
+int launch_units(const Chain& c, int blocks, int threads, cudaStream_t stream) {
+  if (!plans_fit<V>(c, blocks, threads)) return -1;
+  if (const int refused = ready_to_launch(unit_chain_kernel<V>, blocks, threads, 0)) return refused;
+  unit_chain_kernel<V><<<blocks, threads, 0, stream>>>(c);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <int V, int M>
-int launch_early(void** ptrs, const int* dims, int blocks, int threads, cudaStream_t stream,
-                 unsigned long long* trace) {
-  const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
-  const int ks[4] = {hidden, q, hidden, inter};
-  const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
-  int max_k = 0;
-  for (int s = 0; s < 4; ++s) {
-    max_k = ks[s] > max_k ? ks[s] : max_k;
-    for (int cta = 0; cta < blocks; ++cta) {
-      if (plan_for(nullptr, ns[s], ks[s], blocks, cta, threads / 32, V).per_lane > V) return -1;
-    }
-  }
+int launch_early(const Chain& c, int blocks, int threads, cudaStream_t stream, unsigned long long* trace) {
+  if (!plans_fit<V>(c, blocks, threads)) return -1;
+  const int max_k = c.hidden > c.q ? (c.hidden > c.inter ? c.hidden : c.inter) : (c.q > c.inter ? c.q : c.inter);
   const size_t smem =
       (max_k + kMaxRows) * sizeof(float) + 2 * static_cast<size_t>(threads) * M * V * sizeof(uint4);
-  if (cudaFuncSetAttribute(early_chain_kernel<V, M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;  // more shared memory than a CTA may have
-  }
-  int per_sm = 0, device = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, early_chain_kernel<V, M>, threads, smem);
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (blocks > per_sm * sms) return -2;
-  early_chain_kernel<V, M><<<blocks, threads, smem, stream>>>(
-      static_cast<__nv_bfloat16*>(ptrs[0]), static_cast<__nv_bfloat16*>(ptrs[1]),
-      static_cast<__nv_bfloat16*>(ptrs[2]), static_cast<__nv_bfloat16*>(ptrs[3]),
-      static_cast<const __nv_bfloat16*>(ptrs[4]), static_cast<const __nv_bfloat16*>(ptrs[5]),
-      static_cast<const __nv_bfloat16*>(ptrs[6]), static_cast<const __nv_bfloat16*>(ptrs[7]),
-      static_cast<unsigned*>(ptrs[8]), dims[0], dims[1], dims[2], dims[3], dims[4], max_k, trace);
+  if (const int refused = ready_to_launch(early_chain_kernel<V, M>, blocks, threads, smem)) return refused;
+  early_chain_kernel<V, M><<<blocks, threads, smem, stream>>>(c, max_k, trace);
   return static_cast<int>(cudaGetLastError());
 }
 
-int launch_early_any(void** ptrs, const int* dims, int blocks, int threads, int vectors, int early,
-                     cudaStream_t stream, unsigned long long* trace) {
+int launch_early_any(const Chain& c, int blocks, int threads, int vectors, int early, cudaStream_t stream,
+                     unsigned long long* trace) {
   switch (vectors * 10 + early) {
-    case 41: return launch_early<4, 1>(ptrs, dims, blocks, threads, stream, trace);
-    case 42: return launch_early<4, 2>(ptrs, dims, blocks, threads, stream, trace);
-    case 43: return launch_early<4, 3>(ptrs, dims, blocks, threads, stream, trace);
-    case 44: return launch_early<4, 4>(ptrs, dims, blocks, threads, stream, trace);
-    case 81: return launch_early<8, 1>(ptrs, dims, blocks, threads, stream, trace);
-    case 82: return launch_early<8, 2>(ptrs, dims, blocks, threads, stream, trace);
+    case 41: return launch_early<4, 1>(c, blocks, threads, stream, trace);
+    case 42: return launch_early<4, 2>(c, blocks, threads, stream, trace);
+    case 43: return launch_early<4, 3>(c, blocks, threads, stream, trace);
+    case 44: return launch_early<4, 4>(c, blocks, threads, stream, trace);
+    case 81: return launch_early<8, 1>(c, blocks, threads, stream, trace);
+    case 82: return launch_early<8, 2>(c, blocks, threads, stream, trace);
     default: return -1;
   }
 }
@@ -669,35 +609,31 @@ extern "C" {
 // that many slots; else the register form, `unroll` vectors per chunk.
 int mstar_chain_launch(void** ptrs, const int* dims, int blocks, int threads, int unroll, int ring, int units,
                        int early, void* stream) {
-  const int hidden = dims[1], qkv_n = dims[2], q = dims[3], inter = dims[4];
-  const int ks[4] = {hidden, q, hidden, inter};
-  const int ns[4] = {qkv_n, hidden, 2 * inter, hidden};
-  for (int s = 0; s < 4; ++s) {
-    if (ks[s] % 256 != 0 || ks[s] > kMaxK || (ns[s] + blocks - 1) / blocks > kMaxRows) return -1;
-  }
+  const Chain c = make_chain(ptrs, dims);
+  if (check_shapes(c, blocks) != 0) return -1;
   const int max_threads = units >= 16 ? 256 : units >= 8 || (ring == 0 && units == 0 && unroll >= 8) ? 512 : 1024;
   if (threads % 32 != 0 || threads > max_threads) return -1;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (units > 0 && early > 0) return launch_early_any(ptrs, dims, blocks, threads, units, early, s, nullptr);
+  if (units > 0 && early > 0) return launch_early_any(c, blocks, threads, units, early, s, nullptr);
   switch (units) {
     case 0: break;
-    case 4: return launch_units<4>(ptrs, dims, blocks, threads, s);
-    case 8: return launch_units<8>(ptrs, dims, blocks, threads, s);
-    case 16: return launch_units<16>(ptrs, dims, blocks, threads, s);
+    case 4: return launch_units<4>(c, blocks, threads, s);
+    case 8: return launch_units<8>(c, blocks, threads, s);
+    case 16: return launch_units<16>(c, blocks, threads, s);
     default: return -1;
   }
   switch (ring) {  // the ring form, `ring` slots per thread
     case 0: break;
-    case 4: return launch_ring<4>(ptrs, dims, blocks, threads, s);
-    case 8: return launch_ring<8>(ptrs, dims, blocks, threads, s);
-    case 12: return launch_ring<12>(ptrs, dims, blocks, threads, s);
-    case 16: return launch_ring<16>(ptrs, dims, blocks, threads, s);
+    case 4: return launch_ring<4>(c, blocks, threads, s);
+    case 8: return launch_ring<8>(c, blocks, threads, s);
+    case 12: return launch_ring<12>(c, blocks, threads, s);
+    case 16: return launch_ring<16>(c, blocks, threads, s);
     default: return -1;
   }
   switch (unroll) {
-    case 2: return launch<2>(ptrs, dims, blocks, threads, s);
-    case 4: return launch<4>(ptrs, dims, blocks, threads, s);
-    case 8: return launch<8>(ptrs, dims, blocks, threads, s);
+    case 2: return launch<2>(c, blocks, threads, s);
+    case 4: return launch<4>(c, blocks, threads, s);
+    case 8: return launch<8>(c, blocks, threads, s);
     default: return -1;
   }
 }
@@ -706,7 +642,9 @@ int mstar_chain_launch(void** ptrs, const int* dims, int blocks, int threads, in
 // trace written to `trace` ([blocks][layers x 4][5] uint64 ns).
 int mstar_chain_trace(void** ptrs, const int* dims, int blocks, int threads, int early, void* trace,
                       void* stream) {
-  return launch_early_any(ptrs, dims, blocks, threads, 4, early, static_cast<cudaStream_t>(stream),
+  const Chain c = make_chain(ptrs, dims);
+  if (check_shapes(c, blocks) != 0 || threads % 32 != 0 || threads > 1024) return -1;
+  return launch_early_any(c, blocks, threads, 4, early, static_cast<cudaStream_t>(stream),
                           static_cast<unsigned long long*>(trace));
 }
 

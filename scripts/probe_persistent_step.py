@@ -301,6 +301,18 @@ def launch_chain(grid, h, qkv, o, gu, wqkv, wo, wgu, wd, sync, layers: int, q: i
                             **common)
 
 
+def chain_case(hidden: int, q: int, kv: int, inter: int, layers: int, seed: int = 0, device: str = "cuda"):
+    """Random stacked weights for the chain's projections ([layers, N, K] bf16, scaled by 1/sqrt(K): qkv, o,
+    gate/up, down) and a one-row input: (h0, (wqkv, wo, wgu, wd))."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def weights(n, k):
+        return (torch.randn(layers, n, k, device=device, generator=gen) / k ** 0.5).to(torch.bfloat16)
+
+    ws = weights(q + 2 * kv, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
+    return torch.randn(1, hidden, device=device, generator=gen).to(torch.bfloat16), ws
+
+
 def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -322,19 +334,13 @@ TRACE_POINTS = ("input", "first_unit", "other_units", "write", "barrier")
 
 def trace_cuda_chain(shapes: str, layers: int, warps: int, early: int = 1) -> dict:
     """One launch of the early-copy unit form (4 vectors per lane, `early` units per warp copied ahead, one CTA
-    per SM) with each CTA's clock read at
-    five points of every projection: where its time goes, per projection kind, in us (medians over CTAs and
-    layers; `barrier` runs from the outputs' write to the next projection's start)."""
+    per SM) with each CTA's clock read at five points of every projection: where its time goes, per projection
+    kind, in us (medians over CTAs and layers; `barrier` runs from the outputs' write to the next projection's
+    start)."""
     lib = cuda_library()
     hidden, q, kv, inter = SHAPES[shapes]
     qkv_n = q + 2 * kv
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def weights(n, k):
-        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-
-    ws = weights(qkv_n, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
-    h = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    h, ws = chain_case(hidden, q, kv, inter, layers)
     bufs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for n in (qkv_n, hidden, 2 * inter)]
     sync = torch.zeros(2, dtype=torch.int32, device="cuda")
     blocks = _num_sms()
@@ -404,14 +410,8 @@ def chain(shapes: str, layers: int, modes: list[dict]) -> dict:
 
     hidden, q, kv, inter = SHAPES[shapes]
     qkv_n = q + 2 * kv
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def weights(n, k):
-        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-
-    wqkv, wo, wgu, wd = weights(qkv_n, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
+    h0, (wqkv, wo, wgu, wd) = chain_case(hidden, q, kv, inter, layers)
     weight_bytes = sum(w.numel() * w.element_size() for w in (wqkv, wo, wgu, wd))
-    h0 = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     result = {"shapes": shapes, "layers": layers, "weight_mb": weight_bytes / 1e6,
               "floor_us_at_4_3_tbs": weight_bytes / 4.3e12 * 1e6}
 

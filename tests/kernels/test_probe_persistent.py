@@ -34,15 +34,8 @@ _SPEC.loader.exec_module(probe)
 @pytest.mark.parametrize("stages", [0, 3])  # the register form; the tensor-descriptor (TMA) form, 3 tiles deep
 def test_the_persistent_chain_matches_the_reference(programs, block_n, stages):
     block_k = 32  # one K chunk for qkv and gate/up, two for o, three for down
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
     layers, hidden, q, kv, inter = 2, 32, 64, 32, 96
-
-    def weights(n, k):
-        return (torch.randn(layers, n, k, device=DEVICE, generator=gen) / k ** 0.5).to(torch.bfloat16)
-
-    wqkv, wo, wgu, wd = weights(q + 2 * kv, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden,
-                                                                                                           inter)
-    h0 = torch.randn(1, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
+    h0, (wqkv, wo, wgu, wd) = probe.chain_case(hidden, q, kv, inter, layers, seed=3, device=DEVICE)
     h = h0.clone()
     qkv = torch.full((1, q + 2 * kv), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     o = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -79,16 +72,9 @@ def _cuda_form_available() -> bool:
 CUDA_ONLY = pytest.mark.skipif(not _cuda_form_available(), reason="the CUDA form needs a GPU and nvcc")
 
 
-def _cuda_chain_case(layers=2, hidden=256, q=512, kv=256, inter=768, seed=5):
+def _cuda_chain_case(layers=2, q=512):
     """Shapes whose inputs are multiples of 256 wide, as the CUDA form takes."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def weights(n, k):
-        return (torch.randn(layers, n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-
-    ws = weights(q + 2 * kv, hidden), weights(hidden, q), weights(2 * inter, hidden), weights(hidden, inter)
-    h0 = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    return h0, ws
+    return probe.chain_case(hidden=256, q=q, kv=256, inter=768, layers=layers, seed=5)
 
 
 @CUDA_ONLY
