@@ -80,12 +80,14 @@ GEMV_CANDIDATES = ((1, 1024), (2, 1024), (4, 1024), (1, 4096), (2, 4096), (4, 20
 # Wider programs that hold a whole K slice (0: the next power of two of K) and so load all of their weights before
 # their PDL wait. scripts/probe_gemv_chain.py on the H200 (2026-12-02): the one-row chain of 112 Qwen3-0.6B
 # projections 512.6 -> 476.0 us with (8, whole K, 8 warps) for all four. Their tile may hold up to
-# 4 x TILE_ELEMENTS products. Tried only with MSTAR_GEMV_WIDE=1 until the served step is measured with them.
+# 4 x TILE_ELEMENTS products. In the tuned decode step (ab_decode_step.py, same process, 2026-12-02, later) they won
+# Qwen3-0.6B's one-row SwiGLU down (10.1 -> 5.6 us against cuBLAS; 6.3 with the pipelined setting), and the step
+# went 0.847 -> 0.829 ms; Llama-3.2-3B took none of them. Tried by default; MSTAR_GEMV_WIDE=0 leaves them out.
 GEMV_WIDE_CANDIDATES = ((8, 0, 8, 1), (16, 0, 8, 1))
 
 
 def _wide_candidates() -> bool:
-    return env_switch("MSTAR_GEMV_WIDE", False)
+    return env_switch("MSTAR_GEMV_WIDE", True)
 
 
 GEMV_MARGIN = 0.95  # the kernel must beat cuBLAS by 5% to take a shape: near-ties keep cuBLAS

@@ -179,8 +179,9 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
 
 
 def test_wide_candidates_are_tried_only_when_switched_on(monkeypatch, tmp_path):
-    """MSTAR_GEMV_WIDE=1 adds the whole-K settings of GEMV_WIDE_CANDIDATES (8 and 16 columns, 8 warps), within
-    four tiles of products (so not at rows where they would exceed it), under a cache key of their own."""
+    """MSTAR_GEMV_WIDE=1 (the default) adds the whole-K settings of GEMV_WIDE_CANDIDATES (8 and 16 columns,
+    8 warps), within four tiles of products (so not at rows where they would exceed it), under a cache key of their
+    own; MSTAR_GEMV_WIDE=0 leaves them out."""
     from mstar_common.layers import linear
 
     tried = []
@@ -196,17 +197,19 @@ def test_wide_candidates_are_tried_only_when_switched_on(monkeypatch, tmp_path):
 
     monkeypatch.setattr(linear, "_timed_calls", recording)
     model = torch.nn.Sequential(torch.nn.Linear(3072, 96)).to(DEVICE)  # K 3072: whole K is 4096
+    monkeypatch.setenv("MSTAR_GEMV_WIDE", "0")
     use_gemv(model, 2)
     tune_gemv(model, timer=timer, log=lambda line: None, cache=tmp_path / "gemv.json")
     assert not [s for _, s in tried if s is not None and s[1] == 4096 and s[2:] == (8, 1)]
     tried.clear()
-    monkeypatch.setenv("MSTAR_GEMV_WIDE", "1")
+    monkeypatch.delenv("MSTAR_GEMV_WIDE")  # the default
     use_gemv(model, 2)
     tune_gemv(model, timer=timer, log=lambda line: None, cache=tmp_path / "gemv.json")  # not answered from cache
     # one row: 8 x 4096 products fit in four tiles, 16 x 4096 do not; two rows: neither
     assert [(rows, s) for rows, s in tried if s is not None and s[2:] == (8, 1)] == [(1, (8, 4096, 8, 1))]
     keys = json.loads((tmp_path / "gemv.json").read_text())
-    assert len([key for key in keys if ":rows=1:wide" in key]) == 1
+    # on a PDL GPU the key reads ...:rows=1:pdl:wide:chained
+    assert len([key for key in keys if ":rows=1:" in key and ":wide" in key]) == 1
 
 
 def test_pdl_row_counts_are_timed_behind_a_norm_launch(monkeypatch):
