@@ -117,7 +117,7 @@ if has gemv-chain; then
 fi
 if has ab; then
   stage "A/B of decode-step kernel switches in one process per family (AB_FAMILIES, AB_ROWS, AB_VARIANTS)"
-  read -r -a variants <<< "${AB_VARIANTS:---variant base:MSTAR_NORM_GEMV=0 --variant norm_gemv:MSTAR_NORM_GEMV=1 --variant no_pdl:MSTAR_PDL=0}"
+  read -r -a variants <<< "${AB_VARIANTS:---variant base:MSTAR_NORM_GEMV=auto --variant norm_apart:MSTAR_NORM_GEMV=0 --variant no_pdl:MSTAR_PDL=0}"
   for family in ${AB_FAMILIES:-qwen3 llama}; do
     timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY scripts/ab_decode_step.py --family $family --rows ${AB_ROWS:-1,2,4} \
       "${variants[@]}" --out "$OUT/ab_${family}.json" 2>&1 | grep "^\[ab\]" || echo "STAGE FAILED: ab $family"

@@ -141,9 +141,9 @@ class DecoderOnlyLM(nn.Module):
 
     def enable_fused_ops(self, enabled: bool = True) -> None:
         """Run the residual-add+RMSNorm and SiLU*up as Triton kernels on CUDA (the q/k prologue is the
-        attention backend's choice); with `MSTAR_NORM_GEMV=1` (default off) a norm before a projection that runs on
-        the skinny GEMM goes into that GEMM's launch; with `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP
-        half as one persistent launch."""
+        attention backend's choice); with `MSTAR_NORM_GEMV` not 0 a norm before a projection that runs on the
+        skinny GEMM may go into that GEMM's launch (`auto`, the default: where the tuning timed it faster); with
+        `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP half as one persistent launch."""
         fold_norms = enabled and norm_gemv_enabled()
         mlp_rows = fused_mlp_rows() if enabled else 0
         mlp_options = fused_mlp_options() if mlp_rows else {}

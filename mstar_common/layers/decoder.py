@@ -5,7 +5,8 @@ fold in the preceding residual add: `residual += x; x = norm(residual)` is one o
 
 With `norm_gemv` set (`enable_fused_ops` on CUDA, `MSTAR_NORM_GEMV` not 0), a step whose qkv or gate_up
 projection runs on the skinny GEMM (kernels/gemv.py, a few rows) takes the add and the norm in that GEMM's load
-(`norm_gemv`): one launch instead of two, twice per layer.
+(`norm_gemv`): one launch instead of two, twice per layer. By default (`auto`) only at the row counts where
+`tune_gemv` timed that faster than the norm kernel followed by the plain GEMM (the projection's `norm_apart`).
 
 With `fused_mlp_rows` set (`enable_fused_ops` on CUDA, `MSTAR_FUSED_MLP_ROWS`), a step of at most that many rows runs
 the MLP half (residual add + RMSNorm, gate/up, SwiGLU, down) as one persistent launch with a grid barrier between
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mstar_common.config import env_switch
 from mstar_common.layers.attention import AttentionContext, SelfAttention
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         if not self.norm_gemv or linear is None or not hasattr(linear, "gemv_blocks_for"):
             return None
         setting = linear.gemv_blocks_for(hidden)
-        if setting is None:
+        if setting is None or hidden.shape[0] in linear.norm_apart:  # cuBLAS, or the plain kernel timed faster
             return None
         from kernels.gemv import norm_gemv_with
 
@@ -150,6 +150,18 @@ def fused_mlp_options() -> dict[str, int]:
     return options
 
 
+NORM_GEMV_MODES = ("auto", "1", "0")
+
+
+def norm_gemv_mode() -> str:
+    """`MSTAR_NORM_GEMV`: `auto` (default) folds a pre-norm into its projection's skinny GEMM where `tune_gemv`
+    timed that faster than the norm kernel before it; `1` folds it wherever the projection runs on the kernel;
+    `0` never does."""
+    mode = os.environ.get("MSTAR_NORM_GEMV", "") or "auto"
+    if mode not in NORM_GEMV_MODES:
+        raise ValueError(f"MSTAR_NORM_GEMV={mode!r}: expected one of {', '.join(NORM_GEMV_MODES)}")
+    return mode
+
+
 def norm_gemv_enabled() -> bool:
-    """`MSTAR_NORM_GEMV` (default 0, the norm kernel before the projection; 1 folds it in)."""
-    return env_switch("MSTAR_NORM_GEMV", False)
+    return norm_gemv_mode() != "0"

@@ -33,6 +33,9 @@ class GemvLinear(nn.Linear):
     row count in the plan only where the kernel beat cuBLAS on this GPU."""
 
     gemv_plan: dict[int, tuple[int, ...]] = {}  # rows -> kernels/gemv.py gemv_with setting
+    # rows at which a projection that could take its pre-norm inside (`norm_gemv`) runs after the norm kernel
+    # instead, because `tune_gemv` timed that faster
+    norm_apart: frozenset[int] = frozenset()
 
     def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
@@ -99,7 +102,8 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     projection of a fused SwiGLU MLP against silu_mul + cuBLAS, as it would otherwise run), keep the kernel
     with its fastest setting only where it wins by `GEMV_MARGIN`, and give the other row counts the plan of the
     next power of two. A projection that a decoder layer runs with its norm in the GEMM's load
-    (`norm_gemv_pairs()`, kernels/gemv.py `norm_gemv`) is timed so, against the norm kernel + cuBLAS.
+    (`norm_gemv_pairs()`, kernels/gemv.py `norm_gemv`) is timed so, against the norm kernel + cuBLAS and against the
+    norm kernel + the plain kernel; the decision says which (`norm_apart`: the rows that keep the norm kernel).
     `timer(fns) -> microseconds per call` (default: inside a captured CUDA graph); `fns`
     are the same call on the weight and on copies of it (`cold_copies`: a decode step reads each layer's
     weights from HBM, never from L2, and the timing must too). Decisions are kept
@@ -109,6 +113,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     from kernels._pdl import use_pdl
     from kernels.gemv import TILE_ELEMENTS, gemv_blocks
     from mstar_common.bench.gpu_timing import cold_copies
+    from mstar_common.layers.decoder import norm_gemv_mode
 
     cold = timer is None
     if timer is None:
@@ -117,11 +122,12 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         if cache is None:
             cache = default_gemv_cache()
     log = log or logging.getLogger(__name__).info
-    known: dict[str, list[int] | None] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
+    known: dict[str, list[int] | dict | None] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
     swiglu_downs = {id(m.down_proj) for m in model.modules()
                     if getattr(m, "gate_up_proj", None) is not None and getattr(m, "use_kernel", False)}
     norm_fed = {id(linear): norm for m in model.modules() if hasattr(m, "norm_gemv_pairs")
                 for norm, linear in m.norm_gemv_pairs()}
+    try_apart = norm_gemv_mode() == "auto"
     records = []
     for module in model.modules():
         if not isinstance(module, GemvLinear) or not module.gemv_plan:
@@ -132,7 +138,9 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         n, k = weight.shape
         weights = None
         shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
-        shape_key += ":norm" if norm is not None else ""
+        # a norm-fed decision: the norm inside the kernel or cuBLAS (MSTAR_NORM_GEMV=1: ":norm"), or also the norm
+        # kernel + the plain kernel (auto: ":norm(in|apart)")
+        shape_key += (":norm(in|apart)" if try_apart else ":norm") if norm is not None else ""
 
         def key_of(rows: int, shape_key=shape_key, weight=weight, norm=norm) -> str:
             # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
@@ -150,7 +158,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             residual = torch.randn_like(x) if norm is not None else None
             chained = _is_chained(weight, rows, norm)
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual, chained))
-            best, best_us = None, cublas_us * GEMV_MARGIN
+            best, best_us, apart = None, cublas_us * GEMV_MARGIN, False
             whole_k = max(64, 1 << (k - 1).bit_length())
             wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} \
                 if _wide_candidates() else set()
@@ -163,20 +171,31 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                     continue
                 us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained))
                 if us < best_us:
-                    best, best_us = setting, us
-            known[key] = list(best) if best else None
+                    best, best_us, apart = setting, us, False
+                if norm is not None and try_apart:  # the norm kernel, then the plain kernel (fed by it)
+                    us = timer(_timed_calls(x, weights, bias, setting, swiglu, None, None, chained=True))
+                    if us < best_us:
+                        best, best_us, apart = setting, us, True
+            known[key] = None if best is None else {"blocks": list(best), "norm": "apart" if apart else "in"} \
+                if norm is not None and try_apart else list(best)
             records.append({"n": n, "k": k, "swiglu": swiglu, "norm": norm is not None, "rows": rows,
                             "cublas_us": round(cublas_us, 2), "gemv_us": round(best_us, 2) if best else None,
-                            "blocks": best})
+                            "blocks": best, "norm_apart": apart})
             prologue = " (swiglu)" if swiglu else " (norm)" if norm is not None else ""
+            form = " after the norm kernel" if apart else " with the norm inside" if norm is not None else ""
             log(f"gemv tune: {n}x{k}{prologue} rows {rows}: cuBLAS {cublas_us:.2f} us, "
-                + (f"kernel {best_us:.2f} us with blocks {best}" if best else "kernel not 5% faster: cuBLAS"))
-        plan = {}
+                + (f"kernel {best_us:.2f} us with blocks {best}{form}" if best else "kernel not 5% faster: cuBLAS"))
+        plan, norm_apart = {}, set()
         for rows in module.gemv_plan:
-            blocks = known[key_of(_row_bucket(rows))]
-            if blocks is not None:
-                plan[rows] = tuple(blocks)
+            decision = known[key_of(_row_bucket(rows))]
+            if isinstance(decision, dict):
+                if decision["norm"] == "apart":
+                    norm_apart.add(rows)
+                decision = decision["blocks"]
+            if decision is not None:
+                plan[rows] = tuple(decision)
         module.gemv_plan = plan
+        module.norm_apart = frozenset(norm_apart)
         del weights
     if cache and records:
         cache.parent.mkdir(parents=True, exist_ok=True)

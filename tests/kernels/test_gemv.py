@@ -170,6 +170,75 @@ def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
     assert model[0].gemv_plan == {1: (2, 1024)} and mlp.gate_up_proj.gemv_plan == {}
 
 
+def test_a_norm_fed_projection_takes_its_norm_inside_or_apart_as_timed(monkeypatch, tmp_path):
+    """By default (MSTAR_NORM_GEMV unset: auto) a (norm, projection) pair that may run as one launch (`norm_gemv`)
+    is timed three ways: norm kernel + cuBLAS, norm inside the kernel, norm kernel + plain kernel. The stand-in
+    timer makes the norm inside win at one row and the norm apart at two; the layer then folds the norm at one row
+    only, and a second process reads both decisions back from the cache."""
+    import kernels.gemv as gemv_module
+    from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig
+
+    forms = []
+    real_gemv, real_norm_gemv = gemv_module.gemv, gemv_module.norm_gemv
+
+    def recording_gemv(x, *args, **kwargs):
+        forms.append(("apart", x.shape[0]))
+        return real_gemv(x, *args, **kwargs)
+
+    def recording_norm_gemv(x, *args, **kwargs):
+        forms.append(("in", x.shape[0]))
+        return real_norm_gemv(x, *args, **kwargs)
+
+    def timer(fns):
+        forms.clear()
+        fns[0]()
+        if not forms:
+            return 5.0  # cuBLAS after the norm kernel
+        form, rows = forms[-1]
+        return 3.0 if (form, rows) in (("in", 1), ("apart", 2)) else 4.0
+
+    monkeypatch.setattr(gemv_module, "gemv", recording_gemv)
+    monkeypatch.setattr(gemv_module, "norm_gemv", recording_norm_gemv)
+    monkeypatch.delenv("MSTAR_NORM_GEMV", raising=False)
+    layer = DecoderLayer(DecoderLayerConfig(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
+                                            head_dim=32)).to(DEVICE)
+    layer.self_attn.fuse_qkv()
+    layer.mlp.fuse_gate_up()
+    layer.norm_gemv = True
+    use_gemv(layer, 2)
+    cache = tmp_path / "gemv.json"
+    records = tune_gemv(layer, timer=timer, log=lambda line: None, cache=cache)
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    for linear in (qkv, gate_up):
+        assert linear.gemv_plan.keys() == {1, 2} and linear.norm_apart == {2}
+    assert layer.self_attn.o_proj.norm_apart == frozenset()  # not norm-fed
+    assert {(r["n"], r["rows"]): r["norm_apart"] for r in records if r["norm"]} == {
+        (128, 1): False, (128, 2): True, (256, 1): False, (256, 2): True}
+    decisions = json.loads(cache.read_text())
+    assert sorted(v["norm"] for k, v in decisions.items() if ":norm(in|apart)" in k) == ["apart", "apart", "in", "in"]
+
+    # the layer: the norm inside the qkv projection's launch at one row, the norm kernel at two
+    monkeypatch.setattr(GemvLinear, "gemv_blocks_for", lambda self, x: self.gemv_plan.get(x.shape[0]))
+    for rows, folded in ((1, True), (2, False)):
+        hidden, residual = torch.randn(rows, 64, device=DEVICE), torch.randn(rows, 64, device=DEVICE)
+        out = layer._norm_project(layer.input_layernorm, qkv, hidden, residual)
+        assert (out is not None) == folded
+        if folded:
+            ref = torch.nn.functional.linear(layer.input_layernorm(hidden, residual)[0], qkv.weight)
+            assert rel_err(out[0], ref) < 1e-5 and torch.equal(out[1], hidden + residual)
+
+    use_gemv(layer, 2)  # a second process: the same decisions from the cache, nothing timed
+    assert tune_gemv(layer, timer=lambda fns: 0.0, log=lambda line: None, cache=cache) == []
+    assert qkv.norm_apart == {2} and gate_up.gemv_plan.keys() == {1, 2}
+
+    # MSTAR_NORM_GEMV=1: the norm inside wherever the kernel beats cuBLAS; the apart form is not timed
+    monkeypatch.setenv("MSTAR_NORM_GEMV", "1")
+    use_gemv(layer, 2)
+    records = tune_gemv(layer, timer=timer, log=lambda line: None, cache=cache)
+    assert [(r["rows"], r["norm_apart"]) for r in records if r["norm"]] == [(1, False), (2, False)] * 2
+    assert qkv.norm_apart == frozenset() and qkv.gemv_plan.keys() == {1, 2}
+
+
 def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(1024, 96)).to(DEVICE)
     use_gemv(model, 1)

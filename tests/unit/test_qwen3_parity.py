@@ -199,20 +199,25 @@ def test_bfloat16_forward_tracks_float32(checkpoint, model):
 
 
 def test_norm_gemv_switch(checkpoint, monkeypatch):
-    """`MSTAR_NORM_GEMV=1` marks each decoder layer's (norm, qkv) and (norm, gate_up) pairs for one launch (the
-    GEMV tuning then times them so); off by default and with fused ops off; a bad value is refused."""
+    """`MSTAR_NORM_GEMV` (auto by default, or 1) marks each decoder layer's (norm, qkv) and (norm, gate_up) pairs as
+    candidates for one launch (the GEMV tuning then times them so); 0 and fused ops off leave them apart; a bad
+    value is refused, naming the switch."""
     model, _ = load_qwen3(checkpoint, dtype="float32", device="cpu")
+    layer = model.model.layers[0]
+    pairs = [(layer.input_layernorm, layer.self_attn.qkv_proj),
+             (layer.post_attention_layernorm, layer.mlp.gate_up_proj)]
+    for value in ("", "auto", "1"):
+        monkeypatch.setenv("MSTAR_NORM_GEMV", value)
+        model.enable_fused_ops(True)
+        assert layer.norm_gemv_pairs() == pairs
+    monkeypatch.setenv("MSTAR_NORM_GEMV", "0")
     model.enable_fused_ops(True)
     assert all(layer.norm_gemv_pairs() == [] for layer in model.model.layers)
-    monkeypatch.setenv("MSTAR_NORM_GEMV", "1")
-    model.enable_fused_ops(True)
-    layer = model.model.layers[0]
-    assert layer.norm_gemv_pairs() == [(layer.input_layernorm, layer.self_attn.qkv_proj),
-                                       (layer.post_attention_layernorm, layer.mlp.gate_up_proj)]
+    monkeypatch.delenv("MSTAR_NORM_GEMV")
     model.enable_fused_ops(False)
     assert layer.norm_gemv_pairs() == []
     monkeypatch.setenv("MSTAR_NORM_GEMV", "yes")
-    with pytest.raises(ValueError, match="MSTAR_NORM_GEMV"):
+    with pytest.raises(ValueError, match="MSTAR_NORM_GEMV='yes': expected one of auto, 1, 0"):
         model.enable_fused_ops(True)
 
 
