@@ -13,9 +13,10 @@ for steps of up to `MSTAR_GEMV_MAX_ROWS` rows (default 4), and only where `tune_
 (`mstar_common/layers/linear.py`) timed it 5% faster than cuBLAS on the GPU at hand (on the H200: the
 output-narrow projections, o and down, at one row; Qwen3-0.6B's o at 12.4 -> 3.2 us).
 
-`norm_gemv` also takes a pre-norm block's residual add + RMSNorm in its load (`MSTAR_NORM_GEMV=1`,
-mstar_common/layers/decoder.py): each program computes the row's mean of squares itself (a few KB from L2) and
-program 0 writes the summed residual stream to a new tensor (others may still be reading the old one).
+`norm_gemv` also takes a pre-norm block's residual add + RMSNorm in its load (`MSTAR_NORM_GEMV`, by default where
+`tune_gemv` timed it faster; mstar_common/layers/decoder.py): each program computes the row's mean of squares
+itself (a few KB from L2) and program 0 writes the summed residual stream to a new tensor (others may still be
+reading the old one).
 
 Launched with PDL (kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
