@@ -136,7 +136,8 @@ class TextGraphs:
     def __init__(self, model: torch.nn.Module, device: torch.device, batches: list[int], text_tokens: int,
                  capture: bool = True):
         self.model = model
-        self.buckets: list[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = []
+        self.buckets: list[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph | None,
+                                 torch.Tensor | None]] = []
         pool = torch.cuda.graph_pool_handle() if capture else None
         for batch in sorted(set(batches), reverse=True):  # largest first: the pool is sized by the first
             ids = torch.zeros(batch, text_tokens, dtype=torch.int64, device=device)

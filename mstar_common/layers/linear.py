@@ -34,7 +34,7 @@ class GemvLinear(nn.Linear):
 
     gemv_plan: dict[int, tuple[int, ...]] = {}  # rows -> kernels/gemv.py gemv_with setting
     # rows at which a projection that could take its pre-norm inside (`norm_gemv`) runs after the norm kernel
-    # instead, because `tune_gemv` timed that faster
+    # instead: with MSTAR_NORM_GEMV=auto every row count until `tune_gemv` times the fold faster
     norm_apart: frozenset[int] = frozenset()
 
     def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
@@ -61,13 +61,17 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
     if not 0 <= max_rows <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv rows must be in [0, {GEMV_MAX_ROWS}], got {max_rows}")
     from kernels.gemv import gemv_blocks
+    from mstar_common.layers.decoder import norm_gemv_mode
 
+    # auto: a pre-norm goes into the kernel only where `tune_gemv` timed that faster; 1: wherever the kernel runs
+    norm_apart = frozenset(range(1, max_rows + 1)) if norm_gemv_mode() == "auto" else frozenset()
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.out_features <= GEMV_MAX_OUT:
             module.__class__ = GemvLinear
             module.gemv_plan = {rows: gemv_blocks(rows, module.out_features, module.in_features)
                                 for rows in range(1, max_rows + 1)}
+            module.norm_apart = norm_apart
             count += 1
     return count
 

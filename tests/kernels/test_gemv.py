@@ -206,6 +206,7 @@ def test_a_norm_fed_projection_takes_its_norm_inside_or_apart_as_timed(monkeypat
     layer.mlp.fuse_gate_up()
     layer.norm_gemv = True
     use_gemv(layer, 2)
+    assert layer.self_attn.qkv_proj.norm_apart == {1, 2}, "untuned, auto keeps the norm kernel"
     cache = tmp_path / "gemv.json"
     records = tune_gemv(layer, timer=timer, log=lambda line: None, cache=cache)
     qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
