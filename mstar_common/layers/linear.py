@@ -281,10 +281,58 @@ def use_gemv_from_env(model: nn.Module) -> None:
     if not raw.isdigit() or int(raw) > GEMV_MAX_ROWS:
         raise ValueError(f"MSTAR_GEMV_MAX_ROWS: must be an integer in [0, {GEMV_MAX_ROWS}], got {raw!r}")
     rows = int(raw)
+    forced = forced_gemv_settings()
     if rows and use_gemv(model, rows) and next(model.parameters()).is_cuda:
         tune_gemv(model)
+        force_gemv_settings(model, forced, rows)
         if env_switch("MSTAR_GEMV_PREFETCH", False):
             link_gemv_prefetch(model)
+
+
+def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
+    """`MSTAR_GEMV_FORCE` (an A/B switch, unset by default): `ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES[;...]`, e.g.
+    `1:8/0/8/1` (BLOCK_K 0: the whole K in one iteration), puts every skinny-GEMM projection on that setting at that
+    row count after the tuning, whatever it decided (cuBLAS included), so that a whole step can be timed with one
+    setting throughout (scripts/probe_gemv_chain.py's chain preferred such a plan to the per-projection tuning)."""
+    raw = os.environ.get("MSTAR_GEMV_FORCE", "")
+    forced = {}
+    for item in filter(None, raw.split(";")):
+        rows, _, setting = item.partition(":")
+        values = setting.split("/")
+        ok = rows.isdigit() and 1 <= int(rows) <= GEMV_MAX_ROWS and len(values) == 4 and all(map(str.isdigit, values))
+        if ok:
+            block_n, block_k, warps, stages = map(int, values)
+            ok = (_power_of_two(block_n) and block_n <= 64 and warps in (1, 2, 4, 8, 16) and stages >= 1
+                  and (block_k == 0 or _power_of_two(block_k) and block_k >= 16))
+        if not ok:
+            raise ValueError(f"MSTAR_GEMV_FORCE={raw!r}: expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES[;...] with ROWS in "
+                             f"[1, {GEMV_MAX_ROWS}], BLOCK_N a power of two <= 64, BLOCK_K 0 (the whole K) or a power "
+                             "of two >= 16, WARPS 1-16 (a power of two), STAGES >= 1; e.g. 1:8/0/8/1")
+        forced[int(rows)] = tuple(int(v) for v in values)
+    return forced
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def force_gemv_settings(model: nn.Module, forced: dict[int, tuple[int, ...]], max_rows: int) -> int:
+    """Apply `forced_gemv_settings()` to every `GemvLinear` at the row counts up to `max_rows` (`use_gemv`'s); a
+    BLOCK_K of 0 becomes the power of two at or above the projection's K. A norm-fed projection keeps its norm
+    inside the kernel only where the tuning had put it there. Returns how many (projection, rows) were forced."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, GemvLinear):
+            continue
+        whole_k = max(64, 1 << (module.in_features - 1).bit_length())
+        for rows, (block_n, block_k, warps, stages) in forced.items():
+            if rows > max_rows:
+                continue
+            if rows not in module.gemv_plan:  # cuBLAS until now: with a norm in front, the norm stays apart
+                module.norm_apart = module.norm_apart | {rows}
+            module.gemv_plan = {**module.gemv_plan, rows: (block_n, block_k or whole_k, warps, stages)}
+            count += 1
+    return count
 
 
 def link_gemv_prefetch(model: nn.Module) -> int:

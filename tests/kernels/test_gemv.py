@@ -425,3 +425,31 @@ def test_the_prefetch_is_issued_before_the_pdl_wait():
     assert compiled, "no compiled variant carries the prefetch"
     ptx = compiled[0].asm["ptx"]
     assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+
+
+def test_forced_settings_replace_the_tuned_plan(monkeypatch):
+    """MSTAR_GEMV_FORCE (an A/B switch): `1:8/0/8/1` puts every skinny-GEMM projection on 8 columns with its whole K
+    at one row, cuBLAS decisions included (their norm then stays apart), and leaves other row counts alone; a bad
+    value is refused, naming the switch and the rule."""
+    from mstar_common.layers.linear import force_gemv_settings, forced_gemv_settings
+
+    model = torch.nn.Sequential(torch.nn.Linear(3072, 96), torch.nn.Linear(1000, 64)).to(DEVICE)
+    use_gemv(model, 2)
+    model[0].gemv_plan = {2: (4, 1024)}  # as tuned: cuBLAS at one row, the kernel at two
+    model[1].gemv_plan = {1: (2, 1024)}
+    for linear in model:
+        linear.norm_apart = frozenset()  # as tuned: any norm in front of them folded where they run the kernel
+    monkeypatch.setenv("MSTAR_GEMV_FORCE", "1:8/0/8/1;4:2/64/4/3")
+    forced = forced_gemv_settings()
+    assert forced == {1: (8, 0, 8, 1), 4: (2, 64, 4, 3)}
+    assert force_gemv_settings(model, forced, max_rows=2) == 2  # rows 4 is beyond use_gemv's 2
+    assert model[0].gemv_plan == {1: (8, 4096, 8, 1), 2: (4, 1024)} and 1 in model[0].norm_apart
+    assert model[1].gemv_plan == {1: (8, 1024, 8, 1)} and 1 not in model[1].norm_apart
+    x = torch.randn(1, 1000, device=DEVICE)
+    assert rel_err(model[1](x), torch.nn.functional.linear(x, model[1].weight, model[1].bias)) < 1e-5
+    monkeypatch.delenv("MSTAR_GEMV_FORCE")
+    assert forced_gemv_settings() == {}
+    for bad in ("1:8/0/8", "9:8/0/8/1", "1:6/0/8/1", "1:8/100/8/1", "1:8/0/3/1", "x:8/0/8/1", "1,8/0/8/1"):
+        monkeypatch.setenv("MSTAR_GEMV_FORCE", bad)
+        with pytest.raises(ValueError, match="MSTAR_GEMV_FORCE=.*expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES"):
+            forced_gemv_settings()
