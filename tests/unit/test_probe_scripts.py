@@ -117,6 +117,7 @@ def test_ab_decode_step_variants_are_parsed_and_checked():
     assert ab.parse_variant("both:MSTAR_NORM_GEMV=1,MSTAR_PDL=0") == ("both", {"MSTAR_NORM_GEMV": "1",
                                                                             "MSTAR_PDL": "0"})
     assert ab.parse_variant("base:") == ("base", {})
+    assert ab.parse_variant("forced:MSTAR_GEMV_FORCE=1:8/0/8/1") == ("forced", {"MSTAR_GEMV_FORCE": "1:8/0/8/1"})
     for bad in ("x:PATH=/tmp", ":MSTAR_PDL=0"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:MSTAR_KEY=VALUE"):
             ab.parse_variant(bad)
