@@ -180,8 +180,8 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained))
                 if us < best_us:
                     best, best_us, apart = setting, us, False
-                if norm is not None and try_apart:  # the norm kernel, then the plain kernel (fed by it)
-                    us = timer(_timed_calls(x, weights, bias, setting, swiglu, None, None, chained=True))
+                if norm is not None and try_apart:  # the norm kernel (add + norm), then the plain kernel
+                    us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, norm_apart=True))
                     if us < best_us:
                         best, best_us, apart = setting, us, True
             known[key] = None if best is None else {"blocks": list(best), "norm": "apart" if apart else "in"} \
@@ -221,9 +221,11 @@ def _is_chained(weight: torch.Tensor, rows: int, norm) -> bool:
     return norm is None and use_pdl(weight, rows) and env_switch("MSTAR_GEMV_CHAINED", True)
 
 
-def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: bool = False) -> list:
+def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: bool = False,
+                 norm_apart: bool = False) -> list:
     """One projection call per weight copy, as a step would run it: cuBLAS after the op in front of it (SiLU*up or
-    the norm kernel) where `setting` is None, else the skinny GEMM with that op in its load.
+    the norm kernel) where `setting` is None, else the skinny GEMM with that op in its load (`norm_apart`: the norm
+    kernel, then the skinny GEMM).
 
     `chained` (a row count that launches with PDL): each call is preceded by an RMSNorm launch that produces its
     input, as in a decode step, where a kernel always runs before a projection. Under PDL the skinny GEMM starts
@@ -244,6 +246,10 @@ def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: boo
         def feed():
             return x
 
+    if setting is not None and norm is not None and norm_apart:  # the norm kernel, then the plain kernel
+        from kernels.rmsnorm import rms_norm
+
+        return [lambda w=w: gemv_with(rms_norm(x, norm.weight, norm.eps, residual), w, bias, setting) for w in weights]
     if setting is not None and norm is not None:
         return [lambda w=w: norm_gemv_with(x, norm.weight, norm.eps, w, bias, residual, setting) for w in weights]
     if setting is not None:
