@@ -322,6 +322,20 @@ __device__ __forceinline__ void sum_unit(const Plan& p, int u, const uint4 (&r)[
   warp_add(s, acc + row);
 }
 
+// This warp's units first, first + warps, ... summed double-buffered: `cur` holds unit `first` on entry, and each
+// unit's weights load into the other buffer while the one before it is summed.
+template <int V>
+__device__ __forceinline__ void stream_units(const Plan& pl, int first, uint4 (&cur)[V], uint4 (&nxt)[V],
+                                             const float* xs, float* acc) {
+  const int warps = blockDim.x >> 5;
+  for (int u = first; u < pl.units; u += 2 * warps) {
+    if (u + warps < pl.units) load_unit<V>(pl, u + warps, nxt);
+    sum_unit<V>(pl, u, cur, xs, acc);
+    if (u + 2 * warps < pl.units) load_unit<V>(pl, u + 2 * warps, cur);
+    if (u + warps < pl.units) sum_unit<V>(pl, u + warps, nxt, xs, acc);
+  }
+}
+
 template <int V>
 __global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
     unit_chain_kernel(Chain c) {
@@ -345,12 +359,7 @@ __global__ void __launch_bounds__(V >= 16 ? 256 : V >= 8 ? 512 : 1024, 1)
       input_to_shared(p, xs);
       for (int i = threadIdx.x; i < rows; i += blockDim.x) acc[i] = 0.f;
       __syncthreads();
-      for (int u = warp; u < pl.units; u += 2 * warps) {
-        if (u + warps < pl.units) load_unit<V>(pl, u + warps, b);
-        sum_unit<V>(pl, u, a, xs, acc);
-        if (u + 2 * warps < pl.units) load_unit<V>(pl, u + 2 * warps, a);
-        if (u + warps < pl.units) sum_unit<V>(pl, u + warps, b, xs, acc);
-      }
+      stream_units<V>(pl, warp, a, b, xs, acc);
       __syncthreads();
       for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
       const int next_layer = s == 3 ? layer + 1 : layer;
@@ -473,12 +482,7 @@ __global__ void __launch_bounds__(V >= 8 ? 512 : 1024, 1)
     } else {
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    for (int u = first_streamed; u < pl.units; u += 2 * warps) {
-      if (u + warps < pl.units) load_unit<V>(pl, u + warps, a);
-      sum_unit<V>(pl, u, b, xs, acc);
-      if (u + 2 * warps < pl.units) load_unit<V>(pl, u + 2 * warps, b);
-      if (u + warps < pl.units) sum_unit<V>(pl, u + warps, a, xs, acc);
-    }
+    stream_units<V>(pl, first_streamed, b, a, xs, acc);
     __syncthreads();
     mark(k, 3);  // every unit is summed
     for (int i = threadIdx.x; i < rows; i += blockDim.x) p.out[row0 + i] = __float2bfloat16(acc[i]);
