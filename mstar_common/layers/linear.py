@@ -184,8 +184,12 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                     us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, norm_apart=True))
                     if us < best_us:
                         best, best_us, apart = setting, us, True
-            known[key] = None if best is None else {"blocks": list(best), "norm": "apart" if apart else "in"} \
-                if norm is not None and try_apart else list(best)
+            if best is None:
+                known[key] = None
+            elif norm is not None and try_apart:
+                known[key] = {"blocks": list(best), "norm": "apart" if apart else "in"}
+            else:
+                known[key] = list(best)
             records.append({"n": n, "k": k, "swiglu": swiglu, "norm": norm is not None, "rows": rows,
                             "cublas_us": round(cublas_us, 2), "gemv_us": round(best_us, 2) if best else None,
                             "blocks": best, "norm_apart": apart})
