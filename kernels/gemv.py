@@ -20,11 +20,6 @@ reading the old one).
 
 Launched with PDL (kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
-
-`prefetch` (another weight; `MSTAR_GEMV_PREFETCH=1`, mstar_common/layers/linear.py) makes the programs ask L2 for
-that tensor's bytes, a share each, before they wait: the next projection of a decode step, so that its weights
-stream from HBM while the kernels between the two run, which a PDL launch alone (one kernel ahead) cannot do.
-Nothing waits on those requests and nothing reads them here; the output is the same bits.
 """
 
 from __future__ import annotations
@@ -90,26 +85,10 @@ def _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, x_mask, K, stride_xm, str
 
 
 @triton.jit
-def _prefetch_l2(addr, nbytes, pid, programs, LINES: tl.constexpr):
-    """Ask L2 for this program's share of the `nbytes` at address `addr`, in 128-byte lines, `LINES` per round
-    (one per thread); a line past the share repeats the round's first, which the memory system merges."""
-    lines = tl.cdiv(nbytes, 128)
-    per = tl.cdiv(lines, programs)
-    first = pid * per
-    end = tl.minimum(first + per, lines)
-    for start in range(first, end, LINES):
-        line = start + tl.arange(0, LINES)
-        line = tl.where(line < end, line, start)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [addr + line.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 stride_rm, stride_ro, eps, pf_addr, pf_bytes, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr,
-                 PF_LINES: tl.constexpr):
+                 stride_rm, stride_ro, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+                 HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -124,8 +103,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N
         # Launched with PDL: the first chunk of weights streams in while the kernel before this one (which
         # writes x) finishes; the weights are nobody's output. Same sums in the same order as the loop's.
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        if PREFETCH:  # after this program's own weights: those are the ones it waits for
-            _prefetch_l2(pf_addr, pf_bytes, pid, tl.num_programs(0), PF_LINES)
         gdc_enter(USE_GDC)
         if NORM:
             inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
@@ -133,11 +110,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N
                      stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         start = BLOCK_K
-    else:
-        if PREFETCH:
-            _prefetch_l2(pf_addr, pf_bytes, pid, tl.num_programs(0), PF_LINES)
-        if NORM:
-            inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
+    elif NORM:
+        inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
     for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + k
         k_mask = kk < K
@@ -169,21 +143,20 @@ def gemv_warps(num_rows: int, block_n: int, block_k: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, swiglu: bool = False,
-         num_stages: int = 1, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+         num_stages: int = 1) -> torch.Tensor:
     """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype.
     With `swiglu`, `x` is a packed gate/up projection `[M, 2K]` and the product reads `silu(gate) * up` (the
     SwiGLU MLP's down projection without the activation's own kernel and its `[M, K]` round trip).
-    `num_stages` > 1 software-pipelines the K loop (the next chunks' loads issued before this chunk's sums).
-    `prefetch`: a contiguous CUDA tensor whose bytes the programs ask L2 for (the module docstring)."""
+    `num_stages` > 1 software-pipelines the K loop (the next chunks' loads issued before this chunk's sums)."""
     assert weight.dim() == 2 and weight.shape[1] * (2 if swiglu else 1) == x.shape[-1], \
         "x's width must be K (2K with swiglu)"
-    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=swiglu, prefetch=prefetch)[0]
+    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=swiglu)[0]
 
 
 def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, block_n: int | None = None,
-              block_k: int | None = None, num_warps: int | None = None, num_stages: int = 1,
-              prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              block_k: int | None = None, num_warps: int | None = None,
+              num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's RMSNorm and the projection after it as one launch: `h = x (+ residual)`,
     `out = rms_norm(h, norm_weight, eps) @ weight.T + bias`; returns `(out, h)` (h is `x` itself without a
     residual, else a new tensor: the residual stream for the next block). Same roundings as kernels/rmsnorm.py
@@ -192,21 +165,10 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
     assert weight.dim() == 2 and weight.shape[1] == x.shape[-1], "x's width must be K"
     assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
                                 and residual.dtype == x.dtype)
-    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, norm=(norm_weight, eps, residual),
-                   prefetch=prefetch)
+    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, norm=(norm_weight, eps, residual))
 
 
-def _prefetch_args(prefetch: torch.Tensor | None, x: torch.Tensor, num_warps: int) -> dict:
-    """The kernel's prefetch arguments: the tensor's address and size in bytes, one line per thread and round (none
-    off CUDA: the interpreter has no inline PTX)."""
-    if prefetch is None or not x.is_cuda:
-        return {"pf_addr": 0, "pf_bytes": 0, "PREFETCH": False, "PF_LINES": 32}
-    assert prefetch.is_cuda and prefetch.is_contiguous(), "prefetch must be a contiguous CUDA tensor"
-    return {"pf_addr": prefetch.data_ptr(), "pf_bytes": prefetch.numel() * prefetch.element_size(),
-            "PREFETCH": True, "PF_LINES": 32 * num_warps}
-
-
-def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=False, norm=None, prefetch=None):
+def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=False, norm=None):
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
     assert weight.stride(1) == 1
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
@@ -226,28 +188,25 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x, num_rows, triton.cdiv(n, block_n)),
-        **_prefetch_args(prefetch, x, num_warps),
     )
     return out, res_out
 
 
 def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
-              swiglu: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+              swiglu: bool = False) -> torch.Tensor:
     """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
-    return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages,
-                prefetch=prefetch)
+    return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
 
 
 def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                   bias: torch.Tensor | None, residual: torch.Tensor | None, setting: tuple,
-                   prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   bias: torch.Tensor | None, residual: torch.Tensor | None,
+                   setting: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_gemv` with a tuned setting (as `gemv_with`'s)."""
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
-    return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages,
-                     prefetch=prefetch)
+    return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -133,14 +133,6 @@ class DecoderOnlyLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def gemv_prefetch_chain(self) -> list[nn.Linear]:
-        """The projections in the order a decode step runs them (`link_gemv_prefetch`): per layer qkv, o, gate_up,
-        down (packed projections only; the vocabulary head is too large for L2)."""
-        chain = []
-        for layer in self.model.layers:
-            chain += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        return [linear for linear in chain if linear is not None]
-
     def fuse_projections(self) -> None:
         """Pack each layer's q/k/v and gate/up projections into one GEMM each (after loading by HF names)."""
         for layer in self.model.layers:

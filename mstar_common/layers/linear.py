@@ -36,9 +36,6 @@ class GemvLinear(nn.Linear):
     # rows at which a projection that could take its pre-norm inside (`norm_gemv`) runs after the norm kernel
     # instead: with MSTAR_NORM_GEMV=auto every row count until `tune_gemv` times the fold faster
     norm_apart: frozenset[int] = frozenset()
-    # the weight that a decode step's next projection reads, which the kernel asks L2 for before its PDL wait
-    # (`link_gemv_prefetch`, MSTAR_GEMV_PREFETCH=1); None: no prefetch
-    prefetch_next: torch.Tensor | None = None
 
     def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
@@ -50,7 +47,7 @@ class GemvLinear(nn.Linear):
         if blocks is not None:
             from kernels.gemv import gemv_with
 
-            return gemv_with(x, self.weight, self.bias, blocks, prefetch=self.prefetch_next)
+            return gemv_with(x, self.weight, self.bias, blocks)
         return super().forward(x)
 
 
@@ -75,7 +72,6 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
             module.gemv_plan = {rows: gemv_blocks(rows, module.out_features, module.in_features)
                                 for rows in range(1, max_rows + 1)}
             module.norm_apart = norm_apart
-            module.prefetch_next = None
             count += 1
     return count
 
@@ -295,8 +291,6 @@ def use_gemv_from_env(model: nn.Module) -> None:
     if rows and use_gemv(model, rows) and next(model.parameters()).is_cuda:
         tune_gemv(model)
         force_gemv_settings(model, forced, rows)
-        if env_switch("MSTAR_GEMV_PREFETCH", False):
-            link_gemv_prefetch(model)
 
 
 def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
@@ -344,17 +338,3 @@ def force_gemv_settings(model: nn.Module, forced: dict[int, tuple[int, ...]], ma
             count += 1
     return count
 
-
-def link_gemv_prefetch(model: nn.Module) -> int:
-    """Give each `GemvLinear` of the model's decode order (`model.gemv_prefetch_chain()`, if it has one) the weight
-    of the projection after it as `prefetch_next`: its skinny-GEMM launches then ask L2 for those bytes before their
-    PDL wait (kernels/gemv.py), so the next projection's weights stream while the kernels between the two run.
-    Call it once the model is on its device (the link is a view of the weight, not a parameter). Returns how many
-    projections were linked. Not measured yet on a GPU (MSTAR_GEMV_PREFETCH, default 0; docs/deployment.md)."""
-    chain = model.gemv_prefetch_chain() if hasattr(model, "gemv_prefetch_chain") else []
-    count = 0
-    for current, following in zip(chain, chain[1:], strict=False):
-        if isinstance(current, GemvLinear):
-            current.prefetch_next = following.weight.detach()
-            count += 1
-    return count

@@ -10,8 +10,8 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_kv, store_kv_ref  # noqa: E402
 from kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
+from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_kv, store_kv_ref  # noqa: E402
 from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
 from kernels.sampling import sample_on_device  # noqa: E402
 from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402

@@ -134,10 +134,9 @@ def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
     real_gemv = gemv_module.gemv
 
     def recording_gemv(x, weight, bias=None, block_n=None, block_k=None, num_warps=None, swiglu=False,
-                       num_stages=1, prefetch=None):
+                       num_stages=1):
         calls.append((x.shape[0], (block_n, block_k), swiglu))
-        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages,
-                         prefetch=prefetch)
+        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
 
     def timer(fns):
         assert len(fns) == 1  # a custom timer gets no cold copies
@@ -348,83 +347,6 @@ def test_cold_copies_hold_enough_bytes():
     assert len(copies) == 6 and copies[0] is weight
     assert len({c.data_ptr() for c in copies}) == 6 and all(torch.equal(c, weight) for c in copies)
     assert cold_copies(weight, min_bytes=1) == [weight]
-
-
-def test_the_prefetch_chain_links_each_projection_to_the_next_one(monkeypatch):
-    """MSTAR_GEMV_PREFETCH=1: each skinny-GEMM projection of a decoder model gets the weight of the projection a
-    decode step runs after it (qkv -> o -> gate_up -> down -> the next layer's qkv; the last down none), as a view,
-    not a parameter; use_gemv clears the links and the switch off leaves none."""
-    from mstar_common.layers.causal_lm import DecoderOnlyLM
-    from mstar_common.layers.decoder import DecoderLayerConfig
-    from mstar_common.layers.linear import link_gemv_prefetch
-
-    model = DecoderOnlyLM(DecoderLayerConfig(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
-                                             head_dim=32), num_layers=2, vocab_size=100, rope_theta=1e4,
-                          max_position_embeddings=256, tie_word_embeddings=True).to(DEVICE)
-    model.fuse_projections()
-    params = len(list(model.parameters()))
-    use_gemv(model, 2)
-    chain = model.gemv_prefetch_chain()
-    assert len(chain) == 8 and chain[0] is model.model.layers[0].self_attn.qkv_proj
-    assert link_gemv_prefetch(model) == 7  # every projection but the last down
-    for current, following in zip(chain, chain[1:] + [None], strict=True):
-        if following is None:
-            assert current.prefetch_next is None
-        else:
-            assert current.prefetch_next.data_ptr() == following.weight.data_ptr()
-    assert model.lm_head.prefetch_next is None if isinstance(model.lm_head, GemvLinear) else True
-    assert len(list(model.parameters())) == params, "a link is not a parameter"
-    use_gemv(model, 2)
-    assert all(linear.prefetch_next is None for linear in chain)
-
-
-@pytest.mark.skipif(IS_INTERPRETED, reason="inline PTX (the L2 prefetch) needs a GPU")
-@pytest.mark.parametrize("form", ["plain", "swiglu", "norm"])
-@pytest.mark.parametrize("rows", [1, 2, 4])
-def test_the_l2_prefetch_leaves_the_output_bits(form, rows):
-    """A launch that asks L2 for another tensor's bytes (kernels/gemv.py `prefetch`) gives the same bits as one
-    that does not, with and without PDL (1-2 rows launch with it on Hopper), for every prologue, whether the
-    prefetched tensor is smaller or larger than one line per program."""
-    from kernels.gemv import norm_gemv
-
-    gen = torch.Generator().manual_seed(rows)
-    n, k = 1024, 2048
-    x = torch.randn(rows, 2 * k if form == "swiglu" else k, generator=gen).bfloat16().to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16().to(DEVICE)
-    gamma = torch.randn(k, generator=gen).bfloat16().to(DEVICE)
-    for nbytes in (100, 6 << 20):
-        other = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-        for setting in ((4, 1024), (8, 2048, 8, 1), (4, 512, 4, 3)):
-            block_n, block_k, *rest = setting
-            warps, stages = rest if rest else (None, 1)
-            if form == "norm":
-                base = norm_gemv(x, gamma, 1e-6, weight, None, None, block_n, block_k, warps, stages)
-                got = norm_gemv(x, gamma, 1e-6, weight, None, None, block_n, block_k, warps, stages, prefetch=other)
-                assert torch.equal(base[0], got[0])
-            else:
-                swiglu = form == "swiglu"
-                base = gemv(x, weight, None, block_n, block_k, warps, swiglu=swiglu, num_stages=stages)
-                got = gemv(x, weight, None, block_n, block_k, warps, swiglu=swiglu, num_stages=stages, prefetch=other)
-                assert torch.equal(base, got)
-
-
-@pytest.mark.skipif(IS_INTERPRETED, reason="inline PTX (the L2 prefetch) needs a GPU")
-def test_the_prefetch_is_issued_before_the_pdl_wait():
-    """The compiled kernel asks L2 for the other tensor before it waits for the kernel in front (else the prefetch
-    would start no earlier than the projection's own loads)."""
-    import kernels.gemv as gemv_module
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs Hopper or newer")
-    x = torch.randn(1, 1024, device=DEVICE).bfloat16()
-    weight = torch.randn(512, 1024, device=DEVICE).bfloat16()
-    gemv(x, weight, None, 4, 1024, prefetch=torch.empty(1 << 20, dtype=torch.uint8, device=DEVICE))
-    # Triton's per-device caches: (compiled kernels by key, ...) in 3.6 through 3.9
-    compiled = [c for caches in gemv_module._gemv_kernel.device_caches.values() for c in caches[0].values()
-                if "prefetch.global.L2" in c.asm["ptx"]]
-    assert compiled, "no compiled variant carries the prefetch"
-    ptx = compiled[0].asm["ptx"]
-    assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 
 
 def test_forced_settings_replace_the_tuned_plan(monkeypatch):
