@@ -250,6 +250,89 @@ def test_decode_with_the_prologue_inside_matches_the_two_launches(head_dim, num_
             assert rel_err(one, ref) < tol, splits
 
 
+MERGE_SETTINGS = [(4, 64, 4, 1), (8, 512, 8, 1), (2, 128, 4, 3)]  # (BLOCK_N, BLOCK_K, warps, stages); 512: whole K
+
+
+@pytest.mark.parametrize("splits", [4, 32])
+@pytest.mark.parametrize("form", [{}, {"tokens_major": True}, {"rope": True}])
+def test_the_o_projection_merges_the_split_partials_in_its_load(splits, form):
+    """`defer_merge` leaves a split decode attention unmerged and kernels/gemv.py `merge_gemv` merges it in the o
+    projection's load. Through an identity weight the merged values equal the merge kernel's output (exactly in
+    fp32 up to the sum order over the splits; within an ulp of bf16); through a random weight and bias the product
+    equals the GEMV of the merge kernel's output to rounding. Rows of 1 to 700 tokens, so that 1 to all of the
+    splits hold context, and the slots of the splits that did not run are NaN (deterministic `torch.empty`)."""
+    from kernels.gemv import MAX_ROWS, gemv_ref, merge_gemv, merge_gemv_with
+    from kernels.paged_decode_attention import UnmergedAttention, paged_decode_attention_rope
+    from mstar_common.layers.rotary import RotaryEmbedding
+
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(splits)
+    num_heads, num_kv_heads, head_dim = 8, 4, 64
+    lengths = [1, 40, 64, 65, 130, 700, 300, 9][:MAX_ROWS]
+    k_cache, v_cache, tables = _pool(lengths, 16, num_kv_heads, head_dim, dtype, gen)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    qkv = torch.randn(len(lengths), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    positions = ctx.long() - 1
+    inv_freq = RotaryEmbedding(head_dim, 1e6).inv_freq(positions.device)
+    slots = _row_slots(tables, lengths, 16)
+
+    def attention(defer: bool):
+        if form.get("rope"):
+            return paged_decode_attention_rope(qkv, None, None, 0.0, positions, inv_freq, k_cache, v_cache, slots,
+                                               tables, ctx, num_heads, num_kv_heads, head_dim, scale,
+                                               num_splits=splits, defer_merge=defer)
+        query = qkv[:, :num_heads * head_dim].reshape(len(lengths), num_heads, head_dim)
+        return paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, num_splits=splits,
+                                      defer_merge=defer, **form)
+
+    width = num_heads * head_dim
+    weight = (torch.randn(96, width, generator=gen) / width**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(96, generator=gen).to(dtype).to(DEVICE)
+    eye = torch.eye(width, dtype=dtype, device=DEVICE)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        merged = attention(defer=False).reshape(len(lengths), width)
+        unmerged = attention(defer=True)
+        assert isinstance(unmerged, UnmergedAttention) and unmerged.dtype == dtype
+        for rows in sweep([1, 3, len(lengths)], [1, len(lengths)]):
+            want = merged[:rows]
+            part = UnmergedAttention(unmerged.part_acc[:rows].contiguous(), unmerged.part_ml[:rows].contiguous(),
+                                     unmerged.context_lens[:rows], unmerged.block, unmerged.dtype)
+            for setting in sweep(MERGE_SETTINGS, MERGE_SETTINGS[:2]):
+                got = merge_gemv_with(part, eye, None, setting)
+                assert not got.isnan().any(), setting
+                if dtype == torch.float32:
+                    assert rel_err(got, want) < 1e-6, (rows, setting)
+                else:  # at most one bf16 ulp apart, and rarely
+                    ulp = (want.float().abs() * 2**-7).clamp_min(2**-126)
+                    assert ((got.float() - want.float()).abs() <= ulp).all(), (rows, setting)
+                    assert (got == want).float().mean() > 0.99, (rows, setting)
+                out = merge_gemv_with(part, weight, bias, setting)
+                ref = gemv_ref(want, weight, bias)
+                assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (rows, setting)
+            assert merge_gemv(part, weight).shape == (rows, 96)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_defer_merge_returns_the_output_when_there_is_nothing_to_merge():
+    """One split writes the output itself, so `defer_merge` returns it as a tensor; a mixed step (packed queries of
+    several tokens per row) is refused, its output being merged into the prefill kernel's."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = DTYPES[0]
+    k_cache, v_cache, tables = _pool([5, 70], 16, 2, 64, dtype, gen)
+    query = torch.randn(2, 4, 64, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor([5, 70], dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=1, defer_merge=True)
+    assert isinstance(out, torch.Tensor)
+    assert rel_err(out, paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, 0.125)) < 1e-2
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError, match="mixed step"):
+        paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, query_start_loc=qsl, defer_merge=True)
+
+
 def test_decode_stages_rule_and_switch(monkeypatch):
     from kernels.paged_decode_attention import decode_num_stages
 
