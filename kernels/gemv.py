@@ -18,11 +18,6 @@ output-narrow projections, o and down, at one row; Qwen3-0.6B's o at 12.4 -> 3.2
 itself (a few KB from L2) and program 0 writes the summed residual stream to a new tensor (others may still be
 reading the old one).
 
-`merge_gemv` takes a decode attention's output as the split kernel's partials (kernels/paged_decode_attention.py
-`UnmergedAttention`) and merges them in its load, as the merge kernel would, so that the o projection follows the
-split attention with no merge launch between them (`MSTAR_MERGE_GEMV`, mstar_common/layers/attention.py): each
-program merges every head for the columns it reads (the splits that ran, a few KB per head from L2).
-
 Launched with PDL (kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
 """
@@ -90,39 +85,10 @@ def _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, x_mask, K, stride_xm, str
 
 
 @triton.jit
-def _merged_chunk(acc_ptr, ml_ptr, ctx_ptr, m, k, m_mask, K, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Rows `m` of a decode attention's output at columns `k` (head k // HEAD_DIM), merged from the split kernel's
-    partials (acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]) over the splits that held context, as
-    kernels/paged_decode_attention.py's merge kernel merges them (summed in split order), rounded to DTYPE; 0
-    outside the rows and columns."""
-    ctx = tl.load(ctx_ptr + m, mask=m_mask, other=1)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), SPLIT_BLOCK) * SPLIT_BLOCK
-    used = tl.where(per_split > 0, tl.cdiv(ctx, tl.maximum(per_split, 1)), 1)  # split 0 always wrote
-    mask = m_mask[:, None] & (k < K)[None, :]
-    part = (m.to(tl.int64)[:, None] * (K // HEAD_DIM) + (k // HEAD_DIM)[None, :]) * NUM_SPLITS
-    d = (k % HEAD_DIM)[None, :]
-    top = tl.full([m.shape[0], k.shape[0]], float("-inf"), tl.float32)
-    for s in range(0, tl.max(used, axis=0)):
-        top = tl.maximum(top, tl.load(ml_ptr + (part + s) * 2, mask=mask & (s < used)[:, None],
-                                      other=float("-inf")))
-    num = tl.zeros([m.shape[0], k.shape[0]], tl.float32)
-    den = tl.zeros([m.shape[0], k.shape[0]], tl.float32)
-    for s in range(0, tl.max(used, axis=0)):
-        ok = mask & (s < used)[:, None]
-        ms = tl.load(ml_ptr + (part + s) * 2, mask=ok, other=float("-inf"))
-        w = tl.where(ms > float("-inf"), tl.exp2(ms - top), 0.0)
-        num += tl.load(acc_ptr + (part + s) * HEAD_DIM + d, mask=ok, other=0.0) * w
-        den += tl.load(ml_ptr + (part + s) * 2 + 1, mask=ok, other=0.0) * w
-    return tl.where(mask, round_to(num / den, DTYPE), 0.0)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, ml_ptr, ctx_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_om, stride_rm, stride_ro, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 stride_rm, stride_ro, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+                 HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -140,12 +106,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, ml_p
         gdc_enter(USE_GDC)
         if NORM:
             inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
-        if MERGE:
-            x = _merged_chunk(x_ptr, ml_ptr, ctx_ptr, m, k, m_mask, K, out_ptr.dtype.element_ty, HEAD_DIM,
-                              NUM_SPLITS, SPLIT_BLOCK)
-        else:
-            x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, m_mask[:, None] & (k < K)[None, :], K, stride_xm,
-                         stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
+        x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, m_mask[:, None] & (k < K)[None, :], K, stride_xm,
+                     stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         start = BLOCK_K
     elif NORM:
@@ -154,12 +116,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, ml_p
         kk = k0 + k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if MERGE:
-            x = _merged_chunk(x_ptr, ml_ptr, ctx_ptr, m, kk, m_mask, K, out_ptr.dtype.element_ty, HEAD_DIM,
-                              NUM_SPLITS, SPLIT_BLOCK)
-        else:
-            x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm,
-                         stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
+        x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm,
+                     stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -210,27 +168,12 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
     return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, norm=(norm_weight, eps, residual))
 
 
-def merge_gemv(attn, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-               block_k: int | None = None, num_warps: int | None = None, num_stages: int = 1) -> torch.Tensor:
-    """The o projection of a decode attention left unmerged (kernels/paged_decode_attention.py
-    `UnmergedAttention`, partials `[B <= 8, Hq, S, D]`): `out = merge(attn).reshape(B, Hq * D) @ weight.T + bias`
-    in one launch, with the merge kernel's roundings (its sums over the splits in another order: an ulp here and
-    there)."""
-    rows, heads, _, head_dim = attn.part_acc.shape
-    assert attn.part_acc.is_contiguous() and attn.part_ml.is_contiguous() and attn.part_acc.dtype == torch.float32
-    assert attn.part_ml.shape == (*attn.part_acc.shape[:3], 2) and attn.context_lens.shape == (rows,)
-    assert weight.dim() == 2 and weight.shape[1] == heads * head_dim, "the weight's width must be Hq * D"
-    return _launch(attn.part_acc, weight, bias, block_n, block_k, num_warps, num_stages, merge=attn)[0]
-
-
-def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=False, norm=None, merge=None):
-    if merge is None:
-        assert x.dim() == 2 and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
-    assert x.shape[0] <= MAX_ROWS, "at most 8 rows"
+def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=False, norm=None):
+    assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
     assert weight.stride(1) == 1
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
     num_rows, (n, k) = x.shape[0], weight.shape
-    out = torch.empty((num_rows, n), dtype=merge.dtype if merge is not None else x.dtype, device=x.device)
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     norm_weight, eps, residual = norm if norm is not None else (weight, 0.0, None)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     if num_rows == 0:
@@ -239,13 +182,10 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
     block_n, block_k = block_n or default_n, block_k or default_k
     num_warps = num_warps or gemv_warps(num_rows, block_n, block_k)
     res = residual if residual is not None else x
-    ml, ctx = (merge.part_ml, merge.context_lens) if merge is not None else (x, x)
-    head_dim, splits, split_block = (x.shape[3], x.shape[2], merge.block) if merge is not None else (1, 1, 1)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, res, norm_weight, res_out, ml, ctx, num_rows, n, k,
+        x, weight, bias if bias is not None else weight, out, res, norm_weight, res_out, num_rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
-        MERGE=merge is not None, HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLIT_BLOCK=split_block,
         BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x, num_rows, triton.cdiv(n, block_n)),
     )
@@ -267,13 +207,6 @@ def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
     return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages)
-
-
-def merge_gemv_with(attn, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple) -> torch.Tensor:
-    """`merge_gemv` with a tuned setting (as `gemv_with`'s)."""
-    block_n, block_k, *rest = setting
-    num_warps, num_stages = rest if rest else (None, 1)
-    return merge_gemv(attn, weight, bias, block_n, block_k, num_warps, num_stages)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,6 @@ mixed step (`query_start_loc` given) both attend only the rows of one new token,
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -27,17 +26,6 @@ from kernels.qk_norm_rope_kv import INTERPRETED, cos_sin
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner iteration
-
-
-class UnmergedAttention(NamedTuple):
-    """A decode attention's output left as the split kernel's partials (`defer_merge`), for the o projection to
-    merge in its load (kernels/gemv.py `merge_gemv`) instead of a merge launch in between."""
-
-    part_acc: torch.Tensor  # [B, Hq, S, D] fp32
-    part_ml: torch.Tensor  # [B, Hq, S, 2] fp32: each split's running max (log2 domain) and sum
-    context_lens: torch.Tensor  # [B] int32: which splits ran (those past the context wrote nothing)
-    block: int  # context tokens per iteration: the splits' shares are whole blocks
-    dtype: torch.dtype  # the output's: the merged values are rounded to it, as the merge kernel stores them
 
 
 @triton.jit
@@ -364,8 +352,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, fp16_dots: bool = False, tokens_major: bool = False,
                            qk_fp8: bool = False, query_start_loc: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None,
-                           defer_merge: bool = False) -> torch.Tensor | UnmergedAttention:
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch knobs (`block` context tokens per iteration, warps, pipeline stages) default to the measured
     choice: scripts/sweep_decode_attention.py on the H200 found 64 tokens, 4 warps and 2 stages within a few
     percent of the best everywhere, and 3 stages 5% faster once the grid is many waves deep (256 rows x 8
@@ -381,12 +368,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Mixed steps: with `query_start_loc` ([rows + 1], packed `query` [T, Hq, D]) the kernel attends only the rows
     that have exactly one new token, each at its packed position, and writes those rows' outputs into `out`
     (the ragged prefill kernel's output for the other rows), so a mixed step's decode rows keep this kernel's
-    GQA-shared, split-K reads instead of the prefill kernel's one pass per query head.
-
-    `defer_merge` (not with `query_start_loc`): where the step runs several splits, return the partials
-    (`UnmergedAttention`) instead of launching the merge; `out` is then left unwritten."""
+    GQA-shared, split-K reads instead of the prefill kernel's one pass per query head."""
     mixed = query_start_loc is not None
-    assert not (mixed and defer_merge), "a mixed step's output is merged into `out`"
     num_heads, head_dim = query.shape[1:]
     num_rows = block_tables.shape[0] if mixed else query.shape[0]
     assert not mixed or (query_start_loc.shape == (num_rows + 1,) and query_start_loc.dtype == torch.int32)
@@ -420,7 +403,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
         **pdl_launch(query, num_rows, num_rows * num_kv_heads * splits),
     )
-    return _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows, splits, block, defer_merge)
+    _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows, splits, block)
+    return out
 
 
 def _check_inputs(k_cache, v_cache, block_tables, context_lens, num_rows, num_heads, num_kv_heads, head_dim):
@@ -442,20 +426,16 @@ def _partials(out: torch.Tensor, num_rows: int, splits: int) -> tuple[torch.Tens
             torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=out.device))
 
 
-def _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows: int, splits: int, block: int,
-           defer: bool = False) -> torch.Tensor | UnmergedAttention:
-    """The merge of the splits' partials into `out` (none with one split), or with `defer` the partials unmerged."""
+def _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows: int, splits: int, block: int) -> None:
+    """The merge of the splits' partials into `out` (none with one split)."""
     if splits == 1:
-        return out
-    if defer:
-        return UnmergedAttention(part_acc, part_ml, context_lens, block, out.dtype)
+        return
     mixed = query_start_loc is not None
     num_heads, head_dim = out.shape[1:]
     _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens, query_start_loc if mixed else part_ml,
                                                 out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                 NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
                                                 **pdl_launch(out, num_rows, num_rows * num_heads))
-    return out
 
 
 ROPE_IN_ATTENTION_ROWS = (3, 16)  # decode steps of these many rows take `paged_decode_attention_rope` by default
@@ -482,15 +462,14 @@ def paged_decode_attention_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None
                                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                                 context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                 scale: float, num_splits: int | None = None, num_warps: int = 4,
-                                num_stages: int | None = None, fp16_dots: bool = False,
-                                defer_merge: bool = False) -> torch.Tensor | UnmergedAttention:
+                                num_stages: int | None = None, fp16_dots: bool = False) -> torch.Tensor:
     """A decode step's attention prologue and attention in one launch (plus the merge): kernels/qk_norm_rope_kv.py
     on the packed projection `qkv` `[B, (Hq + 2 Hkv) * D]` (the per-head q/k RMSNorm with `q_weight`, RoPE from
     `positions` `[B]` and `inv_freq` `[D/2]` fp32, the new key and value into the pool at `slot_mapping` `[B]`),
     then `paged_decode_attention` (heads form) for the one new token per row, whose context (`context_lens`,
     counting the new token) ends at the written slot. Returns the attention output `[B, Hq, D]`. The query and
     the new key are the prologue's up to the order of the norm's sum, and the new token's score is a sum rather
-    than a dot, so outputs agree with the two-launch path to rounding. `defer_merge` as `paged_decode_attention`'s."""
+    than a dot, so outputs agree with the two-launch path to rounding."""
     num_rows = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert positions.shape == slot_mapping.shape == context_lens.shape == (num_rows,)
@@ -517,7 +496,8 @@ def paged_decode_attention_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None
         INTERPRETED=INTERPRETED, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(qkv, num_rows, num_rows * num_kv_heads * splits),
     )
-    return _merge(part_acc, part_ml, context_lens, None, out, num_rows, splits, BLOCK_N, defer_merge)
+    _merge(part_acc, part_ml, context_lens, None, out, num_rows, splits, BLOCK_N)
+    return out
 
 
 def paged_decode_attention_ref(query, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):

@@ -161,10 +161,8 @@ class AttentionBackend(ABC):
         return query
 
     def prologue_attend(self, qkv: torch.Tensor, layer, rope, kv: tuple[torch.Tensor, torch.Tensor],
-                        metadata: AttentionMetadata, scale: float, defer_merge: bool = False):
-        """`prologue` then `attend`: packed `qkv` -> attention output `[T, Hq, D]`. Backends may fuse the two.
-        `defer_merge`: a backend whose decode kernel splits the context may return its partials unmerged
-        (kernels/paged_decode_attention.py `UnmergedAttention`) for the o projection to merge; this one never does."""
+                        metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`prologue` then `attend`: packed `qkv` -> attention output `[T, Hq, D]`. Backends may fuse the two."""
         query = self.prologue(qkv, layer, rope, kv, metadata)
         return self.attend(query, kv[0], kv[1], metadata, scale)
 
@@ -307,27 +305,19 @@ class TritonPagedAttention(AttentionBackend):
             layer.num_heads, layer.num_kv_heads, layer.head_dim, positions=rope.positions, inv_freq=rope.inv_freq(),
         )
 
-    def prologue_attend(self, qkv, layer, rope, kv, metadata, scale, defer_merge=False):
-        from kernels.paged_decode_attention import (
-            paged_decode_attention,
-            paged_decode_attention_rope,
-            rope_in_attention,
-        )
+    def prologue_attend(self, qkv, layer, rope, kv, metadata, scale) -> torch.Tensor:
+        from kernels.paged_decode_attention import paged_decode_attention_rope, rope_in_attention
 
         knobs = _decode_knobs(kv[0].element_size() == 1)
         if not (self.fused_prologue and metadata.is_decode and not knobs["tokens_major"]
                 and rope_in_attention(qkv.shape[0])):
-            if not (defer_merge and metadata.is_decode):
-                return super().prologue_attend(qkv, layer, rope, kv, metadata, scale)
-            query = self.prologue(qkv, layer, rope, kv, metadata)
-            return paged_decode_attention(query, kv[0], kv[1], metadata.block_tables, metadata.context_lens, scale,
-                                          defer_merge=True, **knobs)
+            return super().prologue_attend(qkv, layer, rope, kv, metadata, scale)
         has_norm = layer.q_norm is not None
         return paged_decode_attention_rope(
             qkv, layer.q_norm.weight if has_norm else None, layer.k_norm.weight if has_norm else None,
             layer.q_norm.eps if has_norm else 0.0, rope.positions, rope.inv_freq(), kv[0], kv[1],
             metadata.slot_mapping, metadata.block_tables, metadata.context_lens, layer.num_heads,
-            layer.num_kv_heads, layer.head_dim, scale, fp16_dots=knobs["fp16_dots"], defer_merge=defer_merge,
+            layer.num_kv_heads, layer.head_dim, scale, fp16_dots=knobs["fp16_dots"],
         )
 
     def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:

@@ -52,9 +52,6 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.qkv_proj: nn.Linear | None = None
-        # the o projection merges a split decode attention's partials in its skinny-GEMM load where its plan takes
-        # the step (MSTAR_MERGE_GEMV; set by DecoderOnlyLM.enable_fused_ops)
-        self.merge_gemv = False
         # Qwen3 normalises each head of q and k before RoPE; Llama does not.
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
@@ -75,18 +72,5 @@ class SelfAttention(nn.Module):
             qkv = self.qkv_proj(hidden)
         elif qkv is None:
             qkv = torch.cat((self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), dim=-1)
-        setting = self._merge_gemv_setting(qkv)
-        out = ctx.backend.prologue_attend(qkv, self, ctx.rope, kv, ctx.metadata, self.scale,
-                                          defer_merge=setting is not None)
-        if not isinstance(out, torch.Tensor):  # the split attention's partials: merged in the o projection's load
-            from kernels.gemv import merge_gemv_with
-
-            return merge_gemv_with(out, self.o_proj.weight, self.o_proj.bias, setting)
+        out = ctx.backend.prologue_attend(qkv, self, ctx.rope, kv, ctx.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-    def _merge_gemv_setting(self, qkv: torch.Tensor) -> tuple | None:
-        """The o projection's skinny-GEMM setting at this step's row count when it may take the attention's merge
-        (`merge_gemv`, on CUDA), else None."""
-        if not self.merge_gemv or not qkv.is_cuda:
-            return None
-        return getattr(self.o_proj, "gemv_plan", {}).get(qkv.shape[0])

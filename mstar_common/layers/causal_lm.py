@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar_common.config import env_switch
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from mstar_common.engine.kv_cache import KVCache, KVSpec
-from mstar_common.layers.attention import AttentionContext, SelfAttention
+from mstar_common.layers.attention import AttentionContext
 from mstar_common.layers.decoder import (
     DecoderLayer,
     DecoderLayerConfig,
@@ -144,18 +143,13 @@ class DecoderOnlyLM(nn.Module):
         """Run the residual-add+RMSNorm and SiLU*up as Triton kernels on CUDA (the q/k prologue is the
         attention backend's choice); with `MSTAR_NORM_GEMV` not 0 a norm before a projection that runs on the
         skinny GEMM may go into that GEMM's launch (`auto`, the default: where the tuning timed it faster); with
-        `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP half as one persistent launch; with
-        `MSTAR_MERGE_GEMV=1` an o projection that runs on the skinny GEMM merges the split decode attention's
-        partials in its load (no merge launch)."""
+        `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP half as one persistent launch."""
         fold_norms = enabled and norm_gemv_enabled()
-        fold_merge = enabled and env_switch("MSTAR_MERGE_GEMV", False)
         mlp_rows = fused_mlp_rows() if enabled else 0
         mlp_options = fused_mlp_options() if mlp_rows else {}
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP)):
                 module.use_kernel = enabled
-            if isinstance(module, SelfAttention):
-                module.merge_gemv = fold_merge
             if isinstance(module, DecoderLayer):
                 module.norm_gemv = fold_norms
                 module.fused_mlp_rows = mlp_rows
