@@ -97,6 +97,11 @@ def _wide_candidates() -> bool:
     return env_switch("MSTAR_GEMV_WIDE", True)
 
 
+def _whole_k(k: int) -> int:
+    """The BLOCK_K that covers a K of `k` in one iteration (what a whole-K setting's 0 stands for)."""
+    return max(64, 1 << (k - 1).bit_length())
+
+
 GEMV_MARGIN = 0.95  # the kernel must beat cuBLAS by 5% to take a shape: near-ties keep cuBLAS
 
 
@@ -141,6 +146,9 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         weight, bias = module.weight, module.bias
         n, k = weight.shape
         weights = None
+        whole_k = _whole_k(k)
+        wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} \
+            if _wide_candidates() else set()
         shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
         # a norm-fed decision: the norm inside the kernel or cuBLAS (MSTAR_NORM_GEMV=1: ":norm"), or also the norm
         # kernel + the plain kernel (auto: ":norm(in|apart)")
@@ -163,9 +171,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             chained = _is_chained(weight, rows, norm)
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual, chained))
             best, best_us, apart = None, cublas_us * GEMV_MARGIN, False
-            whole_k = max(64, 1 << (k - 1).bit_length())
-            wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} \
-                if _wide_candidates() else set()
             for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES} | wide):
                 block_n, block_k = setting[:2]
                 tile_cap = (4 if setting in wide else 2) * TILE_ELEMENTS
@@ -328,7 +333,7 @@ def force_gemv_settings(model: nn.Module, forced: dict[int, tuple[int, ...]], ma
     for module in model.modules():
         if not isinstance(module, GemvLinear):
             continue
-        whole_k = max(64, 1 << (module.in_features - 1).bit_length())
+        whole_k = _whole_k(module.in_features)
         for rows, (block_n, block_k, warps, stages) in forced.items():
             if rows > max_rows:
                 continue
