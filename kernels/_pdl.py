@@ -23,6 +23,13 @@ does not pass `**pdl_launch(tensor, rows, programs)` launches as before.
 SMs at once. In the same A/B, with PDL at every row count, `fit` against `early`: 1 row +6.7% (the GEMVs' grids
 are deeper than the SMs, so they lose the early start), 2 rows +5.7%, 4 +2.7%, 8 -1.4%, 16 -2.9%, 64 +1.7%; its
 best, 16 rows at 1.578 ms, is 1.0% under the default's 1.595. Kept as a switch for such A/Bs.
+
+`MSTAR_PDL_TRIGGER=ahead` triggers before the wait instead, so more than two kernels can overlap: each launches as
+soon as every program of the one before it has started, and the GEMVs' weight loads (ahead of their waits) can run
+several kernels ahead of the chain. `scripts/probe_pdl_depth.py` on the H200 (2026-12-02): 12 kernels of 132
+programs all started within 5 us (3 at once with 1,024 programs each). In the one-row Qwen3-0.6B step it was within
+1% of `early` (0.8181 -> 0.8137 ms; gate_up's link shorter, the split attention's longer), 7% slower at two rows and
+0.8% slower for Llama-3.2-3B, so it stays a switch.
 """
 
 from __future__ import annotations
@@ -61,14 +68,23 @@ def use_pdl(tensor: torch.Tensor, rows: int) -> bool:
     return _supported(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
 
 
+TRIGGER_MODES = ("early", "fit", "ahead")
+
+
 def trigger_mode() -> str:
     """`MSTAR_PDL_TRIGGER`: when a PDL kernel lets the next one start. `early` (default): each program right after
     its wait. `fit`: so only if the grid fits on the GPU's SMs at once; a deeper grid's programs do not trigger,
     so the next kernel starts when this one ends (else the next kernel's programs, launched early, wait on SMs
-    that this kernel's later waves need)."""
+    that this kernel's later waves need). `ahead`: each program as it starts, before its wait, so a chain of
+    kernels can be resident at once, each loading its weights ahead while the ones before it run.
+
+    `ahead` is safe for the same reason as the others: a kernel's wait returns only when the kernel before it has
+    finished, which it did only after its own wait, so the order holds transitively; and a kernel launches only
+    once every program of the one before it has started, so all but the newest launched kernel are wholly
+    resident and none can wait on SMs that an older one still needs."""
     mode = os.environ.get("MSTAR_PDL_TRIGGER", "early") or "early"
-    if mode not in ("early", "fit"):
-        raise ValueError(f"MSTAR_PDL_TRIGGER={mode!r}: expected early or fit")
+    if mode not in TRIGGER_MODES:
+        raise ValueError(f"MSTAR_PDL_TRIGGER={mode!r}: expected one of {', '.join(TRIGGER_MODES)}")
     return mode
 
 
@@ -79,17 +95,32 @@ def _num_sms(device: torch.device) -> int:
 
 def pdl_launch(tensor: torch.Tensor, rows: int, programs: int | None = None) -> dict:
     """Launch keywords for a kernel of `rows` rows (and `programs` programs) with a `USE_GDC` constexpr: `USE_GDC`
-    (0: no PDL; 1: wait, then trigger the next kernel; 2: wait only) and Triton's `launch_pdl`."""
+    (0: no PDL; 1: wait, then trigger the next kernel; 2: wait only; 3: trigger the next kernel, then wait) and
+    Triton's `launch_pdl`."""
     if not use_pdl(tensor, rows):
         return {"USE_GDC": 0}
-    deep = programs is not None and trigger_mode() == "fit" and programs > _num_sms(tensor.device)
+    mode = trigger_mode()
+    if mode == "ahead":
+        return {"USE_GDC": 3, "launch_pdl": True}
+    deep = programs is not None and mode == "fit" and programs > _num_sms(tensor.device)
     return {"USE_GDC": 2 if deep else 1, "launch_pdl": True}
 
 
 @triton.jit
-def gdc_enter(USE_GDC: tl.constexpr):
-    """Wait for the kernel before this one, then let the kernel after this one start (a no-op without PDL)."""
+def gdc_start(USE_GDC: tl.constexpr):
+    """Under `ahead` (USE_GDC 3), let the kernel after this one start now; a kernel that calls this first (before
+    work ahead of its wait) then enters with `gdc_enter(USE_GDC, True)`."""
+    if USE_GDC == 3:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def gdc_enter(USE_GDC: tl.constexpr, STARTED: tl.constexpr = False):
+    """Wait for the kernel before this one and let the kernel after this one start, in the order USE_GDC says (a
+    no-op without PDL). `STARTED`: `gdc_start` already let it start."""
     if USE_GDC:
+        if USE_GDC == 3 and not STARTED:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         if USE_GDC == 1:
             tl.extra.cuda.gdc_launch_dependents()

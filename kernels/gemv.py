@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch
+from kernels._pdl import gdc_enter, gdc_start, pdl_launch
 from kernels._rounding import round_to
 
 MAX_ROWS = 8
@@ -102,8 +102,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N
     if USE_GDC:
         # Launched with PDL: the first chunk of weights streams in while the kernel before this one (which
         # writes x) finishes; the weights are nobody's output. Same sums in the same order as the loop's.
+        gdc_start(USE_GDC)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        gdc_enter(USE_GDC)
+        gdc_enter(USE_GDC, True)
         if NORM:
             inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
         x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, m_mask[:, None] & (k < K)[None, :], K, stride_xm,

@@ -37,8 +37,10 @@ def test_trigger_modes(monkeypatch):
     assert _pdl.pdl_launch(x, 1, 132) == {"USE_GDC": 1, "launch_pdl": True}  # one wave: triggers
     assert _pdl.pdl_launch(x, 64, 133) == {"USE_GDC": 2, "launch_pdl": True}  # deeper: waits only
     assert _pdl.pdl_launch(x, 64) == {"USE_GDC": 1, "launch_pdl": True}  # grid not given
+    monkeypatch.setenv("MSTAR_PDL_TRIGGER", "ahead")
+    assert _pdl.pdl_launch(x, 64, 512) == {"USE_GDC": 3, "launch_pdl": True}  # triggers before its wait
     monkeypatch.setenv("MSTAR_PDL_TRIGGER", "late")
-    with pytest.raises(ValueError, match="MSTAR_PDL_TRIGGER='late': expected early or fit"):
+    with pytest.raises(ValueError, match="MSTAR_PDL_TRIGGER='late': expected one of early, fit, ahead"):
         _pdl.pdl_launch(x, 64, 512)
 
 
@@ -101,7 +103,7 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows, rope_in_a
         pytest.skip("PDL needs compute capability >= 9.0")
     monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")  # PDL at 4 rows too (by default only 1-2 row launches take it)
     results = {}
-    for flag, trigger in (("0", "early"), ("1", "early"), ("1", "fit")):
+    for flag, trigger in (("0", "early"), ("1", "early"), ("1", "fit"), ("1", "ahead")):
         monkeypatch.setenv("MSTAR_PDL", flag)
         monkeypatch.setenv("MSTAR_PDL_TRIGGER", trigger)
         step = _decode_layer_chain(rows, rope_in_attention)
@@ -118,7 +120,7 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows, rope_in_a
             graph.replay()
         torch.cuda.synchronize()
         results[flag + trigger] = (eager, captured)
-    for mode in ("1early", "1fit"):
+    for mode in ("1early", "1fit", "1ahead"):
         for plain, pdl in zip(results["0early"], results[mode], strict=True):
             for a, b in zip(plain, pdl, strict=True):
                 assert torch.equal(a, b)
