@@ -195,23 +195,59 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
                 replay()
             torch.cuda.synchronize()
         kernels: dict[str, list[float]] = {}
+        timeline = []
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us() > 0:
                 kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+                timeline.append((event.time_range.start, event.time_range.end, event.name))
         table = sorted(({"kernel": name[:120], "us_per_step": sum(times) / replays,
                          "calls_per_step": len(times) / replays} for name, times in kernels.items()),
                        key=lambda row: -row["us_per_step"])
         busy_ms = sum(row["us_per_step"] for row in table) / 1e3
         kind = "decode" if prompt_len is None else f"prefill of {prompt_len}-token prompts"
+        critical = critical_path(timeline, replays, config["num_hidden_layers"])
         results.append({"family": family, "kv_dtype": kv_dtype, "rows": rows, "context_len": prompt_len or context_len,
-                        "step": kind, "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table})
+                        "step": kind, "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table,
+                        "critical_path": critical})
         print(f"[profile] {family} {kind} rows {rows} context {prompt_len or context_len}: replay {step_ms:.3f} ms, "
               f"kernels busy {busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
         for row in table[:25]:
             print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['kernel']}", flush=True)
+        print("  critical path (each kernel's end after the end before it):", flush=True)
+        for row in critical[:25]:
+            print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['kernel']}", flush=True)
     del graphs, model, kv_cache
     torch.cuda.empty_cache()
     return results
+
+
+def critical_path(timeline: list[tuple[float, float, str]], replays: int, layers: int) -> list[dict]:
+    """Where a step's time goes when its kernels overlap (PDL): each kernel is charged the time from the latest
+    end of the kernels before it (in start order) to its own end, so the charges add up to the span from the
+    first start to the last end. A kernel name called k x `layers` times per step is split by its place in the
+    layer (`name#0` .. `name#k-1`: the GEMV's projections in order). Gaps between replays are not charged."""
+    timeline = sorted(timeline)
+    counts: dict[str, int] = {}
+    for _, _, name in timeline:
+        counts[name] = counts.get(name, 0) + 1
+    per_step = {name: count // replays for name, count in counts.items()}
+    seen: dict[str, int] = {}
+    charged: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    latest = None
+    for start, end, name in timeline:
+        index = seen.get(name, 0)
+        seen[name] = index + 1
+        label = name[:80]
+        calls_per_step = per_step[name]
+        if layers and calls_per_step > layers and calls_per_step % layers == 0:
+            label += f"#{(index % calls_per_step) % (calls_per_step // layers)}"
+        base = start if latest is None or start > latest else latest  # a kernel after an idle gap: from its start
+        charged[label] = charged.get(label, 0.0) + max(end - base, 0.0)
+        calls[label] = calls.get(label, 0) + 1
+        latest = end if latest is None else max(latest, end)
+    return sorted(({"kernel": label, "us_per_step": us / replays, "calls_per_step": calls[label] / replays}
+                   for label, us in charged.items()), key=lambda row: -row["us_per_step"])
 
 
 @torch.inference_mode()
@@ -303,3 +339,82 @@ def served_like_ms(graphs, rows: int, context_len: int, page_size: int, steps: i
     stop.record()
     stop.synchronize()
     return start.elapsed_time(stop) / steps
+
+
+@torch.inference_mode()
+def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_len: int = 640, page_size: int = 64,
+                    replays: int = 30, rounds: int = 7, budget_s: float = 240.0) -> dict:
+    """The skinny GEMM's settings chosen by whole decode steps instead of one projection at a time: starting from
+    the server's tuned plan (`tune_gemv`, each projection timed behind a norm launch), each projection shape in
+    turn (qkv, o, gate_up, down: every layer's module of that shape together) tries every candidate setting, the
+    `rows`-row step is captured again and its replay timed, and the fastest is kept (coordinate descent, one
+    pass, until `budget_s`). In a step a projection runs behind another kernel whose programs hold registers and
+    stream bytes of their own, which the per-projection timing does not see. Ends with an A/B of the two plans in
+    one process (alternating replays, median of `rounds`). Returns every timing and both plans."""
+    from kernels.gemv import TILE_ELEMENTS
+    from mstar_common.config import ComponentConfig
+    from mstar_common.engine.cuda_graph import configure_fast_path
+    from mstar_common.layers.linear import GEMV_CANDIDATES, GEMV_WIDE_CANDIDATES, GemvLinear, _whole_k
+
+    model, config, kv_cache = _load(checkpoint, family, [rows], context_len, page_size)
+    configure_fast_path(model, ComponentConfig(), "cuda", rows, 4096)
+    groups: dict[tuple[int, int], list] = {}
+    for module in model.modules():
+        if isinstance(module, GemvLinear) and rows in module.gemv_plan:
+            groups.setdefault((module.out_features, module.in_features), []).append(module)
+    start_plan = {shape: modules[0].gemv_plan[rows] for shape, modules in groups.items()}
+
+    def apply(plan):
+        for shape, modules in groups.items():
+            for module in modules:
+                module.gemv_plan = {**module.gemv_plan, rows: tuple(plan[shape])}
+
+    def capture(plan):
+        apply(plan)
+        graphs = _decode_graphs(model, config, kv_cache, [rows])
+        return graphs, _staged_replay(graphs, rows, context_len, page_size)[1]
+
+    def step_ms(plan) -> float:
+        graphs, replay = capture(plan)
+        ms = event_time_ms(replay, repeats=replays)
+        del graphs, replay
+        return ms
+
+    began = time.monotonic()
+    best_plan = dict(start_plan)
+    best_ms = step_ms(best_plan)
+    trials = [{"plan": {f"{n}x{k}": list(s) for (n, k), s in best_plan.items()}, "step_ms": best_ms, "start": True}]
+    print(f"[step-tune] {family} rows {rows}: start {best_ms:.4f} ms with {start_plan}", flush=True)
+    for shape in groups:
+        whole_k = _whole_k(shape[1])
+        wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES}
+        for setting in sorted(set(GEMV_CANDIDATES) | wide):
+            block_n, block_k = setting[:2]
+            cap = (4 if setting in wide else 2) * TILE_ELEMENTS
+            pipelined_once = len(setting) > 2 and setting[3] > 1 and block_k >= shape[1]
+            if block_k > whole_k or block_n * block_k * rows > cap or pipelined_once:
+                continue
+            if time.monotonic() - began > budget_s:
+                break
+            plan = {**best_plan, shape: setting}
+            if plan == best_plan:
+                continue
+            ms = step_ms(plan)
+            trials.append({"shape": f"{shape[0]}x{shape[1]}", "setting": list(setting), "step_ms": ms})
+            print(f"[step-tune]   {shape[0]}x{shape[1]} {setting}: {ms:.4f} ms", flush=True)
+            if ms < best_ms * 0.995:
+                best_plan, best_ms = plan, ms
+        print(f"[step-tune] {shape[0]}x{shape[1]} -> {best_plan[shape]} ({best_ms:.4f} ms)", flush=True)
+    captured = {"tuned": capture(start_plan), "step_tuned": capture(best_plan)}
+    times: dict[str, list[float]] = {name: [] for name in captured}
+    for _ in range(rounds):
+        for name, (_, replay) in captured.items():
+            times[name].append(event_time_ms(replay, repeats=replays))
+    ab = {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
+    print(f"[step-tune] A/B: tuned {ab['tuned']:.4f} ms, step-tuned {ab['step_tuned']:.4f} ms", flush=True)
+    captured.clear()
+    torch.cuda.empty_cache()
+    return {"family": family, "rows": rows, "context_len": context_len,
+            "start_plan": {f"{n}x{k}": list(s) for (n, k), s in start_plan.items()},
+            "step_plan": {f"{n}x{k}": list(s) for (n, k), s in best_plan.items()}, "trials": trials,
+            "ab_ms": ab, "ab_rounds_ms": times}
