@@ -1,0 +1,138 @@
+// One-row GEMV kernels that hold their weights in shared memory across the PDL wait (scripts/probe_staged_gemv.py).
+//
+// The one-row decode step's projections stream their weights at 1.5-2.1 TB/s because each one starts loading only
+// while the kernel before it finishes, and the weights a resident Triton program loads ahead of its wait land in
+// registers (docs/benchmarks.md, "Where the one-row step waits"). Here each CTA owns `cols` output rows of the
+// weight ([N, K] bf16, row-major), which are one contiguous run of memory, and copies that run into shared memory
+// with bulk asynchronous copies (`cp.async.bulk`, completing on an mbarrier) as soon as it starts. Shared memory
+// holds the bf16 bytes themselves, not the fp32 values a register tile would, and the copy needs no thread to
+// wait for it. Then the CTA waits for the kernel before it (`griddepcontrol.wait`), reads the input vector, waits
+// for its copy and sums.
+//
+// - `stage_first` 1: the copy is issued before the PDL wait; 0: after it (the same kernel with no lookahead).
+// - `mode` 0: no PDL; 1: wait, then let the next kernel launch (`early`, the served rule); 3: let it launch first,
+//   then wait (`ahead`: a chain of kernels can then be resident at once, each with its copy in flight).
+//
+// The launcher takes raw device pointers and the caller's CUDA stream, so a torch CUDA graph captures it.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChunk = 16384;  // bytes per bulk copy
+
+__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void gdc_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Thread 0: arm the barrier for `bytes` and copy `bytes` (a multiple of 16) from `src` to `dst` in chunks.
+__device__ __forceinline__ void stage(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  for (uint32_t off = 0; off < bytes; off += kChunk) {
+    uint32_t size = bytes - off < kChunk ? bytes - off : kChunk;
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_addr(static_cast<char*>(dst) + off)),
+        "l"(static_cast<const char*>(src) + off), "r"(size), "r"(smem_addr(bar))
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void wait_phase0(uint64_t* bar) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_addr(bar))
+        : "memory");
+  }
+}
+
+// y[n0 + c] = sum_k w[n0 + c, k] * x[k] for the CTA's `cols` rows; K a multiple of 8, x and w 16-byte aligned.
+__global__ void __launch_bounds__(kThreads) staged_gemv(const __nv_bfloat16* __restrict__ w,
+                                                        const __nv_bfloat16* __restrict__ x,
+                                                        __nv_bfloat16* __restrict__ y, int n, int k, int cols,
+                                                        int mode, int stage_first) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t bar;
+  const int n0 = blockIdx.x * cols;
+  const int rows = min(cols, n - n0);
+  __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* xs = reinterpret_cast<float*>(smem + static_cast<size_t>(cols) * k * 2);
+  const uint32_t bytes = static_cast<uint32_t>(rows) * k * 2;
+  const __nv_bfloat16* src = w + static_cast<size_t>(n0) * k;
+
+  if (mode == 3) gdc_launch_dependents();
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (stage_first) stage(ws, src, bytes, &bar);  // the weights are nobody's output: copy before the wait
+  }
+  if (mode) gdc_wait();
+  if (mode == 1) gdc_launch_dependents();
+  if (threadIdx.x == 0 && !stage_first) stage(ws, src, bytes, &bar);
+  for (int i = threadIdx.x * 8; i < k; i += kThreads * 8) {  // the input, written by the kernel before: after the wait
+    const uint4 v = *reinterpret_cast<const uint4*>(x + i);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xs[i + j] = __bfloat162float(e[j]);
+  }
+  __syncthreads();  // xs written; the barrier's init is visible to every thread
+  wait_phase0(&bar);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int c = warp; c < rows; c += kThreads / 32) {
+    const __nv_bfloat16* row = ws + static_cast<size_t>(c) * k;
+    float acc = 0.f;
+    for (int i = lane * 8; i < k; i += 32 * 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(row + i);
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc += __bfloat162float(e[j]) * xs[i + j];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[n0 + c] = __float2bfloat16(acc);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 on success, else a cudaError_t (or -1: a shape the kernel does not take).
+int mstar_staged_gemv(const void* w, const void* x, void* y, int n, int k, int cols, int mode, int stage_first,
+                      void* stream) {
+  if (k % 8 != 0 || cols < 1 || n < 1 || (mode != 0 && mode != 1 && mode != 3)) return -1;
+  const size_t smem = static_cast<size_t>(cols) * k * 2 + static_cast<size_t>(k) * 4;
+  if (smem > 200 * 1024) return -1;
+  static size_t allowed = 0;
+  if (smem > allowed) {
+    cudaError_t err = cudaFuncSetAttribute(staged_gemv, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    allowed = smem;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((n + cols - 1) / cols);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = mode ? 1 : 0;
+  return cudaLaunchKernelEx(&config, staged_gemv, static_cast<const __nv_bfloat16*>(w),
+                            static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, k, cols, mode,
+                            stage_first);
+}
+
+}  // extern "C"
