@@ -33,14 +33,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import itertools
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -50,6 +45,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels._rounding import round_to  # noqa: E402
 from kernels.fused_mlp import _grid_barrier, _grid_leave  # noqa: E402
+from mstar_common.bench.cuda_build import build_library  # noqa: E402
 from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
 
 CHECK_LAYERS = 2
@@ -228,28 +224,9 @@ def _chain_kernel_tma(h_ptr, qkv_ptr, o_ptr, gu_ptr, wqkv_desc, wo_desc, wgu_des
     _grid_leave(sync_ptr, num)
 
 
-def _nvcc() -> str:
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    for candidate in (shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    raise RuntimeError("the CUDA form needs nvcc (on PATH or under $CUDA_HOME/bin)")
-
-
 def cuda_library() -> ctypes.CDLL:
     """scripts/probe_persistent_step.cu built for this GPU (cached by the source's hash and the architecture)."""
-    major, minor = torch.cuda.get_device_capability(0)
-    arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + arch.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MSTAR_CACHE_DIR", tempfile.gettempdir())) / "probe_persistent_cuda"
-    library = cache / f"chain_{digest}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([_nvcc(), "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(partial),
-                        str(CUDA_SOURCE)], check=True)
-        partial.replace(library)
-    lib = ctypes.CDLL(str(library))
+    lib = build_library(CUDA_SOURCE, "probe_persistent_cuda")
     lib.mstar_chain_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_void_p]

@@ -23,18 +23,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mstar_common.bench.cuda_build import build_library  # noqa: E402
 
 CUDA_SOURCE = Path(__file__).with_suffix(".cu")
 # (hidden, qkv outputs, attention width, intermediate): the projections qkv hidden->qkv, o q->hidden,
@@ -45,28 +41,9 @@ QWEN3_PLAN = ((16, 1024, 8, 1), (1, 2048), (16, 1024, 8, 1), (8, 4096, 8, 1))
 CUDA_FORMS = {"cuda_after": (1, 0), "cuda_early": (1, 1), "cuda_ahead": (3, 1)}  # (PDL mode, copy before wait)
 
 
-def _nvcc() -> str:
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    for candidate in (shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    raise RuntimeError("the probe needs nvcc (on PATH or under $CUDA_HOME/bin)")
-
-
 def cuda_library() -> ctypes.CDLL:
     """scripts/probe_staged_gemv.cu built for this GPU (cached by the source's hash and the architecture)."""
-    major, minor = torch.cuda.get_device_capability(0)
-    arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    digest = hashlib.sha256(CUDA_SOURCE.read_bytes() + arch.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MSTAR_CACHE_DIR", tempfile.gettempdir())) / "probe_staged_gemv"
-    library = cache / f"staged_{digest}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([_nvcc(), "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(partial),
-                        str(CUDA_SOURCE)], check=True)
-        partial.replace(library)
-    lib = ctypes.CDLL(str(library))
+    lib = build_library(CUDA_SOURCE, "probe_staged_gemv")
     lib.mstar_staged_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
     lib.mstar_staged_gemv.restype = ctypes.c_int
     return lib

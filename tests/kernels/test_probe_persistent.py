@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
 from kernels.gemv import gemv  # noqa: E402
+from mstar_common.bench.cuda_build import nvcc  # noqa: E402
 
 _SPEC = importlib.util.spec_from_file_location(
     "probe_persistent_step", Path(__file__).resolve().parents[2] / "scripts" / "probe_persistent_step.py")
@@ -63,7 +64,7 @@ def _cuda_form_available() -> bool:
     if IS_INTERPRETED or not torch.cuda.is_available():
         return False
     try:
-        probe._nvcc()
+        nvcc()
     except RuntimeError:
         return False
     return True

@@ -5,11 +5,12 @@ the same projection. Needs a Hopper-or-newer GPU and nvcc (the probe builds the 
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+from mstar_common.bench.cuda_build import nvcc
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +24,9 @@ _SPEC.loader.exec_module(probe)
 def lib():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA GPU of compute capability >= 9.0")
-    if not shutil.which("nvcc") and not Path("/usr/local/cuda/bin/nvcc").exists():
+    try:
+        nvcc()
+    except RuntimeError:
         pytest.skip("needs nvcc")
     return probe.cuda_library()
 

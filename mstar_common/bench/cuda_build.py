@@ -1,0 +1,39 @@
+"""Build a CUDA C++ source into a shared library that ctypes loads, for this machine's first GPU (the probes'
+CUDA forms: scripts/probe_persistent_step.cu, scripts/probe_staged_gemv.cu). Built once per source hash and
+architecture under the mstar cache directory (`MSTAR_CACHE_DIR`, else the temp directory)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def nvcc() -> str:
+    """nvcc on PATH or under $CUDA_HOME/bin (default /usr/local/cuda); RuntimeError if neither."""
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    for candidate in (shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise RuntimeError("this needs nvcc (on PATH or under $CUDA_HOME/bin)")
+
+
+def build_library(source: Path, name: str) -> ctypes.CDLL:
+    """`source` compiled with -O3 for GPU 0's architecture (sm_90a on Hopper) into `<cache>/<name>/`, and loaded."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    digest = hashlib.sha256(source.read_bytes() + arch.encode()).hexdigest()[:16]
+    library = Path(os.environ.get("MSTAR_CACHE_DIR", tempfile.gettempdir())) / name / f"{source.stem}_{digest}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([nvcc(), "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(partial),
+                        str(source)], check=True)
+        partial.replace(library)
+    return ctypes.CDLL(str(library))
