@@ -351,10 +351,9 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     pass, until `budget_s`). In a step a projection runs behind another kernel whose programs hold registers and
     stream bytes of their own, which the per-projection timing does not see. Ends with an A/B of the two plans in
     one process (alternating replays, median of `rounds`). Returns every timing and both plans."""
-    from kernels.gemv import TILE_ELEMENTS
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
-    from mstar_common.layers.linear import GEMV_CANDIDATES, GEMV_WIDE_CANDIDATES, GemvLinear, _whole_k
+    from mstar_common.layers.linear import GemvLinear, gemv_candidates
 
     model, config, kv_cache = _load(checkpoint, family, [rows], context_len, page_size)
     configure_fast_path(model, ComponentConfig(), "cuda", rows, 4096)
@@ -386,14 +385,7 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     trials = [{"plan": {f"{n}x{k}": list(s) for (n, k), s in best_plan.items()}, "step_ms": best_ms, "start": True}]
     print(f"[step-tune] {family} rows {rows}: start {best_ms:.4f} ms with {start_plan}", flush=True)
     for shape in groups:
-        whole_k = _whole_k(shape[1])
-        wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES}
-        for setting in sorted(set(GEMV_CANDIDATES) | wide):
-            block_n, block_k = setting[:2]
-            cap = (4 if setting in wide else 2) * TILE_ELEMENTS
-            pipelined_once = len(setting) > 2 and setting[3] > 1 and block_k >= shape[1]
-            if block_k > whole_k or block_n * block_k * rows > cap or pipelined_once:
-                continue
+        for setting in gemv_candidates(rows, *shape):
             if time.monotonic() - began > budget_s:
                 break
             plan = {**best_plan, shape: setting}

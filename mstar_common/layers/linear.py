@@ -106,6 +106,26 @@ GEMV_MARGIN = 0.95  # the kernel must beat cuBLAS by 5% to take a shape: near-ti
 
 
 @torch.no_grad()
+def gemv_candidates(rows: int, n: int, k: int) -> list[tuple[int, ...]]:
+    """The skinny-GEMM settings `tune_gemv` tries for an [n, k] weight at `rows` rows: the default blocks, the
+    candidates, and (`MSTAR_GEMV_WIDE`, default on) the whole-K ones, less those whose K block exceeds K's power of
+    two or whose tile holds too many products, and pipelined ones with a single iteration."""
+    from kernels.gemv import TILE_ELEMENTS, gemv_blocks
+
+    whole_k = _whole_k(k)
+    wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} if _wide_candidates() else set()
+    kept = []
+    for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES} | wide):
+        block_n, block_k = setting[:2]
+        tile_cap = (4 if setting in wide else 2) * TILE_ELEMENTS
+        if block_k > whole_k or block_n * block_k * rows > tile_cap:
+            continue
+        if len(setting) > 2 and setting[3] > 1 and block_k >= k:  # one iteration: nothing to pipeline
+            continue
+        kept.append(setting)
+    return kept
+
+
 def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None) -> list[dict]:
     """Time each distinct `GemvLinear` shape at each planned power-of-two row count against cuBLAS (the down
     projection of a fused SwiGLU MLP against silu_mul + cuBLAS, as it would otherwise run), keep the kernel
@@ -120,7 +140,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     every process on a machine (a restarted server, the benchmark's eager check) runs the same kernels and
     gives the same bits. Returns one record per decision taken now."""
     from kernels._pdl import use_pdl
-    from kernels.gemv import TILE_ELEMENTS, gemv_blocks
     from mstar_common.bench.gpu_timing import cold_copies
     from mstar_common.layers.decoder import norm_gemv_mode
 
@@ -146,9 +165,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
         weight, bias = module.weight, module.bias
         n, k = weight.shape
         weights = None
-        whole_k = _whole_k(k)
-        wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} \
-            if _wide_candidates() else set()
         shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
         # a norm-fed decision: the norm inside the kernel or cuBLAS (MSTAR_NORM_GEMV=1: ":norm"), or also the norm
         # kernel + the plain kernel (auto: ":norm(in|apart)")
@@ -171,13 +187,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             chained = _is_chained(weight, rows, norm)
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual, chained))
             best, best_us, apart = None, cublas_us * GEMV_MARGIN, False
-            for setting in sorted({gemv_blocks(rows, n, k), *GEMV_CANDIDATES} | wide):
-                block_n, block_k = setting[:2]
-                tile_cap = (4 if setting in wide else 2) * TILE_ELEMENTS
-                if block_k > whole_k or block_n * block_k * rows > tile_cap:
-                    continue
-                if len(setting) > 2 and setting[3] > 1 and block_k >= k:  # one iteration: nothing to pipeline
-                    continue
+            for setting in gemv_candidates(rows, n, k):
                 us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained))
                 if us < best_us:
                     best, best_us, apart = setting, us, False
