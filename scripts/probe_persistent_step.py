@@ -45,7 +45,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels._rounding import round_to  # noqa: E402
 from kernels.fused_mlp import _grid_barrier, _grid_leave  # noqa: E402
-from mstar_common.bench.cuda_build import build_library  # noqa: E402
+from mstar_common.cuda_build import build_library  # noqa: E402
 from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
 
 CHECK_LAYERS = 2

@@ -16,7 +16,12 @@ projections (qkv -> o -> gate_up -> down, each layer with its own weights, so th
 Every CUDA form must give the same bits (the same sums in the same order; the probe exits 1 otherwise), and one
 projection of each shape is checked against torch. Prints one line per form and writes JSON with `--json`.
 
-    python scripts/probe_staged_gemv.py [--family qwen3|llama] [--layers 28] [--cols 16 8 16 8] [--json out.json]
+`--relay` puts a one-CTA copy kernel (no shared memory) in front of each projection, as a small kernel stands in
+front of most projections in a decode step; `--carveout` sets the CUDA kernels' preferred shared-memory carveout.
+Results: docs/benchmarks.md, "Weights staged in shared memory ahead of the PDL wait".
+
+    python scripts/probe_staged_gemv.py [--family qwen3|llama] [--layers 28] [--cols 16 8 16 8] [--relay]
+        [--carveout 100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mstar_common.bench.cuda_build import build_library  # noqa: E402
+from mstar_common.cuda_build import build_library  # noqa: E402
 
 CUDA_SOURCE = Path(__file__).with_suffix(".cu")
 # (hidden, qkv outputs, attention width, intermediate): the projections qkv hidden->qkv, o q->hidden,
@@ -46,7 +51,25 @@ def cuda_library() -> ctypes.CDLL:
     lib = build_library(CUDA_SOURCE, "probe_staged_gemv")
     lib.mstar_staged_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
     lib.mstar_staged_gemv.restype = ctypes.c_int
+    lib.mstar_relay.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.mstar_relay.restype = ctypes.c_int
+    lib.mstar_set_carveout.argtypes = [ctypes.c_int]
+    lib.mstar_set_carveout.restype = ctypes.c_int
     return lib
+
+
+def with_relay(lib, chain: "Chain", project, mode: int):
+    """`project` with the relay kernel (y = x, one CTA, PDL `mode`) in front of each projection, as a small kernel
+    stands in front of each projection in a decode step."""
+    def relayed(i, weight, x):
+        y = chain.relay_bufs[i][: x.shape[0]]
+        code = lib.mstar_relay(x.data_ptr(), y.data_ptr(), x.shape[0], mode,
+                               ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if code != 0:
+            raise RuntimeError(f"mstar_relay failed: {code}")
+        return project(i, weight, y)
+
+    return relayed
 
 
 def staged_gemv(lib, weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor, cols: int, mode: int,
@@ -74,6 +97,7 @@ class Chain:
         self.weights = [[rand(n, k) for n, k in self.shapes] for _ in range(layers)]
         self.h0 = torch.randn(hidden, device="cuda", generator=gen).bfloat16()  # read, never written
         self.bufs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for n, _ in self.shapes]
+        self.relay_bufs = [torch.empty(k, device="cuda", dtype=torch.bfloat16) for _, k in self.shapes]
 
     def weight_bytes(self) -> int:
         return sum(w.numel() * w.element_size() for layer in self.weights for w in layer)
@@ -152,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-plan", default=None,
                         help="kernels/gemv.py settings for the four, e.g. '16/1024/8/1 1/2048 16/1024/8/1 8/4096/8/1' "
                              "(default: Qwen3-0.6B's tuned one-row plan; for llama 8/1024/4/3 throughout)")
+    parser.add_argument("--relay", action="store_true",
+                        help="a one-CTA copy kernel (no shared memory) in front of each projection, as in a step")
+    parser.add_argument("--carveout", type=int, default=None,
+                        help="the CUDA kernels' preferred shared-memory carveout in percent (default: the driver's)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -162,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     lib = cuda_library()
     chain = Chain(args.family, args.layers)
     error = check_one_projection(lib, chain, args.cols)
+    if args.carveout is not None and lib.mstar_set_carveout(args.carveout) != 0:
+        raise RuntimeError(f"--carveout {args.carveout} refused")
     forms = {"triton": _triton_project(plan)}
     for name, (mode, first) in CUDA_FORMS.items():
         forms[name] = _cuda_project(lib, chain, args.cols, mode, first)
+    if args.relay:  # the relay launched as each form's projections are (the Triton form: the served rule, early)
+        relay_mode = {"triton": 1, **{name: mode for name, (mode, _) in CUDA_FORMS.items()}}
+        forms = {name: with_relay(lib, chain, project, relay_mode[name]) for name, project in forms.items()}
     graphs = {name: graph_of(chain, project) for name, project in forms.items()}
     outs = {}
     for name, (graph, out) in graphs.items():  # the CUDA forms share their buffers: each result right after its run
@@ -179,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     floor_us = chain.weight_bytes() / 4.3e12 * 1e6
     result = {"family": args.family, "layers": args.layers, "cols": args.cols, "triton_plan": plan,
+              "relay": args.relay, "carveout": args.carveout,
               "weight_bytes": chain.weight_bytes(), "floor_us_at_4.3TBps": floor_us, "one_projection_rel_err": error,
               "cuda_forms_bit_equal": same, "chain_us": median, "rounds_us": times,
               "gpu": torch.cuda.get_device_name(0)}

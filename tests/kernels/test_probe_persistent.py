@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
 from kernels.gemv import gemv  # noqa: E402
-from mstar_common.bench.cuda_build import nvcc  # noqa: E402
+from mstar_common.cuda_build import nvcc  # noqa: E402
 
 _SPEC = importlib.util.spec_from_file_location(
     "probe_persistent_step", Path(__file__).resolve().parents[2] / "scripts" / "probe_persistent_step.py")

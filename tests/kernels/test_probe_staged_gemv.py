@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mstar_common.bench.cuda_build import nvcc
+from mstar_common.cuda_build import nvcc
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,8 @@
-"""mstar_common.bench.cuda_build: where nvcc is found, and the error when it is not."""
+"""mstar_common.cuda_build: where nvcc is found, and the error when it is not."""
 
 import pytest
 
-from mstar_common.bench import cuda_build
+from mstar_common import cuda_build
 
 
 def test_nvcc_from_cuda_home_then_a_clear_error(monkeypatch, tmp_path):

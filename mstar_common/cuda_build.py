@@ -1,6 +1,7 @@
-"""Build a CUDA C++ source into a shared library that ctypes loads, for this machine's first GPU (the probes'
-CUDA forms: scripts/probe_persistent_step.cu, scripts/probe_staged_gemv.cu). Built once per source hash and
-architecture under the mstar cache directory (`MSTAR_CACHE_DIR`, else the temp directory)."""
+"""Build a CUDA C++ source into a shared library that ctypes loads, for this machine's first GPU
+(kernels/staged_gemv.cu and the probes' CUDA forms: scripts/probe_persistent_step.cu, scripts/probe_staged_gemv.cu).
+Built once per source hash and architecture under the mstar cache directory (`MSTAR_CACHE_DIR`, else the temp
+directory)."""
 
 from __future__ import annotations
 
