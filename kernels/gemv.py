@@ -20,6 +20,9 @@ reading the old one).
 
 Launched with PDL (kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
+
+A setting `(STAGED, cols)` sends `gemv_with` / `norm_gemv_with` to kernels/staged_gemv.py instead, whose CTAs copy
+their whole weight slice into shared memory ahead of that wait (bf16, one to four rows, Hopper or newer).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import triton.language as tl
 
 from kernels._pdl import gdc_enter, gdc_start, pdl_launch
 from kernels._rounding import round_to
+from kernels.staged_gemv import STAGED, staged_gemv
+from kernels.staged_gemv import readable as staged_readable
 
 MAX_ROWS = 8
 TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across the program's threads)
@@ -195,7 +200,12 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
 
 def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
               swiglu: bool = False) -> torch.Tensor:
-    """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages), or
+    `(STAGED, cols)`: kernels/staged_gemv.py's kernel."""
+    if setting[0] == STAGED:
+        if staged_readable(x, weight, bias):
+            return staged_gemv(x, weight, bias, setting[1], swiglu=swiglu)[0]
+        setting = (None, None)  # an input that kernel cannot read: the default blocks
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
     return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
@@ -205,6 +215,10 @@ def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
                    bias: torch.Tensor | None, residual: torch.Tensor | None,
                    setting: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_gemv` with a tuned setting (as `gemv_with`'s)."""
+    if setting[0] == STAGED:
+        if staged_readable(x, weight, bias, residual, norm_weight):
+            return staged_gemv(x, weight, bias, setting[1], norm=(norm_weight, eps, residual))
+        setting = (None, None)
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
     return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages)

@@ -353,7 +353,7 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     one process (alternating replays, median of `rounds`). Returns every timing and both plans."""
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
-    from mstar_common.layers.linear import GemvLinear, gemv_candidates
+    from mstar_common.layers.linear import GemvLinear, gemv_candidates, staged_candidates_for
 
     model, config, kv_cache = _load(checkpoint, family, [rows], context_len, page_size)
     configure_fast_path(model, ComponentConfig(), "cuda", rows, 4096)
@@ -385,7 +385,7 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     trials = [{"plan": {f"{n}x{k}": list(s) for (n, k), s in best_plan.items()}, "step_ms": best_ms, "start": True}]
     print(f"[step-tune] {family} rows {rows}: start {best_ms:.4f} ms with {start_plan}", flush=True)
     for shape in groups:
-        for setting in gemv_candidates(rows, *shape):
+        for setting in gemv_candidates(rows, *shape, staged_candidates_for(groups[shape][0].weight, rows)):
             if time.monotonic() - began > budget_s:
                 break
             plan = {**best_plan, shape: setting}
