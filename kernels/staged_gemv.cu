@@ -23,12 +23,19 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "staged_copy.cuh"
+
 namespace {
+
+using mstar::gdc_launch_dependents;
+using mstar::gdc_wait;
+using mstar::smem_addr;
+using mstar::stage;
+using mstar::wait_phase0;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroups = 8;  // so at most 64 output columns per CTA
-constexpr int kChunk = 16384;  // bytes per bulk copy
 constexpr int kMaxRows = 4;
 
 enum Input { kPlain = 0, kSwiglu = 1, kNorm = 2 };
@@ -45,39 +52,6 @@ struct Args {
   int n, k, cols, input, mode;
   float eps;
 };
-
-__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void gdc_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// One thread: arm `bar` for `bytes` (a multiple of 16) and copy them from `src` to `dst` in chunks.
-__device__ __forceinline__ void stage(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-  for (uint32_t off = 0; off < bytes; off += kChunk) {
-    const uint32_t size = bytes - off < kChunk ? bytes - off : kChunk;
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(static_cast<char*>(dst) + off)),
-        "l"(static_cast<const char*>(src) + off), "r"(size), "r"(smem_addr(bar))
-        : "memory");
-  }
-}
-
-__device__ __forceinline__ void wait_phase0(uint64_t* bar) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem_addr(bar))
-        : "memory");
-  }
-}
 
 __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
   const __nv_bfloat162* e = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -242,27 +216,13 @@ int launch(const Args& a, size_t smem, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     allowed = smem;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((a.n + a.cols - 1) / a.cols);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = a.mode != 0 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, staged_gemv<M>, a);
+  return mstar::launch(staged_gemv<M>, dim3((a.n + a.cols - 1) / a.cols), dim3(kThreads), smem, stream, a.mode != 0,
+                       a);
 }
 
 }  // namespace
 
 extern "C" {
-
-// Shared memory a launch of `m` rows, `cols` columns per CTA and a K of `k` needs (bytes).
-size_t mstar_staged_gemv_smem(int m, int k, int cols) { return static_cast<size_t>(cols + m) * k * 2; }
-
-int mstar_staged_gemv_max_cols() { return kWarps * kMaxGroups; }
 
 // 0 on success, -1 for arguments the kernel does not take, else a cudaError_t.
 int mstar_staged_gemv(const void* w, const void* x, const void* bias, void* out, const void* res, const void* g,
@@ -281,7 +241,7 @@ int mstar_staged_gemv(const void* w, const void* x, const void* bias, void* out,
                k,                                       cols,
                input,                                   mode,
                eps};
-  const size_t smem = mstar_staged_gemv_smem(m, k, cols);
+  const size_t smem = static_cast<size_t>(cols + m) * k * 2;  // its weight rows and the input rows, bf16
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (m) {
     case 1: return launch<1>(a, smem, s);

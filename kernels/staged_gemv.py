@@ -12,7 +12,7 @@ with a one-CTA kernel in front of each projection 595 against 642 us (Qwen3) and
 
 In a gemv plan (mstar_common/layers/linear.py) the setting `(STAGED, cols)` names this kernel; `gemv_with` and
 `norm_gemv_with` (kernels/gemv.py) send such settings here. `tune_gemv` offers it where `available()` (a CUDA
-GPU of compute capability >= 9.0, nvcc, `MSTAR_GEMV_STAGED=1`) and keeps it where it times fastest. Off by default:
+GPU of compute capability >= 9.0, nvcc) and `MSTAR_GEMV_STAGED=1`, and keeps it where it times fastest. Off by default:
 in the served decode step it lost (Qwen3-0.6B one row, H200: 0.817 ms with the Triton kernel, 0.819 with the tuning
 free to take this one, 0.982 with every projection on it; docs/benchmarks.md, "Weights staged in shared memory
 ahead of the PDL wait"): a projection gains only where the kernel before it is another long projection. A call
@@ -34,7 +34,6 @@ from mstar_common.config import env_switch
 STAGED = 0  # a gemv setting's first element (BLOCK_N) that names this kernel: (STAGED, cols)
 MAX_ROWS = 4
 MAX_COLS = 64  # kernels/staged_gemv.cu: 8 warps x 8 barrier groups
-THREADS = 256
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 COLS_CANDIDATES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 _INPUT = {"plain": 0, "swiglu": 1, "norm": 2}
@@ -94,8 +93,9 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available(weight: torch.Tensor) -> bool:
-    """Whether this kernel can serve `weight` (bf16, on a CUDA GPU of compute capability >= 9.0, built)."""
-    if not enabled() or not weight.is_cuda or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+    """Whether this kernel can serve `weight` (bf16, on a CUDA GPU of compute capability >= 9.0, built), whether or
+    not `enabled()` lets the tuning try it."""
+    if not weight.is_cuda or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return False
     if torch.cuda.get_device_capability(weight.device)[0] < 9:
         return False

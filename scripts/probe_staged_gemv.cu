@@ -6,9 +6,10 @@
 // weight ([N, K] bf16, row-major), which are one contiguous run of memory, and copies that run into shared memory
 // with bulk asynchronous copies (`cp.async.bulk`, completing on an mbarrier) as soon as it starts. Shared memory
 // holds the bf16 bytes themselves, not the fp32 values a register tile would, and the copy needs no thread to
-// wait for it. Then the CTA waits for the kernel before it (`griddepcontrol.wait`), reads the input vector and sums each
-// group of eight rows as soon as that group has landed (one barrier per group). The input is kept as bf16 in
+// wait for it. Then the CTA waits for the kernel before it (`griddepcontrol.wait`), reads the input vector and sums
+// each group of eight rows as soon as that group has landed (one barrier per group). The input is kept as bf16 in
 // shared memory, so that a warp reads it as it reads a weight row, 16 bytes a lane, without bank conflicts.
+// The copy, barrier and launch helpers are kernels/staged_copy.cuh's (the served kernel's).
 //
 // - `stage_first` 1: the copy is issued before the PDL wait; 0: after it (the same kernel with no lookahead).
 // - `mode` 0: no PDL; 1: wait, then let the next kernel launch (`early`, the served rule); 3: let it launch first,
@@ -20,43 +21,19 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../kernels/staged_copy.cuh"
+
 namespace {
+
+using mstar::gdc_launch_dependents;
+using mstar::gdc_wait;
+using mstar::smem_addr;
+using mstar::stage;
+using mstar::wait_phase0;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroups = 8;  // so at most 64 rows per CTA
-constexpr int kChunk = 16384;  // bytes per bulk copy
-
-__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void gdc_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Thread 0: arm the barrier for `bytes` and copy `bytes` (a multiple of 16) from `src` to `dst` in chunks.
-__device__ __forceinline__ void stage(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-  for (uint32_t off = 0; off < bytes; off += kChunk) {
-    uint32_t size = bytes - off < kChunk ? bytes - off : kChunk;
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(static_cast<char*>(dst) + off)),
-        "l"(static_cast<const char*>(src) + off), "r"(size), "r"(smem_addr(bar))
-        : "memory");
-  }
-}
-
-__device__ __forceinline__ void wait_phase0(uint64_t* bar) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem_addr(bar))
-        : "memory");
-  }
-}
 
 // y[n0 + c] = sum_k w[n0 + c, k] * x[k] for the CTA's `cols` rows; K a multiple of 8, x and w 16-byte aligned.
 // The rows travel in groups of kWarps (one row per warp), each group on its own barrier, so the first group's sums
@@ -144,17 +121,8 @@ int mstar_set_carveout(int percent) {
 }
 
 int mstar_relay(const void* x, void* y, int n, int mode, void* stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1);
-  config.blockDim = dim3(kThreads);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = mode ? 1 : 0;
-  return cudaLaunchKernelEx(&config, relay, static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n,
-                            mode);
+  return mstar::launch(relay, dim3(1), dim3(kThreads), 0, static_cast<cudaStream_t>(stream), mode != 0,
+                       static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, mode);
 }
 
 // 0 on success, else a cudaError_t (or -1: a shape the kernel does not take).
@@ -170,19 +138,10 @@ int mstar_staged_gemv(const void* w, const void* x, void* y, int n, int k, int c
     if (err != cudaSuccess) return err;
     allowed = smem;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n + cols - 1) / cols);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = mode ? 1 : 0;
-  return cudaLaunchKernelEx(&config, staged_gemv, static_cast<const __nv_bfloat16*>(w),
-                            static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, k, cols, mode,
-                            stage_first);
+  return mstar::launch(staged_gemv, dim3((n + cols - 1) / cols), dim3(kThreads), smem,
+                       static_cast<cudaStream_t>(stream), mode != 0, static_cast<const __nv_bfloat16*>(w),
+                       static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, k, cols, mode,
+                       stage_first);
 }
 
 }  // extern "C"

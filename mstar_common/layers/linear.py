@@ -130,11 +130,11 @@ def gemv_candidates(rows: int, n: int, k: int, staged: bool = False) -> list[tup
 
 def staged_candidates_for(weight: torch.Tensor, rows: int) -> bool:
     """Whether `tune_gemv` also tries kernels/staged_gemv.py for `weight` at `rows` rows: bf16 on a Hopper-or-newer
-    GPU where the kernel builds (nvcc), `MSTAR_GEMV_STAGED` not 0, and a row count that launches with PDL (its
-    weight copy ahead of the wait is what it brings; without PDL nothing runs ahead)."""
-    from kernels.staged_gemv import MAX_ROWS, available
+    GPU where the kernel builds (nvcc), `MSTAR_GEMV_STAGED=1`, and a row count that launches with PDL (its weight
+    copy ahead of the wait is what it brings; without PDL nothing runs ahead)."""
+    from kernels.staged_gemv import MAX_ROWS, available, enabled
 
-    if rows > MAX_ROWS or not available(weight):
+    if rows > MAX_ROWS or not enabled() or not available(weight):
         return False
     from kernels._pdl import use_pdl
 
@@ -337,8 +337,9 @@ def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
     row count after the tuning, whatever it decided (cuBLAS included), so that a whole step can be timed with one
     setting throughout (scripts/probe_gemv_chain.py's chain preferred such a plan to the per-projection tuning).
     `ROWS:staged/COLS` puts them on kernels/staged_gemv.py with COLS columns per CTA (0: `staged_gemv.auto_cols`
-    per shape), where that kernel serves the weight and takes the shape."""
+    per shape), where that kernel serves the weight and takes the shape (with or without `MSTAR_GEMV_STAGED`)."""
     from kernels.staged_gemv import MAX_COLS, STAGED
+    from kernels.staged_gemv import MAX_ROWS as STAGED_MAX_ROWS
 
     raw = os.environ.get("MSTAR_GEMV_FORCE", "")
     forced = {}
@@ -346,7 +347,7 @@ def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
         rows, _, setting = item.partition(":")
         values = setting.split("/")
         if rows.isdigit() and len(values) == 2 and values[0] == "staged" and values[1].isdigit():
-            if 1 <= int(rows) <= 4 and int(values[1]) <= MAX_COLS:
+            if 1 <= int(rows) <= STAGED_MAX_ROWS and int(values[1]) <= MAX_COLS:
                 forced[int(rows)] = (STAGED, int(values[1]))
                 continue
         ok = rows.isdigit() and 1 <= int(rows) <= GEMV_MAX_ROWS and len(values) == 4 and all(map(str.isdigit, values))
@@ -358,7 +359,8 @@ def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
             raise ValueError(f"MSTAR_GEMV_FORCE={raw!r}: expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES[;...] with ROWS in "
                              f"[1, {GEMV_MAX_ROWS}], BLOCK_N a power of two <= 64, BLOCK_K 0 (the whole K) or a power "
                              "of two >= 16, WARPS 1-16 (a power of two), STAGES >= 1; e.g. 1:8/0/8/1; or "
-                             f"ROWS:staged/COLS with ROWS in [1, 4] and COLS in [0, {MAX_COLS}] (0: per shape)")
+                             f"ROWS:staged/COLS with ROWS in [1, {STAGED_MAX_ROWS}] and COLS in [0, {MAX_COLS}] "
+                             "(0: per shape)")
         forced[int(rows)] = tuple(int(v) for v in values)
     return forced
 

@@ -107,6 +107,7 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_eager_bits():
     """RMSNorm launch -> staged qkv-like -> staged o-like -> staged with its norm inside, captured with PDL: the same
     bits as the same launches run eagerly (a copy ahead of the wait must never see a stale input)."""
     from kernels.rmsnorm import rms_norm
+    from mstar_common.diffusion.step_graphs import capture_graph
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     h = torch.randn(1, 1024, device="cuda", generator=gen).bfloat16()
@@ -123,14 +124,7 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_eager_bits():
         return d, stream
 
     eager = [t.clone() for t in chain()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
+    graph, outs = capture_graph(chain, None)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

@@ -39,11 +39,12 @@ def test_not_tried_off_a_hopper_gpu_or_when_switched_off(monkeypatch):
     monkeypatch.delenv("MSTAR_GEMV_STAGED", raising=False)
     assert not staged.enabled()  # off by default
     monkeypatch.setenv("MSTAR_GEMV_STAGED", "1")
-    assert not staged_candidates_for(weight, 1)  # a CPU tensor
-    monkeypatch.setenv("MSTAR_GEMV_STAGED", "0")
-    assert not staged.enabled() and not staged.available(weight)
-    monkeypatch.setenv("MSTAR_GEMV_STAGED", "1")
     assert staged.enabled()
+    assert not staged.available(weight) and not staged_candidates_for(weight, 1)  # a CPU tensor
+    monkeypatch.setattr(staged, "available", lambda w: True)  # as on a Hopper GPU with nvcc
+    assert not staged_candidates_for(weight, staged.MAX_ROWS + 1)
+    monkeypatch.setenv("MSTAR_GEMV_STAGED", "0")
+    assert not staged_candidates_for(weight, 1)
 
 
 def test_readable_needs_aligned_bf16_rows():
