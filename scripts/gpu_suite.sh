@@ -64,7 +64,7 @@ bench() {  # name family seconds [load overrides...]
 [ "${1:-}" = "--bench-only" ] && { tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null; exit 0; }
 
 stage "kernel and graph tests"
-MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 100 $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider \
+MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 540 $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider \
   || echo "STAGE FAILED: gpu tests"
 
 if [ -n "${FLASHINFER_SDIST:-}" ]; then  # e.g. flashinfer_python-0.2.5.tar.gz (pip download --no-deps ...)
