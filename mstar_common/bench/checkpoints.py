@@ -1,7 +1,8 @@
 """Random-weight checkpoints at real shapes (for GPU performance runs; weights cost the same as real ones).
 
-Built with transformers' own classes on the GPU in bf16, saved as HF safetensors, with the tiny tokenizer
-(random output ids it does not know decode to nothing, which costs the same as real text).
+Built with transformers' own classes on the GPU in bf16, saved as HF safetensors, with a tokenizer that covers
+the model's whole vocabulary (`build_bench_tokenizer`), so every random output id decodes to text and the OpenAI
+proxy streams a chunk for it, as it would for a real checkpoint.
 """
 
 from __future__ import annotations
@@ -47,13 +48,39 @@ def family_checkpoint(family: str, given: str | Path | None = None) -> Path:
     return build_random_checkpoint(name, f"/tmp/mstar-profile/{name}")
 
 
+def build_bench_tokenizer(vocab_size: int):
+    """The tiny BPE tokenizer (mstar_common/families/qwen3/tiny.py) with every id below `vocab_size` decodable.
+
+    Its merges, special tokens and chat template are kept, so prompts encode as with the tiny tokenizer (" the"
+    is one token); each id it does not know becomes a vocabulary entry " w<id>" that no merge produces. Without
+    them a random model's output ids decode to nothing, and the proxy sends no chunk until the end.
+    """
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+
+    tiny = build_tokenizer()
+    spec = json.loads(tiny.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for added in spec["added_tokens"]:  # in the vocabulary too, so loading keeps their ids
+        vocab[added["content"]] = added["id"]
+    assert len(vocab) <= vocab_size, f"vocab_size {vocab_size} is smaller than the tiny tokenizer's {len(vocab)}"
+    taken = set(vocab.values())
+    vocab.update({f"\u0120w{i}": i for i in range(vocab_size) if i not in taken})  # \u0120: a byte-level space
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                        eos_token=tiny.eos_token, pad_token=tiny.pad_token, unk_token=None)
+    tokenizer.chat_template = tiny.chat_template
+    return tokenizer
+
+
 def build_random_checkpoint(name: str, out_dir: str | Path, device: str = "cuda") -> Path:
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    from mstar_common.families.qwen3.tiny import build_tokenizer
 
     shape = dict(SHAPES[name])
     family = shape.pop("family")
@@ -64,7 +91,7 @@ def build_random_checkpoint(name: str, out_dir: str | Path, device: str = "cuda"
         model = model_cls(config).to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0, do_sample=False)
     model.save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
+    build_bench_tokenizer(config.vocab_size).save_pretrained(out)
     del model
     torch.cuda.empty_cache()
     return out
