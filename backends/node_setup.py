@@ -19,6 +19,7 @@ from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.config import Deployment, deployment_from_dict
 from mstar_common.families.base import Family
 from mstar_common.families.registry import get_family
+from mstar_common.gil import apply_switch_interval
 from mstar_common.graph import Component
 from mstar_common.native_backtrace import load_from_env as load_native_backtrace
 
@@ -66,6 +67,12 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
     load_native_backtrace()  # MSTAR_NATIVE_BACKTRACE: native frames too; loaded first, faulthandler chains to it
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # a fatal signal leaves every stack in the log
     model_name = args["model_name"]
+    try:
+        interval = apply_switch_interval()
+    except ValueError as exc:
+        raise pb_utils.TritonModelException(f"{model_name}: {exc}") from None
+    if interval != 0.005:
+        logger.info("[%s] GIL switch interval %.3f ms", model_name, interval * 1e3)
     model_config = json.loads(args["model_config"])
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise pb_utils.TritonModelException(f"{model_name}: a {kind} node must be decoupled")
