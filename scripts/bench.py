@@ -189,6 +189,7 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
         record("triton", triton.run(requests(count), rate=rate), rate=rate)
     if proxy_url is not None:
         openai = OpenAIDriver(proxy_url, args.name, prompt_text_for(checkpoint))
+        openai.run(requests(args.warmup), concurrency=args.warmup)  # warm-up: the proxy's channel, text prompts
         for conc in args.proxy_concurrency:
             count = max(args.min_requests, args.requests_per_level * conc)
             record("openai", openai.run(requests(count), concurrency=conc), concurrency=conc)
