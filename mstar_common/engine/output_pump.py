@@ -113,7 +113,7 @@ class PumpTimes:
     responses: int = 0
     deliver_s: float = 0.0
     codec_s: float = 0.0
-    send_s: float = 0.0  # in the sinks' send calls (measured by the codec pump)
+    send_s: float = 0.0  # in the sinks' send calls (with any wait for the GIL inside them)
     polls: int = 0
     polled: int = 0
     poll_s: float = 0.0
@@ -220,12 +220,16 @@ class OutputPump:
             outputs, reason = stream.update(new_ids, finish)
             self.times.responses += 1
             if reason is None:
+                sending = time.perf_counter()
                 stream.sink.send_chunk(outputs)
+                self.times.send_s += time.perf_counter() - sending
                 continue
             self.unregister(request_id)
             if finish is None:  # a stop string ended the stream: the engine is still decoding it
                 self._engine.cancel(request_id)
+            sending = time.perf_counter()
             stream.sink.send_final(outputs)
+            self.times.send_s += time.perf_counter() - sending
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()

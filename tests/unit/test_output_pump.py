@@ -128,3 +128,30 @@ def test_cancellation_polls_ask_a_bounded_slice_of_the_streams_in_turn():
         assert CountingSink.asked == output_pump.CANCEL_POLL_STREAMS == 32
         assert (engine.cancelled == ["r77"]) == (poll >= 2), poll  # r77 sits in the third slice
     assert sinks["r77"].sent == [("final", None)] and pump.num_streams == 99
+
+
+def test_the_time_in_sends_is_counted_for_text_streams():
+    class SlowSink(FakeSink):
+        def send_chunk(self, outputs):
+            time.sleep(0.01)
+            super().send_chunk(outputs)
+
+        def send_final(self, outputs=None):
+            time.sleep(0.01)
+            super().send_final(outputs)
+
+    engine, sink = FakeEngine(), SlowSink()
+    pump = OutputPump(engine)
+    pump.register(_stream("r", sink))
+    pump.start()
+    try:
+        pump.on_output("r", [1], None, None)
+        _run(pump, lambda: len(sink.sent) == 1)
+        pump.on_output("r", [2], FinishReason.LENGTH, None)
+        _run(pump, lambda: sink.is_closed)
+        times = pump.times
+    finally:
+        pump.stop()
+    assert times.responses == 2
+    assert 0.02 <= times.send_s <= times.deliver_s
+    assert f"sends {times.send_s * 1e3 / 2:.2f} ms each" in times.line(time.monotonic())
