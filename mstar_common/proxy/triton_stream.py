@@ -18,9 +18,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.grpc import service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
-from tritonclient.utils import InferenceServerException, serialize_byte_tensor
+from tritonclient.utils import (
+    InferenceServerException,
+    deserialize_bytes_tensor,
+    serialize_byte_tensor,
+    triton_to_np_dtype,
+)
 
 from mstar_common import wire
 
@@ -171,7 +176,35 @@ def build_request(
 # response parsing
 
 
-def _scalar(result: InferResult, name: str) -> Any:
+class _Outputs:
+    """A response's output tensors by name, each decoded when asked for. The names are indexed once per response:
+    a response is asked for ~11 outputs it may hold, and tritonclient's `InferResult.as_numpy` scans the output
+    list for each (42 -> 25 us per text response on a CPU machine, at ~2,000 responses/s through the proxy)."""
+
+    __slots__ = ("_response", "_index")
+
+    def __init__(self, response: service_pb2.ModelInferResponse):
+        self._response = response
+        self._index = {output.name: i for i, output in enumerate(response.outputs)}
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        i = self._index.get(name)
+        if i is None:
+            return None
+        output, raw = self._response.outputs[i], self._response.raw_output_contents
+        if i < len(raw):  # what Triton sends: every output's bytes in raw_output_contents
+            if output.datatype == "BYTES":
+                array = deserialize_bytes_tensor(raw[i])
+            else:
+                array = np.frombuffer(raw[i], dtype=triton_to_np_dtype(output.datatype))
+        elif output.contents.bytes_contents:
+            array = np.array(list(output.contents.bytes_contents), dtype=np.object_)
+        else:
+            array = np.empty(0, dtype=triton_to_np_dtype(output.datatype))
+        return array.reshape(list(output.shape))
+
+
+def _scalar(result: _Outputs, name: str) -> Any:
     array = result.as_numpy(name)
     if array is None or array.size == 0:
         return None
@@ -192,7 +225,7 @@ def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamRespo
     is_final = _FINAL_PARAM in params and params[_FINAL_PARAM].bool_param
     if not response.outputs:
         return StreamResponse(is_final=is_final)
-    result = InferResult(response)
+    result = _Outputs(response)
     token_ids = result.as_numpy(wire.TOKEN_IDS)
     prompt_tokens = _scalar(result, wire.PROMPT_TOKENS)
     completion_tokens = _scalar(result, wire.COMPLETION_TOKENS)
@@ -212,7 +245,7 @@ def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamRespo
     )
 
 
-def _transcript(result: InferResult) -> dict[str, Any] | None:
+def _transcript(result: _Outputs) -> dict[str, Any] | None:
     """The metadata a transcription entry model sends with its last response (see `wire`), else None."""
     segments = _text(_scalar(result, wire.TRANSCRIPT_SEGMENTS))
     if not segments:
@@ -222,7 +255,7 @@ def _transcript(result: InferResult) -> dict[str, Any] | None:
             "duration": 0.0 if duration is None else float(duration), "segments": json.loads(segments)}
 
 
-def _image_list(result: InferResult) -> list[bytes]:
+def _image_list(result: _Outputs) -> list[bytes]:
     images = result.as_numpy(wire.IMAGES)
     return [] if images is None else [bytes(image) for image in images.reshape(-1)]
 

@@ -104,6 +104,35 @@ def test_parse_response():
         parse_response(service_pb2.ModelStreamInferResponse(error_message="internal error (error id 1): x"))
 
 
+def test_outputs_decode_as_tritonclient_does_for_every_wire_output():
+    from tritonclient.grpc import InferResult
+
+    from mstar_common.proxy.triton_stream import _Outputs
+
+    out = service_pb2.ModelInferResponse
+    tensors = [
+        (wire.TEXT_OUTPUT, "BYTES", [1], _bytes_raw(["hé"])),
+        (wire.TOKEN_IDS, "INT32", [3], np.asarray([7, 8, 9], np.int32).tobytes()),
+        (wire.AUDIO_CHUNK, "INT16", [4], np.asarray([1, -2, 3, -4], np.int16).tobytes()),
+        (wire.SAMPLE_RATE, "INT32", [1], np.asarray([24000], np.int32).tobytes()),
+        (wire.IMAGES, "BYTES", [2], _bytes_raw(["PNG a", "PNG b"])),
+        (wire.IMAGE_SEED, "INT64", [1], np.asarray([2**40], np.int64).tobytes()),
+        (wire.TRANSCRIPT_DURATION, "FP32", [1], np.asarray([1.5], np.float32).tobytes()),
+        (wire.TOKEN_IDS + "_2d", "INT32", [2, 2], np.arange(4, dtype=np.int32).tobytes()),
+    ]
+    outputs = [out.InferOutputTensor(name=n, datatype=d, shape=s) for n, d, s, _ in tensors]
+    response = out(model_name="m", outputs=outputs, raw_output_contents=[raw for *_, raw in tensors])
+    ours, theirs = _Outputs(response), InferResult(response)
+    for name, *_ in tensors:
+        mine, reference = ours.as_numpy(name), theirs.as_numpy(name)
+        assert mine.dtype == reference.dtype and mine.shape == reference.shape, name
+        assert mine.tolist() == reference.tolist(), name
+    assert ours.as_numpy(wire.FINISH_REASON) is None and theirs.as_numpy(wire.FINISH_REASON) is None
+    parsed = parse_response(service_pb2.ModelStreamInferResponse(infer_response=response))
+    assert (parsed.text, parsed.token_ids, parsed.sample_rate, parsed.seed) == ("hé", [7, 8, 9], 24000, 2**40)
+    assert parsed.audio.tolist() == [1, -2, 3, -4] and parsed.images == [b"PNG a", b"PNG b"]
+
+
 class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Streams by model name: "ok" -> two tokens + empty final; "bad" -> invalid request; "slow" -> one token
     and then waits for cancellation."""
