@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import queue
 import random
 import threading
@@ -117,66 +119,150 @@ def _drive(count: int, send, done: queue.Queue, concurrency: int | None, rate: f
             num_sent += 1
 
 
-class OpenAIDriver:
-    """Streaming `/v1/completions` against the proxy; prompts are text of the workload's token length."""
+CLIENT_STREAMS_PER_PROCESS = 16  # closed-loop streams one client process drives (OpenAIDriver, processes="auto")
 
-    def __init__(self, base_url: str, model: str, prompt_text) -> None:
+
+class OpenAIDriver:
+    """Streaming `/v1/completions` against the proxy; prompts are text of the workload's token length.
+
+    One client process (httpx on one event loop) saturates a core at ~17,000 SSE events/s on a CPU machine, and
+    its own queueing then shows up as TTFT and lost throughput (docs/benchmarks.md, "The OpenAI proxy under
+    load"). So `run` spreads a load over `processes` client processes: request i goes to process i % P, each
+    process drives its share of the concurrency (or rate / P Poisson arrivals: a split Poisson stream is Poisson),
+    and all start together behind a barrier. Timestamps are `time.perf_counter`, one monotonic clock for every
+    process on Linux. `processes="auto"`: one per CLIENT_STREAMS_PER_PROCESS closed-loop streams, at most half the
+    CPUs; one for a Poisson load.
+    """
+
+    def __init__(self, base_url: str, model: str, prompt_text, processes: int | str = "auto") -> None:
         self.base_url, self.model, self.prompt_text = base_url.rstrip("/"), model, prompt_text
+        self.processes = processes
 
     def run(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
             seed: int = 0, timeout_s: float = 600.0) -> list[RequestRecord]:
-        return asyncio.run(self._run(requests, concurrency, rate, seed, timeout_s))
+        bodies = [self.body(request) for request in requests]
+        num = self.num_processes(len(bodies), concurrency, rate)
+        if num <= 1:
+            return asyncio.run(_run_bodies(self.base_url, bodies, concurrency, rate, seed, timeout_s))
+        return _run_in_processes(self.base_url, bodies, num, concurrency, rate, seed, timeout_s)
 
-    async def _run(self, requests, concurrency, rate, seed, timeout_s) -> list[RequestRecord]:
-        import httpx
+    def num_processes(self, count: int, concurrency: int | None, rate: float | None) -> int:
+        if self.processes != "auto":
+            return max(1, min(int(self.processes), count))
+        if rate is not None or not concurrency:
+            return 1
+        cap = max(1, (os.cpu_count() or 2) // 2)
+        return max(1, min(cap, -(-min(concurrency, count) // CLIENT_STREAMS_PER_PROCESS)))
 
-        records = [RequestRecord(start=0.0) for _ in requests]
-        limits = httpx.Limits(max_connections=max(concurrency or 1, 64))
-        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-            if rate is not None:
-                rng = random.Random(seed)
-                tasks = []
-                for index in range(len(requests)):
-                    tasks.append(asyncio.create_task(self._one(client, requests[index], records[index])))
-                    await asyncio.sleep(rng.expovariate(rate))
-                await asyncio.gather(*tasks)
-            else:
-                cursor = iter(range(len(requests)))
-
-                async def worker() -> None:
-                    for index in cursor:
-                        await self._one(client, requests[index], records[index])
-
-                await asyncio.gather(*(worker() for _ in range(min(concurrency or 1, len(requests)))))
-        return records
-
-    async def _one(self, client, request: dict, rec: RequestRecord) -> None:
-        body = {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
+    def body(self, request: dict) -> dict:
+        return {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
                 "max_tokens": request["max_tokens"], "ignore_eos": request["ignore_eos"],
                 "temperature": request["temperature"], "stream_options": {"include_usage": True}}
-        rec.start = time.perf_counter()
-        try:
-            async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    rec.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                    return
-                usage = None
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    if chunk.get("choices"):
-                        rec.chunks.append((time.perf_counter(), 1))
-                if usage and rec.chunks:  # spread the counted tokens over the chunks that carried them
-                    per = usage["completion_tokens"] / len(rec.chunks)
-                    rec.chunks = [(t, 0) for t, _ in rec.chunks]
-                    rec.chunks = _spread(rec.chunks, per, usage["completion_tokens"])
-        except Exception as exc:  # noqa: BLE001 - recorded per request
-            rec.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            rec.end = time.perf_counter()
+
+
+def _share(total: int, num: int, index: int) -> int:
+    return total // num + (1 if index < total % num else 0)
+
+
+def _run_in_processes(base_url: str, bodies: list[dict], num: int, concurrency: int | None, rate: float | None,
+                      seed: int, timeout_s: float) -> list[RequestRecord]:
+    context = multiprocessing.get_context("spawn")  # no forked event loops or sockets
+    barrier, results = context.Barrier(num), context.Queue()
+    workers = []
+    for index in range(num):
+        share = bodies[index::num]
+        args = (base_url, share, None if concurrency is None else max(1, _share(concurrency, num, index)),
+                None if rate is None else rate / num, seed + index, timeout_s, barrier, results, index)
+        workers.append(context.Process(target=_client_process, args=args, daemon=True))
+    for worker in workers:
+        worker.start()
+    parts: dict[int, list[RequestRecord] | str] = {}
+    deadline = time.monotonic() + timeout_s + 120
+    try:
+        while len(parts) < num:
+            try:
+                index, part = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w.exitcode for i, w in enumerate(workers) if i not in parts and w.exitcode is not None]
+                if dead:  # it died without reporting (its report, if any, would have arrived before its exit)
+                    raise RuntimeError(f"a client process exited with code {dead[0]} without results") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"client processes unfinished after {timeout_s:.0f} s") from None
+                continue
+            parts[index] = part
+    finally:
+        for worker in workers:
+            worker.join(5)
+            if worker.is_alive():
+                worker.terminate()
+    failed = [part for part in parts.values() if isinstance(part, str)]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
+    records: list[RequestRecord] = [None] * len(bodies)  # type: ignore[list-item]
+    for index, part in parts.items():
+        records[index::num] = part
+    return records
+
+
+def _client_process(base_url, bodies, concurrency, rate, seed, timeout_s, barrier, results, index) -> None:
+    try:
+        import httpx  # noqa: F401 - imported before the barrier, so no process starts late
+
+        barrier.wait(timeout=120)
+        results.put((index, asyncio.run(_run_bodies(base_url, bodies, concurrency, rate, seed, timeout_s))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((index, f"{type(exc).__name__}: {exc}"))
+
+
+async def _run_bodies(base_url: str, bodies: list[dict], concurrency: int | None, rate: float | None, seed: int,
+                      timeout_s: float) -> list[RequestRecord]:
+    import httpx
+
+    records = [RequestRecord(start=0.0) for _ in bodies]
+    limits = httpx.Limits(max_connections=max(concurrency or 1, 64))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        if rate is not None:
+            rng = random.Random(seed)
+            tasks = []
+            for index in range(len(bodies)):
+                tasks.append(asyncio.create_task(_one(client, base_url, bodies[index], records[index])))
+                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+        else:
+            cursor = iter(range(len(bodies)))
+
+            async def worker() -> None:
+                for index in cursor:
+                    await _one(client, base_url, bodies[index], records[index])
+
+            await asyncio.gather(*(worker() for _ in range(min(concurrency or 1, len(bodies)))))
+    return records
+
+
+async def _one(client, base_url: str, body: dict, rec: RequestRecord) -> None:
+    rec.start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                rec.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            usage = None
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    rec.chunks.append((time.perf_counter(), 1))
+            if usage and rec.chunks:  # spread the counted tokens over the chunks that carried them
+                per = usage["completion_tokens"] / len(rec.chunks)
+                rec.chunks = [(t, 0) for t, _ in rec.chunks]
+                rec.chunks = _spread(rec.chunks, per, usage["completion_tokens"])
+    except Exception as exc:  # noqa: BLE001 - recorded per request
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        rec.end = time.perf_counter()
 
 
 def _spread(chunks: list[tuple[float, int]], per: float, total: int) -> list[tuple[float, int]]:
