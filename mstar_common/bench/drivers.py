@@ -184,11 +184,15 @@ def _run_in_processes(base_url: str, bodies: list[dict], num: int, concurrency: 
                 index, part = results.get(timeout=1.0)
             except queue.Empty:
                 dead = [w.exitcode for i, w in enumerate(workers) if i not in parts and w.exitcode is not None]
-                if dead:  # it died without reporting (its report, if any, would have arrived before its exit)
-                    raise RuntimeError(f"a client process exited with code {dead[0]} without results") from None
-                if time.monotonic() > deadline:
+                if dead:  # a report flushed just before its sender exited may still be in the pipe: one last look
+                    try:
+                        index, part = results.get(timeout=5.0)
+                    except queue.Empty:
+                        raise RuntimeError(f"a client process exited with code {dead[0]} without results") from None
+                elif time.monotonic() > deadline:
                     raise TimeoutError(f"client processes unfinished after {timeout_s:.0f} s") from None
-                continue
+                else:
+                    continue
             parts[index] = part
     finally:
         for worker in workers:

@@ -20,6 +20,7 @@ class SSEServer:
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.port = 0
+        self.server = None
 
     def __enter__(self) -> SSEServer:
         self.thread.start()
@@ -27,16 +28,25 @@ class SSEServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
+
+    async def _shutdown(self) -> None:
+        self.server.close()
+        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await self.server.wait_closed()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
         self.ready.set()
         self.loop.run_forever()
-        server.close()
 
     @staticmethod
     def _frame(data: bytes) -> bytes:
