@@ -32,9 +32,9 @@ def switch_interval_s(environ: Mapping[str, str] = os.environ) -> float | None:
     return ms / 1e3
 
 
-def apply_switch_interval(environ: Mapping[str, str] = os.environ) -> float:
-    """Set the interpreter's switch interval from the environment (if asked); returns the one in force."""
+def apply_switch_interval(environ: Mapping[str, str] = os.environ) -> float | None:
+    """Set the interpreter's switch interval from the environment; returns the one set, or None when unset."""
     interval = switch_interval_s(environ)
     if interval is not None:
         sys.setswitchinterval(interval)
-    return sys.getswitchinterval()
+    return interval

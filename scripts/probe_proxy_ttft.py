@@ -12,6 +12,7 @@ response); that log stays in the printed server directory. Usage (a checkpoint w
 """
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -23,8 +24,6 @@ import bench  # noqa: E402
 from mstar_common import wire  # noqa: E402
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver  # noqa: E402
 from mstar_common.bench.workload import Workload  # noqa: E402
-
-REQUESTS = 16  # per way in and round; set by --requests
 
 
 def ttfts_ms(records) -> list[float]:
@@ -41,23 +40,23 @@ def as_text(requests: list[dict], prompt_len: int) -> list[dict]:
     return out
 
 
-def three_ways(args, grpc_url, entry, proxy_url, checkpoint) -> list:
+def three_ways(args, grpc_url, entry, proxy_url, checkpoint, *, count: int) -> list:
     """Stands in for bench.sweep: two rounds of the three ways in, after a warm-up of each."""
     workload = Workload("fixed", args.prompt_len, args.output_len)
     triton = TritonDriver(grpc_url, entry)
     openai = OpenAIDriver(proxy_url, args.name, bench.prompt_text_for(checkpoint))
     issued = 0
 
-    def requests(count: int) -> list[dict]:
+    def requests(num: int) -> list[dict]:
         nonlocal issued
-        issued += count
-        return workload.requests(count, first=issued - count)
+        issued += num
+        return workload.requests(num, first=issued - num)
 
     triton.run(requests(2), concurrency=1)
     openai.run(requests(2), concurrency=1)
-    ways = (("ids direct", lambda: triton.run(requests(REQUESTS), concurrency=1)),
-            ("text direct", lambda: triton.run(as_text(requests(REQUESTS), args.prompt_len), concurrency=1)),
-            ("proxy", lambda: openai.run(requests(REQUESTS), concurrency=1)))
+    ways = (("ids direct", lambda: triton.run(requests(count), concurrency=1)),
+            ("text direct", lambda: triton.run(as_text(requests(count), args.prompt_len), concurrency=1)),
+            ("proxy", lambda: openai.run(requests(count), concurrency=1)))
     for _ in range(2):
         for name, run in ways:
             t = ttfts_ms(run())
@@ -66,7 +65,6 @@ def three_ways(args, grpc_url, entry, proxy_url, checkpoint) -> list:
 
 
 def main() -> int:
-    global REQUESTS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--family", default="qwen3")
@@ -75,8 +73,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=16, help="per way in, per round (two rounds)")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args()
-    REQUESTS = args.requests
-    bench.sweep = three_ways
+    bench.sweep = functools.partial(three_ways, count=args.requests)
     return bench.main(["serve", "--family", args.family, "--checkpoint", args.checkpoint, "--name", "probe",
                        "--device", args.device, "--prompt-len", str(args.prompt_len), "--output-len", "4",
                        "--max-model-len", str(args.max_model_len), "--out", "/tmp/probe_proxy_ttft.json",

@@ -17,7 +17,7 @@ def restore_interval():
 def test_unset_keeps_the_interpreters_interval(restore_interval):
     before = sys.getswitchinterval()
     assert switch_interval_s({}) is None and switch_interval_s({ENV: " "}) is None
-    assert apply_switch_interval({}) == before
+    assert apply_switch_interval({}) is None and sys.getswitchinterval() == before
 
 
 def test_a_value_in_milliseconds_is_applied(restore_interval):

@@ -3,6 +3,7 @@ server faults are scrubbed to an error id, and latency samples are recorded."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from mstar_common import wire
@@ -65,12 +66,22 @@ def _run(pump, until, timeout=5.0):
         time.sleep(0.01)
 
 
-def test_a_cancelled_stream_gets_only_a_flags_only_final_then_nothing():
-    engine, sink = FakeEngine(), FakeSink()
+@contextlib.contextmanager
+def _running(engine, **sinks):
+    """A started pump with a stream per sink (keyed by request id), stopped on exit."""
     pump = OutputPump(engine)
-    pump.register(_stream("r", sink))
+    for request_id, sink in sinks.items():
+        pump.register(_stream(request_id, sink))
     pump.start()
     try:
+        yield pump
+    finally:
+        pump.stop()
+
+
+def test_a_cancelled_stream_gets_only_a_flags_only_final_then_nothing():
+    engine, sink = FakeEngine(), FakeSink()
+    with _running(engine, r=sink) as pump:
         pump.on_output("r", [1], None, None)
         _run(pump, lambda: len(sink.sent) == 1)
         sink.cancelled = True
@@ -80,24 +91,16 @@ def test_a_cancelled_stream_gets_only_a_flags_only_final_then_nothing():
         pump.on_output("r", [], FinishReason.CANCELLED, None)
         time.sleep(0.2)
         assert [kind for kind, _ in sink.sent] == ["chunk", "final"]
-    finally:
-        pump.stop()
 
 
 def test_limit_errors_keep_their_prefix_and_faults_are_scrubbed():
     engine, limited, faulty = FakeEngine(), FakeSink(), FakeSink()
-    pump = OutputPump(engine)
-    pump.register(_stream("limited", limited))
-    pump.register(_stream("faulty", faulty))
-    pump.start()
-    try:
+    with _running(engine, limited=limited, faulty=faulty) as pump:
         pump.on_output("limited", [1], None, None)
         _run(pump, lambda: len(limited.sent) == 1)
         pump.on_output("limited", [], FinishReason.ERROR, wire.DEADLINE_PREFIX + "deadline of 2 s")
         pump.on_output("faulty", [], FinishReason.ERROR, "engine step failed (error id x)")
         _run(pump, lambda: limited.is_closed and faulty.is_closed)
-    finally:
-        pump.stop()
     assert limited.sent[-1] == ("error", wire.DEADLINE_PREFIX + "deadline of 2 s")
     assert faulty.sent[-1][0] == "server_error"
     assert len(pump.latency.ttft) == 1 and len(pump.latency.itl) == 0
@@ -141,17 +144,12 @@ def test_the_time_in_sends_is_counted_for_text_streams():
             super().send_final(outputs)
 
     engine, sink = FakeEngine(), SlowSink()
-    pump = OutputPump(engine)
-    pump.register(_stream("r", sink))
-    pump.start()
-    try:
+    with _running(engine, r=sink) as pump:
         pump.on_output("r", [1], None, None)
         _run(pump, lambda: len(sink.sent) == 1)
         pump.on_output("r", [2], FinishReason.LENGTH, None)
         _run(pump, lambda: sink.is_closed)
         times = pump.times
-    finally:
-        pump.stop()
     assert times.responses == 2
     assert 0.02 <= times.send_s <= times.deliver_s
     assert f"sends {times.send_s * 1e3 / 2:.2f} ms each" in times.line(time.monotonic())
