@@ -107,11 +107,11 @@ class Server:
 
         stop_process(self.proxy)
         stop_process(self.triton)
-        log = self.root / "tritonserver.log"
-        if log.is_file() and os.environ.get("MSTAR_BENCH_LOG_DIR"):
-            target = Path(os.environ["MSTAR_BENCH_LOG_DIR"]) / f"tritonserver-{self.dep.name}.log"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(log.read_bytes()[-2_000_000:])
+        for log in (self.root / "tritonserver.log", self.root / "proxy.log"):
+            if log.is_file() and os.environ.get("MSTAR_BENCH_LOG_DIR"):
+                target = Path(os.environ["MSTAR_BENCH_LOG_DIR"]) / f"{log.stem}-{self.dep.name}.log"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(log.read_bytes()[-2_000_000:])
 
     @property
     def grpc_url(self) -> str:
