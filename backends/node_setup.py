@@ -71,8 +71,7 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
         interval = apply_switch_interval()
     except ValueError as exc:
         raise pb_utils.TritonModelException(f"{model_name}: {exc}") from None
-    if interval is not None:
-        logger.info("[%s] GIL switch interval %.3f ms", model_name, interval * 1e3)
+    logger.info("[%s] GIL switch interval %.3f ms", model_name, interval * 1e3)
     model_config = json.loads(args["model_config"])
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise pb_utils.TritonModelException(f"{model_name}: a {kind} node must be decoupled")

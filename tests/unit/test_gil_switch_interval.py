@@ -1,10 +1,10 @@
-"""MSTAR_SWITCH_INTERVAL_MS: parsed with a clear error, applied to the interpreter, unset keeps Python's."""
+"""MSTAR_SWITCH_INTERVAL_MS: parsed with a clear error, applied to the interpreter, 0.5 ms when unset."""
 
 import sys
 
 import pytest
 
-from mstar_common.gil import ENV, apply_switch_interval, switch_interval_s
+from mstar_common.gil import DEFAULT_MS, ENV, apply_switch_interval, switch_interval_s
 
 
 @pytest.fixture
@@ -14,10 +14,14 @@ def restore_interval():
     sys.setswitchinterval(before)
 
 
-def test_unset_keeps_the_interpreters_interval(restore_interval):
-    before = sys.getswitchinterval()
-    assert switch_interval_s({}) is None and switch_interval_s({ENV: " "}) is None
-    assert apply_switch_interval({}) is None and sys.getswitchinterval() == before
+def test_unset_applies_the_default_not_pythons(restore_interval):
+    sys.setswitchinterval(0.005)
+    assert DEFAULT_MS == 0.5
+    assert switch_interval_s({}) == switch_interval_s({ENV: " "}) == pytest.approx(5e-4)
+    assert apply_switch_interval({}) == pytest.approx(5e-4)
+    assert sys.getswitchinterval() == pytest.approx(5e-4, rel=1e-3)
+    assert apply_switch_interval({ENV: "5"}) == pytest.approx(5e-3)  # Python's own, asked for by value
+    assert sys.getswitchinterval() == pytest.approx(5e-3, rel=1e-3)
 
 
 def test_a_value_in_milliseconds_is_applied(restore_interval):
