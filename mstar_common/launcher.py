@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,3 +113,32 @@ def stop_process(proc: subprocess.Popen | None, grace: float = 25.0) -> None:
         proc.wait(5)
     except ProcessLookupError:
         pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def bare_triton(repo: Path, log_path: Path, extra_args: tuple[str, ...] = (), timeout: float = 120.0) -> Iterator[str]:
+    """A tritonserver on a throwaway model repository (the platform probes in scripts/): yields its gRPC address,
+    prints the tail of its log should it fail to start, and always stops it."""
+    http, grpc = free_port(), free_port()
+    install = find_triton()
+    cmd = server_command(install, [f"--model-repository={repo}", f"--http-port={http}", f"--grpc-port={grpc}",
+                                   "--allow-metrics=false", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+                                   *extra_args])
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        try:
+            wait_ready(f"http://127.0.0.1:{http}/v2/health/ready", server, timeout, "tritonserver")
+        except (RuntimeError, TimeoutError):
+            print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
+        yield f"127.0.0.1:{grpc}"
+    finally:
+        stop_process(server)

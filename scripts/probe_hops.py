@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import queue
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -23,8 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mstar_common.launcher import stop_process, wait_ready  # noqa: E402
-from mstar_common.triton_env import find_triton, server_command, server_env  # noqa: E402
+from mstar_common.launcher import bare_triton  # noqa: E402
 
 MODES = ("fp32", "bf16", "fp32 forwarded", "bf16 forwarded", "none")
 
@@ -120,12 +118,6 @@ def write_repository(root: Path) -> Path:
     return repo
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure(url: str, requests: int) -> dict[str, tuple[float, float]]:
     import tritonclient.grpc as grpcclient
 
@@ -160,26 +152,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="probe-hops-") as tmp:
         repo = write_repository(Path(tmp))
-        http, grpc = free_port(), free_port()
-        install = find_triton()
-        command = server_command(install, [f"--model-repository={repo}", f"--http-port={http}",
-                                           f"--grpc-port={grpc}", "--allow-metrics=false",
-                                           "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
-                                           f"--backend-config=python,shm-default-byte-size={args.shm_mb << 20}"])
-        import subprocess
-
-        with open(Path(tmp) / "tritonserver.log", "wb") as log:
-            server = subprocess.Popen(command, env=server_env(install), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-            try:
-                try:
-                        wait_ready(f"http://127.0.0.1:{http}/v2/health/ready", server, 120, "tritonserver")
-                except RuntimeError:
-                    print((Path(tmp) / "tritonserver.log").read_text(errors="replace")[-3000:], file=sys.stderr)
-                    raise
-                measure(f"127.0.0.1:{grpc}", args.requests)
-            finally:
-                stop_process(server)
+        shm = f"--backend-config=python,shm-default-byte-size={args.shm_mb << 20}"
+        with bare_triton(repo, Path(tmp) / "tritonserver.log", (shm,)) as url:
+            measure(url, args.requests)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import queue
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,8 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mstar_common.launcher import stop_process, wait_ready  # noqa: E402
-from mstar_common.triton_env import find_triton, server_command, server_env  # noqa: E402
+from mstar_common.launcher import bare_triton  # noqa: E402
 
 CONFIG = '''name: "fan"
 backend: "python"
@@ -139,14 +137,6 @@ def measure(url: str, streams: int, rounds: int, count: int, threads: int) -> tu
     return float(got[0][0]), float(got[0][1])
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=64)
@@ -160,32 +150,15 @@ def main() -> None:
         (repo / "fan" / "1").mkdir(parents=True)
         (repo / "fan" / "config.pbtxt").write_text(CONFIG)
         (repo / "fan" / "1" / "model.py").write_text(MODEL)
-        http, grpc = free_port(), free_port()
-        install = find_triton()
-        command = server_command(install, [f"--model-repository={repo}", f"--http-port={http}",
-                                           f"--grpc-port={grpc}", "--allow-metrics=false",
-                                           "--http-address=127.0.0.1", "--grpc-address=127.0.0.1"])
-        with open(Path(tmp) / "tritonserver.log", "wb") as log:
-            server = subprocess.Popen(command, env=server_env(install), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-            try:
-                try:
-                    wait_ready(f"http://127.0.0.1:{http}/v2/health/ready", server, 120, "tritonserver")
-                except RuntimeError:
-                    print((Path(tmp) / "tritonserver.log").read_text(errors="replace")[-3000:], file=sys.stderr)
-                    raise
-                url = f"127.0.0.1:{grpc}"
-                measure(url, args.streams, 4, 5, 1)  # warm-up
-                for count in args.outputs:
-                    for threads in args.threads:
-                        runs = [measure(url, args.streams, args.rounds, count, threads) for _ in range(args.repeats)]
-                        best = max(runs)
-                        print(f"outputs {count} threads {threads}: {best[0]:,.0f} responses/s "
-                              f"(runs {', '.join(f'{r[0]:,.0f}' for r in runs)}); {best[1]:.3f} ms per send",
-                              flush=True)
-                        time.sleep(0.2)
-            finally:
-                stop_process(server)
+        with bare_triton(repo, Path(tmp) / "tritonserver.log") as url:
+            measure(url, args.streams, 4, 5, 1)  # warm-up
+            for count in args.outputs:
+                for threads in args.threads:
+                    runs = [measure(url, args.streams, args.rounds, count, threads) for _ in range(args.repeats)]
+                    best = max(runs)
+                    print(f"outputs {count} threads {threads}: {best[0]:,.0f} responses/s "
+                          f"(runs {', '.join(f'{r[0]:,.0f}' for r in runs)}); {best[1]:.3f} ms per send", flush=True)
+                    time.sleep(0.2)
 
 
 if __name__ == "__main__":
