@@ -1,0 +1,202 @@
+"""GEMM for decode steps of tens of rows: `out = x @ weight.T + bias`, `x` `[M, K]` with M up to `MAX_ROWS`.
+
+At 16-64 rows a projection is still mostly a weight stream (a 64-row step reads 30 MB of Qwen3-0.6B weights per
+layer and does 4 GFLOP with them), but cuBLAS picks tiles made for compute: on the H200 at 64 rows it ran Qwen3-0.6B's
+four projections at 1.2 TB/s in all, the o and down projections (N 1,024) at 0.7-0.9 TB/s on a few dozen CTAs,
+plus a split-K reduce launch (docs/benchmarks.md, the 64-row step kernel by kernel). Here every program owns all
+rows (`BLOCK_M`, padded to 16 for the tensor cores) and `BLOCK_N` output columns, and streams its weight tile in
+`BLOCK_K` chunks through a software pipeline (`num_stages`) into `tl.dot`; narrow outputs split K over `SPLIT_K`
+programs per column block, so that the grid covers the SMs.
+
+Split K without a second launch: each program stores its fp32 partial sums to a workspace, then counts itself in
+a per-tile counter (a CTA barrier, then an atomic at GPU scope with acquire/release); the last to arrive adds
+the partials in split order (0, 1, ...: the same bits whichever program arrives last), writes the output and sets
+the counter back to zero, so a captured graph replays it. The counters are one int32 buffer per device
+(`counters`); kernels that use them must run one after another (one stream), as a decode step's do.
+
+With `SWIGLU`, `x` is a packed gate/up projection `[M, 2K]` and the kernel reads `silu(gate) * up` on load, rounded
+as kernels/silu_mul.py rounds (the SwiGLU down projection without the activation's launch). fp32 sums, the bias
+added in fp32, one rounding to the output dtype; sums run in another order than cuBLAS's, so results differ in the
+last bit now and then.
+
+Measured, not used by the layers. `scripts/sweep_mid_gemm.py` on the H200 (2026-12-03, docs/benchmarks.md "A
+tensor-core GEMM for steps of 16-64 rows"): at 64 rows cuBLAS and this kernel take the same ~5-6 us for
+Qwen3-0.6B's qkv, o and gate_up (a launch floor: gate_up moves 50% more bytes than qkv in 0.6 us more); it won
+only the o projections at 16 rows (5.87 -> 5.18 us, Llama's 9.91 -> 8.58), ~1% of a step, and its SwiGLU load ran
+1.3-2x slower than cuBLAS after `silu_mul`. A setting `(MID, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)`
+(`mid_gemm_with`, `candidates`) is the form a tuning pass would take.
+
+Launched with PDL (kernels/_pdl.py, at the row counts it allows) a program loads its first weight chunk before it
+waits for the kernel that writes `x`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._pdl import gdc_enter, gdc_start, pdl_launch
+from kernels.gemv import _x_chunk
+
+MID = -1  # a gemv setting's first element that names this kernel: (MID, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
+MAX_ROWS = 256
+MAX_BLOCK_M = 64  # more rows take several row blocks (each streams the weights again, from L2 mostly)
+COUNTERS = 1 << 16  # per-tile split-K counters per device: column blocks x row blocks of one launch
+SMEM_BYTES = 200 * 1024  # what the pipelined tiles may take (an H100/H200 SM has 228 KB)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact products (IEEE dots), for tests
+
+
+@triton.jit
+def _x_tile(x_ptr, m, kk, x_mask, K, stride_xm, SWIGLU: tl.constexpr):
+    if SWIGLU:
+        return _x_chunk(x_ptr, x_ptr, x_ptr, x_ptr, m, kk, x_mask, K, stride_xm, 0, 0, 0.0, 0, True, False,
+                        False).to(x_ptr.dtype.element_ty)
+    return tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=x_mask, other=0.0)
+
+
+@triton.jit
+def _mid_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                     stride_om, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+                     USE_GDC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = m < M, n < N
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    start = k_lo
+    if USE_GDC:
+        # Launched with PDL: the first weight chunk streams in while the kernel that writes x finishes
+        gdc_start(USE_GDC)
+        kk = k_lo + k
+        k_mask = kk < k_hi
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        gdc_enter(USE_GDC, True)
+        x = _x_tile(x_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm, SWIGLU)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        start = k_lo + BLOCK_K
+    for k0 in tl.range(start, k_hi, BLOCK_K, num_stages=STAGES):
+        kk = k0 + k
+        k_mask = kk < k_hi
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _x_tile(x_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm, SWIGLU)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + m[:, None] * stride_om + n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        rows_pad = tl.num_programs(2) * BLOCK_M
+        tl.store(part_ptr + (pid_k * rows_pad + m)[:, None] * N + n[None, :], acc, mask=n_mask[None, :])
+        tl.debug_barrier()  # every thread of this program has issued its partial sums
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of the tile's splits: the others' partials are visible
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + (s * rows_pad + m)[:, None] * N + n[None, :], mask=n_mask[None, :],
+                                 other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def counters(device: torch.device | str) -> torch.Tensor:
+    """The split-K tile counters of `device` (zeros; each launch leaves them at zero). Made on first use; call it
+    before capturing a graph so that the buffer is not one graph's."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def block_m_for(rows: int) -> int:
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(max(1, rows))))
+
+
+def fits(rows: int, n: int, k: int, block_n: int, block_k: int, split_k: int, num_stages: int) -> bool:
+    """Whether a setting suits the shape: its tiles in shared memory, K not split finer than one chunk per split,
+    and its tiles within the counters."""
+    block_m = block_m_for(rows)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
+    smem = (block_m + block_n) * block_k * 2 * max(1, num_stages)
+    return (smem <= SMEM_BYTES and triton.cdiv(k, block_k) >= split_k and tiles <= COUNTERS
+            and block_n >= 16 and block_k >= 16)
+
+
+def readable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this kernel takes these tensors: one dtype of `DTYPES`, unit inner strides, 1-MAX_ROWS rows."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and weight.dtype == x.dtype
+            and x.stride(1) == 1 and weight.stride(1) == 1
+            and (bias is None or bias.dtype == x.dtype and bias.is_contiguous()))
+
+
+def mid_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 32,
+             block_k: int = 128, split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
+             swiglu: bool = False) -> torch.Tensor:
+    """`x` `[M, K]` (M <= MAX_ROWS; `[M, 2K]` gate | up with `swiglu`), `weight` `[N, K]`, `bias` `[N]` ->
+    `[M, N]` in x's dtype. `split_k` > 1 spreads K over that many programs per column block (fewer where K has
+    fewer `block_k` chunks than that)."""
+    n, k = weight.shape
+    assert readable(x, weight, bias), "x [M <= 256, K] and weight [N, K] in one dtype (bf16, fp16, fp32), unit stride"
+    assert x.shape[1] == (2 * k if swiglu else k), "x's width must be K (2K with swiglu)"
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m = block_m_for(rows)
+    chunks = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(chunks, max(1, split_k))
+    split_k = triton.cdiv(chunks, per_split)
+    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(rows, block_m)
+    if split_k > 1:
+        assert grid_n * grid_m <= COUNTERS, "too many tiles for the split-K counters"
+        part = torch.empty((split_k, grid_m * block_m, n), dtype=torch.float32, device=x.device)
+        count = counters(x.device)
+    else:
+        part = count = out
+    _mid_gemm_kernel[(grid_n, split_k, grid_m)](
+        x, weight, bias if bias is not None else weight, out, part, count, rows, n, k, per_split * block_k,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=num_stages, num_warps=num_warps,
+        num_stages=num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **pdl_launch(x, rows, grid_n * split_k * grid_m),
+    )
+    return out
+
+
+def mid_gemm_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
+                  swiglu: bool = False) -> torch.Tensor:
+    """`mid_gemm` with a tuned setting `(MID, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)`."""
+    _, block_n, block_k, split_k, num_warps, num_stages = setting
+    return mid_gemm(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, swiglu=swiglu)
+
+
+def candidates(rows: int, n: int, k: int) -> list[tuple[int, ...]]:
+    """The settings `tune_gemv` tries at `rows` rows for an [n, k] weight: column blocks of 16-64, K chunks of
+    64-256, split K where the column blocks alone leave SMs idle, pipelined 3-4 deep; those that fit."""
+    kept = []
+    for block_n in (16, 32, 64):
+        for block_k in (128, 256):
+            programs = triton.cdiv(n, block_n)
+            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * 132 and programs < 132]
+            for split_k in splits:
+                for num_stages in (3, 4):
+                    setting = (MID, block_n, block_k, split_k, 4, num_stages)
+                    if fits(rows, n, k, block_n, block_k, split_k, num_stages):
+                        kept.append(setting)
+    return kept

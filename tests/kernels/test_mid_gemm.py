@@ -1,0 +1,102 @@
+"""The tens-of-rows decode GEMM (kernels/mid_gemm.py) against fp32 products: split K with its in-kernel reduce,
+the SwiGLU load, row blocks, and the same bits from run to run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
+
+pytest.importorskip("triton")
+pytestmark = GPU_ONLY
+
+from kernels.mid_gemm import MID, candidates, counters, fits, mid_gemm, mid_gemm_with, readable  # noqa: E402
+
+# The interpreter's bf16 dots are not exact (numpy has no bf16): fp32 there, bf16 on the GPU
+DTYPE = torch.float32 if IS_INTERPRETED else torch.bfloat16
+# (N, K): Qwen3-0.6B o / down, Llama-3.2-3B qkv; odd sizes for the masks
+SHAPES = sweep([(1024, 2048), (1024, 3072), (5120, 3072), (1000, 300)], [(64, 256), (48, 200)])
+
+
+def _ref(x, weight, bias=None):
+    out = x.float() @ weight.float().T
+    return out + bias.float() if bias is not None else out
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", sweep([5, 16, 33, 64, 100], [5, 16, 70]))
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_mid_gemm_matches_fp32_products(n, k, rows, split_k, with_bias):
+    gen = torch.Generator().manual_seed(n + k + rows + split_k)
+    x = torch.randn(rows, k, generator=gen).to(DTYPE).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPE).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(DTYPE).to(DEVICE) if with_bias else None
+    block_k = 64 if IS_INTERPRETED else 128
+    out = mid_gemm(x, weight, bias, block_n=16, block_k=block_k, split_k=split_k, num_stages=2)
+    assert out.shape == (rows, n) and out.dtype == DTYPE
+    ref = _ref(x, weight, bias)
+    assert rel_err(out, ref) < (1e-6 if DTYPE == torch.float32 else 8e-3)
+    if DTYPE == torch.bfloat16:
+        assert (out != ref.to(DTYPE)).float().mean() < 0.05  # one rounding of an fp32 sum: mostly the same bits
+    assert int(counters(DEVICE).abs().sum()) == 0, "a split-K launch left a counter set"
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_mid_gemm_split_k_gives_the_same_bits_every_run(split_k):
+    """The last split to arrive adds the partials in split order, so arrival order does not change the bits."""
+    n, k = sweep([(1024, 2048)], [(32, 256)])[0]
+    gen = torch.Generator().manual_seed(split_k)
+    x = torch.randn(64, k, generator=gen).to(DTYPE).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPE).to(DEVICE)
+    runs = [mid_gemm(x, weight, block_n=16, block_k=64, split_k=split_k) for _ in range(4 if IS_INTERPRETED else 20)]
+    assert all(torch.equal(runs[0], run) for run in runs[1:])
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+def test_mid_gemm_swiglu_equals_the_activation_kernel_then_the_gemm(rows):
+    from kernels.silu_mul import silu_mul
+
+    n, k = sweep([(1024, 3072)], [(64, 192)])[0]
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * k, generator=gen).to(DTYPE).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPE).to(DEVICE)
+    for split_k in (1, 2):
+        fused = mid_gemm(gate_up, weight, swiglu=True, block_n=16, block_k=64, split_k=split_k)
+        separate = mid_gemm(silu_mul(gate_up), weight, block_n=16, block_k=64, split_k=split_k)
+        assert torch.equal(fused, separate)
+    with pytest.raises(AssertionError, match="2K with swiglu"):
+        mid_gemm(gate_up[:, :k], weight, swiglu=True)
+
+
+def test_mid_gemm_in_a_captured_graph_replays_with_split_k():
+    """Counters made before capture, partials from the graph's pool: replays give the eager bits."""
+    if IS_INTERPRETED:
+        pytest.skip("CUDA graphs need a GPU")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 2048, generator=gen).to(DTYPE).to(DEVICE)
+    weight = (torch.randn(1024, 2048, generator=gen) / 2048**0.5).to(DTYPE).to(DEVICE)
+    setting = (MID, 16, 128, 4, 4, 3)
+    eager = mid_gemm_with(x, weight, None, setting)
+    counters(DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mid_gemm_with(x, weight, None, setting)
+    for _ in range(5):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_candidates_fit_and_readable_refuses_what_the_kernel_cannot_take():
+    for rows, n, k in [(16, 1024, 2048), (64, 6144, 1024), (64, 16384, 3072), (256, 3072, 8192)]:
+        settings = candidates(rows, n, k)
+        assert settings and all(s[0] == MID and fits(rows, n, k, *s[1:4], s[5]) for s in settings)
+    assert not fits(64, 1024, 128, 16, 128, 2, 3), "two splits of one K chunk"
+    weight = torch.zeros(8, 16, dtype=DTYPE, device=DEVICE)
+    assert readable(torch.zeros(4, 16, dtype=DTYPE, device=DEVICE), weight, None)
+    assert not readable(torch.zeros(300, 16, dtype=DTYPE, device=DEVICE), weight, None)
+    assert not readable(torch.zeros(4, 16, dtype=torch.float64, device=DEVICE), weight.double().float(), None)
+    assert not readable(torch.zeros(16, 4, dtype=DTYPE, device=DEVICE).T, weight, None)
