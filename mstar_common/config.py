@@ -119,9 +119,6 @@ class ServerConfig:
     drain_timeout_s: int = 30  # on shutdown, in-flight requests get this long to finish
     restart_on_fault: bool = True  # relaunch tritonserver when it or one of its stubs dies
     max_restarts: int = 5  # crash loop guard: give up after this many restarts within 10 minutes
-    # a text model's prompts are tokenized in the proxy, which sends token ids (the entry model then does not
-    # tokenize in its process); false: the proxy sends the text and the entry model tokenizes
-    tokenize_in_proxy: bool = True
 
 
 @dataclass(slots=True)

@@ -68,22 +68,9 @@ def start_proxy(
         "--port", str(ports.proxy),
         "--model", f"{dep.name}={entry_model}:{get_family(dep.family).proxy_kind}",
         *proxy_limit_args(dep),
-        *proxy_tokenizer_args(dep),
     ]  # fmt: skip
     log = log_path.open("ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def proxy_tokenizer_args(dep: Deployment) -> list[str]:
-    """For a text model with `server.tokenize_in_proxy`: its checkpoint as the proxy's tokenizer, and its
-    max_model_len (mstar_common/proxy/prompts.py)."""
-    family = get_family(dep.family)
-    if family.proxy_kind != "text" or not dep.server.tokenize_in_proxy:
-        return []
-    from mstar_common.checkpoints import resolve_checkpoint
-
-    checkpoint = resolve_checkpoint(dep.checkpoint, family.builtin_checkpoints)
-    return ["--tokenizer", f"{dep.name}={checkpoint}", "--max-model-len", f"{dep.name}={dep.resources.max_model_len}"]
 
 
 def proxy_limit_args(dep: Deployment) -> list[str]:

@@ -62,8 +62,7 @@ def deployment(args) -> dict:
         "max_concurrent_requests": args.max_concurrent,
         "admission": {"queue_timeout_s": None, "request_timeout_s": None},
         "model_kwargs": {"dtype": args.dtype, "default_max_tokens": args.output_len},
-        "server": {"shm_default_byte_size": 64 * 2**20, "stub_timeout_seconds": 900,
-                   "tokenize_in_proxy": not getattr(args, "proxy_text", False)},
+        "server": {"shm_default_byte_size": 64 * 2**20, "stub_timeout_seconds": 900},
     }
 
 
@@ -433,9 +432,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve with the prefix cache on (resources.kv_cache.prefix_caching). Off by default, so "
                         "the figures are full prefills: the proxy's prompts are all alike, and "
                         "--shared-prefix-len makes the Triton prompts share a start")
-    p.add_argument("--proxy-text", action="store_true",
-                   help="the proxy sends prompts as text and the entry model tokenizes them "
-                        "(server.tokenize_in_proxy false; by default the proxy tokenizes and sends ids)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     add_baseline_args(p)

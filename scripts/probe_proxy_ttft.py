@@ -1,11 +1,8 @@
 """Where the OpenAI proxy's time to first token goes, at one stream: the same server, three ways in.
 
 - ids direct: tritonclient gRPC streaming with token ids (what `bench.py serve` sends to Triton);
-- text direct: the same with the prompt as text, so the entry model tokenizes it (as for every proxy request
-  before 2026-12-03, and with `--proxy-text` since);
-- proxy: streaming /v1/completions through the proxy (httpx, as `bench.py serve` drives it), prompt as text,
-  which the proxy tokenizes and sends as ids (the default, `server.tokenize_in_proxy`; `--proxy-text`: it sends
-  the text and the entry model tokenizes);
+- text direct: the same with the prompt as text, so the entry model tokenizes it (as for every proxy request);
+- proxy: streaming /v1/completions through the proxy (httpx, as `bench.py serve` drives it), prompt as text;
 - proxy, raw client: the same request written on a kept-alive socket by a minimal asyncio HTTP/1.1 client, timed
   to the first SSE event, which separates the proxy's share from the benchmark client's (httpx) own.
 

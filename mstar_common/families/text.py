@@ -58,7 +58,7 @@ class TextLMRuntime:
 
     def __post_init__(self) -> None:
         if not self.max_text_bytes:
-            self.max_text_bytes = max_text_bytes_for(self.tokenizer, self.max_model_len)
+            self.max_text_bytes = self.max_model_len * _max_token_bytes(self.tokenizer)
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> TextRequest:
         prompt_ids = self._prompt_ids(inputs)
@@ -105,24 +105,14 @@ class TextLMRuntime:
         if wire.INPUT_IDS in inputs and inputs[wire.INPUT_IDS].size >= self.max_model_len:
             raise ValueError(f"input_ids: {inputs[wire.INPUT_IDS].size} ids leave no room for output within "
                              f"max_model_len={self.max_model_len}")
-        limits = {wire.TEXT_INPUT: self.max_text_bytes, wire.MESSAGES: messages_bytes_limit(self.max_text_bytes)}
+        # JSON may escape every character as \uXXXX (6 bytes); the chat template adds a little.
+        limits = {wire.TEXT_INPUT: self.max_text_bytes, wire.MESSAGES: 6 * self.max_text_bytes + 65536}
         for name, limit in limits.items():
             if name in inputs:
                 size = sum(len(v) if isinstance(v, bytes) else len(str(v)) for v in inputs[name].reshape(-1))
                 if size > limit:
                     raise ValueError(f"{name}: {size} bytes cannot fit max_model_len={self.max_model_len} tokens "
                                      f"(at most {limit} bytes)")
-
-
-def messages_bytes_limit(max_text_bytes: int) -> int:
-    """The most bytes of chat messages (as JSON) that can still fit a prompt of `max_text_bytes` bytes of text: JSON
-    may escape every character as \\uXXXX (6 bytes), and the chat template adds a little."""
-    return 6 * max_text_bytes + 65536
-
-
-def max_text_bytes_for(tokenizer: Any, max_model_len: int) -> int:
-    """The most bytes of prompt text that `max_model_len` tokens of `tokenizer` can stand for."""
-    return max_model_len * _max_token_bytes(tokenizer)
 
 
 def _max_token_bytes(tokenizer: Any) -> int:

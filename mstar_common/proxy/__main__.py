@@ -1,5 +1,4 @@
-"""python -m mstar_common.proxy --triton-url 127.0.0.1:8001 --port 8000 --model qwen3=qwen3_llm
-    [--tokenizer qwen3=/path/to/checkpoint --max-model-len qwen3=2048]"""
+"""python -m mstar_common.proxy --triton-url 127.0.0.1:8001 --port 8000 --model qwen3=qwen3_llm"""
 
 from __future__ import annotations
 
@@ -23,33 +22,6 @@ def parse_model(spec: str) -> ServedModel:
     return ServedModel(name=name, triton_model=triton_model, kind=kind or "text")
 
 
-def parse_named(spec: str) -> tuple[str, str]:
-    """NAME=VALUE"""
-    name, sep, value = spec.partition("=")
-    if not sep or not name or not value:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {spec!r}")
-    return name, value
-
-
-def apply_tokenizers(parser: argparse.ArgumentParser, models: list[ServedModel], tokenizers: list[tuple[str, str]],
-                     lengths: list[tuple[str, str]]) -> None:
-    """Set each named model's tokenizer directory and max_model_len (both or neither)."""
-    by_name = {m.name: m for m in models}
-    for flag, pairs in (("--tokenizer", tokenizers), ("--max-model-len", lengths)):
-        for name, _ in pairs:
-            if name not in by_name:
-                parser.error(f"{flag} {name}=...: no --model named {name!r}")
-    for name, directory in tokenizers:
-        by_name[name].tokenizer = directory
-    for name, value in lengths:
-        if not value.isdigit():
-            parser.error(f"--max-model-len {name}={value}: expected a positive integer")
-        by_name[name].max_model_len = int(value)
-    for model in models:
-        if (model.tokenizer is None) != (model.max_model_len == 0):
-            parser.error(f"model {model.name!r}: give --tokenizer and --max-model-len together")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mstar_common.proxy",
                                      description="OpenAI-compatible proxy in front of Triton")
@@ -58,11 +30,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", type=parse_model, action="append", required=True, metavar="NAME=TRITON_MODEL",
                         help="serve Triton entry model TRITON_MODEL as OpenAI model NAME (repeatable)")
-    parser.add_argument("--tokenizer", type=parse_named, action="append", default=[], metavar="NAME=DIR",
-                        help="tokenize text model NAME's prompts here with the tokenizer in DIR and send token ids "
-                             "(needs --max-model-len NAME=N)")
-    parser.add_argument("--max-model-len", type=parse_named, action="append", default=[], metavar="NAME=N",
-                        help="prompt + output tokens of one request of model NAME (with --tokenizer)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0, help="0: no limit")
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429 or 503")
@@ -74,7 +41,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="on SIGTERM, in-flight requests get this long to finish")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    apply_tokenizers(parser, args.model, args.tokenizer, args.max_model_len)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = ProxySettings(

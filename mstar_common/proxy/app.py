@@ -43,9 +43,6 @@ class ServedModel:
     name: str  # the OpenAI `model` clients send
     triton_model: str  # the Triton entry model, e.g. "qwen3_llm"
     kind: str = "text"  # family kind; decides which routes and fields apply
-    # a text model's tokenizer directory: the proxy tokenizes its prompts and sends ids (proxy/prompts.py)
-    tokenizer: str | None = None
-    max_model_len: int = 0  # with `tokenizer`: prompt + output tokens of one request, as the entry model's
 
 
 @dataclass(slots=True)
@@ -68,12 +65,6 @@ class ProxySettings:
         for m in self.models:
             if m.kind not in MODEL_KINDS:
                 raise ValueError(f"ProxySettings.models[{m.name!r}].kind must be one of {MODEL_KINDS}, got {m.kind!r}")
-            if m.tokenizer is not None and m.kind != "text":
-                raise ValueError(f"ProxySettings.models[{m.name!r}].tokenizer: only a text model's prompts are "
-                                 f"tokenized in the proxy (kind {m.kind!r})")
-            if m.tokenizer is not None and m.max_model_len < 2:
-                raise ValueError(f"ProxySettings.models[{m.name!r}].max_model_len must be >= 2 with a tokenizer, "
-                                 f"got {m.max_model_len}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"ProxySettings.max_body_bytes must be > 0, got {self.max_body_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

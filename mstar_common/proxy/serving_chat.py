@@ -28,7 +28,7 @@ def chat_generation(body: protocol.ChatCompletionRequest) -> GenerationRequest:
 async def create_chat_completion(body: protocol.ChatCompletionRequest, request: Request):
     ctx: ServingContext = request.app.state.serving
     served = ctx.resolve(body.model)
-    gen = await ctx.encode_prompt(served, chat_generation(body), "messages")
+    gen = chat_generation(body)
     rid, created = f"chatcmpl-{request.state.request_id}", protocol.now()
     if body.stream:
         stream = await ctx.stream(request, served, gen)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from fastapi import Request
 
 from mstar_common.proxy.errors import APIError, from_exception
-from mstar_common.proxy.prompts import load_encoders
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
 if TYPE_CHECKING:
@@ -97,7 +96,6 @@ class ServingContext:
         self.settings = settings
         self.triton = triton
         self.models = {m.name: m for m in settings.models}
-        self.encoders = load_encoders(settings.models)
         self.created = int(time.time())
 
     def resolve(self, name: str | None, param: str = "model", kinds: tuple[str, ...] = ("text",)) -> ServedModel:
@@ -115,14 +113,6 @@ class ServingContext:
             raise APIError(400, f"model '{name}' is a {served.kind} model; this route serves {' or '.join(kinds)} "
                                 "models", param=param)
         return served
-
-    async def encode_prompt(self, served: ServedModel, gen: GenerationRequest, param: str) -> GenerationRequest:
-        """`gen` with its prompt as token ids where the proxy holds `served`'s tokenizer (proxy/prompts.py), else
-        as it is; `param` is the client's field for the prompt. Tokenizes in a worker thread."""
-        encoder = self.encoders.get(served.name)
-        if encoder is None:
-            return gen
-        return await asyncio.to_thread(encoder.encode, gen, param)
 
     def _open(self, served: ServedModel, request_id: str, gen: GenerationRequest) -> AsyncIterator[StreamResponse]:
         return self.triton.generate(served.triton_model, request_id, gen, self.settings.request_timeout_s)

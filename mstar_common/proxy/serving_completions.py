@@ -33,7 +33,7 @@ def completion_generation(body: protocol.CompletionRequest) -> GenerationRequest
 async def create_completion(body: protocol.CompletionRequest, request: Request):
     ctx: ServingContext = request.app.state.serving
     served = ctx.resolve(body.model)
-    gen = await ctx.encode_prompt(served, completion_generation(body), "prompt")
+    gen = completion_generation(body)
     rid, created = f"cmpl-{request.state.request_id}", protocol.now()
     if body.stream:
         stream = await ctx.stream(request, served, gen)

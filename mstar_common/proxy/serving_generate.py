@@ -145,8 +145,7 @@ async def generate(request: Request):
     served = ctx.resolve(req.model, kinds=("text", *serving_speech.SPEECH_KINDS))
     if served.kind in serving_speech.SPEECH_KINDS:
         return await serving_speech.generate_speech(request, ctx, served, req)
-    param = "model_kwargs.messages" if req.model_kwargs.messages is not None else "text"
-    gen = await ctx.encode_prompt(served, generate_generation(req, served.name), param)
+    gen = generate_generation(req, served.name)
     rid, with_ids = request.state.request_id, req.model_kwargs.return_token_ids
     if req.streaming:
         stream = await ctx.stream(request, served, gen)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -78,27 +77,6 @@ def test_bad_fields_are_400s_naming_the_field(served, oai):
             oai.chat.completions.create(**base, **extra)
         assert field in str(info.value), (field, str(info.value))
     assert oai.chat.completions.create(**base, max_tokens=2).choices  # still serving
-
-
-def test_the_proxy_tokenizes_as_the_entry_model_does(served, oai):
-    """The proxy sends token ids (server.tokenize_in_proxy, the default): the same greedy tokens as the messages
-    tokenized by the entry model over gRPC, and its own refusal of a prompt too long in bytes, naming 'prompt'."""
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    via_proxy = oai.chat.completions.create(model=served.dep.name, messages=messages, max_tokens=12, temperature=0,
-                                            extra_body={"ignore_eos": True})
-    greedy = {"temperature": 0.0, "ignore_eos": True}
-    direct = run_stream(served.grpc_url, served.entry,
-                        {"d": {"messages": json.dumps(messages), "max_tokens": 12, **greedy}})["d"]
-    assert direct.error is None and len(direct.token_ids) == 12
-    assert via_proxy.choices[0].message.content == direct.text
-    raw = oai.completions.create(model=served.dep.name, prompt="Once upon a time", max_tokens=6, temperature=0,
-                                 extra_body={"ignore_eos": True})
-    direct = run_stream(served.grpc_url, served.entry,
-                        {"t": {"text_input": "Once upon a time", "max_tokens": 6, **greedy}})["t"]
-    assert raw.choices[0].text == direct.text
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model=served.dep.name, prompt="a" * (1 << 20), max_tokens=2)
-    assert info.value.body["param"] == "prompt" and info.value.body["message"].startswith("prompt: 1048576 bytes")
 
 
 def test_stop_string_ends_the_stream_and_frees_pages(served, oai):
