@@ -7,6 +7,7 @@ only a scrubbed message and an error id; the original message is logged under th
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -134,6 +135,20 @@ def from_pydantic(exc: ValidationError, prefix: tuple = ()) -> APIError:
     return validation_error(errors)
 
 
+_LEADING_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*): ")
+
+
+def client_field(message: str, field_names: dict[str, str]) -> tuple[str, str | None]:
+    """(message, param) for an entry model's refusal `field[...]: rule`: the field renamed per `field_names`
+    (`text_input: 9 bytes ...` -> `prompt: 9 bytes ...`, param `prompt`); (message, None) if it names none."""
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return message, None
+    name, rest = match.groups()
+    param = field_names.get(name, name) + rest
+    return param + message[match.end(2):], param
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -150,13 +165,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail)).response()
 
 
-def from_exception(exc: BaseException, timeout_s: float | None = None, retry_after_s: int = 1) -> APIError:
-    """Map an error raised while serving (a Triton error or a bug) to the response the client gets."""
+def from_exception(exc: BaseException, timeout_s: float | None = None, retry_after_s: int = 1,
+                   field_names: dict[str, str] | None = None) -> APIError:
+    """Map an error raised while serving (a Triton error or a bug) to the response the client gets. An entry
+    model's refusal names its field first (`max_tokens: ...`): that becomes the error's `param`, in the client's
+    name for it where `field_names` renames it (the request's `GenerationRequest.field_names`)."""
     if isinstance(exc, APIError):
         return exc
     retry = {"Retry-After": str(retry_after_s)}
     if isinstance(exc, TritonInvalidRequest):
-        return invalid_request(str(exc))
+        message, param = client_field(str(exc), field_names or {})
+        return invalid_request(message, param=param)
     if isinstance(exc, TritonOverloaded):
         return APIError(429, f"the server is at capacity: {exc}", code="overloaded", headers=retry)
     if isinstance(exc, TritonTimeout):

@@ -18,10 +18,12 @@ def chat_generation(body: protocol.ChatCompletionRequest) -> GenerationRequest:
     protocol.refuse_unsupported_chat(body)
     if body.max_tokens is None and body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
-    return body.to_generation(
+    gen = body.to_generation(
         messages=protocol.text_messages(body.messages, body.model),
         chat_template_kwargs=protocol.template_kwargs(body.chat_template_kwargs, body.enable_thinking),
     )
+    gen.field_names = {"prompt": "messages"}  # the entry model's name for the prompt, whatever form it took
+    return gen
 
 
 @router.post("/v1/chat/completions")

@@ -117,8 +117,9 @@ class ServingContext:
     def _open(self, served: ServedModel, request_id: str, gen: GenerationRequest) -> AsyncIterator[StreamResponse]:
         return self.triton.generate(served.triton_model, request_id, gen, self.settings.request_timeout_s)
 
-    def _error(self, exc: BaseException) -> APIError:
-        return from_exception(exc, self.settings.request_timeout_s, self.settings.retry_after_s)
+    def _error(self, exc: BaseException, gen: GenerationRequest | None = None) -> APIError:
+        return from_exception(exc, self.settings.request_timeout_s, self.settings.retry_after_s,
+                              gen.field_names if gen is not None else None)
 
     async def complete(self, request: Request, served: ServedModel, gen: GenerationRequest) -> Completion:
         """Run a request to its end and fold it into one Completion."""
@@ -136,7 +137,7 @@ class ServingContext:
         try:
             return await until_disconnect(request, collect())
         except Exception as exc:
-            raise self._error(exc) from None
+            raise self._error(exc, gen) from None
 
     async def stream(
         self, request: Request, served: ServedModel, gen: GenerationRequest
@@ -148,7 +149,7 @@ class ServingContext:
         except BaseException as exc:
             await stream.aclose()
             if isinstance(exc, Exception):
-                raise self._error(exc) from None
+                raise self._error(exc, gen) from None
             raise
         return _prepend(first, stream)
 

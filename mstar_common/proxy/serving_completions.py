@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from mstar_common import wire
 from mstar_common.proxy import protocol
 from mstar_common.proxy.errors import invalid_request
 from mstar_common.proxy.serving_common import Completion, ServingContext
@@ -26,7 +27,9 @@ def _prompt_text(prompt: object) -> str:
 
 def completion_generation(body: protocol.CompletionRequest) -> GenerationRequest:
     protocol.refuse_unsupported_completion(body)
-    return body.to_generation(text=_prompt_text(body.prompt))
+    gen = body.to_generation(text=_prompt_text(body.prompt))
+    gen.field_names = {wire.TEXT_INPUT: "prompt"}
+    return gen
 
 
 @router.post("/v1/completions")

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from mstar_common import wire
 from mstar_common.proxy import protocol, serving_images, serving_speech, serving_transcriptions
 from mstar_common.proxy.errors import from_pydantic, invalid_request
 from mstar_common.proxy.serving_common import Completion, ServingContext
@@ -128,10 +129,13 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
         raise invalid_request("'text' is required (or 'model_kwargs.messages')", param="text")
     else:
         messages = [{"role": "user", "content": req.text}]
-    return kwargs.to_generation(
+    gen = kwargs.to_generation(
         messages=messages, chat_template_kwargs=protocol.template_kwargs(kwargs.chat_template_kwargs,
                                                                         kwargs.enable_thinking)
     )
+    prompt_field = "model_kwargs.messages" if kwargs.messages is not None else "text"
+    gen.field_names = {"prompt": prompt_field, wire.MESSAGES: prompt_field}
+    return gen
 
 
 @router.post("/generate")

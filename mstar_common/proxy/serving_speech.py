@@ -22,6 +22,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from mstar_common import wire
 from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
 from mstar_common.proxy import protocol
 from mstar_common.proxy.errors import from_exception, invalid_request
@@ -121,7 +122,9 @@ def _speech_generation(body: SpeechRequest) -> GenerationRequest:
     if body.stream and body.stream_format == "audio" and body.response_format not in STREAM_FORMATS:
         raise invalid_request(f"'stream': response_format must be one of {list(STREAM_FORMATS)} to stream, got "
                               f"{body.response_format!r}", param="response_format")
-    return body.to_generation(text=body.input, voice=body.voice)
+    gen = body.to_generation(text=body.input, voice=body.voice)
+    gen.field_names = {wire.TEXT_INPUT: "input"}
+    return gen
 
 
 @router.post("/v1/audio/speech")
@@ -222,7 +225,9 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
             raise invalid_request(f"'model_kwargs.{name}' does not apply to speech", param=f"model_kwargs.{name}")
     if not (req.text or "").strip():
         raise invalid_request("'text' is required and must not be empty", param="text")
-    return kw.to_generation(text=req.text, voice=kw.voice)
+    gen = kw.to_generation(text=req.text, voice=kw.voice)
+    gen.field_names = {wire.TEXT_INPUT: "text"}
+    return gen
 
 
 async def generate_speech(request: Request, ctx: ServingContext, served, req: protocol.GenerateRequest):

@@ -50,6 +50,8 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     voice: str | None = None  # speech entry models only
     tensors: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # image entry models: (name, dtype, array)
+    # the client's name for an entry-model input that a refusal may name (e.g. text_input -> prompt); not sent
+    field_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

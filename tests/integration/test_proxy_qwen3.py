@@ -79,6 +79,21 @@ def test_bad_fields_are_400s_naming_the_field(served, oai):
     assert oai.chat.completions.create(**base, max_tokens=2).choices  # still serving
 
 
+def test_the_entry_models_refusals_name_the_openai_fields(served, oai):
+    """The entry model refuses a prompt by its own input names (text_input, prompt); the proxy's 400 names the
+    field the OpenAI client sent, as the message's start and as `param`."""
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=served.dep.name, prompt="a" * (1 << 20), max_tokens=2)
+    assert info.value.body["param"] == "prompt" and info.value.body["message"].startswith("prompt: 1048576 bytes")
+    long_chat = [{"role": "user", "content": " the" * served.dep.resources.max_model_len}]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=served.dep.name, messages=long_chat, max_tokens=2)
+    assert info.value.body["param"] == "messages" and "leave no room for output" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=served.dep.name, prompt="hi", max_tokens=100_000)
+    assert info.value.body["param"] == "max_tokens"
+
+
 def test_stop_string_ends_the_stream_and_frees_pages(served, oai):
     whole = oai.completions.create(model=served.dep.name, prompt="abc", max_tokens=40, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].text

@@ -164,6 +164,35 @@ def test_triton_invalid_request_is_400():
         assert r.json()["error"]["message"] == "prompt + max_tokens exceeds the window (4096)"
 
 
+@pytest.mark.parametrize("route,body,refusal,message,param", [
+    ("/v1/completions", {"prompt": "x"}, "text_input: 9 bytes cannot fit max_model_len=4 tokens",
+     "prompt: 9 bytes cannot fit max_model_len=4 tokens", "prompt"),
+    ("/v1/completions", {"prompt": "x"}, "max_tokens: 900 plus the prompt's 3 tokens exceeds max_model_len=512",
+     "max_tokens: 900 plus the prompt's 3 tokens exceeds max_model_len=512", "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES}, "prompt: 600 tokens leave no room for output",
+     "messages: 600 tokens leave no room for output", "messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES}, "messages[0].content: must be a string",
+     "messages[0].content: must be a string", "messages[0].content"),
+    ("/generate", {"text": "x"}, "prompt: 600 tokens leave no room for output",
+     "text: 600 tokens leave no room for output", "text"),
+    ("/generate", {"model_kwargs": {"messages": MESSAGES}}, "messages: this checkpoint has no chat template",
+     "model_kwargs.messages: this checkpoint has no chat template", "model_kwargs.messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES}, "prompt + max_tokens exceeds the window (4096)",
+     "prompt + max_tokens exceeds the window (4096)", None),
+])
+def test_an_entry_models_refusal_names_the_clients_field(route, body, refusal, message, param):
+    """The entry model names its own input (text_input, prompt, messages); the 400 names the field the client
+    sent, as `param` too, streamed or not."""
+    for stream in (False, True):
+        client, fake = client_for(FakeTriton(script=[TritonInvalidRequest(refusal)]))
+        r = client.post(route, json={"model": "qwen3", **body, "stream" if route != "/generate" else "streaming":
+                                     stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == param
+        assert fake.requests[0].gen.field_names  # the renames travel with the request, not over the wire
+        assert not any(name in fake.requests[0].tensors for name in ("field_names", "prompt"))
+
+
 def test_triton_server_error_is_500_with_logged_error_id(caplog):
     client, _ = client_for(FakeTriton(script=[TritonServerError("internal error (error id t1): CUDA OOM at x.py")]))
     with caplog.at_level(logging.ERROR, logger="mstar_common.proxy"):

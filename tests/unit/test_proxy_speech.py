@@ -89,3 +89,17 @@ def test_generate_audio_whole_and_streamed():
     assert audio.tolist() == list(range(10)) and body["token_ids"] == [1, 2, 3] and body["finish_reason"] == "length"
     reply = http.post("/generate", json={"text": "hi", "output_modalities": ["text"]})
     assert reply.status_code == 400 and "output_modalities" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route,body,message", [
+    ("/v1/audio/speech", {"input": "hi"}, "input: 900 tokens exceeds the limit of 600 tokens"),
+    ("/generate", {"text": "hi"}, "text: 900 tokens exceeds the limit of 600 tokens"),
+])
+def test_the_entry_models_text_input_refusal_names_the_clients_field(route, body, message):
+    from mstar_common.proxy.triton_stream import TritonInvalidRequest
+
+    fake = FakeTriton(script=[TritonInvalidRequest("text_input: 900 tokens exceeds the limit of 600 tokens")])
+    app, fake = make_app(fake, models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+    reply = TestClient(app).post(route, json={"model": "orpheus", **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"] == message and reply.json()["error"]["param"] == message.split(":")[0]
