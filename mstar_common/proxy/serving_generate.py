@@ -134,7 +134,7 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
                                                                         kwargs.enable_thinking)
     )
     prompt_field = "model_kwargs.messages" if kwargs.messages is not None else "text"
-    gen.field_names = {"prompt": prompt_field, wire.MESSAGES: prompt_field}
+    gen.field_names = {**protocol.GenerateKwargs.field_names(), "prompt": prompt_field, wire.MESSAGES: prompt_field}
     return gen
 
 

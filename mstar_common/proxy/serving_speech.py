@@ -226,7 +226,7 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
     if not (req.text or "").strip():
         raise invalid_request("'text' is required and must not be empty", param="text")
     gen = kw.to_generation(text=req.text, voice=kw.voice)
-    gen.field_names = {wire.TEXT_INPUT: "text"}
+    gen.field_names = {**protocol.GenerateKwargs.field_names(), wire.TEXT_INPUT: "text"}
     return gen
 
 

@@ -177,6 +177,8 @@ def test_triton_invalid_request_is_400():
      "text: 600 tokens leave no room for output", "text"),
     ("/generate", {"model_kwargs": {"messages": MESSAGES}}, "messages: this checkpoint has no chat template",
      "model_kwargs.messages: this checkpoint has no chat template", "model_kwargs.messages"),
+    ("/generate", {"text": "x"}, "max_tokens: 900 plus the prompt's 3 tokens exceeds max_model_len=512",
+     "model_kwargs.max_tokens: 900 plus the prompt's 3 tokens exceeds max_model_len=512", "model_kwargs.max_tokens"),
     ("/v1/chat/completions", {"messages": MESSAGES}, "prompt + max_tokens exceeds the window (4096)",
      "prompt + max_tokens exceeds the window (4096)", None),
 ])

@@ -103,3 +103,14 @@ def test_the_entry_models_text_input_refusal_names_the_clients_field(route, body
     reply = TestClient(app).post(route, json={"model": "orpheus", **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["message"] == message and reply.json()["error"]["param"] == message.split(":")[0]
+
+
+def test_a_generate_knobs_refusal_names_it_under_model_kwargs():
+    from mstar_common.proxy.triton_stream import TritonInvalidRequest
+
+    fake = FakeTriton(script=[TritonInvalidRequest("voice: unknown voice 'x'; available voices: ['tara']")])
+    app, fake = make_app(fake, models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+    reply = TestClient(app).post("/generate", json={"model": "orpheus", "text": "hi", "model_kwargs": {"voice": "x"}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "model_kwargs.voice"
+    assert reply.json()["error"]["message"].startswith("model_kwargs.voice: unknown voice")
