@@ -170,7 +170,7 @@ async def collect(ctx: ServingContext, request: Request, served, gen: Generation
     try:
         return await until_disconnect(request, run())
     except Exception as exc:
-        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+        raise from_exception(exc, ctx.settings.request_timeout_s, field_names=gen.field_names) from None
 
 
 class AudioStreamResponse(SSEResponse):

@@ -24,7 +24,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
-from mstar_common.proxy.errors import APIError, from_exception, invalid_request
+from mstar_common.proxy.errors import from_exception, invalid_request
 from mstar_common.proxy.serving_common import ServingContext, until_disconnect
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
@@ -249,21 +249,12 @@ async def _serve(request: Request, task: str):
     gen = transcription_generation(form.audio, task, language=form.language, prompt=form.prompt,
                                    temperature=form.temperature, timestamps=form.is_timed, seed=form.seed,
                                    max_tokens=form.max_tokens)
-    try:
-        if form.stream:
-            stream = await ctx.stream(request, served, gen)
-            return SSEResponse(sse_body(_openai_events(stream), ctx.settings.request_timeout_s))
-        transcript = await collect(ctx, request, served, gen)
-    except APIError as exc:
-        raise _file_field(exc) from None
+    gen.field_names = {"audio": "file"}  # the walk names the upload after its tensor; the OpenAI routes, `file`
+    if form.stream:
+        stream = await ctx.stream(request, served, gen)
+        return SSEResponse(sse_body(_openai_events(stream), ctx.settings.request_timeout_s))
+    transcript = await collect(ctx, request, served, gen)
     return format_transcript(transcript, form.response_format, task)
-
-
-def _file_field(exc: APIError) -> APIError:
-    """The walk names the upload after its tensor, `audio`; the OpenAI routes call it `file`."""
-    if exc.status == 400 and exc.message.startswith("audio:"):
-        return invalid_request("'file':" + exc.message[len("audio:"):], param="file")
-    return exc
 
 
 async def collect(ctx: ServingContext, request: Request, served, gen: GenerationRequest) -> Transcript:
@@ -280,7 +271,7 @@ async def collect(ctx: ServingContext, request: Request, served, gen: Generation
     try:
         return await until_disconnect(request, run())
     except Exception as exc:
-        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+        raise from_exception(exc, ctx.settings.request_timeout_s, field_names=gen.field_names) from None
 
 
 async def _openai_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator[dict[str, Any]]:
@@ -378,6 +369,9 @@ async def generate_native(request: Request, ctx: ServingContext, served):
         temperature=kwargs.get("temperature"), timestamps=bool(kwargs.get("timestamps", False)),
         seed=kwargs.get("seed"), max_tokens=kwargs.get("max_tokens"),
     )
+    gen.field_names = {name: f"model_kwargs.{name}" for name in kwargs}
+    if "prompt" not in kwargs:
+        gen.field_names["prompt"] = "text"
     if _bool(one.get("streaming", ""), "streaming"):
         stream = await ctx.stream(request, served, gen)
         return SSEResponse(sse_body(_native_events(stream), ctx.settings.request_timeout_s))

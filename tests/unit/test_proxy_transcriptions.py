@@ -100,9 +100,10 @@ def test_the_walk_naming_audio_is_reported_as_file(app):
     client, fake = app
     fake.script = [TritonInvalidRequest("audio: not a readable audio file")]
     error = post(client).json()["error"]
-    assert error["param"] == "file" and error["message"].startswith("'file': not a readable")
+    assert error["param"] == "file" and error["message"].startswith("file: not a readable")
     fake.script = [TritonInvalidRequest("language: 'xx' is not a language this checkpoint knows")]
-    assert post(client, data={"language": "xx"}).json()["error"]["message"].startswith("language:")
+    error = post(client, data={"language": "xx"}).json()["error"]
+    assert error["param"] == "language" and error["message"].startswith("language:")
 
 
 def test_native_generate_with_an_audio_upload(app):
@@ -118,3 +119,11 @@ def test_native_generate_with_an_audio_upload(app):
                           files={"audio": ("a.wav", b"x", "audio/wav")})
     assert refused.status_code == 400 and "model_kwargs.voice" in refused.text
     assert client.post("/generate", json={"model": "whisper", "text": "hi"}).status_code == 400
+    fake.script = [TritonInvalidRequest("language: 'xx' is not a language this checkpoint knows")]
+    error = client.post("/generate", data={**data, "model_kwargs": '{"language": "xx"}'},
+                        files={"audio": ("a.flac", b"fLaC", "audio/flac")}).json()["error"]
+    assert error["param"] == "model_kwargs.language" and error["message"].startswith("model_kwargs.language: 'xx'")
+    fake.script = [TritonInvalidRequest("prompt: 500 tokens is more than the decoder's prompt window")]
+    error = client.post("/generate", data={**data, "model_kwargs": "{}"},
+                        files={"audio": ("a.flac", b"fLaC", "audio/flac")}).json()["error"]
+    assert error["param"] == "text"
