@@ -23,8 +23,7 @@ Measured, not used by the layers. `scripts/sweep_mid_gemm.py` on the H200 (2026-
 tensor-core GEMM for steps of 16-64 rows"): at 64 rows cuBLAS and this kernel take the same ~5-6 us for
 Qwen3-0.6B's qkv, o and gate_up (a launch floor: gate_up moves 50% more bytes than qkv in 0.6 us more); it won
 only the o projections at 16 rows (5.87 -> 5.18 us, Llama's 9.91 -> 8.58), ~1% of a step, and its SwiGLU load ran
-1.3-2x slower than cuBLAS after `silu_mul`. A setting `(MID, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)`
-(`mid_gemm_with`, `candidates`) is the form a tuning pass would take.
+1.3-2x slower than cuBLAS after `silu_mul`.
 
 Launched with PDL (kernels/_pdl.py, at the row counts it allows) a program loads its first weight chunk before it
 waits for the kernel that writes `x`.
@@ -39,7 +38,6 @@ import triton.language as tl
 from kernels._pdl import gdc_enter, gdc_start, pdl_launch
 from kernels.gemv import _x_chunk
 
-MID = -1  # a gemv setting's first element that names this kernel: (MID, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
 MAX_ROWS = 256
 MAX_BLOCK_M = 64  # more rows take several row blocks (each streams the weights again, from L2 mostly)
 COUNTERS = 1 << 16  # per-tile split-K counters per device: column blocks x row blocks of one launch
@@ -178,25 +176,3 @@ def mid_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     )
     return out
 
-
-def mid_gemm_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
-                  swiglu: bool = False) -> torch.Tensor:
-    """`mid_gemm` with a tuned setting `(MID, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)`."""
-    _, block_n, block_k, split_k, num_warps, num_stages = setting
-    return mid_gemm(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, swiglu=swiglu)
-
-
-def candidates(rows: int, n: int, k: int) -> list[tuple[int, ...]]:
-    """The settings `tune_gemv` tries at `rows` rows for an [n, k] weight: column blocks of 16-64, K chunks of
-    64-256, split K where the column blocks alone leave SMs idle, pipelined 3-4 deep; those that fit."""
-    kept = []
-    for block_n in (16, 32, 64):
-        for block_k in (128, 256):
-            programs = triton.cdiv(n, block_n)
-            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * 132 and programs < 132]
-            for split_k in splits:
-                for num_stages in (3, 4):
-                    setting = (MID, block_n, block_k, split_k, 4, num_stages)
-                    if fits(rows, n, k, block_n, block_k, split_k, num_stages):
-                        kept.append(setting)
-    return kept

@@ -18,20 +18,15 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from mstar_common.launcher import free_port
+
 PROBE = Path(__file__).resolve().parent / "proxy_memory_probe.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -3,8 +3,7 @@
 tens of rows, each inside a captured CUDA graph on cold weights (as scripts/sweep_gemv.py does for a few rows),
 over a sweep of launch settings, and checks the winner's output against fp32 products and its bits across runs.
 The SwiGLU down projections are timed as the MLP runs them: cuBLAS after `silu_mul`, the kernel with the
-activation inside. The per-layer sums say what a step would gain; the winners decide the settings `tune_gemv`
-tries (kernels/mid_gemm.py `candidates`).
+activation inside. The per-layer sums say what a step would gain.
 
 Device: source .device/prepare.sh && python scripts/sweep_mid_gemm.py [--out mid.json] [--shapes qwen3] [--rows 16,64]
 """

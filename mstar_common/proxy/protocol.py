@@ -148,12 +148,11 @@ class CompletionRequest(OpenAIFields):
 class GenerateKwargs(SamplingFields):
     """`model_kwargs` of native /generate."""
 
-    @staticmethod
-    def field_names() -> dict[str, str]:
+    @classmethod
+    def field_names(cls) -> dict[str, str]:
         """The knobs' names as a /generate client gives them (`max_tokens` -> `model_kwargs.max_tokens`), for
         `GenerationRequest.field_names`."""
-        knobs = [*SamplingFields.model_fields, "voice", "chat_template_kwargs"]
-        return {name: f"model_kwargs.{name}" for name in knobs}
+        return {name: f"model_kwargs.{name}" for name in cls.model_fields}
 
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

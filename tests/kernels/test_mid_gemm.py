@@ -11,7 +11,7 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.mid_gemm import MID, candidates, counters, fits, mid_gemm, mid_gemm_with, readable  # noqa: E402
+from kernels.mid_gemm import counters, fits, mid_gemm, readable  # noqa: E402
 
 # The interpreter's bf16 dots are not exact (numpy has no bf16): fp32 there, bf16 on the GPU
 DTYPE = torch.float32 if IS_INTERPRETED else torch.bfloat16
@@ -77,12 +77,12 @@ def test_mid_gemm_in_a_captured_graph_replays_with_split_k():
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(64, 2048, generator=gen).to(DTYPE).to(DEVICE)
     weight = (torch.randn(1024, 2048, generator=gen) / 2048**0.5).to(DTYPE).to(DEVICE)
-    setting = (MID, 16, 128, 4, 4, 3)
-    eager = mid_gemm_with(x, weight, None, setting)
+    setting = dict(block_n=16, block_k=128, split_k=4, num_warps=4, num_stages=3)
+    eager = mid_gemm(x, weight, **setting)
     counters(DEVICE)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mid_gemm_with(x, weight, None, setting)
+        out = mid_gemm(x, weight, **setting)
     for _ in range(5):
         out.zero_()
         graph.replay()
@@ -90,10 +90,8 @@ def test_mid_gemm_in_a_captured_graph_replays_with_split_k():
         assert torch.equal(out, eager)
 
 
-def test_candidates_fit_and_readable_refuses_what_the_kernel_cannot_take():
-    for rows, n, k in [(16, 1024, 2048), (64, 6144, 1024), (64, 16384, 3072), (256, 3072, 8192)]:
-        settings = candidates(rows, n, k)
-        assert settings and all(s[0] == MID and fits(rows, n, k, *s[1:4], s[5]) for s in settings)
+def test_fits_and_readable_refuse_what_the_kernel_cannot_take():
+    assert fits(64, 1024, 2048, 16, 128, 4, 3) and not fits(64, 1024, 2048, 128, 256, 1, 5), "shared memory"
     assert not fits(64, 1024, 128, 16, 128, 2, 3), "two splits of one K chunk"
     weight = torch.zeros(8, 16, dtype=DTYPE, device=DEVICE)
     assert readable(torch.zeros(4, 16, dtype=DTYPE, device=DEVICE), weight, None)
