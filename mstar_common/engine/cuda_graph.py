@@ -231,14 +231,10 @@ class CudaGraphRunner:
         penalty, offset = self.penalty, self.logits_offset
 
         gather = (v["gather_dst"][:rows], v["gather_src"][:rows], v["gather_count"], self.buffers.out_tokens)
-        forward = self._two_stream_forward(rows, metadata) if kind == DECODE else None
-        if forward is None:
-            def forward() -> torch.Tensor:
-                return model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
 
         def step() -> None:
             _gather_tokens(v["input_ids"], *gather)  # decode rows' newest ids: the previous step's tokens
-            hidden = forward()
+            hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
             if kind == MIXED:
                 hidden = hidden[v["sample_indices"][:rows]]
             logits = model.compute_logits(hidden)
@@ -266,40 +262,6 @@ class CudaGraphRunner:
             out.copy_(sampled + offset if offset else sampled)
 
         return step
-
-    def _two_stream_forward(self, rows: int, metadata: AttentionMetadata):
-        """A decode bucket's forward as two halves of its rows on two streams (`MSTAR_DECODE_TWO_STREAMS`: from
-        that many rows; 0, the default, never), so that one half's memory-bound attention can run beside the
-        other half's projections; None where it does not apply (fewer rows, not CUDA, a backend other than the
-        Triton kernels, models with request slots)."""
-        threshold = two_stream_rows()
-        if not threshold or rows < max(threshold, 2) or self.device.type != "cuda" or self.has_request_slots \
-                or not self.attn_backend.name.startswith("triton"):
-            return None
-        v, model, kv_cache = self.buffers.views, self.model, self.kv_cache
-        half = rows // 2
-        parts = []
-        for lo, hi in ((0, half), (half, rows)):
-            part = AttentionMetadata(
-                query_start_loc=v["query_start_loc"][: hi - lo + 1], context_lens=metadata.context_lens[lo:hi],
-                block_tables=metadata.block_tables[lo:hi], slot_mapping=metadata.slot_mapping[lo:hi],
-                max_query_len=1, max_context_len=0, query_start_loc_host=[], context_lens_host=[], is_decode=True)
-            parts.append((lo, hi, part))
-        side = torch.cuda.Stream(self.device)
-        out = torch.empty(rows, model.model.embed_tokens.weight.shape[1], dtype=model.model.embed_tokens.weight.dtype,
-                          device=self.device)
-
-        def forward() -> torch.Tensor:
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            (lo_a, hi_a, meta_a), (lo_b, hi_b, meta_b) = parts
-            with torch.cuda.stream(side):
-                out[lo_b:hi_b].copy_(model(v["input_ids"][lo_b:hi_b], v["positions"][lo_b:hi_b], meta_b, kv_cache))
-            out[lo_a:hi_a].copy_(model(v["input_ids"][lo_a:hi_a], v["positions"][lo_a:hi_a], meta_a, kv_cache))
-            main.wait_stream(side)
-            return out
-
-        return forward
 
     def _shape(self, kind: str, size: int) -> tuple[int, int]:
         """(rows, tokens) of a bucket."""
@@ -436,17 +398,6 @@ def _gather_tokens(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor
         return
     n = int(count[0])
     input_ids[dst[:n].long()] = previous[src[:n].long()].to(input_ids.dtype)
-
-
-def two_stream_rows() -> int:
-    """`MSTAR_DECODE_TWO_STREAMS` (default 0: off): decode buckets of at least this many rows run their forward as
-    two halves on two streams (`CudaGraphRunner._two_stream_forward`)."""
-    import os
-
-    raw = os.environ.get("MSTAR_DECODE_TWO_STREAMS", "0") or "0"
-    if not raw.isdigit():
-        raise ValueError(f"MSTAR_DECODE_TWO_STREAMS={raw!r}: expected a row count (0: off)")
-    return int(raw)
 
 
 def configure_fast_path(model, component, device: str, max_rows: int, max_tokens: int) -> GraphConfig | None:

@@ -183,24 +183,6 @@ def test_the_prologue_inside_the_decode_kernel_matches_the_two_launches(separate
                                 "paged_decode_attention_rope", max_rows=8, seed=8)
 
 
-def test_two_stream_decode_matches_one_stream(separated, monkeypatch):
-    """MSTAR_DECODE_TWO_STREAMS=4: replayed decode steps of 4 and 8 rows run their forward as two halves on two
-    streams. Against the same engine on one stream: equal tokens or ties (each half's GEMMs have half the rows)."""
-    from mstar_common.engine.cuda_graph import CudaGraphRunner
-
-    prompts = _prompts(8, 100, seed=10)
-    monkeypatch.setenv("MSTAR_DECODE_TWO_STREAMS", "0")
-    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8)
-    monkeypatch.setenv("MSTAR_DECODE_TWO_STREAMS", "4")
-    split = []
-    real = CudaGraphRunner._two_stream_forward
-    monkeypatch.setattr(CudaGraphRunner, "_two_stream_forward",
-                        lambda self, rows, meta: (fn := real(self, rows, meta)) and (split.append(rows) or fn))
-    outputs = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8)
-    assert sorted(set(split)) == [4, 8], f"captured two-stream decode buckets: {split}"
-    _assert_near_ties(separated, prompts, reference, [outputs])
-
-
 def _assert_switch_keeps_tokens(checkpoint: Path, monkeypatch, switch: str, on: str, module, launch: str,
                                 max_rows: int, seed: int) -> None:
     """With the environment `switch` at `on`, `module.launch` runs (counted), only in steps of <= `max_rows` rows,
