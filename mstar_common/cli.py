@@ -149,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("family")
     p.add_argument("checkpoint", help="e.g. builtin:qwen3-tiny")
     p.set_defaults(func=cmd_build_checkpoint)
+    sub.add_parser("bench", add_help=False,
+                   help="serving benchmark: sweeps against Triton and the proxy, HF baseline, reports "
+                        "(`mstar bench --help`)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser (mstar_common/bench/cli.py), arguments untouched
+        from mstar_common.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

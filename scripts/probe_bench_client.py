@@ -27,9 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import free_port  # noqa: E402
+from mstar_common.launcher import free_port  # noqa: E402
 
 
 def serve_sse(port: int, tokens: int) -> None:

@@ -27,11 +27,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
-
 from mstar_common import wire  # noqa: E402
+from mstar_common.bench import cli as bench  # noqa: E402
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver  # noqa: E402
 from mstar_common.bench.metrics import summarize  # noqa: E402
 from mstar_common.bench.workload import Workload  # noqa: E402

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -124,4 +127,6 @@ def write_report(results: dict, out_dir: str | Path) -> list[Path]:
         path = out / f"{name.replace('.', '_')}.png"
         if plot(name, model, path):
             written.append(path)
+        else:
+            logger.warning("no plot for %s: matplotlib is not installed (pip install 'mstar-triton[bench]')", name)
     return written

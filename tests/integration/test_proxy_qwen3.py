@@ -171,3 +171,28 @@ def test_eight_concurrent_chats_through_the_proxy(served, oai):
     assert results == solo
     after = run_stream(served.grpc_url, served.entry, {"after": {"text_input": "ok", "max_tokens": 2}})["after"]
     assert after.error is None
+
+
+def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
+    """`mstar bench url` against the real server: closed-loop and Poisson levels through Triton, a closed-loop
+    level through the proxy, every request complete at its fixed length; `mstar bench report` tables them."""
+    import json
+
+    from mstar_common.cli import main
+
+    out = tmp_path / "runs" / "tiny.json"
+    assert main(["bench", "url", "--grpc", served.grpc_url, "--model", served.entry, "--proxy", served.proxy_url,
+                 "--name", served.dep.name, "--concurrency", "1", "3", "--rates", "4", "--proxy-concurrency", "2",
+                 "--prompt-len", "16", "--output-len", "6", "--poisson-seconds", "1", "--warmup", "1",
+                 "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    loads = [(run["target"], run.get("concurrency"), run.get("rate")) for run in runs]
+    assert loads == [("triton", 1, None), ("triton", 3, None), ("triton", None, 4.0), ("openai", 2, None)]
+    for run in runs:
+        summary = run["summary"]
+        assert summary["num_errors"] == 0 and summary["num_requests"] >= 4, (run["target"], summary)
+        assert summary["output_tokens"] == 6 * summary["num_requests"], summary  # ignore_eos: fixed lengths
+        assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p50"] > 0 and summary["output_tok_per_s"] > 0
+    assert main(["bench", "report", str(out), "--out", str(tmp_path / "report")]) == 0
+    table = (tmp_path / "report" / "results.md").read_text()
+    assert "| triton | c=3 |" in table and "| openai | c=2 |" in table

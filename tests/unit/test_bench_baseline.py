@@ -1,4 +1,4 @@
-"""The HF `generate` baseline of scripts/bench.py: fastest-of-N timing and the ratio lines built on it (CPU)."""
+"""The HF `generate` baseline of `mstar bench`: fastest-of-N timing and the ratio lines built on it (CPU)."""
 
 from __future__ import annotations
 

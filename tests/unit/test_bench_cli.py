@@ -1,23 +1,50 @@
-"""scripts/bench.py's serve arguments reach the deployment it starts (CPU: no server is started)."""
+"""The benchmark CLI (`mstar bench`, `scripts/bench.py`): its serve arguments reach the deployment it starts
+(CPU: no server is started), and both ways in reach the same commands."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from mstar_common.bench import cli as bench_cli
 from mstar_common.config import deployment_from_dict
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_cli
+
+
+def test_mstar_bench_runs_the_benchmark_commands(tmp_path, capsys):
+    """`mstar bench ...` hands its arguments to the benchmark's own parser: a perf_analyzer data file is written
+    with the asked lengths, and `--help` lists the benchmark's subcommands, not mstar's."""
+    from mstar_common.cli import main
+
+    assert main(["bench", "perf-analyzer-data", "--out", str(tmp_path), "--prompt-len", "24", "--output-len", "5",
+                 "--num-prompts", "3"]) == 0
+    data = json.loads((tmp_path / "fixed_24in_5out.json").read_text())["data"]
+    assert len(data) == 3
+    assert all(len(row["input_ids"]["content"]) == 24 for row in data)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mstar bench") and "perf-analyzer-data" in out and "gen-repo" not in out
+
+
+def test_the_checkout_script_is_the_same_cli(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "perf-analyzer-data", "--out",
+                           str(tmp_path), "--prompt-len", "8", "--output-len", "2", "--num-prompts", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "fixed_8in_2out.json").is_file()
 
 
 def _serve_args(bench, monkeypatch, *extra):

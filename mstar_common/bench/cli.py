@@ -1,0 +1,469 @@
+"""Serving benchmark (`mstar bench`, or `scripts/bench.py` in a checkout): closed-loop and Poisson workloads
+against Triton and the OpenAI proxy, with the HF `generate` baseline and the weight-streaming floor measured in
+the same run.
+
+  # start a server for a checkpoint, run the sweep, write one model's JSON
+  mstar bench serve --family qwen3 --checkpoint /tmp/qwen3-0.6b --name qwen3-0.6b --out runs/qwen3.json \
+      --concurrency 1 8 64 --rates 4 16 --proxy-concurrency 1 16 --hf-baseline --floor
+  # against a server that is already up
+  mstar bench url --grpc 127.0.0.1:8001 --model qwen3_llm --concurrency 1 8 --out runs/x.json
+  # merge model JSONs into results.json, results.md and one PNG per model
+  mstar bench report runs/qwen3.json runs/llama.json --out runs/report
+  # write the same workloads as perf_analyzer input-data files
+  mstar bench perf-analyzer-data --out perf_analyzer_configs/qwen3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
+from mstar_common.bench.metrics import summarize
+from mstar_common.bench.report import comparisons, write_report
+from mstar_common.bench.workload import Workload, perf_analyzer_data
+
+logger = logging.getLogger("bench")
+
+
+def deployment(args) -> dict:
+    return {
+        "name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
+        "components": {"llm": {
+            "placement": {"device": args.device, **({"gpus": [0]} if args.device == "gpu" else {}), "instances": 1},
+            "cuda_graphs": args.device == "gpu" and not args.no_graphs,
+            "attention_backend": args.attention_backend, "fused_ops": not args.no_fused_ops,
+            "capture_sampling": not args.no_capture_sampling,
+            **({"decode_buckets": args.decode_buckets} if args.decode_buckets else {}),
+            **({"prefill_token_buckets": args.token_buckets} if args.token_buckets else {}),
+        }},
+        "resources": {"kv_cache": {"num_pages": args.num_pages, "page_size": args.page_size, "dtype": args.kv_dtype,
+                                   "prefix_caching": args.prefix_caching},
+                      "max_model_len": args.max_model_len, "max_batch_tokens": args.max_batch_tokens},
+        "max_concurrent_requests": args.max_concurrent,
+        "admission": {"queue_timeout_s": None, "request_timeout_s": None},
+        "model_kwargs": {"dtype": args.dtype, "default_max_tokens": args.output_len},
+        "server": {"shm_default_byte_size": 64 * 2**20, "stub_timeout_seconds": 900},
+    }
+
+
+class Server:
+    """tritonserver (+ the proxy) for one deployment on free ports, in a temporary directory."""
+
+    def __init__(self, raw: dict, with_proxy: bool) -> None:
+        from mstar_common.config import deployment_from_dict
+        from mstar_common.launcher import Ports, free_port
+        from mstar_common.repository import entry_model
+
+        self.dep = deployment_from_dict(raw, source="bench-deployment")
+        self.entry = entry_model(self.dep)
+        self.with_proxy = with_proxy
+        self.ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+        self.root = Path(tempfile.mkdtemp(prefix="mstar-bench-"))
+        self.triton = self.proxy = None
+
+    def __enter__(self) -> Server:
+        from mstar_common.launcher import start_proxy, start_triton, wait_ready
+        from mstar_common.repository import render_repository
+
+        repo = self.root / "model_repository"
+        for rel, text in render_repository(self.dep, "bench-deployment").items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        started = time.perf_counter()
+        self.triton = start_triton(repo, self.dep, self.ports, self.root / "tritonserver.log")
+        try:
+            wait_ready(f"http://127.0.0.1:{self.ports.http}/v2/health/ready", self.triton, 1200, "tritonserver")
+            self.startup_s = time.perf_counter() - started
+            if self.with_proxy:
+                self.proxy = start_proxy(self.dep, self.entry, self.ports, self.root / "proxy.log")
+                wait_ready(f"http://127.0.0.1:{self.ports.proxy}/health", self.proxy, 120, "proxy")
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from mstar_common.launcher import stop_process
+
+        stop_process(self.proxy)
+        stop_process(self.triton)
+        for log in (self.root / "tritonserver.log", self.root / "proxy.log"):
+            if log.is_file() and os.environ.get("MSTAR_BENCH_LOG_DIR"):
+                target = Path(os.environ["MSTAR_BENCH_LOG_DIR"]) / f"{log.stem}-{self.dep.name}.log"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(log.read_bytes()[-2_000_000:])
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.proxy}"
+
+
+ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache_hit_tokens_total",
+                  "mstar_kv_pages_cached")
+
+
+def engine_metrics(metrics_port: int) -> dict[str, float]:
+    """The engine's prefix-cache counters from Triton's metrics endpoint, summed over instances (0 if absent;
+    an unreachable endpoint is reported and gives {}, so a finished sweep is never lost to it)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        print(f"[bench] metrics endpoint unreadable ({exc}); no engine counters recorded", flush=True)
+        return {}
+    return {name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+            for name in ENGINE_METRICS}
+
+
+def prompt_text_for(checkpoint: Path | None):
+    """Text prompts of an exact token length for the proxy (' the' is one token in the tiny tokenizer)."""
+    tokenizer = None
+    if checkpoint is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+
+    def text(num_tokens: int) -> str:
+        prompt = " the" * num_tokens
+        if tokenizer is not None:
+            assert len(tokenizer.encode(prompt, add_special_tokens=False)) == num_tokens
+        return prompt
+
+    return text
+
+
+def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
+    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
+                        shared_prefix_len=args.shared_prefix_len)
+    triton = TritonDriver(grpc_url, entry)
+    runs = []
+    issued = 0
+
+    def requests(count: int) -> list[dict]:  # new prompts for every level (none repeats within a run)
+        nonlocal issued
+        issued += count
+        return workload.requests(count, first=issued - count)
+
+    def record(target: str, records, **load) -> None:
+        summary = summarize(records)
+        runs.append({"target": target, **load, "workload": {"prompt_len": workload.prompt_len,
+                                                            "output_len": workload.output_len,
+                                                            "temperature": workload.temperature,
+                                                            "shared_prefix_len": workload.shared_prefix_len},
+                     "summary": summary})
+        s = summary
+        print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
+              f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_ms(s['itl_ms']['p50'])}/"
+              f"{_ms(s['itl_ms']['p99'])} ms, errors {s['num_errors']}", flush=True)
+
+    triton.run(requests(args.warmup), concurrency=args.warmup)  # warm-up (not recorded)
+    for conc in args.concurrency:
+        count = max(args.min_requests, args.requests_per_level * conc)
+        record("triton", triton.run(requests(count), concurrency=conc), concurrency=conc)
+    for rate in args.rates:
+        count = max(args.min_requests, int(rate * args.poisson_seconds))
+        record("triton", triton.run(requests(count), rate=rate), rate=rate)
+    if proxy_url is not None:
+        openai = OpenAIDriver(proxy_url, args.name, prompt_text_for(checkpoint), processes=args.client_processes)
+        openai.run(requests(args.warmup), concurrency=args.warmup)  # warm-up: the proxy's channel, text prompts
+        for conc in args.proxy_concurrency:
+            count = max(args.min_requests, args.requests_per_level * conc)
+            record("openai", openai.run(requests(count), concurrency=conc), concurrency=conc)
+        for rate in args.proxy_rates:
+            count = max(args.min_requests, int(rate * args.poisson_seconds))
+            record("openai", openai.run(requests(count), rate=rate), rate=rate)
+    return runs
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def cmd_serve(args) -> int:
+    model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
+                   "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
+                   "prefix_caching": args.prefix_caching}
+    with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with Server(deployment(args), with_proxy) as server:
+        print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
+        model["startup_s"] = server.startup_s
+        model["runs"] = sweep(args, server.grpc_url, server.entry, server.proxy_url if with_proxy else None,
+                              args.checkpoint)
+        model["engine_metrics"] = engine_metrics(server.ports.metrics)
+        queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
+        if args.prefix_caching and queried:
+            hit = model["engine_metrics"]["mstar_prefix_cache_hit_tokens_total"]
+            print(f"[bench] {args.name}: prefix cache hit {hit:,.0f} of {queried:,.0f} prompt tokens "
+                  f"({hit / queried:.1%})", flush=True)
+        served = served_tokens(server.grpc_url, server.entry, args) if args.check_eager else None
+    if served is not None:
+        eager = eager_tokens(args)
+        same = sum(a == b for a, b in zip(served, eager, strict=True))
+        model["checks"] = {"served greedy tokens (graphs, overlap, fused kernels) == in-process eager engine":
+                           f"{same}/{len(served)} requests identical ({args.check_len} tokens each, c=1)"}
+    add_baselines(model, args)
+    for line in comparisons(model):
+        print(f"[bench] {args.name}: {line}", flush=True)
+    Path(args.out).write_text(json.dumps(model, indent=1))
+    return 0
+
+
+def _check_requests(args) -> list[dict]:
+    workload = Workload("check", args.prompt_len, args.check_len, seed=1)
+    return workload.requests(args.check_eager)
+
+
+def served_tokens(grpc_url: str, entry: str, args) -> list[list[int]]:
+    """Greedy tokens through Triton, one request at a time (decode bucket 1: no padding)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from mstar_common.bench.drivers import _triton_inputs
+
+    out = []
+    for request in _check_requests(args):
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(grpc_url)
+        client.start_stream(callback=lambda result, error, q=responses: q.put((result, error)))
+        client.async_stream_infer(entry, _triton_inputs(request), request_id="check", enable_empty_final_response=True)
+        tokens: list[int] = []
+        while True:
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                raise RuntimeError(f"check request failed: {error}")
+            ids = result.as_numpy("token_ids")
+            tokens += ids.tolist() if ids is not None else []
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+        client.close()
+        out.append(tokens)
+    return out
+
+
+def eager_tokens(args) -> list[list[int]]:
+    """The same requests through an in-process engine: eager steps, no overlap, same backend and kernels."""
+    import torch
+
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.types import EngineConfig, SamplingParams
+    from mstar_common.families.registry import get_family
+
+    family = get_family(args.family)
+    model, config = family.load_model(args.checkpoint, args.dtype, "cuda")
+    from mstar_common.engine.attention import select_attention_backend
+
+    model.attn_backend = select_attention_backend("cuda", args.attention_backend)
+    model.enable_fused_ops(not args.no_fused_ops)
+    if not args.no_fused_ops:  # the server's skinny-GEMM plan (the same cached per-GPU decisions)
+        from mstar_common.layers.linear import use_gemv_from_env
+
+        use_gemv_from_env(model)
+    engine = AREngine(model, EngineConfig(num_kv_pages=64, page_size=args.page_size, max_num_seqs=1,
+                                          max_batch_tokens=args.max_batch_tokens, max_model_len=args.max_model_len,
+                                          dtype=args.dtype, kv_dtype=args.kv_dtype, device="cuda"),
+                      eos_token_ids=[], vocab_size=int(config["vocab_size"]), overlap=False)
+    out = []
+    for i, request in enumerate(_check_requests(args)):
+        got: list[int] = []
+        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
+        engine.add_request(str(i), request["input_ids"], params, lambda rid, toks, fin, err, got=got: got.extend(toks))
+        while engine.step():
+            pass
+        out.append(got)
+    del engine, model
+    torch.cuda.empty_cache()
+    return out
+
+
+def add_baselines(model: dict, args) -> None:
+    if args.floor:
+        from mstar_common.bench.baseline import read_bandwidth, weight_bytes
+
+        model["bandwidth"] = read_bandwidth()
+        model["weight_bytes"] = weight_bytes(args.checkpoint)
+        model["floor_ms"] = model["weight_bytes"] / (model["bandwidth"]["read_tb_per_s"] * 1e12) * 1e3
+    if args.hf_baseline:
+        from mstar_common.bench.baseline import hf_generate
+
+        model["hf_generate"] = hf_generate(args.checkpoint, args.prompt_len, args.hf_output_len or args.output_len,
+                                           args.hf_batch, repeats=args.hf_repeats)
+
+
+def cmd_baseline(args) -> int:
+    """The floor and the HF baseline alone, merged into an existing model JSON (a separate process, so it can
+    run under another Python environment than the server's)."""
+    path = Path(args.out)
+    model = json.loads(path.read_text()) if path.is_file() else {"name": args.name}
+    add_baselines(model, args)
+    for line in comparisons(model):
+        print(f"[bench] {model['name']}: {line}", flush=True)
+    path.write_text(json.dumps(model, indent=1))
+    return 0
+
+
+def cmd_url(args) -> int:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the sweep, so its figures are never lost
+    model = {"name": args.name, "runs": sweep(args, args.grpc, args.model, args.proxy, None)}
+    Path(args.out).write_text(json.dumps(model, indent=1))
+    return 0
+
+
+def cmd_report(args) -> int:
+    models = {}
+    for path in args.inputs:
+        model = json.loads(Path(path).read_text())
+        models[model["name"]] = model
+    results = {"meta": meta(args.command_line), "models": models}
+    for path in write_report(results, args.out):
+        print(f"[bench] wrote {path}")
+    return 0
+
+
+def meta(command: str | None) -> dict:
+    info = {"date": datetime.date.today().isoformat(), "command": command or " ".join(map(shlex.quote, sys.argv))}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+            info["hardware"] = f"{torch.cuda.get_device_name(0)} ({memory:.0f} GiB)"
+        info["software"] = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+        import triton
+
+        info["software"] += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    return info
+
+
+def cmd_perf_analyzer_data(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
+                        shared_prefix_len=args.shared_prefix_len)
+    name = f"fixed_{args.prompt_len}in_{args.output_len}out"
+    if args.shared_prefix_len:
+        name += f"_{args.shared_prefix_len}shared"
+    (out / f"{name}.json").write_text(json.dumps(perf_analyzer_data(workload.requests(args.num_prompts))))
+    print(f"[bench] wrote {out / name}.json")
+    return 0
+
+
+def _processes(value: str) -> int | str:
+    if value == "auto" or (value.isdigit() and int(value) >= 1):
+        return value if value == "auto" else int(value)
+    raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number >= 1, not {value!r}")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="model")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="leading prompt tokens every request shares (a system prompt; with --prefix-caching the "
+                        "served prompts then match it); the rest of each prompt is its own")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
+    p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
+    p.add_argument("--proxy-concurrency", type=int, nargs="*", default=[])
+    p.add_argument("--proxy-rates", type=float, nargs="*", default=[])
+    p.add_argument("--client-processes", default="auto", type=_processes,
+                   help="client processes for the proxy levels (auto: one per 16 closed-loop streams, at most half "
+                        "the CPUs; one process of httpx saturates a core at ~17,000 SSE events/s)")
+    p.add_argument("--requests-per-level", type=int, default=2, help="closed loop: requests = this x concurrency")
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--poisson-seconds", type=float, default=4.0, help="Poisson: requests = rate x this")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", required=True)
+
+
+def add_baseline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--floor", action="store_true", help="measure read bandwidth and the weight-streaming floor")
+    p.add_argument("--hf-baseline", action="store_true", help="time HF generate on the same checkpoint")
+    p.add_argument("--hf-batch", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--hf-output-len", type=int, default=None)
+    p.add_argument("--hf-repeats", type=int, default=3,
+                   help="timed HF generate runs per batch size; the fastest is the baseline")
+
+
+def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="start a server for a checkpoint and run the sweep")
+    add_workload_args(p)
+    p.add_argument("--family", default="qwen3")
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--no-fused-ops", action="store_true")
+    p.add_argument("--no-capture-sampling", action="store_true", help="capture greedy graphs only")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--decode-buckets", type=int, nargs="*")
+    p.add_argument("--token-buckets", type=int, nargs="*")
+    p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="the KV pool's element type (resources.kv_cache.dtype; auto: the model's)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="serve with the prefix cache on (resources.kv_cache.prefix_caching). Off by default, so "
+                        "the figures are full prefills: the proxy's prompts are all alike, and "
+                        "--shared-prefix-len makes the Triton prompts share a start")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    add_baseline_args(p)
+    p.add_argument("--check-eager", type=int, default=0, help="compare N served greedy requests with eager steps")
+    p.add_argument("--check-len", type=int, default=64, help="output tokens per check request")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("baseline", help="measure the floor and HF generate, merged into --out")
+    p.add_argument("--name", default="model")
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--out", required=True)
+    add_baseline_args(p)
+    p.set_defaults(func=cmd_baseline)
+    p = sub.add_parser("url", help="run the sweep against a running server")
+    add_workload_args(p)
+    p.add_argument("--grpc", required=True)
+    p.add_argument("--model", default="qwen3_llm")
+    p.add_argument("--proxy", default=None)
+    p.set_defaults(func=cmd_url)
+    p = sub.add_parser("report", help="merge model JSONs into results.json/.md and plots")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--command-line", default=None, help="the command to print beside the figures")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("perf-analyzer-data", help="write the workload as perf_analyzer --input-data JSON")
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens every request shares")
+    p.set_defaults(func=cmd_perf_analyzer_data)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxy request
+    return args.func(args)
+
