@@ -110,6 +110,7 @@ class ServerConfig:
     """Ports, Python-backend sizing and process supervision used by `mstar serve` (docs/reliability.md)."""
 
     proxy_port: int = 8000
+    proxy_workers: int = 1  # OpenAI proxy processes sharing proxy_port (each its own event loop and gRPC channel)
     http_port: int = 8010
     grpc_port: int = 8001
     metrics_port: int = 8002
@@ -235,6 +236,8 @@ def _check_service_limits(dep: Deployment, source: str) -> None:
     if srv.shm_default_byte_size < 1024 * 1024:
         raise DeploymentError(f"{source}: server.shm_default_byte_size: must be >= 1 MiB (1048576), got "
                               f"{srv.shm_default_byte_size}")
+    if not 1 <= srv.proxy_workers <= 64:
+        raise DeploymentError(f"{source}: server.proxy_workers: must be in [1, 64], got {srv.proxy_workers}")
     if srv.max_restarts < 0:
         raise DeploymentError(f"{source}: server.max_restarts: must be >= 0, got {srv.max_restarts}")
 

@@ -82,6 +82,7 @@ def proxy_limit_args(dep: Deployment) -> list[str]:
         "--max-body-bytes", str(lim.max_body_bytes),
         "--max-upload-s", str(lim.max_upload_s),
         "--drain-timeout-s", str(dep.server.drain_timeout_s),
+        "--workers", str(dep.server.proxy_workers),
     ]  # fmt: skip
     return args + (["--allow-remote-urls"] if lim.allow_remote_urls else [])
 

@@ -53,7 +53,8 @@ def deployment(args) -> dict:
         "max_concurrent_requests": args.max_concurrent,
         "admission": {"queue_timeout_s": None, "request_timeout_s": None},
         "model_kwargs": {"dtype": args.dtype, "default_max_tokens": args.output_len},
-        "server": {"shm_default_byte_size": 64 * 2**20, "stub_timeout_seconds": 900},
+        "server": {"shm_default_byte_size": 64 * 2**20, "stub_timeout_seconds": 900,
+                   "proxy_workers": args.proxy_workers},
     }
 
 
@@ -429,6 +430,7 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
                    help="serve with the prefix cache on (resources.kv_cache.prefix_caching). Off by default, so "
                         "the figures are full prefills: the proxy's prompts are all alike, and "
                         "--shared-prefix-len makes the Triton prompts share a start")
+    p.add_argument("--proxy-workers", type=int, default=1, help="the proxy's worker processes (server.proxy_workers)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     add_baseline_args(p)

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
+import time
 
 import uvicorn
+from fastapi import FastAPI
 
 from mstar_common.proxy.app import MODEL_KINDS, ProxySettings, ServedModel, create_app
+
+# A multi-worker proxy's settings, from the parent to each worker process (uvicorn starts workers fresh and builds
+# each one's app with `app_from_env`).
+SETTINGS_ENV = "MSTAR_PROXY_SETTINGS"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def parse_model(spec: str) -> ServedModel:
@@ -39,10 +48,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="fetch media given as http(s) URLs (default: MSTAR_ALLOW_REMOTE=1)")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="on SIGTERM, in-flight requests get this long to finish")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes sharing the port, each with its own event loop and Triton channel "
+                             "(1: one process)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    if not 1 <= args.workers <= 64:
+        parser.error(f"--workers must be in [1, 64], got {args.workers}")
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     settings = ProxySettings(
         triton_url=args.triton_url,
         models=args.model,
@@ -51,9 +65,31 @@ def main(argv: list[str] | None = None) -> None:
         retry_after_s=args.retry_after_s,
         max_upload_s=args.max_upload_s,
         allow_remote_urls=args.allow_remote_urls,
+        created=int(time.time()),
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout_s)
+    serve = dict(host=args.host, port=args.port, log_level=args.log_level,
+                 timeout_graceful_shutdown=args.drain_timeout_s)
+    if args.workers == 1:
+        uvicorn.run(create_app(settings), **serve)
+        return
+    os.environ[SETTINGS_ENV] = json.dumps({"settings": dataclasses.asdict(settings), "log_level": args.log_level})
+    uvicorn.run("mstar_common.proxy.__main__:app_from_env", factory=True, workers=args.workers, **serve)
+
+
+def settings_from_json(text: str) -> tuple[ProxySettings, str]:
+    """(settings, log level) as `main` hands them to the workers."""
+    raw = json.loads(text)
+    fields = raw["settings"]
+    models = [ServedModel(**model) for model in fields.pop("models")]
+    return ProxySettings(models=models, **fields), raw["log_level"]
+
+
+def app_from_env() -> FastAPI:
+    """One worker's app (uvicorn's factory in a multi-worker proxy), from the settings its parent left in
+    MSTAR_PROXY_SETTINGS."""
+    settings, log_level = settings_from_json(os.environ[SETTINGS_ENV])
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    return create_app(settings)
 
 
 if __name__ == "__main__":

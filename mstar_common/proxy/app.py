@@ -55,6 +55,8 @@ class ProxySettings:
     retry_after_s: int = 1  # Retry-After of a 429 (queue full) or 503 (not ready, queue wait too long)
     max_upload_s: float = 600.0  # longest audio/video upload in seconds of media (routes that take uploads)
     allow_remote_urls: bool = False  # fetch media given as http(s) URLs; never file paths (proxy/limits.py)
+    created: int | None = None  # the model cards' `created` (unix s); None: when the app is built. One value for
+    # every worker process of a multi-worker proxy, so that /v1/models answers alike whichever worker serves it
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -96,7 +96,7 @@ class ServingContext:
         self.settings = settings
         self.triton = triton
         self.models = {m.name: m for m in settings.models}
-        self.created = int(time.time())
+        self.created = int(time.time()) if settings.created is None else settings.created
 
     def resolve(self, name: str | None, param: str = "model", kinds: tuple[str, ...] = ("text",)) -> ServedModel:
         """The served model `name`, which must be of one of `kinds` (the route's: text or speech)."""

@@ -196,3 +196,58 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
     assert main(["bench", "report", str(out), "--out", str(tmp_path / "report")]) == 0
     table = (tmp_path / "report" / "results.md").read_text()
     assert "| triton | c=3 |" in table and "| openai | c=2 |" in table
+
+
+def test_a_multi_worker_proxy_serves_streams_and_stops(served, tmp_path):
+    """`server.proxy_workers: 3` in front of the same tritonserver: three worker processes under one parent share
+    the port, concurrent streams all complete with the greedy text of the one-process proxy, /v1/models answers
+    alike from every worker, and SIGTERM to the group stops the parent and its workers."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from mstar_common.launcher import Ports, free_port, start_proxy, stop_process, wait_ready
+
+    dep = dataclasses.replace(served.dep, server=dataclasses.replace(served.dep.server, proxy_workers=3))
+    ports = Ports(http=served.ports.http, grpc=served.ports.grpc, metrics=served.ports.metrics, proxy=free_port())
+    proxy = start_proxy(dep, served.entry, ports, tmp_path / "proxy.log")
+    try:
+        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
+        children = Path(f"/proc/{proxy.pid}/task/{proxy.pid}/children")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(_workers(children)) < 3:
+            time.sleep(0.2)
+        workers = _workers(children)
+        assert len(workers) == 3, f"worker processes under the proxy: {workers}"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports.proxy}/v1", api_key="none", max_retries=0)
+        kwargs = dict(model=dep.name, prompt="Count with me", max_tokens=12, temperature=0,
+                      extra_body={"ignore_eos": True})
+        expected = openai.OpenAI(base_url=served.proxy_url + "/v1", api_key="none").completions.create(**kwargs)
+
+        def stream(_):
+            chunks = client.completions.create(stream=True, **kwargs)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(12) as pool:
+            texts = list(pool.map(stream, range(24)))
+        assert texts == [expected.choices[0].text] * 24
+        assert len({card.created for _ in range(12) for card in client.models.list().data}) == 1
+    finally:
+        stop_process(proxy)
+    assert proxy.poll() is not None
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers), "a worker outlived its proxy"
+
+
+def _workers(children_file) -> list[int]:
+    """The Python processes under the proxy's parent process, uvicorn's workers (its own helper too: the
+    multiprocessing resource tracker is not a worker, so only children that run the app are counted)."""
+    pids = [int(pid) for pid in children_file.read_text().split()] if children_file.exists() else []
+    return [pid for pid in pids if b"resource_tracker" not in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -118,6 +118,8 @@ def test_admission_limits_and_server_keys_load_and_resolve():
     ({"server__shm_default_byte_size": 1000}, ("server.shm_default_byte_size", "1 MiB")),
     ({"server__stub_timeout_seconds": 0}, ("server.stub_timeout_seconds", ">= 1")),
     ({"server__max_restarts": -1}, ("server.max_restarts", ">= 0")),
+    ({"server__proxy_workers": 0}, ("server.proxy_workers", "[1, 64]")),
+    ({"server__proxy_workers": 65}, ("server.proxy_workers", "[1, 64]")),
 ])
 def test_admission_limits_and_server_refusals_name_the_key(changes, fragments):
     _refused(_with(**changes), *fragments)
