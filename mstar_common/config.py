@@ -188,6 +188,11 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             buckets = getattr(comp, key)
             if buckets is not None and (not buckets or min(buckets) < 1):
                 raise DeploymentError(f"{source}: components.{name}.{key}: must be a non-empty list of integers >= 1")
+        too_large = [b for b in comp.prefill_token_buckets or () if b > dep.resources.max_batch_tokens]
+        if too_large:
+            raise DeploymentError(f"{source}: components.{name}.prefill_token_buckets: {too_large} exceed "
+                                  f"resources.max_batch_tokens ({dep.resources.max_batch_tokens}); no step packs more "
+                                  f"tokens than that, so such a graph would be captured and never replayed")
         backends = ("auto", "triton", "triton_unfused", "torch", "torch_static", "flashinfer")
         if comp.attention_backend not in backends:
             raise DeploymentError(f"{source}: components.{name}.attention_backend: must be one of {list(backends)}, "

@@ -95,6 +95,13 @@ def test_model_kwargs_are_checked_by_the_family():
     _refused(_with(model_kwargs={"temperatur": 1}), "model_kwargs: unknown key(s) ['temperatur']")
 
 
+def test_prefill_buckets_beyond_the_step_budget_are_refused():
+    raw = _with(resources__max_batch_tokens=1024, components__llm={"prefill_token_buckets": [512, 1024, 4096]})
+    _refused(raw, "components.llm.prefill_token_buckets: [4096] exceed resources.max_batch_tokens (1024)")
+    ok = _with(resources__max_batch_tokens=1024, components__llm={"prefill_token_buckets": [512, 1024]})
+    assert deployment_from_dict(ok).components["llm"].prefill_token_buckets == [512, 1024]
+
+
 def test_cuda_graphs_need_a_gpu():
     _refused(_with(components__llm={"cuda_graphs": True}), "cuda_graphs: needs a gpu placement")
 
