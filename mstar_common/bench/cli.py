@@ -31,7 +31,7 @@ from pathlib import Path
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
 from mstar_common.bench.metrics import summarize
 from mstar_common.bench.report import comparisons, write_report
-from mstar_common.bench.workload import Workload, perf_analyzer_data
+from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
 
 logger = logging.getLogger("bench")
 
@@ -151,6 +151,10 @@ def prompt_text_for(checkpoint: Path | None):
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
     workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
                         shared_prefix_len=args.shared_prefix_len)
+    given = requests_from_file(args.input_data) if args.input_data else None
+    described = ({"prompt_len": workload.prompt_len, "output_len": workload.output_len,
+                  "temperature": workload.temperature, "shared_prefix_len": workload.shared_prefix_len}
+                 if given is None else _describe(args.input_data, given))
     triton = TritonDriver(grpc_url, entry)
     runs = []
     issued = 0
@@ -158,15 +162,13 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
     def requests(count: int) -> list[dict]:  # new prompts for every level (none repeats within a run)
         nonlocal issued
         issued += count
+        if given is not None:  # the file's requests in order, from where the last level stopped, wrapping round
+            return [dict(given[(issued - count + i) % len(given)]) for i in range(count)]
         return workload.requests(count, first=issued - count)
 
     def record(target: str, records, **load) -> None:
         summary = summarize(records)
-        runs.append({"target": target, **load, "workload": {"prompt_len": workload.prompt_len,
-                                                            "output_len": workload.output_len,
-                                                            "temperature": workload.temperature,
-                                                            "shared_prefix_len": workload.shared_prefix_len},
-                     "summary": summary})
+        runs.append({"target": target, **load, "workload": described, "summary": summary})
         s = summary
         print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
               f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_ms(s['itl_ms']['p50'])}/"
@@ -189,6 +191,14 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
             count = max(args.min_requests, int(rate * args.poisson_seconds))
             record("openai", openai.run(requests(count), rate=rate), rate=rate)
     return runs
+
+
+def _describe(path: str, requests: list[dict]) -> dict:
+    """A file workload's record: its path and the range of its lengths."""
+    prompts = [len(r["input_ids"]) for r in requests]
+    outputs = [r["max_tokens"] for r in requests]
+    return {"input_data": str(path), "requests": len(requests), "prompt_len": [min(prompts), max(prompts)],
+            "output_len": [min(outputs), max(outputs)]}
 
 
 def _ms(value: float | None) -> str:
@@ -382,6 +392,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="leading prompt tokens every request shares (a system prompt; with --prefix-caching the "
                         "served prompts then match it); the rest of each prompt is its own")
+    p.add_argument("--input-data", default=None,
+                   help="take the requests from this perf_analyzer input-data file (e.g. one under "
+                        "perf_analyzer_configs/) instead of generating them: used in order and wrapped round, "
+                        "so the prompt and output lengths are the file's; --prompt-len, --output-len, "
+                        "--temperature and --shared-prefix-len then do not apply")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
     p.add_argument("--proxy-concurrency", type=int, nargs="*", default=[])
@@ -465,6 +480,11 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens every request shares")
     p.set_defaults(func=cmd_perf_analyzer_data)
     args = parser.parse_args(argv)
+    if getattr(args, "input_data", None):  # refused before a server starts or a level runs
+        try:
+            requests_from_file(args.input_data)
+        except ValueError as exc:
+            parser.error(f"--input-data: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxy request
     return args.func(args)

@@ -5,8 +5,8 @@ many tokens) and greedy or sampled decoding. Request `i` of a workload is the sa
 come from the seed and `i`), and a sweep numbers its requests across levels, so no two requests of a run share
 a prompt; with `shared_prefix_len` every prompt starts with the same that many tokens (a system prompt, for the
 prefix cache). The same requests are written as perf_analyzer input-data JSON
-(`perf_analyzer_configs/`), and `load_perf_analyzer_data` reads such a file back into requests, so our
-harness and perf_analyzer send the same thing.
+(`perf_analyzer_configs/`), and `requests_from_file` reads such a file back into requests (`mstar bench
+--input-data`), so our harness and perf_analyzer send the same thing.
 """
 
 from __future__ import annotations
@@ -71,4 +71,25 @@ def load_perf_analyzer_data(path: str | Path) -> list[dict]:
             content = value["content"] if isinstance(value, dict) else value
             req[name] = content if name == "input_ids" else content[0]
         requests.append(req)
+    return requests
+
+
+def requests_from_file(path: str | Path) -> list[dict]:
+    """The requests of a perf_analyzer input-data file (`--input-data`), checked: each needs `input_ids` (a
+    non-empty list of token ids) and `max_tokens` (>= 1); `ignore_eos` defaults to true (fixed output lengths, as
+    the generated workloads) and `temperature` to 0 (greedy). Raises ValueError naming the entry and the field."""
+    try:
+        requests = load_perf_analyzer_data(path)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"{path}: not a perf_analyzer input-data file ({{\"data\": [...]}}): {exc!r}") from None
+    if not requests:
+        raise ValueError(f"{path}: data: no requests")
+    for index, req in enumerate(requests):
+        ids, max_tokens = req.get("input_ids"), req.get("max_tokens")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise ValueError(f"{path}: data[{index}].input_ids: must be a non-empty list of token ids (ints >= 0)")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{path}: data[{index}].max_tokens: must be an integer >= 1, got {max_tokens!r}")
+        req.setdefault("ignore_eos", True)
+        req.setdefault("temperature", 0.0)
     return requests

@@ -251,3 +251,26 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def test_mstar_bench_url_replays_an_input_data_file(served, tmp_path):
+    """`--input-data`: the requests of a perf_analyzer file, in order and wrapped round across the warm-ups and
+    levels, each decoding its own `max_tokens` (the file's lengths, not --prompt-len/--output-len)."""
+    import json
+
+    from mstar_common.cli import main
+
+    lengths = [(8, 3), (20, 5), (13, 4)]  # (prompt tokens, max_tokens)
+    data = {"data": [{"input_ids": {"content": list(range(10, 10 + n)), "shape": [n]}, "max_tokens": [m]}
+                     for n, m in lengths]}
+    (tmp_path / "mixed.json").write_text(json.dumps(data))
+    out = tmp_path / "mixed_run.json"
+    assert main(["bench", "url", "--grpc", served.grpc_url, "--model", served.entry, "--proxy", served.proxy_url,
+                 "--name", served.dep.name, "--input-data", str(tmp_path / "mixed.json"), "--concurrency", "2",
+                 "--proxy-concurrency", "1", "--warmup", "1", "--min-requests", "4", "--out", str(out)]) == 0
+    triton, proxy = json.loads(out.read_text())["runs"]
+    # request indices: warm-up 0; triton level 1-4 (files 1, 2, 0, 1); proxy warm-up 5; proxy level 6-9 (0, 1, 2, 0)
+    assert triton["summary"]["output_tokens"] == 5 + 4 + 3 + 5 and triton["summary"]["num_errors"] == 0
+    assert proxy["summary"]["output_tokens"] == 3 + 5 + 4 + 3 and proxy["summary"]["num_errors"] == 0
+    assert triton["workload"] == {"input_data": str(tmp_path / "mixed.json"), "requests": 3, "prompt_len": [8, 20],
+                                  "output_len": [3, 5]}

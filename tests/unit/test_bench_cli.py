@@ -121,3 +121,34 @@ def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
     assert got == {"mstar_prefix_cache_queried_tokens_total": 1024.0, "mstar_prefix_cache_hit_tokens_total": 512.0,
                    "mstar_kv_pages_cached": 0.0}
     assert bench.engine_metrics(server.server_address[1]) == {}  # the server is gone: reported, not raised
+
+
+def test_input_data_files_round_trip_and_fill_the_defaults(tmp_path):
+    from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
+
+    written = Workload("fixed", 12, 5, temperature=0.5).requests(3)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(perf_analyzer_data(written)))
+    assert requests_from_file(path) == written
+    path.write_text(json.dumps({"data": [{"input_ids": {"content": [5, 6, 7], "shape": [3]}, "max_tokens": [4]}]}))
+    assert requests_from_file(path) == [{"input_ids": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
+                                         "temperature": 0.0}]
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"data": []}, "data: no requests"),
+    ({"data": [{"max_tokens": [4]}]}, "data[0].input_ids"),
+    ({"data": [{"input_ids": {"content": [], "shape": [0]}, "max_tokens": [4]}]}, "data[0].input_ids"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2]}, {"input_ids": [3], "max_tokens": [0]}]},
+     "data[1].max_tokens: must be an integer >= 1, got 0"),
+    ({"rows": []}, "not a perf_analyzer input-data file"),
+])
+def test_bad_input_data_is_refused_before_anything_runs(tmp_path, capsys, data, fragment):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(["url", "--grpc", "127.0.0.1:9", "--input-data", str(path), "--out", str(tmp_path / "o.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--input-data:" in err and fragment in err, err
+    assert not (tmp_path / "o.json").exists()
