@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
-from mstar_common.bench.metrics import summarize
+from mstar_common.bench.metrics import Slo, summarize
 from mstar_common.bench.report import comparisons, write_report
 from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
 
@@ -166,13 +166,17 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
             return [dict(given[(issued - count + i) % len(given)]) for i in range(count)]
         return workload.requests(count, first=issued - count)
 
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms) if args.slo_ttft_ms or args.slo_tpot_ms else None
+
     def record(target: str, records, **load) -> None:
-        summary = summarize(records)
+        summary = summarize(records, slo)
         runs.append({"target": target, **load, "workload": described, "summary": summary})
         s = summary
         print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
               f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_ms(s['itl_ms']['p50'])}/"
-              f"{_ms(s['itl_ms']['p99'])} ms, errors {s['num_errors']}", flush=True)
+              f"{_ms(s['itl_ms']['p99'])} ms, errors {s['num_errors']}"
+              + (f", SLO met {s['slo']['met']}/{s['num_requests']} (goodput {s['slo']['goodput_req_per_s']:.2f} req/s)"
+                 if slo else ""), flush=True)
 
     triton.run(requests(args.warmup), concurrency=args.warmup)  # warm-up (not recorded)
     for conc in args.concurrency:
@@ -378,6 +382,16 @@ def cmd_perf_analyzer_data(args) -> int:
     return 0
 
 
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of ms > 0, not {value!r}")
+    return number
+
+
 def _processes(value: str) -> int | str:
     if value == "auto" or (value.isdigit() and int(value) >= 1):
         return value if value == "auto" else int(value)
@@ -397,6 +411,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "perf_analyzer_configs/) instead of generating them: used in order and wrapped round, "
                         "so the prompt and output lengths are the file's; --prompt-len, --output-len, "
                         "--temperature and --shared-prefix-len then do not apply")
+    p.add_argument("--slo-ttft-ms", type=_positive, default=None,
+                   help="a request meets the SLO only with its first token within this many ms (with "
+                        "--slo-tpot-ms: both); each level then reports the share that met it and the goodput")
+    p.add_argument("--slo-tpot-ms", type=_positive, default=None,
+                   help="... and its mean time per output token after the first within this many ms")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
     p.add_argument("--proxy-concurrency", type=int, nargs="*", default=[])

@@ -45,8 +45,22 @@ def markdown(results: dict) -> str:
         for hf in model.get("hf_generate", []):
             lines.append(f"| HF generate | batch {hf['batch']} | {hf['batch']} | - | {_fmt(hf['output_tok_per_s'], 0)} "
                          f"| - | {_fmt(hf['itl_ms'], 3)} (mean) | - | 0 |")
-        lines += [""] + [f"- {line}" for line in comparisons(model)] + [""]
+        lines += [""] + [f"- {line}" for line in comparisons(model) + slo_lines(model)] + [""]
     return "\n".join(lines)
+
+
+def slo_lines(model: dict) -> list[str]:
+    """Per level run with an SLO (`mstar bench --slo-ttft-ms/--slo-tpot-ms`): the share that met it, the goodput."""
+    out = []
+    for run in model.get("runs", []):
+        slo = run["summary"].get("slo")
+        if slo is None:
+            continue
+        bounds = " and ".join(f"{label} <= {slo[key]:g} ms" for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"))
+                              if slo[key] is not None)
+        out.append(f"{run['target']} {_load(run)}: {slo['met']}/{run['summary']['num_requests']} requests met "
+                   f"{bounds} ({slo['met_fraction']:.0%}); goodput {slo['goodput_req_per_s']:.2f} req/s")
+    return out
 
 
 def comparisons(model: dict) -> list[str]:

@@ -184,7 +184,7 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
     assert main(["bench", "url", "--grpc", served.grpc_url, "--model", served.entry, "--proxy", served.proxy_url,
                  "--name", served.dep.name, "--concurrency", "1", "3", "--rates", "4", "--proxy-concurrency", "2",
                  "--prompt-len", "16", "--output-len", "6", "--poisson-seconds", "1", "--warmup", "1",
-                 "--out", str(out)]) == 0
+                 "--slo-ttft-ms", "60000", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     loads = [(run["target"], run.get("concurrency"), run.get("rate")) for run in runs]
     assert loads == [("triton", 1, None), ("triton", 3, None), ("triton", None, 4.0), ("openai", 2, None)]
@@ -193,9 +193,11 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
         assert summary["num_errors"] == 0 and summary["num_requests"] >= 4, (run["target"], summary)
         assert summary["output_tokens"] == 6 * summary["num_requests"], summary  # ignore_eos: fixed lengths
         assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p50"] > 0 and summary["output_tok_per_s"] > 0
+        assert summary["slo"]["met"] == summary["num_requests"], summary["slo"]  # a minute to the first token
     assert main(["bench", "report", str(out), "--out", str(tmp_path / "report")]) == 0
     table = (tmp_path / "report" / "results.md").read_text()
     assert "| triton | c=3 |" in table and "| openai | c=2 |" in table
+    assert "openai c=2: 4/4 requests met TTFT <= 60000 ms (100%)" in table
 
 
 def test_a_multi_worker_proxy_serves_streams_and_stops(served, tmp_path):
