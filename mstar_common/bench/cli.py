@@ -149,11 +149,13 @@ def prompt_text_for(checkpoint: Path | None):
 
 
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
-    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
-                        shared_prefix_len=args.shared_prefix_len)
+    workload = workload_from_args(args)
     given = requests_from_file(args.input_data) if args.input_data else None
     described = ({"prompt_len": workload.prompt_len, "output_len": workload.output_len,
-                  "temperature": workload.temperature, "shared_prefix_len": workload.shared_prefix_len}
+                  "temperature": workload.temperature, "shared_prefix_len": workload.shared_prefix_len,
+                  **({"prompt_len_max": workload.prompt_len_max} if workload.prompt_len_max else {}),
+                  **({"output_len_max": workload.output_len_max} if workload.output_len_max else {}),
+                  **({} if workload.ignore_eos else {"ignore_eos": False})}
                  if given is None else _describe(args.input_data, given))
     triton = TritonDriver(grpc_url, entry)
     runs = []
@@ -195,6 +197,13 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
             count = max(args.min_requests, int(rate * args.poisson_seconds))
             record("openai", openai.run(requests(count), rate=rate), rate=rate)
     return runs
+
+
+def workload_from_args(args) -> Workload:
+    """The generated workload the length, sampling and prefix flags describe."""
+    return Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
+                    shared_prefix_len=args.shared_prefix_len, prompt_len_max=args.prompt_len_max,
+                    output_len_max=args.output_len_max, ignore_eos=not args.no_ignore_eos)
 
 
 def _describe(path: str, requests: list[dict]) -> dict:
@@ -372,9 +381,10 @@ def meta(command: str | None) -> dict:
 def cmd_perf_analyzer_data(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workload = Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
-                        shared_prefix_len=args.shared_prefix_len)
-    name = f"fixed_{args.prompt_len}in_{args.output_len}out"
+    workload = workload_from_args(args)
+    prompts = f"{args.prompt_len}-{args.prompt_len_max}" if args.prompt_len_max else f"{args.prompt_len}"
+    outputs = f"{args.output_len}-{args.output_len_max}" if args.output_len_max else f"{args.output_len}"
+    name = f"{'fixed' if workload.ignore_eos else 'eos'}_{prompts}in_{outputs}out"
     if args.shared_prefix_len:
         name += f"_{args.shared_prefix_len}shared"
     (out / f"{name}.json").write_text(json.dumps(perf_analyzer_data(workload.requests(args.num_prompts))))
@@ -398,14 +408,26 @@ def _processes(value: str) -> int | str:
     raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number >= 1, not {value!r}")
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", default="model")
+def add_length_args(p: argparse.ArgumentParser) -> None:
+    """The generated workload's lengths and decoding (`Workload`)."""
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256,
+                   help="output tokens per request (exactly that many unless --no-ignore-eos)")
+    p.add_argument("--prompt-len-max", type=int, default=None,
+                   help="draw each prompt's length from [--prompt-len, this] (the same draws every run)")
+    p.add_argument("--output-len-max", type=int, default=None,
+                   help="draw each request's max_tokens from [--output-len, this]")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="let a request end at the model's EOS before its max_tokens (default: fixed lengths)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="leading prompt tokens every request shares (a system prompt; with --prefix-caching the "
                         "served prompts then match it); the rest of each prompt is its own")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="model")
+    add_length_args(p)
     p.add_argument("--input-data", default=None,
                    help="take the requests from this perf_analyzer input-data file (e.g. one under "
                         "perf_analyzer_configs/) instead of generating them: used in order and wrapped round, "
@@ -492,13 +514,16 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("perf-analyzer-data", help="write the workload as perf_analyzer --input-data JSON")
     p.add_argument("--out", required=True)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    add_length_args(p)
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens every request shares")
     p.set_defaults(func=cmd_perf_analyzer_data)
     args = parser.parse_args(argv)
+    if hasattr(args, "output_len_max"):  # the lengths' rules, before a server starts or a level runs
+        try:
+            workload_from_args(args)
+        except ValueError as exc:
+            parser.error(re.sub(r"\b(prompt_len_max|output_len_max|prompt_len|output_len|shared_prefix_len)\b",
+                                lambda m: "--" + m.group(1).replace("_", "-"), str(exc)))
     if getattr(args, "input_data", None):  # refused before a server starts or a level runs
         try:
             requests_from_file(args.input_data)

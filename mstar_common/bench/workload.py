@@ -1,7 +1,8 @@
 """Workloads: fixed-length prompts and outputs, and their perf_analyzer input-data files.
 
 A workload is one prompt length, one output length (`ignore_eos`, so every request decodes exactly that
-many tokens) and greedy or sampled decoding. Request `i` of a workload is the same in every call (its tokens
+many tokens) and greedy or sampled decoding; or lengths drawn per request from a range, and outputs that may end
+at the model's EOS. Request `i` of a workload is the same in every call (its tokens
 come from the seed and `i`), and a sweep numbers its requests across levels, so no two requests of a run share
 a prompt; with `shared_prefix_len` every prompt starts with the same that many tokens (a system prompt, for the
 prefix cache). The same requests are written as perf_analyzer input-data JSON
@@ -27,8 +28,17 @@ class Workload:
     temperature: float = 0.0
     seed: int = 0
     shared_prefix_len: int = 0  # leading tokens every prompt has in common
+    prompt_len_max: int | None = None  # each prompt's length drawn from [prompt_len, prompt_len_max]
+    output_len_max: int | None = None  # each request's max_tokens drawn from [output_len, output_len_max]
+    ignore_eos: bool = True  # decode exactly max_tokens (False: a request may end at the model's EOS)
 
     def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError(f"prompt_len and output_len must be >= 1, got {self.prompt_len} and {self.output_len}")
+        for name, low in (("prompt_len_max", self.prompt_len), ("output_len_max", self.output_len)):
+            high = getattr(self, name)
+            if high is not None and high < low:
+                raise ValueError(f"{name} must be >= {name.removesuffix('_max')} ({low}), got {high}")
         if not 0 <= self.shared_prefix_len <= self.prompt_len:
             raise ValueError(f"shared_prefix_len must be in [0, prompt_len={self.prompt_len}], "
                              f"got {self.shared_prefix_len}")
@@ -38,8 +48,13 @@ class Workload:
         shared = _tokens(random.Random(f"{self.seed}:shared"), self.shared_prefix_len)
         out = []
         for index in range(first, first + count):
-            ids = shared + _tokens(random.Random(f"{self.seed}:{index}"), self.prompt_len - self.shared_prefix_len)
-            out.append({"input_ids": ids, "max_tokens": self.output_len, "ignore_eos": True,
+            rng = random.Random(f"{self.seed}:{index}")
+            prompt_len = self.prompt_len if self.prompt_len_max is None else \
+                random.Random(f"{self.seed}:{index}:prompt").randint(self.prompt_len, self.prompt_len_max)
+            max_tokens = self.output_len if self.output_len_max is None else \
+                random.Random(f"{self.seed}:{index}:output").randint(self.output_len, self.output_len_max)
+            ids = shared + _tokens(rng, prompt_len - self.shared_prefix_len)
+            out.append({"input_ids": ids, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
                         "temperature": self.temperature})
         return out
 

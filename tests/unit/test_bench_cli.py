@@ -152,3 +152,35 @@ def test_bad_input_data_is_refused_before_anything_runs(tmp_path, capsys, data, 
     err = capsys.readouterr().err
     assert "--input-data:" in err and fragment in err, err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_length_ranges_and_natural_eos_are_drawn_the_same_every_run(tmp_path):
+    from mstar_common.bench.workload import Workload, requests_from_file
+
+    fixed = Workload("w", prompt_len=64, output_len=4)
+    ranged = Workload("w", prompt_len=10, output_len=3, prompt_len_max=30, output_len_max=9, ignore_eos=False)
+    first = ranged.requests(40)
+    assert first == ranged.requests(40) and first[5:] == ranged.requests(35, first=5)
+    prompts, outputs = [len(r["input_ids"]) for r in first], [r["max_tokens"] for r in first]
+    assert min(prompts) >= 10 and max(prompts) <= 30 and len(set(prompts)) > 5
+    assert min(outputs) >= 3 and max(outputs) <= 9 and len(set(outputs)) > 3
+    assert not any(r["ignore_eos"] for r in first) and all(r["ignore_eos"] for r in fixed.requests(3))
+    assert [len(r["input_ids"]) for r in fixed.requests(3)] == [64] * 3
+    # the committed perf_analyzer workload is still what the generator writes
+    committed = ROOT / "perf_analyzer_configs" / "text_lm" / "fixed_512in_256out.json"
+    assert requests_from_file(committed) == Workload("fixed", 512, 256).requests(16)
+    assert bench_cli.main(["perf-analyzer-data", "--out", str(tmp_path), "--prompt-len", "10", "--prompt-len-max",
+                           "30", "--output-len", "3", "--output-len-max", "9", "--no-ignore-eos",
+                           "--num-prompts", "40"]) == 0
+    assert requests_from_file(tmp_path / "eos_10-30in_3-9out.json") == first
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--output-len", "8", "--output-len-max", "3"], "--output-len-max must be >= --output-len (8), got 3"),
+    (["--prompt-len", "8", "--shared-prefix-len", "9"], "--shared-prefix-len must be in [0, --prompt-len=8]"),
+    (["--prompt-len", "0"], "--prompt-len and --output-len must be >= 1"),
+])
+def test_bad_lengths_are_refused_with_the_flags(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(["url", "--grpc", "127.0.0.1:9", "--out", "/tmp/never.json", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
