@@ -343,7 +343,38 @@ def cmd_baseline(args) -> int:
     return 0
 
 
+def check_targets(grpc_url: str, model: str, proxy_url: str | None) -> str | None:
+    """Why the running server cannot be measured (unreachable, the entry model not ready, the proxy not healthy),
+    or None."""
+    import tritonclient.grpc as grpcclient
+
+    try:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        try:
+            if not client.is_server_ready(client_timeout=10):
+                return f"Triton at {grpc_url} is up but not ready"
+            if not client.is_model_ready(model, client_timeout=10):
+                names = sorted(m["name"] for m in client.get_model_repository_index(as_json=True).get("models", []))
+                return f"model {model!r} is not ready on Triton at {grpc_url} (its models: {names}); see --model"
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - any failure to talk to it is the answer
+        return f"Triton's gRPC endpoint at {grpc_url} did not answer ({type(exc).__name__}: {exc}); see --grpc"
+    if proxy_url is not None:
+        try:
+            with urllib.request.urlopen(f"{proxy_url.rstrip('/')}/health", timeout=10) as response:
+                if response.status != 200:
+                    return f"the proxy at {proxy_url} answered /health with {response.status}"
+        except OSError as exc:
+            return f"the proxy at {proxy_url} did not answer /health ({exc}); see --proxy"
+    return None
+
+
 def cmd_url(args) -> int:
+    problem = check_targets(args.grpc, args.model, args.proxy)
+    if problem:
+        print(f"mstar bench: error: {problem}", file=sys.stderr)
+        return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the sweep, so its figures are never lost
     model = {"name": args.name, "runs": sweep(args, args.grpc, args.model, args.proxy, None)}
     Path(args.out).write_text(json.dumps(model, indent=1))

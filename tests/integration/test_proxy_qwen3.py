@@ -276,3 +276,17 @@ def test_mstar_bench_url_replays_an_input_data_file(served, tmp_path):
     assert proxy["summary"]["output_tokens"] == 3 + 5 + 4 + 3 and proxy["summary"]["num_errors"] == 0
     assert triton["workload"] == {"input_data": str(tmp_path / "mixed.json"), "requests": 3, "prompt_len": [8, 20],
                                   "output_len": [3, 5]}
+
+
+def test_mstar_bench_url_names_what_it_cannot_reach(served, tmp_path, capsys):
+    from mstar_common.cli import main
+    from mstar_common.launcher import free_port
+
+    base = ["bench", "url", "--grpc", served.grpc_url, "--concurrency", "1", "--prompt-len", "4", "--output-len", "2",
+            "--out", str(tmp_path / "never.json")]
+    assert main([*base, "--model", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "model 'nope' is not ready on Triton" in err and served.entry in err and "--model" in err
+    assert main([*base, "--model", served.entry, "--proxy", f"http://127.0.0.1:{free_port()}"]) == 2
+    assert "did not answer /health" in capsys.readouterr().err
+    assert not (tmp_path / "never.json").exists()

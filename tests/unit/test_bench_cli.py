@@ -184,3 +184,10 @@ def test_bad_lengths_are_refused_with_the_flags(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         bench_cli.main(["url", "--grpc", "127.0.0.1:9", "--out", "/tmp/never.json", *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_url_refuses_an_unreachable_server(tmp_path, capsys):
+    from mstar_common.launcher import free_port
+
+    assert bench_cli.main(["url", "--grpc", f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "o.json")]) == 2
+    assert "did not answer" in capsys.readouterr().err and not (tmp_path / "o.json").exists()
