@@ -90,6 +90,10 @@ class Server:
                 self.proxy = start_proxy(self.dep, self.entry, self.ports, self.root / "proxy.log")
                 wait_ready(f"http://127.0.0.1:{self.ports.proxy}/health", self.proxy, 120, "proxy")
         except Exception:
+            for log in (self.root / "tritonserver.log", self.root / "proxy.log"):
+                if log.is_file():
+                    tail = log.read_text(errors="replace").splitlines()[-40:]
+                    print(f"----- {log.name} (last {len(tail)} lines) -----", *tail, sep="\n", file=sys.stderr)
             self.__exit__(None, None, None)
             raise
         return self
@@ -219,6 +223,21 @@ def _ms(value: float | None) -> str:
 
 
 def cmd_serve(args) -> int:
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.registry import get_family
+
+    try:
+        # a missing checkpoint is named here, not by a server that exits; builtin:<name> is built as `mstar serve`
+        # builds it, and the tokenizer, the floor and the HF baseline then read the same directory
+        args.checkpoint = resolve_checkpoint(str(args.checkpoint), get_family(args.family).builtin_checkpoints)
+        return _serve(args)
+    except (DeploymentError, FileNotFoundError, RuntimeError) as exc:  # bad flags or checkpoint, a dead server
+        print(f"mstar bench: error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, RuntimeError) else 2
+
+
+def _serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
                    "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
                    "prefix_caching": args.prefix_caching}
@@ -286,23 +305,21 @@ def eager_tokens(args) -> list[list[int]]:
     """The same requests through an in-process engine: eager steps, no overlap, same backend and kernels."""
     import torch
 
+    from mstar_common.config import ComponentConfig
     from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.cuda_graph import configure_fast_path
     from mstar_common.engine.types import EngineConfig, SamplingParams
     from mstar_common.families.registry import get_family
 
-    family = get_family(args.family)
-    model, config = family.load_model(args.checkpoint, args.dtype, "cuda")
-    from mstar_common.engine.attention import select_attention_backend
-
-    model.attn_backend = select_attention_backend("cuda", args.attention_backend)
-    model.enable_fused_ops(not args.no_fused_ops)
-    if not args.no_fused_ops:  # the server's skinny-GEMM plan (the same cached per-GPU decisions)
-        from mstar_common.layers.linear import use_gemv_from_env
-
-        use_gemv_from_env(model)
+    device = "cuda" if args.device == "gpu" else "cpu"
+    model, config = get_family(args.family).load_model(args.checkpoint, args.dtype, device)
+    # the server's attention backend, fused ops and skinny-GEMM plan (the same cached per-GPU decisions)
+    configure_fast_path(model, ComponentConfig(attention_backend=args.attention_backend,
+                                               fused_ops=not args.no_fused_ops, cuda_graphs=False),
+                        device, 1, args.max_batch_tokens)
     engine = AREngine(model, EngineConfig(num_kv_pages=64, page_size=args.page_size, max_num_seqs=1,
                                           max_batch_tokens=args.max_batch_tokens, max_model_len=args.max_model_len,
-                                          dtype=args.dtype, kv_dtype=args.kv_dtype, device="cuda"),
+                                          dtype=args.dtype, kv_dtype=args.kv_dtype, device=device),
                       eos_token_ids=[], vocab_size=int(config["vocab_size"]), overlap=False)
     out = []
     for i, request in enumerate(_check_requests(args)):
@@ -313,7 +330,8 @@ def eager_tokens(args) -> list[list[int]]:
             pass
         out.append(got)
     del engine, model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -498,7 +516,8 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="start a server for a checkpoint and run the sweep")
     add_workload_args(p)
-    p.add_argument("--family", default="qwen3")
+    p.add_argument("--family", default="qwen3", choices=("qwen3", "llama"),
+                   help="the text LM family whose entry model the sweep drives with token ids")
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--dtype", default="bfloat16")
