@@ -361,9 +361,9 @@ def cmd_baseline(args) -> int:
     return 0
 
 
-def check_targets(grpc_url: str, model: str, proxy_url: str | None) -> str | None:
-    """Why the running server cannot be measured (unreachable, the entry model not ready, the proxy not healthy),
-    or None."""
+def check_targets(grpc_url: str, model: str, proxy_url: str | None, name: str) -> str | None:
+    """Why the running server cannot be measured (unreachable, the entry model not ready, the proxy not healthy
+    or not serving `name`), or None."""
     import tritonclient.grpc as grpcclient
 
     try:
@@ -383,13 +383,19 @@ def check_targets(grpc_url: str, model: str, proxy_url: str | None) -> str | Non
             with urllib.request.urlopen(f"{proxy_url.rstrip('/')}/health", timeout=10) as response:
                 if response.status != 200:
                     return f"the proxy at {proxy_url} answered /health with {response.status}"
+            with urllib.request.urlopen(f"{proxy_url.rstrip('/')}/v1/models", timeout=10) as response:
+                served = [card["id"] for card in json.loads(response.read())["data"]]
         except OSError as exc:
             return f"the proxy at {proxy_url} did not answer /health ({exc}); see --proxy"
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"the proxy at {proxy_url} answered /v1/models with no model list ({exc!r}); see --proxy"
+        if name not in served:
+            return f"the proxy at {proxy_url} serves {served}, not {name!r}; pass the model's name as --name"
     return None
 
 
 def cmd_url(args) -> int:
-    problem = check_targets(args.grpc, args.model, args.proxy)
+    problem = check_targets(args.grpc, args.model, args.proxy, args.name)
     if problem:
         print(f"mstar bench: error: {problem}", file=sys.stderr)
         return 2

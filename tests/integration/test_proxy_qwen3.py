@@ -289,4 +289,6 @@ def test_mstar_bench_url_names_what_it_cannot_reach(served, tmp_path, capsys):
     assert "model 'nope' is not ready on Triton" in err and served.entry in err and "--model" in err
     assert main([*base, "--model", served.entry, "--proxy", f"http://127.0.0.1:{free_port()}"]) == 2
     assert "did not answer /health" in capsys.readouterr().err
+    assert main([*base, "--model", served.entry, "--proxy", served.proxy_url]) == 2  # --name left at "model"
+    assert f"serves ['{served.dep.name}'], not 'model'; pass the model's name as --name" in capsys.readouterr().err
     assert not (tmp_path / "never.json").exists()
