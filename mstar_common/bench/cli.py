@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -154,14 +155,10 @@ def prompt_text_for(checkpoint: Path | None):
 
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
     workload = workload_from_args(args)
-    given = requests_from_file(args.input_data) if args.input_data else None
-    described = ({"prompt_len": workload.prompt_len, "output_len": workload.output_len,
-                  "temperature": workload.temperature, "shared_prefix_len": workload.shared_prefix_len,
-                  **({"prompt_len_max": workload.prompt_len_max} if workload.prompt_len_max else {}),
-                  **({"output_len_max": workload.output_len_max} if workload.output_len_max else {}),
-                  **({} if workload.ignore_eos else {"ignore_eos": False})}
-                 if given is None else _describe(args.input_data, given))
-    triton = TritonDriver(grpc_url, entry)
+    given = args.input_requests  # main() read --input-data
+    described = _describe(args.input_data, given) if given else {
+        key: getattr(workload, key) for key in ("prompt_len", "prompt_len_max", "output_len", "output_len_max",
+                                                "ignore_eos", "temperature", "shared_prefix_len")}
     runs = []
     issued = 0
 
@@ -184,22 +181,19 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
               + (f", SLO met {s['slo']['met']}/{s['num_requests']} (goodput {s['slo']['goodput_req_per_s']:.2f} req/s)"
                  if slo else ""), flush=True)
 
-    triton.run(requests(args.warmup), concurrency=args.warmup)  # warm-up (not recorded)
-    for conc in args.concurrency:
-        count = max(args.min_requests, args.requests_per_level * conc)
-        record("triton", triton.run(requests(count), concurrency=conc), concurrency=conc)
-    for rate in args.rates:
-        count = max(args.min_requests, int(rate * args.poisson_seconds))
-        record("triton", triton.run(requests(count), rate=rate), rate=rate)
+    def levels(target: str, driver, concurrencies: list[int], rates: list[float]) -> None:
+        driver.run(requests(args.warmup), concurrency=args.warmup)  # warm-up, not recorded (the proxy's: its channel)
+        for conc in concurrencies:
+            count = max(args.min_requests, args.requests_per_level * conc)
+            record(target, driver.run(requests(count), concurrency=conc), concurrency=conc)
+        for rate in rates:
+            count = max(args.min_requests, int(rate * args.poisson_seconds))
+            record(target, driver.run(requests(count), rate=rate), rate=rate)
+
+    levels("triton", TritonDriver(grpc_url, entry), args.concurrency, args.rates)
     if proxy_url is not None:
         openai = OpenAIDriver(proxy_url, args.name, prompt_text_for(checkpoint), processes=args.client_processes)
-        openai.run(requests(args.warmup), concurrency=args.warmup)  # warm-up: the proxy's channel, text prompts
-        for conc in args.proxy_concurrency:
-            count = max(args.min_requests, args.requests_per_level * conc)
-            record("openai", openai.run(requests(count), concurrency=conc), concurrency=conc)
-        for rate in args.proxy_rates:
-            count = max(args.min_requests, int(rate * args.poisson_seconds))
-            record("openai", openai.run(requests(count), rate=rate), rate=rate)
+        levels("openai", openai, args.proxy_concurrency, args.proxy_rates)
     return runs
 
 
@@ -451,8 +445,8 @@ def _positive(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
-        number = float("nan")
-    if not number > 0 or number == float("inf"):
+        number = 0.0
+    if not 0 < number < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of ms > 0, not {value!r}")
     return number
 
@@ -580,9 +574,10 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
         except ValueError as exc:
             parser.error(re.sub(r"\b(prompt_len_max|output_len_max|prompt_len|output_len|shared_prefix_len)\b",
                                 lambda m: "--" + m.group(1).replace("_", "-"), str(exc)))
+    args.input_requests = None
     if getattr(args, "input_data", None):  # refused before a server starts or a level runs
         try:
-            requests_from_file(args.input_data)
+            args.input_requests = requests_from_file(args.input_data)
         except ValueError as exc:
             parser.error(f"--input-data: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
