@@ -28,7 +28,7 @@ for value in "$@"; do
   env "$VAR=$value" MSTAR_BENCH_LOG_DIR=$OUT/logs/$tag timeout 240 $PY scripts/bench.py serve \
     --family qwen3 --checkpoint "$CKPT" --name qwen3-0.6b --prompt-len 512 --output-len 256 \
     --concurrency ${AB_CONCURRENCY:-64} --proxy-concurrency ${AB_CONCURRENCY:-64} --requests-per-level 6 --check-eager 0 --no-capture-sampling \
-    --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 4096 --out "$OUT/ab_${VAR}_$tag.json" \
+    --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 --out "$OUT/ab_${VAR}_$tag.json" \
     2>&1 | grep "\[bench\]" || echo "RUN FAILED: $tag"
   grep -h "step times\|output\]" "$OUT"/logs/$tag/*.log 2>/dev/null | tail -n 6
 done

@@ -34,10 +34,10 @@ for name in ('qwen3-0.6b', 'llama-3.2-3b'):
     print(build_random_checkpoint(name, '$WORK/' + name))
 "
 
-# The buckets cover this load (c = 1, 8, 64; 512-token prompts, up to 8 per 4096-token step).
+# The buckets cover this load (c = 1, 8, 64; 512-token prompts, up to 4 per step of the default 2048-token budget).
 LOAD=(--prompt-len 512 --output-len 256 --concurrency 1 8 64 --rates 8 --proxy-concurrency 1 64
       --requests-per-level 2 --check-eager 2 --no-capture-sampling
-      --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 4096)
+      --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048)
 BASE=(--prompt-len 512 --output-len 256 --floor --hf-baseline --hf-batch 1 64)
 report() {
   $PY scripts/bench.py report $(ls "$WORK"/qwen3.json "$WORK"/llama.json 2>/dev/null) --out "$OUT" \

@@ -33,6 +33,7 @@ from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
 from mstar_common.bench.metrics import Slo, summarize
 from mstar_common.bench.report import comparisons, write_report
 from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
+from mstar_common.config import Resources
 
 logger = logging.getLogger("bench")
 
@@ -538,7 +539,9 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
                         "--shared-prefix-len makes the Triton prompts share a start")
     p.add_argument("--proxy-workers", type=int, default=1, help="the proxy's worker processes (server.proxy_workers)")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    p.add_argument("--max-batch-tokens", type=int, default=Resources().max_batch_tokens,
+                   help="packed tokens per engine step (resources.max_batch_tokens; default: the deployment's, "
+                        "%(default)s); --token-buckets above it are refused")
     add_baseline_args(p)
     p.add_argument("--check-eager", type=int, default=0, help="compare N served greedy requests with eager steps")
     p.add_argument("--check-len", type=int, default=64, help="output tokens per check request")

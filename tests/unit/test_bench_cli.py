@@ -75,6 +75,21 @@ def test_the_benchmark_serves_without_the_prefix_cache_unless_asked(bench, monke
         assert dep.resources.kv_cache.prefix_caching is expected
 
 
+def test_the_benchmark_packs_steps_as_a_default_deployment_and_refuses_buckets_above_the_budget(bench, monkeypatch):
+    """`mstar bench serve` measures the step budget `mstar serve` deploys unless told otherwise, and a captured token
+    bucket no step could fill is the deployment's refusal, named, not a graph captured for nothing."""
+    from mstar_common.config import DeploymentError, Resources
+
+    dep = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch)), source="test")
+    assert dep.resources.max_batch_tokens == Resources().max_batch_tokens
+    dep = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, "--max-batch-tokens", "4096",
+                                                            "--token-buckets", "512", "4096")), source="test")
+    assert dep.resources.max_batch_tokens == 4096
+    with pytest.raises(DeploymentError, match=r"prefill_token_buckets: \[4096\] exceed resources.max_batch_tokens"):
+        deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, "--token-buckets", "512", "4096")),
+                             source="test")
+
+
 def test_workload_prompts_are_distinct_across_a_run_and_share_only_the_asked_start():
     from mstar_common.bench.workload import Workload
 
