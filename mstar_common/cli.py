@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not args.no_proxy:
             entry = entry_model(dep)
             proxy = start_proxy(dep, entry, ports, run_dir / "proxy.log", host=args.host)
-            wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, args.timeout, "proxy")
+            wait_ready(ports.proxy_health_url, proxy, args.timeout, "proxy")
         _print_urls(dep, ports, args, run_dir)
         while not stop.is_set():
             if triton.is_failed or (not s.restart_on_fault and triton.proc.poll() is not None):

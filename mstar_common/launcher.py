@@ -25,10 +25,37 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Ports:
+    """A deployment's listening ports; the URLs are the local ones a client on this host uses."""
+
     http: int
     grpc: int
     metrics: int
     proxy: int
+
+    @classmethod
+    def free(cls, proxy: bool = True) -> Ports:
+        """Free 127.0.0.1 ports for Triton's three endpoints, and for the proxy unless `proxy` is false (then 0)."""
+        return cls(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port() if proxy else 0)
+
+    @property
+    def triton_ready_url(self) -> str:
+        return f"http://127.0.0.1:{self.http}/v2/health/ready"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy}"
+
+    @property
+    def proxy_health_url(self) -> str:
+        return f"{self.proxy_url}/health"
 
 
 def triton_args(repo: Path, dep: Deployment, ports: Ports) -> list[str]:

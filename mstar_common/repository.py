@@ -69,18 +69,24 @@ def render_repository(dep: Deployment, source: str) -> dict[str, str]:
     return files
 
 
+def write_repository(dep: Deployment, repo: str | Path, source: str) -> Path:
+    """Write the deployment's repository files under `repo` (created if missing) and return it as a Path."""
+    repo = Path(repo)
+    for rel, text in render_repository(dep, source).items():
+        target = repo / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return repo
+
+
 def generate_repository(deployment_path: str | Path, out_dir: str | Path) -> Deployment:
     """Validate the deployment and write its repository to out_dir, replacing what was there."""
     deployment_path = Path(deployment_path)
     dep = load_deployment(deployment_path)
-    files = render_repository(dep, source=_display_path(deployment_path))
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent))
-    for rel, text in files.items():
-        target = staging / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+    staging = write_repository(dep, tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent),
+                               source=_display_path(deployment_path))
     readme = out_dir / "README.md"
     if readme.is_file():
         shutil.copy(readme, staging / "README.md")

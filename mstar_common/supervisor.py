@@ -80,7 +80,7 @@ class TritonSupervisor:
 
     @property
     def ready_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.http}/v2/health/ready"
+        return self.ports.triton_ready_url
 
     def start(self) -> None:
         """Launch tritonserver and wait until it is ready (raises if it is not)."""

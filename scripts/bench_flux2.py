@@ -334,21 +334,19 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
     from concurrent.futures import ThreadPoolExecutor
 
     from mstar_common.launcher import Ports, start_triton, stop_process, wait_ready
-    from mstar_common.repository import entry_model, render_repository
+    from mstar_common.repository import entry_model, write_repository
 
     dep = deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu")
     short = FAMILIES[args.family].short
     root = Path(tempfile.mkdtemp(prefix=f"bench-{short}-"))
-    for rel, text in render_repository(dep, "bench").items():
-        (root / "repo" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / "repo" / rel).write_text(text)
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
+    repo = write_repository(dep, root / "repo", "bench")
+    ports = Ports.free(proxy=False)
     log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR") or root) / f"{short}_tritonserver.log"
-    server = start_triton(root / "repo", dep, ports, log)
+    server = start_triton(repo, dep, ports, log)
     print(f"[bench] tritonserver log: {log}", flush=True)
     try:
-        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", server, 900, "tritonserver")
-        url, model = f"127.0.0.1:{ports.grpc}", entry_model(dep)
+        wait_ready(ports.triton_ready_url, server, 900, "tritonserver")
+        url, model = ports.grpc_url, entry_model(dep)
 
         def run(c: int, total: int) -> list[float]:
             seeds = iter(range(total))
@@ -356,7 +354,7 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
                 return [t for ts in pool.map(lambda _: _grpc_client(url, model, args, seeds), range(c)) for t in ts]
 
         rows = []
-        metrics_url = f"http://127.0.0.1:{ports.metrics}/metrics"
+        metrics_url = ports.metrics_url
         for c in _warm(args, lambda: run(1, 2)):
             offset = log.stat().st_size
             time.sleep(2 * METRICS_PERIOD_S)  # the warm-up's (or the last level's) steps are published first
@@ -421,14 +419,6 @@ def timing_summary(log_text: str) -> dict[str, float]:
     for match in _TIMING.finditer(log_text):
         times.setdefault(match.group(1), []).append(float(match.group(2)))
     return {name: round(statistics.median(values), 1) for name, values in times.items()}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _grpc_client(url: str, model: str, args: argparse.Namespace, seeds) -> list[float]:

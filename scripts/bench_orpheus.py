@@ -280,8 +280,7 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
                  prefix_caching: bool = False):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
-    from mstar_common.repository import entry_model, render_repository
-    from tests.integration.conftest import free_port
+    from mstar_common.repository import entry_model, write_repository
 
     raw = yaml.safe_load(config.read_text())
     if checkpoint:
@@ -299,16 +298,13 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
     raw["model_kwargs"].update(model_kwargs or {})
     raw["max_concurrent_requests"] = max(raw.get("max_concurrent_requests", 1), max_concurrency)
     dep = deployment_from_dict(raw, source=config.name)
-    repo = workdir / "model_repository"
-    for rel, text in render_repository(dep, config.name).items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
+    repo = write_repository(dep, workdir / "model_repository", config.name)
+    ports = Ports.free(proxy=False)
     log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR", workdir)) / "orpheus_tritonserver.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = start_triton(repo, dep, ports, log)
-    wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", proc, 1800, "tritonserver")
-    return proc, f"127.0.0.1:{ports.grpc}", entry_model(dep), dep
+    wait_ready(ports.triton_ready_url, proc, 1800, "tritonserver")
+    return proc, ports.grpc_url, entry_model(dep), dep
 
 
 # ---- the baseline: HF generate + the reference's SNAC window decoding ----------------------------------------

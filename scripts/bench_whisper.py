@@ -172,8 +172,7 @@ def bench_rtfx(url: str, model: str, uploads: list[bytes], seconds: float, token
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path):
     from mstar_common.config import deployment_from_dict
     from mstar_common.launcher import Ports, start_triton, wait_ready
-    from mstar_common.repository import entry_model, render_repository
-    from tests.integration.conftest import free_port
+    from mstar_common.repository import entry_model, write_repository
 
     raw = yaml.safe_load(config.read_text())
     if checkpoint:
@@ -182,14 +181,11 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
     if dep.max_concurrent_requests < max_concurrency:
         print(f"note: {config.name} runs {dep.max_concurrent_requests} decoder windows at once; c={max_concurrency} "
               "queues the rest", file=sys.stderr)
-    repo = workdir / "model_repository"
-    for rel, text in render_repository(dep, config.name).items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=0)
+    repo = write_repository(dep, workdir / "model_repository", config.name)
+    ports = Ports.free(proxy=False)
     proc = start_triton(repo, dep, ports, workdir / "tritonserver.log")
-    wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", proc, 1800, "tritonserver")
-    return proc, f"127.0.0.1:{ports.grpc}", entry_model(dep)
+    wait_ready(ports.triton_ready_url, proc, 1800, "tritonserver")
+    return proc, ports.grpc_url, entry_model(dep)
 
 
 # ---- the baseline: transformers' ASR pipeline -------------------------------------------------------------------

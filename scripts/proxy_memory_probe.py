@@ -21,7 +21,6 @@ import ctypes
 import gc
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ import httpx
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from soak import client_loop  # noqa: E402
+
+from mstar_common.launcher import free_port  # noqa: E402
 
 TOKEN_S = 0.002  # fake decode step
 
@@ -145,12 +146,6 @@ async def drive(url: str, args) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

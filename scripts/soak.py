@@ -49,31 +49,23 @@ def rss_mib(pid: int) -> float:
 
 def start_deployment(deployment: str, run_dir: Path):
     """The default (tiny, CPU) deployment on free ports; returns (supervisor, proxy process, urls)."""
-    import socket
-
     from mstar_common.cli import resolve_target
     from mstar_common.config import load_deployment
     from mstar_common.launcher import Ports, start_proxy, wait_ready
     from mstar_common.repository import entry_model, generate_repository
     from mstar_common.supervisor import TritonSupervisor
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     path = resolve_target(deployment)
     dep = load_deployment(path)
     repo = run_dir / "model_repository"
     generate_repository(path, repo)
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+    ports = Ports.free()
     supervisor = TritonSupervisor(repo, dep, ports, run_dir / "tritonserver.log")
     supervisor.start()
     supervisor.watch()
     proxy = start_proxy(dep, entry_model(dep), ports, run_dir / "proxy.log")
-    wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 120, "proxy")
-    return supervisor, proxy, dep.name, f"http://127.0.0.1:{ports.proxy}", \
-        f"http://127.0.0.1:{ports.metrics}/metrics"
+    wait_ready(ports.proxy_health_url, proxy, 120, "proxy")
+    return supervisor, proxy, dep.name, ports.proxy_url, ports.metrics_url
 
 
 async def client_loop(client: httpx.AsyncClient, proxy: str, model: str, rng: random.Random, stop_at: float,

@@ -65,32 +65,29 @@ class Server:
 
     def __init__(self, raw: dict, with_proxy: bool) -> None:
         from mstar_common.config import deployment_from_dict
-        from mstar_common.launcher import Ports, free_port
+        from mstar_common.launcher import Ports
         from mstar_common.repository import entry_model
 
         self.dep = deployment_from_dict(raw, source="bench-deployment")
         self.entry = entry_model(self.dep)
         self.with_proxy = with_proxy
-        self.ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+        self.ports = Ports.free()
         self.root = Path(tempfile.mkdtemp(prefix="mstar-bench-"))
         self.triton = self.proxy = None
 
     def __enter__(self) -> Server:
         from mstar_common.launcher import start_proxy, start_triton, wait_ready
-        from mstar_common.repository import render_repository
+        from mstar_common.repository import write_repository
 
-        repo = self.root / "model_repository"
-        for rel, text in render_repository(self.dep, "bench-deployment").items():
-            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-            (repo / rel).write_text(text)
+        repo = write_repository(self.dep, self.root / "model_repository", "bench-deployment")
         started = time.perf_counter()
         self.triton = start_triton(repo, self.dep, self.ports, self.root / "tritonserver.log")
         try:
-            wait_ready(f"http://127.0.0.1:{self.ports.http}/v2/health/ready", self.triton, 1200, "tritonserver")
+            wait_ready(self.ports.triton_ready_url, self.triton, 1200, "tritonserver")
             self.startup_s = time.perf_counter() - started
             if self.with_proxy:
                 self.proxy = start_proxy(self.dep, self.entry, self.ports, self.root / "proxy.log")
-                wait_ready(f"http://127.0.0.1:{self.ports.proxy}/health", self.proxy, 120, "proxy")
+                wait_ready(self.ports.proxy_health_url, self.proxy, 120, "proxy")
         except Exception:
             for log in (self.root / "tritonserver.log", self.root / "proxy.log"):
                 if log.is_file():
@@ -111,13 +108,6 @@ class Server:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(log.read_bytes()[-2_000_000:])
 
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports.grpc}"
-
-    @property
-    def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.proxy}"
 
 
 ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache_hit_tokens_total",
@@ -241,7 +231,7 @@ def _serve(args) -> int:
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
         model["startup_s"] = server.startup_s
-        model["runs"] = sweep(args, server.grpc_url, server.entry, server.proxy_url if with_proxy else None,
+        model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
                               args.checkpoint)
         model["engine_metrics"] = engine_metrics(server.ports.metrics)
         queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
@@ -249,7 +239,7 @@ def _serve(args) -> int:
             hit = model["engine_metrics"]["mstar_prefix_cache_hit_tokens_total"]
             print(f"[bench] {args.name}: prefix cache hit {hit:,.0f} of {queried:,.0f} prompt tokens "
                   f"({hit / queried:.1%})", flush=True)
-        served = served_tokens(server.grpc_url, server.entry, args) if args.check_eager else None
+        served = served_tokens(server.ports.grpc_url, server.entry, args) if args.check_eager else None
     if served is not None:
         eager = eager_tokens(args)
         same = sum(a == b for a, b in zip(served, eager, strict=True))

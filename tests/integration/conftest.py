@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +16,7 @@ from mstar_common.cli import DEFAULT_DEPLOYMENT
 from mstar_common.config import Deployment, deployment_from_dict
 from mstar_common.families.registry import get_family
 from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
-from mstar_common.repository import entry_model, render_repository
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mstar_common.repository import entry_model, write_repository
 
 
 @dataclass
@@ -36,23 +29,15 @@ class Served:
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports.grpc}"
+        return self.ports.grpc_url
 
     @property
     def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.proxy}"
+        return self.ports.proxy_url
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
-
-
-def write_repository(dep: Deployment, root: Path, source: str) -> Path:
-    repo = root / "model_repository"
-    for rel, text in render_repository(dep, source).items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    return repo
+        return self.ports.metrics_url
 
 
 def print_logs(root: Path) -> None:
@@ -72,13 +57,13 @@ def serve_deployment(dep: Deployment, root: Path, source: str, ready_timeout_s: 
     clean = False
     try:
         checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
-        repo = write_repository(dep, root, source)
-        ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+        repo = write_repository(dep, root / "model_repository", source)
+        ports = Ports.free()
         triton = start_triton(repo, dep, ports, root / "tritonserver.log")
-        wait_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", triton, ready_timeout_s, "tritonserver")
+        wait_ready(ports.triton_ready_url, triton, ready_timeout_s, "tritonserver")
         entry = entry_model(dep)
         proxy = start_proxy(dep, entry, ports, root / "proxy.log")
-        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
+        wait_ready(ports.proxy_health_url, proxy, 60, "proxy")
         yield Served(dep, ports, checkpoint, entry, root)
         clean = True
     except Exception:

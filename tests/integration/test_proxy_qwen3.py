@@ -214,7 +214,7 @@ def test_a_multi_worker_proxy_serves_streams_and_stops(served, tmp_path):
     ports = Ports(http=served.ports.http, grpc=served.ports.grpc, metrics=served.ports.metrics, proxy=free_port())
     proxy = start_proxy(dep, served.entry, ports, tmp_path / "proxy.log")
     try:
-        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
+        wait_ready(ports.proxy_health_url, proxy, 60, "proxy")
         children = Path(f"/proc/{proxy.pid}/task/{proxy.pid}/children")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(_workers(children)) < 3:

@@ -26,9 +26,9 @@ import yaml
 from mstar_common.cli import DEFAULT_DEPLOYMENT, PROJECT_ROOT
 from mstar_common.config import deployment_from_dict
 from mstar_common.launcher import Ports, start_proxy, stop_process, wait_ready
-from mstar_common.repository import entry_model
+from mstar_common.repository import entry_model, write_repository
 from mstar_common.supervisor import TritonSupervisor, find_stubs
-from tests.integration.conftest import Served, free_port, print_logs, write_repository
+from tests.integration.conftest import Served, print_logs
 from tests.integration.triton_stream import make_inputs, run_stream
 
 pytestmark = pytest.mark.server
@@ -56,15 +56,15 @@ def capped(tmp_path_factory):
                admission={"max_queue": QUEUE, "queue_timeout_s": 30, "request_timeout_s": 60},
                server={"drain_timeout_s": 10})
     dep = deployment_from_dict(raw, source="capped-deployment")
-    repo = write_repository(dep, root, "capped-deployment")
-    ports = Ports(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port())
+    repo = write_repository(dep, root / "model_repository", "capped-deployment")
+    ports = Ports.free()
     supervisor = TritonSupervisor(repo, dep, ports, root / "tritonserver.log", ready_timeout_s=240, poll_s=0.2)
     proxy = None
     try:
         supervisor.start()
         supervisor.watch()
         proxy = start_proxy(dep, entry_model(dep), ports, root / "proxy.log")
-        wait_ready(f"http://127.0.0.1:{ports.proxy}/health", proxy, 60, "proxy")
+        wait_ready(ports.proxy_health_url, proxy, 60, "proxy")
         served = Served(dep, ports, Path(), entry_model(dep), root)
         served.supervisor = supervisor
         yield served

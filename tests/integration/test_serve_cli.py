@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import free_port
+from mstar_common.launcher import free_port
 
 pytestmark = pytest.mark.server
 
