@@ -5,8 +5,8 @@
 
 Random weights at the real shapes (normal(0, 0.02) matrices), bf16, 1024x1024 (4,096 image + 512 text tokens).
 Times one transformer forward (the denoise step's body) at batch 1 and 4, eager and replayed from a captured
-CUDA graph, with the elementwise glue eager or fused (kernels/dit.py) and each SDPA backend
-(`MSTAR_DIT_ATTENTION`); one VAE decode at batch 1 and 4 with torch's GroupNorm+SiLU or kernels/group_norm.py.
+CUDA graph, with the elementwise glue eager or fused (mstar_kernels/dit.py) and each SDPA backend
+(`MSTAR_DIT_ATTENTION`); one VAE decode at batch 1 and 4 with torch's GroupNorm+SiLU or mstar_kernels/group_norm.py.
 Reports milliseconds (median of --iters after warm-up), the fused output's relative error against eager, and
 whether a graph replay equals the eager call; the last line names the fastest attention backend.
 """

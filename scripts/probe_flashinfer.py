@@ -5,7 +5,7 @@ The newest FlashInfer wheels (62 MB plus tvm-ffi, cutlass-dsl, ...) do not fit t
 releases ship as a 2.5 MB source archive that compiles its CUDA kernels at first use (JIT, with nvcc and ninja),
 and need only numpy, torch and ninja. This probe imports one such release, JIT-compiles its paged batch decode
 kernel for Qwen3-0.6B's heads (16 query / 8 KV heads, head dim 128, bf16, pages of 64), checks its output against
-ours (kernels/paged_decode_attention.py) and the torch reference, and times both inside a CUDA graph at 64 rows x
+ours (mstar_kernels/paged_decode_attention.py) and the torch reference, and times both inside a CUDA graph at 64 rows x
 640 tokens of context. Every phase prints its wall time, so a timeout still tells how far it got.
 
 With CUDA 13's nvcc the JIT build of FlashInfer 0.2.5 fails to link: nvcc 13 makes each translation unit's
@@ -38,9 +38,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
     from mstar_common.bench.gpu_timing import graph_time_us
     from mstar_common.engine.flashinfer_backend import import_flashinfer  # sets the nvcc flag first
+    from mstar_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     started = time.perf_counter()
     report: dict = {"rows": args.rows, "context": args.context}

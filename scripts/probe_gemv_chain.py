@@ -1,5 +1,5 @@
 """The persistent probe's chain of 112 one-row skinny-GEMM launches (scripts/probe_persistent_step.py: 28 layers of
-qkv, o, gate/up, down with SwiGLU on load; PDL; in a CUDA graph) with other kernels/gemv.py launch settings
+qkv, o, gate/up, down with SwiGLU on load; PDL; in a CUDA graph) with other mstar_kernels/gemv.py launch settings
 against its defaults: does a grid of fewer programs, each loading its whole K slice before its PDL wait, stream
 the chain's weights faster?
 
@@ -19,8 +19,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from kernels.gemv import gemv, gemv_blocks  # noqa: E402
 from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
+from mstar_kernels.gemv import gemv, gemv_blocks  # noqa: E402
 
 _SPEC = importlib.util.spec_from_file_location("probe_persistent_step", ROOT / "scripts" / "probe_persistent_step.py")
 probe = importlib.util.module_from_spec(_SPEC)

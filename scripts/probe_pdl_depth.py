@@ -1,6 +1,6 @@
 """How many kernels of a PDL chain run at once? (GPU, Hopper or newer.)
 
-`kernels/_pdl.py` triggers the next kernel after each kernel's wait (`early`), so at most two kernels overlap.
+`mstar_kernels/_pdl.py` triggers the next kernel after each kernel's wait (`early`), so at most two kernels overlap.
 `MSTAR_PDL_TRIGGER=ahead` triggers before the wait, which in principle lets a kernel launch as soon as every program
 of the one before it has started, and so a chain of waiting kernels run ahead of the one that computes. This probe
 shows what the GPU does: a captured CUDA graph of `--kernels` PDL launches, each of `--programs` programs, each

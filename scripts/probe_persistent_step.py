@@ -2,11 +2,11 @@
 
 A one-row decode step is a latency chain of ~250 short kernels (docs/benchmarks.md). A persistent kernel would
 replace each kernel boundary by a grid barrier and stream every layer's weights from one launch. The persistent
-MLP half (kernels/fused_mlp.py) lost to the chain, with one barrier per layer, and why was not measured. This
+MLP half (mstar_kernels/fused_mlp.py) lost to the chain, with one barrier per layer, and why was not measured. This
 probe measures the two things such a kernel rests on:
 
 - `barrier`: the cost of one grid barrier (an atomic counter, release add, acquire polls at GPU scope) for one and
-  two programs per SM, polling with an atomic (as kernels/fused_mlp.py) or with an `ld.acquire` load.
+  two programs per SM, polling with an atomic (as mstar_kernels/fused_mlp.py) or with an `ld.acquire` load.
 - `chain`: `--layers` layers of the four one-row projections of a decoder layer (qkv, o, gate/up, down with SwiGLU
   on load), each layer with its own weights: as one persistent launch with a barrier after each projection
   (`persistent`), and as the chain of the skinny-GEMV launches with PDL that the served step runs (`launches`),
@@ -43,10 +43,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels._rounding import round_to  # noqa: E402
-from kernels.fused_mlp import _grid_barrier, _grid_leave  # noqa: E402
-from mstar_common.cuda_build import build_library  # noqa: E402
 from mstar_common.bench.gpu_timing import graph_time_us  # noqa: E402
+from mstar_common.cuda_build import build_library  # noqa: E402
+from mstar_kernels._rounding import round_to  # noqa: E402
+from mstar_kernels.fused_mlp import _grid_barrier, _grid_leave  # noqa: E402
 
 CHECK_LAYERS = 2
 CUDA_SOURCE = Path(__file__).with_suffix(".cu")
@@ -59,7 +59,8 @@ SHAPES = {  # hidden, q width (heads x head_dim), kv width, intermediate
 
 @triton.jit
 def _barrier(sync_ptr, target, POLL: tl.constexpr):
-    """kernels/fused_mlp.py's grid barrier (POLL 0: atomic polls), or the same with `ld.acquire` polls (POLL 1)."""
+    """mstar_kernels/fused_mlp.py's grid barrier (POLL 0: atomic polls), or the same with `ld.acquire` polls
+    (POLL 1)."""
     if POLL == 0:
         _grid_barrier(sync_ptr, target)
     else:
@@ -376,14 +377,14 @@ def _reference(h0, wqkv, wo, wgu, wd, q: int) -> torch.Tensor:
 def _rel_err(got: torch.Tensor, expect: torch.Tensor) -> float:
     """The difference's norm over the reference's; inf where either holds a non-finite value. (Without norms the
     chain's values shrink along the layers while each projection's rounding stays, so the error grows with depth:
-    a 2-layer chain of the kernels/gemv.py launches is ~3% from it on the CPU.)"""
+    a 2-layer chain of the mstar_kernels/gemv.py launches is ~3% from it on the CPU.)"""
     if not (torch.isfinite(got).all() and torch.isfinite(expect).all()) or expect.norm() == 0:
         return float("inf")
     return ((got - expect).norm() / expect.norm()).item()
 
 
 def chain(shapes: str, layers: int, modes: list[dict]) -> dict:
-    from kernels.gemv import gemv
+    from mstar_kernels.gemv import gemv
 
     hidden, q, kv, inter = SHAPES[shapes]
     qkv_n = q + 2 * kv

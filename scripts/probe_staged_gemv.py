@@ -7,7 +7,7 @@ copies each CTA's rows of the weight into shared memory with bulk asynchronous c
 then waits for its input. This probe times, in captured CUDA graphs, the chain of a model's 4 x `layers` one-row
 projections (qkv -> o -> gate_up -> down, each layer with its own weights, so they come from HBM) in these forms:
 
-- `triton`: kernels/gemv.py with the given settings (`--triton-plan`), launched with PDL as the server does;
+- `triton`: mstar_kernels/gemv.py with the given settings (`--triton-plan`), launched with PDL as the server does;
 - `cuda_after`: the CUDA kernel, its copy issued after the PDL wait (no lookahead);
 - `cuda_early`: the copy issued before the wait, the next kernel launched after the wait (at most two overlap);
 - `cuda_ahead`: the copy issued before the wait, the next kernel launched first (a chain of kernels resident at
@@ -113,7 +113,7 @@ class Chain:
 
 
 def _triton_project(plan):
-    from kernels.gemv import gemv_with
+    from mstar_kernels.gemv import gemv_with
 
     def project(i, weight, x):
         return gemv_with(x.unsqueeze(0), weight, None, plan[i])[0]
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cols", type=int, nargs=4, default=[16, 8, 16, 8],
                         help="CUDA form: output rows per CTA for qkv, o, gate_up, down")
     parser.add_argument("--triton-plan", default=None,
-                        help="kernels/gemv.py settings for the four, e.g. '16/1024/8/1 1/2048 16/1024/8/1 8/4096/8/1' "
+                        help="mstar_kernels/gemv.py settings for the four, e.g. "
+                             "'16/1024/8/1 1/2048 16/1024/8/1 8/4096/8/1' "
                              "(default: Qwen3-0.6B's tuned one-row plan; for llama 8/1024/4/3 throughout)")
     parser.add_argument("--relay", action="store_true",
                         help="a one-CTA copy kernel (no shared memory) in front of each projection, as in a step")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Times kernels/paged_decode_attention.py's launch knobs (context tokens per iteration, warps, pipeline
+"""Times mstar_kernels/paged_decode_attention.py's launch knobs (context tokens per iteration, warps, pipeline
 stages, context splits) on the decode shapes the benchmarks run, and prints each one's effective KV read
 bandwidth against the GPU's (measured by a device copy in the same run).
 
@@ -96,7 +96,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from kernels.paged_decode_attention import decode_num_splits, paged_decode_attention
+    from mstar_kernels.paged_decode_attention import decode_num_splits, paged_decode_attention
 
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth {bandwidth:.2f} TB/s ({torch.cuda.get_device_name()})", flush=True)
@@ -147,7 +147,7 @@ def sweep_prefill(top: int, rows: int = 8, prompt: int = 512) -> list[dict]:
     and Llama-3.2-3B's heads: every (keys per iteration, warps, stages), in TFLOPS of the causal attention."""
     import torch
 
-    from kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
+    from mstar_kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
 
     out = []
     for name, heads, kv_heads in (("qwen3-prefill", 16, 8), ("llama-prefill", 24, 8)):
@@ -189,8 +189,8 @@ def time_mixed_step(rows: int = 256, ctx: int = 640, prompt: int = 32) -> list[d
     for the prompt and the decode kernel for the one-token rows (the engine's path since 2026-12-01)."""
     import torch
 
-    from kernels.paged_decode_attention import paged_decode_attention
-    from kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
+    from mstar_kernels.paged_decode_attention import paged_decode_attention
+    from mstar_kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
 
     out = []
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -260,7 +260,7 @@ def sweep_focus(run, shape, top: int) -> None:
 def sweep_grid(run, grid, top: int) -> None:
     import torch
 
-    from kernels.paged_decode_attention import BLOCK_N, decode_num_splits
+    from mstar_kernels.paged_decode_attention import BLOCK_N, decode_num_splits
 
     first = SHAPES[0]
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):

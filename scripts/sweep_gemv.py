@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Times kernels/gemv.py against `F.linear` (cuBLAS) at the served models' decode projections, each inside a
+"""Times mstar_kernels/gemv.py against `F.linear` (cuBLAS) at the served models' decode projections, each inside a
 captured CUDA graph (as the engine replays them), and prints which wins per shape and row count. The result
 decides `MSTAR_GEMV_MAX_ROWS` and the settings `tune_gemv` tries (mstar_common/layers/linear.py).
 
@@ -49,9 +49,9 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from kernels.gemv import gemv, gemv_blocks, gemv_warps
-    from kernels.silu_mul import silu_mul
     from mstar_common.bench.gpu_timing import cold_copies, graph_time_us
+    from mstar_kernels.gemv import gemv, gemv_blocks, gemv_warps
+    from mstar_kernels.silu_mul import silu_mul
 
     results = []
     print(f"{'shape':20s} rows  cublas us  gemv us (blocks)  best-of-sweep us (n, k, warps, stages)  "

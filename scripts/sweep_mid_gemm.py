@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Times kernels/mid_gemm.py against `F.linear` (cuBLAS) at the served models' decode projections for steps of
+"""Times mstar_kernels/mid_gemm.py against `F.linear` (cuBLAS) at the served models' decode projections for steps of
 tens of rows, each inside a captured CUDA graph on cold weights (as scripts/sweep_gemv.py does for a few rows),
 over a sweep of launch settings, and checks the winner's output against fp32 products and its bits across runs.
 The SwiGLU down projections are timed as the MLP runs them: cuBLAS after `silu_mul`, the kernel with the
@@ -44,9 +44,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from kernels.mid_gemm import fits, mid_gemm
-    from kernels.silu_mul import silu_mul
     from mstar_common.bench.gpu_timing import cold_copies
+    from mstar_kernels.mid_gemm import fits, mid_gemm
+    from mstar_kernels.silu_mul import silu_mul
 
     results, totals = [], {}
     print(f"{'shape':20s} rows  cublas us  best us  (block_n, block_k, split_k, warps, stages)  weight TB/s "
@@ -114,9 +114,9 @@ def time_us(x, weights, swiglu: bool, setting: tuple | None, replays: int = 10) 
     is None, else the kernel with that (block_n, block_k, split_k, warps, stages)."""
     import torch.nn.functional as F
 
-    from kernels.mid_gemm import mid_gemm
-    from kernels.silu_mul import silu_mul
     from mstar_common.bench.gpu_timing import graph_time_us
+    from mstar_kernels.mid_gemm import mid_gemm
+    from mstar_kernels.silu_mul import silu_mul
 
     if setting is None:
         return graph_time_us([lambda w=w: F.linear(silu_mul(x) if swiglu else x, w) for w in weights],

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Times the on-device sampling filters inside captured CUDA graphs: the sorted top-k/top-p form against the
-sort-free kernel (kernels/top_k_top_p.py), and the whole `sample_on_device` with each, at Orpheus's audio
+sort-free kernel (mstar_kernels/top_k_top_p.py), and the whole `sample_on_device` with each, at Orpheus's audio
 window (28,672 logits) for 1 to 256 rows. The result decides `MSTAR_TOP_P_KERNEL`.
 
 Device: source .device/prepare.sh && python scripts/sweep_sampling.py [--out sampling.json]
@@ -30,9 +30,9 @@ def main() -> int:
         return boundary_check(args.boundary_check, args.vocab)
     import torch
 
-    from kernels.top_k_top_p import top_k_top_p
     from mstar_common.bench.gpu_timing import graph_time_us
     from mstar_common.engine.sampler import apply_top_k_top_p
+    from mstar_kernels.top_k_top_p import top_k_top_p
 
     results = []
     for rows in (1, 16, 64, 256):
@@ -55,8 +55,8 @@ def main() -> int:
 def boundary_check(rows: int, vocab: int, top_p: float = 0.8) -> int:
     import torch
 
-    from kernels.top_k_top_p import top_k_top_p
     from mstar_common.engine.sampler import apply_top_k_top_p
+    from mstar_kernels.top_k_top_p import top_k_top_p
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(device) / 0.6

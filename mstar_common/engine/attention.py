@@ -10,7 +10,7 @@ context positions `<= p`. A decode row is simply a row with one new token.
 
 Backends: `TorchPagedAttention` (the reference; per-row loops over host lists), `TorchStaticAttention` (plain
 torch with fixed shapes and device-only metadata, so it can be captured; the CPU stand-in for graph tests) and
-`TritonPagedAttention` (`kernels/`: split-K decode, ragged prefill, fused q/k-norm + RoPE + KV write), the
+`TritonPagedAttention` (`mstar_kernels/`: split-K decode, ragged prefill, fused q/k-norm + RoPE + KV write), the
 portable GPU path. `select_attention_backend` picks one for a device.
 """
 
@@ -276,7 +276,7 @@ class TorchStaticAttention(TorchPagedAttention):
 
 
 class TritonPagedAttention(AttentionBackend):
-    """The portable GPU path: Triton kernels from `kernels/`, graph safe.
+    """The portable GPU path: Triton kernels from `mstar_kernels/`, graph safe.
 
     Decode steps (`metadata.is_decode`) use the split-K paged decode kernel. Every other step runs the ragged
     paged prefill kernel over the metadata's work list (the rows of several new tokens) and then the decode
@@ -284,7 +284,7 @@ class TritonPagedAttention(AttentionBackend):
     kernel's GQA-shared reads (H200, 256 decode rows + a 32-token prompt, Llama-3.2-3B heads: 584 us per layer
     through the prefill kernel alone, 223 us split; fp8 pool 574 -> 168 us). `fused_prologue` runs q/k norm +
     RoPE + KV write as one kernel instead of the eager ops; in decode steps of 3-16 rows (heads form) that kernel
-    is the decode attention itself (kernels/paged_decode_attention.py `rope_in_attention`).
+    is the decode attention itself (mstar_kernels/paged_decode_attention.py `rope_in_attention`).
     """
 
     name = "triton"
@@ -296,7 +296,7 @@ class TritonPagedAttention(AttentionBackend):
     def prologue(self, qkv, layer, rope, kv, metadata) -> torch.Tensor:
         if not self.fused_prologue:
             return super().prologue(qkv, layer, rope, kv, metadata)
-        from kernels.qk_norm_rope_kv import qk_norm_rope_kv
+        from mstar_kernels.qk_norm_rope_kv import qk_norm_rope_kv
 
         has_norm = layer.q_norm is not None
         return qk_norm_rope_kv(  # the RoPE angles in-kernel, from the positions
@@ -306,7 +306,7 @@ class TritonPagedAttention(AttentionBackend):
         )
 
     def prologue_attend(self, qkv, layer, rope, kv, metadata, scale) -> torch.Tensor:
-        from kernels.paged_decode_attention import paged_decode_attention_rope, rope_in_attention
+        from mstar_kernels.paged_decode_attention import paged_decode_attention_rope, rope_in_attention
 
         knobs = _decode_knobs(kv[0].element_size() == 1)
         if not (self.fused_prologue and metadata.is_decode and not knobs["tokens_major"]
@@ -321,18 +321,18 @@ class TritonPagedAttention(AttentionBackend):
         )
 
     def write_kv(self, key, value, k_cache, v_cache, metadata) -> None:
-        from kernels.qk_norm_rope_kv import store_kv
+        from mstar_kernels.qk_norm_rope_kv import store_kv
 
         store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
     def attend(self, query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
-        from kernels.paged_decode_attention import paged_decode_attention
+        from mstar_kernels.paged_decode_attention import paged_decode_attention
 
         knobs = _decode_knobs(k_cache.element_size() == 1)
         if metadata.is_decode:
             return paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
                                           scale, **knobs)
-        from kernels.paged_prefill_attention import paged_prefill_attention
+        from mstar_kernels.paged_prefill_attention import paged_prefill_attention
 
         if metadata.work_rows is None:
             raise ValueError("the Triton prefill kernel needs metadata.work_rows (build_attention_metadata sets it)")
@@ -369,10 +369,10 @@ def select_attention_backend(device: torch.device | str, name: str = "auto") -> 
     return TritonPagedAttention(fused_prologue=name == "triton")
 
 
-# An fp8 pool's decode dots in fp16 with the heads form (kernels/paged_decode_attention.py `fp16_dots`): timed at
+# An fp8 pool's decode dots in fp16 with the heads form (mstar_kernels/paged_decode_attention.py `fp16_dots`): timed at
 # 147 us against the fp8 q.k form's 108 us (docs/deployment.md), so off.
 _FP8_FP16_DOTS = os.environ.get("MSTAR_FP8_FP16_DOTS") == "1"
-# The decode kernel's form (kernels/paged_decode_attention.py): heads (query heads as the dots' rows) | tokens
+# The decode kernel's form (mstar_kernels/paged_decode_attention.py): heads (query heads as the dots' rows) | tokens
 # (context tokens as the rows) | tokens_fp16 (and an fp8 pool's dots in fp16) | tokens_qk_fp8 (an fp8 pool's
 # q.k as an fp8 dot on the pool's bytes, the query quantised per head). auto: heads for a bf16/fp32 pool,
 # tokens_qk_fp8 for an fp8 one (the fastest of each in scripts/sweep_decode_attention.py --variants on the H200:

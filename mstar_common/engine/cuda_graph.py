@@ -253,7 +253,7 @@ class CudaGraphRunner:
             logits = logits.float()
             if penalty is not None:
                 logits = penalty.apply(logits, v["penalty_slots"][:rows], v["penalty"][:rows])
-            from kernels.sampling import sample_on_device
+            from mstar_kernels.sampling import sample_on_device
 
             sampled = sample_on_device(logits, v["is_greedy"][:rows] != 0, v["temperature"][:rows],
                                        v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows], v["seeds"][:rows])
@@ -390,9 +390,9 @@ class CudaGraphRunner:
 def _gather_tokens(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor,
                    previous: torch.Tensor) -> None:
     """`input_ids[dst[i]] = previous[src[i]]` for `i < count[0]`: one launch inside the graph on CUDA
-    (kernels/gather_tokens.py); torch ops on the CPU stand-in, which replays eagerly."""
+    (mstar_kernels/gather_tokens.py); torch ops on the CPU stand-in, which replays eagerly."""
     if input_ids.is_cuda:
-        from kernels.gather_tokens import gather_tokens
+        from mstar_kernels.gather_tokens import gather_tokens
 
         gather_tokens(input_ids, dst, src, count, previous)
         return

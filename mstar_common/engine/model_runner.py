@@ -7,7 +7,7 @@ N+1 before it collects step N: a decode row whose newest token is still on the d
 the end of its token list, `seq.pending_row` its row in step N) gets it by a device-side gather from step N's
 tokens, so the host prepares step N+1 while step N runs. `run(plan)` is launch-then-collect.
 
-Sampling. On CUDA every filter runs on the device from per-row parameter tensors (`kernels/sampling.py`),
+Sampling. On CUDA every filter runs on the device from per-row parameter tensors (`mstar_kernels/sampling.py`),
 inside the graph when one is replayed; the draw is keyed by (request seed, output index). On the CPU the
 `Sampler` (torch generators) is used. On CUDA a repetition penalty reads the token history from the device
 (`penalty.py`), so penalised steps replay graphs and overlap too; on the CPU the Sampler reads host lists.
@@ -294,7 +294,7 @@ class ModelRunner:
 
                 tokens = greedy_tokens(logits)
             else:
-                from kernels.sampling import sample_on_device
+                from mstar_kernels.sampling import sample_on_device
 
                 tokens = sample_on_device(
                     logits, column(cols.is_greedy, torch.bool), column(cols.temperature, torch.float32),

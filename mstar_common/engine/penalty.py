@@ -59,10 +59,10 @@ class PenaltyState:
 
     def greedy(self, logits: torch.Tensor, slots: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
         """Each row's greedy window index under the penalty, recorded: `apply`, argmax and `record` in one
-        (graph safe). On CUDA that is kernels/argmax.py's `penalised_argmax` on the logits as they are (bf16
+        (graph safe). On CUDA that is mstar_kernels/argmax.py's `penalised_argmax` on the logits as they are (bf16
         read as fp32), two launches; elsewhere the torch ops."""
         if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
-            from kernels.argmax import penalised_argmax
+            from mstar_kernels.argmax import penalised_argmax
 
             return penalised_argmax(logits, self.seen.view(torch.uint8), slots, penalty)
         tokens = self.apply(logits.float(), slots, penalty).argmax(dim=-1)

@@ -145,10 +145,10 @@ def _column(values: Sequence[float | int], dtype: torch.dtype, device: torch.dev
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the lowest index of its maximum): on CUDA kernels/argmax.py's two short launches
+    """Each row's argmax (the lowest index of its maximum): on CUDA mstar_kernels/argmax.py's two short launches
     (torch reduces a 128k-logit row in one thread block, 28 us on the H200), elsewhere torch's argmax."""
     if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
-        from kernels.argmax import row_argmax
+        from mstar_kernels.argmax import row_argmax
 
         return row_argmax(logits)
     return logits.argmax(dim=-1)

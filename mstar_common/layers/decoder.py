@@ -4,13 +4,13 @@ The residual stream is carried beside the hidden states (`(hidden, residual)` in
 fold in the preceding residual add: `residual += x; x = norm(residual)` is one op (one kernel on CUDA).
 
 With `norm_gemv` set (`enable_fused_ops` on CUDA, `MSTAR_NORM_GEMV` not 0), a step whose qkv or gate_up
-projection runs on the skinny GEMM (kernels/gemv.py, a few rows) takes the add and the norm in that GEMM's load
+projection runs on the skinny GEMM (mstar_kernels/gemv.py, a few rows) takes the add and the norm in that GEMM's load
 (`norm_gemv`): one launch instead of two, twice per layer. By default (`auto`) only at the row counts where
 `tune_gemv` timed that faster than the norm kernel followed by the plain GEMM (the projection's `norm_apart`).
 
 With `fused_mlp_rows` set (`enable_fused_ops` on CUDA, `MSTAR_FUSED_MLP_ROWS`), a step of at most that many rows runs
 the MLP half (residual add + RMSNorm, gate/up, SwiGLU, down) as one persistent launch with a grid barrier between
-the projections (kernels/fused_mlp.py): one launch instead of three.
+the projections (mstar_kernels/fused_mlp.py): one launch instead of three.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm_gemv = False
         self.fused_mlp_rows = 0
-        self.fused_mlp_options: dict[str, int] = {}  # kernels/fused_mlp.py launch settings (MSTAR_FUSED_MLP_OPTIONS)
+        # mstar_kernels/fused_mlp.py launch settings (MSTAR_FUSED_MLP_OPTIONS)
+        self.fused_mlp_options: dict[str, int] = {}
         self._mlp_sync: torch.Tensor | None = None  # the persistent MLP kernel's barrier counters
 
     def norm_gemv_pairs(self) -> list[tuple[RMSNorm, nn.Linear]]:
@@ -76,7 +77,7 @@ class DecoderLayer(nn.Module):
         setting = linear.gemv_blocks_for(hidden)
         if setting is None or hidden.shape[0] in linear.norm_apart:  # cuBLAS, or the plain kernel timed faster
             return None
-        from kernels.gemv import norm_gemv_with
+        from mstar_kernels.gemv import norm_gemv_with
 
         return norm_gemv_with(hidden, norm.weight, norm.eps, linear.weight, linear.bias, residual, setting)
 
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         if not all(isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == hidden.dtype
                    for lin in linears):
             return None
-        from kernels.fused_mlp import fused_mlp, new_sync
+        from mstar_kernels.fused_mlp import fused_mlp, new_sync
 
         if self._mlp_sync is None or self._mlp_sync.device != hidden.device:
             self._mlp_sync = new_sync(hidden.device)

@@ -1,7 +1,7 @@
 """Row-wise scaled float8 (e4m3) linears for the diffusion transformers' GEMMs (`model_kwargs.dit_fp8`).
 
 `Fp8Linear` keeps its weight as e4m3 codes with one fp32 scale per output channel (max |row| / 448, computed
-once from the loaded bf16 weight), quantises each call's activations per row the same way (kernels/fp8_quant.py
+once from the loaded bf16 weight), quantises each call's activations per row the same way (mstar_kernels/fp8_quant.py
 on CUDA, eager torch elsewhere), and multiplies on the fp8 tensor cores with `torch._scaled_mm`, which applies
 both scales and writes the linear's original dtype (bf16 on CUDA, cast when the model runs in another). On an
 H200 the DiT's projections run 1.5-1.7x faster than in bf16 (docs/benchmarks.md); the weights take half the
@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fp8_quant_torch import quantize_rows_fp8_torch
+from mstar_kernels.fp8_quant_torch import quantize_rows_fp8_torch
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
-        from kernels.fp8_quant import quantize_rows_fp8
+        from mstar_kernels.fp8_quant import quantize_rows_fp8
 
         return quantize_rows_fp8(x)
     return quantize_rows_fp8_torch(x)

@@ -28,11 +28,11 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 class GemvLinear(nn.Linear):
     """An `nn.Linear` that runs the row counts in its `gemv_plan` through the skinny-GEMM kernel
-    (kernels/gemv.py) on CUDA, with the plan's (BLOCK_N, BLOCK_K), and everything else through `F.linear`.
+    (mstar_kernels/gemv.py) on CUDA, with the plan's (BLOCK_N, BLOCK_K), and everything else through `F.linear`.
     `use_gemv` turns a model's linears into these in place (same parameters and names); `tune_gemv` keeps a
     row count in the plan only where the kernel beat cuBLAS on this GPU."""
 
-    gemv_plan: dict[int, tuple[int, ...]] = {}  # rows -> kernels/gemv.py gemv_with setting
+    gemv_plan: dict[int, tuple[int, ...]] = {}  # rows -> mstar_kernels/gemv.py gemv_with setting
     # rows at which a projection that could take its pre-norm inside (`norm_gemv`) runs after the norm kernel
     # instead: with MSTAR_NORM_GEMV=auto every row count until `tune_gemv` times the fold faster
     norm_apart: frozenset[int] = frozenset()
@@ -45,14 +45,14 @@ class GemvLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.gemv_blocks_for(x)
         if blocks is not None:
-            from kernels.gemv import gemv_with
+            from mstar_kernels.gemv import gemv_with
 
             return gemv_with(x, self.weight, self.bias, blocks)
         return super().forward(x)
 
 
 GEMV_MAX_OUT = 32768  # wider heads (the vocabulary) keep cuBLAS's GEMV, already at bandwidth
-GEMV_MAX_ROWS = 8  # kernels/gemv.py's MAX_ROWS
+GEMV_MAX_ROWS = 8  # mstar_kernels/gemv.py's MAX_ROWS
 
 
 def use_gemv(model: nn.Module, max_rows: int) -> int:
@@ -60,8 +60,8 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
     rows with the kernel's default blocks (0: undo); returns how many linears were switched."""
     if not 0 <= max_rows <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv rows must be in [0, {GEMV_MAX_ROWS}], got {max_rows}")
-    from kernels.gemv import gemv_blocks
     from mstar_common.layers.decoder import norm_gemv_mode
+    from mstar_kernels.gemv import gemv_blocks
 
     # auto: a pre-norm goes into the kernel only where `tune_gemv` timed that faster; 1: wherever the kernel runs
     norm_apart = frozenset(range(1, max_rows + 1)) if norm_gemv_mode() == "auto" else frozenset()
@@ -110,9 +110,9 @@ def gemv_candidates(rows: int, n: int, k: int, staged: bool = False) -> list[tup
     """The skinny-GEMM settings `tune_gemv` tries for an [n, k] weight at `rows` rows: the default blocks, the
     candidates, and (`MSTAR_GEMV_WIDE`, default on) the whole-K ones, less those whose K block exceeds K's power of
     two or whose tile holds too many products, and pipelined ones with a single iteration; with `staged` (see
-    `staged_candidates_for`) also kernels/staged_gemv.py's `(STAGED, cols)` settings that fit."""
-    from kernels.gemv import TILE_ELEMENTS, gemv_blocks
-    from kernels.staged_gemv import candidates as staged_settings
+    `staged_candidates_for`) also mstar_kernels/staged_gemv.py's `(STAGED, cols)` settings that fit."""
+    from mstar_kernels.gemv import TILE_ELEMENTS, gemv_blocks
+    from mstar_kernels.staged_gemv import candidates as staged_settings
 
     whole_k = _whole_k(k)
     wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} if _wide_candidates() else set()
@@ -129,14 +129,14 @@ def gemv_candidates(rows: int, n: int, k: int, staged: bool = False) -> list[tup
 
 
 def staged_candidates_for(weight: torch.Tensor, rows: int) -> bool:
-    """Whether `tune_gemv` also tries kernels/staged_gemv.py for `weight` at `rows` rows: bf16 on a Hopper-or-newer
-    GPU where the kernel builds (nvcc), `MSTAR_GEMV_STAGED=1`, and a row count that launches with PDL (its weight
-    copy ahead of the wait is what it brings; without PDL nothing runs ahead)."""
-    from kernels.staged_gemv import MAX_ROWS, available, enabled
+    """Whether `tune_gemv` also tries mstar_kernels/staged_gemv.py for `weight` at `rows` rows: bf16 on a
+    Hopper-or-newer GPU where the kernel builds (nvcc), `MSTAR_GEMV_STAGED=1`, and a row count that launches with PDL
+    (its weight copy ahead of the wait is what it brings; without PDL nothing runs ahead)."""
+    from mstar_kernels.staged_gemv import MAX_ROWS, available, enabled
 
     if rows > MAX_ROWS or not enabled() or not available(weight):
         return False
-    from kernels._pdl import use_pdl
+    from mstar_kernels._pdl import use_pdl
 
     return use_pdl(weight, rows)
 
@@ -146,18 +146,18 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     projection of a fused SwiGLU MLP against silu_mul + cuBLAS, as it would otherwise run), keep the kernel
     with its fastest setting only where it wins by `GEMV_MARGIN`, and give the other row counts the plan of the
     next power of two. A projection that a decoder layer runs with its norm in the GEMM's load
-    (`norm_gemv_pairs()`, kernels/gemv.py `norm_gemv`) is timed so, against the norm kernel + cuBLAS and against the
-    norm kernel + the plain kernel; the decision says which (`norm_apart`: the rows that keep the norm kernel).
+    (`norm_gemv_pairs()`, mstar_kernels/gemv.py `norm_gemv`) is timed so, against the norm kernel + cuBLAS and against
+    the norm kernel + the plain kernel; the decision says which (`norm_apart`: the rows that keep the norm kernel).
     `timer(fns) -> microseconds per call` (default: inside a captured CUDA graph); `fns`
     are the same call on the weight and on copies of it (`cold_copies`: a decode step reads each layer's
     weights from HBM, never from L2, and the timing must too). Decisions are kept
     in `cache` (JSON; default: one file per GPU model under the mstar cache directory when timing on CUDA), so
     every process on a machine (a restarted server, the benchmark's eager check) runs the same kernels and
     gives the same bits. Returns one record per decision taken now."""
-    from kernels._pdl import use_pdl
-    from kernels.staged_gemv import STAGED
     from mstar_common.bench.gpu_timing import cold_copies
     from mstar_common.layers.decoder import norm_gemv_mode
+    from mstar_kernels._pdl import use_pdl
+    from mstar_kernels.staged_gemv import STAGED
 
     cold = timer is None
     if timer is None:
@@ -254,7 +254,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
 def _is_chained(weight: torch.Tensor, rows: int, norm) -> bool:
     """Whether a projection is timed behind a norm launch (`_timed_calls`): at row counts that launch with PDL,
     unless it carries its own norm or `MSTAR_GEMV_CHAINED=0` (the projection alone, as before 2026-12-02)."""
-    from kernels._pdl import use_pdl
+    from mstar_kernels._pdl import use_pdl
 
     return norm is None and use_pdl(weight, rows) and env_switch("MSTAR_GEMV_CHAINED", True)
 
@@ -271,10 +271,10 @@ def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: boo
     H200 a one-row gate_up 5% slower alone took 40 us more per Qwen3-0.6B step on cuBLAS, 2026-12-02.)"""
     import torch.nn.functional as F
 
-    from kernels.gemv import gemv_with, norm_gemv_with
+    from mstar_kernels.gemv import gemv_with, norm_gemv_with
 
     if chained:
-        from kernels.rmsnorm import rms_norm
+        from mstar_kernels.rmsnorm import rms_norm
 
         gamma = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
 
@@ -285,7 +285,7 @@ def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: boo
             return x
 
     if setting is not None and norm is not None and norm_apart:  # the norm kernel, then the plain kernel
-        from kernels.rmsnorm import rms_norm
+        from mstar_kernels.rmsnorm import rms_norm
 
         return [lambda w=w: gemv_with(rms_norm(x, norm.weight, norm.eps, residual), w, bias, setting) for w in weights]
     if setting is not None and norm is not None:
@@ -293,11 +293,11 @@ def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: boo
     if setting is not None:
         return [lambda w=w: gemv_with(feed(), w, bias, setting, swiglu=swiglu) for w in weights]
     if swiglu:
-        from kernels.silu_mul import silu_mul
+        from mstar_kernels.silu_mul import silu_mul
 
         return [lambda w=w: F.linear(silu_mul(feed()), w, bias) for w in weights]
     if norm is not None:
-        from kernels.rmsnorm import rms_norm
+        from mstar_kernels.rmsnorm import rms_norm
 
         return [lambda w=w: F.linear(rms_norm(x, norm.weight, norm.eps, residual), w, bias) for w in weights]
     return [lambda w=w: F.linear(feed(), w, bias) for w in weights]
@@ -336,10 +336,10 @@ def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
     `1:8/0/8/1` (BLOCK_K 0: the whole K in one iteration), puts every skinny-GEMM projection on that setting at that
     row count after the tuning, whatever it decided (cuBLAS included), so that a whole step can be timed with one
     setting throughout (scripts/probe_gemv_chain.py's chain preferred such a plan to the per-projection tuning).
-    `ROWS:staged/COLS` puts them on kernels/staged_gemv.py with COLS columns per CTA (0: `staged_gemv.auto_cols`
+    `ROWS:staged/COLS` puts them on mstar_kernels/staged_gemv.py with COLS columns per CTA (0: `staged_gemv.auto_cols`
     per shape), where that kernel serves the weight and takes the shape (with or without `MSTAR_GEMV_STAGED`)."""
-    from kernels.staged_gemv import MAX_COLS, STAGED
-    from kernels.staged_gemv import MAX_ROWS as STAGED_MAX_ROWS
+    from mstar_kernels.staged_gemv import MAX_COLS, STAGED
+    from mstar_kernels.staged_gemv import MAX_ROWS as STAGED_MAX_ROWS
 
     raw = os.environ.get("MSTAR_GEMV_FORCE", "")
     forced = {}
@@ -373,7 +373,7 @@ def force_gemv_settings(model: nn.Module, forced: dict[int, tuple[int, ...]], ma
     """Apply `forced_gemv_settings()` to every `GemvLinear` at the row counts up to `max_rows` (`use_gemv`'s); a
     BLOCK_K of 0 becomes the power of two at or above the projection's K. A norm-fed projection keeps its norm
     inside the kernel only where the tuning had put it there. Returns how many (projection, rows) were forced."""
-    from kernels.staged_gemv import STAGED, auto_cols, available, fits
+    from mstar_kernels.staged_gemv import STAGED, auto_cols, available, fits
 
     count = 0
     for module in model.modules():

@@ -37,11 +37,11 @@ class GatedMLP(nn.Module):
         down = self.down_proj
         blocks = down.gemv_blocks_for(gate_up) if self.use_kernel and hasattr(down, "gemv_blocks_for") else None
         if blocks is not None:
-            from kernels.gemv import gemv_with  # a few rows: the activation runs inside the down projection
+            from mstar_kernels.gemv import gemv_with  # a few rows: the activation runs inside the down projection
 
             return gemv_with(gate_up, down.weight, down.bias, blocks, swiglu=True)
         if self.use_kernel and gate_up.is_cuda:
-            from kernels.silu_mul import silu_mul
+            from mstar_kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.use_kernel and x.is_cuda and x.dim() == 2:
-            from kernels.rmsnorm import rms_norm
+            from mstar_kernels.rmsnorm import rms_norm
 
             out = rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
 class ResidualLayerNorm(nn.LayerNorm):
     """`nn.LayerNorm` (same parameters and names) whose `forward(x, residual)` also does the pre-norm residual
     add: `residual = residual + x; return norm(residual), residual`. With `use_kernel` set (CUDA), both run
-    as one Triton launch (kernels/layernorm.py) that updates `residual` in place."""
+    as one Triton launch (mstar_kernels/layernorm.py) that updates `residual` in place."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__(dim, eps=eps)
@@ -53,7 +53,7 @@ class ResidualLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.use_kernel and x.is_cuda and x.dim() == 2:
-            from kernels.layernorm import layer_norm
+            from mstar_kernels.layernorm import layer_norm
 
             out = layer_norm(x, self.weight, self.bias, self.eps, residual)
             return out if residual is None else (out, residual)

@@ -146,7 +146,7 @@ def test_fused_kernels_match_the_eager_torch_ops(separated):
 
 
 def test_skinny_gemv_projections_match_cublas(separated):
-    """Decode steps of <= 4 rows through kernels/gemv.py (MSTAR_GEMV_MAX_ROWS) against the same engine on
+    """Decode steps of <= 4 rows through mstar_kernels/gemv.py (MSTAR_GEMV_MAX_ROWS) against the same engine on
     cuBLAS: equal tokens or ties within bf16's error."""
     prompts = _prompts(4, 100, seed=2)
     reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8)
@@ -157,8 +157,8 @@ def test_skinny_gemv_projections_match_cublas(separated):
 
 def test_norms_inside_the_gemv_match_the_norm_kernels(separated, monkeypatch):
     """MSTAR_NORM_GEMV: in steps of <= 4 rows each layer's add + RMSNorm runs inside its qkv and gate_up GEMVs
-    (kernels/gemv.py norm_gemv). Against the same engine with the separate norm kernels: equal tokens or ties."""
-    import kernels.gemv as gemv_module
+    (mstar_kernels/gemv.py norm_gemv). Against the same engine with the separate norm kernels: equal tokens or ties."""
+    import mstar_kernels.gemv as gemv_module
 
     _assert_switch_keeps_tokens(separated, monkeypatch, "MSTAR_NORM_GEMV", "1", gemv_module, "norm_gemv",
                                 max_rows=4, seed=4)
@@ -166,8 +166,9 @@ def test_norms_inside_the_gemv_match_the_norm_kernels(separated, monkeypatch):
 
 def test_the_persistent_mlp_kernel_matches_the_separate_launches(separated, monkeypatch):
     """MSTAR_FUSED_MLP_ROWS=2: in steps of <= 2 rows each layer's MLP half is one persistent launch with a grid
-    barrier (kernels/fused_mlp.py), eager and replayed. Against the same engine without it: equal tokens or ties."""
-    import kernels.fused_mlp as fused_module
+    barrier (mstar_kernels/fused_mlp.py), eager and replayed. Against the same engine without it: equal tokens or
+    ties."""
+    import mstar_kernels.fused_mlp as fused_module
 
     _assert_switch_keeps_tokens(separated, monkeypatch, "MSTAR_FUSED_MLP_ROWS", "2", fused_module, "fused_mlp",
                                 max_rows=2, seed=6)
@@ -175,9 +176,9 @@ def test_the_persistent_mlp_kernel_matches_the_separate_launches(separated, monk
 
 def test_the_prologue_inside_the_decode_kernel_matches_the_two_launches(separated, monkeypatch):
     """MSTAR_DECODE_ROPE_IN_ATTENTION=1 (by default only steps of 3-16 rows): decode steps run q/k norm + RoPE + KV
-    write inside the decode attention kernel (kernels/paged_decode_attention.py paged_decode_attention_rope), eager
-    and replayed. Against the same engine with the prologue kernel: equal tokens or ties."""
-    import kernels.paged_decode_attention as attention_module
+    write inside the decode attention kernel (mstar_kernels/paged_decode_attention.py paged_decode_attention_rope),
+    eager and replayed. Against the same engine with the prologue kernel: equal tokens or ties."""
+    import mstar_kernels.paged_decode_attention as attention_module
 
     _assert_switch_keeps_tokens(separated, monkeypatch, "MSTAR_DECODE_ROPE_IN_ATTENTION", "1", attention_module,
                                 "paged_decode_attention_rope", max_rows=8, seed=8)

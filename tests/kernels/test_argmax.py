@@ -1,4 +1,4 @@
-"""The two-launch row argmax (kernels/argmax.py) against torch's argmax, and the fused Gumbel draw against
+"""The two-launch row argmax (mstar_kernels/argmax.py) against torch's argmax, and the fused Gumbel draw against
 torch's argmax of the noised logits written out."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = GPU_ONLY
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.argmax import BLOCK, gumbel_argmax, gumbel_noise, penalised_argmax, row_argmax  # noqa: E402
+from mstar_kernels.argmax import BLOCK, gumbel_argmax, gumbel_noise, penalised_argmax, row_argmax  # noqa: E402
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""The diffusion kernels (kernels/dit.py, kernels/group_norm.py, silu_mul into a slice) against their eager torch
-compositions, and a whole FLUX.2 transformer and VAE decoder with the kernels against the same modules without."""
+"""The diffusion kernels (mstar_kernels/dit.py, mstar_kernels/group_norm.py, silu_mul into a slice) against their eager
+torch compositions, and a whole FLUX.2 transformer and VAE decoder with the kernels against the same modules without."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.dit import (  # noqa: E402
+from mstar_kernels.dit import (  # noqa: E402
     ada_layer_norm,
     ada_layer_norm_ref,
     gated_residual,
@@ -26,8 +26,8 @@ from kernels.dit import (  # noqa: E402
     rms_modulate_ref,
     rope_tables_from_complex,
 )
-from kernels.group_norm import group_norm, group_norm_ref  # noqa: E402
-from kernels.silu_mul import silu_mul, silu_mul_pair, silu_mul_pair_ref, silu_mul_ref  # noqa: E402
+from mstar_kernels.group_norm import group_norm, group_norm_ref  # noqa: E402
+from mstar_kernels.silu_mul import silu_mul, silu_mul_pair, silu_mul_pair_ref, silu_mul_ref  # noqa: E402
 
 TOL = 3e-2 if IS_INTERPRETED else 1e-2  # the interpreter truncates to bf16, compounding over roundings
 DTYPES = [torch.bfloat16, torch.float32]

@@ -1,4 +1,4 @@
-"""kernels/fp8_quant.py against its torch reference: the same per-row scales, the same e4m3 codes (a code may
+"""mstar_kernels/fp8_quant.py against its torch reference: the same per-row scales, the same e4m3 codes (a code may
 differ by one step where the two divisions round a value on either side of a rounding boundary)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_quant_torch import quantize_rows_fp8_torch
+from mstar_kernels.fp8_quant_torch import quantize_rows_fp8_torch
 from tests.kernels.conftest import DEVICE, GPU_ONLY, sweep
 
 pytestmark = GPU_ONLY
@@ -16,7 +16,7 @@ SHAPES = sweep([(1, 16), (7, 3072), (33, 5000), (4608, 3072), (300, 12288)], [(1
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_rows_matches_the_torch_reference(rows, cols, dtype):
-    from kernels.fp8_quant import quantize_rows_fp8
+    from mstar_kernels.fp8_quant import quantize_rows_fp8
 
     torch.manual_seed(rows * 31 + cols)
     x = (torch.randn(rows, cols) * torch.logspace(-2, 2, rows)[:, None]).to(dtype).to(DEVICE)
@@ -33,7 +33,7 @@ def test_quantize_rows_matches_the_torch_reference(rows, cols, dtype):
 
 
 def test_quantize_rows_takes_a_strided_view():
-    from kernels.fp8_quant import quantize_rows_fp8
+    from mstar_kernels.fp8_quant import quantize_rows_fp8
 
     x = torch.randn(4, 96, device=DEVICE)[:, :64]
     codes, scale = quantize_rows_fp8(x)

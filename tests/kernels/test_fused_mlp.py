@@ -1,4 +1,5 @@
-"""The persistent MLP-half kernel (kernels/fused_mlp.py) against the eager ops and against the launches it replaces.
+"""The persistent MLP-half kernel (mstar_kernels/fused_mlp.py) against the eager ops and against the launches it
+replaces.
 
 On the CPU (interpreter) its two phases run as two launches; on a GPU as one launch with the grid barrier, which is
 the point of the kernel, and as two launches, which must give the same bits (the barrier only decides when phase 2
@@ -15,8 +16,8 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.fused_mlp import fused_mlp, fused_mlp_ref, new_sync  # noqa: E402
-from kernels.gemv import gemv, norm_gemv  # noqa: E402
+from mstar_kernels.fused_mlp import fused_mlp, fused_mlp_ref, new_sync  # noqa: E402
+from mstar_kernels.gemv import gemv, norm_gemv  # noqa: E402
 
 # (hidden, intermediate): Qwen3-0.6B, Llama-3.2-3B; odd sizes for the masks
 SHAPES = sweep([(1024, 3072), (3072, 8192), (1000, 1500)], [(64, 128), (40, 72)])

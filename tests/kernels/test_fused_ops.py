@@ -10,13 +10,13 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
-from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_kv, store_kv_ref  # noqa: E402
-from kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
-from kernels.sampling import sample_on_device  # noqa: E402
-from kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
-from kernels.snake import snake, snake_dwconv_snake, snake_dwconv_snake_ref, snake_ref  # noqa: E402
 from mstar_common.layers.rotary import RotaryEmbedding  # noqa: E402
+from mstar_kernels.layernorm import layer_norm, layer_norm_ref  # noqa: E402
+from mstar_kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, store_kv, store_kv_ref  # noqa: E402
+from mstar_kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
+from mstar_kernels.sampling import sample_on_device  # noqa: E402
+from mstar_kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+from mstar_kernels.snake import snake, snake_dwconv_snake, snake_dwconv_snake_ref, snake_ref  # noqa: E402
 
 TOL = 3e-2 if IS_INTERPRETED else 1e-2  # the interpreter truncates to bf16, compounding over roundings
 DTYPES = sweep([torch.bfloat16, torch.float32], [torch.bfloat16, torch.float32])
@@ -141,7 +141,7 @@ def test_device_sampler_greedy_filters_and_seeds():
 
 def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypatch):
     """MSTAR_TOP_P_KERNEL: the same kept sets feed the same seeded race, so the same tokens come out."""
-    import kernels.sampling as sampling
+    import mstar_kernels.sampling as sampling
 
     gen = torch.Generator().manual_seed(1)
     vocab, rows = sweep(28_672, 1000), 6

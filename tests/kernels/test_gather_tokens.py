@@ -1,4 +1,4 @@
-"""kernels/gather_tokens.py: the previous step's tokens into the input ids, for a device-held count."""
+"""mstar_kernels/gather_tokens.py: the previous step's tokens into the input ids, for a device-held count."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.gather_tokens import gather_tokens  # noqa: E402
+from mstar_kernels.gather_tokens import gather_tokens  # noqa: E402
 
 
 @pytest.mark.parametrize("count", [0, 1, 5, 8])

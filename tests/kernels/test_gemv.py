@@ -1,4 +1,4 @@
-"""The skinny decode GEMM (kernels/gemv.py) against fp32 products, and the layers' switch to it."""
+"""The skinny decode GEMM (mstar_kernels/gemv.py) against fp32 products, and the layers' switch to it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.gemv import TILE_ELEMENTS, gemv, gemv_blocks, gemv_ref  # noqa: E402
 from mstar_common.layers.linear import GemvLinear, tune_gemv, use_gemv  # noqa: E402
+from mstar_kernels.gemv import TILE_ELEMENTS, gemv, gemv_blocks, gemv_ref  # noqa: E402
 
 # (N, K): Qwen3-0.6B qkv / o / gate_up / down, Whisper large-v3 q / fc1 / fc2; odd sizes for the masks
 SHAPES = sweep([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1280, 1280), (5120, 1280), (1280, 5120),
@@ -41,7 +41,7 @@ def test_gemv_matches_fp32_products(n, k, rows, dtype, with_bias):
 @pytest.mark.parametrize("dtype", sweep([torch.bfloat16, torch.float32], [torch.bfloat16, torch.float32]))
 def test_gemv_swiglu_equals_the_activation_kernel_then_gemv(rows, dtype):
     """The down projection reading silu(gate) * up on load: the same roundings as silu_mul, then the product."""
-    from kernels.silu_mul import silu_mul
+    from mstar_kernels.silu_mul import silu_mul
 
     n, k = sweep([(1024, 3072)], [(64, 192)])[0]
     gen = torch.Generator().manual_seed(rows)
@@ -61,8 +61,8 @@ def test_norm_gemv_equals_the_norm_kernel_then_gemv(rows, with_residual, dtype):
     """The pre-norm block's add + RMSNorm inside the projection's load: the reference ops' output within the
     tolerance of one bf16 rounding, the norm kernel's bits but for the odd ulp, and the residual stream it
     returns equal to the add's."""
-    from kernels.gemv import norm_gemv
-    from kernels.rmsnorm import rms_norm_ref
+    from mstar_kernels.gemv import norm_gemv
+    from mstar_kernels.rmsnorm import rms_norm_ref
 
     n, k = sweep([(4096, 1024), (1024, 3072)], [(96, 200)])[0]
     gen = torch.Generator().manual_seed(rows + 7 * with_residual)
@@ -87,7 +87,7 @@ def test_norm_gemv_equals_the_norm_kernel_then_gemv(rows, with_residual, dtype):
 
 
 def test_norm_gemv_checks_its_operands():
-    from kernels.gemv import norm_gemv
+    from mstar_kernels.gemv import norm_gemv
 
     x = torch.randn(1, 64, device=DEVICE)
     with pytest.raises(AssertionError, match="x's width must be K"):
@@ -127,7 +127,7 @@ def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
     """`tune_gemv` with a stand-in timer: the kernel at (2, 1024) beats cuBLAS at one row only, so the plan keeps
     one row on the kernel with those blocks and hands 2-4 rows (3 rounds up to 4's decision) back to cuBLAS;
     the fused MLP's down projection is tuned as the SwiGLU prologue it would run."""
-    import kernels.gemv as gemv_module
+    import mstar_kernels.gemv as gemv_module
     from mstar_common.layers.mlp import GatedMLP
 
     calls = []
@@ -175,7 +175,7 @@ def test_a_norm_fed_projection_takes_its_norm_inside_or_apart_as_timed(monkeypat
     is timed three ways: norm kernel + cuBLAS, norm inside the kernel, norm kernel + plain kernel. The stand-in
     timer makes the norm inside win at one row and the norm apart at two; the layer then folds the norm at one row
     only, and a second process reads both decisions back from the cache."""
-    import kernels.gemv as gemv_module
+    import mstar_kernels.gemv as gemv_module
     from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig
 
     forms = []
@@ -285,8 +285,8 @@ def test_wide_candidates_are_tried_only_when_switched_on(monkeypatch, tmp_path):
 def test_pdl_row_counts_are_timed_behind_a_norm_launch(monkeypatch):
     """At a row count that launches with PDL a projection is timed behind an RMSNorm launch that produces its
     input (both cuBLAS and the kernel), and decided under its own cache key; MSTAR_GEMV_CHAINED=0 times it alone."""
-    import kernels._pdl as pdl
-    import kernels.rmsnorm as rmsnorm
+    import mstar_kernels._pdl as pdl
+    import mstar_kernels.rmsnorm as rmsnorm
     from mstar_common.layers import linear
 
     w = torch.randn(96, 64, device=DEVICE)
@@ -328,8 +328,8 @@ def test_the_environment_switch_is_checked(monkeypatch):
 @pytest.mark.parametrize("setting", [(4, 64), (8, 64, 4, 3), (2, 128, 4, 2), (8, 512, 8, 1)])  # last: whole K
 def test_pipelined_settings_give_the_reference(setting):
     """A tuned setting with a software-pipelined K loop (num_stages > 1) sums the same products as one without."""
-    from kernels.gemv import gemv_with
-    from kernels.silu_mul import silu_mul
+    from mstar_kernels.gemv import gemv_with
+    from mstar_kernels.silu_mul import silu_mul
 
     torch.manual_seed(3)
     x = torch.randn(2, 2 * 448, device=DEVICE)

@@ -1,4 +1,4 @@
-"""The tens-of-rows decode GEMM (kernels/mid_gemm.py) against fp32 products: split K with its in-kernel reduce,
+"""The tens-of-rows decode GEMM (mstar_kernels/mid_gemm.py) against fp32 products: split K with its in-kernel reduce,
 the SwiGLU load, row blocks, and the same bits from run to run."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.mid_gemm import counters, fits, mid_gemm, readable  # noqa: E402
+from mstar_kernels.mid_gemm import counters, fits, mid_gemm, readable  # noqa: E402
 
 # The interpreter's bf16 dots are not exact (numpy has no bf16): fp32 there, bf16 on the GPU
 DTYPE = torch.float32 if IS_INTERPRETED else torch.bfloat16
@@ -56,7 +56,7 @@ def test_mid_gemm_split_k_gives_the_same_bits_every_run(split_k):
 
 @pytest.mark.parametrize("rows", [16, 64])
 def test_mid_gemm_swiglu_equals_the_activation_kernel_then_the_gemm(rows):
-    from kernels.silu_mul import silu_mul
+    from mstar_kernels.silu_mul import silu_mul
 
     n, k = sweep([(1024, 3072)], [(64, 192)])[0]
     gen = torch.Generator().manual_seed(rows)

@@ -10,8 +10,8 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sw
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from kernels.paged_prefill_attention import (  # noqa: E402
+from mstar_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from mstar_kernels.paged_prefill_attention import (  # noqa: E402
     build_prefill_work,
     paged_prefill_attention,
     paged_prefill_attention_ref,
@@ -201,9 +201,9 @@ def test_decode_with_the_prologue_inside_matches_the_two_launches(head_dim, num_
     that can differ is the norm's sum order) and the same attention output to rounding (the new token's score is a
     sum, not a dot), at 1 to 32 splits (the new token in
     the first block, a middle one or a split of its own), and against the torch reference."""
-    from kernels.paged_decode_attention import paged_decode_attention_rope
-    from kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref
     from mstar_common.layers.rotary import RotaryEmbedding
+    from mstar_kernels.paged_decode_attention import paged_decode_attention_rope
+    from mstar_kernels.qk_norm_rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref
 
     dtype = DTYPES[0]
     gen = torch.Generator().manual_seed(head_dim + num_heads * 3 + has_norm)
@@ -251,7 +251,7 @@ def test_decode_with_the_prologue_inside_matches_the_two_launches(head_dim, num_
 
 
 def test_decode_stages_rule_and_switch(monkeypatch):
-    from kernels.paged_decode_attention import decode_num_stages
+    from mstar_kernels.paged_decode_attention import decode_num_stages
 
     monkeypatch.delenv("MSTAR_DECODE_STAGES", raising=False)
     assert decode_num_stages(256, 8, 1) == 3  # one split, 2,048 programs: deep enough for 3 stages
@@ -264,7 +264,7 @@ def test_decode_stages_rule_and_switch(monkeypatch):
 
 
 def test_rope_in_attention_rule_and_switch(monkeypatch):
-    from kernels.paged_decode_attention import rope_in_attention
+    from mstar_kernels.paged_decode_attention import rope_in_attention
 
     monkeypatch.delenv("MSTAR_DECODE_ROPE_IN_ATTENTION", raising=False)
     assert [n for n in (1, 2, 3, 4, 8, 16, 17, 32, 64) if rope_in_attention(n)] == [3, 4, 8, 16]

@@ -1,4 +1,4 @@
-"""Programmatic Dependent Launch (kernels/_pdl.py): the decode kernels give the same bits with and without it,
+"""Programmatic Dependent Launch (mstar_kernels/_pdl.py): the decode kernels give the same bits with and without it,
 eager and inside a captured CUDA graph, where the launches overlap."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.kernels.conftest import IS_INTERPRETED
 
 pytest.importorskip("triton")
 
-from kernels import _pdl  # noqa: E402
+from mstar_kernels import _pdl  # noqa: E402
 
 
 def test_switch_and_launch_keywords(monkeypatch):
@@ -49,11 +49,11 @@ def _decode_layer_chain(rows: int, rope_in_attention: bool = False):
     qkv GEMV -> q/k norm + RoPE + KV write -> split-K decode attention + merge -> o GEMV -> RMSNorm -> gate_up
     GEMV -> down GEMV (SwiGLU on load) -> argmax of a logits GEMV. `rope_in_attention`: the prologue inside the
     decode kernel, which reads the pool's older tokens before its wait."""
-    from kernels.argmax import row_argmax
-    from kernels.gemv import gemv
-    from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rope
-    from kernels.qk_norm_rope_kv import qk_norm_rope_kv
-    from kernels.rmsnorm import rms_norm
+    from mstar_kernels.argmax import row_argmax
+    from mstar_kernels.gemv import gemv
+    from mstar_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rope
+    from mstar_kernels.qk_norm_rope_kv import qk_norm_rope_kv
+    from mstar_kernels.rmsnorm import rms_norm
 
     hidden, heads, kv_heads, head_dim, inter, vocab, page, ctx = 1024, 16, 8, 128, 3072, 4096, 64, 200
     gen = torch.Generator(device="cuda").manual_seed(rows)

@@ -4,7 +4,7 @@ The probe's timing only means something if its one-launch chain computes what th
 interpreter runs programs one after another, so there the grid is one program (its barriers wait for itself); on
 a GPU it is up to two programs per SM, and the barrier's counters must be back at zero afterwards. The buffers
 between the projections start as NaN, so a program that reads one before the barrier releases it fails the test.
-The reference is the chain of kernels/gemv.py launches (the same sums; the torch ops round differently, and
+The reference is the chain of mstar_kernels/gemv.py launches (the same sums; the torch ops round differently, and
 without norms the difference grows with depth, so they are only a loose check).
 """
 
@@ -21,8 +21,8 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.gemv import gemv  # noqa: E402
 from mstar_common.cuda_build import nvcc  # noqa: E402
+from mstar_kernels.gemv import gemv  # noqa: E402
 
 _SPEC = importlib.util.spec_from_file_location(
     "probe_persistent_step", Path(__file__).resolve().parents[2] / "scripts" / "probe_persistent_step.py")

@@ -1,14 +1,14 @@
-"""kernels/staged_gemv.py (CUDA C++, weights staged in shared memory ahead of the PDL wait) against kernels/gemv.py
-and fp32 products: the same input roundings (plain, SwiGLU, residual + RMSNorm), so the same bf16 inputs; sums in
-another order, so outputs within bf16 rounding. Needs a Hopper-or-newer GPU and nvcc; the plan and candidate logic
-runs anywhere."""
+"""mstar_kernels/staged_gemv.py (CUDA C++, weights staged in shared memory ahead of the PDL wait) against
+mstar_kernels/gemv.py and fp32 products: the same input roundings (plain, SwiGLU, residual + RMSNorm), so the same
+bf16 inputs; sums in another order, so outputs within bf16 rounding. Needs a Hopper-or-newer GPU and nvcc; the plan
+and candidate logic runs anywhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import staged_gemv as staged
+from mstar_kernels import staged_gemv as staged
 from tests.kernels.conftest import IS_INTERPRETED, rel_err
 
 
@@ -19,7 +19,7 @@ def _gpu_ready() -> bool:
 
 
 needs_kernel = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs a GPU of compute capability "
-                                                    ">= 9.0 and nvcc (kernels/staged_gemv.cu)")]
+                                                    ">= 9.0 and nvcc (mstar_kernels/staged_gemv.cu)")]
 pytestmark = needs_kernel
 
 # (N, K, cols): Qwen3-0.6B qkv / o / down, a ragged last CTA, a single column per CTA at a long K
@@ -38,7 +38,7 @@ def _operands(n, k, rows, seed, width=None):
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_plain_matches_fp32_products_and_the_triton_kernel(n, k, cols, rows, with_bias):
-    from kernels.gemv import gemv, gemv_ref
+    from mstar_kernels.gemv import gemv, gemv_ref
 
     x, weight, bias = _operands(n, k, rows, n + k + rows)
     bias = bias if with_bias else None
@@ -52,13 +52,13 @@ def test_plain_matches_fp32_products_and_the_triton_kernel(n, k, cols, rows, wit
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_swiglu_input_is_the_triton_kernels(rows):
-    from kernels.gemv import gemv
-    from kernels.silu_mul import silu_mul
+    from mstar_kernels.gemv import gemv
+    from mstar_kernels.silu_mul import silu_mul
 
     n, k = 1024, 3072
     x, weight, _ = _operands(n, k, rows, 7, width=2 * k)
     out, _ = staged.staged_gemv(x, weight, None, 8, swiglu=True)
-    act = silu_mul(x)  # kernels/silu_mul.py: the rounding both GEMVs reproduce
+    act = silu_mul(x)  # mstar_kernels/silu_mul.py: the rounding both GEMVs reproduce
     ref = act.float() @ weight.float().T
     assert rel_err(out, ref) < 8e-3
     assert rel_err(out, gemv(x, weight, None, swiglu=True)) < 8e-3
@@ -67,8 +67,8 @@ def test_swiglu_input_is_the_triton_kernels(rows):
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_norm_input_and_residual_stream_are_the_triton_kernels(rows, with_residual):
-    from kernels.gemv import norm_gemv
-    from kernels.rmsnorm import rms_norm_ref
+    from mstar_kernels.gemv import norm_gemv
+    from mstar_kernels.rmsnorm import rms_norm_ref
 
     n, k = 4096, 1024
     x, weight, bias = _operands(n, k, rows, 11)
@@ -92,7 +92,7 @@ def test_norm_input_and_residual_stream_are_the_triton_kernels(rows, with_residu
 def test_dispatch_by_setting_and_fallback_for_an_unaligned_input():
     """`gemv_with` sends `(STAGED, cols)` here; an input the kernel cannot read (rows not 16-byte aligned) goes
     through the Triton kernel's default blocks, with the same result."""
-    from kernels.gemv import gemv_ref, gemv_with
+    from mstar_kernels.gemv import gemv_ref, gemv_with
 
     n, k = 1024, 2048
     x, weight, _ = _operands(n, k, 2, 3, width=k + 8)
@@ -106,8 +106,8 @@ def test_dispatch_by_setting_and_fallback_for_an_unaligned_input():
 def test_a_pdl_chain_in_a_cuda_graph_gives_the_eager_bits():
     """RMSNorm launch -> staged qkv-like -> staged o-like -> staged with its norm inside, captured with PDL: the same
     bits as the same launches run eagerly (a copy ahead of the wait must never see a stale input)."""
-    from kernels.rmsnorm import rms_norm
     from mstar_common.diffusion.step_graphs import capture_graph
+    from mstar_kernels.rmsnorm import rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     h = torch.randn(1, 1024, device="cuda", generator=gen).bfloat16()

@@ -1,4 +1,4 @@
-"""The sort-free top-k/top-p filter (kernels/top_k_top_p.py) against the engine's sorted form."""
+"""The sort-free top-k/top-p filter (mstar_kernels/top_k_top_p.py) against the engine's sorted form."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, sweep
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from kernels.top_k_top_p import top_k_top_p, top_k_top_p_ref  # noqa: E402
+from mstar_kernels.top_k_top_p import top_k_top_p, top_k_top_p_ref  # noqa: E402
 
 
 def _rows(vocab: int, seed: int):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.fp8_quant_torch import FP8_MAX, quantize_rows_fp8_torch
 from mstar_common.layers.fp8_linear import Fp8Linear, quantize_linears
+from mstar_kernels.fp8_quant_torch import FP8_MAX, quantize_rows_fp8_torch
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,11 +1,11 @@
-"""kernels/staged_gemv.py's settings in the GEMV plans: which fit, which `tune_gemv` tries, and when it tries
+"""mstar_kernels/staged_gemv.py's settings in the GEMV plans: which fit, which `tune_gemv` tries, and when it tries
 them (a bf16 weight on a Hopper-or-newer GPU where the kernel builds, at PDL row counts, `MSTAR_GEMV_STAGED` on)."""
 
 import pytest
 import torch
 
-from kernels import staged_gemv as staged
 from mstar_common.layers.linear import gemv_candidates, staged_candidates_for
+from mstar_kernels import staged_gemv as staged
 
 
 def test_fits_bounds_rows_k_columns_and_shared_memory():

@@ -13,10 +13,10 @@ order mirror diffusers' `Flux2Transformer2DModel`, so checkpoints load by name a
 bit-identical.
 
 On a GPU, `use_fused_kernels()` (the loader turns it on; `MSTAR_DIFFUSION_KERNELS=0` keeps eager) routes the
-elementwise glue through kernels/dit.py and kernels/silu_mul.py: AdaLN modulation, gated residuals, q/k RMSNorm +
-RoPE written straight into the joint sequence, SwiGLU written into the output projection's input. The GEMMs and
-the attention are unchanged; the kernels round where the eager ops round. SDPA runs cuDNN's fused attention on
-a GPU by default (`MSTAR_DIT_ATTENTION`).
+elementwise glue through mstar_kernels/dit.py and mstar_kernels/silu_mul.py: AdaLN modulation, gated residuals,
+q/k RMSNorm + RoPE written straight into the joint sequence, SwiGLU written into the output projection's input.
+The GEMMs and the attention are unchanged; the kernels round where the eager ops round. SDPA runs cuDNN's fused
+attention on a GPU by default (`MSTAR_DIT_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class SwiGLUFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            from kernels.silu_mul import silu_mul
+            from mstar_kernels.silu_mul import silu_mul
 
             hidden = self.linear_in(x)
             return self.linear_out(silu_mul(hidden.reshape(-1, hidden.shape[-1])).unflatten(0, hidden.shape[:-1]))
@@ -162,7 +162,7 @@ class JointAttention(nn.Module):
         return self.to_out[0](img_out), self.to_add_out(txt_out)
 
     def _fused_forward(self, img, txt, rope, split):
-        from kernels.dit import qk_norm_rope
+        from mstar_kernels.dit import qk_norm_rope
 
         num_txt = txt.shape[1]
         joint = (img.shape[0], num_txt + img.shape[1], img.shape[-1] // self.head_dim, self.head_dim)
@@ -206,8 +206,8 @@ class ParallelSelfAttention(nn.Module):
 
     def _fused_tail(self, query, key, value, mlp, rope):
         """The attention output and the SwiGLU written side by side into the output projection's input."""
-        from kernels.dit import qk_norm_rope
-        from kernels.silu_mul import silu_mul
+        from mstar_kernels.dit import qk_norm_rope
+        from mstar_kernels.silu_mul import silu_mul
 
         query = qk_norm_rope(query, self.norm_q.weight, self.norm_q.eps, *rope)
         key = qk_norm_rope(key, self.norm_k.weight, self.norm_k.eps, *rope)
@@ -245,7 +245,7 @@ class DoubleStreamBlock(nn.Module):
         (shift, scale, gate), (shift_mlp, scale_mlp, gate_mlp) = _modulations(mod_img, 2)
         (c_shift, c_scale, c_gate), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _modulations(mod_txt, 2)
         if self.fused:
-            from kernels.dit import ada_layer_norm, gated_residual
+            from mstar_kernels.dit import ada_layer_norm, gated_residual
 
             img_attn, txt_attn = self.attn(ada_layer_norm(img, shift, scale, self.eps),
                                            ada_layer_norm(txt, c_shift, c_scale, self.eps), rope)
@@ -279,7 +279,7 @@ class SingleStreamBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ((shift, scale, gate),) = _modulations(mod, 1)
         if self.fused:
-            from kernels.dit import ada_layer_norm, gated_residual
+            from mstar_kernels.dit import ada_layer_norm, gated_residual
 
             hidden = gated_residual(hidden, gate, self.attn(ada_layer_norm(hidden, shift, scale, self.eps), rope))
         else:
@@ -343,7 +343,7 @@ class AdaNormOut(nn.Module):
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = torch.chunk(self.linear(F.silu(temb).to(x.dtype)), 2, dim=1)
         if self.fused:
-            from kernels.dit import ada_layer_norm
+            from mstar_kernels.dit import ada_layer_norm
 
             return ada_layer_norm(x, shift[:, None, :], scale[:, None, :], self.eps)
         return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale)[:, None, :] + shift[:, None, :]

@@ -81,16 +81,17 @@ class Flux2VaeConfig:
 
 
 def _norm_silu(norm: nn.GroupNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`silu(norm(x))`; `fused` (a GPU): one kernels/group_norm.py call that splits each group over many programs."""
+    """`silu(norm(x))`; `fused` (a GPU): one mstar_kernels/group_norm.py call that splits each group over many
+    programs."""
     if fused:
-        from kernels.group_norm import group_norm
+        from mstar_kernels.group_norm import group_norm
 
         return group_norm(x.contiguous(), norm.num_groups, norm.weight, norm.bias, norm.eps, silu=True)
     return F.silu(norm(x))
 
 
 def use_fused_group_norm(model: nn.Module, enabled: bool = True) -> None:
-    """Every GroupNorm+SiLU of an encoder or decoder through kernels/group_norm.py (CUDA only)."""
+    """Every GroupNorm+SiLU of an encoder or decoder through mstar_kernels/group_norm.py (CUDA only)."""
     for module in model.modules():
         if isinstance(module, (ResnetBlock, Encoder, Decoder)):
             module.fused = enabled

@@ -4,7 +4,7 @@ Windows `[N, 4, 7]` (codes per frame, positions 0..6) are split into the three S
 does (level 0: position 0; level 1: positions 1, 4; level 2: positions 2, 3, 5, 6, frame by frame), decoded
 together, and only the window's second frame (`samples_per_frame` samples from `LOOKBACK_FRAMES`) is
 computed: the reference decodes all four frames and cuts; `SnacDecoder.decode_range` gives the same samples
-from the stages' receptive fields. On a GPU the Snake activations run fused (kernels/snake.py).
+from the stages' receptive fields. On a GPU the Snake activations run fused (mstar_kernels/snake.py).
 
 On a GPU the decode of each batch bucket (1, 2, 4, 8, 16, ... up to `max_batch`) is a captured CUDA graph:
 a batch is padded up to its bucket (padding rows decode code 0 and are discarded). Buckets are captured
@@ -71,7 +71,7 @@ class SnacCodec:
         self.samples_per_frame = self.decoder.samples_per_code * 4  # 4 finest codes per frame
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
-            # kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
+            # mstar_kernels/snake.py: the Snake activations in one pass each (MSTAR_SNAC_RESIDUAL_KERNEL=1: the fused
             # residual head too, for measuring; it lost to cuDNN on the H200, docs/benchmarks.md)
             # MSTAR_SNAC_CUDNN_DEPTHWISE=1: fp32 depthwise convs through cuDNN (PyTorch's own kernel otherwise).
             # Alone on the H200: 18,791 against 17,177 windows/s at batch 128; beside the LM at c=256 it served

@@ -33,7 +33,7 @@ SNAC_24KHZ = {  # hubertsiuzdak/snac_24khz (19.8M parameters; the decoder alone 
 
 
 class Snake1d(nn.Module):
-    """`x + sin(alpha x)^2 / alpha`, per channel; `use_kernel` (set on a GPU) runs the fused kernels/snake.py."""
+    """`x + sin(alpha x)^2 / alpha`, per channel; `use_kernel` (set on a GPU) runs the fused mstar_kernels/snake.py."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -42,7 +42,7 @@ class Snake1d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            from kernels.snake import snake
+            from mstar_kernels.snake import snake
 
             return snake(x, self.alpha)
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
@@ -67,7 +67,7 @@ class NoiseBlock(nn.Module):
 
 class ResidualUnit(nn.Module):
     """`x + conv1x1(snake(conv7_dilated(snake(x))))`; `use_kernel` (set on a GPU, depthwise only) runs the
-    first three as one kernel (kernels/snake.py `snake_dwconv_snake`)."""
+    first three as one kernel (mstar_kernels/snake.py `snake_dwconv_snake`)."""
 
     def __init__(self, dim: int, dilation: int, groups: int) -> None:
         super().__init__()
@@ -82,7 +82,7 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            from kernels.snake import snake_dwconv_snake
+            from mstar_kernels.snake import snake_dwconv_snake
 
             snake1, conv, snake2, pointwise = self.block
             head = snake_dwconv_snake(x, snake1.alpha, conv.weight, conv.bias, conv.dilation[0], snake2.alpha)

@@ -17,7 +17,7 @@ Module names and the arithmetic order mirror diffusers' `ZImageTransformer2DMode
 name and fp32 output matches it.
 
 On a GPU, `use_fused_kernels()` (the loader turns it on; `MSTAR_DIFFUSION_KERNELS=0` keeps eager) runs the
-modulated blocks' glue as Triton kernels (kernels/dit.py): RMSNorm x scale, the tanh-gated RMSNorm residual fused
+modulated blocks' glue as Triton kernels (mstar_kernels/dit.py): RMSNorm x scale, the tanh-gated RMSNorm residual fused
 with the next norm, q/k RMSNorm + RoPE, SiLU x up. They round where the eager ops round.
 """
 
@@ -151,7 +151,7 @@ class SelfAttention(nn.Module):
         """`freqs`: complex rotations `[S, D/2]`, or on the fused path their (cos, sin) tables."""
         query, key, value = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v))
         if isinstance(freqs, tuple):
-            from kernels.dit import qk_norm_rope
+            from mstar_kernels.dit import qk_norm_rope
 
             query = qk_norm_rope(query, self.norm_q.weight, self.norm_q.eps, *freqs)
             key = qk_norm_rope(key, self.norm_k.weight, self.norm_k.eps, *freqs)
@@ -173,7 +173,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            from kernels.silu_mul import silu_mul_pair
+            from mstar_kernels.silu_mul import silu_mul_pair
 
             gate, up = self.w1(x), self.w3(x)
             act = silu_mul_pair(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]))
@@ -207,7 +207,7 @@ class Block(nn.Module):
         return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
 
     def _fused_forward(self, x, tables, scale_attn, gate_attn, scale_mlp, gate_mlp):
-        from kernels.dit import gated_rms_residual, gated_rms_residual_modulate, rms_modulate
+        from mstar_kernels.dit import gated_rms_residual, gated_rms_residual_modulate, rms_modulate
 
         norm1, norm2, ffn1, ffn2 = self.attention_norm1, self.attention_norm2, self.ffn_norm1, self.ffn_norm2
         attn = self.attention(rms_modulate(x, norm1.weight, norm1.eps, scale_attn), tables)
@@ -274,7 +274,7 @@ class ZImageTransformer(nn.Module):
     def _rope_tables(self, freqs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if not self.fused:
             return freqs
-        from kernels.dit import rope_tables_from_complex
+        from mstar_kernels.dit import rope_tables_from_complex
 
         return rope_tables_from_complex(freqs)
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._rounding import load_row_add_residual
+from mstar_kernels._rounding import load_row_add_residual
 
 
 @triton.jit

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch
-from kernels._rounding import load_row_add_residual, round_to
+from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_kernels._rounding import load_row_add_residual, round_to
 
 
 @triton.jit

@@ -6,7 +6,7 @@ each program reduces a `BLOCK` chunk of a row to its maximum and that maximum's 
 kernel picks, per row, the first chunk holding the row's maximum. The result is torch's: the lowest index of
 the maximum (ties go left in both steps, and chunks are in column order); a row of -inf gives 0.
 
-`gumbel_argmax` is the sampling draw (kernels/sampling.py): the argmax of `logits + Gumbel(seed_row, col)`, an
+`gumbel_argmax` is the sampling draw (mstar_kernels/sampling.py): the argmax of `logits + Gumbel(seed_row, col)`, an
 exponential race whose winner is a draw from softmax(logits). The noise is added on load, so the noised
 `[B, V]` fp32 logits are never written; a token depends only on (seed, column, logits).
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch
+from mstar_kernels._pdl import gdc_enter, pdl_launch
 
 BLOCK = 4096
 

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._pdl import gdc_enter, pdl_launch
-from kernels._rounding import round_to
+from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_kernels._rounding import round_to
 
 
 @triton.jit

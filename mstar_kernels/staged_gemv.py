@@ -1,23 +1,24 @@
 """Skinny GEMM for one to four bf16 rows whose CTAs copy their weights into shared memory before the PDL wait.
 
-kernels/staged_gemv.cu (built with nvcc on first use, for Hopper or newer). Each CTA owns `cols` output columns and
-bulk-copies their weight rows (one contiguous run) into shared memory as soon as it starts, so under PDL the whole
-projection streams in while the kernel before it finishes; then it builds the input rows as kernels/gemv.py does
+mstar_kernels/staged_gemv.cu (built with nvcc on first use, for Hopper or newer). Each CTA owns `cols` output columns
+and bulk-copies their weight rows (one contiguous run) into shared memory as soon as it starts, so under PDL the whole
+projection streams in while the kernel before it finishes; then it builds the input rows as mstar_kernels/gemv.py does
 (plain, SwiGLU of a packed gate/up, or residual add + RMSNorm; the same bf16 values) and sums in fp32. A Triton
 program can keep only what it loads ahead of its wait in registers.
 
 `scripts/probe_staged_gemv.py` on the H200 (2026-12-02): the one-row chain of 112 Qwen3-0.6B projections took
-378 us with such a kernel against 495 us with kernels/gemv.py's tuned settings; Llama-3.2-3B's 1,709 against 1,851;
+378 us with such a kernel against 495 us with mstar_kernels/gemv.py's tuned settings; Llama-3.2-3B's 1,709 against
+1,851;
 with a one-CTA kernel in front of each projection 595 against 642 us (Qwen3) and 2,381 against 2,240 (Llama).
 
 In a gemv plan (mstar_common/layers/linear.py) the setting `(STAGED, cols)` names this kernel; `gemv_with` and
-`norm_gemv_with` (kernels/gemv.py) send such settings here. `tune_gemv` offers it where `available()` (a CUDA
+`norm_gemv_with` (mstar_kernels/gemv.py) send such settings here. `tune_gemv` offers it where `available()` (a CUDA
 GPU of compute capability >= 9.0, nvcc) and `MSTAR_GEMV_STAGED=1`, and keeps it where it times fastest. Off by default:
 in the served decode step it lost (Qwen3-0.6B one row, H200: 0.817 ms with the Triton kernel, 0.819 with the tuning
 free to take this one, 0.982 with every projection on it; docs/benchmarks.md, "Weights staged in shared memory
 ahead of the PDL wait"): a projection gains only where the kernel before it is another long projection. A call
 with an input this kernel cannot read (a row stride not a multiple of 8 elements, a pointer not 16-byte aligned)
-goes through kernels/gemv.py's default blocks instead.
+goes through mstar_kernels/gemv.py's default blocks instead.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from mstar_common.config import env_switch
 
 STAGED = 0  # a gemv setting's first element (BLOCK_N) that names this kernel: (STAGED, cols)
 MAX_ROWS = 4
-MAX_COLS = 64  # kernels/staged_gemv.cu: 8 warps x 8 barrier groups
+MAX_COLS = 64  # mstar_kernels/staged_gemv.cu: 8 warps x 8 barrier groups
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 COLS_CANDIDATES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 _INPUT = {"plain": 0, "swiglu": 1, "norm": 2}
@@ -84,7 +85,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = build_library(_SOURCE, "staged_gemv")
     except Exception as exc:  # no nvcc, a failed build: the Triton kernel serves
-        logging.getLogger(__name__).warning("kernels/staged_gemv.cu not built (%s): the Triton GEMV serves", exc)
+        logging.getLogger(__name__).warning("mstar_kernels/staged_gemv.cu not built (%s): the Triton GEMV serves", exc)
         return None
     lib.mstar_staged_gemv.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 4
                                       + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
@@ -117,17 +118,17 @@ def readable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def staged_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cols: int, swiglu: bool = False,
                 norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`out = in @ weight.T + bias` with `in` built from `x` as kernels/gemv.py's `_launch` builds it (`swiglu`: x
+    """`out = in @ weight.T + bias` with `in` built from `x` as mstar_kernels/gemv.py's `_launch` builds it (`swiglu`: x
     is [M, 2K] gate | up; `norm` = (norm_weight, eps, residual or None): RMSNorm of x + residual). Returns
     `(out, res_out)`: res_out is the summed residual stream with a residual, else x."""
-    from kernels._pdl import pdl_launch
+    from mstar_kernels._pdl import pdl_launch
 
     num_rows, (n, k) = x.shape[0], weight.shape
     assert x.dim() == 2 and 1 <= num_rows <= MAX_ROWS, "x must be [M <= 4, K]"
     assert x.shape[1] == (2 * k if swiglu else k), "x's width must be K (2K with swiglu)"
     assert fits(num_rows, n, k, cols), f"staged GEMV does not take {n}x{k} at {num_rows} rows with {cols} columns"
     lib = _library()
-    assert lib is not None, "kernels/staged_gemv.cu is not built"
+    assert lib is not None, "mstar_kernels/staged_gemv.cu is not built"
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     norm_weight, eps, residual = norm if norm is not None else (None, 0.0, None)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x

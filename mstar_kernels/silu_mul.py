@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._rounding import round_to
+from mstar_kernels._rounding import round_to
 
 
 @triton.jit

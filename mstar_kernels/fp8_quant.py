@@ -4,7 +4,7 @@
 The activations' half of a row-wise scaled fp8 GEMM (`torch._scaled_mm`; the weights are quantised once, per
 output channel, at load: `mstar_common/layers/fp8_linear.py`). One program per row reads the row twice (its
 absolute maximum, then the scaled cast), so the quantisation costs about one read and a half-size write of the
-activations; the eager torch version (`kernels/fp8_quant_torch.py`, also the reference of the tests) launches
+activations; the eager torch version (`mstar_kernels/fp8_quant_torch.py`, also the reference of the tests) launches
 five kernels and materialises an fp32 copy.
 """
 

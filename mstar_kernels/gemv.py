@@ -18,10 +18,10 @@ output-narrow projections, o and down, at one row; Qwen3-0.6B's o at 12.4 -> 3.2
 itself (a few KB from L2) and program 0 writes the summed residual stream to a new tensor (others may still be
 reading the old one).
 
-Launched with PDL (kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
+Launched with PDL (mstar_kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
 
-A setting `(STAGED, cols)` sends `gemv_with` / `norm_gemv_with` to kernels/staged_gemv.py instead, whose CTAs copy
+A setting `(STAGED, cols)` sends `gemv_with` / `norm_gemv_with` to mstar_kernels/staged_gemv.py instead, whose CTAs copy
 their whole weight slice into shared memory ahead of that wait (bf16, one to four rows, Hopper or newer).
 """
 
@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, gdc_start, pdl_launch
-from kernels._rounding import round_to
-from kernels.staged_gemv import STAGED, staged_gemv
-from kernels.staged_gemv import readable as staged_readable
+from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
+from mstar_kernels._rounding import round_to
+from mstar_kernels.staged_gemv import STAGED, staged_gemv
+from mstar_kernels.staged_gemv import readable as staged_readable
 
 MAX_ROWS = 8
 TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across the program's threads)
@@ -69,8 +69,8 @@ def _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES: t
 def _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, x_mask, K, stride_xm, stride_rm, stride_ro, inv, res_rows,
              SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """Rows `m` of the GEMV's input at columns `k` in fp32. With `SWIGLU` (x is [M, 2K]: gate | up)
-    silu(gate) * up, rounded as kernels/silu_mul.py rounds. With `NORM`: RMSNorm of x (+ residual) with the
-    weight `g` and the row scales `inv`, rounded as kernels/rmsnorm.py rounds; its first `res_rows` rows (M in
+    silu(gate) * up, rounded as mstar_kernels/silu_mul.py rounds. With `NORM`: RMSNorm of x (+ residual) with the
+    weight `g` and the row scales `inv`, rounded as mstar_kernels/rmsnorm.py rounds; its first `res_rows` rows (M in
     program 0, else none) store the summed residual stream."""
     if NORM:
         h = _residual_sum(x_ptr, res_ptr, m, k, x_mask, stride_xm, stride_rm, HAS_RES)
@@ -165,7 +165,7 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
               num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's RMSNorm and the projection after it as one launch: `h = x (+ residual)`,
     `out = rms_norm(h, norm_weight, eps) @ weight.T + bias`; returns `(out, h)` (h is `x` itself without a
-    residual, else a new tensor: the residual stream for the next block). Same roundings as kernels/rmsnorm.py
+    residual, else a new tensor: the residual stream for the next block). Same roundings as mstar_kernels/rmsnorm.py
     then `gemv` (the mean of squares summed in another order: an ulp here and there)."""
     assert norm_weight.shape == (x.shape[-1],) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
     assert weight.dim() == 2 and weight.shape[1] == x.shape[-1], "x's width must be K"
@@ -201,7 +201,7 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
 def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
               swiglu: bool = False) -> torch.Tensor:
     """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages), or
-    `(STAGED, cols)`: kernels/staged_gemv.py's kernel."""
+    `(STAGED, cols)`: mstar_kernels/staged_gemv.py's kernel."""
     if setting[0] == STAGED:
         if staged_readable(x, weight, bias):
             return staged_gemv(x, weight, bias, setting[1], swiglu=swiglu)[0]

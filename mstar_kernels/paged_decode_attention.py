@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch
-from kernels._rounding import round_to
-from kernels.qk_norm_rope_kv import INTERPRETED, cos_sin
+from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_kernels._rounding import round_to
+from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner iteration
@@ -195,7 +195,7 @@ def _norm_rope_heads(qkv_ptr, w_ptr, row, stride_qkv, heads, h_mask, c, s, eps, 
                      HEAD_DIM: tl.constexpr):
     """Heads `heads` of the packed projection's `row`, RMS-normed per head (with `HAS_NORM`) and rotated
     (rotate-half pairing, angles `c`/`s` [HEAD_DIM]), as fp32 [R, HEAD_DIM] holding model-dtype values: the
-    roundings of kernels/qk_norm_rope_kv.py (norm, weight multiply, `x*cos`, `partner*sin`, sum)."""
+    roundings of mstar_kernels/qk_norm_rope_kv.py (norm, weight multiply, `x*cos`, `partner*sin`, sum)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HEAD_DIM)
     partner = (d + HALF) % HEAD_DIM
@@ -463,7 +463,7 @@ def paged_decode_attention_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None
                                 context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                 scale: float, num_splits: int | None = None, num_warps: int = 4,
                                 num_stages: int | None = None, fp16_dots: bool = False) -> torch.Tensor:
-    """A decode step's attention prologue and attention in one launch (plus the merge): kernels/qk_norm_rope_kv.py
+    """A decode step's attention prologue and attention in one launch (plus the merge): mstar_kernels/qk_norm_rope_kv.py
     on the packed projection `qkv` `[B, (Hq + 2 Hkv) * D]` (the per-head q/k RMSNorm with `q_weight`, RoPE from
     `positions` `[B]` and `inv_freq` `[D/2]` fp32, the new key and value into the pool at `slot_mapping` `[B]`),
     then `paged_decode_attention` (heads form) for the one new token per row, whose context (`context_lens`,

@@ -3,7 +3,7 @@
 A kernel launched with PDL may start while the kernel before it in the stream still runs. It must call
 `gdc_wait()` before it reads anything that kernel writes (or writes anything it reads); what it does before the
 wait may only touch memory no unfinished kernel writes: here, a projection's weights, which the GEMV loads
-before it waits (kernels/gemv.py). After its own wait each kernel calls `gdc_launch_dependents()`, so the next
+before it waits (mstar_kernels/gemv.py). After its own wait each kernel calls `gdc_launch_dependents()`, so the next
 one can start its prologue at once. At most two kernels overlap: the next one's wait returns only when this one
 has finished and its writes are visible.
 

@@ -5,7 +5,7 @@ unchanged), then draws by an exponential race whose noise comes from a counter-b
 seed: `argmax(logits - log(-log(U)))`, `U = rand(seed_row, token)`. The host sets each row's seed to a mix of
 the request's seed and the row's output index, so a token depends only on (seed, step, logits), never on the
 batch or on whether the step was replayed from a graph. Greedy rows take the argmax of the raw logits.
-Both argmaxes are kernels/argmax.py's; the draw adds the noise as it reads the filtered logits.
+Both argmaxes are mstar_kernels/argmax.py's; the draw adds the noise as it reads the filtered logits.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from kernels.argmax import gumbel_argmax, row_argmax
-from kernels.top_k_top_p import MAX_VOCAB, top_k_top_p
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
+from mstar_kernels.argmax import gumbel_argmax, row_argmax
+from mstar_kernels.top_k_top_p import MAX_VOCAB, top_k_top_p
 
 _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
 
@@ -27,7 +27,7 @@ def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature:
     greedy = row_argmax(logits.contiguous())
     scaled = logits / temperature[:, None]
     if _SORT_FREE_FILTER and logits.shape[1] <= MAX_VOCAB:
-        filtered = top_k_top_p(scaled, top_k, top_p)  # kernels/top_k_top_p.py: no sort (off until timed)
+        filtered = top_k_top_p(scaled, top_k, top_p)  # mstar_kernels/top_k_top_p.py: no sort (off until timed)
     else:
         filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
     filtered = apply_min_p(filtered, min_p[:, None])

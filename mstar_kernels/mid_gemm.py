@@ -15,7 +15,7 @@ the counter back to zero, so a captured graph replays it. The counters are one i
 (`counters`); kernels that use them must run one after another (one stream), as a decode step's do.
 
 With `SWIGLU`, `x` is a packed gate/up projection `[M, 2K]` and the kernel reads `silu(gate) * up` on load, rounded
-as kernels/silu_mul.py rounds (the SwiGLU down projection without the activation's launch). fp32 sums, the bias
+as mstar_kernels/silu_mul.py rounds (the SwiGLU down projection without the activation's launch). fp32 sums, the bias
 added in fp32, one rounding to the output dtype; sums run in another order than cuBLAS's, so results differ in the
 last bit now and then.
 
@@ -25,7 +25,7 @@ Qwen3-0.6B's qkv, o and gate_up (a launch floor: gate_up moves 50% more bytes th
 only the o projections at 16 rows (5.87 -> 5.18 us, Llama's 9.91 -> 8.58), ~1% of a step, and its SwiGLU load ran
 1.3-2x slower than cuBLAS after `silu_mul`.
 
-Launched with PDL (kernels/_pdl.py, at the row counts it allows) a program loads its first weight chunk before it
+Launched with PDL (mstar_kernels/_pdl.py, at the row counts it allows) a program loads its first weight chunk before it
 waits for the kernel that writes `x`.
 """
 
@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, gdc_start, pdl_launch
-from kernels.gemv import _x_chunk
+from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
+from mstar_kernels.gemv import _x_chunk
 
 MAX_ROWS = 256
 MAX_BLOCK_M = 64  # more rows take several row blocks (each streams the weights again, from L2 mostly)

@@ -1,4 +1,4 @@
-// Skinny GEMM for one to four rows whose weights wait in shared memory across the PDL wait (kernels/staged_gemv.py).
+// Skinny GEMM for one to four rows whose weights wait in shared memory across the PDL wait (mstar_kernels/staged_gemv.py).
 //
 // out[r, n] = sum_k in[r, k] * w[n, k] (+ bias[n]) for M <= 4 rows, bf16 in and out, fp32 sums. Each CTA owns
 // `cols` output columns, whose weight rows are one contiguous run of memory, and as soon as it starts, before it
@@ -10,13 +10,13 @@
 // After the wait the CTA builds its input rows in shared memory as bf16, then each warp sums one weight row of each
 // group against every input row as soon as that group has landed.
 //
-// The input, as kernels/gemv.py builds it (the same roundings, so the same bf16 values):
+// The input, as mstar_kernels/gemv.py builds it (the same roundings, so the same bf16 values):
 // - plain: x[r, :K];
 // - SwiGLU: x is [M, 2K] (gate | up), in = bf16(bf16(silu(gate)) * up);
 // - RMSNorm: h = x (+ residual, rounded to bf16), in = bf16(bf16(h * rsqrt(mean(h^2) + eps)) * g); with a residual,
 //   CTA 0 writes h to `res_out` (the residual stream for the next block).
 //
-// PDL `mode`: 0 none; 1 wait, then let the next kernel launch (kernels/_pdl.py `early`); 2 wait only (`fit` on a
+// PDL `mode`: 0 none; 1 wait, then let the next kernel launch (mstar_kernels/_pdl.py `early`); 2 wait only (`fit` on a
 // grid deeper than the SMs); 3 let the next kernel launch first, then wait (`ahead`).
 
 #include <cuda_bf16.h>

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._rounding import round_to
+from mstar_kernels._rounding import round_to
 
 
 @triton.jit

@@ -8,10 +8,10 @@ chain rather than in weight bytes (docs/benchmarks.md). Here the grid is one pro
 contiguous slice of gate/up columns and one of down columns, taken a block of columns (by the whole K) at a time,
 with the load of the block two ahead issued before this block's sums (a persistent program must keep its own
 loads in flight: no other program on its SM hides their latency). In phase 1 each program takes the row's mean
-of squares itself, as kernels/gemv.py `norm_gemv` does. Each program then loads the first two blocks of its
+of squares itself, as mstar_kernels/gemv.py `norm_gemv` does. Each program then loads the first two blocks of its
 down-projection weights, arrives at the barrier (an atomic counter, release/acquire at GPU scope) and waits
 there for the others' gate/up columns: the down weights are in flight while the slowest program finishes phase
-1, and the chain has one link where it had three (norm, gate_up, down). Launched with PDL (kernels/_pdl.py),
+1, and the chain has one link where it had three (norm, gate_up, down). Launched with PDL (mstar_kernels/_pdl.py),
 phase 1's first two blocks also load before the wait for the kernel that writes `x`.
 
 Measured slower than the three PDL-chained launches it replaces (H200, one-row steps: Qwen3-0.6B 0.851 -> 0.918
@@ -25,7 +25,8 @@ a barrier cannot run there: with `split` (the default off CUDA) the two phases l
 without the barrier (the CPU tests run so; a GPU test checks that both ways give the same bits).
 
 Numerics are those of `norm_gemv` then `gemv(swiglu=True)`: the residual sum and the norm rounded as
-kernels/rmsnorm.py rounds, gate/up rounded to the activation dtype, SwiGLU as kernels/silu_mul.py, fp32 sums.
+mstar_kernels/rmsnorm.py rounds, gate/up rounded to the activation dtype, SwiGLU as mstar_kernels/silu_mul.py,
+fp32 sums.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch
-from kernels._rounding import round_to
-from kernels.gemv import MAX_ROWS, _residual_sum, _x_chunk
+from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_kernels._rounding import round_to
+from mstar_kernels.gemv import MAX_ROWS, _residual_sum, _x_chunk
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Rows to float8 e4m3 with one scale per row, in eager torch: the reference of kernels/fp8_quant.py and the
+"""Rows to float8 e4m3 with one scale per row, in eager torch: the reference of mstar_kernels/fp8_quant.py and the
 path without Triton (importable without it)."""
 
 from __future__ import annotations
