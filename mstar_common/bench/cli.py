@@ -231,6 +231,7 @@ def _serve(args) -> int:
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
         model["startup_s"] = server.startup_s
+        model["deployment"] = server.dep.to_dict()  # as served, defaults filled in: the run is self-describing
         model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
                               args.checkpoint)
         model["engine_metrics"] = engine_metrics(server.ports.metrics)

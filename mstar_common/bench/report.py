@@ -32,6 +32,8 @@ def markdown(results: dict) -> str:
                          f"**{model['floor_ms']:.3f} ms** per decode step.")
         if model.get("startup_s") is not None:
             lines.append(f"Server start to ready (load, graph capture): {model['startup_s']:.0f} s.")
+        if model.get("deployment"):
+            lines.append(serving_line(model["deployment"]))
         lines += ["", "| target | load | requests | req/s | output tok/s | TTFT p50 / p90 / p99 ms "
                   "| ITL p50 / p90 / p99 ms | tokens/response | errors |", "|---|---|---|---|---|---|---|---|---|"]
         for run in model.get("runs", []):
@@ -47,6 +49,24 @@ def markdown(results: dict) -> str:
                          f"| - | {_fmt(hf['itl_ms'], 3)} (mean) | - | 0 |")
         lines += [""] + [f"- {line}" for line in comparisons(model) + slo_lines(model)] + [""]
     return "\n".join(lines)
+
+
+def serving_line(dep: dict) -> str:
+    """The deployment settings that move the figures: the step budget, the pool, the cap and the captured graphs."""
+    res, kv = dep["resources"], dep["resources"]["kv_cache"]
+    parts = [f"`max_batch_tokens` {res['max_batch_tokens']:,}",
+             f"KV pool {kv['num_pages']:,} pages of {kv['page_size']} tokens ({kv['dtype']})",
+             f"`max_concurrent_requests` {dep['max_concurrent_requests']}"]
+    def ladder(buckets: list[int] | None) -> str:
+        return "the default ladder" if buckets is None else ", ".join(map(str, buckets))
+
+    for name, comp in dep["components"].items():
+        if comp.get("cuda_graphs"):
+            parts.append(f"{name}: CUDA graphs for decode rows {ladder(comp.get('decode_buckets'))} and packed tokens "
+                         f"{ladder(comp.get('prefill_token_buckets'))}, attention `{comp.get('attention_backend')}`")
+        else:
+            parts.append(f"{name}: eager on {comp['placement']['device']}")
+    return "Serving: " + "; ".join(parts) + "."
 
 
 def slo_lines(model: dict) -> list[str]:

@@ -22,6 +22,9 @@ def test_bench_serve_measures_its_own_server_and_checks_it_against_eager(tmp_pat
                  "--out", str(out)]) == 0
     model = json.loads(out.read_text())
     assert model["checkpoint"] == str(tmp_path / "cache" / "builtin" / "qwen3-tiny") and model["startup_s"] > 0
+    served = model["deployment"]  # the deployment as served, defaults filled in
+    assert served["resources"]["max_batch_tokens"] == 2048 and served["resources"]["max_model_len"] == 512
+    assert served["components"]["llm"]["placement"]["device"] == "cpu"
     assert [(run["target"], run["concurrency"]) for run in model["runs"]] == [("triton", 2), ("openai", 1)]
     for run in model["runs"]:
         summary = run["summary"]

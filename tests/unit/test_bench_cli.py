@@ -90,6 +90,25 @@ def test_the_benchmark_packs_steps_as_a_default_deployment_and_refuses_buckets_a
                              source="test")
 
 
+def test_the_report_states_the_serving_settings_of_the_run(bench, monkeypatch):
+    """The settings that move the figures are written beside them, defaults included, from the deployment as served."""
+    import json
+
+    from mstar_common.bench.report import markdown
+
+    gpu = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, "--device", "gpu", "--decode-buckets",
+                                                            "1", "2", "4", "--kv-dtype", "fp8_e4m3")), source="t")
+    model = {"deployment": json.loads(json.dumps(gpu.to_dict())), "runs": []}  # as the results file stores it
+    text = markdown({"meta": {}, "models": {"m": model}})
+    assert ("Serving: `max_batch_tokens` 2,048; KV pool 1,024 pages of 64 tokens (fp8_e4m3); "
+            "`max_concurrent_requests` 64; llm: CUDA graphs for decode rows 1, 2, 4 and packed tokens the default "
+            "ladder, attention `auto`.") in text
+    cpu = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, "--device", "cpu",
+                                                            "--max-batch-tokens", "512")), source="t")
+    text = markdown({"meta": {}, "models": {"m": {"deployment": cpu.to_dict(), "runs": []}}})
+    assert "`max_batch_tokens` 512;" in text and "llm: eager on cpu." in text
+
+
 def test_workload_prompts_are_distinct_across_a_run_and_share_only_the_asked_start():
     from mstar_common.bench.workload import Workload
 
