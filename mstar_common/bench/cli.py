@@ -347,6 +347,29 @@ def cmd_baseline(args) -> int:
     return 0
 
 
+def served_deployment(grpc_url: str, model: str) -> dict | None:
+    """The deployment a running server was generated from, as its model configs carry it (the `deployment`
+    parameter of each component model; an ensemble entry has none, so the repository's other models are asked).
+    None for a repository that is not ours or a server that does not answer."""
+    import tritonclient.grpc as grpcclient
+
+    try:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        try:
+            index = client.get_model_repository_index(as_json=True).get("models", [])
+            names = [model] + sorted(m["name"] for m in index if m.get("state") == "READY" and m["name"] != model)
+            for name in names:
+                config = client.get_model_config(name, as_json=True, client_timeout=10).get("config", {})
+                text = config.get("parameters", {}).get("deployment", {}).get("string_value")
+                if text:
+                    return json.loads(text)
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - the figures do not depend on it; say so and go on
+        print(f"[bench] the server's deployment could not be read ({type(exc).__name__}: {exc})", flush=True)
+    return None
+
+
 def check_targets(grpc_url: str, model: str, proxy_url: str | None, name: str) -> str | None:
     """Why the running server cannot be measured (unreachable, the entry model not ready, the proxy not healthy
     or not serving `name`), or None."""
@@ -386,7 +409,11 @@ def cmd_url(args) -> int:
         print(f"mstar bench: error: {problem}", file=sys.stderr)
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the sweep, so its figures are never lost
-    model = {"name": args.name, "runs": sweep(args, args.grpc, args.model, args.proxy, None)}
+    model: dict = {"name": args.name}
+    deployment_served = served_deployment(args.grpc, args.model)
+    if deployment_served is not None:
+        model["deployment"] = deployment_served
+    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None)
     Path(args.out).write_text(json.dumps(model, indent=1))
     return 0
 

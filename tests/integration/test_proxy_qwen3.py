@@ -185,7 +185,9 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
                  "--name", served.dep.name, "--concurrency", "1", "3", "--rates", "4", "--proxy-concurrency", "2",
                  "--prompt-len", "16", "--output-len", "6", "--poisson-seconds", "1", "--warmup", "1",
                  "--slo-ttft-ms", "60000", "--out", str(out)]) == 0
-    runs = json.loads(out.read_text())["runs"]
+    result = json.loads(out.read_text())
+    assert result["deployment"] == json.loads(json.dumps(served.dep.to_dict()))  # read back from the model config
+    runs = result["runs"]
     loads = [(run["target"], run.get("concurrency"), run.get("rate")) for run in runs]
     assert loads == [("triton", 1, None), ("triton", 3, None), ("triton", None, 4.0), ("openai", 2, None)]
     for run in runs:
@@ -198,6 +200,7 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
     table = (tmp_path / "report" / "results.md").read_text()
     assert "| triton | c=3 |" in table and "| openai | c=2 |" in table
     assert "openai c=2: 4/4 requests met TTFT <= 60000 ms (100%)" in table
+    assert f"Serving: `max_batch_tokens` {served.dep.resources.max_batch_tokens:,};" in table
 
 
 def test_a_multi_worker_proxy_serves_streams_and_stops(served, tmp_path):
