@@ -147,9 +147,7 @@ def prompt_text_for(checkpoint: Path | None):
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
     workload = workload_from_args(args)
     given = args.input_requests  # main() read --input-data
-    described = _describe(args.input_data, given) if given else {
-        key: getattr(workload, key) for key in ("prompt_len", "prompt_len_max", "output_len", "output_len_max",
-                                                "ignore_eos", "temperature", "shared_prefix_len")}
+    described = _describe(args.input_data, given) if given else describe_workload(workload)
     runs = []
     issued = 0
 
@@ -190,9 +188,17 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
 
 def workload_from_args(args) -> Workload:
     """The generated workload the length, sampling and prefix flags describe."""
-    return Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature,
+    return Workload("fixed", args.prompt_len, args.output_len, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k,
                     shared_prefix_len=args.shared_prefix_len, prompt_len_max=args.prompt_len_max,
                     output_len_max=args.output_len_max, ignore_eos=not args.no_ignore_eos)
+
+
+def describe_workload(workload: Workload) -> dict:
+    """A generated workload's record (the results file's `workload`, which the report's Workload line reads)."""
+    return {key: getattr(workload, key) for key in ("prompt_len", "prompt_len_max", "output_len", "output_len_max",
+                                                    "ignore_eos", "temperature", "top_p", "top_k",
+                                                    "shared_prefix_len")}
 
 
 def _describe(path: str, requests: list[dict]) -> dict:
@@ -487,7 +493,9 @@ def add_length_args(p: argparse.ArgumentParser) -> None:
                    help="draw each request's max_tokens from [--output-len, this]")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="let a request end at the model's EOS before its max_tokens (default: fixed lengths)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling with --temperature > 0 (0: off)")
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="leading prompt tokens every request shares (a system prompt; with --prefix-caching the "
                         "served prompts then match it); the rest of each prompt is its own")
@@ -500,7 +508,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="take the requests from this perf_analyzer input-data file (e.g. one under "
                         "perf_analyzer_configs/) instead of generating them: used in order and wrapped round, "
                         "so the prompt and output lengths are the file's; --prompt-len, --output-len, "
-                        "--temperature and --shared-prefix-len then do not apply")
+                        "--temperature, --top-p, --top-k and --shared-prefix-len then do not apply")
     p.add_argument("--slo-ttft-ms", type=_positive, default=None,
                    help="a request meets the SLO only with its first token within this many ms (with "
                         "--slo-tpot-ms: both); each level then reports the share that met it and the goodput")
@@ -593,7 +601,7 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
         try:
             workload_from_args(args)
         except ValueError as exc:
-            parser.error(re.sub(r"\b(prompt_len_max|output_len_max|prompt_len|output_len|shared_prefix_len)\b",
+            parser.error(re.sub(r"\b(prompt_len_max|output_len_max|prompt_len|output_len|shared_prefix_len|temperature|top_p|top_k)\b",
                                 lambda m: "--" + m.group(1).replace("_", "-"), str(exc)))
     args.input_requests = None
     if getattr(args, "input_data", None):  # refused before a server starts or a level runs

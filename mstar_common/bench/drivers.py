@@ -157,7 +157,8 @@ class OpenAIDriver:
     def body(self, request: dict) -> dict:
         return {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
                 "max_tokens": request["max_tokens"], "ignore_eos": request["ignore_eos"],
-                "temperature": request["temperature"], "stream_options": {"include_usage": True}}
+                "temperature": request["temperature"], "stream_options": {"include_usage": True},
+                **{name: request[name] for name in ("top_p", "top_k") if name in request}}
 
 
 def _share(total: int, num: int, index: int) -> int:

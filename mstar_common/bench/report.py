@@ -34,6 +34,8 @@ def markdown(results: dict) -> str:
             lines.append(f"Server start to ready (load, graph capture): {model['startup_s']:.0f} s.")
         if model.get("deployment"):
             lines.append(serving_line(model["deployment"]))
+        if model.get("runs"):
+            lines.append(workload_line(model["runs"][0].get("workload") or {}))
         lines += ["", "| target | load | requests | req/s | output tok/s | TTFT p50 / p90 / p99 ms "
                   "| ITL p50 / p90 / p99 ms | tokens/response | errors |", "|---|---|---|---|---|---|---|---|---|"]
         for run in model.get("runs", []):
@@ -49,6 +51,34 @@ def markdown(results: dict) -> str:
                          f"| - | {_fmt(hf['itl_ms'], 3)} (mean) | - | 0 |")
         lines += [""] + [f"- {line}" for line in comparisons(model) + slo_lines(model)] + [""]
     return "\n".join(lines)
+
+
+def workload_line(workload: dict) -> str:
+    """The requests a run sent: lengths, fixed or natural ends, greedy or sampled (the first level's record)."""
+    if "input_data" in workload:
+        (p_lo, p_hi), (o_lo, o_hi) = workload["prompt_len"], workload["output_len"]
+        return (f"Workload: {workload['requests']} requests from `{workload['input_data']}`, prompts of "
+                f"{p_lo}-{p_hi} tokens, max_tokens {o_lo}-{o_hi}.")
+
+    def span(low, high) -> str:
+        return f"{low}" if high is None else f"{low}-{high}"
+
+    parts = [f"{span(workload.get('prompt_len'), workload.get('prompt_len_max'))}-token prompts"]
+    if workload.get("shared_prefix_len"):
+        parts.append(f"the first {workload['shared_prefix_len']} shared")
+    ends = "exactly (ignore_eos)" if workload.get("ignore_eos", True) else "at most, or to EOS"
+    parts.append(f"{span(workload.get('output_len'), workload.get('output_len_max'))} output tokens {ends}")
+    temperature = workload.get("temperature") or 0.0
+    if temperature <= 0:
+        parts.append("greedy")
+    else:
+        knobs = [f"temperature {temperature:g}"]
+        if workload.get("top_p", 1.0) != 1.0:
+            knobs.append(f"top_p {workload['top_p']:g}")
+        if workload.get("top_k"):
+            knobs.append(f"top_k {workload['top_k']}")
+        parts.append("sampled (" + ", ".join(knobs) + ")")
+    return "Workload: " + "; ".join(parts) + "."
 
 
 def serving_line(dep: dict) -> str:

@@ -26,6 +26,8 @@ class Workload:
     prompt_len: int = 512
     output_len: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus sampling (1: off); sent only when set, as the sampling parameters are optional
+    top_k: int = 0  # 0: off
     seed: int = 0
     shared_prefix_len: int = 0  # leading tokens every prompt has in common
     prompt_len_max: int | None = None  # each prompt's length drawn from [prompt_len, prompt_len_max]
@@ -39,6 +41,12 @@ class Workload:
             high = getattr(self, name)
             if high is not None and high < low:
                 raise ValueError(f"{name} must be >= {name.removesuffix('_max')} ({low}), got {high}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
         if not 0 <= self.shared_prefix_len <= self.prompt_len:
             raise ValueError(f"shared_prefix_len must be in [0, prompt_len={self.prompt_len}], "
                              f"got {self.shared_prefix_len}")
@@ -54,8 +62,13 @@ class Workload:
             max_tokens = self.output_len if self.output_len_max is None else \
                 random.Random(f"{self.seed}:{index}:output").randint(self.output_len, self.output_len_max)
             ids = shared + _tokens(rng, prompt_len - self.shared_prefix_len)
-            out.append({"input_ids": ids, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
-                        "temperature": self.temperature})
+            req = {"input_ids": ids, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
+                   "temperature": self.temperature}
+            if self.top_p != 1.0:
+                req["top_p"] = self.top_p
+            if self.top_k:
+                req["top_k"] = self.top_k
+            out.append(req)
         return out
 
 
@@ -72,6 +85,7 @@ def perf_analyzer_data(requests: list[dict]) -> dict:
             "max_tokens": [req["max_tokens"]],
             "ignore_eos": [req["ignore_eos"]],
             "temperature": [req["temperature"]],
+            **{name: [req[name]] for name in ("top_p", "top_k") if name in req},
         })
     return {"data": data}
 

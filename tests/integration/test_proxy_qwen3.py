@@ -281,6 +281,27 @@ def test_mstar_bench_url_replays_an_input_data_file(served, tmp_path):
                                   "output_len": [3, 5]}
 
 
+def test_mstar_bench_url_sends_sampled_requests_through_triton_and_the_proxy(served, tmp_path):
+    """--temperature/--top-p/--top-k reach both targets as their sampling fields: every request decodes its
+    tokens without an error (a field the entry or the proxy refused would count as one), and the report says so."""
+    import json
+
+    from mstar_common.cli import main
+
+    out = tmp_path / "sampled.json"
+    assert main(["bench", "url", "--grpc", served.grpc_url, "--model", served.entry, "--proxy", served.proxy_url,
+                 "--name", served.dep.name, "--prompt-len", "6", "--output-len", "4", "--temperature", "0.8",
+                 "--top-p", "0.9", "--top-k", "20", "--concurrency", "2", "--proxy-concurrency", "2", "--warmup", "1",
+                 "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["target"] for run in runs] == ["triton", "openai"]
+    for run in runs:
+        assert run["summary"]["num_errors"] == 0 and run["summary"]["output_tokens"] == 4 * 4, run["summary"]
+        assert (run["workload"]["temperature"], run["workload"]["top_p"], run["workload"]["top_k"]) == (0.8, 0.9, 20)
+    assert main(["bench", "report", str(out), "--out", str(tmp_path / "report")]) == 0
+    assert "sampled (temperature 0.8, top_p 0.9, top_k 20)" in (tmp_path / "report" / "results.md").read_text()
+
+
 def test_mstar_bench_url_names_what_it_cannot_reach(served, tmp_path, capsys):
     from mstar_common.cli import main
     from mstar_common.launcher import free_port

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -109,6 +110,33 @@ def test_the_report_states_the_serving_settings_of_the_run(bench, monkeypatch):
     assert "`max_batch_tokens` 512;" in text and "llm: eager on cpu." in text
 
 
+@pytest.mark.parametrize("argv, line", [
+    ([], "Workload: 512-token prompts; 256 output tokens exactly (ignore_eos); greedy."),
+    (["--temperature", "0.7", "--top-p", "0.9", "--top-k", "50", "--shared-prefix-len", "448"],
+     "Workload: 512-token prompts; the first 448 shared; 256 output tokens exactly (ignore_eos); "
+     "sampled (temperature 0.7, top_p 0.9, top_k 50)."),
+    (["--prompt-len", "10", "--prompt-len-max", "30", "--output-len", "3", "--output-len-max", "9",
+      "--no-ignore-eos", "--temperature", "1"],
+     "Workload: 10-30-token prompts; 3-9 output tokens at most, or to EOS; sampled (temperature 1)."),
+])
+def test_the_report_states_the_workload_it_sent(tmp_path, argv, line):
+    """The results file records the workload of each level as the sweep describes it, and the report prints it."""
+    from mstar_common.bench.report import markdown
+
+    parser = argparse.ArgumentParser()
+    bench_cli.add_length_args(parser)
+    args = parser.parse_args(argv)
+    described = bench_cli.describe_workload(bench_cli.workload_from_args(args))
+    summary = {"num_requests": 1, "requests_per_s": 1.0, "output_tok_per_s": 1.0, "tokens_per_response": 1.0,
+               "num_errors": 0, **{k: {"p50": 1.0, "p90": 1.0, "p99": 1.0} for k in ("ttft_ms", "itl_ms")}}
+    model = {"runs": [{"target": "triton", "concurrency": 1, "workload": described, "summary": summary}]}
+    assert line in markdown({"meta": {}, "models": {"m": model}})
+    file_model = {"runs": [{**model["runs"][0], "workload": {"input_data": "w.json", "requests": 16,
+                                                             "prompt_len": [512, 512], "output_len": [256, 256]}}]}
+    assert "Workload: 16 requests from `w.json`, prompts of 512-512 tokens, max_tokens 256-256." in \
+        markdown({"meta": {}, "models": {"m": file_model}})
+
+
 def test_workload_prompts_are_distinct_across_a_run_and_share_only_the_asked_start():
     from mstar_common.bench.workload import Workload
 
@@ -188,6 +216,26 @@ def test_bad_input_data_is_refused_before_anything_runs(tmp_path, capsys, data, 
     assert not (tmp_path / "o.json").exists()
 
 
+def test_sampled_workloads_send_top_p_and_top_k_only_when_set(tmp_path):
+    from mstar_common.bench.drivers import OpenAIDriver, _triton_inputs
+    from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
+
+    greedy = Workload("w", 12, 5).requests(2)
+    assert all(set(r) == {"input_ids", "max_tokens", "ignore_eos", "temperature"} for r in greedy)
+    sampled = Workload("w", 12, 5, temperature=0.7, top_p=0.9, top_k=50).requests(2)
+    assert [(r["temperature"], r["top_p"], r["top_k"]) for r in sampled] == [(0.7, 0.9, 50)] * 2
+    assert [r["input_ids"] for r in sampled] == [r["input_ids"] for r in greedy]  # the same prompts
+    path = tmp_path / "sampled.json"
+    path.write_text(json.dumps(perf_analyzer_data(sampled)))
+    assert requests_from_file(path) == sampled
+    # the Triton inputs carry them with the entry model's dtypes; the proxy's body as OpenAI fields
+    tensors = {t.name(): t.datatype() for t in _triton_inputs(sampled[0])}
+    assert tensors["top_p"] == "FP32" and tensors["top_k"] == "INT32" and tensors["temperature"] == "FP32"
+    assert "top_p" not in {t.name() for t in _triton_inputs(greedy[0])}
+    body = OpenAIDriver("http://127.0.0.1:9", "m", lambda n: "x " * n).body(sampled[0])
+    assert body["top_p"] == 0.9 and body["top_k"] == 50 and body["temperature"] == 0.7
+
+
 def test_length_ranges_and_natural_eos_are_drawn_the_same_every_run(tmp_path):
     from mstar_common.bench.workload import Workload, requests_from_file
 
@@ -213,6 +261,9 @@ def test_length_ranges_and_natural_eos_are_drawn_the_same_every_run(tmp_path):
     (["--output-len", "8", "--output-len-max", "3"], "--output-len-max must be >= --output-len (8), got 3"),
     (["--prompt-len", "8", "--shared-prefix-len", "9"], "--shared-prefix-len must be in [0, --prompt-len=8]"),
     (["--prompt-len", "0"], "--prompt-len and --output-len must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "0.7", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--temperature", "0.7", "--top-k", "-2"], "--top-k must be >= 0 (0: off), got -2"),
 ])
 def test_bad_lengths_are_refused_with_the_flags(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
