@@ -11,13 +11,23 @@ program holds a whole row in registers and finds the two cut-offs by bisection o
   tokens strictly above it is below `top_p * Z` (the sorted form's `mass_above < top_p`); that holds exactly
   for the tokens with `e >= T`, `T` the smallest such `e`, which the bisection finds.
 
+Wider rows (an LM's whole vocabulary: Qwen3's 151,936, Llama-3's 128,256) do not fit one program's registers.
+There the same two searches run over chunks of `CHUNK` columns, one program per (row, chunk), as a chain of
+launches: each launch totals the previous launch's per-chunk counts (top-k) or masses (top-p) in chunk order,
+narrows the row's interval of bit patterns to the part that holds the answer, and counts its chunk against the
+`CANDIDATES - 1` patterns that split that part evenly; 8 launches a search instead of 31 passes. A row with both
+filters off returns from every launch at once. Only the elements inside the current interval are compared
+against each candidate; those above it add to every candidate at once.
+
 The kept sets equal the sorted form's except where a sum lands within rounding of `top_p` (the two add in
 different orders) or at exact ties across the cut (the sorted form keeps some of the tied tokens, this keeps
-all). `sample_on_device` uses it for windows of up to `MAX_VOCAB` (`MSTAR_TOP_P_KERNEL=0` restores the sort;
-H200 timings in docs/deployment.md "Kernel switches").
+all). `sample_on_device` uses it at every width (`MSTAR_TOP_P_KERNEL=0` restores the sort; H200 timings in
+docs/deployment.md "Kernel switches").
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -67,17 +77,303 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, str
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`logits` `[B, V]` fp32 (V <= 32,768), `top_k` `[B]` int (V: off), `top_p` `[B]` float (1.0: off) ->
-    the logits with the filtered-out entries at -inf. Graph safe: no host reads."""
+    """`logits` `[B, V]` fp32, `top_k` `[B]` int (V: off), `top_p` `[B]` float (1.0: off) -> the logits with
+    the filtered-out entries at -inf. Up to `MAX_VOCAB` columns one program holds a row; wider rows take the
+    chunked search. Graph safe: no host reads."""
     num_rows, vocab = logits.shape
-    assert vocab <= MAX_VOCAB, f"the register-resident filter takes at most {MAX_VOCAB} logits per row"
     assert logits.stride(1) == 1 and top_k.shape == top_p.shape == (num_rows,)
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return out
+    if vocab > MAX_VOCAB:
+        return top_k_top_p_chunked(logits, top_k, top_p, out)
     block = triton.next_power_of_2(vocab)
     _top_k_top_p_kernel[(num_rows,)](logits, top_k, top_p, out, logits.stride(0), out.stride(0), vocab,
                                      BLOCK=block, num_warps=max(4, min(16, block // 2048)))
+    return out
+
+
+# --- rows wider than one program's registers: the searches over chunks, one launch per narrowing step -----------
+
+CHUNK = 4096  # columns per program
+SUB = 512  # columns compared against the candidates at once
+CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
+_TOP_K, _TOP_P = 0, 1
+SEARCH_2D = os.environ.get("MSTAR_TOP_P_SEARCH_2D", "1") != "0"  # the columns loaded in the comparisons' layout
+
+
+def search_steps(width: int = 0x3F800001, candidates: int = CANDIDATES) -> int:
+    """Launches until an interval of `width` bit patterns is down to one (each leaves at most ceil(w / S))."""
+    steps = 0
+    while width > 1:
+        width, steps = -(-width // candidates), steps + 1
+    return steps
+
+
+@triton.jit
+def _row_max(max_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
+    """The row's largest tempered logit, from its chunks' maxima."""
+    c = tl.arange(0, CHUNKS_PAD)
+    return tl.max(tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), axis=0)
+
+
+@triton.jit
+def _row_e(s_ptr, row, cols, vocab, top):
+    """These columns' e = exp(s - row max) of the tempered logits s (0 where s is -inf or past the row)."""
+    in_row = cols < vocab
+    x = tl.load(s_ptr + row * vocab + cols, mask=in_row, other=float("-inf"))
+    keep = in_row & (x > float("-inf"))
+    return tl.where(keep, tl.exp(x - top), 0.0), keep
+
+
+@triton.jit
+def _candidates(lo, hi, S: tl.constexpr):
+    """`lo + (hi - lo) * j // S` for j < S: j = 0 is `lo` itself, the rest split [lo, hi) evenly."""
+    j = tl.arange(0, S).to(tl.int64)
+    return (lo.to(tl.int64) + (hi.to(tl.int64) - lo.to(tl.int64)) * j // S).to(tl.int32)
+
+
+@triton.jit
+def _totals(part_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr, S: tl.constexpr):
+    """The previous launch's per-chunk partials of this row, added in chunk order: `[S]`."""
+    c = tl.arange(0, CHUNKS_PAD)[:, None]
+    j = tl.arange(0, S)[None, :]
+    parts = tl.load(part_ptr + (row * num_chunks + c) * S + j, mask=c < num_chunks, other=0.0)
+    return tl.sum(parts, axis=0)
+
+
+@triton.jit
+def _narrow(part_ptr, state_ptr, row, num_chunks, top_k, target, MODE: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+            S: tl.constexpr):
+    """The interval the previous launch split (`state` [lo, hi)) narrowed by its totals to the part holding the
+    answer. top-k: the largest pattern b with count(e >= b) >= k (lo holds, hi does not); top-p: the smallest b
+    >= 0 with mass(e > b) < target (hi holds, lo does not)."""
+    lo = tl.load(state_ptr + row * 2)
+    hi = tl.load(state_ptr + row * 2 + 1)
+    cand = _candidates(lo, hi, S)
+    totals = _totals(part_ptr, row, num_chunks, CHUNKS_PAD, S)
+    first = tl.arange(0, S) == 0
+    later = tl.arange(0, S) > 0
+    if MODE == 0:
+        holds = (totals >= top_k.to(tl.float32)) | first
+        new_lo = tl.max(tl.where(holds, cand, lo), axis=0)
+        new_hi = tl.min(tl.where(holds, hi, cand), axis=0)
+    else:
+        holds = (totals < target) & (cand >= 0) & later
+        new_lo = tl.max(tl.where(holds, lo, cand), axis=0)
+        new_hi = tl.min(tl.where(holds, cand, hi), axis=0)
+    return new_lo, new_hi
+
+
+@triton.jit
+def _filtered(top_k_ptr, top_p_ptr, row, vocab):
+    return (tl.load(top_k_ptr + row) < vocab) | (tl.load(top_p_ptr + row) < 1.0)
+
+
+@triton.jit
+def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, s_ptr, stride_x, vocab, num_chunks,
+                      CHUNK: tl.constexpr):
+    """For the rows that filter: each chunk's largest tempered logit, and (top-k, top-p) the tempered logits
+    `x / T` (rounded as torch divides), which the search launches read instead of dividing again."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    filters = _filtered(top_k_ptr, top_p_ptr, row, vocab)
+    if not (filters | (tl.load(min_p_ptr + row) > 0.0)):
+        return
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_row = cols < vocab
+    x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    s = tl.math.div_rn(x, tl.load(temp_ptr + row))
+    tl.store(max_ptr + row * num_chunks + chunk, tl.max(s, axis=0))
+    if filters:
+        tl.store(s_ptr + row * vocab + cols, s, mask=in_row)
+
+
+@triton.jit
+def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_out_ptr, state_in_ptr, state_out_ptr,
+                        cut_ptr, z_ptr, vocab, num_chunks, MODE: tl.constexpr, FIRST: tl.constexpr,
+                        RESOLVE_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
+                        CHUNKS_PAD: tl.constexpr, TWO_D: tl.constexpr):
+    """One narrowing step of one search for one (row, chunk): narrow the row's interval by the last launch's
+    totals (or start it), record it, and write this chunk's counts (top-k) or masses (top-p) at its candidates.
+    RESOLVE_K (top-p's first launch): finish the top-k search first and record its cut in `cut`."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    k_cut = tl.zeros([], dtype=tl.int32)
+    target = tl.zeros([], dtype=tl.float32)
+    if MODE == 0:
+        if top_k >= vocab:
+            return
+    else:
+        if RESOLVE_K:
+            if top_k < vocab:
+                k_cut, _ = _narrow(part_in_ptr, state_in_ptr, row, num_chunks, top_k, target, 0, CHUNKS_PAD, S)
+                if chunk == 0:
+                    tl.store(cut_ptr + row, k_cut)
+        if top_p >= 1.0:
+            return
+        if not RESOLVE_K:
+            k_cut = tl.load(cut_ptr + row)
+            c = tl.arange(0, CHUNKS_PAD)
+            z = tl.sum(tl.load(z_ptr + row * num_chunks + c, mask=c < num_chunks, other=0.0), axis=0)
+            target = top_p * z
+    if FIRST:
+        if MODE == 0:
+            lo = tl.zeros([], dtype=tl.int32)  # count(e >= 0) counts every column: >= k
+            hi = tl.full([], _BITS_OF_ONE + 1, dtype=tl.int32)  # nothing lies above 1.0
+        else:
+            lo = tl.full([], -1, dtype=tl.int32)  # "below 0": the whole mass, >= target
+            hi = tl.full([], _BITS_OF_ONE, dtype=tl.int32)  # mass(e > 1.0) = 0 < target
+    else:
+        lo, hi = _narrow(part_in_ptr, state_in_ptr, row, num_chunks, top_k, target, MODE, CHUNKS_PAD, S)
+    if chunk == 0:
+        tl.store(state_out_ptr + row * 2, lo)
+        tl.store(state_out_ptr + row * 2 + 1, hi)
+    cand = _candidates(lo, hi, S)
+    lo_f = tl.maximum(lo, 0).to(tl.float32, bitcast=True)
+    hi_f = hi.to(tl.float32, bitcast=True)
+    k_cut_f = k_cut.to(tl.float32, bitcast=True)
+    thresholds = tl.maximum(cand, 0).to(tl.float32, bitcast=True)[:, None]  # [S, 1]; top-k's are never below 0
+    top = _row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+    inside = tl.zeros([S, SUB], dtype=tl.float32)
+    if TWO_D:  # the columns loaded as [1, SUB], in the layout of the [S, SUB] comparisons
+        above = tl.zeros([1, SUB], dtype=tl.float32)
+        z_part = tl.zeros([1, SUB], dtype=tl.float32)
+    else:
+        above = tl.zeros([SUB], dtype=tl.float32)
+        z_part = tl.zeros([SUB], dtype=tl.float32)
+    for start in tl.static_range(0, CHUNK, SUB):
+        if TWO_D:
+            cols = chunk * CHUNK + start + tl.arange(0, SUB)[None, :]
+        else:
+            cols = chunk * CHUNK + start + tl.arange(0, SUB)
+        e, keep = _row_e(s_ptr, row, cols, vocab, top)
+        # Only the elements inside [lo, hi] tell the candidates apart; those above add to every one of them.
+        if MODE == 0:
+            above += (e >= hi_f).to(tl.float32)
+            window = tl.where((e >= lo_f) & (e < hi_f), e, -1.0)  # -1: below every candidate
+            if tl.max(tl.ravel(window), axis=0) >= 0.0:
+                if TWO_D:
+                    inside += (window >= thresholds).to(tl.float32)
+                else:
+                    inside += (window[None, :] >= thresholds).to(tl.float32)
+        else:
+            e = tl.where(keep & (e >= k_cut_f), e, 0.0)
+            if FIRST:
+                z_part += e
+            above += tl.where(e > hi_f, e, 0.0)
+            window = tl.where((e >= lo_f) & (e <= hi_f), e, 0.0)  # 0: above no candidate
+            if tl.max(tl.ravel(window), axis=0) > 0.0:
+                if TWO_D:
+                    inside += tl.where(window > thresholds, window, 0.0)
+                else:
+                    inside += tl.where(window[None, :] > thresholds, window[None, :], 0.0)
+    part = tl.sum(inside, axis=1) + tl.sum(tl.ravel(above), axis=0)
+    tl.store(part_out_ptr + (row * num_chunks + chunk) * S + tl.arange(0, S), part)
+    if MODE == 1:
+        if FIRST:
+            tl.store(z_ptr + row * num_chunks + chunk, tl.sum(tl.ravel(z_part), axis=0))
+
+
+@triton.jit
+def row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S: tl.constexpr,
+            CHUNKS_PAD: tl.constexpr):
+    """After the last search launch: the row's cut as an e value (keep e >= it; 0.0 keeps every finite logit)."""
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    k_cut = tl.zeros([], dtype=tl.int32)
+    p_cut = tl.zeros([], dtype=tl.int32)
+    if (top_k < vocab) | (top_p < 1.0):
+        k_cut = tl.load(cut_ptr + row)
+        if top_p < 1.0:
+            c = tl.arange(0, CHUNKS_PAD)
+            z = tl.sum(tl.load(z_ptr + row * num_chunks + c, mask=c < num_chunks, other=0.0), axis=0)
+            _, p_cut = _narrow(part_ptr, state_ptr, row, num_chunks, top_k, top_p * z, 1, CHUNKS_PAD, S)
+    return tl.maximum(k_cut, p_cut).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _apply_cuts_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, max_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, out_ptr,
+                       stride_x, stride_o, vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                       S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Finish the top-p search and write the tempered logits with everything below either cut at -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    active = _filtered(top_k_ptr, top_p_ptr, row, vocab)
+    cut_f = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S, CHUNKS_PAD)
+    temperature = tl.load(temp_ptr + row)
+    top = tl.zeros([], dtype=tl.float32)
+    if active:
+        top = _row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+    for start in tl.static_range(0, CHUNK, SUB):
+        cols = chunk * CHUNK + start + tl.arange(0, SUB)
+        in_row = cols < vocab
+        x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        s = tl.math.div_rn(x, temperature)
+        keep = in_row & (x > float("-inf"))
+        if active:
+            keep = keep & (tl.exp(s - top) >= cut_f)
+        tl.store(out_ptr + row * stride_o + cols, tl.where(keep, s, float("-inf")), mask=in_row)
+
+
+class ChunkedSearch:
+    """The buffers and launches of the chunked search over `[B, V]` logits; `run` leaves each filtering row's
+    cuts in them for `row_cut` (the tempered top-k/top-p filter, or the fused draw of mstar_kernels/sampling.py)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        num_rows, vocab = logits.shape
+        self.logits, self.vocab = logits, vocab
+        self.num_chunks = triton.cdiv(vocab, CHUNK)
+        self.chunks_pad = max(2, triton.next_power_of_2(self.num_chunks))
+        device, f32 = logits.device, torch.float32
+        self.row_max = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
+        self.scaled = torch.empty((num_rows, vocab), dtype=f32, device=device)  # the filtering rows' x / T
+        self.parts = [torch.empty((num_rows, self.num_chunks, CANDIDATES), dtype=f32, device=device) for _ in range(2)]
+        self.states = [torch.empty((num_rows, 2), dtype=torch.int32, device=device) for _ in range(2)]
+        self.k_cut = torch.zeros(num_rows, dtype=torch.int32, device=device)  # top-k off: keep every e >= 0
+        self.z = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
+        self.grid = (num_rows, self.num_chunks)
+        self.last = 0
+
+    def run(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+        x, common = self.logits, dict(CHUNK=CHUNK, SUB=SUB, S=CANDIDATES, CHUNKS_PAD=self.chunks_pad, num_warps=8)
+        _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.scaled, x.stride(0),
+                                     self.vocab, self.num_chunks, CHUNK=CHUNK, num_warps=8)
+        launch, steps = 0, search_steps()
+        for mode in (_TOP_K, _TOP_P):
+            for step in range(steps):
+                src, dst = launch % 2, (launch + 1) % 2
+                _search_step_kernel[self.grid](self.scaled, top_k, top_p, self.row_max, self.parts[src],
+                                               self.parts[dst], self.states[src], self.states[dst], self.k_cut, self.z,
+                                               self.vocab, self.num_chunks, MODE=mode, FIRST=step == 0,
+                                               RESOLVE_K=mode == _TOP_P and step == 0, TWO_D=SEARCH_2D, **common)
+                launch += 1
+        self.last = launch % 2
+
+    def cut_args(self) -> tuple:
+        """row_cut's buffers, in its order after the two filter columns: parts, states, k cut, z."""
+        return self.parts[self.last], self.states[self.last], self.k_cut, self.z
+
+
+def top_k_top_p_chunked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        out: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """`top_k_top_p` by the chunked search, at any width (`top_k_top_p` takes it above `MAX_VOCAB`); with
+    `temperature` `[B]` the logits are divided by it first (as torch divides). Graph safe."""
+    num_rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and top_k.shape == top_p.shape == (num_rows,)
+    if out is None:
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return out
+    if temperature is None:
+        temperature = torch.ones(num_rows, dtype=torch.float32, device=logits.device)
+    search = ChunkedSearch(logits)
+    search.run(temperature, top_k, top_p, torch.zeros_like(temperature))
+    _apply_cuts_kernel[search.grid](logits, temperature, top_k, top_p, search.row_max, *search.cut_args(), out,
+                                    logits.stride(0), out.stride(0), vocab, search.num_chunks, CHUNK=CHUNK, SUB=SUB,
+                                    S=CANDIDATES, CHUNKS_PAD=search.chunks_pad, num_warps=8)
     return out
 
 

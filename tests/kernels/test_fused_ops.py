@@ -139,12 +139,14 @@ def test_device_sampler_greedy_filters_and_seeds():
     assert len(set(draws.flatten().tolist())) > 20  # different seeds, different draws
 
 
-def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypatch):
-    """MSTAR_TOP_P_KERNEL: the same kept sets feed the same seeded race, so the same tokens come out."""
+@pytest.mark.parametrize("vocab", sweep([28_672, 151_936], [1000]))
+def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypatch, vocab):
+    """MSTAR_TOP_P_KERNEL: the same kept sets feed the same seeded race, so the same tokens come out (at an
+    audio window in one program a row, and at an LM's whole vocabulary by the chunked search)."""
     import mstar_kernels.sampling as sampling
 
     gen = torch.Generator().manual_seed(1)
-    vocab, rows = sweep(28_672, 1000), 6
+    rows = 6
     logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEVICE)
     col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
     args = (logits, col([False] * rows, torch.bool), col([0.6, 1.0, 0.6, 1.0, 0.6, 1.0], torch.float32),
@@ -157,6 +159,44 @@ def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypa
                                   for s in range(20)]))
     assert torch.equal(draws[0], draws[1])
     assert len(set(draws[1][:, 0].tolist())) > 5  # the draws do vary with the seed
+
+
+@pytest.mark.parametrize("vocab", sweep([151_936, 128_256], [33_000]))
+def test_the_fused_wide_draw_equals_the_filters_composed(vocab):
+    """Past the register row, `sample_on_device` searches the cuts and draws in one pass over the raw logits;
+    its tokens equal the composed form's (tempered copy, filtered copy, min-p, noised argmax, greedy argmax), row
+    by row: greedy, temperature alone, top-k, top-p, both, min-p, and all of them."""
+    from mstar_common.engine.sampler import apply_min_p
+    from mstar_kernels.argmax import gumbel_argmax, row_argmax
+    from mstar_kernels.sampling import sample_wide
+    from mstar_kernels.top_k_top_p import top_k_top_p_chunked
+
+    gen = torch.Generator().manual_seed(5)
+    rows = 8
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEVICE)
+    logits[3, :100] = float("-inf")
+    col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    is_greedy = col([True, False, False, False, False, False, False, False], torch.bool)
+    temperature = col([1.0, 0.7, 1.0, 0.6, 1.3, 0.7, 1.0, 0.5], torch.float32)
+    top_k = col([vocab, vocab, 20, vocab, 50, vocab, vocab, 40], torch.int32)
+    top_p = col([1.0, 1.0, 1.0, 0.8, 0.9, 1.0, 1.0, 0.7], torch.float32)
+    min_p = col([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.1], torch.float32)
+
+    def composed(seeds):
+        filtered = top_k_top_p_chunked(logits / temperature[:, None], top_k, top_p)
+        sampled = gumbel_argmax(apply_min_p(filtered, min_p[:, None]).contiguous(), seeds)
+        return torch.where(is_greedy, row_argmax(logits), sampled)
+
+    draws = []
+    for step in range(6):
+        seeds = col([step * 100 + r for r in range(rows)], torch.int64)
+        tokens = sample_wide(logits, is_greedy, temperature, top_k, top_p, min_p, seeds)
+        assert torch.equal(tokens, composed(seeds)), (step, tokens.tolist(), composed(seeds).tolist())
+        draws.append(tokens)
+    draws = torch.stack(draws)
+    assert (draws[:, 0] == logits[0].argmax()).all()
+    assert set(draws[:, 2].tolist()) <= set(logits[2].topk(20).indices.tolist())
+    assert len(set(draws[:, 1].tolist())) > 3 and not (draws[:, 3] < 100).any()
 
 
 @pytest.mark.parametrize("batch,channels,length", sweep([(1, 64, 8192), (7, 512, 128), (3, 1024, 16)],

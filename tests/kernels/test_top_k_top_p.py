@@ -1,4 +1,5 @@
-"""The sort-free top-k/top-p filter (mstar_kernels/top_k_top_p.py) against the engine's sorted form."""
+"""The sort-free top-k/top-p filter (mstar_kernels/top_k_top_p.py) against the engine's sorted form: the
+register-resident row up to 32,768 logits, and the chunked search that wider rows (an LM's whole vocabulary) take."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from tests.kernels.conftest import DEVICE, GPU_ONLY, sweep
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
-from mstar_kernels.top_k_top_p import top_k_top_p, top_k_top_p_ref  # noqa: E402
+from mstar_kernels.top_k_top_p import (  # noqa: E402
+    MAX_VOCAB,
+    search_steps,
+    top_k_top_p,
+    top_k_top_p_chunked,
+    top_k_top_p_ref,
+)
 
 
 def _rows(vocab: int, seed: int):
@@ -43,7 +50,47 @@ def test_masked_entries_and_a_padded_row_width():
     assert torch.equal(top_k_top_p(wide[:, :1000], top_k, top_p), out)  # a strided view of a wider buffer
 
 
-def test_refuses_a_vocabulary_past_the_register_row():
-    with pytest.raises(AssertionError, match="at most 32768"):
-        top_k_top_p(torch.zeros(1, 40_000, device=DEVICE), torch.tensor([5], device=DEVICE),
-                    torch.tensor([0.9], device=DEVICE))
+def _assert_same_or_at_the_top_p_boundary(out, ref, logits, top_k, top_p):
+    """Kept sets equal, except single tokens whose fp64 probability mass ranked above them (over what top-k kept)
+    lies within rounding of top_p: there the two forms add in different orders and either answer is exact."""
+    kept, want = torch.isfinite(out), torch.isfinite(ref)
+    assert torch.equal(out[kept], logits[kept])  # kept logits pass through unchanged
+    top_k_only = torch.isfinite(top_k_top_p_ref(logits, top_k, torch.ones_like(top_p))).cpu()
+    for row in range(len(kept)):
+        differing = (kept[row] != want[row]).nonzero().flatten().tolist()
+        assert len(differing) <= 2, (row, len(differing))
+        if differing:
+            x = logits[row].double().cpu().masked_fill(~top_k_only[row], float("-inf"))
+            probs = torch.softmax(x, -1)
+            for token in differing:
+                mass_above = float(probs[probs > probs[token]].sum())
+                assert abs(mass_above - float(top_p[row])) < 2e-5, (row, token, mass_above, float(top_p[row]))
+
+
+def test_refuses_nothing_wide_and_takes_few_launches_a_search():
+    assert MAX_VOCAB == 32768 and search_steps() == 8  # 31 bisection passes become 8 launches of 16 candidates
+    assert search_steps(1) == 0 and search_steps(17) == 2 and search_steps(16) == 1
+
+
+@pytest.mark.parametrize("vocab", sweep([1000, 28_672, 32_768], [1000, 5000]))
+def test_the_chunked_search_keeps_what_the_register_row_keeps(vocab):
+    """The same two searches, as one program per row and as launches over chunks: the same kept sets."""
+    logits, top_k, top_p = _rows(vocab, seed=vocab + 1)
+    out = top_k_top_p_chunked(logits, top_k, top_p)
+    _assert_same_or_at_the_top_p_boundary(out, top_k_top_p(logits, top_k, top_p), logits, top_k, top_p)
+    _assert_same_or_at_the_top_p_boundary(out, top_k_top_p_ref(logits, top_k, top_p), logits, top_k, top_p)
+    kept = torch.isfinite(out)
+    assert int(kept[1].sum()) == vocab and int(kept[4].sum()) == 1 and int(kept[5].sum()) == 7  # top-k alone
+
+
+@pytest.mark.parametrize("vocab", sweep([151_936, 128_256, 32_769], [33_000]))
+def test_wide_vocabularies_take_the_chunked_search(vocab):
+    """Past the register row (Qwen3's and Llama-3's vocabularies): the sorted form's kept sets, -inf entries
+    left out and uncounted, and a row with both filters off passed through whole."""
+    logits, top_k, top_p = _rows(vocab, seed=7)
+    logits[2, : vocab // 3] = float("-inf")
+    out = top_k_top_p(logits, top_k, top_p)
+    _assert_same_or_at_the_top_p_boundary(out, top_k_top_p_ref(logits, top_k, top_p), logits, top_k, top_p)
+    kept = torch.isfinite(out)
+    assert torch.equal(out[1], logits[1]) and int(kept[4].sum()) == 1 and int(kept[5].sum()) == 7
+    assert not kept[2, : vocab // 3].any()
