@@ -171,7 +171,10 @@ def plot(name: str, model: dict, path: Path) -> bool:
     for ax, title in zip(axes, titles, strict=True):
         ax.set_title(f"{name}: {title}", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:  # no Poisson levels in this run
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
     for ax in axes[:2]:
         ax.set_xscale("log", base=2)
     axes[0].set_yscale("log")
