@@ -99,7 +99,7 @@ CHUNK = 4096  # columns per program
 SUB = 512  # columns compared against the candidates at once
 CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
 _TOP_K, _TOP_P = 0, 1
-SEARCH_2D = os.environ.get("MSTAR_TOP_P_SEARCH_2D", "1") != "0"  # the columns loaded in the comparisons' layout
+SEARCH_2D = os.environ.get("MSTAR_TOP_P_SEARCH_2D", "0") == "1"  # docs/deployment.md "Kernel switches"
 
 
 def search_steps(width: int = 0x3F800001, candidates: int = CANDIDATES) -> int:
