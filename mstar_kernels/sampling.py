@@ -25,7 +25,7 @@ import triton.language as tl
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
 from mstar_kernels import argmax
 from mstar_kernels.argmax import gumbel_argmax, gumbel_noise, row_argmax
-from mstar_kernels.top_k_top_p import CANDIDATES, MAX_VOCAB, ChunkedSearch, row_cut, top_k_top_p
+from mstar_kernels.top_k_top_p import CANDIDATES, MAX_VOCAB, ChunkedSearch, filters_on, row_cut, row_max, top_k_top_p
 
 _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
 
@@ -61,11 +61,10 @@ def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
         temperature = tl.load(temp_ptr + row)
         s = tl.math.div_rn(x, temperature)
         min_p_log = tl.load(min_p_log_ptr + row)
-        filters = (tl.load(top_k_ptr + row) < vocab) | (tl.load(top_p_ptr + row) < 1.0)
+        filters = filters_on(top_k_ptr, top_p_ptr, row, vocab)
         keep = in_row & (x > float("-inf"))
         if filters | (min_p_log > float("-inf")):
-            c = tl.arange(0, CHUNKS_PAD)
-            top = tl.max(tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), axis=0)
+            top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
             keep = keep & (s >= top + min_p_log)  # min-p: apply_min_p's floor, max + log(min_p)
             if filters:
                 cut = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S,

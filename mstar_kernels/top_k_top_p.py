@@ -27,8 +27,6 @@ docs/deployment.md "Kernel switches").
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +97,6 @@ CHUNK = 4096  # columns per program
 SUB = 512  # columns compared against the candidates at once
 CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
 _TOP_K, _TOP_P = 0, 1
-SEARCH_2D = os.environ.get("MSTAR_TOP_P_SEARCH_2D", "0") == "1"  # docs/deployment.md "Kernel switches"
 
 
 def search_steps(width: int = 0x3F800001, candidates: int = CANDIDATES) -> int:
@@ -111,7 +108,7 @@ def search_steps(width: int = 0x3F800001, candidates: int = CANDIDATES) -> int:
 
 
 @triton.jit
-def _row_max(max_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
+def row_max(max_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
     """The row's largest tempered logit, from its chunks' maxima."""
     c = tl.arange(0, CHUNKS_PAD)
     return tl.max(tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), axis=0)
@@ -166,7 +163,8 @@ def _narrow(part_ptr, state_ptr, row, num_chunks, top_k, target, MODE: tl.conste
 
 
 @triton.jit
-def _filtered(top_k_ptr, top_p_ptr, row, vocab):
+def filters_on(top_k_ptr, top_p_ptr, row, vocab):
+    """Whether the row asks for top-k or top-p."""
     return (tl.load(top_k_ptr + row) < vocab) | (tl.load(top_p_ptr + row) < 1.0)
 
 
@@ -177,7 +175,7 @@ def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr,
     `x / T` (rounded as torch divides), which the search launches read instead of dividing again."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    filters = _filtered(top_k_ptr, top_p_ptr, row, vocab)
+    filters = filters_on(top_k_ptr, top_p_ptr, row, vocab)
     if not (filters | (tl.load(min_p_ptr + row) > 0.0)):
         return
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -193,7 +191,7 @@ def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr,
 def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_out_ptr, state_in_ptr, state_out_ptr,
                         cut_ptr, z_ptr, vocab, num_chunks, MODE: tl.constexpr, FIRST: tl.constexpr,
                         RESOLVE_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
-                        CHUNKS_PAD: tl.constexpr, TWO_D: tl.constexpr):
+                        CHUNKS_PAD: tl.constexpr):
     """One narrowing step of one search for one (row, chunk): narrow the row's interval by the last launch's
     totals (or start it), record it, and write this chunk's counts (top-k) or masses (top-p) at its candidates.
     RESOLVE_K (top-p's first launch): finish the top-k search first and record its cut in `cut`."""
@@ -236,45 +234,32 @@ def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_
     hi_f = hi.to(tl.float32, bitcast=True)
     k_cut_f = k_cut.to(tl.float32, bitcast=True)
     thresholds = tl.maximum(cand, 0).to(tl.float32, bitcast=True)[:, None]  # [S, 1]; top-k's are never below 0
-    top = _row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+    top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
     inside = tl.zeros([S, SUB], dtype=tl.float32)
-    if TWO_D:  # the columns loaded as [1, SUB], in the layout of the [S, SUB] comparisons
-        above = tl.zeros([1, SUB], dtype=tl.float32)
-        z_part = tl.zeros([1, SUB], dtype=tl.float32)
-    else:
-        above = tl.zeros([SUB], dtype=tl.float32)
-        z_part = tl.zeros([SUB], dtype=tl.float32)
+    above = tl.zeros([SUB], dtype=tl.float32)
+    z_part = tl.zeros([SUB], dtype=tl.float32)
     for start in tl.static_range(0, CHUNK, SUB):
-        if TWO_D:
-            cols = chunk * CHUNK + start + tl.arange(0, SUB)[None, :]
-        else:
-            cols = chunk * CHUNK + start + tl.arange(0, SUB)
+        cols = chunk * CHUNK + start + tl.arange(0, SUB)
         e, keep = _row_e(s_ptr, row, cols, vocab, top)
         # Only the elements inside [lo, hi] tell the candidates apart; those above add to every one of them.
         if MODE == 0:
             above += (e >= hi_f).to(tl.float32)
             window = tl.where((e >= lo_f) & (e < hi_f), e, -1.0)  # -1: below every candidate
-            if tl.max(tl.ravel(window), axis=0) >= 0.0:
-                if TWO_D:
-                    inside += (window >= thresholds).to(tl.float32)
-                else:
-                    inside += (window[None, :] >= thresholds).to(tl.float32)
+            if tl.max(window, axis=0) >= 0.0:
+                inside += (window[None, :] >= thresholds).to(tl.float32)
         else:
             e = tl.where(keep & (e >= k_cut_f), e, 0.0)
             if FIRST:
                 z_part += e
             above += tl.where(e > hi_f, e, 0.0)
             window = tl.where((e >= lo_f) & (e <= hi_f), e, 0.0)  # 0: above no candidate
-            if tl.max(tl.ravel(window), axis=0) > 0.0:
-                if TWO_D:
-                    inside += tl.where(window > thresholds, window, 0.0)
-                else:
-                    inside += tl.where(window[None, :] > thresholds, window[None, :], 0.0)
-    part = tl.sum(inside, axis=1) + tl.sum(tl.ravel(above), axis=0)
+            if tl.max(window, axis=0) > 0.0:
+                inside += tl.where(window[None, :] > thresholds, window[None, :], 0.0)
+    part = tl.sum(inside, axis=1) + tl.sum(above, axis=0)
     tl.store(part_out_ptr + (row * num_chunks + chunk) * S + tl.arange(0, S), part)
     if MODE == 1:
         if FIRST:
-            tl.store(z_ptr + row * num_chunks + chunk, tl.sum(tl.ravel(z_part), axis=0))
+            tl.store(z_ptr + row * num_chunks + chunk, tl.sum(z_part, axis=0))
 
 
 @triton.jit
@@ -301,12 +286,12 @@ def _apply_cuts_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, max_ptr, part_ptr,
     """Finish the top-p search and write the tempered logits with everything below either cut at -inf."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    active = _filtered(top_k_ptr, top_p_ptr, row, vocab)
+    active = filters_on(top_k_ptr, top_p_ptr, row, vocab)
     cut_f = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S, CHUNKS_PAD)
     temperature = tl.load(temp_ptr + row)
     top = tl.zeros([], dtype=tl.float32)
     if active:
-        top = _row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+        top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
     for start in tl.static_range(0, CHUNK, SUB):
         cols = chunk * CHUNK + start + tl.arange(0, SUB)
         in_row = cols < vocab
@@ -348,7 +333,7 @@ class ChunkedSearch:
                 _search_step_kernel[self.grid](self.scaled, top_k, top_p, self.row_max, self.parts[src],
                                                self.parts[dst], self.states[src], self.states[dst], self.k_cut, self.z,
                                                self.vocab, self.num_chunks, MODE=mode, FIRST=step == 0,
-                                               RESOLVE_K=mode == _TOP_P and step == 0, TWO_D=SEARCH_2D, **common)
+                                               RESOLVE_K=mode == _TOP_P and step == 0, **common)
                 launch += 1
         self.last = launch % 2
 

@@ -44,7 +44,6 @@ def time_rows(rows: int, vocab: int, top_k_cut: int) -> dict:
     import torch
 
     import mstar_kernels.sampling as sampling
-    import mstar_kernels.top_k_top_p as search
     from mstar_common.bench.gpu_timing import graph_time_us
     from mstar_common.engine.sampler import apply_top_k_top_p
     from mstar_kernels.top_k_top_p import top_k_top_p
@@ -54,17 +53,10 @@ def time_rows(rows: int, vocab: int, top_k_cut: int) -> dict:
     top_p = torch.full((rows,), 0.8, device="cuda")
     sort_us = graph_time_us(lambda: apply_top_k_top_p(logits, top_k[:, None].long(), top_p[:, None]), calls=5)
     kernel_us = graph_time_us(lambda: top_k_top_p(logits, top_k, top_p), calls=5)
-    form_us = {}
-    if vocab > search.MAX_VOCAB:  # the chunked search's two loop forms (MSTAR_TOP_P_SEARCH_2D)
-        for two_d in (True, False):
-            search.SEARCH_2D = two_d
-            form_us[f"kernel_{'2d' if two_d else '1d'}_loads_us"] = round(
-                graph_time_us(lambda: top_k_top_p(logits, top_k, top_p), calls=5), 1)
-        search.SEARCH_2D = True
     same = torch.equal(torch.isfinite(top_k_top_p(logits, top_k, top_p)),
                        torch.isfinite(apply_top_k_top_p(logits, top_k[:, None].long(), top_p[:, None])))
     row = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "sorted_us": round(sort_us, 1),
-           "kernel_us": round(kernel_us, 1), **form_us, "same_kept_sets": same}
+           "kernel_us": round(kernel_us, 1), "same_kept_sets": same}
     greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
     temperature = torch.full((rows,), 0.7, device="cuda")
     min_p = torch.zeros(rows, device="cuda")
