@@ -25,7 +25,16 @@ import triton.language as tl
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
 from mstar_kernels import argmax
 from mstar_kernels.argmax import gumbel_argmax, gumbel_noise, row_argmax
-from mstar_kernels.top_k_top_p import CANDIDATES, MAX_VOCAB, ChunkedSearch, filters_on, row_cut, row_max, top_k_top_p
+from mstar_kernels.top_k_top_p import (
+    CANDIDATES,
+    MAX_VOCAB,
+    SUB,
+    ChunkedSearch,
+    filters_on,
+    row_cut,
+    row_max,
+    top_k_top_p,
+)
 
 _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
 
@@ -47,33 +56,51 @@ def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature:
 
 
 @triton.jit
-def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, part_ptr,
-                       state_ptr, cut_ptr, z_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks, BLOCK: tl.constexpr,
-                       S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr,
+                       part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, stride_x, vocab,
+                       num_chunks, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """One chunk of one row: its largest raw logit (a greedy row) or noised kept tempered logit (a sampled row),
-    and that value's first column, as mstar_kernels/argmax.py's chunk kernel leaves them for its pick."""
+    and that value's first column, as mstar_kernels/argmax.py's chunk kernel leaves them for its pick. A row with a
+    top-k/top-p cut reads only the `SUB` columns whose maximum reaches the cut (none below it is kept)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < vocab
-    x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-    if tl.load(greedy_ptr + row) == 0:
+    sampled = tl.load(greedy_ptr + row) == 0
+    if sampled & filters_on(top_k_ptr, top_p_ptr, row, vocab):
         temperature = tl.load(temp_ptr + row)
-        s = tl.math.div_rn(x, temperature)
-        min_p_log = tl.load(min_p_log_ptr + row)
-        filters = filters_on(top_k_ptr, top_p_ptr, row, vocab)
-        keep = in_row & (x > float("-inf"))
-        if filters | (min_p_log > float("-inf")):
-            top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
-            keep = keep & (s >= top + min_p_log)  # min-p: apply_min_p's floor, max + log(min_p)
-            if filters:
-                cut = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S,
-                              CHUNKS_PAD)
-                keep = keep & (tl.exp(s - top) >= cut)
-        x = tl.where(keep, s + gumbel_noise(tl.load(seed_ptr + row), cols), float("-inf"))
-    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(val_ptr + row * num_chunks + chunk, value)
-    tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
+        top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+        floor = top + tl.load(min_p_log_ptr + row)  # min-p: apply_min_p's floor, max + log(min_p)
+        cut = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, row, vocab,
+                      num_chunks, S, CHUNKS_PAD)
+        seed = tl.load(seed_ptr + row)
+        best = tl.full([], float("-inf"), dtype=tl.float32)
+        best_col = chunk * BLOCK
+        for j in tl.static_range(BLOCK // SUB):
+            if tl.exp(tl.load(sub_max_ptr + (row * num_chunks + chunk) * (BLOCK // SUB) + j) - top) >= cut:
+                cols = chunk * BLOCK + j * SUB + tl.arange(0, SUB)
+                in_row = cols < vocab
+                x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+                s = tl.math.div_rn(x, temperature)
+                keep = in_row & (x > float("-inf")) & (s >= floor) & (tl.exp(s - top) >= cut)
+                x = tl.where(keep, s + gumbel_noise(seed, cols), float("-inf"))
+                value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                best_col = tl.where(value > best, chunk * BLOCK + j * SUB + index, best_col)  # the first one wins
+                best = tl.maximum(best, value)
+        tl.store(val_ptr + row * num_chunks + chunk, best)
+        tl.store(idx_ptr + row * num_chunks + chunk, best_col)
+    else:
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        in_row = cols < vocab
+        x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        if sampled:
+            s = tl.math.div_rn(x, tl.load(temp_ptr + row))
+            min_p_log = tl.load(min_p_log_ptr + row)
+            keep = in_row & (x > float("-inf"))
+            if min_p_log > float("-inf"):
+                keep = keep & (s >= row_max(max_ptr, row, num_chunks, CHUNKS_PAD) + min_p_log)
+            x = tl.where(keep, s + gumbel_noise(tl.load(seed_ptr + row), cols), float("-inf"))
+        value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(val_ptr + row * num_chunks + chunk, value)
+        tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
 
 
 def sample_wide(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -90,9 +117,9 @@ def sample_wide(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torc
     values = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     _draw_chunk_kernel[(num_rows, num_chunks)](logits, is_greedy, temperature, top_k, top_p, min_p.log(), seeds,
-                                               search.row_max, *search.cut_args(), values, indices, logits.stride(0),
-                                               vocab, num_chunks, BLOCK=argmax.BLOCK, S=CANDIDATES,
-                                               CHUNKS_PAD=search.chunks_pad, num_warps=8)
+                                               search.row_max, search.sub_max, *search.cut_args(), values, indices,
+                                               logits.stride(0), vocab, num_chunks, BLOCK=argmax.BLOCK, SUB=SUB,
+                                               S=CANDIDATES, CHUNKS_PAD=search.chunks_pad, num_warps=8)
     argmax._pick_chunk_kernel[(num_rows,)](values, indices, out, out, out, num_chunks, vocab,
                                            CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), RECORD=False,
                                            USE_GDC=False, num_warps=1)

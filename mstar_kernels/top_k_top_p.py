@@ -27,6 +27,8 @@ docs/deployment.md "Kernel switches").
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -96,6 +98,9 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 CHUNK = 4096  # columns per program
 SUB = 512  # columns compared against the candidates at once
 CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
+FAST_CAP_CHUNK = 128  # the fast path's gathered tokens a chunk ...
+FAST_CAP = 1024  # ... and a row; a row with more is left to the search
+FAST_PATH = os.environ.get("MSTAR_TOP_P_FAST", "1") != "0"  # docs/deployment.md "Kernel switches"
 _TOP_K, _TOP_P = 0, 1
 
 
@@ -169,34 +174,201 @@ def filters_on(top_k_ptr, top_p_ptr, row, vocab):
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, s_ptr, stride_x, vocab, num_chunks,
-                      CHUNK: tl.constexpr):
-    """For the rows that filter: each chunk's largest tempered logit, and (top-k, top-p) the tempered logits
-    `x / T` (rounded as torch divides), which the search launches read instead of dividing again."""
+def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, stride_x,
+                      vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """For the rows that filter (or floor by min-p): each chunk's largest tempered logit `x / T` (rounded as torch
+    divides), and for the rows that filter the largest of each `SUB` columns and (top-p alone) the chunk's
+    `sum(exp(s - chunk max))`, from which the fast path bounds the cuts."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     filters = filters_on(top_k_ptr, top_p_ptr, row, vocab)
     if not (filters | (tl.load(min_p_ptr + row) > 0.0)):
         return
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    in_row = cols < vocab
-    x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    NSUB: tl.constexpr = CHUNK // SUB
+    cols = chunk * CHUNK + tl.arange(0, NSUB)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     s = tl.math.div_rn(x, tl.load(temp_ptr + row))
-    tl.store(max_ptr + row * num_chunks + chunk, tl.max(s, axis=0))
+    sub_max = tl.max(s, axis=1)
+    chunk_max = tl.max(sub_max, axis=0)
+    tl.store(max_ptr + row * num_chunks + chunk, chunk_max)
     if filters:
-        tl.store(s_ptr + row * vocab + cols, s, mask=in_row)
+        tl.store(sub_max_ptr + (row * num_chunks + chunk) * NSUB + tl.arange(0, NSUB), sub_max)
+        if (tl.load(top_k_ptr + row) >= vocab) & (chunk_max > float("-inf")):
+            tl.store(chunk_z_ptr + row * num_chunks + chunk, tl.sum(tl.sum(tl.exp(s - chunk_max), axis=1), axis=0))
+
+
+@triton.jit
+def _above(vals_ptr, n, e, top, EXP: tl.constexpr, MASS: tl.constexpr, STRICT: tl.constexpr, J: tl.constexpr):
+    """For each `e_i` (`[N]`, >= 0): how many of the `n` values at `vals_ptr` lie above it (`>` when STRICT, else
+    `>=`), or (MASS) their sum; with EXP the stored values are logits, read as `exp(v - top)`. `J` values a step,
+    so each `e_i` meets every value once and nothing is reduced across the program until the end."""
+    acc = tl.zeros(e.shape, dtype=tl.float32)
+    for start in range(0, n, J):
+        j = start + tl.arange(0, J)
+        v = tl.load(vals_ptr + j, mask=j < n, other=float("-inf") if EXP else -1.0)
+        if EXP:
+            v = tl.where(v > float("-inf"), tl.exp(v - top), -1.0)  # -1: above nothing
+        if STRICT:
+            hit = v[None, :] > e[:, None]
+        else:
+            hit = v[None, :] >= e[:, None]
+        if MASS:
+            acc += tl.sum(tl.where(hit, v[None, :], 0.0), axis=1)
+        else:
+            acc += tl.sum(hit.to(tl.float32), axis=1)
+    return acc
+
+
+@triton.jit
+def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, bound_ptr, vocab, num_chunks,
+                  FAST: tl.constexpr, SUBS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, NSUB: tl.constexpr):
+    """One row: a lower bound on its cut from its `SUB`-column maxima, as an e value (0.0: no fast path). Top-k:
+    the k-th largest maximum (k distinct tokens reach it, so the k-th largest token does). Top-p alone: the largest
+    maximum `b` with the mass of the maxima `>= b` at least `top_p * Z` (the tokens `>= b` hold at least that
+    much, so the cut is not below `b`), with Z from the chunks' own sums (the exact Z is checked later)."""
+    row = tl.program_id(0).to(tl.int64)
+    bound = tl.zeros([], dtype=tl.float32)
+    if FAST:
+        top_k = tl.load(top_k_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+        if ((top_k < vocab) | (top_p < 1.0)) & (top > float("-inf")):
+            num_subs = num_chunks * NSUB
+            i = tl.arange(0, SUBS_PAD)
+            m = tl.load(sub_max_ptr + row * num_subs + i, mask=i < num_subs, other=float("-inf"))
+            valid = m > float("-inf")
+            e = tl.where(valid, tl.exp(m - top), 0.0)
+            if top_k < vocab:
+                # the k-th largest maximum: the smallest one with fewer than k maxima above it
+                greater = _above(sub_max_ptr + row * num_subs, num_subs, e, top, True, False, True, 16)
+                if tl.sum(valid.to(tl.int32), axis=0) >= top_k:
+                    bound = tl.min(tl.where(valid & (greater < top_k.to(tl.float32)), e, 2.0), axis=0)
+            else:
+                target = top_p * _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
+                # the largest maximum whose maxima at or above it hold the target mass
+                mass = _above(sub_max_ptr + row * num_subs, num_subs, e, top, True, True, False, 16)
+                bound = tl.max(tl.where(valid & (mass >= target), e, 0.0), axis=0)
+    tl.store(bound_ptr + row, bound)
+
+
+@triton.jit
+def _gather_kernel(x_ptr, temp_ptr, max_ptr, sub_max_ptr, bound_ptr, count_ptr, slot_ptr, stride_x, vocab, num_chunks,
+                   CHUNK: tl.constexpr, SUB: tl.constexpr, CAP_CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """One chunk of a row with a bound: count its tokens with `e >= bound` and, when they fit, write their e values
+    packed (in column order) to the chunk's slots. Only the `SUB` columns whose maximum reaches the bound are read."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    bound = tl.load(bound_ptr + row)
+    if bound > 0.0:
+        top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+        count = tl.zeros([], dtype=tl.int32)
+        if tl.exp(tl.load(max_ptr + row * num_chunks + chunk) - top) >= bound:
+            cols = chunk * CHUNK + tl.arange(0, CHUNK)
+            in_row = cols < vocab
+            sub_max = tl.load(sub_max_ptr + row * num_chunks * (CHUNK // SUB) + cols // SUB, mask=in_row,
+                              other=float("-inf"))
+            live = in_row & (tl.exp(sub_max - top) >= bound)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=float("-inf")).to(tl.float32)
+            s = tl.math.div_rn(x, tl.load(temp_ptr + row))
+            hit = live & (x > float("-inf")) & (tl.exp(s - top) >= bound)
+            count = tl.sum(hit.to(tl.int32), axis=0)
+            if count <= CAP_CHUNK:
+                slot = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+                tl.store(slot_ptr + (row * num_chunks + chunk) * CAP_CHUNK + slot, tl.exp(s - top), mask=hit)
+        tl.store(count_ptr + row * num_chunks + chunk, count)
+
+
+@triton.jit
+def _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD: tl.constexpr):
+    """The row's `sum(exp(s - top))`, from each chunk's sum relative to its own maximum (chunk order)."""
+    c = tl.arange(0, CHUNKS_PAD)
+    chunk_max = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    z = tl.load(chunk_z_ptr + row * num_chunks + c, mask=chunk_max > float("-inf"), other=0.0)
+    return tl.sum(z * tl.exp(tl.where(chunk_max > float("-inf"), chunk_max - top, 0.0)), axis=0)
+
+
+@triton.jit
+def _resolve_kernel(top_k_ptr, top_p_ptr, max_ptr, chunk_z_ptr, bound_ptr, count_ptr, slot_ptr, ends_ptr, packed_ptr,
+                    done_ptr, cut_ptr, vocab, num_chunks, CAP_CHUNK: tl.constexpr, CAP: tl.constexpr,
+                    CHUNKS_PAD: tl.constexpr, LOG_CHUNKS_PAD: tl.constexpr):
+    """One row with a bound: both cuts from its gathered tokens (every token at or above the bound, so every token
+    either cut keeps), packed in chunk order. The k-th largest is the smallest token with fewer than k tokens
+    above it; the top-p cut the smallest kept token with less than `top_p * Z` of kept mass above it (the
+    register row's bisections find the same two values). `done` says the row's cut is final; a row whose tokens
+    did not fit, or whose bound the exact Z does not confirm, is left to the chunked search."""
+    row = tl.program_id(0).to(tl.int64)
+    done = tl.zeros([], dtype=tl.int32)
+    cut = tl.zeros([], dtype=tl.float32)
+    if tl.load(bound_ptr + row) > 0.0:
+        c = tl.arange(0, CHUNKS_PAD)
+        counts = tl.load(count_ptr + row * num_chunks + c, mask=c < num_chunks, other=0)
+        total = tl.sum(counts, axis=0)
+        if (tl.max(counts, axis=0) <= CAP_CHUNK) & (total <= CAP):
+            # slot p of the packed row lies in the first chunk whose running count passes p: a binary search
+            ends = ends_ptr + row * CHUNKS_PAD
+            tl.store(ends + c, tl.cumsum(counts, axis=0))
+            tl.debug_barrier()
+            p = tl.arange(0, CAP)
+            chunk_of = tl.zeros([CAP], dtype=tl.int32)
+            for step in tl.static_range(LOG_CHUNKS_PAD):
+                passed = tl.load(ends + chunk_of + (CHUNKS_PAD >> (step + 1)) - 1) <= p
+                chunk_of = tl.where(passed, chunk_of + (CHUNKS_PAD >> (step + 1)), chunk_of)
+            valid = p < total
+            start_of = tl.where(chunk_of > 0, tl.load(ends + chunk_of - 1, mask=valid & (chunk_of > 0), other=0), 0)
+            e = tl.load(slot_ptr + (row * num_chunks + chunk_of) * CAP_CHUNK + p - start_of, mask=valid, other=0.0)
+            packed = packed_ptr + row * CAP
+            tl.store(packed + p, e)
+            tl.debug_barrier()
+            top_k = tl.load(top_k_ptr + row)
+            top_p = tl.load(top_p_ptr + row)
+            done = tl.full([], 1, dtype=tl.int32)
+            if top_k < vocab:
+                greater = _above(packed, total, e, 0.0, False, False, True, 16)
+                cut = tl.min(tl.where(valid & (greater < top_k.to(tl.float32)), e, 2.0), axis=0)
+                done = (total >= top_k).to(tl.int32)
+            if top_p < 1.0:
+                kept = valid & (e >= cut)
+                if top_k < vocab:
+                    target = top_p * tl.sum(tl.where(kept, e, 0.0), axis=0)
+                    tl.store(packed + p, tl.where(kept, e, -1.0))  # the tokens below the top-k cut carry no mass
+                    tl.debug_barrier()
+                else:
+                    top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+                    target = top_p * _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
+                    done = (tl.sum(tl.where(kept, e, 0.0), axis=0) >= target).to(tl.int32)  # the bound holds
+                mass_above = _above(packed, total, e, 0.0, False, True, True, 16)
+                cut = tl.maximum(cut, tl.min(tl.where(kept & (mass_above < target), e, 2.0), axis=0))
+            done = done & (cut <= 1.0).to(tl.int32)  # some token met each rule
+    tl.store(done_ptr + row, done)
+    tl.store(cut_ptr + row, cut)
+
+
+@triton.jit
+def _scaled_copy_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, done_ptr, s_ptr, stride_x, vocab,
+                        CHUNK: tl.constexpr):
+    """The tempered logits `x / T` of the rows the fast path left to the search, which its launches read."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if filters_on(top_k_ptr, top_p_ptr, row, vocab) & (tl.load(done_ptr + row) == 0):
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        in_row = cols < vocab
+        x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        tl.store(s_ptr + row * vocab + cols, tl.math.div_rn(x, tl.load(temp_ptr + row)), mask=in_row)
 
 
 @triton.jit
 def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_out_ptr, state_in_ptr, state_out_ptr,
-                        cut_ptr, z_ptr, vocab, num_chunks, MODE: tl.constexpr, FIRST: tl.constexpr,
+                        cut_ptr, z_ptr, done_ptr, vocab, num_chunks, MODE: tl.constexpr, FIRST: tl.constexpr,
                         RESOLVE_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
                         CHUNKS_PAD: tl.constexpr):
     """One narrowing step of one search for one (row, chunk): narrow the row's interval by the last launch's
     totals (or start it), record it, and write this chunk's counts (top-k) or masses (top-p) at its candidates.
-    RESOLVE_K (top-p's first launch): finish the top-k search first and record its cut in `cut`."""
+    RESOLVE_K (top-p's first launch): finish the top-k search first and record its cut in `cut`. A row the fast
+    path finished returns at once."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    if tl.load(done_ptr + row) != 0:
+        return
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     k_cut = tl.zeros([], dtype=tl.int32)
@@ -263,9 +435,11 @@ def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_
 
 
 @triton.jit
-def row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S: tl.constexpr,
-            CHUNKS_PAD: tl.constexpr):
+def row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, row, vocab, num_chunks,
+            S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """After the last search launch: the row's cut as an e value (keep e >= it; 0.0 keeps every finite logit)."""
+    if tl.load(done_ptr + row) != 0:
+        return tl.load(fast_cut_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     k_cut = tl.zeros([], dtype=tl.int32)
@@ -280,14 +454,16 @@ def row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, voca
 
 
 @triton.jit
-def _apply_cuts_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, max_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, out_ptr,
+def _apply_cuts_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, max_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr,
+                       fast_cut_ptr, out_ptr,
                        stride_x, stride_o, vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """Finish the top-p search and write the tempered logits with everything below either cut at -inf."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     active = filters_on(top_k_ptr, top_p_ptr, row, vocab)
-    cut_f = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, row, vocab, num_chunks, S, CHUNKS_PAD)
+    cut_f = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, row, vocab,
+                    num_chunks, S, CHUNKS_PAD)
     temperature = tl.load(temp_ptr + row)
     top = tl.zeros([], dtype=tl.float32)
     if active:
@@ -305,16 +481,29 @@ def _apply_cuts_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, max_ptr, part_ptr,
 
 class ChunkedSearch:
     """The buffers and launches of the chunked search over `[B, V]` logits; `run` leaves each filtering row's
-    cuts in them for `row_cut` (the tempered top-k/top-p filter, or the fused draw of mstar_kernels/sampling.py)."""
+    cuts in them for `row_cut` (the tempered top-k/top-p filter, or the fused draw of mstar_kernels/sampling.py).
+    With `fast` (the default, `MSTAR_TOP_P_FAST`) the rows whose cut tokens can be gathered take the fast path
+    and return from the search's launches at once."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
+    def __init__(self, logits: torch.Tensor, fast: bool | None = None) -> None:
         num_rows, vocab = logits.shape
         self.logits, self.vocab = logits, vocab
+        self.fast = FAST_PATH if fast is None else fast
         self.num_chunks = triton.cdiv(vocab, CHUNK)
         self.chunks_pad = max(2, triton.next_power_of_2(self.num_chunks))
+        self.subs_pad = triton.next_power_of_2(self.num_chunks * (CHUNK // SUB))
         device, f32 = logits.device, torch.float32
         self.row_max = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
-        self.scaled = torch.empty((num_rows, vocab), dtype=f32, device=device)  # the filtering rows' x / T
+        self.sub_max = torch.empty((num_rows, self.num_chunks * (CHUNK // SUB)), dtype=f32, device=device)
+        self.chunk_z = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
+        self.bound = torch.empty(num_rows, dtype=f32, device=device)
+        self.counts = torch.empty((num_rows, self.num_chunks), dtype=torch.int32, device=device)
+        self.slots = torch.empty((num_rows, self.num_chunks, FAST_CAP_CHUNK), dtype=f32, device=device)
+        self.ends = torch.empty((num_rows, self.chunks_pad), dtype=torch.int32, device=device)
+        self.packed = torch.empty((num_rows, FAST_CAP), dtype=f32, device=device)
+        self.done = torch.empty(num_rows, dtype=torch.int32, device=device)
+        self.fast_cut = torch.empty(num_rows, dtype=f32, device=device)
+        self.scaled = torch.empty((num_rows, vocab), dtype=f32, device=device)  # the search's rows' x / T
         self.parts = [torch.empty((num_rows, self.num_chunks, CANDIDATES), dtype=f32, device=device) for _ in range(2)]
         self.states = [torch.empty((num_rows, 2), dtype=torch.int32, device=device) for _ in range(2)]
         self.k_cut = torch.zeros(num_rows, dtype=torch.int32, device=device)  # top-k off: keep every e >= 0
@@ -323,29 +512,44 @@ class ChunkedSearch:
         self.last = 0
 
     def run(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
-        x, common = self.logits, dict(CHUNK=CHUNK, SUB=SUB, S=CANDIDATES, CHUNKS_PAD=self.chunks_pad, num_warps=8)
-        _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.scaled, x.stride(0),
-                                     self.vocab, self.num_chunks, CHUNK=CHUNK, num_warps=8)
+        x, num_rows = self.logits, self.logits.shape[0]
+        common = dict(CHUNK=CHUNK, SUB=SUB, S=CANDIDATES, CHUNKS_PAD=self.chunks_pad, num_warps=8)
+        _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.sub_max, self.chunk_z,
+                                     x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB, num_warps=8)
+        _bound_kernel[(num_rows,)](top_k, top_p, self.row_max, self.sub_max, self.chunk_z, self.bound, self.vocab,
+                                   self.num_chunks, FAST=self.fast, SUBS_PAD=self.subs_pad,
+                                   CHUNKS_PAD=self.chunks_pad, NSUB=CHUNK // SUB, num_warps=4)
+        _gather_kernel[self.grid](x, temperature, self.row_max, self.sub_max, self.bound, self.counts, self.slots,
+                                  x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB,
+                                  CAP_CHUNK=FAST_CAP_CHUNK, CHUNKS_PAD=self.chunks_pad, num_warps=8)
+        _resolve_kernel[(num_rows,)](top_k, top_p, self.row_max, self.chunk_z, self.bound, self.counts, self.slots,
+                                     self.ends, self.packed, self.done, self.fast_cut, self.vocab, self.num_chunks,
+                                     CAP_CHUNK=FAST_CAP_CHUNK, CAP=FAST_CAP, CHUNKS_PAD=self.chunks_pad,
+                                     LOG_CHUNKS_PAD=self.chunks_pad.bit_length() - 1, num_warps=8)
+        _scaled_copy_kernel[self.grid](x, temperature, top_k, top_p, self.done, self.scaled, x.stride(0), self.vocab,
+                                       CHUNK=CHUNK, num_warps=8)
         launch, steps = 0, search_steps()
         for mode in (_TOP_K, _TOP_P):
             for step in range(steps):
                 src, dst = launch % 2, (launch + 1) % 2
                 _search_step_kernel[self.grid](self.scaled, top_k, top_p, self.row_max, self.parts[src],
                                                self.parts[dst], self.states[src], self.states[dst], self.k_cut, self.z,
-                                               self.vocab, self.num_chunks, MODE=mode, FIRST=step == 0,
+                                               self.done, self.vocab, self.num_chunks, MODE=mode, FIRST=step == 0,
                                                RESOLVE_K=mode == _TOP_P and step == 0, **common)
                 launch += 1
         self.last = launch % 2
 
     def cut_args(self) -> tuple:
-        """row_cut's buffers, in its order after the two filter columns: parts, states, k cut, z."""
-        return self.parts[self.last], self.states[self.last], self.k_cut, self.z
+        """row_cut's buffers, in its order after the two filter columns: parts, states, k cut, z, done, fast cut."""
+        return self.parts[self.last], self.states[self.last], self.k_cut, self.z, self.done, self.fast_cut
 
 
 def top_k_top_p_chunked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        out: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                        fast: bool | None = None) -> torch.Tensor:
     """`top_k_top_p` by the chunked search, at any width (`top_k_top_p` takes it above `MAX_VOCAB`); with
-    `temperature` `[B]` the logits are divided by it first (as torch divides). Graph safe."""
+    `temperature` `[B]` the logits are divided by it first (as torch divides); `fast=False` sends every row
+    through the search's launches. Graph safe."""
     num_rows, vocab = logits.shape
     assert logits.stride(1) == 1 and top_k.shape == top_p.shape == (num_rows,)
     if out is None:
@@ -354,7 +558,7 @@ def top_k_top_p_chunked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
         return out
     if temperature is None:
         temperature = torch.ones(num_rows, dtype=torch.float32, device=logits.device)
-    search = ChunkedSearch(logits)
+    search = ChunkedSearch(logits, fast)
     search.run(temperature, top_k, top_p, torch.zeros_like(temperature))
     _apply_cuts_kernel[search.grid](logits, temperature, top_k, top_p, search.row_max, *search.cut_args(), out,
                                     logits.stride(0), out.stride(0), vocab, search.num_chunks, CHUNK=CHUNK, SUB=SUB,

@@ -3,9 +3,13 @@
 sort-free kernel (mstar_kernels/top_k_top_p.py), and the whole `sample_on_device` with each, for 1 to 256 rows.
 The default width is Orpheus's audio window (28,672 logits: one program a row); `--vocab 151936` is Qwen3's whole
 vocabulary (the chunked search). `--top-k` adds a top-k cut to every row (0: top-p alone); the whole sampler is
-also timed with both filters off (temperature alone). The result decides `MSTAR_TOP_P_KERNEL`.
+also timed with both filters off (temperature alone). The result decides `MSTAR_TOP_P_KERNEL`. Past 32,768 logits
+the chunked search is timed with its fast path (`MSTAR_TOP_P_FAST`, the default) and without (`_chain_us`);
+`--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of the
+vocabulary and the fast path declines it; 8 is a peaked one).
 
 Device: source .device/prepare.sh && python scripts/sweep_sampling.py [--vocab N] [--top-k K] [--out sampling.json]
+Each kernel's GPU time: python scripts/sweep_sampling.py --vocab 151936 --top-k 20 --profile 1 64
 Where the kept sets differ: python scripts/sweep_sampling.py --boundary-check 256 (any device; on the CPU with
 TRITON_INTERPRET=1) lists each differing token with the fp64 probability mass ranked above it, so a difference
 can be told apart from a bug: it must sit at the top_p boundary, within fp32 rounding of it.
@@ -26,50 +30,104 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vocab", type=int, default=28_672)
     parser.add_argument("--top-k", type=int, default=0, help="a top-k cut on every row beside top_p 0.8 (0: none)")
+    parser.add_argument("--std", type=float, default=1 / 0.6, help="the random logits' standard deviation")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--boundary-check", type=int, metavar="ROWS", help="only the kept-set comparison")
+    parser.add_argument("--profile", type=int, nargs="+", metavar="ROWS", help="only each kernel's GPU time")
     args = parser.parse_args()
     if args.boundary_check:
         return boundary_check(args.boundary_check, args.vocab)
+    if args.profile:
+        results = [profile_rows(rows, args.vocab, args.top_k, args.std) for rows in args.profile]
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+        return 0
     results = []
     for rows in (1, 16, 64, 256):
-        results.append(time_rows(rows, args.vocab, args.top_k))
+        results.append(time_rows(rows, args.vocab, args.top_k, args.std))
         print(results[-1], flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
 
 
-def time_rows(rows: int, vocab: int, top_k_cut: int) -> dict:
+def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6) -> dict:
     import torch
 
     import mstar_kernels.sampling as sampling
+    import mstar_kernels.top_k_top_p as filters
     from mstar_common.bench.gpu_timing import graph_time_us
     from mstar_common.engine.sampler import apply_top_k_top_p
-    from mstar_kernels.top_k_top_p import top_k_top_p
+    from mstar_kernels.top_k_top_p import MAX_VOCAB, ChunkedSearch, top_k_top_p, top_k_top_p_chunked
 
-    logits = torch.randn(rows, vocab, device="cuda") / 0.6  # the reference's temperature
+    logits = torch.randn(rows, vocab, device="cuda") * std
     top_k = torch.full((rows,), top_k_cut or vocab, dtype=torch.int32, device="cuda")
     top_p = torch.full((rows,), 0.8, device="cuda")
     sort_us = graph_time_us(lambda: apply_top_k_top_p(logits, top_k[:, None].long(), top_p[:, None]), calls=5)
     kernel_us = graph_time_us(lambda: top_k_top_p(logits, top_k, top_p), calls=5)
     same = torch.equal(torch.isfinite(top_k_top_p(logits, top_k, top_p)),
                        torch.isfinite(apply_top_k_top_p(logits, top_k[:, None].long(), top_p[:, None])))
-    row = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "sorted_us": round(sort_us, 1),
+    row = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std, "sorted_us": round(sort_us, 1),
            "kernel_us": round(kernel_us, 1), "same_kept_sets": same}
+    chunked = vocab > MAX_VOCAB
+    if chunked:
+        search = ChunkedSearch(logits, fast=True)
+        ones = torch.ones(rows, device="cuda")
+        search.run(ones, top_k, top_p, torch.zeros_like(ones))
+        row["fast_path_rows"] = int(search.done.sum())
+        row["kernel_chain_us"] = round(graph_time_us(
+            lambda: top_k_top_p_chunked(logits, top_k, top_p, fast=False), calls=5), 1)
     greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
     temperature = torch.full((rows,), 0.7, device="cuda")
     min_p = torch.zeros(rows, device="cuda")
     seeds = torch.arange(rows, device="cuda")
     off_k, off_p = torch.full_like(top_k, vocab), torch.ones_like(top_p)
+    forms = [("sorted", False, True), ("kernel", True, True)] + ([("kernel_chain", True, False)] if chunked else [])
     for label, k, p in (("sampler", top_k, top_p), ("sampler_filters_off", off_k, off_p)):
-        for sort_free in (False, True):
-            sampling._SORT_FREE_FILTER = sort_free
-            row[f"{label}_{'kernel' if sort_free else 'sorted'}_us"] = round(graph_time_us(
+        for form, sort_free, fast in forms:
+            sampling._SORT_FREE_FILTER, filters.FAST_PATH = sort_free, fast
+            row[f"{label}_{form}_us"] = round(graph_time_us(
                 lambda k=k, p=p: sampling.sample_on_device(logits, greedy, temperature, k, p, min_p, seeds),
                 calls=5), 1)
-    sampling._SORT_FREE_FILTER = True
+    sampling._SORT_FREE_FILTER, filters.FAST_PATH = True, True
     return row
+
+
+def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, calls: int = 20) -> dict:
+    """`sample_on_device` (top_p 0.8, temperature 0.7, the `--top-k` cut) under torch's profiler, eagerly: each
+    kernel's mean GPU time a call, with the fast path and without."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import mstar_kernels.sampling as sampling
+    import mstar_kernels.top_k_top_p as filters
+
+    logits = torch.randn(rows, vocab, device="cuda") * std
+    top_k = torch.full((rows,), top_k_cut or vocab, dtype=torch.int32, device="cuda")
+    top_p = torch.full((rows,), 0.8, device="cuda")
+    greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    temperature = torch.full((rows,), 0.7, device="cuda")
+    min_p, seeds = torch.zeros(rows, device="cuda"), torch.arange(rows, device="cuda")
+    result = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std}
+    for form, fast in (("fast", True), ("chain", False)):
+        filters.FAST_PATH = fast
+        for _ in range(3):
+            sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds)
+            torch.cuda.synchronize()
+        kernels = {}
+        for event in prof.key_averages():
+            if str(getattr(event, "device_type", "")).endswith("CUDA") and event.count:
+                kernels[event.key] = (round(event.device_time_total / calls, 1), event.count // calls)
+        result[form] = dict(sorted(kernels.items(), key=lambda kv: -kv[1][0]))
+        print(f"{rows} rows, {form}: {sum(us for us, _ in kernels.values()):.1f} us of kernels a call", flush=True)
+        for name, (us, count) in result[form].items():
+            print(f"  {us:8.1f} us  x{count}  {name[:90]}", flush=True)
+    filters.FAST_PATH = True
+    return result
 
 
 def boundary_check(rows: int, vocab: int, top_p: float = 0.8) -> int:

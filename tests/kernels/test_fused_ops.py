@@ -161,11 +161,14 @@ def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypa
     assert len(set(draws[1][:, 0].tolist())) > 5  # the draws do vary with the seed
 
 
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("vocab", sweep([151_936, 128_256], [33_000]))
-def test_the_fused_wide_draw_equals_the_filters_composed(vocab):
-    """Past the register row, `sample_on_device` searches the cuts and draws in one pass over the raw logits;
-    its tokens equal the composed form's (tempered copy, filtered copy, min-p, noised argmax, greedy argmax), row
-    by row: greedy, temperature alone, top-k, top-p, both, min-p, and all of them."""
+def test_the_fused_wide_draw_equals_the_filters_composed(vocab, fast, monkeypatch):
+    """Past the register row, `sample_on_device` searches the cuts and draws in one pass over the raw logits
+    (a cut row reads only the 512 columns whose maximum reaches its cut); its tokens equal the composed form's
+    (tempered copy, filtered copy, min-p, noised argmax, greedy argmax), row by row: greedy, temperature alone,
+    top-k, top-p, both, min-p, and all of them; with the search's fast path and without."""
+    import mstar_kernels.top_k_top_p as filters
     from mstar_common.engine.sampler import apply_min_p
     from mstar_kernels.argmax import gumbel_argmax, row_argmax
     from mstar_kernels.sampling import sample_wide
@@ -181,6 +184,8 @@ def test_the_fused_wide_draw_equals_the_filters_composed(vocab):
     top_k = col([vocab, vocab, 20, vocab, 50, vocab, vocab, 40], torch.int32)
     top_p = col([1.0, 1.0, 1.0, 0.8, 0.9, 1.0, 1.0, 0.7], torch.float32)
     min_p = col([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.1], torch.float32)
+
+    monkeypatch.setattr(filters, "FAST_PATH", fast)
 
     def composed(seeds):
         filtered = top_k_top_p_chunked(logits / temperature[:, None], top_k, top_p)

@@ -12,7 +12,10 @@ pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
 from mstar_kernels.top_k_top_p import (  # noqa: E402
+    FAST_CAP,
+    FAST_CAP_CHUNK,
     MAX_VOCAB,
+    ChunkedSearch,
     search_steps,
     top_k_top_p,
     top_k_top_p_chunked,
@@ -94,3 +97,45 @@ def test_wide_vocabularies_take_the_chunked_search(vocab):
     kept = torch.isfinite(out)
     assert torch.equal(out[1], logits[1]) and int(kept[4].sum()) == 1 and int(kept[5].sum()) == 7
     assert not kept[2, : vocab // 3].any()
+
+
+def _search(logits, top_k, top_p):
+    search = ChunkedSearch(logits, fast=True)
+    ones = torch.ones(len(logits), device=logits.device)
+    search.run(ones, top_k, top_p, torch.zeros_like(ones))
+    return search
+
+
+@pytest.mark.parametrize("vocab", sweep([151_936, 33_000], [33_000]))
+def test_the_fast_path_finishes_the_rows_whose_cut_tokens_it_gathers(vocab):
+    """Top-k up to one per 512 columns, and top-p over a peaked distribution, are cut from the few tokens at or
+    above a bound taken from each 512 columns' maximum; the rest (a flat top-p row, top-k 300 past the 297 or 65
+    maxima) take the search's launches. Either way the kept sets are the search's and the sorted form's."""
+    logits, top_k, top_p = _rows(vocab, seed=11)
+    done = _search(logits, top_k, top_p).done.tolist()
+    assert done == [0, 0, 1, 1, 1, 1, 0, 0], done
+    fast = top_k_top_p_chunked(logits, top_k, top_p, fast=True)
+    chain = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
+    _assert_same_or_at_the_top_p_boundary(fast, chain, logits, top_k, top_p)
+    _assert_same_or_at_the_top_p_boundary(fast, top_k_top_p_ref(logits, top_k, top_p), logits, top_k, top_p)
+    temperature = torch.full((8,), 0.7, device=DEVICE)  # the cuts are taken on the tempered logits
+    fast = top_k_top_p_chunked(logits, top_k, top_p, temperature=temperature, fast=True)
+    chain = top_k_top_p_chunked(logits, top_k, top_p, temperature=temperature, fast=False)
+    _assert_same_or_at_the_top_p_boundary(fast, chain, logits / temperature[:, None], top_k, top_p)
+
+
+def test_rows_whose_gathered_tokens_overflow_are_left_to_the_search():
+    """More tokens at or above the bound than a chunk's slots (200 ties in one chunk), or than a row's (120 ties in
+    each of 9 chunks): the search cuts them, and every tie with the k-th largest stays."""
+    vocab = 33_000
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    logits[0, 100:300] = 10.0
+    for chunk in range(9):
+        logits[1, chunk * 4096 : chunk * 4096 + 120] = 10.0
+    assert 200 > FAST_CAP_CHUNK and 9 * 120 > FAST_CAP >= 120
+    top_k = torch.tensor([60, 60], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([1.0, 0.9], device=DEVICE)
+    search = _search(logits, top_k, top_p)
+    assert search.done.tolist() == [0, 0] and float(search.bound.min()) > 0.0  # bounded, then overflowed
+    kept = torch.isfinite(top_k_top_p_chunked(logits, top_k, top_p)).sum(dim=1).tolist()
+    assert kept == [200, 9 * 120], kept
