@@ -61,27 +61,35 @@ def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
                        num_chunks, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """One chunk of one row: its largest raw logit (a greedy row) or noised kept tempered logit (a sampled row),
     and that value's first column, as mstar_kernels/argmax.py's chunk kernel leaves them for its pick. A row with a
-    top-k/top-p cut reads only the `SUB` columns whose maximum reaches the cut (none below it is kept)."""
+    top-k/top-p cut that only a few `SUB` columns of the chunk reach reads just those (none below it is kept)."""
+    NSUB: tl.constexpr = BLOCK // SUB
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     sampled = tl.load(greedy_ptr + row) == 0
-    if sampled & filters_on(top_k_ptr, top_p_ptr, row, vocab):
-        temperature = tl.load(temp_ptr + row)
+    filters = sampled & filters_on(top_k_ptr, top_p_ptr, row, vocab)
+    top = tl.zeros([], dtype=tl.float32)
+    cut = tl.zeros([], dtype=tl.float32)
+    live = tl.full([], NSUB, dtype=tl.int32)
+    if filters:
         top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
-        floor = top + tl.load(min_p_log_ptr + row)  # min-p: apply_min_p's floor, max + log(min_p)
         cut = row_cut(top_k_ptr, top_p_ptr, part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, row, vocab,
                       num_chunks, S, CHUNKS_PAD)
+        sub_max = tl.load(sub_max_ptr + (row * num_chunks + chunk) * NSUB + tl.arange(0, NSUB))
+        live = tl.sum((tl.exp(sub_max - top) >= cut).to(tl.int32), axis=0)
+    if filters & (live <= NSUB // 4):
+        temperature = tl.load(temp_ptr + row)
+        floor = top + tl.load(min_p_log_ptr + row)  # min-p: apply_min_p's floor, max + log(min_p)
         seed = tl.load(seed_ptr + row)
         best = tl.full([], float("-inf"), dtype=tl.float32)
         best_col = chunk * BLOCK
-        for j in tl.static_range(BLOCK // SUB):
-            if tl.exp(tl.load(sub_max_ptr + (row * num_chunks + chunk) * (BLOCK // SUB) + j) - top) >= cut:
+        for j in tl.static_range(NSUB):
+            if tl.exp(tl.load(sub_max_ptr + (row * num_chunks + chunk) * NSUB + j) - top) >= cut:
                 cols = chunk * BLOCK + j * SUB + tl.arange(0, SUB)
                 in_row = cols < vocab
                 x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
                 s = tl.math.div_rn(x, temperature)
                 keep = in_row & (x > float("-inf")) & (s >= floor) & (tl.exp(s - top) >= cut)
-                x = tl.where(keep, s + gumbel_noise(seed, cols), float("-inf"))
+                x = tl.where(keep, s + gumbel_noise(seed, chunk * BLOCK + j * SUB, SUB), float("-inf"))
                 value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
                 best_col = tl.where(value > best, chunk * BLOCK + j * SUB + index, best_col)  # the first one wins
                 best = tl.maximum(best, value)
@@ -95,9 +103,12 @@ def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
             s = tl.math.div_rn(x, tl.load(temp_ptr + row))
             min_p_log = tl.load(min_p_log_ptr + row)
             keep = in_row & (x > float("-inf"))
-            if min_p_log > float("-inf"):
-                keep = keep & (s >= row_max(max_ptr, row, num_chunks, CHUNKS_PAD) + min_p_log)
-            x = tl.where(keep, s + gumbel_noise(tl.load(seed_ptr + row), cols), float("-inf"))
+            if filters | (min_p_log > float("-inf")):
+                top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+                keep = keep & (s >= top + min_p_log)
+                if filters:
+                    keep = keep & (tl.exp(s - top) >= cut)
+            x = tl.where(keep, s + gumbel_noise(tl.load(seed_ptr + row), chunk * BLOCK, BLOCK), float("-inf"))
         value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(val_ptr + row * num_chunks + chunk, value)
         tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)

@@ -23,7 +23,8 @@ def _noised_kernel(logits_ptr, seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     logit = tl.load(logits_ptr + row * vocab + cols, mask=mask)
-    tl.store(out_ptr + row * vocab + cols, logit + gumbel_noise(tl.load(seed_ptr + row), cols), mask=mask)
+    noise = gumbel_noise(tl.load(seed_ptr + row), tl.program_id(1) * BLOCK, BLOCK)
+    tl.store(out_ptr + row * vocab + cols, logit + noise, mask=mask)
 
 
 def _noised(logits, seeds):
@@ -55,6 +56,25 @@ def test_row_argmax_reads_a_strided_batch():
     x = torch.randn(3, 2 * BLOCK + 100, device=DEVICE)[:, : BLOCK + 50]  # row stride > width
     assert torch.equal(row_argmax(x).cpu(), x.cpu().argmax(dim=-1))
     assert row_argmax(torch.empty(0, 10, device=DEVICE)).shape == (0,)
+
+
+def test_the_noise_is_gumbel_and_the_draws_follow_the_softmax():
+    """One Philox call serves four columns: the noise is still Gumbel(0, 1) (mean 0.5772, variance pi^2/6), with
+    no correlation between neighbouring columns (which share a call) nor between seeds, and the race over noised
+    logits draws each token at its softmax probability."""
+    rows, vocab = 8, 4 * BLOCK
+    seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + 11
+    noise = _noised(torch.zeros(rows, vocab, device=DEVICE), seeds).double().cpu()
+    assert abs(float(noise.mean()) - 0.5772) < 0.01 and abs(float(noise.var()) - 1.6449) < 0.05
+    for lag in (1, 2, 3, 4):  # columns of one call, and the next call's
+        r = torch.corrcoef(torch.stack([noise[:, :-lag].flatten(), noise[:, lag:].flatten()]))[0, 1]
+        assert abs(float(r)) < 0.02, (lag, float(r))
+    assert abs(float(torch.corrcoef(noise[:2])[0, 1])) < 0.03  # two seeds
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05] + [1e-9] * 4, device=DEVICE)).repeat(4000, 1)
+    drawn = gumbel_argmax(logits, torch.arange(4000, dtype=torch.int64, device=DEVICE) * 104729 + 3)
+    freq = torch.bincount(drawn.cpu(), minlength=8).double() / 4000
+    assert torch.allclose(freq[:4], torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64), atol=0.025), freq
+    assert int(freq[4:].sum() * 4000) <= 2
 
 
 @pytest.mark.parametrize("vocab", sweep([128256, 28672, 1000], [BLOCK + 9, 300]))
