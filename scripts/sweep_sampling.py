@@ -6,7 +6,10 @@ vocabulary (the chunked search). `--top-k` adds a top-k cut to every row (0: top
 also timed with both filters off (temperature alone). The result decides `MSTAR_TOP_P_KERNEL`. Past 32,768 logits
 the chunked search is timed with its fast path (`MSTAR_TOP_P_FAST`, the default) and without (`_chain_us`);
 `--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of the
-vocabulary and the fast path declines it; 8 is a peaked one).
+vocabulary and the fast path declines it; 8 is a peaked one), and `--decay A` subtracts `A * log(1 + column)`, a
+stand-in for a vocabulary ordered by frequency, where the likely tokens crowd the first columns.
+Which rows the fast path finishes, for top-k 20/50/100, top-p 0.9/0.95 and top-k 20 + top-p 0.8 (any device; on
+the CPU with TRITON_INTERPRET=1): python scripts/sweep_sampling.py --vocab 151936 --coverage 2 [--std S] [--decay A]
 
 Device: source .device/prepare.sh && python scripts/sweep_sampling.py [--vocab N] [--top-k K] [--out sampling.json]
 Each kernel's GPU time: python scripts/sweep_sampling.py --vocab 151936 --top-k 20 --profile 1 64
@@ -33,25 +36,64 @@ def main() -> int:
     parser.add_argument("--std", type=float, default=1 / 0.6, help="the random logits' standard deviation")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--boundary-check", type=int, metavar="ROWS", help="only the kept-set comparison")
+    parser.add_argument("--decay", type=float, default=0.0, help="subtract decay * log(1 + column) from the logits")
     parser.add_argument("--profile", type=int, nargs="+", metavar="ROWS", help="only each kernel's GPU time")
+    parser.add_argument("--coverage", type=int, metavar="ROWS", help="only which rows the fast path finishes")
     args = parser.parse_args()
     if args.boundary_check:
         return boundary_check(args.boundary_check, args.vocab)
+    if args.coverage:
+        return coverage(args.coverage, args.vocab, args.std, args.decay)
     if args.profile:
-        results = [profile_rows(rows, args.vocab, args.top_k, args.std) for rows in args.profile]
+        results = [profile_rows(rows, args.vocab, args.top_k, args.std, args.decay) for rows in args.profile]
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
         return 0
     results = []
     for rows in (1, 16, 64, 256):
-        results.append(time_rows(rows, args.vocab, args.top_k, args.std))
+        results.append(time_rows(rows, args.vocab, args.top_k, args.std, args.decay))
         print(results[-1], flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
 
 
-def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6) -> dict:
+def random_logits(rows: int, vocab: int, std: float, decay: float, device: str):
+    """`rows` rows of normal logits of spread `std`, less `decay * log(1 + column)`."""
+    import torch
+
+    logits = torch.randn(rows, vocab, device=device) * std
+    if decay:
+        logits -= decay * torch.log1p(torch.arange(vocab, device=device, dtype=torch.float32))
+    return logits
+
+
+def coverage(rows: int, vocab: int, std: float, decay: float) -> int:
+    """Per filter setting (temperature 0.7): how many of `rows` rows the fast path finishes, and for those it
+    bounds, the most tokens gathered in one chunk and in the row (it takes at most FAST_CAP_CHUNK and FAST_CAP)."""
+    import torch
+
+    from mstar_kernels.top_k_top_p import FAST_CAP, FAST_CAP_CHUNK, ChunkedSearch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    print(f"{vocab} logits, std {std:g}, decay {decay:g}, on {device}; the fast path gathers at most "
+          f"{FAST_CAP_CHUNK} a chunk and {FAST_CAP} a row")
+    for top_k, top_p in ((20, 1.0), (50, 1.0), (100, 1.0), (vocab, 0.9), (vocab, 0.95), (20, 0.8)):
+        logits = random_logits(rows, vocab, std, decay, device)
+        search = ChunkedSearch(logits, fast=True)
+        ones = torch.ones(rows, device=device)
+        search.run(0.7 * ones, torch.full((rows,), top_k, dtype=torch.int32, device=device),
+                   top_p * ones, torch.zeros_like(ones))
+        bounded = search.bound > 0
+        counts = search.counts[bounded]
+        gathered = f"most gathered {int(counts.max())} a chunk, {int(counts.sum(1).max())} a row" if len(counts) else ""
+        print(f"  top_k {top_k if top_k < vocab else 'off'}, top_p {top_p}: finished {int(search.done.sum())} of "
+              f"{rows}, bounded {int(bounded.sum())} {gathered}", flush=True)
+    return 0
+
+
+def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6, decay: float = 0.0) -> dict:
     import torch
 
     import mstar_kernels.sampling as sampling
@@ -60,14 +102,15 @@ def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6) -> di
     from mstar_common.engine.sampler import apply_top_k_top_p
     from mstar_kernels.top_k_top_p import MAX_VOCAB, ChunkedSearch, top_k_top_p, top_k_top_p_chunked
 
-    logits = torch.randn(rows, vocab, device="cuda") * std
+    logits = random_logits(rows, vocab, std, decay, "cuda")
     top_k = torch.full((rows,), top_k_cut or vocab, dtype=torch.int32, device="cuda")
     top_p = torch.full((rows,), 0.8, device="cuda")
     sort_us = graph_time_us(lambda: apply_top_k_top_p(logits, top_k[:, None].long(), top_p[:, None]), calls=5)
     kernel_us = graph_time_us(lambda: top_k_top_p(logits, top_k, top_p), calls=5)
     same = torch.equal(torch.isfinite(top_k_top_p(logits, top_k, top_p)),
                        torch.isfinite(apply_top_k_top_p(logits, top_k[:, None].long(), top_p[:, None])))
-    row = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std, "sorted_us": round(sort_us, 1),
+    row = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std, "decay": decay,
+           "sorted_us": round(sort_us, 1),
            "kernel_us": round(kernel_us, 1), "same_kept_sets": same}
     chunked = vocab > MAX_VOCAB
     if chunked:
@@ -93,7 +136,7 @@ def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6) -> di
     return row
 
 
-def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, calls: int = 20) -> dict:
+def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, decay: float = 0.0, calls: int = 20) -> dict:
     """`sample_on_device` (top_p 0.8, temperature 0.7, the `--top-k` cut) under torch's profiler, eagerly: each
     kernel's mean GPU time a call, with the fast path and without."""
     import torch
@@ -102,13 +145,13 @@ def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, calls: int =
     import mstar_kernels.sampling as sampling
     import mstar_kernels.top_k_top_p as filters
 
-    logits = torch.randn(rows, vocab, device="cuda") * std
+    logits = random_logits(rows, vocab, std, decay, "cuda")
     top_k = torch.full((rows,), top_k_cut or vocab, dtype=torch.int32, device="cuda")
     top_p = torch.full((rows,), 0.8, device="cuda")
     greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
     temperature = torch.full((rows,), 0.7, device="cuda")
     min_p, seeds = torch.zeros(rows, device="cuda"), torch.arange(rows, device="cuda")
-    result = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std}
+    result = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std, "decay": decay}
     for form, fast in (("fast", True), ("chain", False)):
         filters.FAST_PATH = fast
         for _ in range(3):
