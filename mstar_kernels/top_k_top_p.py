@@ -22,9 +22,10 @@ against each candidate; those above it add to every candidate at once.
 Most rows never reach those launches: a fast path (`MSTAR_TOP_P_FAST`, on by default) bounds each row's cut from
 below by the maxima of its 512-column blocks (top-k: the k-th largest maximum, as k distinct tokens reach it;
 top-p alone: the largest maximum whose maxima at or above it already hold `top_p` of the row's mass), gathers
-the few tokens at or above the bound (reading only the blocks whose maximum reaches it) and cuts them in one
-program a row, by rank: the k-th largest is the smallest token with fewer than k tokens above it, the top-p cut
-the smallest kept token with less than `top_p * Z` of kept mass above it, the values the bisections find. A row
+the few tokens at or above the bound (reading only the blocks whose maximum reaches it; a chunk that gathers too
+many under a small top-k keeps only its own k largest) and cuts them in one program a row, by rank: the k-th
+largest is the smallest token with fewer than k tokens above it, the top-p cut the smallest kept token with less
+than `top_p * Z` of kept mass above it, the values the bisections find. A row
 whose bound does not hold (top-p over a flat row, top-k past the row's number of blocks) or whose gathered
 tokens overflow (more than `FAST_CAP_CHUNK` in a chunk or `FAST_CAP` in the row) is left to the search, whose
 launches every finished row leaves at once.
@@ -266,10 +267,14 @@ def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, bound
 
 
 @triton.jit
-def _gather_kernel(x_ptr, temp_ptr, max_ptr, sub_max_ptr, bound_ptr, count_ptr, slot_ptr, stride_x, vocab, num_chunks,
-                   CHUNK: tl.constexpr, SUB: tl.constexpr, CAP_CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _gather_kernel(x_ptr, temp_ptr, top_k_ptr, max_ptr, sub_max_ptr, bound_ptr, count_ptr, slot_ptr, stride_x, vocab,
+                   num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, CAP_CHUNK: tl.constexpr,
+                   CHUNKS_PAD: tl.constexpr):
     """One chunk of a row with a bound: count its tokens with `e >= bound` and, when they fit, write their e values
-    packed (in column order) to the chunk's slots. Only the `SUB` columns whose maximum reaches the bound are read."""
+    packed (in column order) to the chunk's slots. Only the `SUB` columns whose maximum reaches the bound are read.
+    When too many reach it under a top-k of at most `CAP_CHUNK`, the chunk's own k-th largest (which the row's k-th
+    largest cannot be below) drops the rest: the likely tokens crowding one chunk, as in a vocabulary ordered by
+    frequency, leave the bound of the blocks' maxima loose."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     bound = tl.load(bound_ptr + row)
@@ -283,12 +288,24 @@ def _gather_kernel(x_ptr, temp_ptr, max_ptr, sub_max_ptr, bound_ptr, count_ptr, 
                               other=float("-inf"))
             live = in_row & (tl.exp(sub_max - top) >= bound)
             x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=float("-inf")).to(tl.float32)
-            s = tl.math.div_rn(x, tl.load(temp_ptr + row))
-            hit = live & (x > float("-inf")) & (tl.exp(s - top) >= bound)
+            e = tl.where(live & (x > float("-inf")), tl.exp(tl.math.div_rn(x, tl.load(temp_ptr + row)) - top), 0.0)
+            hit = e >= bound
             count = tl.sum(hit.to(tl.int32), axis=0)
+            top_k = tl.load(top_k_ptr + row)
+            if (count > CAP_CHUNK) & (top_k <= CAP_CHUNK):
+                # the largest pattern b with count(e >= b) >= k in this chunk (the bound's pattern qualifies)
+                lo = bound.to(tl.int32, bitcast=True)
+                hi = tl.full([], _BITS_OF_ONE + 1, dtype=tl.int32)
+                for _ in range(31):
+                    mid = lo + (hi - lo) // 2
+                    enough = tl.sum((e >= mid.to(tl.float32, bitcast=True)).to(tl.int32), axis=0) >= top_k
+                    lo = tl.where(enough, mid, lo)
+                    hi = tl.where(enough, hi, mid)
+                hit = e >= lo.to(tl.float32, bitcast=True)
+                count = tl.sum(hit.to(tl.int32), axis=0)
             if count <= CAP_CHUNK:
                 slot = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-                tl.store(slot_ptr + (row * num_chunks + chunk) * CAP_CHUNK + slot, tl.exp(s - top), mask=hit)
+                tl.store(slot_ptr + (row * num_chunks + chunk) * CAP_CHUNK + slot, e, mask=hit)
         tl.store(count_ptr + row * num_chunks + chunk, count)
 
 
@@ -533,8 +550,8 @@ class ChunkedSearch:
         _bound_kernel[(num_rows,)](top_k, top_p, self.row_max, self.sub_max, self.chunk_z, self.bound, self.vocab,
                                    self.num_chunks, FAST=self.fast, SUBS_PAD=self.subs_pad,
                                    CHUNKS_PAD=self.chunks_pad, NSUB=CHUNK // SUB, num_warps=4)
-        _gather_kernel[self.grid](x, temperature, self.row_max, self.sub_max, self.bound, self.counts, self.slots,
-                                  x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB,
+        _gather_kernel[self.grid](x, temperature, top_k, self.row_max, self.sub_max, self.bound, self.counts,
+                                  self.slots, x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB,
                                   CAP_CHUNK=FAST_CAP_CHUNK, CHUNKS_PAD=self.chunks_pad, num_warps=8)
         _resolve_kernel[(num_rows,)](top_k, top_p, self.row_max, self.chunk_z, self.bound, self.counts, self.slots,
                                      self.ends, self.packed, self.done, self.fast_cut, self.vocab, self.num_chunks,

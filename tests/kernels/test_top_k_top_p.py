@@ -124,9 +124,30 @@ def test_the_fast_path_finishes_the_rows_whose_cut_tokens_it_gathers(vocab):
     _assert_same_or_at_the_top_p_boundary(fast, chain, logits / temperature[:, None], top_k, top_p)
 
 
+@pytest.mark.parametrize("vocab", sweep([151_936, 33_000], [33_000]))
+def test_a_chunk_crowded_with_likely_tokens_keeps_only_its_own_top_k(vocab):
+    """Logits that fall with the column (a vocabulary ordered by frequency) crowd the first chunk with tokens above
+    the blocks' bound; under top-k that chunk keeps only its own k largest (the row's k-th largest cannot be below
+    its k-th), so the row is still cut on the fast path, with the search's kept sets."""
+    gen = torch.Generator().manual_seed(2)
+    columns = torch.arange(vocab, dtype=torch.float32)
+    logits = (torch.randn(4, vocab, generator=gen) - torch.tensor([0.5, 1.0, 1.5, 1.0])[:, None] * torch.log1p(columns))
+    logits = logits.to(DEVICE)
+    top_k = torch.tensor([50, 20, 60, 20], dtype=torch.int32, device=DEVICE)  # at most one per 512 columns
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.8], device=DEVICE)
+    search = _search(logits, top_k, top_p)
+    assert search.done.tolist() == [1, 1, 1, 1]
+    assert int(search.counts[:, 0].max()) <= FAST_CAP_CHUNK
+    fast = top_k_top_p_chunked(logits, top_k, top_p, fast=True)
+    chain = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
+    _assert_same_or_at_the_top_p_boundary(fast, chain, logits, top_k, top_p)
+    assert torch.isfinite(fast).sum(dim=1).tolist()[:3] == [50, 20, 60]
+
+
 def test_rows_whose_gathered_tokens_overflow_are_left_to_the_search():
-    """More tokens at or above the bound than a chunk's slots (200 ties in one chunk), or than a row's (120 ties in
-    each of 9 chunks): the search cuts them, and every tie with the k-th largest stays."""
+    """More tokens at or above the bound than a chunk's slots (200 ties in one chunk, all of them its own k-th
+    largest), or than a row's (120 ties in each of 9 chunks): the search cuts them, and every tie with the k-th
+    largest stays."""
     vocab = 33_000
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     logits[0, 100:300] = 10.0
