@@ -25,10 +25,10 @@ top-p alone: the largest maximum whose maxima at or above it already hold `top_p
 the few tokens at or above the bound (reading only the blocks whose maximum reaches it; a chunk that gathers too
 many under a small top-k keeps only its own k largest) and cuts them in one program a row, by rank: the k-th
 largest is the smallest token with fewer than k tokens above it, the top-p cut the smallest kept token with less
-than `top_p * Z` of kept mass above it, the values the bisections find. A row
-whose bound does not hold (top-p over a flat row, top-k past the row's number of blocks) or whose gathered
-tokens overflow (more than `FAST_CAP_CHUNK` in a chunk or `FAST_CAP` in the row) is left to the search, whose
-launches every finished row leaves at once.
+than `top_p * Z` of kept mass above it, the values the bisections find. A row whose bound does not hold (top-p
+over a flat row, top-k past the row's number of blocks) or whose gathered tokens overflow (more than
+`FAST_CAP_CHUNK` in a chunk or `FAST_CAP` in the row) is left to the search, whose launches every finished row
+leaves at once.
 
 The kept sets equal the sorted form's except where a sum lands within rounding of `top_p` (the two add in
 different orders) or at exact ties across the cut (the sorted form keeps some of the tied tokens, this keeps
@@ -49,6 +49,23 @@ _BITS_OF_ONE = tl.constexpr(0x3F800000)  # 1.0f; every e = exp(logit - max) lies
 
 
 @triton.jit
+def _largest_reaching(e, need, lo, MASS: tl.constexpr):
+    """The largest bit pattern b >= `lo` (which must qualify) with count(e >= float(b)) >= need, or with MASS the
+    sum of those e >= need: a 31-step bisection over the patterns of [0, 1.0]."""
+    hi = tl.full([], _BITS_OF_ONE + 1, dtype=tl.int32)  # nothing lies above 1.0
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        reached = e >= mid.to(tl.float32, bitcast=True)
+        if MASS:
+            enough = tl.sum(tl.where(reached, e, 0.0), axis=0) >= need
+        else:
+            enough = tl.sum(reached.to(tl.int32), axis=0) >= need
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
 def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, stride_o, vocab,
                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -61,15 +78,9 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, str
     top = tl.max(logits, axis=0)
     e = tl.where(keep, tl.exp(logits - top), 0.0)  # in [0, 1]; the top token's is 1
     if top_k < vocab:
-        # the k-th largest e: the largest bit pattern b with count(e >= float(b)) >= k
-        lo = tl.zeros([], dtype=tl.int32)  # count(e >= 0) = vocab >= k
-        hi = tl.full([], _BITS_OF_ONE + 1, dtype=tl.int32)  # count(e >= above 1.0) = 0 < k
-        for _ in range(31):
-            mid = lo + (hi - lo) // 2
-            enough = tl.sum((e >= mid.to(tl.float32, bitcast=True)).to(tl.int32), axis=0) >= top_k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid)
-        keep = keep & (e >= lo.to(tl.float32, bitcast=True))
+        # the k-th largest e (count(e >= 0) = vocab >= k)
+        k_cut = _largest_reaching(e, top_k, tl.zeros([], dtype=tl.int32), False)
+        keep = keep & (e >= k_cut.to(tl.float32, bitcast=True))
         e = tl.where(keep, e, 0.0)
     if top_p < 1.0:
         target = top_p * tl.sum(e, axis=0)
@@ -186,7 +197,7 @@ def filters_on(top_k_ptr, top_p_ptr, row, vocab):
 
 @triton.jit
 def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, stride_x,
-                      vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr):
+                      vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, FAST: tl.constexpr):
     """For the rows that filter (or floor by min-p): each chunk's largest tempered logit `x / T` (rounded as torch
     divides), and for the rows that filter the largest of each `SUB` columns and (top-p alone) the chunk's
     `sum(exp(s - chunk max))`, from which the fast path bounds the cuts."""
@@ -204,8 +215,10 @@ def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr,
     tl.store(max_ptr + row * num_chunks + chunk, chunk_max)
     if filters:
         tl.store(sub_max_ptr + (row * num_chunks + chunk) * NSUB + tl.arange(0, NSUB), sub_max)
-        if (tl.load(top_k_ptr + row) >= vocab) & (chunk_max > float("-inf")):
-            tl.store(chunk_z_ptr + row * num_chunks + chunk, tl.sum(tl.sum(tl.exp(s - chunk_max), axis=1), axis=0))
+        if FAST:
+            if (tl.load(top_k_ptr + row) >= vocab) & (chunk_max > float("-inf")):
+                z = tl.sum(tl.sum(tl.exp(s - chunk_max), axis=1), axis=0)
+                tl.store(chunk_z_ptr + row * num_chunks + chunk, z)
 
 
 @triton.jit
@@ -243,25 +256,15 @@ def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, bound
             m = tl.load(sub_max_ptr + row * num_chunks * NSUB + j, mask=j < num_chunks * NSUB, other=float("-inf"))
             e = tl.where(m > float("-inf"), tl.exp(m - top), -1.0)  # -1: counts toward nothing
             lo = tl.zeros([], dtype=tl.int32)
-            hi = tl.full([], _BITS_OF_ONE + 1, dtype=tl.int32)
             # (bisections over the bit patterns: 31 reductions over registers measured 4x faster here than
             # ranking the maxima against each other in blocks read back from memory)
             if top_k < vocab:
-                # the largest pattern b with count(maxima >= b) >= k (0 when there are fewer than k maxima)
-                for _ in range(31):
-                    mid = lo + (hi - lo) // 2
-                    enough = tl.sum((e >= mid.to(tl.float32, bitcast=True)).to(tl.int32), axis=0) >= top_k
-                    lo = tl.where(enough, mid, lo)
-                    hi = tl.where(enough, hi, mid)
+                # the k-th largest maximum (0 when there are fewer than k maxima)
+                lo = _largest_reaching(e, top_k, lo, False)
             else:
                 target = top_p * _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
                 if tl.sum(tl.maximum(e, 0.0), axis=0) >= target:
-                    # the largest pattern b with mass(maxima >= b) >= target
-                    for _ in range(31):
-                        mid = lo + (hi - lo) // 2
-                        enough = tl.sum(tl.where(e >= mid.to(tl.float32, bitcast=True), e, 0.0), axis=0) >= target
-                        lo = tl.where(enough, mid, lo)
-                        hi = tl.where(enough, hi, mid)
+                    lo = _largest_reaching(e, target, lo, True)  # the maxima at or above it hold the target
             bound = lo.to(tl.float32, bitcast=True)
     tl.store(bound_ptr + row, bound)
 
@@ -293,15 +296,9 @@ def _gather_kernel(x_ptr, temp_ptr, top_k_ptr, max_ptr, sub_max_ptr, bound_ptr, 
             count = tl.sum(hit.to(tl.int32), axis=0)
             top_k = tl.load(top_k_ptr + row)
             if (count > CAP_CHUNK) & (top_k <= CAP_CHUNK):
-                # the largest pattern b with count(e >= b) >= k in this chunk (the bound's pattern qualifies)
-                lo = bound.to(tl.int32, bitcast=True)
-                hi = tl.full([], _BITS_OF_ONE + 1, dtype=tl.int32)
-                for _ in range(31):
-                    mid = lo + (hi - lo) // 2
-                    enough = tl.sum((e >= mid.to(tl.float32, bitcast=True)).to(tl.int32), axis=0) >= top_k
-                    lo = tl.where(enough, mid, lo)
-                    hi = tl.where(enough, hi, mid)
-                hit = e >= lo.to(tl.float32, bitcast=True)
+                # this chunk's k-th largest (the bound's pattern qualifies: more than k reach it)
+                chunk_kth = _largest_reaching(e, top_k, bound.to(tl.int32, bitcast=True), False)
+                hit = e >= chunk_kth.to(tl.float32, bitcast=True)
                 count = tl.sum(hit.to(tl.int32), axis=0)
             if count <= CAP_CHUNK:
                 slot = tl.cumsum(hit.to(tl.int32), axis=0) - 1
@@ -546,7 +543,8 @@ class ChunkedSearch:
         x, num_rows = self.logits, self.logits.shape[0]
         common = dict(CHUNK=CHUNK, SUB=SUB, S=CANDIDATES, CHUNKS_PAD=self.chunks_pad, num_warps=8)
         _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.sub_max, self.chunk_z,
-                                     x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB, num_warps=8)
+                                     x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB, FAST=self.fast,
+                                     num_warps=8)
         _bound_kernel[(num_rows,)](top_k, top_p, self.row_max, self.sub_max, self.chunk_z, self.bound, self.vocab,
                                    self.num_chunks, FAST=self.fast, SUBS_PAD=self.subs_pad,
                                    CHUNKS_PAD=self.chunks_pad, NSUB=CHUNK // SUB, num_warps=4)
