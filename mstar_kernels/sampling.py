@@ -8,10 +8,17 @@ batch or on whether the step was replayed from a graph. Greedy rows take the arg
 Both argmaxes are mstar_kernels/argmax.py's; the draw adds the noise as it reads the filtered logits.
 
 Past `MAX_VOCAB` columns (an LM's whole vocabulary) the filters do not write a filtered copy: the chunked search
-(mstar_kernels/top_k_top_p.py) leaves each row's cut in its buffers, and one draw pass reads the raw logits, divides
-by the temperature, drops what is below the top-k/top-p cut or min-p's floor, adds the noise, and takes each chunk's
-maximum, the greedy rows' raw maximum in the same pass. A row that filters nothing costs the search no pass. The
-tokens are those of the composed form (the same divisions, cuts, floor and noise).
+(mstar_kernels/top_k_top_p.py) leaves each row's cut in its buffers, and one draw pass reads the raw logits (in the
+model's dtype, no fp32 copy), divides by the temperature, drops what is below the top-k/top-p cut or min-p's floor,
+adds the noise, and takes each chunk's maximum, the greedy rows' raw maximum in the same pass. A row that filters
+nothing costs the search no pass; its tokens are those of the composed form (the same divisions, cuts, floor and
+noise). A row with no filter at all (temperature alone) draws by the inverse of its softmax's CDF instead of the
+race, which needs no noise for 151,936 columns: the same pass keeps each chunk's maximum `m` and
+`z = sum(exp(s - m))`, and one program a row turns one 53-bit uniform `u` into the chunk where `u * Z` falls and
+then, by a prefix sum over that chunk alone (in fp64), the token. Both are exact draws from the softmax; which one
+a row takes depends on its own parameters only, so a token still depends only on (seed, step, logits).
+`filters=False` (the engine's `temperature alone` graph variant, when no row of a step filters) skips the search's
+launches altogether.
 """
 
 from __future__ import annotations
@@ -40,32 +47,62 @@ _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/dep
 
 
 def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]` fp32). Graph safe."""
+                     top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
+                     filters: bool = True) -> torch.Tensor:
+    """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]`, fp32 or the model's dtype).
+    `filters=False` promises that no row asks for top-k, top-p or min-p (the filters' launches are left out; the
+    tokens are the same). Graph safe."""
     if _SORT_FREE_FILTER and logits.shape[1] > MAX_VOCAB and logits.stride(1) == 1:
-        return sample_wide(logits, is_greedy, temperature, top_k, top_p, min_p, seeds)
+        return sample_wide(logits, is_greedy, temperature, top_k, top_p, min_p, seeds, filters)
+    logits = logits.float()
     greedy = row_argmax(logits.contiguous())
-    scaled = logits / temperature[:, None]
-    if _SORT_FREE_FILTER:  # mstar_kernels/top_k_top_p.py: no sort; a row with both filters off costs no pass
-        filtered = top_k_top_p(scaled, top_k, top_p)
-    else:
-        filtered = apply_top_k_top_p(scaled, top_k[:, None].long(), top_p[:, None])
-    filtered = apply_min_p(filtered, min_p[:, None])
+    filtered = logits / temperature[:, None]
+    if filters and _SORT_FREE_FILTER:  # mstar_kernels/top_k_top_p.py: no sort; a row with both off costs no pass
+        filtered = apply_min_p(top_k_top_p(filtered, top_k, top_p), min_p[:, None])
+    elif filters:
+        filtered = apply_min_p(apply_top_k_top_p(filtered, top_k[:, None].long(), top_p[:, None]), min_p[:, None])
     sampled = gumbel_argmax(filtered.contiguous(), seeds)
     return torch.where(is_greedy, greedy, sampled)
 
 
+UNIFORM_COUNTER = tl.constexpr(0x7FFFFFFF)  # Philox counter of a row's inverse-CDF uniform (the noise: column / 4)
+
+
 @triton.jit
-def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr,
-                       part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, stride_x, vocab,
-                       num_chunks, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """One chunk of one row: its largest raw logit (a greedy row) or noised kept tempered logit (a sampled row),
-    and that value's first column, as mstar_kernels/argmax.py's chunk kernel leaves them for its pick. A row with a
-    top-k/top-p cut that only a few `SUB` columns of the chunk reach reads just those (none below it is kept)."""
+def uniform53(seed):
+    """A uniform in [0, 1) with 53 random bits (fp64), from Philox keyed by the row's seed at `UNIFORM_COUNTER`."""
+    a, b, _, _ = tl.randint4x(seed, tl.full([], UNIFORM_COUNTER, dtype=tl.int32))
+    high = (a >> 5).to(tl.float64)  # 27 bits
+    low = (b >> 6).to(tl.float64)  # 26 bits
+    return (high * 67108864.0 + low) * 1.1102230246251565e-16  # 2^-53
+
+
+@triton.jit
+def _plain_e(x_ptr, temp_ptr, row, cols, stride_x, vocab):
+    """These columns' tempered logits `s = x / T` (-inf where masked or past the row): the draw's and the pick's
+    identical form, so that both compute the same `exp(s - m)`."""
+    in_row = cols < vocab
+    x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    s = tl.math.div_rn(x, tl.load(temp_ptr + row))
+    return tl.where(in_row & (x > float("-inf")), s, float("-inf"))
+
+
+@triton.jit
+def _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, row, vocab, FILTERS: tl.constexpr):
+    """Whether the row samples with no filter at all (temperature alone): it draws by the inverse CDF."""
+    plain = tl.load(greedy_ptr + row) == 0
+    if FILTERS:
+        plain = plain & ~filters_on(top_k_ptr, top_p_ptr, row, vocab) & (tl.load(min_p_log_ptr + row) == float("-inf"))
+    return plain
+
+
+@triton.jit
+def _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr, part_ptr,
+                   state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks,
+                   row, chunk, sampled, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
+                   CHUNKS_PAD: tl.constexpr):
+    """A greedy row's chunk (its raw maximum), or a filtering or min-p row's (its noised kept maximum)."""
     NSUB: tl.constexpr = BLOCK // SUB
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    sampled = tl.load(greedy_ptr + row) == 0
     filters = sampled & filters_on(top_k_ptr, top_p_ptr, row, vocab)
     top = tl.zeros([], dtype=tl.float32)
     cut = tl.zeros([], dtype=tl.float32)
@@ -99,41 +136,112 @@ def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         in_row = cols < vocab
         x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        if sampled:
+        if sampled:  # many tokens past the cut, or min-p alone
             s = tl.math.div_rn(x, tl.load(temp_ptr + row))
-            min_p_log = tl.load(min_p_log_ptr + row)
-            keep = in_row & (x > float("-inf"))
-            if filters | (min_p_log > float("-inf")):
-                top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
-                keep = keep & (s >= top + min_p_log)
-                if filters:
-                    keep = keep & (tl.exp(s - top) >= cut)
+            top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
+            keep = in_row & (x > float("-inf")) & (s >= top + tl.load(min_p_log_ptr + row))
+            if filters:
+                keep = keep & (tl.exp(s - top) >= cut)
             x = tl.where(keep, s + gumbel_noise(tl.load(seed_ptr + row), chunk * BLOCK, BLOCK), float("-inf"))
         value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(val_ptr + row * num_chunks + chunk, value)
         tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
 
 
+@triton.jit
+def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr,
+                       part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, chunk_z_ptr,
+                       stride_x, vocab, num_chunks, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
+                       CHUNKS_PAD: tl.constexpr, FILTERS: tl.constexpr):
+    """One chunk of one row: its largest raw logit (a greedy row) or noised kept tempered logit (a filtering row),
+    and that value's first column, as mstar_kernels/argmax.py's chunk kernel leaves them for its pick; for a row
+    with no filter, the chunk's largest tempered logit `m` and `sum(exp(s - m))` for the inverse-CDF pick. A row with
+    a top-k/top-p cut that only a few `SUB` columns of the chunk reach reads just those (none below it is kept).
+    Without FILTERS no row filters and the search's buffers are not read."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    sampled = tl.load(greedy_ptr + row) == 0
+    if _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, row, vocab, FILTERS):
+        s = _plain_e(x_ptr, temp_ptr, row, chunk * BLOCK + tl.arange(0, BLOCK), stride_x, vocab)
+        m = tl.max(s, axis=0)
+        e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
+        tl.store(val_ptr + row * num_chunks + chunk, m)
+        tl.store(chunk_z_ptr + row * num_chunks + chunk, tl.sum(e.to(tl.float64), axis=0))  # fp64: exact boundaries
+    elif FILTERS:
+        _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr, part_ptr,
+                       state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, stride_x, vocab,
+                       num_chunks, row, chunk, sampled, BLOCK, SUB, S, CHUNKS_PAD)
+    else:  # a greedy row
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(val_ptr + row * num_chunks + chunk, value)
+        tl.store(idx_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
+
+
+@triton.jit
+def _pick_draw_kernel(val_ptr, idx_ptr, chunk_z_ptr, x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr,
+                      seed_ptr, out_ptr, stride_x, vocab, num_chunks, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                      FILTERS: tl.constexpr):
+    """One row's token from its chunks: the first chunk holding the largest value (a greedy or filtering row), or
+    the inverse CDF at the row's uniform `u` (a row with no filter): the chunk where `u * Z` falls among the chunks'
+    masses `z * exp(m - M)`, then the column where the same fraction of that chunk's own mass falls, by a prefix sum
+    of its `exp(s - m)` in fp64. Only columns of positive probability can be drawn."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_PAD)
+    values = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    if _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, row, vocab, FILTERS):
+        z = tl.load(chunk_z_ptr + row * num_chunks + c, mask=c < num_chunks, other=0.0)
+        top = tl.max(values, axis=0)
+        w = tl.where(values > float("-inf"), z * tl.exp((values - top).to(tl.float64)), 0.0)
+        cum = tl.cumsum(w, axis=0)
+        target = uniform53(tl.load(seed_ptr + row)) * tl.max(cum, axis=0)
+        last = tl.max(tl.where(w > 0.0, c, 0), axis=0)  # no chunk past the last one with mass
+        pick = tl.minimum(tl.sum((cum <= target).to(tl.int32), axis=0), last)
+        mass = tl.sum(tl.where(c == pick, w, 0.0), axis=0)
+        fraction = (target - tl.sum(tl.where(c < pick, w, 0.0), axis=0)) / tl.where(mass > 0.0, mass, 1.0)
+        fraction = tl.minimum(tl.maximum(fraction, 0.0), 1.0)
+        m = tl.max(tl.where(c == pick, values, float("-inf")), axis=0)
+        j = tl.arange(0, BLOCK)
+        s = _plain_e(x_ptr, temp_ptr, row, pick * BLOCK + j, stride_x, vocab)
+        e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
+        prefix = tl.cumsum(e.to(tl.float64), axis=0)
+        within = tl.sum((prefix <= fraction * tl.max(prefix, axis=0)).to(tl.int32), axis=0)
+        token = pick * BLOCK + tl.minimum(within, tl.max(tl.where(e > 0.0, j, 0), axis=0))
+    else:
+        _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        token = tl.load(idx_ptr + row * num_chunks + best)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
 def sample_wide(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """`sample_on_device` for rows wider than `MAX_VOCAB`: the chunked search, then one fused draw pass. Graph safe."""
+                top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, filters: bool = True) -> torch.Tensor:
+    """`sample_on_device` for rows wider than `MAX_VOCAB`: the chunked search (unless `filters` is False), then one
+    fused draw pass and one pick a row. Graph safe."""
     num_rows, vocab = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    search = ChunkedSearch(logits)
-    search.run(temperature, top_k, top_p, min_p)
     num_chunks = triton.cdiv(vocab, argmax.BLOCK)
-    assert num_chunks == search.num_chunks, "the draw's chunks must be the search's (argmax.BLOCK == CHUNK)"
+    chunks_pad = max(2, triton.next_power_of_2(num_chunks))
+    min_p_log = min_p.log()
+    if filters:
+        search = ChunkedSearch(logits)
+        search.run(temperature, top_k, top_p, min_p)
+        assert num_chunks == search.num_chunks, "the draw's chunks must be the search's (argmax.BLOCK == CHUNK)"
+        cut_args = (search.row_max, search.sub_max, *search.cut_args())
+    else:
+        cut_args = (logits,) * 8  # not read
     values = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
-    _draw_chunk_kernel[(num_rows, num_chunks)](logits, is_greedy, temperature, top_k, top_p, min_p.log(), seeds,
-                                               search.row_max, search.sub_max, *search.cut_args(), values, indices,
+    chunk_z = torch.empty((num_rows, num_chunks), dtype=torch.float64, device=logits.device)
+    row_args = (is_greedy, temperature, top_k, top_p, min_p_log)
+    _draw_chunk_kernel[(num_rows, num_chunks)](logits, *row_args, seeds, *cut_args, values, indices, chunk_z,
                                                logits.stride(0), vocab, num_chunks, BLOCK=argmax.BLOCK, SUB=SUB,
-                                               S=CANDIDATES, CHUNKS_PAD=search.chunks_pad, num_warps=8)
-    argmax._pick_chunk_kernel[(num_rows,)](values, indices, out, out, out, num_chunks, vocab,
-                                           CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), RECORD=False,
-                                           USE_GDC=False, num_warps=1)
+                                               S=CANDIDATES, CHUNKS_PAD=chunks_pad, FILTERS=filters, num_warps=8)
+    _pick_draw_kernel[(num_rows,)](values, indices, chunk_z, logits, *row_args, seeds, out, logits.stride(0), vocab,
+                                   num_chunks, BLOCK=argmax.BLOCK, CHUNKS_PAD=chunks_pad, FILTERS=filters,
+                                   num_warps=8)
     return out
 
 
@@ -144,3 +252,29 @@ def sample_on_device_ref(logits, is_greedy, temperature, top_k, top_p, min_p, se
                            min_p[:, None])
     noise = torch.empty_like(filtered).exponential_().clamp_min_(torch.finfo(torch.float32).tiny).log()
     return torch.where(is_greedy, greedy, (filtered - noise).argmax(dim=-1))
+
+
+@triton.jit
+def _uniforms_kernel(seed_ptr, out_ptr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, uniform53(tl.load(seed_ptr + row)))
+
+
+def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
+    """Each row's inverse-CDF uniform (fp64 `[B]`), as the pick draws it from the row's seed."""
+    out = torch.empty(seeds.shape[0], dtype=torch.float64, device=seeds.device)
+    if seeds.shape[0]:
+        _uniforms_kernel[(seeds.shape[0],)](seeds, out)
+    return out
+
+
+def inverse_cdf_ref(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token at each row's uniform `u` of softmax(logits / T) (divided in fp32, as torch divides), in fp64: the
+    first column whose cumulative probability exceeds `u`, among the columns of positive probability."""
+    s = (logits.float() / temperature[:, None]).double()
+    e = torch.exp(s - s.max(dim=-1, keepdim=True).values).nan_to_num(0.0)
+    cum = e.cumsum(dim=-1)
+    token = torch.searchsorted(cum, (uniforms * cum[:, -1])[:, None], right=True)[:, 0]
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    return torch.minimum(token, torch.where(e > 0, cols, 0).max(dim=-1).values)
+

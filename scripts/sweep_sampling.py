@@ -3,9 +3,10 @@
 sort-free kernel (mstar_kernels/top_k_top_p.py), and the whole `sample_on_device` with each, for 1 to 256 rows.
 The default width is Orpheus's audio window (28,672 logits: one program a row); `--vocab 151936` is Qwen3's whole
 vocabulary (the chunked search). `--top-k` adds a top-k cut to every row (0: top-p alone); the whole sampler is
-also timed with both filters off (temperature alone). The result decides `MSTAR_TOP_P_KERNEL`. Past 32,768 logits
-the chunked search is timed with its fast path (`MSTAR_TOP_P_FAST`, the default) and without (`_chain_us`);
-`--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of the
+also timed with both filters off (temperature alone), and as the engine's temperature-alone graph variant runs it
+(`filters=False`: `sampler_plain_us`; `_bf16`: from bf16 logits). The result decides `MSTAR_TOP_P_KERNEL`. Past
+32,768 logits the chunked search is timed with its fast path (`MSTAR_TOP_P_FAST`, the default) and without
+(`_chain_us`); `--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of the
 vocabulary and the fast path declines it; 8 is a peaked one), and `--decay A` subtracts `A * log(1 + column)`, a
 stand-in for a vocabulary ordered by frequency, where the likely tokens crowd the first columns.
 Which rows the fast path finishes, for top-k 20/50/100, top-p 0.9/0.95 and top-k 20 + top-p 0.8 (any device; on
@@ -94,6 +95,8 @@ def coverage(rows: int, vocab: int, std: float, decay: float) -> int:
 
 
 def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6, decay: float = 0.0) -> dict:
+    import inspect
+
     import torch
 
     import mstar_kernels.sampling as sampling
@@ -133,12 +136,19 @@ def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6, decay
                 lambda k=k, p=p: sampling.sample_on_device(logits, greedy, temperature, k, p, min_p, seeds),
                 calls=5), 1)
     sampling._SORT_FREE_FILTER, filters.FAST_PATH = True, True
+    if "filters" in inspect.signature(sampling.sample_on_device).parameters:  # the temperature-alone variant
+        for label, x in (("", logits), ("_bf16", logits.to(torch.bfloat16))):
+            row[f"sampler_plain{label}_us"] = round(graph_time_us(
+                lambda x=x: sampling.sample_on_device(x, greedy, temperature, off_k, off_p, min_p, seeds,
+                                                      filters=False), calls=5), 1)
+        row["sampler_bf16_us"] = round(graph_time_us(lambda: sampling.sample_on_device(
+            logits.to(torch.bfloat16), greedy, temperature, top_k, top_p, min_p, seeds), calls=5), 1)
     return row
 
 
 def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, decay: float = 0.0, calls: int = 20) -> dict:
     """`sample_on_device` (top_p 0.8, temperature 0.7, the `--top-k` cut) under torch's profiler, eagerly: each
-    kernel's mean GPU time a call, with the fast path and without."""
+    kernel's mean GPU time a call, with the fast path and without, and with temperature alone (`filters=False`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -152,14 +162,20 @@ def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, decay: float
     temperature = torch.full((rows,), 0.7, device="cuda")
     min_p, seeds = torch.zeros(rows, device="cuda"), torch.arange(rows, device="cuda")
     result = {"rows": rows, "vocab": vocab, "top_k": top_k_cut, "top_p": 0.8, "std": std, "decay": decay}
-    for form, fast in (("fast", True), ("chain", False)):
+    off = (torch.full_like(top_k, vocab), torch.ones_like(top_p))
+    for form, fast, cuts, extra in (("fast", True, (top_k, top_p), {}), ("chain", False, (top_k, top_p), {}),
+                                    ("temperature_alone", True, off, {"filters": False})):
         filters.FAST_PATH = fast
+
+        def call(cuts=cuts, extra=extra):
+            sampling.sample_on_device(logits, greedy, temperature, *cuts, min_p, seeds, **extra)
+
         for _ in range(3):
-            sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds)
+            call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
-                sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds)
+                call()
             torch.cuda.synchronize()
         kernels = {}
         for event in prof.key_averages():

@@ -166,12 +166,13 @@ def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypa
 def test_the_fused_wide_draw_equals_the_filters_composed(vocab, fast, monkeypatch):
     """Past the register row, `sample_on_device` searches the cuts and draws in one pass over the raw logits
     (a cut row reads only the 512 columns whose maximum reaches its cut); its tokens equal the composed form's
-    (tempered copy, filtered copy, min-p, noised argmax, greedy argmax), row by row: greedy, temperature alone,
-    top-k, top-p, both, min-p, and all of them; with the search's fast path and without."""
+    (tempered copy, filtered copy, min-p, noised argmax, greedy argmax; temperature alone: the inverse CDF at the
+    row's uniform), row by row: greedy, temperature alone, top-k, top-p, both, min-p, and all of them; with the
+    search's fast path and without."""
     import mstar_kernels.top_k_top_p as filters
     from mstar_common.engine.sampler import apply_min_p
     from mstar_kernels.argmax import gumbel_argmax, row_argmax
-    from mstar_kernels.sampling import sample_wide
+    from mstar_kernels.sampling import inverse_cdf_ref, row_uniforms, sample_wide
     from mstar_kernels.top_k_top_p import top_k_top_p_chunked
 
     gen = torch.Generator().manual_seed(5)
@@ -190,6 +191,8 @@ def test_the_fused_wide_draw_equals_the_filters_composed(vocab, fast, monkeypatc
     def composed(seeds):
         filtered = top_k_top_p_chunked(logits / temperature[:, None], top_k, top_p)
         sampled = gumbel_argmax(apply_min_p(filtered, min_p[:, None]).contiguous(), seeds)
+        plain = (top_k == vocab) & (top_p == 1.0) & (min_p == 0.0)
+        sampled = torch.where(plain, inverse_cdf_ref(logits, temperature, row_uniforms(seeds)), sampled)
         return torch.where(is_greedy, row_argmax(logits), sampled)
 
     draws = []
@@ -202,6 +205,73 @@ def test_the_fused_wide_draw_equals_the_filters_composed(vocab, fast, monkeypatc
     assert (draws[:, 0] == logits[0].argmax()).all()
     assert set(draws[:, 2].tolist()) <= set(logits[2].topk(20).indices.tolist())
     assert len(set(draws[:, 1].tolist())) > 3 and not (draws[:, 3] < 100).any()
+
+
+@pytest.mark.parametrize("vocab", sweep([151_936, 128_256], [33_000]))
+def test_rows_with_no_filter_draw_by_the_inverse_cdf(vocab):
+    """A row with temperature alone draws the token at its uniform `u` of the softmax's CDF (the fp64 reference),
+    whether the step has filtering rows (the search runs) or not (`filters=False`, no search), from fp32 or bf16
+    logits, with masked columns and an all -inf row (token 0) among them; greedy rows keep their argmax."""
+    from mstar_kernels.sampling import inverse_cdf_ref, row_uniforms, sample_wide
+
+    gen = torch.Generator().manual_seed(11)
+    rows = 6
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEVICE)
+    logits[2, : vocab // 2] = float("-inf")  # the first chunks hold no mass
+    logits[3] = float("-inf")
+    logits[4, 5000:] = float("-inf")  # the last chunks hold none
+    col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    is_greedy = col([True, False, False, False, False, False], torch.bool)
+    temperature = col([1.0, 0.7, 1.0, 1.0, 1.5, 1.0], torch.float32)
+    off = (col([vocab] * rows, torch.int32), col([1.0] * rows, torch.float32), col([0.0] * rows, torch.float32))
+    # two filtering rows in the same step: the plain rows' tokens must not change
+    cut = (col([vocab] * rows + [20, vocab], torch.int32), col([1.0] * rows + [1.0, 0.8], torch.float32),
+           col([0.0] * (rows + 2), torch.float32))
+    mixed_logits = torch.cat([logits, logits[1:3]])
+    mixed_greedy, mixed_temperature = torch.cat([is_greedy, is_greedy[1:3]]), torch.cat([temperature, temperature[1:3]])
+    drawn = []
+    for step in range(8):
+        seeds = col([step * 1000 + 17 * r for r in range(rows)], torch.int64)
+        expected = torch.where(is_greedy, logits.argmax(-1), inverse_cdf_ref(logits, temperature, row_uniforms(seeds)))
+        tokens = sample_wide(logits, is_greedy, temperature, *off, seeds, filters=False)
+        assert torch.equal(tokens, expected), (step, tokens.tolist(), expected.tolist())
+        assert torch.equal(sample_wide(logits, is_greedy, temperature, *off, seeds), tokens)
+        mixed = sample_wide(mixed_logits, mixed_greedy, mixed_temperature, *cut, torch.cat([seeds, seeds[:2]]))
+        assert torch.equal(mixed[:rows], tokens)
+        half = logits.to(torch.bfloat16)
+        assert torch.equal(sample_wide(half, is_greedy, temperature, *off, seeds, filters=False),
+                           torch.where(is_greedy, half.float().argmax(-1),
+                                       inverse_cdf_ref(half.float(), temperature, row_uniforms(seeds))))
+        drawn.append(tokens)
+    drawn = torch.stack(drawn)
+    assert (drawn[:, 3] == 0).all() and (drawn[:, 2] >= vocab // 2).all() and (drawn[:, 4] < 5000).all()
+    assert len(set(drawn[:, 1].tolist())) == len(drawn)  # a flat row: every step draws another token
+
+
+def test_the_inverse_cdf_draws_follow_the_softmax():
+    """The rows' uniforms are uniform on [0, 1) and uncorrelated across seeds, and a row whose mass sits in six
+    columns spread over four chunks draws each at its softmax probability."""
+    from mstar_kernels.argmax import BLOCK
+    from mstar_kernels.sampling import row_uniforms, sample_wide
+
+    n = sweep(20_000, 2_000)
+    u = row_uniforms(torch.arange(n, dtype=torch.int64, device=DEVICE) * 7919 + 5).cpu().sort().values
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert float((u - torch.arange(1, n + 1, dtype=torch.float64) / n).abs().max()) < 1.7 / n ** 0.5  # KS, p ~ 0.006
+    raw = row_uniforms(torch.arange(n, dtype=torch.int64, device=DEVICE)).cpu()
+    assert abs(float(torch.corrcoef(torch.stack([raw[:-1], raw[1:]]))[0, 1])) < 4 / n ** 0.5
+    vocab = 4 * BLOCK + 100
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03], dtype=torch.float64)
+    columns = [3, 5000, BLOCK - 1, 2 * BLOCK + 17, 3 * BLOCK, vocab - 1]
+    logits = torch.full((n, vocab), float("-inf"))
+    logits[:, columns] = probs.log().float()
+    col = torch.zeros(n, dtype=torch.int32, device=DEVICE) + vocab
+    tokens = sample_wide(logits.to(DEVICE), torch.zeros(n, dtype=torch.bool, device=DEVICE),
+                         torch.ones(n, device=DEVICE), col, torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE),
+                         torch.arange(n, dtype=torch.int64, device=DEVICE) * 104729 + 1, filters=False).cpu()
+    assert set(tokens.tolist()) <= set(columns)
+    freq = torch.tensor([(tokens == c).sum().item() for c in columns], dtype=torch.float64) / n
+    assert ((freq - probs).abs() <= 4 * (probs * (1 - probs) / n).sqrt()).all(), freq
 
 
 @pytest.mark.parametrize("batch,channels,length", sweep([(1, 64, 8192), (7, 512, 128), (3, 1024, 16)],
