@@ -5,6 +5,7 @@ replayed under the torch profiler (mstar_common/bench/fusion.py `profile_step`).
 per step; the replay's wall time minus the kernels' sum is the time between kernels.
 
 Device: source .device/prepare.sh && python scripts/profile_decode_step.py --family llama --rows 1,256 --out p.json
+Sampled steps: --sampling greedy temperature top_k_top_p (each setting's captured variant, the same step otherwise).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mstar_common.bench.checkpoints import add_step_args, family_checkpoint, rows_list  # noqa: E402
+from mstar_common.bench.fusion import SAMPLING  # noqa: E402
 
 
 def main() -> int:
@@ -25,6 +27,8 @@ def main() -> int:
     add_step_args(parser, family="llama", rows="1,256")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--prefill", help="also a step of ROWSxLEN fresh prompts (e.g. 8x512: a 4096-token step)")
+    parser.add_argument("--sampling", nargs="+", default=["greedy"], choices=sorted(SAMPLING),
+                        help="the decode rows' sampling: each setting's graph variant is profiled")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     prefill = tuple(int(x) for x in args.prefill.split("x")) if args.prefill else None
@@ -32,7 +36,7 @@ def main() -> int:
 
     checkpoint = family_checkpoint(args.family, args.checkpoint)
     results = profile_step(checkpoint, args.family, rows_list(args), args.context,
-                           args.page_size, prefill=prefill, kv_dtype=args.kv_dtype)
+                           args.page_size, prefill=prefill, kv_dtype=args.kv_dtype, sampling=tuple(args.sampling))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -36,7 +36,14 @@ class _Seq:
     token_ids: tuple = ()
 
 
-def _decode_batch(rows: int, context_len: int, page_size: int):
+SAMPLING = {  # profile_step's sampling settings: each row's parameters, and the graph variant they replay
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.7},  # the temperature-alone variant
+    "top_k_top_p": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},  # Qwen3's recommended settings
+}
+
+
+def _decode_batch(rows: int, context_len: int, page_size: int, sampling: str = "greedy"):
     from mstar_common.engine.model_runner import HostBatch
     from mstar_common.engine.types import SamplingParams
 
@@ -52,7 +59,7 @@ def _decode_batch(rows: int, context_len: int, page_size: int):
         batch.context_lens.append(context_len)
         batch.page_tables.append(pages)
         batch.sample_indices.append(row)
-        batch.sampling_seqs.append(_Seq(SamplingParams(temperature=0.0)))
+        batch.sampling_seqs.append(_Seq(SamplingParams(**SAMPLING[sampling]), seed=row))
     return batch
 
 
@@ -101,23 +108,23 @@ def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_l
 
 
 def _decode_graphs(model, config, kv_cache, batch_sizes: list[int], token_buckets: list[int] | None = None,
-                   max_rows: int = 1):
+                   max_rows: int = 1, capture_sampling: bool = False):
     from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
 
-    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, token_buckets or [64], capture_sampling=False),
+    graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, token_buckets or [64], capture_sampling),
                              max(batch_sizes + [max_rows]), 4096, config["vocab_size"], torch.device("cuda"))
     graphs.capture()
     return graphs
 
 
-def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=None):
-    """Fill the step buffers with `batch` (default: a decode batch of `rows` rows); returns (the batch, its graph's
-    replay)."""
-    batch = batch if batch is not None else _decode_batch(rows, context_len, page_size)
+def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=None, sampling: str = "greedy"):
+    """Fill the step buffers with `batch` (default: a decode batch of `rows` rows sampling as `sampling` says);
+    returns (the batch, its graph's replay)."""
+    batch = batch if batch is not None else _decode_batch(rows, context_len, page_size, sampling)
     key = graphs.pick(batch)
     graphs._fill(graphs.buffers.host_views(0), batch, key)
     graphs._plan(key, graphs.buffers.host_views(0))  # the attention backend's plan (FlashInfer's; else a no-op)
-    graphs.buffers.copy_in(0, graphs._shape(key[0], key[1])[0], with_sampling=False)
+    graphs.buffers.copy_in(0, graphs._shape(key[0], key[1])[0], with_sampling=bool(key[2]))
     return batch, graphs.graphs[key].replay
 
 
@@ -165,12 +172,13 @@ def _time_host(fn, repeats: int = 10) -> float:
 @torch.inference_mode()
 def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], context_len: int = 768,
                  page_size: int = 64, replays: int = 20, prefill: tuple[int, int] | None = None,
-                 kv_dtype: str = "auto") -> list[dict]:
+                 kv_dtype: str = "auto", sampling: tuple[str, ...] = ("greedy",)) -> list[dict]:
     """Each batch size's decode step as the server runs it (the component defaults: Triton attention, fused
     ops, the tuned skinny GEMM), captured and replayed under the torch profiler: per kernel name, its GPU time
     per step and its calls per step, next to the replay's wall time (CUDA events), so that the gaps between
     kernels show as the difference. `prefill` (rows, prompt length): also a step of that many fresh prompts,
-    replayed from the smallest captured prefill/mixed bucket that holds it."""
+    replayed from the smallest captured prefill/mixed bucket that holds it. `sampling`: the decode steps' rows
+    sample as each of these `SAMPLING` settings says, each replaying its graph variant."""
     from torch.profiler import ProfilerActivity, profile
 
     from mstar_common.config import ComponentConfig
@@ -180,12 +188,14 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, min_pages, kv_dtype)
     configure_fast_path(model, ComponentConfig(), "cuda", max(batch_sizes), 4096)
     token_buckets = [_next_power_of_2(prefill[0] * prefill[1])] if prefill else None
-    graphs = _decode_graphs(model, config, kv_cache, batch_sizes, token_buckets, prefill[0] if prefill else 1)
-    steps = [(rows, None) for rows in batch_sizes] + ([(prefill[0], prefill[1])] if prefill else [])
+    graphs = _decode_graphs(model, config, kv_cache, batch_sizes, token_buckets, prefill[0] if prefill else 1,
+                            capture_sampling=sampling != ("greedy",))
+    steps = [(rows, None, mode) for rows in batch_sizes for mode in sampling]
+    steps += [(prefill[0], prefill[1], "greedy")] if prefill else []
     results = []
-    for rows, prompt_len in steps:
+    for rows, prompt_len, mode in steps:
         batch = _prefill_batch(rows, prompt_len, page_size) if prompt_len else None
-        _, replay = _staged_replay(graphs, rows, context_len, page_size, batch)
+        _, replay = _staged_replay(graphs, rows, context_len, page_size, batch, mode)
         step_ms = event_time_ms(replay)
         for _ in range(3):
             replay()
@@ -204,7 +214,8 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
                          "calls_per_step": len(times) / replays} for name, times in kernels.items()),
                        key=lambda row: -row["us_per_step"])
         busy_ms = sum(row["us_per_step"] for row in table) / 1e3
-        kind = "decode" if prompt_len is None else f"prefill of {prompt_len}-token prompts"
+        kind = ("decode" if mode == "greedy" else f"decode sampling ({mode})") if prompt_len is None \
+            else f"prefill of {prompt_len}-token prompts"
         critical = critical_path(timeline, replays, config["num_hidden_layers"])
         results.append({"family": family, "kv_dtype": kv_dtype, "rows": rows, "context_len": prompt_len or context_len,
                         "step": kind, "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table,

@@ -6,10 +6,11 @@ A step pads up to the smallest bucket that holds it: padding tokens write the KV
 attend one sink token and their samples are dropped. Anything larger runs eager.
 
 Variants. Each bucket is captured greedy (argmax) and, with `capture_sampling`, sampling (temperature,
-top-k, top-p, min-p and seeded draws on the device from parameter buffers): the whole step, sampling
-included, is one replay. Steps that need the host-side token history (repetition penalty) run eager. A model
-with its own logits rules (`process_logits`) is captured up to the logits; its rules and the sampler run on
-the replay's logits.
+top-k, top-p, min-p and seeded draws on the device from parameter buffers) and sampling by temperature alone
+(the same draws without the filters' launches, for steps where no row asks for top-k, top-p or min-p): the
+whole step, sampling included, is one replay. Steps that need the host-side token history (repetition penalty)
+run eager. A model with its own logits rules (`process_logits`) is captured up to the logits; its rules and the
+sampler run on the replay's logits.
 
 Buffers. Every input of every graph is a view into three static device buffers (int32, fp32, int64) with
 one named layout; the host fills a pinned mirror (two, alternating, so a fill never races the previous
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 DECODE = "decode"
 MIXED = "mixed"
+GREEDY, SAMPLED, PLAIN = 0, 1, 2  # a graph's sampling variant (its key's third field): argmax; every filter; none
+_VARIANT_NAMES = {GREEDY: "", SAMPLED: " (sampling)", PLAIN: " (sampling, temperature alone)"}
 
 
 def default_decode_buckets(max_rows: int) -> list[int]:
@@ -155,19 +158,19 @@ class CudaGraphRunner:
         self.max_rows = max_rows
         self.buffers = StepBuffers(max_rows, max_tokens, -(-max_model_len // kv_cache.page_size), device)
         self.is_device_sampling = device.type == "cuda"
-        self.graphs: dict[tuple[str, int, bool], object] = {}
+        self.graphs: dict[tuple[str, int, int], object] = {}
         self._parity = 0
         self.sink_slot = kv_cache.sink_page * kv_cache.page_size
         self.num_replays = 0
         self.samples_in_graph = not hasattr(model, "process_logits")
         self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, self.logits_width, device=device)
         self.has_request_slots = hasattr(model, "admit_request")
-        self.uncaptured: list[tuple[str, int, bool]] = []  # buckets capture() had to drop (capture_policy.py)
+        self.uncaptured: list[tuple[str, int, int]] = []  # buckets capture() had to drop (capture_policy.py)
 
     # ---- capture ---------------------------------------------------------------------------------------------
 
-    def keys(self) -> list[tuple[str, int, bool]]:
-        variants = [False, True] if self.config.capture_sampling and self.samples_in_graph else [False]
+    def keys(self) -> list[tuple[str, int, int]]:
+        variants = [GREEDY, SAMPLED, PLAIN] if self.config.capture_sampling and self.samples_in_graph else [GREEDY]
         mixed = [(MIXED, t, v) for t in reversed(self.token_buckets) for v in variants]
         decode = [(DECODE, b, v) for b in reversed(self.decode_buckets) for v in variants]
         return mixed + decode  # largest first: later graphs fit in the pool the first ones grew
@@ -182,7 +185,7 @@ class CudaGraphRunner:
                     len(keys), self.decode_buckets, self.token_buckets, self.config.capture_sampling)
         for index, key in enumerate(keys, 1):
             t0 = time.perf_counter()
-            name = f"{key[0]} {key[1]}{' (sampling)' if key[2] else ''}"
+            name = f"{key[0]} {key[1]}{_VARIANT_NAMES[key[2]]}"
             graph = capture_or_skip(f"[cuda graphs] {name}", lambda key=key: self._capture_one(key, pool))
             if graph is None:
                 continue
@@ -195,7 +198,7 @@ class CudaGraphRunner:
                     time.perf_counter() - started, f"; not captured (out of GPU memory): "
                     f"{[f'{kind} {size}' for kind, size, _ in self.uncaptured]}" if self.uncaptured else "")
 
-    def _capture_one(self, key: tuple[str, int, bool], pool):
+    def _capture_one(self, key: tuple[str, int, int], pool):
         """One bucket's graph (on the CPU a `FakeGraph` that re-runs the step)."""
         self._fill_padding(key)
         self._plan(key, self.buffers.host_views(0))
@@ -213,7 +216,7 @@ class CudaGraphRunner:
             fn()
         return graph
 
-    def _step_fn(self, kind: str, size: int, sampling: bool):
+    def _step_fn(self, kind: str, size: int, sampling: int):
         v = self.buffers.views
         model, kv_cache = self.model, self.kv_cache
         rows, tokens = self._shape(kind, size)
@@ -250,13 +253,13 @@ class CudaGraphRunner:
                     sampled = greedy_tokens(logits)
                 out.copy_(sampled + offset if offset else sampled)
                 return
-            logits = logits.float()
             if penalty is not None:
-                logits = penalty.apply(logits, v["penalty_slots"][:rows], v["penalty"][:rows])
+                logits = penalty.apply(logits.float(), v["penalty_slots"][:rows], v["penalty"][:rows])
             from mstar_kernels.sampling import sample_on_device
 
             sampled = sample_on_device(logits, v["is_greedy"][:rows] != 0, v["temperature"][:rows],
-                                       v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows], v["seeds"][:rows])
+                                       v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows], v["seeds"][:rows],
+                                       filters=sampling != PLAIN)
             if penalty is not None:
                 penalty.record(v["penalty_slots"][:rows], sampled)
             out.copy_(sampled + offset if offset else sampled)
@@ -269,23 +272,25 @@ class CudaGraphRunner:
 
     # ---- replay ----------------------------------------------------------------------------------------------
 
-    def pick(self, batch) -> tuple[str, int, bool] | None:
+    def pick(self, batch) -> tuple[str, int, int] | None:
         """The smallest captured bucket that holds `batch`, or None (run it eager). A bucket that could not be
-        captured (out of GPU memory at startup) is passed over for the next larger one."""
-        sampling = False
+        captured (out of GPU memory at startup) is passed over for the next larger one; a step with no filtering
+        row takes the temperature-alone variant, or the full sampler where that one was not captured."""
+        variants = (GREEDY,)
         if self.samples_in_graph:
             if batch.needs_history:
                 return None
-            sampling = not batch.is_greedy
-            if sampling and not self.config.capture_sampling:
-                return None
+            if not batch.is_greedy:
+                if not self.config.capture_sampling:
+                    return None
+                variants = (SAMPLED,) if batch.filters(self.logits_width) else (PLAIN, SAMPLED)
         if batch.is_decode:
             sizes = self.decode_buckets[bisect_left(self.decode_buckets, batch.num_rows):]
-            key = next((k for k in ((DECODE, size, sampling) for size in sizes) if k in self.graphs), None)
+            key = next((k for k in ((DECODE, size, v) for size in sizes for v in variants) if k in self.graphs), None)
             if key is not None:
                 return key
         sizes = self.token_buckets[bisect_left(self.token_buckets, batch.num_tokens):]
-        return next((k for k in ((MIXED, size, sampling) for size in sizes)
+        return next((k for k in ((MIXED, size, v) for size in sizes for v in variants)
                      if k in self.graphs and batch.num_rows <= self._shape(MIXED, k[1])[0]), None)
 
     def try_replay(self, batch, last_tokens: torch.Tensor | None, sample=None) -> torch.Tensor | None:
@@ -298,7 +303,7 @@ class CudaGraphRunner:
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)
         self._plan(key, self.buffers.host_views(parity))
-        self.buffers.copy_in(parity, rows, with_sampling=key[2], with_penalty=self.penalty is not None)
+        self.buffers.copy_in(parity, rows, with_sampling=key[2] != GREEDY, with_penalty=self.penalty is not None)
         previous = self.buffers.out_tokens
         if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
             previous[: last_tokens.numel()].copy_(last_tokens)
@@ -309,13 +314,13 @@ class CudaGraphRunner:
             return sample(self.logits_out[:num_sampling], batch.sampling_seqs)
         return self.buffers.out_tokens[:num_sampling]
 
-    def _plan(self, key: tuple[str, int, bool], host: dict[str, np.ndarray]) -> None:
+    def _plan(self, key: tuple[str, int, int], host: dict[str, np.ndarray]) -> None:
         """The attention backend's per-replay planning (a no-op but for FlashInfer's)."""
         rows, tokens = self._shape(key[0], key[1])
         self.attn_backend.plan_graph_step(key, rows, tokens, host, self.buffers.max_pages, self.kv_cache.page_size,
                                           self.kv_cache.sink_page)
 
-    def _fill(self, h: dict[str, np.ndarray], batch, key: tuple[str, int, bool]) -> None:
+    def _fill(self, h: dict[str, np.ndarray], batch, key: tuple[str, int, int]) -> None:
         kind, size, sampling = key
         rows, tokens = self._shape(kind, size)
         num_tokens, num_rows, width = batch.num_tokens, batch.num_rows, self.buffers.max_pages
@@ -368,7 +373,7 @@ class CudaGraphRunner:
             h[name][:n] = values
             h[name][n:rows] = pad
 
-    def _fill_padding(self, key: tuple[str, int, bool]) -> None:
+    def _fill_padding(self, key: tuple[str, int, int]) -> None:
         """Safe inputs for capture: every token writes the sink, every row reads one sink token."""
         kind, size, sampling = key
         rows, tokens = self._shape(kind, size)
@@ -379,7 +384,7 @@ class CudaGraphRunner:
             num_tokens = num_rows = 0
 
         host = self.buffers.host_views(0)
-        self._fill(host, _Empty, (kind, size, False))
+        self._fill(host, _Empty, (kind, size, GREEDY))
         if sampling:
             self._fill_sampling(host, _Empty, rows)
         self.buffers.copy_in(0, rows, with_sampling=True)

@@ -85,6 +85,11 @@ class HostBatch:
     def is_greedy(self) -> bool:
         return all(seq.params.is_greedy for seq in self.sampling_seqs)
 
+    def filters(self, vocab_size: int) -> bool:
+        """Whether a sampling row asks for top-k, top-p or min-p (else the sampler's filters can be left out)."""
+        return any(not p.is_greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+                   for p in (seq.params for seq in self.sampling_seqs))
+
     @property
     def needs_history(self) -> bool:
         """Whether sampling reads the rows' token history on the host (repetition penalty)."""
@@ -296,10 +301,13 @@ class ModelRunner:
             else:
                 from mstar_kernels.sampling import sample_on_device
 
+                width = logits.shape[-1]
+                rows = zip(cols.is_greedy, cols.top_k, cols.top_p, cols.min_p, strict=True)
+                filters = any(not greedy and (k < width or p < 1.0 or m > 0.0) for greedy, k, p, m in rows)
                 tokens = sample_on_device(
                     logits, column(cols.is_greedy, torch.bool), column(cols.temperature, torch.float32),
                     column(cols.top_k, torch.int32), column(cols.top_p, torch.float32),
-                    column(cols.min_p, torch.float32), column(cols.seeds, torch.int64),
+                    column(cols.min_p, torch.float32), column(cols.seeds, torch.int64), filters=filters,
                 )
         if slots is not None:
             self.penalty.record(slots, tokens)

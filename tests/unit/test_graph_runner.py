@@ -152,6 +152,36 @@ def test_buckets_out_of_memory_at_capture_are_passed_over(static_model, prompts,
     assert graphs.num_replays > 0
 
 
+def test_a_step_with_no_filtering_row_takes_the_temperature_alone_variant(static_model):
+    """The sampling variants: greedy steps the argmax graph; a step whose sampling rows ask for no top-k, top-p
+    or min-p the graph without the filters' launches (or the full sampler where that one was not captured); a
+    step with one filtering row, greedy rows and top-k past the vocabulary aside, the full sampler."""
+    from mstar_common.engine.cuda_graph import GREEDY, PLAIN, SAMPLED, CudaGraphRunner
+    from mstar_common.engine.model_runner import HostBatch
+
+    _, _, vocab = static_model
+    graphs = make_engine(static_model, GRAPHS, overlap=False).runner.graphs
+    graphs.config = GraphConfig(decode_buckets=[1, 2, 4, 8], token_buckets=[16, 64], capture_sampling=True)
+    graphs.graphs = {key: None for key in CudaGraphRunner.keys(graphs) if key != ("decode", 4, PLAIN)}
+    assert len(graphs.graphs) == 3 * 6 - 1
+
+    def batch(*params, prompt=1):
+        seqs = [SimpleNamespace(params=p) for p in params]
+        return HostBatch(input_ids=[0] * (prompt * len(seqs)), query_lens=[prompt] * len(seqs), sampling_seqs=seqs)
+
+    plain, hot = SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=vocab)
+    picks = [graphs.pick(b) for b in (
+        batch(greedy()), batch(plain, greedy(), hot), batch(plain, SamplingParams(temperature=0.7, top_p=0.9)),
+        batch(SamplingParams(temperature=0.7, top_k=20)), batch(SamplingParams(temperature=1.0, min_p=0.05)),
+        batch(greedy(), SamplingParams(temperature=0.0, top_k=5)), batch(plain, plain, plain),
+        batch(plain, hot, prompt=5))]
+    assert picks == [("decode", 1, GREEDY), ("decode", 4, SAMPLED), ("decode", 2, SAMPLED),  # no plain 4: sampled
+                     ("decode", 1, SAMPLED), ("decode", 1, SAMPLED), ("decode", 2, GREEDY),
+                     ("decode", 4, SAMPLED), ("mixed", 16, PLAIN)]
+    picks = [graphs.pick(b) for b in (batch(plain, hot), batch(plain))]
+    assert picks == [("decode", 2, PLAIN), ("decode", 1, PLAIN)]
+
+
 def test_required_graphs_refuse_to_start_when_a_bucket_is_out_of_memory(static_model, monkeypatch):
     _out_of_memory_at(monkeypatch, {("decode", 4)})
     monkeypatch.setenv("MSTAR_REQUIRE_ACCELERATOR_GRAPHS", "1")
