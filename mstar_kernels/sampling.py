@@ -31,6 +31,7 @@ import triton.language as tl
 
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
 from mstar_kernels import argmax
+from mstar_kernels._pdl import gdc_enter, pdl_launch
 from mstar_kernels.argmax import gumbel_argmax, gumbel_noise, row_argmax
 from mstar_kernels.top_k_top_p import (
     CANDIDATES,
@@ -49,12 +50,13 @@ _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/dep
 def sample_on_device(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
                      filters: bool = True) -> torch.Tensor:
-    """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]`, fp32 or the model's dtype).
+    """One token per row; every argument is a device tensor of `[B]` (logits `[B, V]`, fp32 or the model's dtype;
+    `is_greedy` bool or int, nonzero for greedy).
     `filters=False` promises that no row asks for top-k, top-p or min-p (the filters' launches are left out; the
     tokens are the same). Graph safe."""
     if _SORT_FREE_FILTER and logits.shape[1] > MAX_VOCAB and logits.stride(1) == 1:
         return sample_wide(logits, is_greedy, temperature, top_k, top_p, min_p, seeds, filters)
-    logits = logits.float()
+    logits, is_greedy = logits.float(), is_greedy != 0
     greedy = row_argmax(logits.contiguous())
     filtered = logits / temperature[:, None]
     if filters and _SORT_FREE_FILTER:  # mstar_kernels/top_k_top_p.py: no sort; a row with both off costs no pass
@@ -88,16 +90,16 @@ def _plain_e(x_ptr, temp_ptr, row, cols, stride_x, vocab):
 
 
 @triton.jit
-def _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, row, vocab, FILTERS: tl.constexpr):
+def _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab, FILTERS: tl.constexpr):
     """Whether the row samples with no filter at all (temperature alone): it draws by the inverse CDF."""
     plain = tl.load(greedy_ptr + row) == 0
     if FILTERS:
-        plain = plain & ~filters_on(top_k_ptr, top_p_ptr, row, vocab) & (tl.load(min_p_log_ptr + row) == float("-inf"))
+        plain = plain & ~filters_on(top_k_ptr, top_p_ptr, row, vocab) & (tl.load(min_p_ptr + row) == 0.0)
     return plain
 
 
 @triton.jit
-def _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr, part_ptr,
+def _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, max_ptr, sub_max_ptr, part_ptr,
                    state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, stride_x, vocab, num_chunks,
                    row, chunk, sampled, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
                    CHUNKS_PAD: tl.constexpr):
@@ -115,7 +117,7 @@ def _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_pt
         live = tl.sum((tl.exp(sub_max - top) >= cut).to(tl.int32), axis=0)
     if filters & (live <= NSUB // 4):
         temperature = tl.load(temp_ptr + row)
-        floor = top + tl.load(min_p_log_ptr + row)  # min-p: apply_min_p's floor, max + log(min_p)
+        floor = top + tl.log(tl.load(min_p_ptr + row))  # min-p: apply_min_p's floor, max + log(min_p)
         seed = tl.load(seed_ptr + row)
         best = tl.full([], float("-inf"), dtype=tl.float32)
         best_col = chunk * BLOCK
@@ -139,7 +141,7 @@ def _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_pt
         if sampled:  # many tokens past the cut, or min-p alone
             s = tl.math.div_rn(x, tl.load(temp_ptr + row))
             top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
-            keep = in_row & (x > float("-inf")) & (s >= top + tl.load(min_p_log_ptr + row))
+            keep = in_row & (x > float("-inf")) & (s >= top + tl.log(tl.load(min_p_ptr + row)))
             if filters:
                 keep = keep & (tl.exp(s - top) >= cut)
             x = tl.where(keep, s + gumbel_noise(tl.load(seed_ptr + row), chunk * BLOCK, BLOCK), float("-inf"))
@@ -149,26 +151,27 @@ def _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_pt
 
 
 @triton.jit
-def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr,
+def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, max_ptr, sub_max_ptr,
                        part_ptr, state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, chunk_z_ptr,
                        stride_x, vocab, num_chunks, BLOCK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
-                       CHUNKS_PAD: tl.constexpr, FILTERS: tl.constexpr):
+                       CHUNKS_PAD: tl.constexpr, FILTERS: tl.constexpr, USE_GDC: tl.constexpr):
     """One chunk of one row: its largest raw logit (a greedy row) or noised kept tempered logit (a filtering row),
     and that value's first column, as mstar_kernels/argmax.py's chunk kernel leaves them for its pick; for a row
     with no filter, the chunk's largest tempered logit `m` and `sum(exp(s - m))` for the inverse-CDF pick. A row with
     a top-k/top-p cut that only a few `SUB` columns of the chunk reach reads just those (none below it is kept).
     Without FILTERS no row filters and the search's buffers are not read."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     sampled = tl.load(greedy_ptr + row) == 0
-    if _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, row, vocab, FILTERS):
+    if _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab, FILTERS):
         s = _plain_e(x_ptr, temp_ptr, row, chunk * BLOCK + tl.arange(0, BLOCK), stride_x, vocab)
         m = tl.max(s, axis=0)
         e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
         tl.store(val_ptr + row * num_chunks + chunk, m)
         tl.store(chunk_z_ptr + row * num_chunks + chunk, tl.sum(e.to(tl.float64), axis=0))  # fp64: exact boundaries
     elif FILTERS:
-        _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, seed_ptr, max_ptr, sub_max_ptr, part_ptr,
+        _draw_filtered(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, max_ptr, sub_max_ptr, part_ptr,
                        state_ptr, cut_ptr, z_ptr, done_ptr, fast_cut_ptr, val_ptr, idx_ptr, stride_x, vocab,
                        num_chunks, row, chunk, sampled, BLOCK, SUB, S, CHUNKS_PAD)
     else:  # a greedy row
@@ -180,17 +183,18 @@ def _draw_chunk_kernel(x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_
 
 
 @triton.jit
-def _pick_draw_kernel(val_ptr, idx_ptr, chunk_z_ptr, x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr,
+def _pick_draw_kernel(val_ptr, idx_ptr, chunk_z_ptr, x_ptr, greedy_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                       seed_ptr, out_ptr, stride_x, vocab, num_chunks, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-                      FILTERS: tl.constexpr):
+                      FILTERS: tl.constexpr, USE_GDC: tl.constexpr):
     """One row's token from its chunks: the first chunk holding the largest value (a greedy or filtering row), or
     the inverse CDF at the row's uniform `u` (a row with no filter): the chunk where `u * Z` falls among the chunks'
     masses `z * exp(m - M)`, then the column where the same fraction of that chunk's own mass falls, by a prefix sum
     of its `exp(s - m)` in fp64. Only columns of positive probability can be drawn."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     values = tl.load(val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-    if _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_log_ptr, row, vocab, FILTERS):
+    if _is_plain(greedy_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab, FILTERS):
         z = tl.load(chunk_z_ptr + row * num_chunks + c, mask=c < num_chunks, other=0.0)
         top = tl.max(values, axis=0)
         w = tl.where(values > float("-inf"), z * tl.exp((values - top).to(tl.float64)), 0.0)
@@ -224,7 +228,6 @@ def sample_wide(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torc
         return out
     num_chunks = triton.cdiv(vocab, argmax.BLOCK)
     chunks_pad = max(2, triton.next_power_of_2(num_chunks))
-    min_p_log = min_p.log()
     if filters:
         search = ChunkedSearch(logits)
         search.run(temperature, top_k, top_p, min_p)
@@ -235,13 +238,14 @@ def sample_wide(logits: torch.Tensor, is_greedy: torch.Tensor, temperature: torc
     values = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     chunk_z = torch.empty((num_rows, num_chunks), dtype=torch.float64, device=logits.device)
-    row_args = (is_greedy, temperature, top_k, top_p, min_p_log)
+    row_args = (is_greedy, temperature, top_k, top_p, min_p)
     _draw_chunk_kernel[(num_rows, num_chunks)](logits, *row_args, seeds, *cut_args, values, indices, chunk_z,
                                                logits.stride(0), vocab, num_chunks, BLOCK=argmax.BLOCK, SUB=SUB,
-                                               S=CANDIDATES, CHUNKS_PAD=chunks_pad, FILTERS=filters, num_warps=8)
+                                               S=CANDIDATES, CHUNKS_PAD=chunks_pad, FILTERS=filters, num_warps=8,
+                                               **pdl_launch(logits, num_rows, num_rows * num_chunks))
     _pick_draw_kernel[(num_rows,)](values, indices, chunk_z, logits, *row_args, seeds, out, logits.stride(0), vocab,
                                    num_chunks, BLOCK=argmax.BLOCK, CHUNKS_PAD=chunks_pad, FILTERS=filters,
-                                   num_warps=8)
+                                   num_warps=8, **pdl_launch(logits, num_rows, num_rows))
     return out
 
 

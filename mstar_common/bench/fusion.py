@@ -217,9 +217,10 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
         kind = ("decode" if mode == "greedy" else f"decode sampling ({mode})") if prompt_len is None \
             else f"prefill of {prompt_len}-token prompts"
         critical = critical_path(timeline, replays, config["num_hidden_layers"])
+        gaps = idle_gaps(timeline, replays)
         results.append({"family": family, "kv_dtype": kv_dtype, "rows": rows, "context_len": prompt_len or context_len,
                         "step": kind, "step_ms": step_ms, "kernel_busy_ms": busy_ms, "kernels": table,
-                        "critical_path": critical})
+                        "critical_path": critical, "idle_gaps": gaps})
         print(f"[profile] {family} {kind} rows {rows} context {prompt_len or context_len}: replay {step_ms:.3f} ms, "
               f"kernels busy {busy_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
         for row in table[:25]:
@@ -227,9 +228,27 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
         print("  critical path (each kernel's end after the end before it):", flush=True)
         for row in critical[:25]:
             print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['kernel']}", flush=True)
+        idle_us = sum(g["us_per_step"] for g in gaps)
+        print(f"  idle GPU between kernels: {idle_us:.1f} us a step; the largest:", flush=True)
+        for row in gaps[:8]:
+            print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['between']}", flush=True)
     del graphs, model, kv_cache
     torch.cuda.empty_cache()
     return results
+
+
+def idle_gaps(timeline: list[tuple[float, float, str]], replays: int) -> list[dict]:
+    """Where the GPU ran no kernel (between the replays too, back to back): per (kernel before, kernel after), the
+    idle time a step, largest first."""
+    gaps: dict[str, list[float]] = {}
+    latest, last_name = None, None
+    for start, end, name in sorted(timeline):
+        if latest is not None and start > latest:
+            gaps.setdefault(f"{last_name[:50]} -> {name[:50]}", []).append(start - latest)
+        if latest is None or end >= latest:
+            latest, last_name = end, name
+    return sorted(({"between": label, "us_per_step": sum(times) / replays, "calls_per_step": len(times) / replays}
+                   for label, times in gaps.items()), key=lambda row: -row["us_per_step"])
 
 
 def critical_path(timeline: list[tuple[float, float, str]], replays: int, layers: int) -> list[dict]:

@@ -257,7 +257,7 @@ class CudaGraphRunner:
                 logits = penalty.apply(logits.float(), v["penalty_slots"][:rows], v["penalty"][:rows])
             from mstar_kernels.sampling import sample_on_device
 
-            sampled = sample_on_device(logits, v["is_greedy"][:rows] != 0, v["temperature"][:rows],
+            sampled = sample_on_device(logits, v["is_greedy"][:rows], v["temperature"][:rows],
                                        v["top_k"][:rows], v["top_p"][:rows], v["min_p"][:rows], v["seeds"][:rows],
                                        filters=sampling != PLAIN)
             if penalty is not None:
