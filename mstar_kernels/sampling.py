@@ -10,9 +10,9 @@ Both argmaxes are mstar_kernels/argmax.py's; the draw adds the noise as it reads
 Past `MAX_VOCAB` columns (an LM's whole vocabulary) the filters do not write a filtered copy: the chunked search
 (mstar_kernels/top_k_top_p.py) leaves each row's cut in its buffers, and one draw pass reads the raw logits (in the
 model's dtype, no fp32 copy), divides by the temperature, drops what is below the top-k/top-p cut or min-p's floor,
-adds the noise, and takes each chunk's maximum, the greedy rows' raw maximum in the same pass. A row that filters
-nothing costs the search no pass; its tokens are those of the composed form (the same divisions, cuts, floor and
-noise). A row with no filter at all (temperature alone) draws by the inverse of its softmax's CDF instead of the
+adds the noise, and takes each chunk's maximum, the greedy rows' raw maximum in the same pass. A filtering row's
+tokens are those of the composed form (the same divisions, cuts, floor and noise); a row that filters nothing costs
+the search no pass. A row with no filter at all (temperature alone) draws by the inverse of its softmax's CDF instead of the
 race, which needs no noise for 151,936 columns: the same pass keeps each chunk's maximum `m` and
 `z = sum(exp(s - m))`, and one program a row turns one 53-bit uniform `u` into the chunk where `u * Z` falls and
 then, by a prefix sum over that chunk alone (in fp64), the token. Both are exact draws from the softmax; which one
