@@ -5,7 +5,8 @@ replayed under the torch profiler (mstar_common/bench/fusion.py `profile_step`).
 per step; the replay's wall time minus the kernels' sum is the time between kernels.
 
 Device: source .device/prepare.sh && python scripts/profile_decode_step.py --family llama --rows 1,256 --out p.json
-Sampled steps: --sampling greedy temperature top_k_top_p (each setting's captured variant, the same step otherwise).
+Sampled steps: --sampling greedy temperature top_k_top_p (each setting's captured variant, the same step otherwise;
+with --prefill, the prefill step too).
 """
 
 from __future__ import annotations

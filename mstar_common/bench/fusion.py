@@ -67,9 +67,9 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _prefill_batch(rows: int, prompt_len: int, page_size: int):
-    """`rows` fresh prompts of `prompt_len` tokens in one step (each samples its first token), on the pages after
-    those of `_decode_batch`'s rows."""
+def _prefill_batch(rows: int, prompt_len: int, page_size: int, sampling: str = "greedy"):
+    """`rows` fresh prompts of `prompt_len` tokens in one step (each samples its first token as `sampling` says), on
+    the pages after those of `_decode_batch`'s rows."""
     from mstar_common.engine.model_runner import HostBatch
     from mstar_common.engine.types import SamplingParams
 
@@ -84,7 +84,7 @@ def _prefill_batch(rows: int, prompt_len: int, page_size: int):
         batch.context_lens.append(prompt_len)
         batch.page_tables.append(pages)
         batch.sample_indices.append(len(batch.input_ids) - 1)
-        batch.sampling_seqs.append(_Seq(SamplingParams(temperature=0.0)))
+        batch.sampling_seqs.append(_Seq(SamplingParams(**SAMPLING[sampling]), seed=row))
     return batch
 
 
@@ -177,8 +177,8 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     ops, the tuned skinny GEMM), captured and replayed under the torch profiler: per kernel name, its GPU time
     per step and its calls per step, next to the replay's wall time (CUDA events), so that the gaps between
     kernels show as the difference. `prefill` (rows, prompt length): also a step of that many fresh prompts,
-    replayed from the smallest captured prefill/mixed bucket that holds it. `sampling`: the decode steps' rows
-    sample as each of these `SAMPLING` settings says, each replaying its graph variant."""
+    replayed from the smallest captured prefill/mixed bucket that holds it. `sampling`: the rows sample as each of
+    these `SAMPLING` settings says, each step replaying its graph variant."""
     from torch.profiler import ProfilerActivity, profile
 
     from mstar_common.config import ComponentConfig
@@ -191,10 +191,10 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     graphs = _decode_graphs(model, config, kv_cache, batch_sizes, token_buckets, prefill[0] if prefill else 1,
                             capture_sampling=sampling != ("greedy",))
     steps = [(rows, None, mode) for rows in batch_sizes for mode in sampling]
-    steps += [(prefill[0], prefill[1], "greedy")] if prefill else []
+    steps += [(prefill[0], prefill[1], mode) for mode in sampling] if prefill else []
     results = []
     for rows, prompt_len, mode in steps:
-        batch = _prefill_batch(rows, prompt_len, page_size) if prompt_len else None
+        batch = _prefill_batch(rows, prompt_len, page_size, mode) if prompt_len else None
         _, replay = _staged_replay(graphs, rows, context_len, page_size, batch, mode)
         step_ms = event_time_ms(replay)
         for _ in range(3):
@@ -214,8 +214,8 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
                          "calls_per_step": len(times) / replays} for name, times in kernels.items()),
                        key=lambda row: -row["us_per_step"])
         busy_ms = sum(row["us_per_step"] for row in table) / 1e3
-        kind = ("decode" if mode == "greedy" else f"decode sampling ({mode})") if prompt_len is None \
-            else f"prefill of {prompt_len}-token prompts"
+        kind = "decode" if prompt_len is None else f"prefill of {prompt_len}-token prompts"
+        kind += "" if mode == "greedy" else f", sampling ({mode})"
         critical = critical_path(timeline, replays, config["num_hidden_layers"])
         gaps = idle_gaps(timeline, replays)
         results.append({"family": family, "kv_dtype": kv_dtype, "rows": rows, "context_len": prompt_len or context_len,

@@ -28,3 +28,14 @@ def test_gaps_between_replays_are_not_charged_and_steps_average():
 def test_a_kernel_ending_inside_an_earlier_one_is_charged_nothing():
     rows = {row["kernel"]: row for row in critical_path([(0.0, 10.0, "long"), (1.0, 3.0, "short")], 1, 1)}
     assert rows["short"]["us_per_step"] == 0.0 and rows["long"]["us_per_step"] == 10.0
+
+
+def test_idle_gaps_are_charged_to_the_kernels_around_them():
+    from mstar_common.bench.fusion import idle_gaps
+
+    # a kernel that ends inside an earlier one opens no gap; the gap after it is the earlier one's
+    step = [(0.0, 10.0, "long"), (1.0, 3.0, "short"), (12.0, 13.0, "next"), (13.0, 14.0, "last")]
+    second = [(start + 20.0, end + 20.0, name) for start, end, name in step]
+    gaps = idle_gaps(step + second, replays=2)
+    assert gaps == [{"between": "last -> long", "us_per_step": 3.0, "calls_per_step": 0.5},
+                    {"between": "long -> next", "us_per_step": 2.0, "calls_per_step": 1.0}]
