@@ -262,7 +262,7 @@ def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, bound
                 # the k-th largest maximum (0 when there are fewer than k maxima)
                 lo = _largest_reaching(e, top_k, lo, False)
             else:
-                target = top_p * _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
+                target = top_p * row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
                 if tl.sum(tl.maximum(e, 0.0), axis=0) >= target:
                     lo = _largest_reaching(e, target, lo, True)  # the maxima at or above it hold the target
             bound = lo.to(tl.float32, bitcast=True)
@@ -307,7 +307,7 @@ def _gather_kernel(x_ptr, temp_ptr, top_k_ptr, max_ptr, sub_max_ptr, bound_ptr, 
 
 
 @triton.jit
-def _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD: tl.constexpr):
+def row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD: tl.constexpr):
     """The row's `sum(exp(s - top))`, from each chunk's sum relative to its own maximum (chunk order)."""
     c = tl.arange(0, CHUNKS_PAD)
     chunk_max = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -362,7 +362,7 @@ def _resolve_kernel(top_k_ptr, top_p_ptr, max_ptr, chunk_z_ptr, bound_ptr, count
                     tl.debug_barrier()
                 else:
                     top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
-                    target = top_p * _row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
+                    target = top_p * row_z(max_ptr, chunk_z_ptr, row, num_chunks, top, CHUNKS_PAD)
                     done = (tl.sum(tl.where(kept, e, 0.0), axis=0) >= target).to(tl.int32)  # the bound holds
                 mass_above = _above(packed, total, e, True, 16)
                 cut = tl.maximum(cut, tl.min(tl.where(kept & (mass_above < target), e, 2.0), axis=0))
@@ -539,7 +539,10 @@ class ChunkedSearch:
         self.grid = (num_rows, self.num_chunks)
         self.last = 0
 
-    def run(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+    def run(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+            after_fast_path=None) -> None:
+        """`after_fast_path(self)`, if given, runs after the fast path has marked the rows it finished (`done`) and
+        may mark more (mstar_kernels/sampling.py draws some top-p rows by rejection there)."""
         x, num_rows = self.logits, self.logits.shape[0]
         common = dict(CHUNK=CHUNK, SUB=SUB, S=CANDIDATES, CHUNKS_PAD=self.chunks_pad, num_warps=8)
         _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.sub_max, self.chunk_z,
@@ -555,6 +558,8 @@ class ChunkedSearch:
                                      self.ends, self.packed, self.done, self.fast_cut, self.vocab, self.num_chunks,
                                      CAP_CHUNK=FAST_CAP_CHUNK, CAP=FAST_CAP, CHUNKS_PAD=self.chunks_pad,
                                      LOG_CHUNKS_PAD=self.chunks_pad.bit_length() - 1, num_warps=8)
+        if after_fast_path is not None:
+            after_fast_path(self)
         _scaled_copy_kernel[self.grid](x, temperature, top_k, top_p, self.done, self.scaled, x.stride(0), self.vocab,
                                        CHUNK=CHUNK, num_warps=8)
         launch, steps = 0, search_steps()

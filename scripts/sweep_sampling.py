@@ -4,7 +4,8 @@ sort-free kernel (mstar_kernels/top_k_top_p.py), and the whole `sample_on_device
 The default width is Orpheus's audio window (28,672 logits: one program a row); `--vocab 151936` is Qwen3's whole
 vocabulary (the chunked search). `--top-k` adds a top-k cut to every row (0: top-p alone); the whole sampler is
 also timed with both filters off (temperature alone), and as the engine's temperature-alone graph variant runs it
-(`filters=False`: `sampler_plain_us`; `_bf16`: from bf16 logits). The result decides `MSTAR_TOP_P_KERNEL`. Past
+(`filters=False`: `sampler_plain_us`; `_bf16`: from bf16 logits), and with `MSTAR_TOP_P_REJECT`'s rejection for the
+rows the fast path declines (`sampler_reject_us`). The result decides `MSTAR_TOP_P_KERNEL`. Past
 32,768 logits the chunked search is timed with its fast path (`MSTAR_TOP_P_FAST`, the default) and without
 (`_chain_us`); `--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of the
 vocabulary and the fast path declines it; 8 is a peaked one), and `--decay A` subtracts `A * log(1 + column)`, a
@@ -143,6 +144,11 @@ def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6, decay
                                                       filters=False), calls=5), 1)
         row["sampler_bf16_us"] = round(graph_time_us(lambda: sampling.sample_on_device(
             logits.to(torch.bfloat16), greedy, temperature, top_k, top_p, min_p, seeds), calls=5), 1)
+    if chunked and hasattr(sampling, "_REJECT"):  # MSTAR_TOP_P_REJECT: the rows the fast path declines
+        saved, sampling._REJECT = sampling._REJECT, True
+        row["sampler_reject_us"] = round(graph_time_us(
+            lambda: sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds), calls=5), 1)
+        sampling._REJECT = saved
     return row
 
 

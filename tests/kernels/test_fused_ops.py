@@ -248,6 +248,53 @@ def test_rows_with_no_filter_draw_by_the_inverse_cdf(vocab):
     assert len(set(drawn[:, 1].tolist())) == len(drawn)  # a flat row: every step draws another token
 
 
+@pytest.mark.parametrize("vocab", sweep([151_936], [33_000]))
+def test_flat_top_p_rows_drawn_by_rejection(vocab, monkeypatch):
+    """`MSTAR_TOP_P_REJECT`: a top-p row (min-p allowed) that the fast path declines takes the first of its
+    candidates (the inverse CDF of the whole softmax at its uniforms 0..7) that the composed filters keep; a row
+    whose candidates all fall outside its nucleus, a row the fast path finishes, a top-k row and a greedy row keep
+    the tokens they draw without rejection."""
+    import mstar_kernels.sampling as sampling
+    from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
+    from mstar_kernels.top_k_top_p import ChunkedSearch
+
+    gen = torch.Generator().manual_seed(21)
+    rows = 7
+    logits = torch.randn(rows, vocab, generator=gen) / 0.6  # flat: top-p keeps thousands, the fast path declines
+    logits[2, :5000] = float("-inf")
+    logits[6] *= 8  # peaked: the fast path finishes it
+    logits = logits.to(DEVICE)
+    col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    is_greedy = col([False, False, False, True, False, False, False], torch.bool)
+    temperature = col([1.0, 0.7, 1.0, 1.0, 0.9, 1.0, 1.0], torch.float32)
+    top_k = col([vocab] * 5 + [20, vocab], torch.int32)
+    top_p = col([0.8, 0.9, 0.95, 0.8, 0.3, 0.8, 0.9], torch.float32)
+    min_p = col([0.0, 0.0, 0.0, 0.0, 0.0005, 0.0, 0.0], torch.float32)
+    kept = torch.isfinite(apply_min_p(apply_top_k_top_p(logits / temperature[:, None], top_k[:, None].long(),
+                                                         top_p[:, None]), min_p[:, None]))
+    search = ChunkedSearch(logits)
+    search.run(temperature, top_k, top_p, min_p)
+    declined = (~is_greedy) & (top_k == vocab) & (search.done == 0)
+    assert declined.tolist() == [True, True, True, False, True, False, False]
+    drawn = 0
+    for step in range(4):
+        seeds = col([step * 1000 + 31 * r + 7 for r in range(rows)], torch.int64)
+        args = (logits, is_greedy, temperature, top_k, top_p, min_p, seeds)
+        monkeypatch.setattr(sampling, "_REJECT", False)
+        plain = sampling.sample_wide(*args)
+        monkeypatch.setattr(sampling, "_REJECT", True)
+        tokens = sampling.sample_wide(*args)
+        candidates = torch.stack([sampling.inverse_cdf_ref(logits, temperature, sampling.row_uniforms(seeds, k))
+                                  for k in range(sampling.REJECT_CANDIDATES)], dim=1)
+        inside = kept.gather(1, candidates)
+        first = candidates.gather(1, inside.int().argmax(dim=1, keepdim=True))[:, 0]
+        expected = torch.where(declined & inside.any(dim=1), first, plain)
+        assert torch.equal(tokens, expected), (step, tokens.tolist(), expected.tolist())
+        assert kept.gather(1, tokens[:, None])[:, 0][~is_greedy].all()  # every sampled token is inside its nucleus
+        drawn += int((declined & inside.any(dim=1)).sum())
+    assert drawn >= 12  # most declined rows were drawn by rejection
+
+
 def test_the_inverse_cdf_draws_follow_the_softmax():
     """The rows' uniforms are uniform on [0, 1) and uncorrelated across seeds, and a row whose mass sits in six
     columns spread over four chunks draws each at its softmax probability."""
