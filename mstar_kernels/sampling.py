@@ -53,7 +53,7 @@ from mstar_kernels.top_k_top_p import (
 )
 
 _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
-_REJECT = os.environ.get("MSTAR_TOP_P_REJECT", "0") == "1"  # (the same)
+_REJECT = os.environ.get("MSTAR_TOP_P_REJECT", "0") == "1"  # docs/deployment.md "Kernel switches"
 REJECT_CANDIDATES = 8
 
 

@@ -156,10 +156,10 @@ def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, decay: float
     """`sample_on_device` (top_p 0.8, temperature 0.7, the `--top-k` cut) under torch's profiler, eagerly: each
     kernel's mean GPU time a call, with the fast path and without, and with temperature alone (`filters=False`)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import mstar_kernels.sampling as sampling
     import mstar_kernels.top_k_top_p as filters
+    from mstar_common.bench.gpu_timing import profiled
 
     logits = random_logits(rows, vocab, std, decay, "cuda")
     top_k = torch.full((rows,), top_k_cut or vocab, dtype=torch.int32, device="cuda")
@@ -173,16 +173,8 @@ def profile_rows(rows: int, vocab: int, top_k_cut: int, std: float, decay: float
                                     ("temperature_alone", True, off, {"filters": False})):
         filters.FAST_PATH = fast
 
-        def call(cuts=cuts, extra=extra):
-            sampling.sample_on_device(logits, greedy, temperature, *cuts, min_p, seeds, **extra)
-
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                call()
-            torch.cuda.synchronize()
+        prof = profiled(lambda cuts=cuts, extra=extra: sampling.sample_on_device(
+            logits, greedy, temperature, *cuts, min_p, seeds, **extra), calls)
         kernels = {}
         for event in prof.key_averages():
             if str(getattr(event, "device_type", "")).endswith("CUDA") and event.count:

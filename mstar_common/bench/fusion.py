@@ -179,8 +179,7 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
     kernels show as the difference. `prefill` (rows, prompt length): also a step of that many fresh prompts,
     replayed from the smallest captured prefill/mixed bucket that holds it. `sampling`: the rows sample as each of
     these `SAMPLING` settings says, each step replaying its graph variant."""
-    from torch.profiler import ProfilerActivity, profile
-
+    from mstar_common.bench.gpu_timing import profiled
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
 
@@ -197,13 +196,7 @@ def profile_step(checkpoint: str | Path, family: str, batch_sizes: list[int], co
         batch = _prefill_batch(rows, prompt_len, page_size, mode) if prompt_len else None
         _, replay = _staged_replay(graphs, rows, context_len, page_size, batch, mode)
         step_ms = event_time_ms(replay)
-        for _ in range(3):
-            replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                replay()
-            torch.cuda.synchronize()
+        prof = profiled(replay, replays)
         kernels: dict[str, list[float]] = {}
         timeline = []
         for event in prof.events():

@@ -76,3 +76,19 @@ def event_time_ms(fn: Callable[[], object], repeats: int = 50, warmup: int = 5) 
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def profiled(fn: Callable[[], object], calls: int, warmup: int = 3):
+    """torch's CUDA profiler over `calls` back-to-back calls of `fn`, after `warmup` calls; returns the profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
