@@ -20,12 +20,14 @@ a row takes depends on its own parameters only, so a token still depends only on
 `filters=False` (the engine's `temperature alone` graph variant, when no row of a step filters) skips the search's
 launches altogether.
 
-With `MSTAR_TOP_P_REJECT=1` (off by default: built and checked in Triton's interpreter, not yet timed on a GPU), a
-row with top-p alone (min-p allowed) that the search's fast path declines, a flat row whose nucleus holds thousands
-of tokens, is drawn by rejection instead of the search: `REJECT_CANDIDATES` tokens drawn from the whole softmax by
-the inverse CDF, one pass that sums the mass strictly above each, and the first candidate with less than
-`top_p * Z` above it (and at or above min-p's floor) is the token, an exact draw from the nucleus. A row whose
-candidates all fall outside it (probability at most `(1 - top_p) ** REJECT_CANDIDATES`) takes the search.
+By default (`MSTAR_TOP_P_REJECT=0` turns it off), a row with top-p alone (min-p allowed) that the search's fast path
+declines, a flat row whose nucleus holds thousands of tokens, is drawn by rejection instead of the search:
+`REJECT_CANDIDATES` tokens drawn from the whole softmax by the inverse CDF, one pass that sums the mass strictly
+above each, and the first candidate with less than `top_p * Z` above it (and at or above min-p's floor) is the
+token, an exact draw from the nucleus. A row whose candidates all fall outside it (probability at most
+`(1 - top_p) ** REJECT_CANDIDATES`) takes the search. On the H200 (scripts/sweep_sampling.py --vocab 151936, flat
+rows, top-p 0.8, 2026-12-03) the sampler took 47 / 63 / 127 / 372 us at 1 / 16 / 64 / 256 rows, against the
+search's 95 / 196 / 624 / 2,442.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_common.config import env_switch
 from mstar_common.engine.sampler import apply_min_p, apply_top_k_top_p
 from mstar_kernels import argmax
 from mstar_kernels._pdl import gdc_enter, pdl_launch
@@ -53,7 +56,7 @@ from mstar_kernels.top_k_top_p import (
 )
 
 _SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
-_REJECT = os.environ.get("MSTAR_TOP_P_REJECT", "0") == "1"  # docs/deployment.md "Kernel switches"
+_REJECT = env_switch("MSTAR_TOP_P_REJECT", True)  # docs/deployment.md "Kernel switches"
 REJECT_CANDIDATES = 8
 
 

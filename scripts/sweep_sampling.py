@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Times the on-device sampling filters inside captured CUDA graphs: the sorted top-k/top-p form against the
-sort-free kernel (mstar_kernels/top_k_top_p.py), and the whole `sample_on_device` with each, for 1 to 256 rows.
-The default width is Orpheus's audio window (28,672 logits: one program a row); `--vocab 151936` is Qwen3's whole
-vocabulary (the chunked search). `--top-k` adds a top-k cut to every row (0: top-p alone); the whole sampler is
-also timed with both filters off (temperature alone), and as the engine's temperature-alone graph variant runs it
-(`filters=False`: `sampler_plain_us`; `_bf16`: from bf16 logits), and with `MSTAR_TOP_P_REJECT`'s rejection for the
-rows the fast path declines (`sampler_reject_us`). The result decides `MSTAR_TOP_P_KERNEL`. Past
+"""Times the on-device sampling filters inside captured CUDA graphs: the sorted top-k/top-p form against the sort-free
+kernel (mstar_kernels/top_k_top_p.py), and the whole `sample_on_device` with each, for 1 to 256 rows. The default
+width is Orpheus's audio window (28,672 logits: one program a row); `--vocab 151936` is Qwen3's whole vocabulary
+(the chunked search). `--top-k` adds a top-k cut to every row (0: top-p alone); the whole sampler is also timed with
+both filters off (temperature alone), and as the engine's temperature-alone graph variant runs it (`filters=False`:
+`sampler_plain_us`; `_bf16`: from bf16 logits), and with and without `MSTAR_TOP_P_REJECT`'s rejection for the rows
+the fast path declines (`sampler_reject_us`, `sampler_search_us`). The result decides `MSTAR_TOP_P_KERNEL`. Past
 32,768 logits the chunked search is timed with its fast path (`MSTAR_TOP_P_FAST`, the default) and without
-(`_chain_us`); `--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of the
-vocabulary and the fast path declines it; 8 is a peaked one), and `--decay A` subtracts `A * log(1 + column)`, a
+(`_chain_us`); `--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of
+the vocabulary and the fast path declines it; 8 is a peaked one), and `--decay A` subtracts `A * log(1 + column)`, a
 stand-in for a vocabulary ordered by frequency, where the likely tokens crowd the first columns.
 Which rows the fast path finishes, for top-k 20/50/100, top-p 0.9/0.95 and top-k 20 + top-p 0.8 (any device; on
 the CPU with TRITON_INTERPRET=1): python scripts/sweep_sampling.py --vocab 151936 --coverage 2 [--std S] [--decay A]
@@ -145,9 +145,12 @@ def time_rows(rows: int, vocab: int, top_k_cut: int, std: float = 1 / 0.6, decay
         row["sampler_bf16_us"] = round(graph_time_us(lambda: sampling.sample_on_device(
             logits.to(torch.bfloat16), greedy, temperature, top_k, top_p, min_p, seeds), calls=5), 1)
     if chunked and hasattr(sampling, "_REJECT"):  # MSTAR_TOP_P_REJECT: the rows the fast path declines
-        saved, sampling._REJECT = sampling._REJECT, True
-        row["sampler_reject_us"] = round(graph_time_us(
-            lambda: sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds), calls=5), 1)
+        saved = sampling._REJECT
+        for label, reject in (("reject", True), ("search", False)):
+            sampling._REJECT = reject
+            row[f"sampler_{label}_us"] = round(graph_time_us(
+                lambda: sampling.sample_on_device(logits, greedy, temperature, top_k, top_p, min_p, seeds),
+                calls=5), 1)
         sampling._REJECT = saved
     return row
 

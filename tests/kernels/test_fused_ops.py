@@ -142,8 +142,11 @@ def test_device_sampler_greedy_filters_and_seeds():
 @pytest.mark.parametrize("vocab", sweep([28_672, 151_936], [1000]))
 def test_device_sampler_draws_the_same_tokens_with_the_sort_free_filter(monkeypatch, vocab):
     """MSTAR_TOP_P_KERNEL: the same kept sets feed the same seeded race, so the same tokens come out (at an
-    audio window in one program a row, and at an LM's whole vocabulary by the chunked search)."""
+    audio window in one program a row, and at an LM's whole vocabulary by the chunked search). Rejection for
+    flat top-p rows (MSTAR_TOP_P_REJECT) is another exact draw, with other tokens: off here."""
     import mstar_kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "_REJECT", False)
 
     gen = torch.Generator().manual_seed(1)
     rows = 6
@@ -168,7 +171,8 @@ def test_the_fused_wide_draw_equals_the_filters_composed(vocab, fast, monkeypatc
     (a cut row reads only the 512 columns whose maximum reaches its cut); its tokens equal the composed form's
     (tempered copy, filtered copy, min-p, noised argmax, greedy argmax; temperature alone: the inverse CDF at the
     row's uniform), row by row: greedy, temperature alone, top-k, top-p, both, min-p, and all of them; with the
-    search's fast path and without."""
+    search's fast path and without. (A flat top-p row drawn by rejection is tested below; off here.)"""
+    import mstar_kernels.sampling as sampling
     import mstar_kernels.top_k_top_p as filters
     from mstar_common.engine.sampler import apply_min_p
     from mstar_kernels.argmax import gumbel_argmax, row_argmax
@@ -187,6 +191,7 @@ def test_the_fused_wide_draw_equals_the_filters_composed(vocab, fast, monkeypatc
     min_p = col([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.1], torch.float32)
 
     monkeypatch.setattr(filters, "FAST_PATH", fast)
+    monkeypatch.setattr(sampling, "_REJECT", False)
 
     def composed(seeds):
         filtered = top_k_top_p_chunked(logits / temperature[:, None], top_k, top_p)
