@@ -47,10 +47,11 @@ def _chunk_max_kernel(x_ptr, seed_ptr, seen_ptr, slot_ptr, factor_ptr, val_ptr, 
     mask = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
     if PENALTY:  # HF's repetition penalty on the ids the row's slot has seen, rounded as torch rounds it
-        slot = tl.load(slot_ptr + row).to(tl.int64)
         factor = tl.load(factor_ptr + row)
-        seen = tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0
-        x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, factor), x * factor), x)
+        if factor != 1.0:  # a row without the penalty leaves its logits as they are and need not read its mask
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            seen = tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0
+            x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, factor), x * factor), x)
     if GUMBEL:
         x = tl.where(mask, x + gumbel_noise(tl.load(seed_ptr + row), chunk * BLOCK, BLOCK), float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)

@@ -109,10 +109,16 @@ def _load(checkpoint: str | Path, family: str, batch_sizes: list[int], context_l
 
 def _decode_graphs(model, config, kv_cache, batch_sizes: list[int], token_buckets: list[int] | None = None,
                    max_rows: int = 1, capture_sampling: bool = False):
+    """The engine's graphs, with the device-side repetition-penalty state the engine keeps on CUDA (its rows carry
+    penalty 1.0: the scratch slot), so that the sampling variants run the penalty's launches as served."""
     from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
+    from mstar_common.engine.model_runner import logits_window
+    from mstar_common.engine.penalty import PenaltyState
 
+    rows = max(batch_sizes + [max_rows])
+    penalty = PenaltyState(rows, *reversed(logits_window(model, config["vocab_size"])), torch.device("cuda"))
     graphs = CudaGraphRunner(model, kv_cache, GraphConfig(batch_sizes, token_buckets or [64], capture_sampling),
-                             max(batch_sizes + [max_rows]), 4096, config["vocab_size"], torch.device("cuda"))
+                             rows, 4096, config["vocab_size"], torch.device("cuda"), penalty)
     graphs.capture()
     return graphs
 
@@ -121,6 +127,9 @@ def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=No
     """Fill the step buffers with `batch` (default: a decode batch of `rows` rows sampling as `sampling` says);
     returns (the batch, its graph's replay)."""
     batch = batch if batch is not None else _decode_batch(rows, context_len, page_size, sampling)
+    if graphs.penalty is not None and len(batch.penalty_slots) < len(batch.sampling_seqs):
+        batch.penalty_slots = [graphs.penalty.scratch] * len(batch.sampling_seqs)
+        batch.penalties = [1.0] * len(batch.sampling_seqs)
     key = graphs.pick(batch)
     graphs._fill(graphs.buffers.host_views(0), batch, key)
     graphs._plan(key, graphs.buffers.host_views(0))  # the attention backend's plan (FlashInfer's; else a no-op)

@@ -254,7 +254,7 @@ class CudaGraphRunner:
                 out.copy_(sampled + offset if offset else sampled)
                 return
             if penalty is not None:
-                logits = penalty.apply(logits.float(), v["penalty_slots"][:rows], v["penalty"][:rows])
+                logits = penalty.apply(logits, v["penalty_slots"][:rows], v["penalty"][:rows])  # fp32
             from mstar_kernels.sampling import sample_on_device
 
             sampled = sample_on_device(logits, v["is_greedy"][:rows], v["temperature"][:rows],

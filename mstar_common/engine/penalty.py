@@ -51,7 +51,13 @@ class PenaltyState:
             self._free.append(slot)
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-        """`logits` `[B, width]` fp32, `slots` `[B]` int, `penalty` `[B]` fp32 -> penalised logits (graph safe)."""
+        """`logits` `[B, width]` (fp32 or the model's dtype), `slots` `[B]` int, `penalty` `[B]` fp32 -> penalised
+        fp32 logits, a new tensor (graph safe). On CUDA one launch (mstar_kernels/penalty.py), the same values."""
+        if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
+            from mstar_kernels.penalty import penalised_logits
+
+            return penalised_logits(logits, self.seen.view(torch.uint8), slots, penalty)
+        logits = logits.float()
         seen = self.seen[slots.long()]
         factor = penalty[:, None]
         penalised = torch.where(logits > 0, logits / factor, logits * factor)
@@ -71,5 +77,10 @@ class PenaltyState:
 
     def record(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
         """Mark each row's sampled window index (graph safe; padding rows write the scratch slot)."""
+        if sampled.is_cuda:
+            from mstar_kernels.penalty import record_seen
+
+            record_seen(self.seen.view(torch.uint8), slots, sampled)
+            return
         flat = slots.long() * self.width + sampled.long()
         self.seen.view(-1).index_fill_(0, flat, True)  # a scalar fill: no host tensor to copy during capture

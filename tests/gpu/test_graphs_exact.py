@@ -223,21 +223,26 @@ def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("filters", [{"top_p": 0.9, "top_k": 50}, {}], ids=["top_k_top_p", "temperature_alone"])
+@pytest.mark.parametrize("filters", [{"top_p": 0.9, "top_k": 50}, {}, {"top_p": 0.8, "repetition_penalty": 1.3}],
+                         ids=["top_k_top_p", "temperature_alone", "top_p_penalty"])
 def test_seeded_sampling_is_the_same_replayed_or_eager(real_shape, filters):
     """Seeded tokens are the same from the captured sampling variant (the full sampler, or temperature alone: the
-    inverse CDF without the search's launches) and from the eager step."""
+    inverse CDF without the search's launches) and from the eager step; under the repetition penalty also from the
+    eager step with the history on the host (the device masks and mstar_kernels/penalty.py against the host rule;
+    a random-weight model's flat rows take top-p by rejection)."""
     prompts = _prompts(2, 64, seed=5)
     params = SamplingParams(max_tokens=32, temperature=0.9, seed=7, ignore_eos=True, **filters)
     outs = []
-    for graphs in (False, True):
+    runs = [(False, None), (True, None)] + ([(False, False)] if "repetition_penalty" in filters else [])
+    for graphs, device_penalty in runs:
         model, config = load_qwen3(real_shape, dtype="bfloat16", device="cuda")
         model.attn_backend = select_attention_backend("cuda", "triton")
         model.enable_fused_ops(True)
         engine = AREngine(model, EngineConfig(num_kv_pages=64, page_size=16, max_num_seqs=2, max_batch_tokens=128,
                                               max_model_len=256, dtype="bfloat16", device="cuda"),
                           eos_token_ids=[], vocab_size=config["vocab_size"],
-                          graphs=GraphConfig([2], [128]) if graphs else None, overlap=graphs)
+                          graphs=GraphConfig([2], [128]) if graphs else None, overlap=graphs,
+                          device_penalty=device_penalty)
         got: dict[str, list[int]] = {}
         for i, ids in enumerate(prompts):
             engine.add_request(str(i), ids, params,
@@ -245,4 +250,4 @@ def test_seeded_sampling_is_the_same_replayed_or_eager(real_shape, filters):
         while engine.step():
             pass
         outs.append(got)
-    assert outs[0] == outs[1]
+    assert all(out == outs[0] for out in outs[1:])

@@ -116,3 +116,33 @@ def test_penalised_argmax_is_penalty_state_apply_argmax_record(vocab, dtype):
     got = penalised_argmax(logits.to(DEVICE), seen, slots.to(DEVICE), factors.to(DEVICE))
     assert torch.equal(got.cpu(), expected)
     assert torch.equal(seen.cpu().bool(), ref_state.seen)
+
+
+@pytest.mark.parametrize("vocab", sweep([151936, 1000], [BLOCK + 9]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalised_logits_and_record_are_penalty_state_apply_and_record(vocab, dtype):
+    """The sampled step's penalty (mstar_kernels/penalty.py, `PenaltyState.apply` and `record` on CUDA) against
+    the torch ops it replaces, bit for bit: positive and negative seen logits, factors above and below 1, -inf,
+    a row with factor 1.0 whose slot has seen ids (left as it is), rows sharing the scratch slot; then the mask
+    after recording, with a token outside the window skipped."""
+    from mstar_common.engine.penalty import PenaltyState
+    from mstar_kernels.penalty import penalised_logits, record_seen
+
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(dtype)
+    logits[2, :: 7] = float("-inf")
+    state = PenaltyState(4, vocab, 0, torch.device("cpu"))  # slots 0-3, scratch 4
+    state.seen[:4] = torch.rand(4, vocab, generator=gen) < 0.3
+    slots = torch.tensor([0, 1, 2, 4, 4, 3], dtype=torch.int32)
+    factors = torch.tensor([1.3, 0.7, 2.0, 1.0, 1.0, 1.0])  # slot 3 has seen ids but its row's factor is 1.0
+    expected = state.apply(logits.float(), slots, factors)
+    assert not torch.equal(expected, logits.float()), "the penalty changes some logits"
+    assert torch.equal(expected[5], logits[5].float())
+    seen = state.seen.to(DEVICE).view(torch.uint8)
+    got = penalised_logits(logits.to(DEVICE), seen, slots.to(DEVICE), factors.to(DEVICE))
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), expected)
+
+    tokens = torch.tensor([5, vocab - 1, 0, 17, 17, vocab], dtype=torch.int64)  # the last is outside: skipped
+    state.record(slots[:5], tokens[:5])
+    record_seen(seen, slots.to(DEVICE), tokens.to(DEVICE))
+    assert torch.equal(seen.cpu().bool(), state.seen)
