@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_kernels.penalty import penalise
 
 BLOCK = 4096
 
@@ -46,12 +47,8 @@ def _chunk_max_kernel(x_ptr, seed_ptr, seen_ptr, slot_ptr, factor_ptr, val_ptr, 
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    if PENALTY:  # HF's repetition penalty on the ids the row's slot has seen, rounded as torch rounds it
-        factor = tl.load(factor_ptr + row)
-        if factor != 1.0:  # a row without the penalty leaves its logits as they are and need not read its mask
-            slot = tl.load(slot_ptr + row).to(tl.int64)
-            seen = tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0
-            x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, factor), x * factor), x)
+    if PENALTY:  # HF's repetition penalty on the ids the row's slot has seen (mstar_kernels/penalty.py)
+        x = penalise(x, seen_ptr, slot_ptr, factor_ptr, row, cols, mask, vocab)
     if GUMBEL:
         x = tl.where(mask, x + gumbel_noise(tl.load(seed_ptr + row), chunk * BLOCK, BLOCK), float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)

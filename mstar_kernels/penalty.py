@@ -28,6 +28,19 @@ BLOCK = 4096
 
 
 @triton.jit
+def penalise(x, seen_ptr, slot_ptr, factor_ptr, row, cols, mask, vocab):
+    """These columns' fp32 logits `x` of `row` under HF's repetition penalty, rounded as torch rounds it: where the
+    row's slot has seen the id, divided by the row's factor if positive, else multiplied. A row at factor 1.0 (the
+    scratch slot of rows without the penalty) is left as it is (x / 1 == x * 1 == x) and its mask is not read."""
+    factor = tl.load(factor_ptr + row)
+    if factor != 1.0:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        seen = tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0
+        x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, factor), x * factor), x)
+    return x
+
+
+@triton.jit
 def _penalised_kernel(x_ptr, seen_ptr, slot_ptr, factor_ptr, out_ptr, stride_x, vocab, BLOCK: tl.constexpr,
                       USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
@@ -35,12 +48,8 @@ def _penalised_kernel(x_ptr, seen_ptr, slot_ptr, factor_ptr, out_ptr, stride_x, 
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    factor = tl.load(factor_ptr + row)
-    if factor != 1.0:  # a row without the penalty (the scratch slot) is its logits as they are: x / 1 == x * 1 == x
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        seen = tl.load(seen_ptr + slot * vocab + cols, mask=mask, other=0) != 0
-        x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, factor), x * factor), x)
-    tl.store(out_ptr + row * vocab + cols, x, mask=mask)
+    tl.store(out_ptr + row * vocab + cols, penalise(x, seen_ptr, slot_ptr, factor_ptr, row, cols, mask, vocab),
+             mask=mask)
 
 
 @triton.jit

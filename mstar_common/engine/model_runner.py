@@ -86,9 +86,7 @@ class HostBatch:
         return all(seq.params.is_greedy for seq in self.sampling_seqs)
 
     def filters(self, vocab_size: int) -> bool:
-        """Whether a sampling row asks for top-k, top-p or min-p (else the sampler's filters can be left out)."""
-        return any(not p.is_greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
-                   for p in (seq.params for seq in self.sampling_seqs))
+        return asks_for_filters(self.sampling_seqs, vocab_size)
 
     @property
     def needs_history(self) -> bool:
@@ -106,6 +104,12 @@ class SamplingColumns:
     top_p: list[float]
     min_p: list[float]
     seeds: list[int]
+
+
+def asks_for_filters(seqs: list[Sequence], vocab_size: int) -> bool:
+    """Whether a sampling row asks for top-k, top-p or min-p (else the sampler's filters can be left out)."""
+    return any(not p.is_greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+               for p in (seq.params for seq in seqs))
 
 
 def sampling_columns(seqs: list[Sequence], vocab_size: int) -> SamplingColumns:
@@ -301,9 +305,7 @@ class ModelRunner:
             else:
                 from mstar_kernels.sampling import sample_on_device
 
-                width = logits.shape[-1]
-                rows = zip(cols.is_greedy, cols.top_k, cols.top_p, cols.min_p, strict=True)
-                filters = any(not greedy and (k < width or p < 1.0 or m > 0.0) for greedy, k, p, m in rows)
+                filters = asks_for_filters(seqs, logits.shape[-1])
                 tokens = sample_on_device(
                     logits, column(cols.is_greedy, torch.bool), column(cols.temperature, torch.float32),
                     column(cols.top_k, torch.int32), column(cols.top_p, torch.float32),
