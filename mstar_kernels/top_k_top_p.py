@@ -123,6 +123,17 @@ CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
 FAST_CAP_CHUNK = 128  # the fast path's gathered tokens a chunk ...
 FAST_CAP = 1024  # ... and a row; a row with more is left to the search
 FAST_PATH = os.environ.get("MSTAR_TOP_P_FAST", "1") != "0"  # docs/deployment.md "Kernel switches"
+
+
+def search_groups(num_rows: int, num_chunks: int) -> int:
+    """Programs a row takes in each search launch, each over every `groups`-th chunk. `MSTAR_SEARCH_PROGRAMS=N`
+    spreads about N programs over the rows; unset or 0, one program a chunk. (Probe, 2026-12-03: a launch whose rows
+    the fast path finished still costs its programs' start, 3 us for 64 rows x 38 chunks on the H200; not timed.)"""
+    raw = os.environ.get("MSTAR_SEARCH_PROGRAMS", "0") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"MSTAR_SEARCH_PROGRAMS={raw!r}: expected a non-negative integer")
+    target = int(raw)
+    return num_chunks if target == 0 else max(1, min(num_chunks, -(-target // max(1, num_rows))))
 _TOP_K, _TOP_P = 0, 1
 
 
@@ -389,12 +400,13 @@ def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_
                         cut_ptr, z_ptr, done_ptr, vocab, num_chunks, MODE: tl.constexpr, FIRST: tl.constexpr,
                         RESOLVE_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, S: tl.constexpr,
                         CHUNKS_PAD: tl.constexpr):
-    """One narrowing step of one search for one (row, chunk): narrow the row's interval by the last launch's
-    totals (or start it), record it, and write this chunk's counts (top-k) or masses (top-p) at its candidates.
-    RESOLVE_K (top-p's first launch): finish the top-k search first and record its cut in `cut`. A row the fast
-    path finished returns at once."""
+    """One narrowing step of one search for one row and the chunks `program_id(1)`, `+ num_programs(1)`, ...:
+    narrow the row's interval by the last launch's totals (or start it), record it, and write each chunk's counts
+    (top-k) or masses (top-p) at its candidates. RESOLVE_K (top-p's first launch): finish the top-k search first
+    and record its cut in `cut`. A row the fast path finished returns at once, so a launch whose rows are all done
+    costs one program per (row, chunk group), not per (row, chunk)."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    first_chunk = tl.program_id(1)
     if tl.load(done_ptr + row) != 0:
         return
     top_k = tl.load(top_k_ptr + row)
@@ -408,7 +420,7 @@ def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_
         if RESOLVE_K:
             if top_k < vocab:
                 k_cut, _ = _narrow(part_in_ptr, state_in_ptr, row, num_chunks, top_k, target, 0, CHUNKS_PAD, S)
-                if chunk == 0:
+                if first_chunk == 0:
                     tl.store(cut_ptr + row, k_cut)
         if top_p >= 1.0:
             return
@@ -426,7 +438,7 @@ def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_
             hi = tl.full([], _BITS_OF_ONE, dtype=tl.int32)  # mass(e > 1.0) = 0 < target
     else:
         lo, hi = _narrow(part_in_ptr, state_in_ptr, row, num_chunks, top_k, target, MODE, CHUNKS_PAD, S)
-    if chunk == 0:
+    if first_chunk == 0:
         tl.store(state_out_ptr + row * 2, lo)
         tl.store(state_out_ptr + row * 2 + 1, hi)
     cand = _candidates(lo, hi, S)
@@ -435,31 +447,32 @@ def _search_step_kernel(s_ptr, top_k_ptr, top_p_ptr, max_ptr, part_in_ptr, part_
     k_cut_f = k_cut.to(tl.float32, bitcast=True)
     thresholds = tl.maximum(cand, 0).to(tl.float32, bitcast=True)[:, None]  # [S, 1]; top-k's are never below 0
     top = row_max(max_ptr, row, num_chunks, CHUNKS_PAD)
-    inside = tl.zeros([S, SUB], dtype=tl.float32)
-    above = tl.zeros([SUB], dtype=tl.float32)
-    z_part = tl.zeros([SUB], dtype=tl.float32)
-    for start in tl.static_range(0, CHUNK, SUB):
-        cols = chunk * CHUNK + start + tl.arange(0, SUB)
-        e, keep = _row_e(s_ptr, row, cols, vocab, top)
-        # Only the elements inside [lo, hi] tell the candidates apart; those above add to every one of them.
-        if MODE == 0:
-            above += (e >= hi_f).to(tl.float32)
-            window = tl.where((e >= lo_f) & (e < hi_f), e, -1.0)  # -1: below every candidate
-            if tl.max(window, axis=0) >= 0.0:
-                inside += (window[None, :] >= thresholds).to(tl.float32)
-        else:
-            e = tl.where(keep & (e >= k_cut_f), e, 0.0)
+    for chunk in range(first_chunk, num_chunks, tl.num_programs(1)):
+        inside = tl.zeros([S, SUB], dtype=tl.float32)
+        above = tl.zeros([SUB], dtype=tl.float32)
+        z_part = tl.zeros([SUB], dtype=tl.float32)
+        for start in tl.static_range(0, CHUNK, SUB):
+            cols = chunk * CHUNK + start + tl.arange(0, SUB)
+            e, keep = _row_e(s_ptr, row, cols, vocab, top)
+            # Only the elements inside [lo, hi] tell the candidates apart; those above add to every one of them.
+            if MODE == 0:
+                above += (e >= hi_f).to(tl.float32)
+                window = tl.where((e >= lo_f) & (e < hi_f), e, -1.0)  # -1: below every candidate
+                if tl.max(window, axis=0) >= 0.0:
+                    inside += (window[None, :] >= thresholds).to(tl.float32)
+            else:
+                e = tl.where(keep & (e >= k_cut_f), e, 0.0)
+                if FIRST:
+                    z_part += e
+                above += tl.where(e > hi_f, e, 0.0)
+                window = tl.where((e >= lo_f) & (e <= hi_f), e, 0.0)  # 0: above no candidate
+                if tl.max(window, axis=0) > 0.0:
+                    inside += tl.where(window[None, :] > thresholds, window[None, :], 0.0)
+        part = tl.sum(inside, axis=1) + tl.sum(above, axis=0)
+        tl.store(part_out_ptr + (row * num_chunks + chunk) * S + tl.arange(0, S), part)
+        if MODE == 1:
             if FIRST:
-                z_part += e
-            above += tl.where(e > hi_f, e, 0.0)
-            window = tl.where((e >= lo_f) & (e <= hi_f), e, 0.0)  # 0: above no candidate
-            if tl.max(window, axis=0) > 0.0:
-                inside += tl.where(window[None, :] > thresholds, window[None, :], 0.0)
-    part = tl.sum(inside, axis=1) + tl.sum(above, axis=0)
-    tl.store(part_out_ptr + (row * num_chunks + chunk) * S + tl.arange(0, S), part)
-    if MODE == 1:
-        if FIRST:
-            tl.store(z_ptr + row * num_chunks + chunk, tl.sum(z_part, axis=0))
+                tl.store(z_ptr + row * num_chunks + chunk, tl.sum(z_part, axis=0))
 
 
 @triton.jit
@@ -537,6 +550,7 @@ class ChunkedSearch:
         self.k_cut = torch.zeros(num_rows, dtype=torch.int32, device=device)  # top-k off: keep every e >= 0
         self.z = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
         self.grid = (num_rows, self.num_chunks)
+        self.search_grid = (num_rows, search_groups(num_rows, self.num_chunks))
         self.last = 0
 
     def run(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -566,7 +580,7 @@ class ChunkedSearch:
         for mode in (_TOP_K, _TOP_P):
             for step in range(steps):
                 src, dst = launch % 2, (launch + 1) % 2
-                _search_step_kernel[self.grid](self.scaled, top_k, top_p, self.row_max, self.parts[src],
+                _search_step_kernel[self.search_grid](self.scaled, top_k, top_p, self.row_max, self.parts[src],
                                                self.parts[dst], self.states[src], self.states[dst], self.k_cut, self.z,
                                                self.done, self.vocab, self.num_chunks, MODE=mode, FIRST=step == 0,
                                                RESOLVE_K=mode == _TOP_P and step == 0, **common)

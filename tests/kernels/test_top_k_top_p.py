@@ -99,6 +99,18 @@ def test_wide_vocabularies_take_the_chunked_search(vocab):
     assert not kept[2, : vocab // 3].any()
 
 
+@pytest.mark.parametrize("programs", [1, 14, 1000])
+def test_a_search_launch_over_chunk_groups_keeps_what_one_program_a_chunk_keeps(programs, monkeypatch):
+    """`MSTAR_SEARCH_PROGRAMS`: each of a row's programs loops over every `groups`-th chunk (1 program a row; 2;
+    one a chunk), with every row sent through the search: bit-equal kept sets."""
+    vocab = sweep(151_936, 33_000)
+    logits, top_k, top_p = _rows(vocab, seed=3)
+    expected = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
+    monkeypatch.setenv("MSTAR_SEARCH_PROGRAMS", str(programs))
+    got = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
+    assert torch.equal(got, expected)
+
+
 def _search(logits, top_k, top_p):
     search = ChunkedSearch(logits, fast=True)
     ones = torch.ones(len(logits), device=logits.device)
