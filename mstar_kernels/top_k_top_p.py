@@ -125,15 +125,27 @@ FAST_CAP = 1024  # ... and a row; a row with more is left to the search
 FAST_PATH = os.environ.get("MSTAR_TOP_P_FAST", "1") != "0"  # docs/deployment.md "Kernel switches"
 
 
-def search_groups(num_rows: int, num_chunks: int) -> int:
+SEARCH_PROGRAMS_PER_SM = 8  # the default spread of a search launch (H200: 1,056 programs)
+
+
+def search_groups(num_rows: int, num_chunks: int, device: torch.device) -> int:
     """Programs a row takes in each search launch, each over every `groups`-th chunk. `MSTAR_SEARCH_PROGRAMS=N`
-    spreads about N programs over the rows; unset or 0, one program a chunk. (Probe, 2026-12-03: a launch whose rows
-    the fast path finished still costs its programs' start, 3 us for 64 rows x 38 chunks on the H200; not timed.)"""
-    raw = os.environ.get("MSTAR_SEARCH_PROGRAMS", "0") or "0"
-    if not raw.isdigit():
+    spreads about N programs over the rows; 0 gives one program a chunk (as before 2026-12-04); unset, 8 a
+    streaming multiprocessor on CUDA (one a chunk elsewhere). A launch whose rows the fast path finished still
+    starts all its programs: 64 rows x 38 chunks took 160.7 us for a top-k 20 + top-p 0.8 draw on the H200
+    against 144.0 at 1,056 programs, and a launch whose rows all search was not slower (docs/benchmarks.md)."""
+    raw = os.environ.get("MSTAR_SEARCH_PROGRAMS", "")
+    if raw and not raw.isdigit():
         raise ValueError(f"MSTAR_SEARCH_PROGRAMS={raw!r}: expected a non-negative integer")
-    target = int(raw)
+    if raw:
+        target = int(raw)
+    elif device.type == "cuda":
+        target = SEARCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 0
     return num_chunks if target == 0 else max(1, min(num_chunks, -(-target // max(1, num_rows))))
+
+
 _TOP_K, _TOP_P = 0, 1
 
 
@@ -550,7 +562,7 @@ class ChunkedSearch:
         self.k_cut = torch.zeros(num_rows, dtype=torch.int32, device=device)  # top-k off: keep every e >= 0
         self.z = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
         self.grid = (num_rows, self.num_chunks)
-        self.search_grid = (num_rows, search_groups(num_rows, self.num_chunks))
+        self.search_grid = (num_rows, search_groups(num_rows, self.num_chunks, device))
         self.last = 0
 
     def run(self, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

@@ -16,6 +16,7 @@ from mstar_kernels.top_k_top_p import (  # noqa: E402
     FAST_CAP_CHUNK,
     MAX_VOCAB,
     ChunkedSearch,
+    search_groups,
     search_steps,
     top_k_top_p,
     top_k_top_p_chunked,
@@ -109,6 +110,23 @@ def test_a_search_launch_over_chunk_groups_keeps_what_one_program_a_chunk_keeps(
     monkeypatch.setenv("MSTAR_SEARCH_PROGRAMS", str(programs))
     got = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
     assert torch.equal(got, expected)
+
+
+def test_search_groups_spread_and_refusal(monkeypatch):
+    """The launch's programs a row: `MSTAR_SEARCH_PROGRAMS` over the rows, capped at one a chunk; 0 or (off CUDA)
+    unset, one a chunk; on CUDA unset, 8 a multiprocessor; a malformed value is refused with its name."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("MSTAR_SEARCH_PROGRAMS", raising=False)
+    assert search_groups(64, 38, cpu) == 38
+    if DEVICE == "cuda":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert search_groups(64, 38, torch.device("cuda")) == min(38, -(-8 * sms // 64))
+    for raw, rows, groups in [("0", 64, 38), ("1000", 64, 16), ("1000", 1, 38), ("1", 256, 1), ("264", 64, 5)]:
+        monkeypatch.setenv("MSTAR_SEARCH_PROGRAMS", raw)
+        assert search_groups(rows, 38, cpu) == groups
+    monkeypatch.setenv("MSTAR_SEARCH_PROGRAMS", "-3")
+    with pytest.raises(ValueError, match="MSTAR_SEARCH_PROGRAMS='-3'"):
+        search_groups(64, 38, cpu)
 
 
 def _search(logits, top_k, top_p):
