@@ -135,9 +135,9 @@ def search_groups(num_rows: int, num_chunks: int, device: torch.device) -> int:
     starts all its programs: 64 rows x 38 chunks took 160.7 us for a top-k 20 + top-p 0.8 draw on the H200
     against 144.0 at 1,056 programs, and a launch whose rows all search was not slower (docs/benchmarks.md)."""
     raw = os.environ.get("MSTAR_SEARCH_PROGRAMS", "")
-    if raw and not raw.isdigit():
-        raise ValueError(f"MSTAR_SEARCH_PROGRAMS={raw!r}: expected a non-negative integer")
     if raw:
+        if not raw.isdigit():
+            raise ValueError(f"MSTAR_SEARCH_PROGRAMS={raw!r}: expected a non-negative integer")
         target = int(raw)
     elif device.type == "cuda":
         target = SEARCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -593,9 +593,10 @@ class ChunkedSearch:
             for step in range(steps):
                 src, dst = launch % 2, (launch + 1) % 2
                 _search_step_kernel[self.search_grid](self.scaled, top_k, top_p, self.row_max, self.parts[src],
-                                               self.parts[dst], self.states[src], self.states[dst], self.k_cut, self.z,
-                                               self.done, self.vocab, self.num_chunks, MODE=mode, FIRST=step == 0,
-                                               RESOLVE_K=mode == _TOP_P and step == 0, **common)
+                                                      self.parts[dst], self.states[src], self.states[dst], self.k_cut,
+                                                      self.z, self.done, self.vocab, self.num_chunks, MODE=mode,
+                                                      FIRST=step == 0, RESOLVE_K=mode == _TOP_P and step == 0,
+                                                      **common)
                 launch += 1
         self.last = launch % 2
 
