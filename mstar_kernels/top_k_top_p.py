@@ -20,13 +20,14 @@ filters off returns from every launch at once. Only the elements inside the curr
 against each candidate; those above it add to every candidate at once.
 
 Most rows never reach those launches: a fast path (`MSTAR_TOP_P_FAST`, on by default) bounds each row's cut from
-below by the maxima of its 512-column blocks (top-k: the k-th largest maximum, as k distinct tokens reach it;
+below by the maxima of its 512-column blocks (top-k: the k-th largest maximum, as k distinct tokens reach it; the
+maxima of its 128-column blocks for a k above half its 512-column blocks, of which Qwen3's 151,936 make 297;
 top-p alone: the largest maximum whose maxima at or above it already hold `top_p` of the row's mass), gathers
 the few tokens at or above the bound (reading only the blocks whose maximum reaches it; a chunk that gathers too
 many under a small top-k keeps only its own k largest) and cuts them in one program a row, by rank: the k-th
 largest is the smallest token with fewer than k tokens above it, the top-p cut the smallest kept token with less
 than `top_p * Z` of kept mass above it, the values the bisections find. A row whose bound does not hold (top-p
-over a flat row, top-k past the row's number of blocks) or whose gathered tokens overflow (more than
+over a flat row, top-k past the row's number of 128-column blocks) or whose gathered tokens overflow (more than
 `FAST_CAP_CHUNK` in a chunk or `FAST_CAP` in the row) is left to the search, whose launches every finished row
 leaves at once.
 
@@ -119,6 +120,8 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 CHUNK = 4096  # columns per program
 SUB = 512  # columns compared against the candidates at once
+FINE = 128  # the blocks whose maxima bound a top-k above half the row's SUB-column blocks ...
+FINE_BOUND = os.environ.get("MSTAR_TOP_K_FINE", "1") != "0"  # ... unless off (docs/deployment.md "Kernel switches")
 CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
 FAST_CAP_CHUNK = 128  # the fast path's gathered tokens a chunk ...
 FAST_CAP = 1024  # ... and a row; a row with more is left to the search
@@ -219,11 +222,23 @@ def filters_on(top_k_ptr, top_p_ptr, row, vocab):
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, stride_x,
-                      vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, FAST: tl.constexpr):
+def needs_fine(top_k, vocab, SUB: tl.constexpr, FINE_BOUND: tl.constexpr):
+    """Whether a top-k's bound comes from the maxima of the `FINE`-column blocks: when k is more than half the row's
+    `SUB`-column blocks. The k-th largest of B block maxima lies, on logits without order, near the
+    `-B ln(1 - k/B)`-th largest token, so the `SUB` blocks' bound gathers 1.4k tokens at k = B/2, 2.6k at 0.9B
+    and has none past B, where the `FINE` blocks' (4B of them) gathers 1.07k and 1.15k at k = B/2 and B (2k at
+    k = 3.5B; the row's `FAST_CAP` stops it first)."""
+    return FINE_BOUND and (top_k < vocab) & (2 * top_k > (vocab + SUB - 1) // SUB)
+
+
+@triton.jit
+def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr, sub_max_ptr, fine_max_ptr,
+                      chunk_z_ptr, stride_x, vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                      FINE: tl.constexpr, FINE_BOUND: tl.constexpr, FAST: tl.constexpr):
     """For the rows that filter (or floor by min-p): each chunk's largest tempered logit `x / T` (rounded as torch
-    divides), and for the rows that filter the largest of each `SUB` columns and (top-p alone) the chunk's
-    `sum(exp(s - chunk max))`, from which the fast path bounds the cuts."""
+    divides), and for the rows that filter the largest of each `SUB` columns, (top-k past the row's `SUB`-column
+    blocks) of each `FINE` columns, and (top-p alone) the chunk's `sum(exp(s - chunk max))`, from which the fast
+    path bounds the cuts."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     filters = filters_on(top_k_ptr, top_p_ptr, row, vocab)
@@ -239,6 +254,10 @@ def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr,
     if filters:
         tl.store(sub_max_ptr + (row * num_chunks + chunk) * NSUB + tl.arange(0, NSUB), sub_max)
         if FAST:
+            if needs_fine(tl.load(top_k_ptr + row), vocab, SUB, FINE_BOUND):
+                NFINE: tl.constexpr = CHUNK // FINE
+                fine_max = tl.max(tl.reshape(s, (NFINE, FINE)), axis=1)  # (row-major: block j is columns j*FINE..)
+                tl.store(fine_max_ptr + (row * num_chunks + chunk) * NFINE + tl.arange(0, NFINE), fine_max)
             if (tl.load(top_k_ptr + row) >= vocab) & (chunk_max > float("-inf")):
                 z = tl.sum(tl.sum(tl.exp(s - chunk_max), axis=1), axis=0)
                 tl.store(chunk_z_ptr + row * num_chunks + chunk, z)
@@ -262,12 +281,15 @@ def _above(vals_ptr, n, e, MASS: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
-def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, bound_ptr, vocab, num_chunks,
-                  FAST: tl.constexpr, SUBS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, NSUB: tl.constexpr):
+def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, fine_max_ptr, chunk_z_ptr, bound_ptr, vocab,
+                  num_chunks, FAST: tl.constexpr, SUBS_PAD: tl.constexpr, FINES_PAD: tl.constexpr,
+                  CHUNKS_PAD: tl.constexpr, NSUB: tl.constexpr, NFINE: tl.constexpr, SUB: tl.constexpr,
+                  FINE_BOUND: tl.constexpr):
     """One row: a lower bound on its cut from its `SUB`-column maxima, as an e value (0.0: no fast path). Top-k:
-    the k-th largest maximum (k distinct tokens reach it, so the k-th largest token does). Top-p alone: the largest
-    maximum `b` with the mass of the maxima `>= b` at least `top_p * Z` (the tokens `>= b` hold at least that
-    much, so the cut is not below `b`), with Z from the chunks' own sums (the exact Z is checked later)."""
+    the k-th largest maximum (k distinct tokens reach it, so the k-th largest token does); past the row's number of
+    `SUB`-column blocks, the k-th largest of the `FINE`-column maxima (0 past their number too). Top-p alone: the
+    largest maximum `b` with the mass of the maxima `>= b` at least `top_p * Z` (the tokens `>= b` hold at least
+    that much, so the cut is not below `b`), with Z from the chunks' own sums (the exact Z is checked later)."""
     row = tl.program_id(0).to(tl.int64)
     bound = tl.zeros([], dtype=tl.float32)
     if FAST:
@@ -281,7 +303,12 @@ def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, chunk_z_ptr, bound
             lo = tl.zeros([], dtype=tl.int32)
             # (bisections over the bit patterns: 31 reductions over registers measured 4x faster here than
             # ranking the maxima against each other in blocks read back from memory)
-            if top_k < vocab:
+            if needs_fine(top_k, vocab, SUB, FINE_BOUND):
+                f = tl.arange(0, FINES_PAD)
+                fine = tl.load(fine_max_ptr + row * num_chunks * NFINE + f, mask=f < num_chunks * NFINE,
+                               other=float("-inf"))
+                lo = _largest_reaching(tl.where(fine > float("-inf"), tl.exp(fine - top), -1.0), top_k, lo, False)
+            elif top_k < vocab:
                 # the k-th largest maximum (0 when there are fewer than k maxima)
                 lo = _largest_reaching(e, top_k, lo, False)
             else:
@@ -548,6 +575,8 @@ class ChunkedSearch:
         device, f32 = logits.device, torch.float32
         self.row_max = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
         self.sub_max = torch.empty((num_rows, self.num_chunks * (CHUNK // SUB)), dtype=f32, device=device)
+        self.fines_pad = triton.next_power_of_2(self.num_chunks * (CHUNK // FINE))
+        self.fine_max = torch.empty((num_rows, self.num_chunks * (CHUNK // FINE)), dtype=f32, device=device)
         self.chunk_z = torch.empty((num_rows, self.num_chunks), dtype=f32, device=device)
         self.bound = torch.empty(num_rows, dtype=f32, device=device)
         self.counts = torch.empty((num_rows, self.num_chunks), dtype=torch.int32, device=device)
@@ -571,12 +600,13 @@ class ChunkedSearch:
         may mark more (mstar_kernels/sampling.py draws some top-p rows by rejection there)."""
         x, num_rows = self.logits, self.logits.shape[0]
         common = dict(CHUNK=CHUNK, SUB=SUB, S=CANDIDATES, CHUNKS_PAD=self.chunks_pad, num_warps=8)
-        _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.sub_max, self.chunk_z,
-                                     x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB, FAST=self.fast,
-                                     num_warps=8)
-        _bound_kernel[(num_rows,)](top_k, top_p, self.row_max, self.sub_max, self.chunk_z, self.bound, self.vocab,
-                                   self.num_chunks, FAST=self.fast, SUBS_PAD=self.subs_pad,
-                                   CHUNKS_PAD=self.chunks_pad, NSUB=CHUNK // SUB, num_warps=4)
+        _chunk_max_kernel[self.grid](x, temperature, top_k, top_p, min_p, self.row_max, self.sub_max, self.fine_max,
+                                     self.chunk_z, x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB,
+                                     FINE=FINE, FINE_BOUND=FINE_BOUND, FAST=self.fast, num_warps=8)
+        _bound_kernel[(num_rows,)](top_k, top_p, self.row_max, self.sub_max, self.fine_max, self.chunk_z, self.bound,
+                                   self.vocab, self.num_chunks, FAST=self.fast, SUBS_PAD=self.subs_pad,
+                                   FINES_PAD=self.fines_pad, CHUNKS_PAD=self.chunks_pad, NSUB=CHUNK // SUB,
+                                   NFINE=CHUNK // FINE, SUB=SUB, FINE_BOUND=FINE_BOUND, num_warps=4)
         _gather_kernel[self.grid](x, temperature, top_k, self.row_max, self.sub_max, self.bound, self.counts,
                                   self.slots, x.stride(0), self.vocab, self.num_chunks, CHUNK=CHUNK, SUB=SUB,
                                   CAP_CHUNK=FAST_CAP_CHUNK, CHUNKS_PAD=self.chunks_pad, num_warps=8)

@@ -138,12 +138,13 @@ def _search(logits, top_k, top_p):
 
 @pytest.mark.parametrize("vocab", sweep([151_936, 33_000], [33_000]))
 def test_the_fast_path_finishes_the_rows_whose_cut_tokens_it_gathers(vocab):
-    """Top-k up to one per 512 columns, and top-p over a peaked distribution, are cut from the few tokens at or
-    above a bound taken from each 512 columns' maximum; the rest (a flat top-p row, top-k 300 past the 297 or 65
-    maxima) take the search's launches. Either way the kept sets are the search's and the sorted form's."""
+    """Top-k up to one per 128 columns, and top-p over a peaked distribution, are cut from the few tokens at or
+    above a bound taken from the blocks' maxima; the rest (a flat top-p row; top-k 300 at 33,000 columns, past its
+    258 blocks of 128) take the search's launches. Either way the kept sets are the search's and the sorted
+    form's."""
     logits, top_k, top_p = _rows(vocab, seed=11)
     done = _search(logits, top_k, top_p).done.tolist()
-    assert done == [0, 0, 1, 1, 1, 1, 0, 0], done
+    assert done == [0, 0, 1, 1, 1, 1, 0, int(vocab >= 300 * 128)], done
     fast = top_k_top_p_chunked(logits, top_k, top_p, fast=True)
     chain = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
     _assert_same_or_at_the_top_p_boundary(fast, chain, logits, top_k, top_p)
@@ -152,6 +153,33 @@ def test_the_fast_path_finishes_the_rows_whose_cut_tokens_it_gathers(vocab):
     fast = top_k_top_p_chunked(logits, top_k, top_p, temperature=temperature, fast=True)
     chain = top_k_top_p_chunked(logits, top_k, top_p, temperature=temperature, fast=False)
     _assert_same_or_at_the_top_p_boundary(fast, chain, logits / temperature[:, None], top_k, top_p)
+
+
+@pytest.mark.parametrize("vocab", sweep([151_936, 33_000], [33_000]))
+def test_a_top_k_past_half_the_blocks_is_bounded_by_the_128_column_maxima(vocab):
+    """A top-k above half the row's 512-column blocks (33 of 65 at 33,000 columns, 149 of 297 at 151,936) takes
+    its bound from the 128-column blocks: the k-th largest of their maxima, which fewer tokens reach than the
+    k-th largest of the 512-column maxima, so the row is cut on the fast path up to k = one per 128 columns
+    (1,187 at 151,936), where the 512-column bound stopped at one per 512. Past that the search cuts it."""
+    blocks, fine = -(-vocab // 512), -(-vocab // 128)
+    ks = [blocks // 2, blocks // 2 + 1, blocks, fine // 3, fine + 1]
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(len(ks), vocab, generator=gen) * torch.tensor([1.0, 1.0, 2.0, 1.0, 1.0])[:, None])
+    logits = logits.to(DEVICE)
+    top_k = torch.tensor(ks, dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0], device=DEVICE)
+    search = _search(logits, top_k, top_p)
+    padded = torch.nn.functional.pad(logits, (0, -vocab % 512), value=float("-inf")).cpu()
+    for row, (k, size) in enumerate(zip(ks, [512, 128, 128, 128, 128], strict=True)):
+        maxima = padded[row].view(-1, size).max(dim=1).values
+        e = torch.exp(maxima - maxima.max())
+        want = float(e.topk(k).values[-1]) if k <= len(e) else 0.0
+        assert float(search.bound[row]) == pytest.approx(want, rel=1e-5, abs=0.0), (row, k, size)
+    assert search.done.tolist() == [1, 1, 1, 1, 0]
+    fast = top_k_top_p_chunked(logits, top_k, top_p, fast=True)
+    chain = top_k_top_p_chunked(logits, top_k, top_p, fast=False)
+    _assert_same_or_at_the_top_p_boundary(fast, chain, logits, top_k, top_p)
+    assert torch.isfinite(fast).sum(dim=1).tolist()[:2] == ks[:2]
 
 
 @pytest.mark.parametrize("vocab", sweep([151_936, 33_000], [33_000]))
