@@ -10,7 +10,7 @@ the fast path declines (`sampler_reject_us`, `sampler_search_us`). The result de
 (`_chain_us`); `--std` sets the logits' spread (the default 1/0.6 is a flat row, on which top-p alone keeps most of
 the vocabulary and the fast path declines it; 8 is a peaked one), and `--decay A` subtracts `A * log(1 + column)`, a
 stand-in for a vocabulary ordered by frequency, where the likely tokens crowd the first columns.
-Which rows the fast path finishes, for top-k 20/50/100, top-p 0.9/0.95 and top-k 20 + top-p 0.8 (any device; on
+Which rows the fast path finishes, for top-k 20/50/100/400/1000, top-p 0.9/0.95 and top-k 20 + top-p 0.8 (any device; on
 the CPU with TRITON_INTERPRET=1): python scripts/sweep_sampling.py --vocab 151936 --coverage 2 [--std S] [--decay A]
 
 Device: source .device/prepare.sh && python scripts/sweep_sampling.py [--vocab N] [--top-k K] [--out sampling.json]
@@ -81,7 +81,8 @@ def coverage(rows: int, vocab: int, std: float, decay: float) -> int:
     torch.manual_seed(0)
     print(f"{vocab} logits, std {std:g}, decay {decay:g}, on {device}; the fast path gathers at most "
           f"{FAST_CAP_CHUNK} a chunk and {FAST_CAP} a row")
-    for top_k, top_p in ((20, 1.0), (50, 1.0), (100, 1.0), (vocab, 0.9), (vocab, 0.95), (20, 0.8)):
+    for top_k, top_p in ((20, 1.0), (50, 1.0), (100, 1.0), (400, 1.0), (1000, 1.0), (vocab, 0.9), (vocab, 0.95),
+                         (20, 0.8)):
         logits = random_logits(rows, vocab, std, decay, device)
         search = ChunkedSearch(logits, fast=True)
         ones = torch.ones(rows, device=device)

@@ -202,6 +202,23 @@ def test_a_chunk_crowded_with_likely_tokens_keeps_only_its_own_top_k(vocab):
     assert torch.isfinite(fast).sum(dim=1).tolist()[:3] == [50, 20, 60]
 
 
+def test_tokens_tied_across_a_cut_all_stay_on_the_fast_path():
+    """Four tokens tied at the top, where top-p 0.3 or top-k 2 cuts inside the group: the fast path's sort puts
+    part of the group's mass before some of its tokens, yet keeps all four (no token has mass strictly above it,
+    or more than one token above it), as the search does."""
+    vocab = 33_000
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(6)) * 0.5 - 10.0
+    tied = [100, 700, 1300, 1900]
+    logits[:, tied] = 5.0
+    logits = logits.to(DEVICE)
+    top_k = torch.tensor([vocab, 2], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([0.3, 1.0], device=DEVICE)
+    assert _search(logits, top_k, top_p).done.tolist() == [1, 1]
+    for fast in (True, False):
+        kept = torch.isfinite(top_k_top_p_chunked(logits, top_k, top_p, fast=fast))
+        assert kept.sum(dim=1).tolist() == [4, 4] and bool(kept[:, tied].all()), fast
+
+
 def test_rows_whose_gathered_tokens_overflow_are_left_to_the_search():
     """More tokens at or above the bound than a chunk's slots (200 ties in one chunk, all of them its own k-th
     largest), or than a row's (120 ties in each of 9 chunks): the search cuts them, and every tie with the k-th
