@@ -26,10 +26,9 @@ top-p alone: the largest maximum whose maxima at or above it already hold `top_p
 the few tokens at or above the bound (reading only the blocks whose maximum reaches it; a chunk that gathers too
 many under a small top-k keeps only its own k largest) and cuts them in one program a row, which sorts them: the
 k-th largest is the k-th, the top-p cut the smallest kept token with less than `top_p * Z` of kept mass above it,
-the values the bisections find. A row whose bound does not hold (top-p
-over a flat row, top-k past the row's number of 128-column blocks) or whose gathered tokens overflow (more than
-`FAST_CAP_CHUNK` in a chunk or `FAST_CAP` in the row) is left to the search, whose launches every finished row
-leaves at once.
+the values the bisections find. A row whose bound does not hold (top-p over a flat row, top-k past the row's
+number of 128-column blocks) or whose gathered tokens overflow (more than `FAST_CAP_CHUNK` in a chunk or
+`FAST_CAP` in the row) is left to the search, whose launches every finished row leaves at once.
 
 The kept sets equal the sorted form's except where a sum lands within rounding of `top_p` (the two add in
 different orders) or at exact ties across the cut (the sorted form keeps some of the tied tokens, this keeps
@@ -226,7 +225,7 @@ def needs_fine(top_k, vocab, SUB: tl.constexpr, FINE_BOUND: tl.constexpr):
     """Whether a top-k's bound comes from the maxima of the `FINE`-column blocks: when k is more than half the row's
     `SUB`-column blocks. The k-th largest of B block maxima lies, on logits without order, near the
     `-B ln(1 - k/B)`-th largest token, so the `SUB` blocks' bound gathers 1.4k tokens at k = B/2, 2.6k at 0.9B
-    and has none past B, where the `FINE` blocks' (4B of them) gathers 1.07k and 1.15k at k = B/2 and B (2k at
+    and has none past B, where the `FINE` blocks' (4B of them) gathers 1.07k and 1.15k at k = B/2 and B (2.4k at
     k = 3.5B; the row's `FAST_CAP` stops it first)."""
     return FINE_BOUND and (top_k < vocab) & (2 * top_k > (vocab + SUB - 1) // SUB)
 
@@ -236,9 +235,9 @@ def _chunk_max_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, max_ptr,
                       chunk_z_ptr, stride_x, vocab, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr,
                       FINE: tl.constexpr, FINE_BOUND: tl.constexpr, FAST: tl.constexpr):
     """For the rows that filter (or floor by min-p): each chunk's largest tempered logit `x / T` (rounded as torch
-    divides), and for the rows that filter the largest of each `SUB` columns, (top-k past the row's `SUB`-column
-    blocks) of each `FINE` columns, and (top-p alone) the chunk's `sum(exp(s - chunk max))`, from which the fast
-    path bounds the cuts."""
+    divides), and for the rows that filter the largest of each `SUB` columns, (a top-k above half the row's
+    `SUB`-column blocks) of each `FINE` columns, and (top-p alone) the chunk's `sum(exp(s - chunk max))`, from
+    which the fast path bounds the cuts."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     filters = filters_on(top_k_ptr, top_p_ptr, row, vocab)
@@ -269,8 +268,8 @@ def _bound_kernel(top_k_ptr, top_p_ptr, max_ptr, sub_max_ptr, fine_max_ptr, chun
                   CHUNKS_PAD: tl.constexpr, NSUB: tl.constexpr, NFINE: tl.constexpr, SUB: tl.constexpr,
                   FINE_BOUND: tl.constexpr):
     """One row: a lower bound on its cut from its `SUB`-column maxima, as an e value (0.0: no fast path). Top-k:
-    the k-th largest maximum (k distinct tokens reach it, so the k-th largest token does); past the row's number of
-    `SUB`-column blocks, the k-th largest of the `FINE`-column maxima (0 past their number too). Top-p alone: the
+    the k-th largest maximum (k distinct tokens reach it, so the k-th largest token does); above half the row's
+    `SUB`-column blocks, the k-th largest of the `FINE`-column maxima (0 past their number). Top-p alone: the
     largest maximum `b` with the mass of the maxima `>= b` at least `top_p * Z` (the tokens `>= b` hold at least
     that much, so the cut is not below `b`), with Z from the chunks' own sums (the exact Z is checked later)."""
     row = tl.program_id(0).to(tl.int64)
