@@ -123,13 +123,19 @@ def _decode_graphs(model, config, kv_cache, batch_sizes: list[int], token_bucket
     return graphs
 
 
-def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=None, sampling: str = "greedy"):
-    """Fill the step buffers with `batch` (default: a decode batch of `rows` rows sampling as `sampling` says);
-    returns (the batch, its graph's replay)."""
-    batch = batch if batch is not None else _decode_batch(rows, context_len, page_size, sampling)
+def _penalty_off(graphs, batch):
+    """`batch` with every sampling row on the graphs' scratch penalty slot, penalty off (where the graphs carry the
+    repetition penalty's state: the engine fills these rows itself)."""
     if graphs.penalty is not None and len(batch.penalty_slots) < len(batch.sampling_seqs):
         batch.penalty_slots = [graphs.penalty.scratch] * len(batch.sampling_seqs)
         batch.penalties = [1.0] * len(batch.sampling_seqs)
+    return batch
+
+
+def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=None, sampling: str = "greedy"):
+    """Fill the step buffers with `batch` (default: a decode batch of `rows` rows sampling as `sampling` says);
+    returns (the batch, its graph's replay)."""
+    batch = _penalty_off(graphs, batch if batch is not None else _decode_batch(rows, context_len, page_size, sampling))
     key = graphs.pick(batch)
     graphs._fill(graphs.buffers.host_views(0), batch, key)
     graphs._plan(key, graphs.buffers.host_views(0))  # the attention backend's plan (FlashInfer's; else a no-op)
@@ -348,7 +354,7 @@ def served_like_ms(graphs, rows: int, context_len: int, page_size: int, steps: i
     is what the served loop adds on the GPU."""
     from mstar_common.engine.model_runner import TokenReadback
 
-    batch = _decode_batch(rows, context_len, page_size)
+    batch = _penalty_off(graphs, _decode_batch(rows, context_len, page_size))
     if gather:
         batch.gather_dst, batch.gather_src = list(range(rows)), list(range(rows))
     readback = TokenReadback(rows, torch.device("cuda"))
