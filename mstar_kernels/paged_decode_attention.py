@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_common.config import env_switch
 from mstar_kernels._pdl import gdc_enter, pdl_launch
 from mstar_kernels._rounding import round_to
 from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin
@@ -64,6 +65,20 @@ def _empty_state(GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, k, v, t_mask, m, lsum, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """A block of context (`t_mask`: its tokens; at least one) into the split kernel's running softmax state: the
+    ops of its loop, in the same order (so the prefetched block gives the same bits)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, tok, split, g, d, heads, stride_ob,
                  stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """A heads-major program's result: with one split the output rows of its query heads at `tok`, else its
@@ -87,24 +102,54 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, MIXED: tl.constexpr,
-                         USE_GDC: tl.constexpr):
-    gdc_enter(USE_GDC)
+                         PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
+    """One (row, KV head, context split): the split's softmax state over its context for the query heads that
+    share the KV head. `PREFETCH` (decode steps under PDL, one new token per row at position `ctx - 1`): the
+    split's first block of context is loaded before the PDL wait, all but the new token, which the kernel before
+    this one (the prologue) writes to the pool; after the wait that token's rows are read from L2 and put into the
+    block, so the dots see the same tiles, and give the same bits, as without it."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    d = tl.arange(0, HEAD_DIM)
+    if PREFETCH:  # older tokens, block tables and lengths: nothing an unfinished kernel writes
+        start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+        if split > 0 and start >= end:
+            return
+        t0 = start + tl.arange(0, BLOCK)
+        in0 = t0 < end
+        new_pos = tl.load(ctx_ptr + row) - 1
+        is_new0 = in0 & (t0 == new_pos)
+        slots0 = _token_slots(bt_ptr, row, stride_bt, t0, in0, stride_slot, kv_head, stride_kv_head, PAGE_SIZE)
+        offs0 = slots0[:, None] + d[None, :]
+        k0 = tl.load(k_ptr + offs0, mask=(in0 & ~is_new0)[:, None], other=0.0)
+        v0 = tl.load(v_ptr + offs0, mask=(in0 & ~is_new0)[:, None], other=0.0)
+        new_offs = tl.sum(tl.where(is_new0, slots0, 0), axis=0) + d  # the newest token's row, if in this block
+        new_in0 = (tl.sum(is_new0.to(tl.int32), axis=0) + d * 0) > 0
+    gdc_enter(USE_GDC)
     tok = row
     if MIXED:  # a mixed step's packed queries: only rows with exactly one new token are this kernel's
         tok = tl.load(qsl_ptr + row).to(tl.int64)
         if tl.load(qsl_ptr + row + 1) - tok != 1:
             return
-    start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
-    if split > 0 and start >= end:  # past the context: no partials (the merge reads only the splits that ran)
-        return
+    if not PREFETCH:
+        start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+        if split > 0 and start >= end:  # past the context: no partials (the merge reads only the splits that ran)
+            return
     g, d, heads, q = _group_query(q_ptr, tok, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     if FP16_DOTS:  # an fp8 pool read back as fp16 (the hardware's e4m3 -> f16 conversion), dots in fp16
         q = q.to(tl.float16)
     m, lsum, acc = _empty_state(GROUP_PAD, HEAD_DIM)
-    for n0 in range(start, end, BLOCK):
+    first = start
+    if PREFETCH:
+        # the new token's rows, past L1 (lines loaded ahead of the wait may hold them from before it)
+        k_new = tl.load(k_ptr + new_offs, mask=new_in0, other=0.0, cache_modifier=".cg")
+        v_new = tl.load(v_ptr + new_offs, mask=new_in0, other=0.0, cache_modifier=".cg")
+        k = tl.where(is_new0[:, None], k_new[None, :], k0).to(q.dtype)
+        v = tl.where(is_new0[:, None], v_new[None, :], v0).to(q.dtype)
+        m, lsum, acc = _attend_tile(q, k, v, in0, m, lsum, acc, scale_log2, DOT_PRECISION)
+        first = start + BLOCK
+    for n0 in range(first, end, BLOCK):
         t = n0 + tl.arange(0, BLOCK)
         t_mask = t < end
         offs = _token_slots(bt_ptr, row, stride_bt, t, t_mask, stride_slot, kv_head, stride_kv_head,
@@ -301,10 +346,13 @@ def _decode_rope_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, sl
 @triton.jit
 def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, qsl_ptr, out_ptr, stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MIXED: tl.constexpr,
-                         USE_GDC: tl.constexpr):
+                         EARLY: tl.constexpr, USE_GDC: tl.constexpr):
     """Merges the splits that held context (split 0 always writes; a split past the row's context writes
-    nothing): at one row the grid has 32 splits, but 640 tokens fill only 10 of them."""
-    gdc_enter(USE_GDC)
+    nothing): at one row the grid has 32 splits, but 640 tokens fill only 10 of them. `EARLY`: the step's
+    lengths (which say which splits ran) are read before the PDL wait, so after it the partials' loads are the
+    first."""
+    if not EARLY:
+        gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     tok = row
@@ -317,6 +365,8 @@ def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, ctx_ptr, qsl_ptr, out_ptr, s
     d = tl.arange(0, HEAD_DIM)
     start, _ = _split_span(ctx_ptr, row, s, NUM_SPLITS, BLOCK)
     used = (s == 0) | (start < tl.load(ctx_ptr + row))
+    if EARLY:
+        gdc_enter(USE_GDC)
     m = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2, mask=used, other=float("-inf"))
     lsum = tl.load(part_ml_ptr + (base * NUM_SPLITS + s) * 2 + 1, mask=used, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -347,12 +397,21 @@ def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int) -> int:
     return 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
 
 
+def decode_prefetch() -> bool:
+    """`MSTAR_DECODE_PREFETCH` (default 1): under PDL (decode steps of up to `MSTAR_PDL_MAX_ROWS` rows) the split
+    kernel loads its first block of context before it waits for the kernel before it (the prologue), and the merge
+    reads the step's lengths before it waits for the split kernel. That is safe for decode steps, where the
+    prologue writes only each row's newest token (position `ctx - 1`), which the split reads after the wait, and
+    the lengths are step inputs. Read at each launch, so at capture for a graph."""
+    return env_switch("MSTAR_DECODE_PREFETCH", True)
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, fp16_dots: bool = False, tokens_major: bool = False,
                            qk_fp8: bool = False, query_start_loc: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """Launch knobs (`block` context tokens per iteration, warps, pipeline stages) default to the measured
     choice: scripts/sweep_decode_attention.py on the H200 found 64 tokens, 4 warps and 2 stages within a few
     percent of the best everywhere, and 3 stages 5% faster once the grid is many waves deep (256 rows x 8
@@ -390,7 +449,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_rows == 0:
         return out
     part_acc, part_ml = _partials(out, num_rows, splits)
-    kernel, extra = _decode_split_kernel, {}
+    pdl = pdl_launch(query, num_rows, num_rows * num_kv_heads * splits)
+    if prefetch is None:
+        prefetch = bool(pdl["USE_GDC"]) and decode_prefetch()
+    kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch and not mixed}
     if tokens_major:
         kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}
     kernel[(num_rows, num_kv_heads, splits)](
@@ -400,8 +462,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables.stride(0), scale * _LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK=block, NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra,
-        **pdl_launch(query, num_rows, num_rows * num_kv_heads * splits),
+        FP16_DOTS=fp16_dots, MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **extra, **pdl,
     )
     _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows, splits, block)
     return out
@@ -432,10 +493,12 @@ def _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows: int,
         return
     mixed = query_start_loc is not None
     num_heads, head_dim = out.shape[1:]
+    pdl = pdl_launch(out, num_rows, num_rows * num_heads)
+    early = bool(pdl["USE_GDC"]) and decode_prefetch()
     _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens, query_start_loc if mixed else part_ml,
                                                 out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                                                NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, num_warps=4,
-                                                **pdl_launch(out, num_rows, num_rows * num_heads))
+                                                NUM_SPLITS=splits, BLOCK=block, MIXED=mixed, EARLY=early, num_warps=4,
+                                                **pdl)
 
 
 ROPE_IN_ATTENTION_ROWS = (3, 16)  # decode steps of these many rows take `paged_decode_attention_rope` by default

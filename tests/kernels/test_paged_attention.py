@@ -85,6 +85,30 @@ def test_decode_merge_reads_only_the_splits_that_ran():
         torch.use_deterministic_algorithms(previous)
 
 
+@pytest.mark.parametrize("pool", ["model", "fp8"])
+def test_decode_with_the_first_block_prefetched_gives_the_same_bits(pool):
+    """`prefetch` (under PDL: the first block loaded before the wait, the newest token put into it after) must
+    give the bits of the plain loop: the newest token in a split's first block, in a later block, alone in its
+    split, at 1 to 32 splits. A prefetched block that lost the newest token (or kept the pool's stale row) would
+    change the output."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = DTYPES[0]
+    lengths = [1, 17, 64, 65, 130, 641]
+    k_cache, v_cache, tables = _pool(lengths, PAGE_SIZE, 2, 64, dtype, gen)
+    fp16_dots = False
+    if pool == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        fp16_dots = dtype == torch.bfloat16
+    query = torch.randn(len(lengths), 8, 64, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    for splits in sweep([1, 4, 8, 32], [1, 4, 32]):
+        plain = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits,
+                                       fp16_dots=fp16_dots, prefetch=False)
+        ahead = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits,
+                                       fp16_dots=fp16_dots, prefetch=True)
+        assert torch.equal(plain, ahead), splits
+
+
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("form", [{}, {"tokens_major": True}])
 def test_mixed_step_splits_rows_between_the_prefill_and_decode_kernels(head_dim, num_heads, num_kv_heads, form):
