@@ -39,14 +39,16 @@ LOAD=(--prompt-len 512 --output-len 256 --concurrency 1 8 64 --rates 8 --proxy-c
       --requests-per-level 2 --check-eager 2 --no-capture-sampling
       --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048)
 BASE=(--prompt-len 512 --output-len 256 --floor --hf-baseline --hf-batch 1 64)
+OVERRIDES=""  # per-model load overrides, named in the report's command line
 report() {
   $PY scripts/bench.py report $(ls "$WORK"/qwen3.json "$WORK"/llama.json 2>/dev/null) --out "$OUT" \
-    --command-line "bash scripts/gpu_suite.sh: scripts/bench.py serve ${LOAD[*]}; scripts/bench.py baseline ${BASE[*]}" \
+    --command-line "bash scripts/gpu_suite.sh: scripts/bench.py serve ${LOAD[*]}${OVERRIDES}; scripts/bench.py baseline ${BASE[*]}" \
     || echo "STAGE FAILED: report"
 }
 bench() {  # name family seconds [load overrides...]
   local name=$1 family=$2 seconds=$3
   shift 3
+  [ $# -gt 0 ] && OVERRIDES="$OVERRIDES (for $name, then: $*)"
   stage "serving benchmark: $name"
   timeout "$seconds" $PY scripts/bench.py serve --family "$family" --checkpoint "$WORK/$name" --name "$name" \
     --out "$WORK/$family.json" "${LOAD[@]}" "$@" || echo "STAGE FAILED: $name benchmark"
