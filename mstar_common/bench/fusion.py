@@ -388,10 +388,12 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     `rows`-row step is captured again and its replay timed, and the fastest is kept (coordinate descent, one
     pass, until `budget_s`). In a step a projection runs behind another kernel whose programs hold registers and
     stream bytes of their own, which the per-projection timing does not see. Ends with an A/B of the two plans in
-    one process (alternating replays, median of `rounds`). Returns every timing and both plans."""
+    one process (alternating replays, median of `rounds`). Returns every timing, both plans and `step_settings`:
+    the changed shapes' GEMV-cache entries (`mstar_common.layers.linear.step_setting_key`), which
+    scripts/tune_step_gemv.py `--write-cache` stores for the server."""
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
-    from mstar_common.layers.linear import GemvLinear, gemv_candidates, staged_candidates_for
+    from mstar_common.layers.linear import GemvLinear, gemv_candidates, staged_candidates_for, step_setting_key
 
     model, config, kv_cache = _load(checkpoint, family, [rows], context_len, page_size)
     configure_fast_path(model, ComponentConfig(), "cuda", rows, 4096)
@@ -444,7 +446,10 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     print(f"[step-tune] A/B: tuned {ab['tuned']:.4f} ms, step-tuned {ab['step_tuned']:.4f} ms", flush=True)
     captured.clear()
     torch.cuda.empty_cache()
+    changed = {shape: modules[0] for shape, modules in groups.items() if best_plan[shape] != start_plan[shape]}
     return {"family": family, "rows": rows, "context_len": context_len,
+            "step_settings": {step_setting_key(m.weight, m.bias, rows): list(best_plan[shape])
+                              for shape, m in changed.items()},
             "start_plan": {f"{n}x{k}": list(s) for (n, k), s in start_plan.items()},
             "step_plan": {f"{n}x{k}": list(s) for (n, k), s in best_plan.items()}, "trials": trials,
             "ab_ms": ab, "ab_rounds_ms": times}

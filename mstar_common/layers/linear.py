@@ -173,6 +173,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 for norm, linear in m.norm_gemv_pairs()}
     try_apart = norm_gemv_mode() == "auto"
     records = []
+    step_logged: set[tuple] = set()
     for module in model.modules():
         if not isinstance(module, GemvLinear) or not module.gemv_plan:
             continue
@@ -238,17 +239,63 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 if decision["norm"] == "apart":
                     norm_apart.add(rows)
                 decision = decision["blocks"]
+            step = step_setting(known, weight, bias, _row_bucket(rows))
+            if step is not None:  # timed in whole steps: it replaces the setting, the norm's place stays
+                if step != (tuple(decision) if decision is not None else None):
+                    step_logged.add((n, k, _row_bucket(rows), step))
+                decision = step
             if decision is not None:
                 plan[rows] = tuple(decision)
         module.gemv_plan = plan
         module.norm_apart = frozenset(norm_apart)
         del weights
+    for n, k, rows, setting in sorted(step_logged):
+        log(f"gemv tune: {n}x{k} rows {rows}: the step-timed setting {setting} (scripts/tune_step_gemv.py "
+            "--write-cache; MSTAR_GEMV_STEP_PLANS=0 ignores it)")
     if cache and records:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-        tmp.replace(cache)  # atomic: a concurrent reader sees the old file or the new one
+        _write_cache(cache, known)
     return records
+
+
+def _write_cache(cache: Path, known: dict) -> None:
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+    tmp.replace(cache)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def step_setting_key(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> str:
+    """The GEMV cache's key for the setting that whole captured decode steps chose (scripts/tune_step_gemv.py
+    `--write-cache`) for every projection with this weight's shape, dtype and bias at `rows` rows (a bucket)."""
+    n, k = weight.shape
+    return f"step:{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:rows={rows}"
+
+
+def step_setting(known: dict, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[int, ...] | None:
+    """The step-timed setting in the GEMV cache's decisions `known` for this projection at `rows` rows, if any and
+    `MSTAR_GEMV_STEP_PLANS` (default 1) is on. `tune_gemv` times each projection behind one norm launch; in a step
+    it runs between other kernels whose programs hold registers and stream bytes of their own, so a setting timed
+    in the whole step can beat the one timed alone (Qwen3-0.6B's o projection at one row, H200: the step 1.1-2.3%
+    shorter, docs/benchmarks.md)."""
+    if not env_switch("MSTAR_GEMV_STEP_PLANS", True):
+        return None
+    setting = known.get(step_setting_key(weight, bias, rows))
+    return tuple(setting) if setting is not None else None
+
+
+def write_step_settings(cache: Path, settings: dict[str, list[int] | None]) -> None:
+    """Merges step-timed settings (`step_setting_key` -> setting; None removes the key) into the GEMV cache file
+    that every server process on this machine reads (`default_gemv_cache`)."""
+    bad = [key for key in settings if not key.startswith("step:")]
+    if bad:
+        raise ValueError(f"not step-setting keys: {bad}")
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    for key, setting in settings.items():
+        if setting is None:
+            known.pop(key, None)
+        else:
+            known[key] = [int(v) for v in setting]
+    _write_cache(cache, known)
 
 
 def _is_chained(weight: torch.Tensor, rows: int, norm) -> bool:

@@ -248,6 +248,42 @@ def test_tune_keeps_cublas_on_a_near_tie(tmp_path):
     assert model[0].gemv_plan == {}
 
 
+def test_a_step_timed_setting_in_the_cache_replaces_the_tuned_one(monkeypatch, tmp_path):
+    """scripts/tune_step_gemv.py --write-cache stores settings that whole decode steps chose; `tune_gemv` then
+    takes them over its own decision at that row count only (and logs it), and MSTAR_GEMV_STEP_PLANS=0 ignores
+    them. The kernel runs with the stored setting and still computes the projection."""
+    from mstar_common.layers.linear import step_setting_key, write_step_settings
+
+    def timer(fns):  # (2, 1024) wins every row count timed alone
+        return 3.0 if getattr(timer, "setting", None) == (2, 1024) else 6.0
+
+    from mstar_common.layers import linear
+
+    real_timed_calls = linear._timed_calls
+
+    def recording(x, weights, bias, setting, *args, **kwargs):
+        timer.setting = setting
+        return real_timed_calls(x, weights, bias, setting, *args, **kwargs)
+
+    monkeypatch.setattr(linear, "_timed_calls", recording)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 96)).to(DEVICE)
+    cache = tmp_path / "gemv.json"
+    write_step_settings(cache, {step_setting_key(model[0].weight, model[0].bias, 1): [1, 512]})
+    use_gemv(model, 2)
+    lines = []
+    tune_gemv(model, timer=timer, log=lines.append, cache=cache)
+    assert model[0].gemv_plan == {1: (1, 512), 2: (2, 1024)}
+    assert any("step-timed setting (1, 512)" in line for line in lines)
+    x = torch.randn(1, 1024, device=DEVICE)
+    assert rel_err(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias)) < 1e-5
+    assert step_setting_key(model[0].weight, model[0].bias, 1) in json.loads(cache.read_text())  # kept on rewrite
+
+    monkeypatch.setenv("MSTAR_GEMV_STEP_PLANS", "0")
+    use_gemv(model, 2)
+    assert tune_gemv(model, timer=lambda fns: 0.0, log=lambda line: None, cache=cache) == []  # all cached
+    assert model[0].gemv_plan == {1: (2, 1024), 2: (2, 1024)}
+
+
 def test_wide_candidates_are_tried_only_when_switched_on(monkeypatch, tmp_path):
     """MSTAR_GEMV_WIDE=1 (the default) adds the whole-K settings of GEMV_WIDE_CANDIDATES (8 and 16 columns,
     8 warps), within four tiles of products (so not at rows where they would exceed it), under a cache key of their
