@@ -234,15 +234,15 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 + (f" (staged kernel's best {staged_us:.2f} us)" if staged_us < float("inf") else ""))
         plan, norm_apart = {}, set()
         for rows in module.gemv_plan:
-            decision = known[key_of(_row_bucket(rows))]
+            bucket = _row_bucket(rows)
+            decision = known[key_of(bucket)]
             if isinstance(decision, dict):
                 if decision["norm"] == "apart":
                     norm_apart.add(rows)
                 decision = decision["blocks"]
-            step = step_setting(known, weight, bias, _row_bucket(rows))
+            step = step_setting(known, weight, bias, bucket)
             if step is not None:  # timed in whole steps: it replaces the setting, the norm's place stays
-                if step != (tuple(decision) if decision is not None else None):
-                    step_logged.add((n, k, _row_bucket(rows), step))
+                step_logged.add((n, k, bucket, step))
                 decision = step
             if decision is not None:
                 plan[rows] = tuple(decision)

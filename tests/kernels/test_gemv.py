@@ -252,12 +252,11 @@ def test_a_step_timed_setting_in_the_cache_replaces_the_tuned_one(monkeypatch, t
     """scripts/tune_step_gemv.py --write-cache stores settings that whole decode steps chose; `tune_gemv` then
     takes them over its own decision at that row count only (and logs it), and MSTAR_GEMV_STEP_PLANS=0 ignores
     them. The kernel runs with the stored setting and still computes the projection."""
+    from mstar_common.layers import linear
     from mstar_common.layers.linear import step_setting_key, write_step_settings
 
     def timer(fns):  # (2, 1024) wins every row count timed alone
         return 3.0 if getattr(timer, "setting", None) == (2, 1024) else 6.0
-
-    from mstar_common.layers import linear
 
     real_timed_calls = linear._timed_calls
 
