@@ -93,14 +93,36 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pdl_launch(tensor: torch.Tensor, rows: int, programs: int | None = None) -> dict:
+def ahead_of() -> frozenset[str]:
+    """`MSTAR_PDL_AHEAD_OF`: the kinds of kernel (separated by `,` or `+`) that, under the `early` trigger, let the
+    next kernel start before their own wait, as `ahead` does for all: `prologue`, `split`, `merge`, a GEMV by its
+    projection's name (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, ...; `gemv:NxK` for an unnamed one).
+    Unset: `prologue`, `o_proj`, `gate_up_proj` and `down_proj`. After the prologue, the split attention then loads
+    its first block of context while the qkv projection still computes; after o, gate_up streams its weights while
+    o computes; and so on. (Those kernels' own loads ahead of their waits are step inputs and weights, and the
+    kernel before them has its weights in registers by then.) `none`: no kernel. Read at each launch, so at
+    capture. H200, Qwen3-0.6B one-row step replay (scripts/ab_decode_step.py, 2026-12-04): none 0.7784 ms,
+    prologue 0.7523 (the split, merge, qkv, gate_up or down added to it: 0.749-0.754), prologue + o 0.7232-0.7296,
+    + down 0.7127, + gate_up and down 0.7060; two rows 0.955-0.958 for each set against 1.0012 without;
+    Llama-3.2-3B one row 2.2514 -> 2.2151 ms with the prologue (o and gate_up added: 2.2151 / 2.2212)."""
+    raw = os.environ.get("MSTAR_PDL_AHEAD_OF")
+    if raw is None:
+        return DEFAULT_AHEAD_OF
+    kinds = (kind.strip() for kind in raw.replace("+", ",").split(","))
+    return frozenset(kind for kind in kinds if kind and kind != "none")
+
+
+DEFAULT_AHEAD_OF = frozenset({"prologue", "o_proj", "gate_up_proj", "down_proj"})
+
+
+def pdl_launch(tensor: torch.Tensor, rows: int, programs: int | None = None, kind: str | None = None) -> dict:
     """Launch keywords for a kernel of `rows` rows (and `programs` programs) with a `USE_GDC` constexpr: `USE_GDC`
     (0: no PDL; 1: wait, then trigger the next kernel; 2: wait only; 3: trigger the next kernel, then wait) and
-    Triton's `launch_pdl`."""
+    Triton's `launch_pdl`. `kind` names the kernel for `MSTAR_PDL_AHEAD_OF`."""
     if not use_pdl(tensor, rows):
         return {"USE_GDC": 0}
     mode = trigger_mode()
-    if mode == "ahead":
+    if mode == "ahead" or (mode == "early" and kind is not None and kind in ahead_of()):
         return {"USE_GDC": 3, "launch_pdl": True}
     deep = programs is not None and mode == "fit" and programs > _num_sms(tensor.device)
     return {"USE_GDC": 2 if deep else 1, "launch_pdl": True}

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_common.config import env_switch
 from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
 from mstar_kernels._rounding import round_to
 from mstar_kernels.staged_gemv import STAGED, staged_gemv
@@ -74,12 +75,8 @@ def _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, x_mask, K, stride_xm, str
     program 0, else none) store the summed residual stream."""
     if NORM:
         h = _residual_sum(x_ptr, res_ptr, m, k, x_mask, stride_xm, stride_rm, HAS_RES)
-        dtype = x_ptr.dtype.element_ty
-        if HAS_RES:
-            tl.store(res_out_ptr + m[:, None] * stride_ro + k[None, :], h.to(dtype),
-                     mask=x_mask & (m < res_rows)[:, None])
         g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        return round_to(round_to(h * inv[:, None], dtype) * g[None, :], dtype)
+        return _normed(h, g, inv, res_out_ptr, m, k, x_mask, stride_ro, res_rows, x_ptr.dtype.element_ty, HAS_RES)
     x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
     if SWIGLU:
         up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_mask, other=0.0)
@@ -90,10 +87,21 @@ def _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, x_mask, K, stride_xm, str
 
 
 @triton.jit
+def _normed(h, g, inv, res_out_ptr, m, k, x_mask, stride_ro, res_rows, dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """RMSNorm of the chunk `h` of x (+ residual) with the weight chunk `g` and the row scales `inv`, rounded as
+    mstar_kernels/rmsnorm.py rounds; its first `res_rows` rows store the summed residual stream."""
+    if HAS_RES:
+        tl.store(res_out_ptr + m[:, None] * stride_ro + k[None, :], h.to(dtype), mask=x_mask & (m < res_rows)[:, None])
+    return round_to(round_to(h * inv[:, None], dtype) * g[None, :], dtype)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  stride_rm, stride_ro, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+                 STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+    """`ONE_CHUNK`: BLOCK_K covers the whole of K, so a normed input is read once (under PDL: after the wait), not
+    once for its row scales and again for the products."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -104,16 +112,27 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N
     res_rows = tl.where(pid == 0, M, 0)
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     start = 0
-    if USE_GDC:
+    if USE_GDC or (NORM and ONE_CHUNK):
         # Launched with PDL: the first chunk of weights streams in while the kernel before this one (which
         # writes x) finishes; the weights are nobody's output. Same sums in the same order as the loop's.
+        # A normed input's weight chunk is nobody's output either. With the whole of K in this chunk, x (+ the
+        # residual) is read once after the wait: one trip to L2 on the step's chain, not three (the row scales'
+        # read, the chunk's read, then the norm weight behind the residual's store).
         gdc_start(USE_GDC)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        gdc_enter(USE_GDC, True)
-        if NORM:
-            inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
-        x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, m_mask[:, None] & (k < K)[None, :], K, stride_xm,
-                     stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
+        x_mask = m_mask[:, None] & (k < K)[None, :]
+        if NORM and ONE_CHUNK:
+            g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            gdc_enter(USE_GDC, True)
+            h = _residual_sum(x_ptr, res_ptr, m, k, x_mask, stride_xm, stride_rm, HAS_RES)
+            inv = tl.rsqrt(tl.sum(h * h, axis=1) / K + eps)
+            x = _normed(h, g, inv, res_out_ptr, m, k, x_mask, stride_ro, res_rows, x_ptr.dtype.element_ty, HAS_RES)
+        else:
+            gdc_enter(USE_GDC, True)
+            if NORM:
+                inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, BLOCK_K)
+            x = _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, k, x_mask, K, stride_xm, stride_rm, stride_ro, inv,
+                         res_rows, SWIGLU, NORM, HAS_RES)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         start = BLOCK_K
     elif NORM:
@@ -129,6 +148,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _one_chunk() -> bool:
+    """`MSTAR_GEMV_NORM_ONE_READ` (default 1): a launch whose chunk covers the whole of K reads its normed input
+    once (`ONE_CHUNK`; under PDL after its wait, with the norm weight loaded before it); 0 keeps the general
+    path's reads, for A/Bs. Read at each launch, so at capture for a graph."""
+    return env_switch("MSTAR_GEMV_NORM_ONE_READ", True)
 
 
 def gemv_blocks(num_rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int]:
@@ -149,20 +175,21 @@ def gemv_warps(num_rows: int, block_n: int, block_k: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, swiglu: bool = False,
-         num_stages: int = 1) -> torch.Tensor:
+         num_stages: int = 1, kind: str | None = None) -> torch.Tensor:
     """`x` `[M, K]` (M <= 8), `weight` `[N, K]` (an `nn.Linear`'s), `bias` `[N]` -> `[M, N]` in x's dtype.
     With `swiglu`, `x` is a packed gate/up projection `[M, 2K]` and the product reads `silu(gate) * up` (the
     SwiGLU MLP's down projection without the activation's own kernel and its `[M, K]` round trip).
-    `num_stages` > 1 software-pipelines the K loop (the next chunks' loads issued before this chunk's sums)."""
+    `num_stages` > 1 software-pipelines the K loop (the next chunks' loads issued before this chunk's sums).
+    `kind`: the projection's name for `MSTAR_PDL_AHEAD_OF` (mstar_kernels/_pdl.py; default `gemv:NxK`)."""
     assert weight.dim() == 2 and weight.shape[1] * (2 if swiglu else 1) == x.shape[-1], \
         "x's width must be K (2K with swiglu)"
-    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=swiglu)[0]
+    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=swiglu, kind=kind)[0]
 
 
 def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, block_n: int | None = None,
-              block_k: int | None = None, num_warps: int | None = None,
-              num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+              block_k: int | None = None, num_warps: int | None = None, num_stages: int = 1,
+              kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's RMSNorm and the projection after it as one launch: `h = x (+ residual)`,
     `out = rms_norm(h, norm_weight, eps) @ weight.T + bias`; returns `(out, h)` (h is `x` itself without a
     residual, else a new tensor: the residual stream for the next block). Same roundings as mstar_kernels/rmsnorm.py
@@ -171,10 +198,11 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
     assert weight.dim() == 2 and weight.shape[1] == x.shape[-1], "x's width must be K"
     assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
                                 and residual.dtype == x.dtype)
-    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, norm=(norm_weight, eps, residual))
+    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, norm=(norm_weight, eps, residual),
+                   kind=kind)
 
 
-def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=False, norm=None):
+def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=False, norm=None, kind=None):
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x must be [M <= 8, K], unit stride"
     assert weight.stride(1) == 1
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
@@ -193,13 +221,14 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x, num_rows, triton.cdiv(n, block_n)),
+        ONE_CHUNK=block_k >= k and _one_chunk(), num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x, num_rows, triton.cdiv(n, block_n), kind=kind or f"gemv:{n}x{k}"),
     )
     return out, res_out
 
 
 def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
-              swiglu: bool = False) -> torch.Tensor:
+              swiglu: bool = False, kind: str | None = None) -> torch.Tensor:
     """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages), or
     `(STAGED, cols)`: mstar_kernels/staged_gemv.py's kernel."""
     if setting[0] == STAGED:
@@ -208,12 +237,12 @@ def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         setting = (None, None)  # an input that kernel cannot read: the default blocks
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
-    return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
+    return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages, kind=kind)
 
 
 def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                   bias: torch.Tensor | None, residual: torch.Tensor | None,
-                   setting: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+                   bias: torch.Tensor | None, residual: torch.Tensor | None, setting: tuple,
+                   kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_gemv` with a tuned setting (as `gemv_with`'s)."""
     if setting[0] == STAGED:
         if staged_readable(x, weight, bias, residual, norm_weight):
@@ -221,7 +250,7 @@ def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
         setting = (None, None)
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
-    return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages)
+    return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages, kind)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

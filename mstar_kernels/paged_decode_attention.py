@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar_common.config import env_switch
 from mstar_kernels._pdl import gdc_enter, pdl_launch
 from mstar_kernels._rounding import round_to
-from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin
+from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin, decode_prefetch
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per inner iteration
@@ -397,15 +396,6 @@ def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int) -> int:
     return 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
 
 
-def decode_prefetch() -> bool:
-    """`MSTAR_DECODE_PREFETCH` (default 1): under PDL (decode steps of up to `MSTAR_PDL_MAX_ROWS` rows) the split
-    kernel loads its first block of context before it waits for the kernel before it (the prologue), and the merge
-    reads the step's lengths before it waits for the split kernel. That is safe for decode steps, where the
-    prologue writes only each row's newest token (position `ctx - 1`), which the split reads after the wait, and
-    the lengths are step inputs. Read at each launch, so at capture for a graph."""
-    return env_switch("MSTAR_DECODE_PREFETCH", True)
-
-
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
@@ -449,7 +439,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_rows == 0:
         return out
     part_acc, part_ml = _partials(out, num_rows, splits)
-    pdl = pdl_launch(query, num_rows, num_rows * num_kv_heads * splits)
+    pdl = pdl_launch(query, num_rows, num_rows * num_kv_heads * splits, kind="split")
     if prefetch is None:
         prefetch = bool(pdl["USE_GDC"]) and decode_prefetch()
     kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch and not mixed}
@@ -493,7 +483,7 @@ def _merge(part_acc, part_ml, context_lens, query_start_loc, out, num_rows: int,
         return
     mixed = query_start_loc is not None
     num_heads, head_dim = out.shape[1:]
-    pdl = pdl_launch(out, num_rows, num_rows * num_heads)
+    pdl = pdl_launch(out, num_rows, num_rows * num_heads, kind="merge")
     early = bool(pdl["USE_GDC"]) and decode_prefetch()
     _decode_merge_kernel[(num_rows, num_heads)](part_acc, part_ml, context_lens, query_start_loc if mixed else part_ml,
                                                 out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,

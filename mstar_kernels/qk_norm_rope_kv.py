@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_common.config import env_switch
+from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
 from mstar_kernels._rounding import round_to
 
 
@@ -40,10 +41,17 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
                             num_tokens, stride_tok, stride_cos, stride_qo_tok, stride_slot, stride_kv_head, eps,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HAS_NORM: tl.constexpr, FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
-                            BLOCK_T: tl.constexpr, HEADS_PER_PROG: tl.constexpr, USE_GDC: tl.constexpr):
+                            BLOCK_T: tl.constexpr, HEADS_PER_PROG: tl.constexpr, AHEAD: tl.constexpr,
+                            USE_GDC: tl.constexpr):
     """Program (token block, head group): BLOCK_T tokens of HEADS_PER_PROG q/k heads, which share the token's
-    angles. With FROM_POSITIONS, `cos_ptr` is the positions [T] and `sin_ptr` the inverse frequencies [D/2] (fp32)."""
-    gdc_enter(USE_GDC)
+    angles. With FROM_POSITIONS, `cos_ptr` is the positions [T] and `sin_ptr` the inverse frequencies [D/2] (fp32).
+    `AHEAD` (under PDL, the angles from positions, one head a program): the angles, the norm weights and the slots
+    come before the wait, since they are step inputs and weights that no kernel of the step writes; only the
+    projection's output is read after it."""
+    if AHEAD:
+        gdc_start(USE_GDC)
+    else:
+        gdc_enter(USE_GDC)
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < num_tokens
     rows = t_mask[:, None]
@@ -58,52 +66,92 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
     else:
         c = tl.load(cos_ptr + tok[:, None] * stride_cos + d, mask=rows, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + tok[:, None] * stride_cos + d, mask=rows, other=0.0).to(tl.float32)
-    for i in range(HEADS_PER_PROG):
-        head = tl.program_id(1) * HEADS_PER_PROG + i
-        if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            _rotate_head(qkv_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, tok, t_mask, head, c,
-                         s, stride_tok, stride_qo_tok, stride_slot, stride_kv_head, eps, NUM_Q_HEADS, NUM_KV_HEADS,
-                         HEAD_DIM, HAS_NORM)
+    if AHEAD:
+        head = tl.program_id(1)
+        w1, w2 = _norm_weights(qw_ptr, kw_ptr, head, NUM_Q_HEADS, HEAD_DIM, HAS_NORM)
+        slot = tl.load(slot_ptr + tok, mask=t_mask, other=0).to(tl.int64)[:, None]
+        gdc_enter(USE_GDC, True)
+        _rotate_head(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, tok, t_mask, head, c, s, w1, w2, slot, stride_tok,
+                     stride_qo_tok, stride_slot, stride_kv_head, eps, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM)
+    else:
+        slot = tl.load(slot_ptr + tok, mask=t_mask, other=0).to(tl.int64)[:, None]
+        for i in range(HEADS_PER_PROG):
+            head = tl.program_id(1) * HEADS_PER_PROG + i
+            if head < NUM_Q_HEADS + NUM_KV_HEADS:
+                w1, w2 = _norm_weights(qw_ptr, kw_ptr, head, NUM_Q_HEADS, HEAD_DIM, HAS_NORM)
+                _rotate_head(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, tok, t_mask, head, c, s, w1, w2, slot,
+                             stride_tok, stride_qo_tok, stride_slot, stride_kv_head, eps, NUM_Q_HEADS, NUM_KV_HEADS,
+                             HEAD_DIM, HAS_NORM)
 
 
 @triton.jit
-def _rotate_head(qkv_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, tok, t_mask, head, c, s,
-                 stride_tok, stride_qo_tok, stride_slot, stride_kv_head, eps, NUM_Q_HEADS: tl.constexpr,
+def _norm_weights(qw_ptr, kw_ptr, head, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The two halves of the q or k norm weight for `head` (fp32; ones without the norm, unused then)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)[None, :]
+    if HAS_NORM:
+        is_q = head < NUM_Q_HEADS
+        w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
+    else:
+        w1 = tl.full([1, HALF], 1.0, tl.float32)
+        w2 = w1
+    return w1, w2
+
+
+@triton.jit
+def _rotate_head(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, tok, t_mask, head, c, s, w1, w2, slot, stride_tok,
+                 stride_qo_tok, stride_slot, stride_kv_head, eps, NUM_Q_HEADS: tl.constexpr,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One head of BLOCK_T tokens: q/k norm with the weight halves `w1`/`w2`, RoPE, and the store of q, or of k and
+    v at the tokens' `slot`s [BLOCK_T, 1]."""
     rows = t_mask[:, None]
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)[None, :]
     base = qkv_ptr + tok[:, None] * stride_tok + head * HEAD_DIM + d
     x1 = tl.load(base, mask=rows, other=0.0)
     x2 = tl.load(base + HALF, mask=rows, other=0.0)
+    is_kv = head >= NUM_Q_HEADS
+    kv_head = head - NUM_Q_HEADS
+    dd = tl.arange(0, HEAD_DIM)[None, :]
+    # a k head's value row, in the same trip to L2 as its key (behind the key's stores it would take a second);
+    # the head test broadcast over the rows, since the interpreter takes no scalar in a mask
+    kv_rows = rows & (tok[:, None] * 0 + head >= NUM_Q_HEADS)
+    v = tl.load(qkv_ptr + tok[:, None] * stride_tok + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dd,
+                mask=kv_rows, other=0.0)
     dtype = x1.dtype
-    is_q = head < NUM_Q_HEADS
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     if HAS_NORM:
         var = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / HEAD_DIM
         rstd = tl.rsqrt(var + eps)[:, None]
-        w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
         a1 = round_to(round_to(a1 * rstd, dtype) * w1, dtype)
         a2 = round_to(round_to(a2 * rstd, dtype) * w2, dtype)
     out1 = (round_to(a1 * c, dtype) - round_to(a2 * s, dtype)).to(dtype)
     out2 = (round_to(a2 * c, dtype) + round_to(a1 * s, dtype)).to(dtype)
-    if is_q:
+    if not is_kv:
         q_base = q_out_ptr + tok[:, None] * stride_qo_tok + head * HEAD_DIM + d
         tl.store(q_base, out1, mask=rows)
         tl.store(q_base + HALF, out2, mask=rows)
     else:
-        kv_head = head - NUM_Q_HEADS
-        slot = tl.load(slot_ptr + tok, mask=t_mask, other=0).to(tl.int64)[:, None]
         k_base = k_cache_ptr + slot * stride_slot + kv_head * stride_kv_head + d
         cache_type = k_cache_ptr.dtype.element_ty  # explicit casts: the pool may be fp8 (e4m3)
         tl.store(k_base, out1.to(cache_type), mask=rows)
         tl.store(k_base + HALF, out2.to(cache_type), mask=rows)
-        dd = tl.arange(0, HEAD_DIM)[None, :]
-        v = tl.load(qkv_ptr + tok[:, None] * stride_tok + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dd,
-                    mask=rows, other=0.0)
         tl.store(v_cache_ptr + slot * stride_slot + kv_head * stride_kv_head + dd, v.to(cache_type), mask=rows)
+
+
+def decode_prefetch() -> bool:
+    """`MSTAR_DECODE_PREFETCH` (default 1): under PDL (decode steps of up to `MSTAR_PDL_MAX_ROWS` rows) each decode
+    launch reads ahead of its wait what no kernel of the step writes. The prologue here takes its angles and loads
+    its norm weights and slots before it waits for the qkv projection (not under `MSTAR_PDL_TRIGGER=ahead`, where
+    a kernel before the projection may still run); the split attention kernel (mstar_kernels/paged_decode_attention.py)
+    loads its first block of context before it waits for the prologue, and the merge reads the step's lengths
+    before it waits for the split kernel. That is safe for decode steps: positions, slots and lengths are step
+    inputs, and the prologue writes only each row's newest token (position `ctx - 1`), which the split reads after
+    the wait. `MSTAR_PROLOGUE_AHEAD=0` turns off the prologue's part alone, for A/Bs. Read at each launch, so at
+    capture for a graph."""
+    return env_switch("MSTAR_DECODE_PREFETCH", True)
 
 
 _ONE_TOKEN_MAX = 256  # tokens up to which the prologue runs one token per program
@@ -119,9 +167,11 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
                     head_dim: int, positions: torch.Tensor | None = None,
-                    inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+                    inv_freq: torch.Tensor | None = None, ahead: bool | None = None) -> torch.Tensor:
     """Returns the rotated query `[T, Hq, D]`; writes rotated k and v into the caches. RoPE from the `cos`/`sin`
-    tables, or (both None) from `positions` and `inv_freq`."""
+    tables, or (both None) from `positions` and `inv_freq`. `ahead`: the angles, norm weights and slots before the
+    PDL wait (the kernel's `AHEAD`); by default under PDL with `decode_prefetch()`, for decode-sized steps with the
+    angles from positions; True forces it there (tests: the same bits)."""
     num_tokens = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     from_positions = cos is None
@@ -148,13 +198,17 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
     # Qwen3-0.6B step's prologue 61 us per layer.
     block_t, heads_per_prog = (1, 1) if num_tokens <= _ONE_TOKEN_MAX else (16, 8)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads + num_kv_heads, heads_per_prog))
+    pdl = pdl_launch(qkv, num_tokens, grid[0] * grid[1], kind="prologue")
+    if ahead is None:
+        ahead = (pdl["USE_GDC"] in (1, 3) and from_positions and heads_per_prog == 1 and decode_prefetch()
+                 and env_switch("MSTAR_PROLOGUE_AHEAD", True))
+    assert not ahead or (from_positions and heads_per_prog == 1), "ahead: angles from positions, <= 256 tokens"
     _qk_norm_rope_kv_kernel[grid](
         qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,
         num_tokens, qkv.stride(0), stride_cos, query.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
         FROM_POSITIONS=from_positions, INTERPRETED=INTERPRETED, BLOCK_T=block_t,
-        HEADS_PER_PROG=heads_per_prog,
-        num_warps=1 if block_t == 1 else 4, **pdl_launch(qkv, num_tokens, grid[0] * grid[1]),
+        HEADS_PER_PROG=heads_per_prog, AHEAD=ahead, num_warps=1 if block_t == 1 else 4, **pdl,
     )
     return query
 

@@ -79,7 +79,8 @@ class DecoderLayer(nn.Module):
             return None
         from mstar_kernels.gemv import norm_gemv_with
 
-        return norm_gemv_with(hidden, norm.weight, norm.eps, linear.weight, linear.bias, residual, setting)
+        return norm_gemv_with(hidden, norm.weight, norm.eps, linear.weight, linear.bias, residual, setting,
+                              kind=getattr(linear, "pdl_kind", None))
 
     def _fused_mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(mlp(norm(hidden + residual)), hidden + residual)` as one persistent launch, or None where it does not

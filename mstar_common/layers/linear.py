@@ -36,6 +36,8 @@ class GemvLinear(nn.Linear):
     # rows at which a projection that could take its pre-norm inside (`norm_gemv`) runs after the norm kernel
     # instead: with MSTAR_NORM_GEMV=auto every row count until `tune_gemv` times the fold faster
     norm_apart: frozenset[int] = frozenset()
+    # the projection's attribute name (`o_proj`, ...): its kind for MSTAR_PDL_AHEAD_OF (mstar_kernels/_pdl.py)
+    pdl_kind: str | None = None
 
     def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
@@ -47,7 +49,7 @@ class GemvLinear(nn.Linear):
         if blocks is not None:
             from mstar_kernels.gemv import gemv_with
 
-            return gemv_with(x, self.weight, self.bias, blocks)
+            return gemv_with(x, self.weight, self.bias, blocks, kind=self.pdl_kind)
         return super().forward(x)
 
 
@@ -66,9 +68,10 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
     # auto: a pre-norm goes into the kernel only where `tune_gemv` timed that faster; 1: wherever the kernel runs
     norm_apart = frozenset(range(1, max_rows + 1)) if norm_gemv_mode() == "auto" else frozenset()
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.out_features <= GEMV_MAX_OUT:
             module.__class__ = GemvLinear
+            module.pdl_kind = name.rsplit(".", 1)[-1]
             module.gemv_plan = {rows: gemv_blocks(rows, module.out_features, module.in_features)
                                 for rows in range(1, max_rows + 1)}
             module.norm_apart = norm_apart

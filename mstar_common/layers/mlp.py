@@ -39,7 +39,7 @@ class GatedMLP(nn.Module):
         if blocks is not None:
             from mstar_kernels.gemv import gemv_with  # a few rows: the activation runs inside the down projection
 
-            return gemv_with(gate_up, down.weight, down.bias, blocks, swiglu=True)
+            return gemv_with(gate_up, down.weight, down.bias, blocks, swiglu=True, kind=down.pdl_kind)
         if self.use_kernel and gate_up.is_cuda:
             from mstar_kernels.silu_mul import silu_mul
 

@@ -105,6 +105,12 @@ def test_qk_norm_rope_kv_write(head_dim, num_heads, num_kv_heads, has_norm, dtyp
         assert rel_err(q_pos, q) < TOL and rel_err(k_pos, caches[0]) < TOL
     else:
         assert torch.equal(q_pos, q) and torch.equal(k_pos, caches[0])
+    if num_tokens <= 256:  # decode-sized: the angles, norm weights and slots read ahead of the PDL wait
+        k_ahead, v_ahead = torch.zeros_like(caches[0]), torch.zeros_like(caches[1])
+        q_ahead = qk_norm_rope_kv(qkv, None, None, qw, kw, 1e-6, k_ahead, v_ahead, slots, num_heads, num_kv_heads,
+                                  head_dim, positions=positions, inv_freq=rotary.inv_freq(positions.device),
+                                  ahead=True)
+        assert torch.equal(q_ahead, q_pos) and torch.equal(k_ahead, k_pos) and torch.equal(v_ahead, v_pos)
 
 
 def test_store_kv_writes_exactly_the_mapped_slots():

@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 pytestmark = GPU_ONLY
 
 from mstar_common.layers.linear import GemvLinear, tune_gemv, use_gemv  # noqa: E402
@@ -86,6 +86,30 @@ def test_norm_gemv_equals_the_norm_kernel_then_gemv(rows, with_residual, dtype):
     assert rel_err(out, gemv(normed, weight, bias)) < (1e-6 if dtype == torch.float32 else 5e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_a_whole_k_chunk_reads_the_normed_input_once_with_the_same_bits(rows, with_residual, monkeypatch):
+    """`ONE_CHUNK` (BLOCK_K >= K): x (+ the residual) read once for the row scales and the products, and the norm
+    weight ahead of the PDL wait, must give the bits of the general path's three reads, and the same residual
+    stream. A chunk that normed with the wrong scale or weight, or dropped the residual, would differ."""
+    from mstar_kernels.gemv import norm_gemv
+
+    n, k = sweep([(4096, 1024), (6144, 1024), (1000, 300)], [(96, 200), (40, 64)])[0]
+    gen = torch.Generator().manual_seed(rows + 3 * with_residual)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE) if with_residual else None
+    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).to(DEVICE)
+    whole_k = triton.next_power_of_2(k)
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MSTAR_GEMV_NORM_ONE_READ", switch)
+        runs[switch] = norm_gemv(x, gamma, 1e-6, weight, None, residual, block_n=4, block_k=whole_k)
+    (one, one_stream), (general, general_stream) = runs["1"], runs["0"]
+    assert torch.equal(one, general) and torch.equal(one_stream, general_stream)
+    assert not torch.equal(one, gemv(x, weight)), "the norm was applied"
+
+
 def test_norm_gemv_checks_its_operands():
     from mstar_kernels.gemv import norm_gemv
 
@@ -117,6 +141,7 @@ def test_use_gemv_switches_projections_not_vocabulary_heads():
     want = model(x)
     assert use_gemv(model, 4) == 1
     assert isinstance(model[0], GemvLinear) and not isinstance(model[1], GemvLinear)
+    assert model[0].pdl_kind == "0"  # its name in the model: its kind for MSTAR_PDL_AHEAD_OF
     assert rel_err(model(x), want) < 1e-5  # rows <= 4: the kernel on CUDA (the eager op elsewhere)
     assert rel_err(model(torch.cat([x] * 4)), torch.cat([want] * 4)) < 1e-5  # 8 rows: F.linear
     with pytest.raises(ValueError, match="gemv rows"):
@@ -134,9 +159,10 @@ def test_tune_keeps_the_kernel_only_where_it_won(monkeypatch, tmp_path):
     real_gemv = gemv_module.gemv
 
     def recording_gemv(x, weight, bias=None, block_n=None, block_k=None, num_warps=None, swiglu=False,
-                       num_stages=1):
+                       num_stages=1, kind=None):
         calls.append((x.shape[0], (block_n, block_k), swiglu))
-        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages)
+        return real_gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages,
+                         kind=kind)
 
     def timer(fns):
         assert len(fns) == 1  # a custom timer gets no cold copies

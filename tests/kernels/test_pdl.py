@@ -39,6 +39,21 @@ def test_trigger_modes(monkeypatch):
     assert _pdl.pdl_launch(x, 64) == {"USE_GDC": 1, "launch_pdl": True}  # grid not given
     monkeypatch.setenv("MSTAR_PDL_TRIGGER", "ahead")
     assert _pdl.pdl_launch(x, 64, 512) == {"USE_GDC": 3, "launch_pdl": True}  # triggers before its wait
+    monkeypatch.setenv("MSTAR_PDL_TRIGGER", "early")  # per kind: the prologue, o, gate_up, down by default
+    monkeypatch.delenv("MSTAR_PDL_AHEAD_OF", raising=False)
+    assert _pdl.pdl_launch(x, 1, 24, kind="prologue") == {"USE_GDC": 3, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 1, 512, kind="o_proj") == {"USE_GDC": 3, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 1, 80, kind="split") == {"USE_GDC": 1, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 1, 384, kind="down_proj") == {"USE_GDC": 3, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 1, 256, kind="qkv_proj") == {"USE_GDC": 1, "launch_pdl": True}
+    monkeypatch.setenv("MSTAR_PDL_AHEAD_OF", "none")
+    assert _pdl.pdl_launch(x, 1, 24, kind="prologue") == {"USE_GDC": 1, "launch_pdl": True}
+    monkeypatch.setenv("MSTAR_PDL_AHEAD_OF", "merge+ gemv:1024x2048")
+    assert _pdl.pdl_launch(x, 1, 16, kind="merge") == {"USE_GDC": 3, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 1, 512, kind="gemv:1024x2048") == {"USE_GDC": 3, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 1, 256, kind="gemv:4096x1024") == {"USE_GDC": 1, "launch_pdl": True}
+    monkeypatch.setenv("MSTAR_PDL_TRIGGER", "fit")
+    assert _pdl.pdl_launch(x, 1, 16, kind="merge") == {"USE_GDC": 1, "launch_pdl": True}  # early only
     monkeypatch.setenv("MSTAR_PDL_TRIGGER", "late")
     with pytest.raises(ValueError, match="MSTAR_PDL_TRIGGER='late': expected one of early, fit, ahead"):
         _pdl.pdl_launch(x, 64, 512)
@@ -48,9 +63,11 @@ def _decode_layer_chain(rows: int, rope_in_attention: bool = False):
     """A one-layer decode chain through every kernel that launches with PDL: RMSNorm (with the residual add) ->
     qkv GEMV -> q/k norm + RoPE + KV write -> split-K decode attention + merge -> o GEMV -> RMSNorm -> gate_up
     GEMV -> down GEMV (SwiGLU on load) -> argmax of a logits GEMV. `rope_in_attention`: the prologue inside the
-    decode kernel, which reads the pool's older tokens before its wait."""
+    decode kernel, which reads the pool's older tokens before its wait. At one row the prologue takes its angles
+    from the positions (as served; its step inputs then load ahead of its wait) and gate_up takes its RMSNorm
+    inside (`norm_gemv`, the whole of K in one chunk: its input read once after the wait)."""
     from mstar_kernels.argmax import row_argmax
-    from mstar_kernels.gemv import gemv
+    from mstar_kernels.gemv import gemv, norm_gemv
     from mstar_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rope
     from mstar_kernels.qk_norm_rope_kv import qk_norm_rope_kv
     from mstar_kernels.rmsnorm import rms_norm
@@ -82,11 +99,15 @@ def _decode_layer_chain(rows: int, rope_in_attention: bool = False):
                                                k_cache, v_cache, slots.long(), tables, lens, heads, kv_heads,
                                                head_dim, head_dim**-0.5, num_splits=4)
         else:
-            q = qk_norm_rope_kv(gemv(h, w["qkv"]), cos, sin, w["qn"], w["kn"], 1e-6, k_cache, v_cache, slots, heads,
-                                kv_heads, head_dim)
+            angles = {"positions": positions, "inv_freq": inv_freq} if rows == 1 else {}
+            q = qk_norm_rope_kv(gemv(h, w["qkv"]), None if rows == 1 else cos, None if rows == 1 else sin, w["qn"],
+                                w["kn"], 1e-6, k_cache, v_cache, slots, heads, kv_heads, head_dim, **angles)
             attn = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, num_splits=4)
-        h = rms_norm(gemv(attn.reshape(rows, -1), w["o"]), w["n2"], 1e-6, static["res"])
-        gate_up = gemv(h, w["gu"])
+        o = gemv(attn.reshape(rows, -1), w["o"])
+        if rows == 1:
+            gate_up, _ = norm_gemv(o, w["n2"], 1e-6, w["gu"], None, static["res"], block_n=16, block_k=hidden)
+        else:
+            gate_up = gemv(rms_norm(o, w["n2"], 1e-6, static["res"]), w["gu"])
         out = gemv(gate_up, w["down"], swiglu=True)
         return out, row_argmax(gemv(out, w["lm"]).float())
 
@@ -103,9 +124,14 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows, rope_in_a
         pytest.skip("PDL needs compute capability >= 9.0")
     monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")  # PDL at 4 rows too (by default only 1-2 row launches take it)
     results = {}
-    for flag, trigger in (("0", "early"), ("1", "early"), ("1", "fit"), ("1", "ahead")):
+    every_kind = "prologue,split,merge,gemv:4096x1024,gemv:1024x2048,gemv:6144x1024,gemv:1024x3072"
+    for flag, trigger, ahead_of in (("0", "early", ""), ("1", "early", ""), ("1", "fit", ""), ("1", "ahead", ""),
+                                    ("1", "early", every_kind)):
         monkeypatch.setenv("MSTAR_PDL", flag)
         monkeypatch.setenv("MSTAR_PDL_TRIGGER", trigger)
+        if ahead_of:
+            monkeypatch.setenv("MSTAR_PDL_AHEAD_OF", ahead_of)
+            trigger = "each"
         step = _decode_layer_chain(rows, rope_in_attention)
         eager = step()
         stream = torch.cuda.Stream()
@@ -120,7 +146,7 @@ def test_decode_kernels_give_the_same_bits_with_pdl(monkeypatch, rows, rope_in_a
             graph.replay()
         torch.cuda.synchronize()
         results[flag + trigger] = (eager, captured)
-    for mode in ("1early", "1fit", "1ahead"):
+    for mode in ("1early", "1fit", "1ahead", "1each"):
         for plain, pdl in zip(results["0early"], results[mode], strict=True):
             for a, b in zip(plain, pdl, strict=True):
                 assert torch.equal(a, b)
