@@ -206,7 +206,8 @@ def test_cancelled_stream_frees_its_pages_and_codec_state(tts, oai):
 
 def test_sdk_tts_and_native_generate(tts, tmp_path):
     client = MStarClient(tts.proxy_url)
-    result = client.tts("Hello there", voice="dan", max_tokens=35, ignore_eos=True, return_token_ids=True)
+    # seeded: unseeded, a sampled marker token (p ~ 1e-3 each, see above) cost a frame in ~3% of runs
+    result = client.tts("Hello there", voice="dan", max_tokens=35, ignore_eos=True, return_token_ids=True, seed=5)
     path = result.to_wav(tmp_path / "out.wav")
     audio, rate = soundfile.read(path, dtype="int16")
     assert rate == 24000 and len(audio) == 5 * SAMPLES_PER_FRAME and len(result.token_ids) == 35
