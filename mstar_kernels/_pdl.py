@@ -3,9 +3,11 @@
 A kernel launched with PDL may start while the kernel before it in the stream still runs. It must call
 `gdc_wait()` before it reads anything that kernel writes (or writes anything it reads); what it does before the
 wait may only touch memory no unfinished kernel writes: here, a projection's weights, which the GEMV loads
-before it waits (mstar_kernels/gemv.py). After its own wait each kernel calls `gdc_launch_dependents()`, so the next
-one can start its prologue at once. At most two kernels overlap: the next one's wait returns only when this one
-has finished and its writes are visible.
+before it waits (mstar_kernels/gemv.py), and a step's inputs (positions, slots, lengths) and older KV. After its
+own wait each kernel calls `gdc_launch_dependents()`, so the next one can start its prologue at once; then at most
+two kernels overlap: the next one's wait returns only when this one has finished and its writes are visible. The
+kinds named in `MSTAR_PDL_AHEAD_OF` (`ahead_of`; by default the attention prologue and the o, gate_up and down
+projections) trigger before their wait instead, so a third kernel can be loading ahead of its own wait.
 
 `scripts/probe_pdl.py` on the H200 (2026-12-01): 28 layers of RMSNorm + two 8 MB projections at one row
 (84 kernels in a CUDA graph) took 358 us, 338 us with PDL, 263 us with PDL and the weight prefetch; the same bits.
