@@ -463,9 +463,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     pdl = pdl_launch(query, num_rows, num_rows * num_kv_heads * splits, kind="split")
     if prefetch is None:
         prefetch = bool(pdl["USE_GDC"]) and decode_prefetch()
+    prefetch = prefetch and not mixed
     if new_apart is None:
         new_apart = env_switch("MSTAR_DECODE_NEW_APART", False)
-    kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch and not mixed, "NEW_APART": new_apart}
+    kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch, "NEW_APART": new_apart and prefetch}
     if tokens_major:
         kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}
     kernel[(num_rows, num_kv_heads, splits)](

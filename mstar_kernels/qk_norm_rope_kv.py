@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mstar_common.config import env_switch
-from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
+from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch, trigger_mode
 from mstar_kernels._rounding import round_to
 
 
@@ -200,8 +200,8 @@ def qk_norm_rope_kv(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads + num_kv_heads, heads_per_prog))
     pdl = pdl_launch(qkv, num_tokens, grid[0] * grid[1], kind="prologue")
     if ahead is None:
-        ahead = (pdl["USE_GDC"] in (1, 3) and from_positions and heads_per_prog == 1 and decode_prefetch()
-                 and env_switch("MSTAR_PROLOGUE_AHEAD", True))
+        ahead = (bool(pdl["USE_GDC"]) and trigger_mode() != "ahead" and from_positions and heads_per_prog == 1
+                 and decode_prefetch() and env_switch("MSTAR_PROLOGUE_AHEAD", True))
     assert not ahead or (from_positions and heads_per_prog == 1), "ahead: angles from positions, <= 256 tokens"
     _qk_norm_rope_kv_kernel[grid](
         qkv, cos, sin, qw, kw, slot_mapping, query, k_cache, v_cache,

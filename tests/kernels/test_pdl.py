@@ -99,9 +99,10 @@ def _decode_layer_chain(rows: int, rope_in_attention: bool = False):
                                                k_cache, v_cache, slots.long(), tables, lens, heads, kv_heads,
                                                head_dim, head_dim**-0.5, num_splits=4)
         else:
-            angles = {"positions": positions, "inv_freq": inv_freq} if rows == 1 else {}
-            q = qk_norm_rope_kv(gemv(h, w["qkv"]), None if rows == 1 else cos, None if rows == 1 else sin, w["qn"],
-                                w["kn"], 1e-6, k_cache, v_cache, slots, heads, kv_heads, head_dim, **angles)
+            rope, angles = ((None, None), {"positions": positions, "inv_freq": inv_freq}) if rows == 1 else \
+                ((cos, sin), {})
+            q = qk_norm_rope_kv(gemv(h, w["qkv"]), *rope, w["qn"], w["kn"], 1e-6, k_cache, v_cache, slots, heads,
+                                kv_heads, head_dim, **angles)
             attn = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, num_splits=4)
         o = gemv(attn.reshape(rows, -1), w["o"])
         if rows == 1:
