@@ -96,59 +96,13 @@ def _normed(h, g, inv, res_out_ptr, m, k, x_mask, stride_ro, res_rows, dtype: tl
 
 
 @triton.jit
-def _gemv_one_row(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, N, K, stride_wn, eps, pid,
-                  HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
-    """One row, the whole of K in one chunk, laid out [K / 256, BLOCK_N, 256]: each warp's 32 threads hold 256
-    consecutive columns of K (8 each) for its own output columns, and the outer K blocks sit in registers, so each
-    output's dot is a warp's shuffles and a thread's adds (the [M, N, K] tile of the general path sums across warps
-    through shared memory). The input is read once, its norm weight before the wait. Same roundings as the general
-    path; the sums run in another order. Off by default (`_one_row`)."""
-    KI: tl.constexpr = 256
-    KO: tl.constexpr = BLOCK_K // KI
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    kk = tl.arange(0, KO)[:, None, None] * KI + tl.arange(0, KI)[None, None, :]  # [KO, 1, KI]
-    k_mask = kk < K
-    dtype = x_ptr.dtype.element_ty
-    gdc_start(USE_GDC)
-    w = tl.load(w_ptr + n.to(tl.int64)[None, :, None] * stride_wn + kk, mask=n_mask[None, :, None] & k_mask,
-                other=0.0).to(tl.float32)
-    if NORM:
-        g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-    gdc_enter(USE_GDC, True)
-    if NORM:
-        h = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(res_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            h = round_to(h + r, dtype)
-            tl.store(res_out_ptr + kk, h.to(dtype), mask=kk < tl.where(pid == 0, K, 0))  # program 0 only
-        inv = tl.rsqrt(tl.sum(tl.sum(h * h, axis=2), axis=0) / K + eps)
-        x = round_to(round_to(h * inv[None, :, None], dtype) * g, dtype)
-    elif SWIGLU:
-        gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + kk, mask=k_mask, other=0.0).to(tl.float32)
-        x = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
-    else:
-        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-    acc = tl.sum(tl.sum(x * w, axis=2), axis=0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  stride_rm, stride_ro, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, ONE_ROW: tl.constexpr, USE_GDC: tl.constexpr):
+                 STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
     """`ONE_CHUNK`: BLOCK_K covers the whole of K, so a normed input is read once (under PDL: after the wait), not
-    once for its row scales and again for the products. `ONE_ROW`: that, at one row, in `_gemv_one_row`'s layout."""
+    once for its row scales and again for the products."""
     pid = tl.program_id(0)
-    if ONE_ROW:
-        _gemv_one_row(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, g_ptr, res_out_ptr, N, K, stride_wn, eps, pid, HAS_BIAS,
-                      SWIGLU, NORM, HAS_RES, BLOCK_N, BLOCK_K, USE_GDC)
-        return
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_mask, m_mask = n < N, m < M
@@ -201,15 +155,6 @@ def _one_chunk() -> bool:
     once (`ONE_CHUNK`; under PDL after its wait, with the norm weight loaded before it); 0 keeps the general
     path's reads, for A/Bs. Read at each launch, so at capture for a graph."""
     return env_switch("MSTAR_GEMV_NORM_ONE_READ", True)
-
-
-def _one_row() -> bool:
-    """`MSTAR_GEMV_ONE_ROW` (default 0; experimental, not yet timed on a GPU): a one-row launch whose chunk (a
-    multiple of 256) covers the whole of K runs in `_gemv_one_row`'s layout. For Qwen3-0.6B's qkv setting (16
-    columns, K 1024, 8 warps; Triton 3.9 PTX for sm_90, compiled on the CPU) it takes 54 registers a thread instead
-    of 80, and after the wait 12 CTA barriers instead of 14 (x still reaches the weight's layout through shared
-    memory). Read at each launch, so at capture for a graph."""
-    return env_switch("MSTAR_GEMV_ONE_ROW", False)
 
 
 def gemv_blocks(num_rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int]:
@@ -277,7 +222,6 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
         ONE_CHUNK=block_k >= k and _one_chunk(), num_warps=num_warps, num_stages=num_stages,
-        ONE_ROW=num_rows == 1 and block_k >= k and block_k % 256 == 0 and _one_row(),
         **pdl_launch(x, num_rows, triton.cdiv(n, block_n), kind=kind or f"gemv:{n}x{k}"),
     )
     return out, res_out

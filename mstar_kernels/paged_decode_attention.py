@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar_common.config import env_switch
 from mstar_kernels._pdl import gdc_enter, pdl_launch
 from mstar_kernels._rounding import round_to
 from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin, decode_prefetch
@@ -102,18 +101,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, MIXED: tl.constexpr,
-                         PREFETCH: tl.constexpr, NEW_APART: tl.constexpr, USE_GDC: tl.constexpr):
+                         PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
     """One (row, KV head, context split): the split's softmax state over its context for the query heads that
     share the KV head. `PREFETCH` (decode steps under PDL, one new token per row at position `ctx - 1`): the
     split's first block of context is loaded before the PDL wait, all but the new token, which the kernel before
     this one (the prologue) writes to the pool; after the wait that token's rows are read from L2 and put into the
-    block, so the dots see the same tiles, and give the same bits, as without it. `NEW_APART` (with `PREFETCH`;
-    experimental): the first block's tile goes to its dots without the new token, which joins the softmax state
-    from registers after the loop (as `_decode_rope_split_kernel` adds its own), so nothing changes the tile after
-    the wait and its staging for the dots may come ahead of it; the bits differ from the plain loop's. In the sm_90
-    PTX (scripts/inspect_post_wait.py's helpers, Triton 3.9, Qwen3-0.6B's heads at one row): 128 registers instead
-    of 168, and 10 shared-memory stores ahead of the wait instead of 2; not yet timed on a GPU, so
-    `MSTAR_DECODE_NEW_APART` is off by default."""
+    block, so the dots see the same tiles, and give the same bits, as without it."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,12 +144,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
         # the new token's rows, past L1 (lines loaded ahead of the wait may hold them from before it)
         k_new = tl.load(k_ptr + new_offs, mask=new_in0, other=0.0, cache_modifier=".cg")
         v_new = tl.load(v_ptr + new_offs, mask=new_in0, other=0.0, cache_modifier=".cg")
-        if NEW_APART:
-            m, lsum, acc = _attend_block(q, k0, v0, in0 & ~is_new0, m, lsum, acc, scale_log2, DOT_PRECISION)
-        else:
-            k = tl.where(is_new0[:, None], k_new[None, :], k0).to(q.dtype)
-            v = tl.where(is_new0[:, None], v_new[None, :], v0).to(q.dtype)
-            m, lsum, acc = _attend_tile(q, k, v, in0, m, lsum, acc, scale_log2, DOT_PRECISION)
+        k = tl.where(is_new0[:, None], k_new[None, :], k0).to(q.dtype)
+        v = tl.where(is_new0[:, None], v_new[None, :], v0).to(q.dtype)
+        m, lsum, acc = _attend_tile(q, k, v, in0, m, lsum, acc, scale_log2, DOT_PRECISION)
         first = start + BLOCK
     for n0 in range(first, end, BLOCK):
         t = n0 + tl.arange(0, BLOCK)
@@ -173,9 +163,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
         v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    if PREFETCH and NEW_APART:
-        if tl.max(new_in0.to(tl.int32), axis=0) > 0:  # the new token was in the first block: one more score
-            m, lsum, acc = _attend_one(q, k_new[None, :], v_new[None, :], m, lsum, acc, scale_log2)
     _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, tok, split, g, d, heads, stride_ob,
                  stride_oh, GROUP, HEAD_DIM, NUM_SPLITS)
 
@@ -421,8 +408,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, fp16_dots: bool = False, tokens_major: bool = False,
                            qk_fp8: bool = False, query_start_loc: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, prefetch: bool | None = None,
-                           new_apart: bool | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """Launch knobs (`block` context tokens per iteration, warps, pipeline stages) default to the measured
     choice: scripts/sweep_decode_attention.py on the H200 found 64 tokens, 4 warps and 2 stages within a few
     percent of the best everywhere, and 3 stages 5% faster once the grid is many waves deep (256 rows x 8
@@ -463,10 +449,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     pdl = pdl_launch(query, num_rows, num_rows * num_kv_heads * splits, kind="split")
     if prefetch is None:
         prefetch = bool(pdl["USE_GDC"]) and decode_prefetch()
-    prefetch = prefetch and not mixed
-    if new_apart is None:
-        new_apart = env_switch("MSTAR_DECODE_NEW_APART", False)
-    kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch, "NEW_APART": new_apart and prefetch}
+    kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch and not mixed}
     if tokens_major:
         kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}
     kernel[(num_rows, num_kv_heads, splits)](

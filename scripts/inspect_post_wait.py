@@ -2,7 +2,7 @@
 """What a decode kernel does after its PDL wait, read from the PTX that Triton compiles for sm_90 (no GPU needed).
 
     python scripts/inspect_post_wait.py                      # the one-row Qwen3-0.6B chain's GEMV and prologue
-    python scripts/inspect_post_wait.py --gemv 16,1024,8 --norm --residual --k 1024 --n 4096 [--one-row]
+    python scripts/inspect_post_wait.py --gemv 16,1024,8 --norm --residual --k 1024 --n 4096 [--no-one-read]
     python scripts/inspect_post_wait.py --prologue [--no-ahead]
 
 Under PDL (mstar_kernels/_pdl.py) a kernel loads ahead of `griddepcontrol.wait` what no unfinished kernel writes;
@@ -14,7 +14,7 @@ prologue's step inputs after its wait (docs/benchmarks.md, "Fewer serial reads a
 triggers", 2026-12-04).
 
 The counts are static: every path of the kernel is counted, also one that a launch skips (the GEMV's K loop after
-a chunk that held the whole of K), so compare variants (`--no-one-read`, `--no-ahead`, `--one-row`) rather than
+a chunk that held the whole of K), so compare variants (`--no-one-read`, `--no-ahead`) rather than
 read the figures as a launch's. On this machine (Triton 3.9, 2026-12-04), Qwen3-0.6B's qkv setting: 13 global
 loads after the wait in 3 trips with the one read, 16 in 4 without; the prologue: 3 global loads after its wait
 ahead, 14 without.
@@ -110,11 +110,11 @@ def gemv_report(args) -> tuple[str, str]:
     types = ["*bf16"] * 7 + ["i32"] * 8 + ["fp32"]
     const = {"HAS_BIAS": False, "SWIGLU": args.swiglu, "NORM": args.norm, "HAS_RES": args.residual, "BLOCK_M": 1,
              "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": 1, "ONE_CHUNK": block_k >= args.k and args.one_read,
-             "ONE_ROW": args.one_row and block_k >= args.k and block_k % 256 == 0, "USE_GDC": 1}
+             "USE_GDC": 1}
     aligned = names[:7] + ["N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "stride_ro"]
     form = "norm" if args.norm else "swiglu" if args.swiglu else "plain"
     label = (f"gemv {args.n}x{args.k} ({block_n}, {block_k}, {warps} warps), {form}"
-             f"{' + residual' if args.residual else ''}, one read {const['ONE_CHUNK']}, one row {const['ONE_ROW']}")
+             f"{' + residual' if args.residual else ''}, one read {const['ONE_CHUNK']}")
     return label, compile_ptx(_gemv_kernel, dict(zip(names, types, strict=True)), const, aligned, warps)
 
 
@@ -141,7 +141,6 @@ def main() -> int:
     parser.add_argument("--residual", action="store_true")
     parser.add_argument("--swiglu", action="store_true")
     parser.add_argument("--no-one-read", dest="one_read", action="store_false", help="as MSTAR_GEMV_NORM_ONE_READ=0")
-    parser.add_argument("--one-row", action="store_true", help="as MSTAR_GEMV_ONE_ROW=1")
     parser.add_argument("--prologue", action="store_true", help="only the attention prologue")
     parser.add_argument("--no-ahead", action="store_true", help="the prologue as MSTAR_PROLOGUE_AHEAD=0")
     parser.add_argument("--ptxas", help="a ptxas that reads Triton's PTX (default: Triton's own)")

@@ -102,50 +102,12 @@ def test_a_whole_k_chunk_reads_the_normed_input_once_with_the_same_bits(rows, wi
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).to(DEVICE)
     whole_k = triton.next_power_of_2(k)
     runs = {}
-    monkeypatch.setenv("MSTAR_GEMV_ONE_ROW", "0")  # one row's own layout sums in another order (test below)
     for switch in ("1", "0"):
         monkeypatch.setenv("MSTAR_GEMV_NORM_ONE_READ", switch)
         runs[switch] = norm_gemv(x, gamma, 1e-6, weight, None, residual, block_n=4, block_k=whole_k)
     (one, one_stream), (general, general_stream) = runs["1"], runs["0"]
     assert torch.equal(one, general) and torch.equal(one_stream, general_stream)
     assert not torch.equal(one, gemv(x, weight)), "the norm was applied"
-
-
-@pytest.mark.parametrize("form", ["norm", "norm_residual", "swiglu", "plain_bias"])
-def test_one_row_in_its_own_layout_matches_the_general_tile(form, monkeypatch):
-    """`ONE_ROW` (one row, the whole of K in a chunk that is a multiple of 256): the same roundings as the general
-    [M, N, K] tile with the sums in another order, so within an ulp or two of it and of fp32 products; the
-    residual stream it writes is the add's, bit for bit; masked K tails and N tails read nothing past the row."""
-    from mstar_kernels.gemv import norm_gemv
-    from mstar_kernels.rmsnorm import rms_norm_ref
-
-    n, k = sweep([(4096, 1024), (1000, 300), (1024, 3072)], [(40, 200), (96, 256)])[0 if form != "swiglu" else -1]
-    gen = torch.Generator().manual_seed(len(form))
-    x = torch.randn(1, 2 * k if form == "swiglu" else k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    residual = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE) if form == "norm_residual" else None
-    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).to(DEVICE)
-    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE) if form == "plain_bias" else None
-    whole_k = max(256, triton.next_power_of_2(k))
-    runs = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("MSTAR_GEMV_ONE_ROW", switch)
-        if form.startswith("norm"):
-            runs[switch] = norm_gemv(x, gamma, 1e-6, weight, None, residual, block_n=4, block_k=whole_k)
-        else:
-            runs[switch] = gemv(x, weight, bias, block_n=4, block_k=whole_k, swiglu=form == "swiglu"), x
-    (one, one_stream), (general, general_stream) = runs["1"], runs["0"]
-    assert torch.equal(one_stream, general_stream)
-    assert rel_err(one, general) < 5e-3 and (one != general).float().mean() < 0.05
-    if form.startswith("norm"):
-        stream = residual.clone() if residual is not None else None
-        ref = gemv_ref(rms_norm_ref(x, gamma, 1e-6, stream), weight)
-    elif form == "swiglu":
-        gate, up = x.float().chunk(2, dim=-1)
-        ref = gemv_ref((torch.nn.functional.silu(gate) * up).to(x.dtype), weight)
-    else:
-        ref = gemv_ref(x, weight, bias)
-    assert rel_err(one, ref) < 1e-2
 
 
 def test_norm_gemv_checks_its_operands():

@@ -109,35 +109,6 @@ def test_decode_with_the_first_block_prefetched_gives_the_same_bits(pool):
         assert torch.equal(plain, ahead), splits
 
 
-@pytest.mark.parametrize("pool", ["model", "fp8"])
-def test_decode_with_the_new_token_apart_matches_the_reference(pool):
-    """`new_apart` (with `prefetch`): the first block's tile without the newest token, which joins the softmax
-    state from registers after the loop, whether it sits in a split's first block, in a later one, or alone in its
-    split. Within the tolerance of the plain loop's output and of the torch reference; a kernel that dropped the
-    newest token, or counted it twice, would miss both (the newest token is the largest score of each row)."""
-    gen = torch.Generator().manual_seed(13)
-    dtype = DTYPES[0]
-    lengths = [1, 17, 64, 65, 130, 641]
-    k_cache, v_cache, tables = _pool(lengths, PAGE_SIZE, 2, 64, dtype, gen)
-    query = torch.randn(len(lengths), 8, 64, generator=gen).to(dtype).to(DEVICE)
-    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    for row, length in enumerate(lengths):  # the newest key lines up with the row's queries: it must count
-        slot = tables[row, (length - 1) // PAGE_SIZE].long() * PAGE_SIZE + (length - 1) % PAGE_SIZE
-        k_cache.view(-1, 2, 64)[slot] = (3 * query[row].view(2, 4, 64).mean(1)).to(k_cache.dtype)
-    fp16_dots = False
-    if pool == "fp8":
-        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-        fp16_dots = dtype == torch.bfloat16
-    ref = paged_decode_attention_ref(query, k_cache.to(dtype), v_cache.to(dtype), tables, ctx, 0.125)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for splits in sweep([1, 4, 8, 32], [1, 4, 32]):
-        plain = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits,
-                                       fp16_dots=fp16_dots, prefetch=False)
-        apart = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits,
-                                       fp16_dots=fp16_dots, prefetch=True, new_apart=True)
-        assert rel_err(apart, plain) < tol and rel_err(apart, ref) < tol, splits
-
-
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("form", [{}, {"tokens_major": True}])
 def test_mixed_step_splits_rows_between_the_prefill_and_decode_kernels(head_dim, num_heads, num_kv_heads, form):
