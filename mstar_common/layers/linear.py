@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -269,9 +271,31 @@ def _write_cache(cache: Path, known: dict) -> None:
 
 def step_setting_key(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> str:
     """The GEMV cache's key for the setting that whole captured decode steps chose (scripts/tune_step_gemv.py
-    `--write-cache`) for every projection with this weight's shape, dtype and bias at `rows` rows (a bucket)."""
+    `--write-cache`) for every projection with this weight's shape, dtype and bias at `rows` rows (a bucket), under
+    this process's PDL switches (mstar_common/pdl_switches.py `signature`): which kernels overlap which decides the
+    step's best setting, so a setting timed under other triggers is not taken."""
+    from mstar_common import pdl_switches
+
     n, k = weight.shape
-    return f"step:{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:rows={rows}"
+    return (f"step:{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:rows={rows}"
+            f":pdl={pdl_switches.signature()}")
+
+
+@functools.cache
+def kernels_fingerprint(root: Path | None = None) -> str:
+    """A digest of the kernel sources (`root`, default the mstar_kernels package: its .py, .cu and .cuh files). The GEMV
+    cache's decisions and step-timed settings were timed against these kernels and the ones around them in a step,
+    so the cache file is named by it: a changed kernel starts a new file (re-tuned at the next start) instead of
+    keeping settings that may now be slower (on 2026-12-04 an o setting stored before the early PDL triggers cost
+    ~2% a one-row step after them, docs/benchmarks.md)."""
+    if root is None:
+        import mstar_kernels
+
+        root = Path(mstar_kernels.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("*.cu"), *root.glob("*.cuh")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def step_setting(known: dict, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[int, ...] | None:
@@ -365,7 +389,8 @@ def default_gemv_cache() -> Path:
 
     name = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name())
     # v3: a PDL row count is timed behind a norm launch (v2: each projection alone; v1: on L2-resident weights)
-    return cache_dir() / "gemv" / f"v3-{name}-torch{torch.__version__.split('+')[0]}-triton{triton.__version__}.json"
+    return (cache_dir() / "gemv" / f"v3-{name}-torch{torch.__version__.split('+')[0]}-triton{triton.__version__}"
+            f"-kernels{kernels_fingerprint()}.json")
 
 
 def use_gemv_from_env(model: nn.Module) -> None:

@@ -1,23 +1,71 @@
-"""The GEMV cache's step-timed settings (scripts/tune_step_gemv.py --write-cache): their keys, the switch that
-ignores them, and how they are merged into the cache file beside `tune_gemv`'s own decisions."""
+"""The GEMV cache's step-timed settings (scripts/tune_step_gemv.py --write-cache): their keys (with the PDL switches
+they were timed under), the switch that ignores them, how they are merged into the cache file beside `tune_gemv`'s
+own decisions, and the kernel-source digest that names the cache file."""
 
 import json
 
 import pytest
 import torch
 
-from mstar_common.layers.linear import step_setting, step_setting_key, write_step_settings
+from mstar_common.layers.linear import kernels_fingerprint, step_setting, step_setting_key, write_step_settings
+
+DEFAULT_KINDS = "down_proj+gate_up_proj+o_proj+prologue"
+DEFAULT_PDL = f"pdl=early/{DEFAULT_KINDS}"
 
 
-def test_the_key_names_shape_dtype_bias_and_rows():
+@pytest.fixture(autouse=True)
+def default_pdl(monkeypatch):
+    for name in ("MSTAR_PDL", "MSTAR_PDL_TRIGGER", "MSTAR_PDL_AHEAD_OF"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_key_names_shape_dtype_bias_rows_and_the_pdl_switches():
     weight = torch.zeros(1024, 2048, dtype=torch.bfloat16)
-    assert step_setting_key(weight, None, 1) == "step:1024x2048:bfloat16:bias=False:rows=1"
-    assert step_setting_key(weight, torch.zeros(1024), 2) == "step:1024x2048:bfloat16:bias=True:rows=2"
+    assert step_setting_key(weight, None, 1) == f"step:1024x2048:bfloat16:bias=False:rows=1:{DEFAULT_PDL}"
+    assert step_setting_key(weight, torch.zeros(1024), 2) == f"step:1024x2048:bfloat16:bias=True:rows=2:{DEFAULT_PDL}"
+
+
+@pytest.mark.parametrize("env,pdl", [({"MSTAR_PDL_AHEAD_OF": "o_proj+prologue"}, "pdl=early/o_proj+prologue"),
+                                     ({"MSTAR_PDL_AHEAD_OF": "none"}, "pdl=early/none"),
+                                     ({"MSTAR_PDL_TRIGGER": "ahead"}, f"pdl=ahead/{DEFAULT_KINDS}"),
+                                     ({"MSTAR_PDL": "0", "MSTAR_PDL_TRIGGER": "fit"}, "pdl=off")])
+def test_a_setting_timed_under_other_pdl_switches_is_not_taken(monkeypatch, env, pdl):
+    """A step-timed setting is the best of a step whose kernels overlap as the PDL switches say; under other
+    switches the step is another one (on 2026-12-04 the o setting stored before the early triggers cost ~2% after
+    them), so its key differs and it is not read."""
+    weight = torch.zeros(1024, 2048, dtype=torch.bfloat16)
+    known = {step_setting_key(weight, None, 1): [2, 1024]}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert step_setting_key(weight, None, 1) == f"step:1024x2048:bfloat16:bias=False:rows=1:{pdl}"
+    assert step_setting(known, weight, None, 1) is None
+
+
+def test_the_cache_file_digest_follows_the_kernel_sources(tmp_path):
+    """Any change to a kernel source (.py, .cu, .cuh), or a new one, gives another digest, so the GEMV cache file
+    (named by it) starts over instead of keeping decisions timed against other kernels; other files do not count."""
+    digest = kernels_fingerprint.__wrapped__
+    (tmp_path / "gemv.py").write_text("BLOCK = 16\n")
+    (tmp_path / "staged_gemv.cu").write_text("// kernel\n")
+    first = digest(tmp_path)
+    assert len(first) == 12 and digest(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("not a source")
+    assert digest(tmp_path) == first
+    (tmp_path / "gemv.py").write_text("BLOCK = 32\n")
+    changed = digest(tmp_path)
+    assert changed != first
+    (tmp_path / "staged_copy.cuh").write_text("// header\n")
+    assert digest(tmp_path) not in (first, changed)
+    (tmp_path / "staged_copy.cuh").unlink()
+    (tmp_path / "gemv.py").write_text("BLOCK = 16\n")
+    assert digest(tmp_path) == first
+    assert kernels_fingerprint() == digest(None)  # the package's own sources
 
 
 def test_a_stored_setting_is_read_back_unless_switched_off(monkeypatch):
     weight = torch.zeros(1024, 2048, dtype=torch.bfloat16)
-    known = {step_setting_key(weight, None, 1): [1, 1024], "1024x2048:bfloat16:bias=False:rows=1": [1, 2048]}
+    known = {step_setting_key(weight, None, 1): [1, 1024], "1024x2048:bfloat16:bias=False:rows=1": [1, 2048],
+             "step:1024x2048:bfloat16:bias=False:rows=1": [4, 2048]}  # a key from before the PDL switches
     monkeypatch.delenv("MSTAR_GEMV_STEP_PLANS", raising=False)
     assert step_setting(known, weight, None, 1) == (1, 1024)
     assert step_setting(known, weight, None, 2) is None  # another row count

@@ -1,0 +1,70 @@
+"""The Programmatic Dependent Launch switches (mstar_kernels/_pdl.py has the launches and what they measured),
+readable without Triton: the GEMV cache keys its step-timed settings by them (`signature`)."""
+
+from __future__ import annotations
+
+import os
+
+from mstar_common.config import env_switch
+
+
+def enabled() -> bool:
+    return env_switch("MSTAR_PDL", True)
+
+
+def max_rows() -> int:
+    raw = os.environ.get("MSTAR_PDL_MAX_ROWS", "2") or "2"
+    if not raw.isdigit():
+        raise ValueError(f"MSTAR_PDL_MAX_ROWS={raw!r}: expected a non-negative integer")
+    return int(raw)
+
+
+TRIGGER_MODES = ("early", "fit", "ahead")
+
+
+def trigger_mode() -> str:
+    """`MSTAR_PDL_TRIGGER`: when a PDL kernel lets the next one start. `early` (default): each program right after
+    its wait. `fit`: so only if the grid fits on the GPU's SMs at once; a deeper grid's programs do not trigger,
+    so the next kernel starts when this one ends (else the next kernel's programs, launched early, wait on SMs
+    that this kernel's later waves need). `ahead`: each program as it starts, before its wait, so a chain of
+    kernels can be resident at once, each loading its weights ahead while the ones before it run.
+
+    `ahead` is safe for the same reason as the others: a kernel's wait returns only when the kernel before it has
+    finished, which it did only after its own wait, so the order holds transitively; and a kernel launches only
+    once every program of the one before it has started, so all but the newest launched kernel are wholly
+    resident and none can wait on SMs that an older one still needs."""
+    mode = os.environ.get("MSTAR_PDL_TRIGGER", "early") or "early"
+    if mode not in TRIGGER_MODES:
+        raise ValueError(f"MSTAR_PDL_TRIGGER={mode!r}: expected one of {', '.join(TRIGGER_MODES)}")
+    return mode
+
+
+def ahead_of() -> frozenset[str]:
+    """`MSTAR_PDL_AHEAD_OF`: the kinds of kernel (separated by `,` or `+`) that, under the `early` trigger, let the
+    next kernel start before their own wait, as `ahead` does for all: `prologue`, `split`, `merge`, a GEMV by its
+    projection's name (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, ...; `gemv:NxK` for an unnamed one).
+    Unset: `prologue`, `o_proj`, `gate_up_proj` and `down_proj`. After the prologue, the split attention then loads
+    its first block of context while the qkv projection still computes; after o, gate_up streams its weights while
+    o computes; and so on. (Those kernels' own loads ahead of their waits are step inputs and weights, and the
+    kernel before them has its weights in registers by then.) `none`: no kernel. Read at each launch, so at
+    capture. H200, Qwen3-0.6B one-row step replay (scripts/ab_decode_step.py, 2026-12-04): none 0.7784 ms,
+    prologue 0.7523 (the split, merge, qkv, gate_up or down added to it: 0.749-0.754), prologue + o 0.7232-0.7296,
+    + down 0.7127, + gate_up and down 0.7060; two rows 0.955-0.958 for each set against 1.0012 without;
+    Llama-3.2-3B one row 2.2514 -> 2.2151 ms with the prologue (o and gate_up added: 2.2151 / 2.2212); timed alone
+    later that day, the default set 2.1855 ms, the prologue alone 2.2084, none 2.2425."""
+    raw = os.environ.get("MSTAR_PDL_AHEAD_OF")
+    if raw is None:
+        return DEFAULT_AHEAD_OF
+    kinds = (kind.strip() for kind in raw.replace("+", ",").split(","))
+    return frozenset(kind for kind in kinds if kind and kind != "none")
+
+
+DEFAULT_AHEAD_OF = frozenset({"prologue", "o_proj", "gate_up_proj", "down_proj"})
+
+
+def signature() -> str:
+    """The switches a decode step is captured under: `off`, or the trigger mode and the kinds that trigger before
+    their wait, e.g. `early/down_proj+gate_up_proj+o_proj+prologue`."""
+    if not enabled():
+        return "off"
+    return f"{trigger_mode()}/{'+'.join(sorted(ahead_of())) or 'none'}"
