@@ -233,7 +233,7 @@ def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     `(STAGED, cols)`: mstar_kernels/staged_gemv.py's kernel."""
     if setting[0] == STAGED:
         if staged_readable(x, weight, bias):
-            return staged_gemv(x, weight, bias, setting[1], swiglu=swiglu)[0]
+            return staged_gemv(x, weight, bias, setting[1], swiglu=swiglu, kind=kind)[0]
         setting = (None, None)  # an input that kernel cannot read: the default blocks
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
@@ -246,7 +246,7 @@ def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
     """`norm_gemv` with a tuned setting (as `gemv_with`'s)."""
     if setting[0] == STAGED:
         if staged_readable(x, weight, bias, residual, norm_weight):
-            return staged_gemv(x, weight, bias, setting[1], norm=(norm_weight, eps, residual))
+            return staged_gemv(x, weight, bias, setting[1], norm=(norm_weight, eps, residual), kind=kind)
         setting = (None, None)
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)

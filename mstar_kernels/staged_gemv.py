@@ -117,10 +117,12 @@ def readable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def staged_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cols: int, swiglu: bool = False,
-                norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                norm: tuple | None = None, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`out = in @ weight.T + bias` with `in` built from `x` as mstar_kernels/gemv.py's `_launch` builds it (`swiglu`: x
     is [M, 2K] gate | up; `norm` = (norm_weight, eps, residual or None): RMSNorm of x + residual). Returns
-    `(out, res_out)`: res_out is the summed residual stream with a residual, else x."""
+    `(out, res_out)`: res_out is the summed residual stream with a residual, else x. `kind`: the projection's name
+    for `MSTAR_PDL_AHEAD_OF` (as the Triton GEMV's; default `gemv:NxK`), so a staged projection named there also
+    lets the next kernel start before its wait."""
     from mstar_kernels._pdl import pdl_launch
 
     num_rows, (n, k) = x.shape[0], weight.shape
@@ -134,7 +136,7 @@ def staged_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     input_kind = "norm" if norm is not None else "swiglu" if swiglu else "plain"
     ctas = -(-n // cols)
-    mode = pdl_launch(x, num_rows, ctas)["USE_GDC"]
+    mode = pdl_launch(x, num_rows, ctas, kind=kind or f"gemv:{n}x{k}")["USE_GDC"]
 
     def ptr(t):
         return t.data_ptr() if t is not None else None
