@@ -168,19 +168,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
 
 
 @triton.jit
-def _attend_one(q, k_row, v_row, m, lsum, acc, scale_log2):
-    """One token's key and value rows [1, D] (as the pool holds them) into the running softmax state of the query
-    heads `q` [G, D]: its score per head as an fp32 sum, from registers."""
-    s_new = tl.sum(q.to(tl.float32) * k_row.to(q.dtype).to(tl.float32), axis=1) * scale_log2
-    m_new = tl.maximum(m, s_new)
-    alpha = tl.exp2(m - m_new)
-    p_new = tl.exp2(s_new - m_new)
-    lsum = lsum * alpha + p_new
-    acc = acc * alpha[:, None] + p_new[:, None] * v_row.to(q.dtype).to(tl.float32)
-    return m_new, lsum, acc
-
-
-@triton.jit
 def _decode_split_tokens_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, part_acc_ptr,
                                 part_ml_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_slot, stride_kv_head,
                                 stride_bt, scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
@@ -344,7 +331,13 @@ def _decode_rope_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, sl
         v = tl.load(v_ptr + offs, mask=old[:, None], other=0.0)
         m, lsum, acc = _attend_block(q, k, v, old, m, lsum, acc, scale_log2, DOT_PRECISION)
     if holds_new:  # the new token, as the pool reads it back: one more score per head
-        m, lsum, acc = _attend_one(q, k_new, v_new, m, lsum, acc, scale_log2)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), axis=1) * scale_log2
+        m_new = tl.maximum(m, s_new)
+        alpha = tl.exp2(m - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        lsum = lsum * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(q.dtype).to(tl.float32)
+        m = m_new
     _store_heads(out_ptr, part_acc_ptr, part_ml_ptr, acc, m, lsum, row, row, split, g, d, heads, stride_ob,
                  stride_oh, GROUP, HEAD_DIM, NUM_SPLITS)
 

@@ -281,29 +281,12 @@ def step_setting_key(weight: torch.Tensor, bias: torch.Tensor | None, rows: int)
             f":pdl={pdl_switches.signature()}")
 
 
-@functools.cache
-def kernels_fingerprint(root: Path | None = None) -> str:
-    """A digest of the kernel sources (`root`, default the mstar_kernels package: its .py, .cu and .cuh files). The GEMV
-    cache's decisions and step-timed settings were timed against these kernels and the ones around them in a step,
-    so the cache file is named by it: a changed kernel starts a new file (re-tuned at the next start) instead of
-    keeping settings that may now be slower (on 2026-12-04 an o setting stored before the early PDL triggers cost
-    ~2% a one-row step after them, docs/benchmarks.md)."""
-    if root is None:
-        import mstar_kernels
-
-        root = Path(mstar_kernels.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("*.cu"), *root.glob("*.cuh")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:12]
-
-
 def step_setting(known: dict, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[int, ...] | None:
     """The step-timed setting in the GEMV cache's decisions `known` for this projection at `rows` rows, if any and
     `MSTAR_GEMV_STEP_PLANS` (default 1) is on. `tune_gemv` times each projection behind one norm launch; in a step
     it runs between other kernels whose programs hold registers and stream bytes of their own, so a setting timed
     in the whole step can beat the one timed alone (Qwen3-0.6B's o projection at one row, H200: the step 1.1-2.3%
-    shorter, docs/benchmarks.md)."""
+    shorter before the early PDL triggers, none better after them; docs/benchmarks.md)."""
     if not env_switch("MSTAR_GEMV_STEP_PLANS", True):
         return None
     setting = known.get(step_setting_key(weight, bias, rows))
@@ -380,6 +363,23 @@ def _timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained: boo
 def _row_bucket(rows: int) -> int:
     """The power of two a step of `rows` rows is timed at (3 rows pad to 4 as the graphs' buckets do)."""
     return 1 << (rows - 1).bit_length()
+
+
+@functools.cache
+def kernels_fingerprint(root: Path | None = None) -> str:
+    """A digest of the kernel sources (`root`, default the mstar_kernels package: its .py, .cu and .cuh files). The GEMV
+    cache's decisions and step-timed settings were timed against these kernels and the ones around them in a step,
+    so the cache file is named by it: a changed kernel starts a new file (re-tuned at the next start) instead of
+    keeping settings that may now be slower (on 2026-12-04 an o setting stored before the early PDL triggers cost
+    ~2% a one-row step after them, docs/benchmarks.md)."""
+    if root is None:
+        import mstar_kernels
+
+        root = Path(mstar_kernels.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("*.cu"), *root.glob("*.cuh")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def default_gemv_cache() -> Path:
