@@ -1,6 +1,5 @@
 """Build a CUDA C++ source into a shared library that ctypes loads, for this machine's first GPU
-(mstar_kernels/staged_gemv.cu and the probes' CUDA forms: scripts/probe_persistent_step.cu,
-scripts/probe_staged_gemv.cu).
+(the probes' CUDA forms: scripts/probe_persistent_step.cu, scripts/probe_staged_gemv.cu).
 Built once per hash of the source, the local files it includes (`#include "..."`) and the architecture, under the
 mstar cache directory (`MSTAR_CACHE_DIR`, else the temp directory)."""
 

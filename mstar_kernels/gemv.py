@@ -20,9 +20,6 @@ reading the old one).
 
 Launched with PDL (mstar_kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
-
-A setting `(STAGED, cols)` sends `gemv_with` / `norm_gemv_with` to mstar_kernels/staged_gemv.py instead, whose CTAs copy
-their whole weight slice into shared memory ahead of that wait (bf16, one to four rows, Hopper or newer).
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ import triton.language as tl
 from mstar_common.config import env_switch
 from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
 from mstar_kernels._rounding import round_to
-from mstar_kernels.staged_gemv import STAGED, staged_gemv
-from mstar_kernels.staged_gemv import readable as staged_readable
 
 MAX_ROWS = 8
 TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across the program's threads)
@@ -229,12 +224,7 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
 
 def gemv_with(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, setting: tuple,
               swiglu: bool = False, kind: str | None = None) -> torch.Tensor:
-    """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages), or
-    `(STAGED, cols)`: mstar_kernels/staged_gemv.py's kernel."""
-    if setting[0] == STAGED:
-        if staged_readable(x, weight, bias):
-            return staged_gemv(x, weight, bias, setting[1], swiglu=swiglu, kind=kind)[0]
-        setting = (None, None)  # an input that kernel cannot read: the default blocks
+    """`gemv` with a tuned setting: (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
     return gemv(x, weight, bias, block_n, block_k, num_warps, swiglu=swiglu, num_stages=num_stages, kind=kind)
@@ -244,10 +234,6 @@ def norm_gemv_with(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
                    bias: torch.Tensor | None, residual: torch.Tensor | None, setting: tuple,
                    kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_gemv` with a tuned setting (as `gemv_with`'s)."""
-    if setting[0] == STAGED:
-        if staged_readable(x, weight, bias, residual, norm_weight):
-            return staged_gemv(x, weight, bias, setting[1], norm=(norm_weight, eps, residual), kind=kind)
-        setting = (None, None)
     block_n, block_k, *rest = setting
     num_warps, num_stages = rest if rest else (None, 1)
     return norm_gemv(x, norm_weight, eps, weight, bias, residual, block_n, block_k, num_warps, num_stages, kind)

@@ -9,7 +9,7 @@
 // wait for it. Then the CTA waits for the kernel before it (`griddepcontrol.wait`), reads the input vector and sums
 // each group of eight rows as soon as that group has landed (one barrier per group). The input is kept as bf16 in
 // shared memory, so that a warp reads it as it reads a weight row, 16 bytes a lane, without bank conflicts.
-// The copy, barrier and launch helpers are mstar_kernels/staged_copy.cuh's (the served kernel's).
+// The copy, barrier and launch helpers are in scripts/staged_copy.cuh.
 //
 // - `stage_first` 1: the copy is issued before the PDL wait; 0: after it (the same kernel with no lookahead).
 // - `mode` 0: no PDL; 1: wait, then let the next kernel launch (`early`, the served rule); 3: let it launch first,
@@ -21,7 +21,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "../mstar_kernels/staged_copy.cuh"
+#include "staged_copy.cuh"
 
 namespace {
 

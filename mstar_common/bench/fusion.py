@@ -393,7 +393,7 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     scripts/tune_step_gemv.py `--write-cache` stores for the server."""
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
-    from mstar_common.layers.linear import GemvLinear, gemv_candidates, staged_candidates_for, step_setting_key
+    from mstar_common.layers.linear import GemvLinear, gemv_candidates, step_setting_key
 
     model, config, kv_cache = _load(checkpoint, family, [rows], context_len, page_size)
     configure_fast_path(model, ComponentConfig(), "cuda", rows, 4096)
@@ -425,7 +425,7 @@ def tune_step_plans(checkpoint: str | Path, family: str, rows: int = 1, context_
     trials = [{"plan": {f"{n}x{k}": list(s) for (n, k), s in best_plan.items()}, "step_ms": best_ms, "start": True}]
     print(f"[step-tune] {family} rows {rows}: start {best_ms:.4f} ms with {start_plan}", flush=True)
     for shape in groups:
-        for setting in gemv_candidates(rows, *shape, staged_candidates_for(groups[shape][0].weight, rows)):
+        for setting in gemv_candidates(rows, *shape):
             if time.monotonic() - began > budget_s:
                 break
             plan = {**best_plan, shape: setting}

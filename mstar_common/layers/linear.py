@@ -111,13 +111,11 @@ GEMV_MARGIN = 0.95  # the kernel must beat cuBLAS by 5% to take a shape: near-ti
 
 
 @torch.no_grad()
-def gemv_candidates(rows: int, n: int, k: int, staged: bool = False) -> list[tuple[int, ...]]:
+def gemv_candidates(rows: int, n: int, k: int) -> list[tuple[int, ...]]:
     """The skinny-GEMM settings `tune_gemv` tries for an [n, k] weight at `rows` rows: the default blocks, the
     candidates, and (`MSTAR_GEMV_WIDE`, default on) the whole-K ones, less those whose K block exceeds K's power of
-    two or whose tile holds too many products, and pipelined ones with a single iteration; with `staged` (see
-    `staged_candidates_for`) also mstar_kernels/staged_gemv.py's `(STAGED, cols)` settings that fit."""
+    two or whose tile holds too many products, and pipelined ones with a single iteration."""
     from mstar_kernels.gemv import TILE_ELEMENTS, gemv_blocks
-    from mstar_kernels.staged_gemv import candidates as staged_settings
 
     whole_k = _whole_k(k)
     wide = {(block_n, whole_k, *rest) for block_n, _, *rest in GEMV_WIDE_CANDIDATES} if _wide_candidates() else set()
@@ -130,20 +128,7 @@ def gemv_candidates(rows: int, n: int, k: int, staged: bool = False) -> list[tup
         if len(setting) > 2 and setting[3] > 1 and block_k >= k:  # one iteration: nothing to pipeline
             continue
         kept.append(setting)
-    return kept + (staged_settings(rows, n, k) if staged else [])
-
-
-def staged_candidates_for(weight: torch.Tensor, rows: int) -> bool:
-    """Whether `tune_gemv` also tries mstar_kernels/staged_gemv.py for `weight` at `rows` rows: bf16 on a
-    Hopper-or-newer GPU where the kernel builds (nvcc), `MSTAR_GEMV_STAGED=1`, and a row count that launches with PDL
-    (its weight copy ahead of the wait is what it brings; without PDL nothing runs ahead)."""
-    from mstar_kernels.staged_gemv import MAX_ROWS, available, enabled
-
-    if rows > MAX_ROWS or not enabled() or not available(weight):
-        return False
-    from mstar_kernels._pdl import use_pdl
-
-    return use_pdl(weight, rows)
+    return kept
 
 
 def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None) -> list[dict]:
@@ -162,7 +147,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     from mstar_common.bench.gpu_timing import cold_copies
     from mstar_common.layers.decoder import norm_gemv_mode
     from mstar_kernels._pdl import use_pdl
-    from mstar_kernels.staged_gemv import STAGED
 
     cold = timer is None
     if timer is None:
@@ -196,7 +180,6 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
             key = f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
             key += ":wide" if _wide_candidates() else ""  # a decision taken over more candidates
-            key += ":staged" if staged_candidates_for(weight, rows) else ""
             return key + (":chained" if _is_chained(weight, rows, norm) else "")
 
         for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
@@ -210,17 +193,12 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             chained = _is_chained(weight, rows, norm)
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual, chained))
             best, best_us, apart = None, cublas_us * GEMV_MARGIN, False
-            staged_us = float("inf")  # the staged kernel's best, for the log
-            for setting in gemv_candidates(rows, n, k, staged_candidates_for(weight, rows)):
+            for setting in gemv_candidates(rows, n, k):
                 us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained))
-                if setting[0] == STAGED:
-                    staged_us = min(staged_us, us)
                 if us < best_us:
                     best, best_us, apart = setting, us, False
                 if norm is not None and try_apart:  # the norm kernel (add + norm), then the plain kernel
                     us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, norm_apart=True))
-                    if setting[0] == STAGED:
-                        staged_us = min(staged_us, us)
                     if us < best_us:
                         best, best_us, apart = setting, us, True
             if best is None:
@@ -235,8 +213,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             prologue = " (swiglu)" if swiglu else " (norm)" if norm is not None else ""
             form = " after the norm kernel" if apart else " with the norm inside" if norm is not None else ""
             log(f"gemv tune: {n}x{k}{prologue} rows {rows}: cuBLAS {cublas_us:.2f} us, "
-                + (f"kernel {best_us:.2f} us with blocks {best}{form}" if best else "kernel not 5% faster: cuBLAS")
-                + (f" (staged kernel's best {staged_us:.2f} us)" if staged_us < float("inf") else ""))
+                + (f"kernel {best_us:.2f} us with blocks {best}{form}" if best else "kernel not 5% faster: cuBLAS"))
         plan, norm_apart = {}, set()
         for rows in module.gemv_plan:
             bucket = _row_bucket(rows)
@@ -410,21 +387,12 @@ def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
     """`MSTAR_GEMV_FORCE` (an A/B switch, unset by default): `ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES[;...]`, e.g.
     `1:8/0/8/1` (BLOCK_K 0: the whole K in one iteration), puts every skinny-GEMM projection on that setting at that
     row count after the tuning, whatever it decided (cuBLAS included), so that a whole step can be timed with one
-    setting throughout (scripts/probe_gemv_chain.py's chain preferred such a plan to the per-projection tuning).
-    `ROWS:staged/COLS` puts them on mstar_kernels/staged_gemv.py with COLS columns per CTA (0: `staged_gemv.auto_cols`
-    per shape), where that kernel serves the weight and takes the shape (with or without `MSTAR_GEMV_STAGED`)."""
-    from mstar_kernels.staged_gemv import MAX_COLS, STAGED
-    from mstar_kernels.staged_gemv import MAX_ROWS as STAGED_MAX_ROWS
-
+    setting throughout (scripts/probe_gemv_chain.py's chain preferred such a plan to the per-projection tuning)."""
     raw = os.environ.get("MSTAR_GEMV_FORCE", "")
     forced = {}
     for item in filter(None, raw.split(";")):
         rows, _, setting = item.partition(":")
         values = setting.split("/")
-        if rows.isdigit() and len(values) == 2 and values[0] == "staged" and values[1].isdigit():
-            if 1 <= int(rows) <= STAGED_MAX_ROWS and int(values[1]) <= MAX_COLS:
-                forced[int(rows)] = (STAGED, int(values[1]))
-                continue
         ok = rows.isdigit() and 1 <= int(rows) <= GEMV_MAX_ROWS and len(values) == 4 and all(map(str.isdigit, values))
         if ok:
             block_n, block_k, warps, stages = map(int, values)
@@ -433,9 +401,7 @@ def forced_gemv_settings() -> dict[int, tuple[int, ...]]:
         if not ok:
             raise ValueError(f"MSTAR_GEMV_FORCE={raw!r}: expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES[;...] with ROWS in "
                              f"[1, {GEMV_MAX_ROWS}], BLOCK_N a power of two <= 64, BLOCK_K 0 (the whole K) or a power "
-                             "of two >= 16, WARPS 1-16 (a power of two), STAGES >= 1; e.g. 1:8/0/8/1; or "
-                             f"ROWS:staged/COLS with ROWS in [1, {STAGED_MAX_ROWS}] and COLS in [0, {MAX_COLS}] "
-                             "(0: per shape)")
+                             "of two >= 16, WARPS 1-16 (a power of two), STAGES >= 1; e.g. 1:8/0/8/1")
         forced[int(rows)] = tuple(int(v) for v in values)
     return forced
 
@@ -448,8 +414,6 @@ def force_gemv_settings(model: nn.Module, forced: dict[int, tuple[int, ...]], ma
     """Apply `forced_gemv_settings()` to every `GemvLinear` at the row counts up to `max_rows` (`use_gemv`'s); a
     BLOCK_K of 0 becomes the power of two at or above the projection's K. A norm-fed projection keeps its norm
     inside the kernel only where the tuning had put it there. Returns how many (projection, rows) were forced."""
-    from mstar_kernels.staged_gemv import STAGED, auto_cols, available, fits
-
     count = 0
     for module in model.modules():
         if not isinstance(module, GemvLinear):
@@ -458,15 +422,8 @@ def force_gemv_settings(model: nn.Module, forced: dict[int, tuple[int, ...]], ma
         for rows, setting in forced.items():
             if rows > max_rows:
                 continue
-            if setting[0] == STAGED:
-                cols = setting[1] or auto_cols(rows, module.out_features, module.in_features)
-                if not cols or not fits(rows, module.out_features, module.in_features, cols) \
-                        or not available(module.weight):
-                    continue
-                setting = (STAGED, cols)
-            else:
-                block_n, block_k, warps, stages = setting
-                setting = (block_n, block_k or whole_k, warps, stages)
+            block_n, block_k, warps, stages = setting
+            setting = (block_n, block_k or whole_k, warps, stages)
             if rows not in module.gemv_plan:  # cuBLAS until now: with a norm in front, the norm stays apart
                 module.norm_apart = module.norm_apart | {rows}
             module.gemv_plan = {**module.gemv_plan, rows: setting}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -437,36 +436,3 @@ def test_forced_settings_replace_the_tuned_plan(monkeypatch):
         monkeypatch.setenv("MSTAR_GEMV_FORCE", bad)
         with pytest.raises(ValueError, match="MSTAR_GEMV_FORCE=.*expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES"):
             forced_gemv_settings()
-
-
-def test_a_staged_projection_named_in_the_early_trigger_set_triggers_early(monkeypatch):
-    """`(STAGED, cols)` settings go to mstar_kernels/staged_gemv.py with the projection's name, so the per-kind early
-    trigger (`MSTAR_PDL_AHEAD_OF`) holds for them as for the Triton GEMV: mode 3 (trigger, then wait) for a named
-    kind, 1 (wait, then trigger) for another. The CUDA library is replaced by a recorder (its mode argument)."""
-    from mstar_kernels import _pdl, staged_gemv
-    from mstar_kernels.gemv import gemv_with, norm_gemv_with
-
-    launches = []
-
-    class Recorder:
-        def mstar_staged_gemv(self, *args):
-            launches.append(args[-2])  # the PDL mode, before the stream
-            return 0
-
-    monkeypatch.setattr(staged_gemv, "_library", lambda: Recorder())
-    monkeypatch.setattr(staged_gemv, "readable", lambda *tensors: True)
-    monkeypatch.setattr("mstar_kernels.gemv.staged_readable", lambda *tensors: True)
-    monkeypatch.setattr(_pdl, "use_pdl", lambda tensor, rows: True)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
-    monkeypatch.setenv("MSTAR_PDL_AHEAD_OF", "o_proj")
-    monkeypatch.delenv("MSTAR_PDL_TRIGGER", raising=False)
-    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=DEVICE)
-    weight = torch.zeros(64, 256, dtype=torch.bfloat16, device=DEVICE)
-    gamma = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
-    gemv_with(x, weight, None, (staged_gemv.STAGED, 8), kind="o_proj")
-    gemv_with(x, weight, None, (staged_gemv.STAGED, 8), kind="down_proj")
-    gemv_with(x, weight, None, (staged_gemv.STAGED, 8))  # unnamed: gemv:64x256
-    norm_gemv_with(x, gamma, 1e-6, weight, None, None, (staged_gemv.STAGED, 8), kind="o_proj")
-    monkeypatch.setenv("MSTAR_PDL_AHEAD_OF", "gemv:64x256")
-    gemv_with(x, weight, None, (staged_gemv.STAGED, 8))
-    assert launches == [3, 1, 1, 3, 3]

@@ -46,7 +46,7 @@ def test_the_cache_file_digest_follows_the_kernel_sources(tmp_path):
     (named by it) starts over instead of keeping decisions timed against other kernels; other files do not count."""
     digest = kernels_fingerprint.__wrapped__
     (tmp_path / "gemv.py").write_text("BLOCK = 16\n")
-    (tmp_path / "staged_gemv.cu").write_text("// kernel\n")
+    (tmp_path / "kernel.cu").write_text("// kernel\n")
     first = digest(tmp_path)
     assert len(first) == 12 and digest(tmp_path) == first
     (tmp_path / "notes.txt").write_text("not a source")
@@ -54,9 +54,9 @@ def test_the_cache_file_digest_follows_the_kernel_sources(tmp_path):
     (tmp_path / "gemv.py").write_text("BLOCK = 32\n")
     changed = digest(tmp_path)
     assert changed != first
-    (tmp_path / "staged_copy.cuh").write_text("// header\n")
+    (tmp_path / "helpers.cuh").write_text("// header\n")
     assert digest(tmp_path) not in (first, changed)
-    (tmp_path / "staged_copy.cuh").unlink()
+    (tmp_path / "helpers.cuh").unlink()
     (tmp_path / "gemv.py").write_text("BLOCK = 16\n")
     assert digest(tmp_path) == first
     assert kernels_fingerprint() == digest(None)  # the package's own sources

@@ -1,4 +1,5 @@
-// Device and launch helpers shared by mstar_kernels/staged_gemv.cu and scripts/probe_staged_gemv.cu: PDL's two
+// Device and launch helpers of scripts/probe_staged_gemv.cu (once shared with a served staged GEMV, measured and
+// removed on 2026-12-04: docs/benchmarks.md): PDL's two
 // instructions, a bulk asynchronous copy from global into shared memory that completes on an mbarrier, the wait
 // for that barrier's first phase, and a launch with the PDL attribute.
 
