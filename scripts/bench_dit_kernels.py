@@ -66,7 +66,7 @@ def bench_transformer(batches: list[int], iters: int, backends: list[str]) -> di
         prompt = torch.randn(batch, 512, config.joint_attention_dim, device="cuda", generator=gen).bfloat16()
         timestep = torch.linspace(0.9, 0.2, batch, device="cuda")
 
-        def forward():
+        def forward(hidden=hidden, prompt=prompt, timestep=timestep):
             return model(hidden, prompt, timestep, rope)
 
         row = {}
@@ -124,16 +124,16 @@ def bench_gemm(batches: list[int], iters: int) -> dict:
             w_scale = w.float().abs().amax(dim=1, keepdim=True) / 448.0
             w8 = (w.float() / w_scale).to(fp8)
 
-            def quantise():
+            def quantise(x=x):
                 scale = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
                 return (x.float() / scale).to(fp8), scale
 
             x8, x_scale = quantise()
-            row = {"bf16_ms": _time(lambda: x @ w.t(), iters)}
+            row = {"bf16_ms": _time(lambda x=x, w=w: x @ w.t(), iters)}
             try:
                 out8 = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
-                row["fp8_ms"] = _time(lambda: torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(),
-                                                               out_dtype=torch.bfloat16), iters)
+                row["fp8_ms"] = _time(lambda x8=x8, w8=w8, x_scale=x_scale, w_scale=w_scale: torch._scaled_mm(
+                    x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16), iters)
                 row["fp8_rel_err"] = round(_rel(out8, x @ w.t()), 5)
                 row["quantise_eager_ms"] = _time(quantise, iters)
             except Exception as exc:
@@ -159,20 +159,20 @@ def bench_vae(batches: list[int], iters: int) -> dict:
         with torch.inference_mode():
             use_fused_group_norm(model, False)
             ref = model.decoder(latents)
-            row["eager_ms"] = _time(lambda: model.decoder(latents), iters)
+            row["eager_ms"] = _time(lambda latents=latents: model.decoder(latents), iters)
             use_fused_group_norm(model, True)
             out = model.decoder(latents)
-            row["fused_ms"] = _time(lambda: model.decoder(latents), iters)
+            row["fused_ms"] = _time(lambda latents=latents: model.decoder(latents), iters)
             row["fused_rel_err"] = round(_rel(out, ref), 5)
             row["fused_ms_per_image"] = round(row["fused_ms"] / batch, 3)
             torch.backends.cudnn.benchmark = True  # cuDNN times its convolution algorithms on the first call
             model.decoder(latents)
-            row["fused_cudnn_benchmark_ms"] = _time(lambda: model.decoder(latents), iters)
+            row["fused_cudnn_benchmark_ms"] = _time(lambda latents=latents: model.decoder(latents), iters)
             torch.backends.cudnn.benchmark = False
             model.decoder.to(memory_format=torch.channels_last)
             last = latents.contiguous(memory_format=torch.channels_last)
             use_fused_group_norm(model, False)
-            row["eager_channels_last_ms"] = _time(lambda: model.decoder(last), iters)
+            row["eager_channels_last_ms"] = _time(lambda last=last: model.decoder(last), iters)
             model.decoder.to(memory_format=torch.contiguous_format)
         results[f"batch_{batch}"] = row
         print(f"vae decode batch {batch}: {row}", flush=True)

@@ -12,6 +12,7 @@ A label may repeat: its files' rows are merged (a later file's row wins at the s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def plot(lines: dict[str, dict[int, dict]], out: Path, title: str) -> None:
             xs = sorted(rows)
             color = f"C{index}"
             ax.plot(xs, [rows[c][key] for c in xs], marker="o", linestyle="none", color=color, label=name)
-            for a, b in zip(xs, xs[1:]):  # no line across an unmeasured stretch (more than 4x in concurrency)
+            for a, b in itertools.pairwise(xs):  # no line across an unmeasured stretch (more than 4x in concurrency)
                 if b <= 4 * a:
                     ax.plot([a, b], [rows[a][key], rows[b][key]], color=color)
         if guide == "diagonal":

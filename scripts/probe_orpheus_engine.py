@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import itertools
 import os
 import sys
 import time
@@ -241,7 +242,7 @@ def print_timeline(samples, logs, start: float) -> None:
     gap by then (a slow stretch of steps right before the gaps start is the start-up dip)."""
     stalls = [log.stalls() for log in logs if log.arrivals]
     first_gaps = [at for total, at in stalls if at is not None and total >= 1e-2]
-    for (t0, s0, _, _), (t1, s1, running, waiting) in zip(samples, samples[1:]):
+    for (t0, s0, _, _), (t1, s1, running, waiting) in itertools.pairwise(samples):
         per_step = (t1 - t0) * 1e3 / (s1 - s0) if s1 > s0 else float("inf")
         stalled = sum(at <= t1 - start for at in first_gaps)
         print(f"[timeline] t={t1 - start:5.2f}s  {per_step:7.2f} ms/step  running={running:4d} waiting={waiting:4d}"

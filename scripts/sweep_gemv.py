@@ -65,11 +65,11 @@ def main() -> int:
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
             if swiglu:
-                cublas = graph_time_us([lambda w=w: F.linear(silu_mul(x), w, bias) for w in weights])
+                cublas = graph_time_us([lambda w=w, x=x, bias=bias: F.linear(silu_mul(x), w, bias) for w in weights])
             else:
-                cublas = graph_time_us([lambda w=w: F.linear(x, w, bias) for w in weights])
+                cublas = graph_time_us([lambda w=w, x=x, bias=bias: F.linear(x, w, bias) for w in weights])
 
-            def kernel_us(*setting, replays=10):
+            def kernel_us(*setting, replays=10, x=x, bias=bias, swiglu=swiglu, weights=weights):
                 return graph_time_us([lambda w=w: gemv(x, w, bias, *setting[:3], swiglu=swiglu,
                                                        num_stages=setting[3]) for w in weights], replays=replays)
 

@@ -108,7 +108,7 @@ def test_mixed_steps_replayed_equal_eager_and_the_reference_backend(separated, k
     assert generate(separated, prompts, graphs=True, overlap=True, stagger=5, kv_dtype=kv_dtype) == eager
     if kv_dtype == "auto":  # the torch reference reads the same bf16 pool: the first tokens agree
         ref = generate(separated, prompts, graphs=False, overlap=False, stagger=5, backend="torch")
-        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(eager, ref)]
+        first_diff = [_first_difference(x, y) for x, y in zip(eager, ref, strict=True)]
         assert sum(n >= 8 for n in first_diff) >= 6, first_diff
 
 
@@ -120,7 +120,7 @@ def test_fp8_pool_graphs_equal_the_eager_step(separated):
     eager = generate(separated, prompts, graphs=False, overlap=False, kv_dtype="fp8_e4m3")
     assert generate(separated, prompts, graphs=True, overlap=True, kv_dtype="fp8_e4m3") == eager
     bf16 = generate(separated, prompts, graphs=False, overlap=False)
-    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(eager, bf16)]
+    first_diff = [_first_difference(x, y) for x, y in zip(eager, bf16, strict=True)]
     assert sum(n >= 2 for n in first_diff) >= 5, first_diff  # a broken fp8 read would differ from the start
 
 
@@ -201,16 +201,21 @@ def _assert_switch_keeps_tokens(checkpoint: Path, monkeypatch, switch: str, on: 
     _assert_near_ties(checkpoint, prompts, reference, outputs)
 
 
+def _first_difference(x: list[int], y: list[int]) -> int:
+    """The index of the first token where two sequences differ (`len(x)` where none does)."""
+    return next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), len(x))
+
+
 def _assert_near_ties(checkpoint: Path, prompts, reference, runs) -> None:
     """Where a run's sequence first differs from the reference's, both tokens lie within twice the largest
     |bf16 - fp32| logit difference of the top of transformers' fp32 logits for the reference prefix."""
     hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=dtype).cuda().eval()
           for dtype in (torch.float32, torch.bfloat16)}
     for outputs in runs:
-        for prompt, ref, ours in zip(prompts, reference, outputs):
+        for prompt, ref, ours in zip(prompts, reference, outputs, strict=True):
             if ours == ref:
                 continue
-            k = next(i for i, (a, b) in enumerate(zip(ref, ours)) if a != b)
+            k = next(i for i, (a, b) in enumerate(zip(ref, ours, strict=False)) if a != b)
             ids = torch.tensor([prompt + ref[:k]], device="cuda")
             with torch.no_grad():
                 exact, rounded = (hf[dtype](ids).logits[0, -1].float() for dtype in (torch.float32, torch.bfloat16))

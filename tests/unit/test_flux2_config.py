@@ -134,8 +134,8 @@ def test_reference_images_follow_the_reference_pipelines_rules(walk):
 def test_kernel_switches_name_the_variable_and_the_rule(monkeypatch):
     """The diffusion kernels run on CUDA only, `MSTAR_DIFFUSION_KERNELS=0` turns them off, and a bad value of either
     switch names the variable and what it accepts (the CPU path never reads the attention switch)."""
-    from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled
     from mstar_common.diffusion import attention
+    from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled
 
     assert not kernels_enabled("cpu")
     monkeypatch.setenv("MSTAR_DIFFUSION_KERNELS", "0")
