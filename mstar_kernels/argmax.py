@@ -71,10 +71,13 @@ def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, seen_ptr, slot_ptr, num_chunks
         tl.store(seen_ptr + slot * vocab + token, tl.full((), 1, tl.uint8))
 
 
-def _launch(x: torch.Tensor, seeds: torch.Tensor | None, penalty=None) -> torch.Tensor:
+def _launch(x: torch.Tensor, seeds: torch.Tensor | None, penalty=None, out: torch.Tensor | None = None) -> torch.Tensor:
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [B, V] with unit column stride"
     rows, vocab = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    assert out.shape == (rows,) and out.dtype in (torch.int32, torch.int64) and out.stride(0) == 1 \
+        and out.device == x.device, "out must be [B] int32 or int64, contiguous, on x's device"
     if rows == 0 or vocab == 0:
         return out.zero_()
     seen, slots, factors = penalty if penalty is not None else (x, x, x)
@@ -94,18 +97,20 @@ def _launch(x: torch.Tensor, seeds: torch.Tensor | None, penalty=None) -> torch.
     return out
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` for `[B, V]` (int64, first index of the maximum). Graph safe."""
-    return _launch(x, None)
+def row_argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for `[B, V]` (int64, first index of the maximum). Graph safe. `out` (`[B]` int32 or int64):
+    the tokens are stored there, and it is returned (a decode graph's token buffer, without a copy after)."""
+    return _launch(x, None, out=out)
 
 
-def penalised_argmax(x: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def penalised_argmax(x: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor, factors: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The greedy token of each row of `x` `[B, V]` under HF's repetition penalty, recorded: where
     `seen[slots[row], col]` (uint8 `[S, V]`) the logit is divided by `factors[row]` if positive, else multiplied
     (in fp32, rounded as torch's division rounds); then the row's argmax, as `row_argmax`; then
     `seen[slots[row], token] = 1`. The same tokens and mask as `PenaltyState.apply` + argmax + `record`, in the
-    two launches of the plain argmax. Graph safe."""
-    return _launch(x, None, (seen, slots, factors))
+    two launches of the plain argmax. Graph safe. `out` as `row_argmax`'s."""
+    return _launch(x, None, (seen, slots, factors), out)
 
 
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:

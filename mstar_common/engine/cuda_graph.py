@@ -245,13 +245,15 @@ class CudaGraphRunner:
                 logits_out.copy_(logits.float())
                 return
             if not sampling:  # greedy: the argmax reads the model-dtype logits (and applies the penalty) itself
+                into = None if offset else out  # the CUDA argmax stores into the token buffer: no copy kernel after
                 if penalty is not None:
-                    sampled = penalty.greedy(logits, v["penalty_slots"][:rows], v["penalty"][:rows])
+                    sampled = penalty.greedy(logits, v["penalty_slots"][:rows], v["penalty"][:rows], into)
                 else:
                     from mstar_common.engine.sampler import greedy_tokens
 
-                    sampled = greedy_tokens(logits)
-                out.copy_(sampled + offset if offset else sampled)
+                    sampled = greedy_tokens(logits, into)
+                if sampled is not out:
+                    out.copy_(sampled + offset if offset else sampled)
                 return
             if penalty is not None:
                 logits = penalty.apply(logits, v["penalty_slots"][:rows], v["penalty"][:rows])  # fp32

@@ -63,14 +63,15 @@ class PenaltyState:
         penalised = torch.where(logits > 0, logits / factor, logits * factor)
         return torch.where(seen, penalised, logits)
 
-    def greedy(self, logits: torch.Tensor, slots: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor, slots: torch.Tensor, penalty: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's greedy window index under the penalty, recorded: `apply`, argmax and `record` in one
         (graph safe). On CUDA that is mstar_kernels/argmax.py's `penalised_argmax` on the logits as they are (bf16
-        read as fp32), two launches; elsewhere the torch ops."""
+        read as fp32), two launches, storing into `out` where given; elsewhere the torch ops (`out` not used)."""
         if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
             from mstar_kernels.argmax import penalised_argmax
 
-            return penalised_argmax(logits, self.seen.view(torch.uint8), slots, penalty)
+            return penalised_argmax(logits, self.seen.view(torch.uint8), slots, penalty, out)
         tokens = self.apply(logits.float(), slots, penalty).argmax(dim=-1)
         self.record(slots, tokens)
         return tokens

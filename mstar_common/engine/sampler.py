@@ -144,11 +144,12 @@ def _column(values: Sequence[float | int], dtype: torch.dtype, device: torch.dev
     return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device, non_blocking=True)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's argmax (the lowest index of its maximum): on CUDA mstar_kernels/argmax.py's two short launches
-    (torch reduces a 128k-logit row in one thread block, 28 us on the H200), elsewhere torch's argmax."""
+    (torch reduces a 128k-logit row in one thread block, 28 us on the H200), elsewhere torch's argmax. On CUDA the
+    kernel stores the tokens into `out` where given (int32 or int64) and returns it; elsewhere `out` is not used."""
     if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
         from mstar_kernels.argmax import row_argmax
 
-        return row_argmax(logits)
+        return row_argmax(logits, out)
     return logits.argmax(dim=-1)

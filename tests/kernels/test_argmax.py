@@ -58,6 +58,31 @@ def test_row_argmax_reads_a_strided_batch():
     assert row_argmax(torch.empty(0, 10, device=DEVICE)).shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_argmax_stores_into_a_given_token_buffer(dtype):
+    """A decode graph's greedy step passes its token buffer (int32, a prefix of a larger one) as `out`: the tokens
+    land there, the buffer itself is returned (so no copy follows), and the rest of the buffer is not touched; the
+    same for the penalised argmax, which also records its tokens."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 3 * BLOCK + 11
+    x = torch.randn(3, vocab, generator=gen)
+    x[1, vocab - 1] = 10.0  # a token id above 2**12 in the last chunk
+    buffer = torch.full((8,), -5, dtype=dtype, device=DEVICE)
+    out = buffer[:3]
+    got = row_argmax(x.to(DEVICE), out)
+    assert got is out and got.dtype == dtype
+    assert buffer.cpu().tolist() == x.argmax(dim=-1).tolist() + [-5] * 5
+    seen = torch.zeros(4, vocab, dtype=torch.uint8, device=DEVICE)
+    slots = torch.tensor([0, 1, 3], device=DEVICE)
+    factors = torch.ones(3, device=DEVICE)
+    buffer.fill_(-5)
+    got = penalised_argmax(x.to(DEVICE), seen, slots, factors, out)
+    assert got is out and buffer.cpu().tolist() == x.argmax(dim=-1).tolist() + [-5] * 5
+    assert seen.sum().item() == 3 and seen[1, vocab - 1].item() == 1
+    with pytest.raises(AssertionError, match="out must be"):
+        row_argmax(x.to(DEVICE), torch.empty(3, dtype=torch.float32, device=DEVICE))
+
+
 def test_the_noise_is_gumbel_and_the_draws_follow_the_softmax():
     """One Philox call serves four columns: the noise is still Gumbel(0, 1) (mean 0.5772, variance pi^2/6), with
     no correlation between neighbouring columns (which share a call) nor between seeds, and the race over noised
