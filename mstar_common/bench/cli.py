@@ -114,17 +114,94 @@ ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache
                   "mstar_kv_pages_cached")
 
 
+def metrics_url(host: str, port: int) -> str:
+    return f"http://{host}:{port}/metrics"
+
+
+def _metrics_text(url: str, what: str) -> str | None:
+    """Triton's metrics page, or None (reported) if the endpoint cannot be read: a finished sweep is never lost
+    to it."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+    except OSError as exc:
+        print(f"[bench] metrics endpoint unreadable ({exc}); no {what} recorded", flush=True)
+        return None
+
+
+def _series_total(text: str, name: str) -> float:
+    """A series summed over its label sets (0 if absent)."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
 def engine_metrics(metrics_port: int) -> dict[str, float]:
     """The engine's prefix-cache counters from Triton's metrics endpoint, summed over instances (0 if absent;
-    an unreachable endpoint is reported and gives {}, so a finished sweep is never lost to it)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-    except OSError as exc:
-        print(f"[bench] metrics endpoint unreadable ({exc}); no engine counters recorded", flush=True)
-        return {}
-    return {name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-            for name in ENGINE_METRICS}
+    {} if the endpoint cannot be read)."""
+    text = _metrics_text(metrics_url("127.0.0.1", metrics_port), "engine counters")
+    return {} if text is None else {name: _series_total(text, name) for name in ENGINE_METRICS}
+
+
+# the components' latency histograms (backends/metrics.py): request arrival at the component -> first output sent,
+# and the gap between a stream's outputs per token
+SERVER_LATENCY = {"ttft": "mstar_time_to_first_token_seconds", "itl": "mstar_inter_token_latency_seconds"}
+EXPORT_WAIT_S = 2.0  # the components export their samples every 0.1 s: how long a level's may take to show
+
+
+def latency_totals(text: str) -> dict[str, tuple[float, float]]:
+    """(seconds, samples) of each `SERVER_LATENCY` histogram on a metrics page, summed over its label sets."""
+    return {key: (_series_total(text, f"{name}_sum"), _series_total(text, f"{name}_count"))
+            for key, name in SERVER_LATENCY.items()}
+
+
+def server_latency(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """Each histogram's mean (ms) and sample count over what was observed between two `latency_totals`."""
+    out = {}
+    for key in SERVER_LATENCY:
+        seconds, count = (a - b for a, b in zip(after[key], before[key], strict=True))
+        out[f"{key}_ms_mean"] = seconds / count * 1e3 if count > 0 else None
+        out[f"{key}_samples"] = int(count)
+    return out
+
+
+class ServerLatency:
+    """Brackets a level with two reads of the components' latency histograms, so the run records what the
+    server itself saw (component arrival -> first token sent, and its inter-token gaps) beside what the client
+    saw; the difference in TTFT is the path through Triton (and the proxy) and the network."""
+
+    def __init__(self, url: str | None):
+        self.url = url
+        self._before = None
+
+    def _totals(self) -> dict[str, tuple[float, float]] | None:
+        text = _metrics_text(self.url, "server-side latency") if self.url is not None else None
+        return None if text is None else latency_totals(text)
+
+    def start(self) -> None:
+        """Read the histograms once the samples of what ran before (the warm-up) have been exported: two reads
+        an export period apart that agree."""
+        self._before = self._totals()
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        while self._before is not None and time.monotonic() < deadline:
+            time.sleep(0.15)
+            again = self._totals()
+            if again == self._before:
+                break
+            self._before = again
+
+    def stop(self, first_tokens: int) -> dict | None:
+        """The level's server-side figures, once the components have exported `first_tokens` TTFT samples (or
+        after `EXPORT_WAIT_S`); None without a metrics endpoint."""
+        if self._before is None:
+            return None
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        while True:
+            after = self._totals()
+            if after is None:
+                return None
+            latency = server_latency(self._before, after)
+            if latency["ttft_samples"] >= first_tokens or time.monotonic() > deadline:
+                return latency
+            time.sleep(0.1)
 
 
 def prompt_text_for(checkpoint: Path | None):
@@ -144,7 +221,10 @@ def prompt_text_for(checkpoint: Path | None):
     return text
 
 
-def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None) -> list[dict]:
+def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None,
+          metrics: str | None = None) -> list[dict]:
+    """Every level of the run, each with its client-side summary and, where Triton's `metrics` page (URL) is
+    given, the server-side latency the components recorded over it (`server`)."""
     workload = workload_from_args(args)
     given = args.input_requests  # main() read --input-data
     described = _describe(args.input_data, given) if given else describe_workload(workload)
@@ -160,24 +240,36 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms) if args.slo_ttft_ms or args.slo_tpot_ms else None
 
+    server = ServerLatency(metrics)
+
     def record(target: str, records, **load) -> None:
         summary = summarize(records, slo)
-        runs.append({"target": target, **load, "workload": described, "summary": summary})
+        run = {"target": target, **load, "workload": described, "summary": summary}
+        latency = server.stop(sum(r.ttft is not None for r in records))
+        if latency is not None:
+            run["server"] = latency
+        runs.append(run)
         s = summary
         print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
               f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_ms(s['itl_ms']['p50'])}/"
               f"{_ms(s['itl_ms']['p99'])} ms, errors {s['num_errors']}"
               + (f", SLO met {s['slo']['met']}/{s['num_requests']} (goodput {s['slo']['goodput_req_per_s']:.2f} req/s)"
-                 if slo else ""), flush=True)
+                 if slo else "")
+              + (f"; server TTFT mean {_ms(latency['ttft_ms_mean'])} ms (client {_ms(s['ttft_ms']['mean'])})"
+                 if latency is not None else ""), flush=True)
+
+    def measured(driver, batch: list[dict], **load):
+        server.start()
+        return driver.run(batch, **load)
 
     def levels(target: str, driver, concurrencies: list[int], rates: list[float]) -> None:
         driver.run(requests(args.warmup), concurrency=args.warmup)  # warm-up, not recorded (the proxy's: its channel)
         for conc in concurrencies:
             count = max(args.min_requests, args.requests_per_level * conc)
-            record(target, driver.run(requests(count), concurrency=conc), concurrency=conc)
+            record(target, measured(driver, requests(count), concurrency=conc), concurrency=conc)
         for rate in rates:
             count = max(args.min_requests, int(rate * args.poisson_seconds))
-            record(target, driver.run(requests(count), rate=rate), rate=rate)
+            record(target, measured(driver, requests(count), rate=rate), rate=rate)
 
     levels("triton", TritonDriver(grpc_url, entry), args.concurrency, args.rates)
     if proxy_url is not None:
@@ -239,7 +331,7 @@ def _serve(args) -> int:
         model["startup_s"] = server.startup_s
         model["deployment"] = server.dep.to_dict()  # as served, defaults filled in: the run is self-describing
         model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
-                              args.checkpoint)
+                              args.checkpoint, metrics_url("127.0.0.1", server.ports.metrics))
         model["engine_metrics"] = engine_metrics(server.ports.metrics)
         queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
         if args.prefix_caching and queried:
@@ -419,7 +511,8 @@ def cmd_url(args) -> int:
     deployment_served = served_deployment(args.grpc, args.model)
     if deployment_served is not None:
         model["deployment"] = deployment_served
-    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None)
+    metrics = metrics_url(args.grpc.rpartition(":")[0] or "127.0.0.1", args.metrics_port) if args.metrics_port else None
+    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics)
     Path(args.out).write_text(json.dumps(model, indent=1))
     return 0
 
@@ -585,6 +678,9 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.add_argument("--grpc", required=True)
     p.add_argument("--model", default="qwen3_llm")
     p.add_argument("--proxy", default=None)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Triton's metrics port on the --grpc host: each level also records the mean TTFT and ITL "
+                        "the serving component saw (Triton's default is 8002)")
     p.set_defaults(func=cmd_url)
     p = sub.add_parser("report", help="merge model JSONs into results.json/.md and plots")
     p.add_argument("inputs", nargs="+")

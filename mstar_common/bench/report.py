@@ -49,7 +49,7 @@ def markdown(results: dict) -> str:
         for hf in model.get("hf_generate", []):
             lines.append(f"| HF generate | batch {hf['batch']} | {hf['batch']} | - | {_fmt(hf['output_tok_per_s'], 0)} "
                          f"| - | {_fmt(hf['itl_ms'], 3)} (mean) | - | 0 |")
-        lines += [""] + [f"- {line}" for line in comparisons(model) + slo_lines(model)] + [""]
+        lines += [""] + [f"- {line}" for line in comparisons(model) + slo_lines(model) + server_lines(model)] + [""]
     return "\n".join(lines)
 
 
@@ -134,6 +134,29 @@ def comparisons(model: dict) -> list[str]:
     for check, value in (model.get("checks") or {}).items():
         out.append(f"{check}: {value}")
     return out
+
+
+def server_lines(model: dict) -> list[str]:
+    """Per level, the mean TTFT and ITL the serving component itself recorded (request arrival at it -> first
+    token sent, and the gaps between its sends) beside the client's means: the TTFT difference is the path
+    through Triton (and the proxy) and back."""
+    parts = []
+    for run in model.get("runs", []):
+        server, client = run.get("server"), run["summary"]
+        if not server or server.get("ttft_ms_mean") is None:
+            continue
+        part = f"{run['target']} {_load(run)}: TTFT {server['ttft_ms_mean']:.3f} ms"
+        if client["ttft_ms"].get("mean") is not None:
+            part += f" (client {client['ttft_ms']['mean']:.3f})"
+        if server.get("itl_ms_mean") is not None:
+            part += f", ITL {server['itl_ms_mean']:.3f} ms"
+            if client["itl_ms"].get("mean") is not None:
+                part += f" (client {client['itl_ms']['mean']:.3f})"
+        parts.append(part)
+    if not parts:
+        return []
+    return ["server side, means (arrival at the component -> first token sent; gaps between its sends): "
+            + "; ".join(parts)]
 
 
 def plot(name: str, model: dict, path: Path) -> bool:

@@ -29,6 +29,12 @@ def test_bench_serve_measures_its_own_server_and_checks_it_against_eager(tmp_pat
     for run in model["runs"]:
         summary = run["summary"]
         assert summary["num_errors"] == 0 and summary["output_tokens"] == 5 * summary["num_requests"], summary
+        # the server's own latency over the level (warm-up excluded): one first token per request, and inside the
+        # client's time to it
+        server = run["server"]
+        assert server["ttft_samples"] == summary["num_requests"], server
+        assert 0 < server["ttft_ms_mean"] < summary["ttft_ms"]["mean"], (server, summary["ttft_ms"])
+        assert server["itl_samples"] >= 1 and server["itl_ms_mean"] > 0, server
     (check,) = model["checks"].values()
     assert check.startswith("2/2 requests identical"), check
 

@@ -175,7 +175,8 @@ def test_eight_concurrent_chats_through_the_proxy(served, oai):
 
 def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
     """`mstar bench url` against the real server: closed-loop and Poisson levels through Triton, a closed-loop
-    level through the proxy, every request complete at its fixed length; `mstar bench report` tables them."""
+    level through the proxy, every request complete at its fixed length, each level with the server's own TTFT
+    (one sample a request, read from the metrics port); `mstar bench report` tables them."""
     import json
 
     from mstar_common.cli import main
@@ -184,7 +185,7 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
     assert main(["bench", "url", "--grpc", served.grpc_url, "--model", served.entry, "--proxy", served.proxy_url,
                  "--name", served.dep.name, "--concurrency", "1", "3", "--rates", "4", "--proxy-concurrency", "2",
                  "--prompt-len", "16", "--output-len", "6", "--poisson-seconds", "1", "--warmup", "1",
-                 "--slo-ttft-ms", "60000", "--out", str(out)]) == 0
+                 "--slo-ttft-ms", "60000", "--metrics-port", str(served.ports.metrics), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["deployment"] == json.loads(json.dumps(served.dep.to_dict()))  # read back from the model config
     runs = result["runs"]
@@ -196,10 +197,14 @@ def test_mstar_bench_url_measures_a_running_server(served, tmp_path):
         assert summary["output_tokens"] == 6 * summary["num_requests"], summary  # ignore_eos: fixed lengths
         assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p50"] > 0 and summary["output_tok_per_s"] > 0
         assert summary["slo"]["met"] == summary["num_requests"], summary["slo"]  # a minute to the first token
+        assert run["server"]["ttft_samples"] == summary["num_requests"], run["server"]
+        assert 0 < run["server"]["ttft_ms_mean"] < summary["ttft_ms"]["mean"], (run["server"], summary["ttft_ms"])
     assert main(["bench", "report", str(out), "--out", str(tmp_path / "report")]) == 0
     table = (tmp_path / "report" / "results.md").read_text()
     assert "| triton | c=3 |" in table and "| openai | c=2 |" in table
     assert "openai c=2: 4/4 requests met TTFT <= 60000 ms (100%)" in table
+    assert "- server side, means (arrival at the component -> first token sent; gaps between its sends): triton c=1: " \
+        "TTFT " in table
     assert f"Serving: `max_batch_tokens` {served.dep.resources.max_batch_tokens:,};" in table
 
 
