@@ -114,10 +114,6 @@ ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache
                   "mstar_kv_pages_cached")
 
 
-def metrics_url(host: str, port: int) -> str:
-    return f"http://{host}:{port}/metrics"
-
-
 def _metrics_text(url: str, what: str) -> str | None:
     """Triton's metrics page, or None (reported) if the endpoint cannot be read: a finished sweep is never lost
     to it."""
@@ -134,10 +130,10 @@ def _series_total(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def engine_metrics(metrics_port: int) -> dict[str, float]:
-    """The engine's prefix-cache counters from Triton's metrics endpoint, summed over instances (0 if absent;
-    {} if the endpoint cannot be read)."""
-    text = _metrics_text(metrics_url("127.0.0.1", metrics_port), "engine counters")
+def engine_metrics(url: str) -> dict[str, float]:
+    """The engine's prefix-cache counters from Triton's metrics page (`url`), summed over instances (0 if absent;
+    {} if the page cannot be read)."""
+    text = _metrics_text(url, "engine counters")
     return {} if text is None else {name: _series_total(text, name) for name in ENGINE_METRICS}
 
 
@@ -331,8 +327,8 @@ def _serve(args) -> int:
         model["startup_s"] = server.startup_s
         model["deployment"] = server.dep.to_dict()  # as served, defaults filled in: the run is self-describing
         model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
-                              args.checkpoint, metrics_url("127.0.0.1", server.ports.metrics))
-        model["engine_metrics"] = engine_metrics(server.ports.metrics)
+                              args.checkpoint, server.ports.metrics_url)
+        model["engine_metrics"] = engine_metrics(server.ports.metrics_url)
         queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
         if args.prefix_caching and queried:
             hit = model["engine_metrics"]["mstar_prefix_cache_hit_tokens_total"]
@@ -511,7 +507,8 @@ def cmd_url(args) -> int:
     deployment_served = served_deployment(args.grpc, args.model)
     if deployment_served is not None:
         model["deployment"] = deployment_served
-    metrics = metrics_url(args.grpc.rpartition(":")[0] or "127.0.0.1", args.metrics_port) if args.metrics_port else None
+    host = args.grpc.rpartition(":")[0] or "127.0.0.1"
+    metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics)
     Path(args.out).write_text(json.dumps(model, indent=1))
     return 0

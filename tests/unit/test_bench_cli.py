@@ -175,14 +175,15 @@ def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
     try:
-        got = bench.engine_metrics(server.server_address[1])
+        got = bench.engine_metrics(url)
     finally:
         server.shutdown()
         server.server_close()
     assert got == {"mstar_prefix_cache_queried_tokens_total": 1024.0, "mstar_prefix_cache_hit_tokens_total": 512.0,
                    "mstar_kv_pages_cached": 0.0}
-    assert bench.engine_metrics(server.server_address[1]) == {}  # the server is gone: reported, not raised
+    assert bench.engine_metrics(url) == {}  # the server is gone: reported, not raised
 
 
 def test_input_data_files_round_trip_and_fill_the_defaults(tmp_path):
