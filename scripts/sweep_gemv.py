@@ -30,6 +30,8 @@ SHAPES = [
     ("llama-3b gate_up", 16384, 3072, False, False), ("llama-3b down", 3072, 8192, False, True),
     ("whisper-v3 qkv", 3840, 1280, True, False), ("whisper-v3 q/o", 1280, 1280, True, False),
     ("whisper-v3 fc1", 5120, 1280, True, False), ("whisper-v3 fc2", 1280, 5120, True, False),
+    # the vocabulary heads (cuBLAS streams them at ~4.3 TB/s: would the kernel keep up, to take the final norm?)
+    ("qwen3-0.6b lm_head", 151936, 1024, False, False), ("llama-3b lm_head", 128256, 3072, False, False),
 ]
 ROWS = (1, 2, 4, 8)
 BLOCK_N = (1, 2, 4, 8, 16)

@@ -55,13 +55,23 @@ class GemvLinear(nn.Linear):
         return super().forward(x)
 
 
-GEMV_MAX_OUT = 32768  # wider heads (the vocabulary) keep cuBLAS's GEMV, already at bandwidth
+GEMV_MAX_OUT = 32768  # a wider projection is a vocabulary head: it joins the tuning only with MSTAR_GEMV_HEADS
 GEMV_MAX_ROWS = 8  # mstar_kernels/gemv.py's MAX_ROWS
 
 
+def gemv_heads() -> bool:
+    """`MSTAR_GEMV_HEADS` (default 1): the vocabulary heads (more than `GEMV_MAX_OUT` outputs) are tuned like the
+    other projections, and run on the skinny GEMM where it beat cuBLAS; 0 keeps them on cuBLAS. On the H200
+    (scripts/sweep_gemv.py, cold weights, 2026-12-04) the kernel with (8, 1024, 4 warps) streamed Qwen3-0.6B's
+    311 MB head in 72.4 us at one row against cuBLAS's 77.1 (4.30 against 4.04 TB/s; cuBLAS also launches a
+    memset first), Llama-3.2-3B's 788 MB in 177.2 against 187.5 us; at two rows cuBLAS won both."""
+    return env_switch("MSTAR_GEMV_HEADS", True)
+
+
 def use_gemv(model: nn.Module, max_rows: int) -> int:
-    """Route `model`'s projections (not its vocabulary heads) through `GemvLinear` for steps of <= `max_rows`
-    rows with the kernel's default blocks (0: undo); returns how many linears were switched."""
+    """Route `model`'s projections through `GemvLinear` for steps of <= `max_rows` rows with the kernel's default
+    blocks (0: undo); with `MSTAR_GEMV_HEADS=0` the vocabulary heads get an empty plan (cuBLAS). Returns how many
+    linears have a plan."""
     if not 0 <= max_rows <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv rows must be in [0, {GEMV_MAX_ROWS}], got {max_rows}")
     from mstar_common.layers.decoder import norm_gemv_mode
@@ -69,15 +79,17 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
 
     # auto: a pre-norm goes into the kernel only where `tune_gemv` timed that faster; 1: wherever the kernel runs
     norm_apart = frozenset(range(1, max_rows + 1)) if norm_gemv_mode() == "auto" else frozenset()
+    heads = gemv_heads()
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module.out_features <= GEMV_MAX_OUT:
+        if isinstance(module, nn.Linear):
             module.__class__ = GemvLinear
             module.pdl_kind = name.rsplit(".", 1)[-1]
+            planned = heads or module.out_features <= GEMV_MAX_OUT
             module.gemv_plan = {rows: gemv_blocks(rows, module.out_features, module.in_features)
-                                for rows in range(1, max_rows + 1)}
+                                for rows in range(1, max_rows + 1)} if planned else {}
             module.norm_apart = norm_apart
-            count += 1
+            count += bool(module.gemv_plan)
     return count
 
 
@@ -86,7 +98,8 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
 # winners on the H200 with cold weights (2026-12-01): (8, 1024, 4, 3) for Llama-3B's o and SwiGLU down at one
 # row, 3.26 TB/s against cuBLAS's 2.57 (down) and 1.87 (o).
 GEMV_CANDIDATES = ((1, 1024), (2, 1024), (4, 1024), (1, 4096), (2, 4096), (4, 2048),
-                   (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 3), (2, 2048, 4, 3))
+                   (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 3), (2, 2048, 4, 3),
+                   (8, 1024, 4, 1))
 
 
 # Wider programs that hold a whole K slice (0: the next power of two of K) and so load all of their weights before

@@ -135,15 +135,23 @@ def test_blocks_cover_the_sms_and_bound_the_tile():
         assert block_k == 64 or block_k * block_n * (4 if rows == 3 else rows) <= TILE_ELEMENTS
 
 
-def test_use_gemv_switches_projections_not_vocabulary_heads():
+def test_use_gemv_switches_the_projections_and_the_heads_unless_told_not_to(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 40_000, bias=False)).to(DEVICE)
     x = torch.randn(2, 64, device=DEVICE)
     want = model(x)
-    assert use_gemv(model, 4) == 1
-    assert isinstance(model[0], GemvLinear) and not isinstance(model[1], GemvLinear)
+    assert use_gemv(model, 4) == 2  # the 40,000-wide head too (MSTAR_GEMV_HEADS unset: 1)
+    assert isinstance(model[0], GemvLinear) and isinstance(model[1], GemvLinear)
+    assert sorted(model[1].gemv_plan) == [1, 2, 3, 4]
     assert model[0].pdl_kind == "0"  # its name in the model: its kind for MSTAR_PDL_AHEAD_OF
     assert rel_err(model(x), want) < 1e-5  # rows <= 4: the kernel on CUDA (the eager op elsewhere)
     assert rel_err(model(torch.cat([x] * 4)), torch.cat([want] * 4)) < 1e-5  # 8 rows: F.linear
+    monkeypatch.setenv("MSTAR_GEMV_HEADS", "0")
+    assert use_gemv(model, 4) == 1
+    assert model[1].gemv_plan == {} and sorted(model[0].gemv_plan) == [1, 2, 3, 4]  # the head: cuBLAS
+    assert rel_err(model(x), want) < 1e-5
+    monkeypatch.setenv("MSTAR_GEMV_HEADS", "yes")
+    with pytest.raises(ValueError, match="MSTAR_GEMV_HEADS"):
+        use_gemv(model, 4)
     with pytest.raises(ValueError, match="gemv rows"):
         use_gemv(model, 9)
 
