@@ -235,9 +235,15 @@ class CudaGraphRunner:
 
         gather = (v["gather_dst"][:rows], v["gather_src"][:rows], v["gather_count"], self.buffers.out_tokens)
 
+        in_model = getattr(model, "gathers_input_ids", False)  # in its embedding's launch (mstar_kernels/embedding.py)
+
         def step() -> None:
-            _gather_tokens(v["input_ids"], *gather)  # decode rows' newest ids: the previous step's tokens
-            hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
+            # decode rows' newest ids: the previous step's tokens
+            if in_model:
+                hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache, gather=gather)
+            else:
+                _gather_tokens(v["input_ids"], *gather)
+                hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache)
             if kind == MIXED:
                 hidden = hidden[v["sample_indices"][:rows]]
             logits = model.compute_logits(hidden)

@@ -49,6 +49,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[B, hidden]` -> `[B, vocab - logits_offset]` (`logits_offset`, optional, defaults to 0)."""
 
+    # Optional: `gathers_input_ids = True` when `__call__` also takes `gather=(dst, src, count, previous)` and sets
+    # `input_ids[dst[i]] = previous[src[i]]` for `i < count[0]` itself (a captured step's overlap gather, then
+    # inside the embedding's launch); without it the graph runs mstar_kernels/gather_tokens.py before the model.
+
 
 @dataclass(slots=True)
 class HostBatch:

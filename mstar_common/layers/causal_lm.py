@@ -4,7 +4,8 @@
     hidden [B, H] (one row per sampled sequence) ─ lm_head (tied to embed_tokens when configured) ─▶ logits [B, V]
 
 `fuse_projections()` packs q/k/v and gate/up into single GEMMs after loading; `enable_fused_ops()` switches the
-norms and the activation to their Triton kernels (CUDA only). Both keep the eager torch ops as the reference.
+embedding, the norms and the activation to their Triton kernels (CUDA only). Both keep the eager torch ops as the
+reference.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar_common.config import env_switch
 from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from mstar_common.engine.kv_cache import KVCache, KVSpec
 from mstar_common.layers.attention import AttentionContext
@@ -26,6 +28,7 @@ from mstar_common.layers.decoder import (
     fused_mlp_rows,
     norm_gemv_enabled,
 )
+from mstar_common.layers.embedding import TokenEmbedding
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
 from mstar_common.layers.rotary import RopeInputs, RotaryEmbedding, rope_from_config, rope_theta_from_config
@@ -96,13 +99,14 @@ class DecoderModel(nn.Module):
     def __init__(self, layer: DecoderLayerConfig, num_layers: int, vocab_size: int, rope_theta: float,
                  rope_scaling: dict[str, float] | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, layer.hidden_size)
+        self.embed_tokens = TokenEmbedding(vocab_size, layer.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(layer) for _ in range(num_layers))
         self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
         self.rotary = RotaryEmbedding(layer.head_dim, rope_theta, rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, kv_cache: KVCache) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, kv_cache: KVCache,
+                gather: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids, gather)
         residual = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, ctx, kv_cache.layer(index))
@@ -127,6 +131,12 @@ class DecoderOnlyLM(nn.Module):
         self.lm_head = nn.Linear(layer.hidden_size, vocab_size, bias=False)
         self.tie_weights()
 
+    @property
+    def gathers_input_ids(self) -> bool:
+        """Whether a captured step should pass its overlap gather to `forward` (the embedding kernel does it in its
+        launch) rather than run it first (the engine's `CausalLM` contract)."""
+        return self.model.embed_tokens.use_kernel
+
     def tie_weights(self) -> None:
         """Share `lm_head.weight` with the input embedding when the config ties them (call again after
         `to_empty`, which gives every module its own new tensor)."""
@@ -143,8 +153,11 @@ class DecoderOnlyLM(nn.Module):
         """Run the residual-add+RMSNorm and SiLU*up as Triton kernels on CUDA (the q/k prologue is the
         attention backend's choice); with `MSTAR_NORM_GEMV` not 0 a norm before a projection that runs on the
         skinny GEMM may go into that GEMM's launch (`auto`, the default: where the tuning timed it faster); with
-        `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP half as one persistent launch."""
+        `MSTAR_FUSED_MLP_ROWS` steps of that many rows run each MLP half as one persistent launch; with
+        `MSTAR_EMBED_KERNEL` not 0 (default 1) the embedding lookup, with a captured step's overlap gather inside,
+        is one Triton launch (mstar_kernels/embedding.py)."""
         fold_norms = enabled and norm_gemv_enabled()
+        self.model.embed_tokens.use_kernel = enabled and env_switch("MSTAR_EMBED_KERNEL", True)
         mlp_rows = fused_mlp_rows() if enabled else 0
         mlp_options = fused_mlp_options() if mlp_rows else {}
         for module in self.modules():
@@ -156,11 +169,13 @@ class DecoderOnlyLM(nn.Module):
                 module.fused_mlp_options = mlp_options
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """`input_ids`/`positions` `[T]` (packed rows) -> final-norm hidden states `[T, hidden_size]`."""
+                kv_cache: KVCache, gather: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """`input_ids`/`positions` `[T]` (packed rows) -> final-norm hidden states `[T, hidden_size]`. `gather`
+        (`(dst, src, count, previous)`): first `input_ids[dst[i]] = previous[src[i]]` for `i < count[0]`, inside
+        the embedding's launch on CUDA (mstar_common/layers/embedding.py)."""
         rope = RopeInputs(positions, self.model.rotary, self.model.embed_tokens.weight.dtype)
         ctx = AttentionContext(rope=rope, metadata=attn_metadata, backend=self.attn_backend)
-        return self.model(input_ids, ctx, kv_cache)
+        return self.model(input_ids, ctx, kv_cache, gather)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[B, hidden_size]` -> `[B, vocab_size]` in the model dtype (the runner upcasts to fp32)."""

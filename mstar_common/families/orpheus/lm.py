@@ -60,6 +60,10 @@ class AudioTokenLM(nn.Module):
     def attn_backend(self, backend) -> None:
         self.lm.attn_backend = backend
 
+    @property
+    def gathers_input_ids(self) -> bool:  # forward passes `gather` through
+        return getattr(self.lm, "gathers_input_ids", False)
+
     def enable_fused_ops(self, enabled: bool = True) -> None:
         self.lm.enable_fused_ops(enabled)
 
