@@ -9,6 +9,8 @@ the GPU time of one decode step with no host in it. The eager step (no graph) is
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,26 +301,16 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
     difference. Returns, per variant and batch size, every round's time and their median. `served_like`: also
     each variant's steps as the engine runs them (`served_like_ms`). A variant's `MSTAR_AB_ATTENTION_BACKEND`
     (not an engine switch) picks its attention backend, as a component's `attention_backend` does."""
-    import os
-
     from mstar_common.config import ComponentConfig
     from mstar_common.engine.cuda_graph import configure_fast_path
 
     model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, kv_dtype=kv_dtype)
     captured = {}
     for name, env in variants.items():
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        try:
+        with _environment(env):
             component = ComponentConfig(attention_backend=env.get("MSTAR_AB_ATTENTION_BACKEND", "auto"))
             configure_fast_path(model, component, "cuda", max(batch_sizes), 4096)
             captured[name] = _decode_graphs(model, config, kv_cache, batch_sizes)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
         for rows in batch_sizes:
@@ -336,7 +328,8 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
         for rows in batch_sizes:
             for name, graphs in captured.items():
                 for gather in (True, False):
-                    ms = served_like_ms(graphs, rows, context_len, page_size, gather=gather)
+                    with _environment(variants[name]):  # switches read by the served loop's own objects
+                        ms = served_like_ms(graphs, rows, context_len, page_size, gather=gather)
                     results.append({"family": family, "variant": name, "env": variants[name], "rows": rows,
                                     "context_len": context_len, "served_like_ms": ms, "gather": gather})
                     print(f"[ab] {family} rows {rows:3d} {name:24s} served-like {ms:.4f} ms per step "
@@ -344,6 +337,21 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
     del captured, model, kv_cache
     torch.cuda.empty_cache()
     return results
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """`env` set in `os.environ` for the block, the previous values back after it."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def served_like_ms(graphs, rows: int, context_len: int, page_size: int, steps: int = 200,

@@ -85,11 +85,22 @@ class _Layout:
 
 
 class StepBuffers:
-    """The static inputs and outputs of every graph, as views into three flat device buffers."""
+    """The static inputs and outputs of every graph, as typed views into one flat byte buffer on the device and
+    two page-locked mirrors of it on the host (double-buffered: the host fills step N+1's while step N's copy may
+    still be reading the other).
+
+    The regions lie int64 (seeds), then float32 (sampling parameters, penalties), then int32 with the block
+    tables last, so that one host-to-device copy of a prefix, ending at the last block-table row in use, moves a
+    step's inputs (`MSTAR_ONE_INPUT_COPY`, default 1). Each copy is an operation of its own on the stream between
+    two replays, and costs the served loop a few microseconds there whatever its size; 0 copies the int32 region,
+    then the float32 one where a step reads it (sampling or the penalty), then the seeds, as three copies."""
 
     def __init__(self, max_rows: int, max_tokens: int, max_pages: int, device: torch.device) -> None:
+        from mstar_common.config import env_switch
+
         self.max_rows, self.max_tokens, self.max_pages = max_rows, max_tokens, max_pages
         self.work_capacity = prefill_work_capacity(max_tokens, max_rows)
+        self.one_copy = env_switch("MSTAR_ONE_INPUT_COPY", True)
         ints, floats, longs = _Layout(), _Layout(), _Layout()
         for name, length in (("query_start_loc", max_rows + 1), ("context_lens", max_rows), ("request_slots", max_rows),
                              ("sample_indices", max_rows), ("is_greedy", max_rows), ("top_k", max_rows),
@@ -103,12 +114,19 @@ class StepBuffers:
         for name in ("temperature", "top_p", "min_p", "penalty"):
             floats.add(name, max_rows)
         longs.add("seeds", max_rows)
-        self.layouts = {"ints": ints, "floats": floats, "longs": longs}
+        self.layouts = {"longs": longs, "floats": floats, "ints": ints}  # in the flat buffer's order
         dtypes = {"ints": torch.int32, "floats": torch.float32, "longs": torch.int64}
-        self.device = {k: torch.zeros(lay.size, dtype=dtypes[k], device=device) for k, lay in self.layouts.items()}
+        self.regions: dict[str, tuple[int, int]] = {}  # byte (start, end) of each dtype's region
+        nbytes = 0
+        for key, lay in self.layouts.items():
+            size = lay.size * dtypes[key].itemsize
+            self.regions[key] = (nbytes, nbytes + size)
+            nbytes += -(-size // 8) * 8  # the next region 8-byte aligned
+        self.raw_device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
-        self.host = [{k: torch.zeros(lay.size, dtype=dtypes[k], pin_memory=pin) for k, lay in self.layouts.items()}
-                     for _ in range(2)]
+        self.raw_host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.device = {k: self._typed(self.raw_device, k, dtypes[k]) for k in self.layouts}
+        self.host = [{k: self._typed(raw, k, dtypes[k]) for k in self.layouts} for raw in self.raw_host]
         self.views = {}
         for key, lay in self.layouts.items():
             for name, (start, length) in lay.offsets.items():
@@ -116,6 +134,10 @@ class StepBuffers:
         self.views["block_tables"] = self.views["block_tables"].view(max_rows, max_pages)
         self.out_tokens = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self._host_views = [self._make_host_views(parity) for parity in range(2)]
+
+    def _typed(self, raw: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
+        start, end = self.regions[key]
+        return raw[start:end].view(dtype)
 
     def host_views(self, parity: int) -> dict[str, np.ndarray]:
         return self._host_views[parity]
@@ -129,11 +151,17 @@ class StepBuffers:
         return views
 
     def copy_in(self, parity: int, num_rows: int, with_sampling: bool, with_penalty: bool = False) -> None:
-        """Host mirror -> device, the int buffer up to the last block-table row in use; the float columns (sampling
-        parameters, penalties) for a sampling or penalised step, the seeds for a sampling one."""
+        """Host mirror -> device, the int32 region up to the last block-table row in use; the float32 region
+        (sampling parameters, penalties) for a sampling or penalised step, the seeds for a sampling one. With
+        `one_copy`, the whole prefix up to that block-table row in one copy (the float and seed regions ride along
+        whether the step reads them or not: `max_rows` x 24 bytes)."""
         start, _ = self.layouts["ints"].offsets["block_tables"]
-        end = start + num_rows * self.max_pages
-        self.device["ints"][:end].copy_(self.host[parity]["ints"][:end], non_blocking=True)
+        end = self.regions["ints"][0] + (start + num_rows * self.max_pages) * 4
+        if self.one_copy:
+            self.raw_device[:end].copy_(self.raw_host[parity][:end], non_blocking=True)
+            return
+        first = self.regions["ints"][0]
+        self.raw_device[first:end].copy_(self.raw_host[parity][first:end], non_blocking=True)
         for key, wanted in (("floats", with_sampling or with_penalty), ("longs", with_sampling)):
             if wanted:
                 self.device[key].copy_(self.host[parity][key], non_blocking=True)

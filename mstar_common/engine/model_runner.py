@@ -149,17 +149,30 @@ class PendingStep:
 class TokenReadback:
     """Copies each step's tokens into one of two pinned host buffers without blocking, behind an event.
 
-    Two buffers suffice: the engine collects step N before it launches step N+2.
+    Two buffers suffice: the engine collects step N before it launches step N+2. The buffers take the tokens'
+    dtype (a replayed graph's int32, an eager step's int64), so the copy is one device-to-host transfer; into a
+    buffer of another dtype torch would first launch a conversion kernel on the stream, between two replays
+    (`MSTAR_READBACK_NATIVE=0` keeps int64 buffers, for A/Bs).
     """
 
     def __init__(self, max_rows: int, device: torch.device, timing: bool = False) -> None:
-        self._buffers = [torch.empty(max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        from mstar_common.config import env_switch
+
+        self._max_rows = max_rows
+        self._native = env_switch("MSTAR_READBACK_NATIVE", True)
+        self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
         self._parity = 0
         self.device = device
         self.timing = timing  # events that can be timed (MSTAR_STEP_TIMES)
 
+    def _pair(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        dtype = dtype if self._native else torch.int64
+        if dtype not in self._buffers:
+            self._buffers[dtype] = [torch.empty(self._max_rows, dtype=dtype, pin_memory=True) for _ in range(2)]
+        return self._buffers[dtype]
+
     def start(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingStep:
-        buffer = self._buffers[self._parity][: len(seqs)]
+        buffer = self._pair(tokens.dtype)[self._parity][: len(seqs)]
         self._parity ^= 1
         buffer.copy_(tokens[: len(seqs)], non_blocking=True)
         event = torch.cuda.Event(enable_timing=self.timing)
