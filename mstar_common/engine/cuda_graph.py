@@ -124,7 +124,12 @@ class StepBuffers:
             nbytes += -(-size // 8) * 8  # the next region 8-byte aligned
         self.raw_device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
-        self.raw_host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.host_pair = torch.zeros((2, nbytes), dtype=torch.uint8, pin_memory=pin)  # the two host mirrors
+        self.raw_host = [self.host_pair[0], self.host_pair[1]]
+        # zero-copy step IO (mstar_kernels/step_io.py): the parity whose mirror the next replay reads, and the
+        # page-locked arrays its tokens go to
+        self.parity = torch.zeros(1, dtype=torch.int32, device=device)
+        self.host_tokens = torch.zeros((2, max_rows), dtype=torch.int32, pin_memory=pin)
         self.device = {k: self._typed(self.raw_device, k, dtypes[k]) for k in self.layouts}
         self.host = [{k: self._typed(raw, k, dtypes[k]) for k in self.layouts} for raw in self.raw_host]
         self.views = {}
@@ -150,13 +155,21 @@ class StepBuffers:
                 views[name] = array[start:start + length]
         return views
 
+    def input_bytes(self, num_rows: int) -> int:
+        """The length of the flat buffer's prefix a step of `num_rows` rows reads: up to its last block-table row."""
+        start, _ = self.layouts["ints"].offsets["block_tables"]
+        return self.regions["ints"][0] + (start + num_rows * self.max_pages) * 4
+
+    def mirror(self, parity: int) -> None:
+        """The other host mirror := this one (so a replay reads these inputs whichever parity it takes)."""
+        self.raw_host[parity ^ 1].copy_(self.raw_host[parity])
+
     def copy_in(self, parity: int, num_rows: int, with_sampling: bool, with_penalty: bool = False) -> None:
         """Host mirror -> device, the int32 region up to the last block-table row in use; the float32 region
         (sampling parameters, penalties) for a sampling or penalised step, the seeds for a sampling one. With
         `one_copy`, the whole prefix up to that block-table row in one copy (the float and seed regions ride along
         whether the step reads them or not: `max_rows` x 24 bytes)."""
-        start, _ = self.layouts["ints"].offsets["block_tables"]
-        end = self.regions["ints"][0] + (start + num_rows * self.max_pages) * 4
+        end = self.input_bytes(num_rows)
         if self.one_copy:
             self.raw_device[:end].copy_(self.raw_host[parity][:end], non_blocking=True)
             return
@@ -194,6 +207,11 @@ class CudaGraphRunner:
         self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, self.logits_width, device=device)
         self.has_request_slots = hasattr(model, "admit_request")
         self.uncaptured: list[tuple[str, int, int]] = []  # buckets capture() had to drop (capture_policy.py)
+        # The graphs read their inputs from the host mirror and write their tokens to page-locked memory themselves
+        # (mstar_kernels/step_io.py), where they sample in the graph; `last_host_tokens`: the last replay's tokens
+        # there.
+        self.zero_copy = device.type == "cuda" and self.samples_in_graph and zero_copy_step_io()
+        self.last_host_tokens: torch.Tensor | None = None
 
     # ---- capture ---------------------------------------------------------------------------------------------
 
@@ -221,10 +239,20 @@ class CudaGraphRunner:
             logger.info("[cuda graphs] %d/%d %s captured in %.2f s", index, len(keys), name, time.perf_counter() - t0)
         if is_cuda:
             torch.cuda.synchronize()
+        self.resync()  # the warm-ups flipped the device's parity
         self.uncaptured = [key for key in keys if key not in self.graphs]
         logger.info("[cuda graphs] %d of %d graphs captured in %.1f s%s", len(self.graphs), len(keys),
                     time.perf_counter() - started, f"; not captured (out of GPU memory): "
                     f"{[f'{kind} {size}' for kind, size, _ in self.uncaptured]}" if self.uncaptured else "")
+
+    def resync(self) -> None:
+        """Waits for the device, then the next replay reads host mirror 0, as the host will fill it. After replays
+        that did not go through `try_replay` (the capture's warm-ups, a benchmark's bare replays)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.buffers.parity.zero_()
+            torch.cuda.synchronize()
+        self._parity = 0
 
     def _capture_one(self, key: tuple[str, int, int], pool):
         """One bucket's graph (on the CPU a `FakeGraph` that re-runs the step)."""
@@ -264,8 +292,23 @@ class CudaGraphRunner:
         gather = (v["gather_dst"][:rows], v["gather_src"][:rows], v["gather_count"], self.buffers.out_tokens)
 
         in_model = getattr(model, "gathers_input_ids", False)  # in its embedding's launch (mstar_kernels/embedding.py)
+        buffers = self.buffers
+        input_words = buffers.input_bytes(rows) // 4
+
+        zero_copy = self.zero_copy
 
         def step() -> None:
+            if not zero_copy:  # the inputs were copied in before the replay, the tokens are copied out after it
+                run()
+                return
+            from mstar_kernels.step_io import publish_tokens, pull_inputs
+
+            pull_inputs(buffers.host_pair.view(torch.int32), buffers.raw_device.view(torch.int32), buffers.parity,
+                        input_words, rows)
+            run()
+            publish_tokens(out, buffers.host_tokens, buffers.parity)
+
+        def run() -> None:
             # decode rows' newest ids: the previous step's tokens
             if in_model:
                 hidden = model(v["input_ids"][:tokens], v["positions"][:tokens], metadata, kv_cache, gather=gather)
@@ -332,6 +375,7 @@ class CudaGraphRunner:
     def try_replay(self, batch, last_tokens: torch.Tensor | None, sample=None) -> torch.Tensor | None:
         """Replay the bucket that holds `batch` and return its tokens (device), or None if none does.
         `sample(logits, seqs)` samples after the replay when the model has its own logits rules."""
+        self.last_host_tokens = None
         key = self.pick(batch)
         if key is None or key not in self.graphs:
             return None
@@ -339,7 +383,8 @@ class CudaGraphRunner:
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)
         self._plan(key, self.buffers.host_views(parity))
-        self.buffers.copy_in(parity, rows, with_sampling=key[2] != GREEDY, with_penalty=self.penalty is not None)
+        if not self.zero_copy:  # else the graph reads the host mirror itself
+            self.buffers.copy_in(parity, rows, with_sampling=key[2] != GREEDY, with_penalty=self.penalty is not None)
         previous = self.buffers.out_tokens
         if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
             previous[: last_tokens.numel()].copy_(last_tokens)
@@ -348,6 +393,7 @@ class CudaGraphRunner:
         num_sampling = len(batch.sampling_seqs)
         if self.logits_out is not None:
             return sample(self.logits_out[:num_sampling], batch.sampling_seqs)
+        self.last_host_tokens = self.buffers.host_tokens[parity, :num_sampling] if self.zero_copy else None
         return self.buffers.out_tokens[:num_sampling]
 
     def _plan(self, key: tuple[str, int, int], host: dict[str, np.ndarray]) -> None:
@@ -423,9 +469,19 @@ class CudaGraphRunner:
         self._fill(host, _Empty, (kind, size, GREEDY))
         if sampling:
             self._fill_sampling(host, _Empty, rows)
+        self.buffers.mirror(0)  # a warm-up that reads its inputs itself may take either mirror
         self.buffers.copy_in(0, rows, with_sampling=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+
+def zero_copy_step_io() -> bool:
+    """`MSTAR_ZERO_COPY_STEP_IO` (default 1; 0: a host-to-device copy before each replay and a device-to-host copy of
+    its tokens after it): a captured step reads its inputs from the page-locked host mirror and writes its tokens to
+    page-locked memory inside the graph (mstar_kernels/step_io.py)."""
+    from mstar_common.config import env_switch
+
+    return env_switch("MSTAR_ZERO_COPY_STEP_IO", True)
 
 
 def _gather_tokens(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor,

@@ -175,9 +175,14 @@ class TokenReadback:
         buffer = self._pair(tokens.dtype)[self._parity][: len(seqs)]
         self._parity ^= 1
         buffer.copy_(tokens[: len(seqs)], non_blocking=True)
+        return self.behind_event(seqs, buffer)
+
+    def behind_event(self, seqs: list[Sequence], host_tokens: torch.Tensor) -> PendingStep:
+        """A step whose tokens the stream's work so far writes into page-locked `host_tokens` (a graph that publishes
+        them itself, mstar_kernels/step_io.py): an event after it, nothing copied."""
         event = torch.cuda.Event(enable_timing=self.timing)
         event.record()
-        return PendingStep(seqs, buffer, event)
+        return PendingStep(seqs, host_tokens, event)
 
 
 def logits_window(model, vocab_size: int) -> tuple[int, int]:
@@ -210,12 +215,15 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         batch = self.prepare(plan)
-        tokens = None
+        tokens = published = None
         if self.graphs is not None:
             tokens = self.graphs.try_replay(batch, self._last_tokens, self.sample)
+            published = self.graphs.last_host_tokens if tokens is not None else None
         if tokens is None:
             tokens = self._run_eager(batch)
         self._last_tokens = tokens
+        if published is not None:  # the graph wrote its tokens to page-locked memory itself
+            return self._readback.behind_event(batch.sampling_seqs, published)
         if self._readback is not None:
             return self._readback.start(batch.sampling_seqs, tokens)
         # A replay's tokens live in a static buffer the next replay overwrites.

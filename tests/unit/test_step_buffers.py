@@ -14,7 +14,7 @@ from mstar_common.engine.cuda_graph import StepBuffers
 def _filled(buffers: StepBuffers, parity: int, rows: int) -> dict[str, np.ndarray]:
     host = buffers.host_views(parity)
     rng = np.random.default_rng(rows + parity)
-    for name, view in host.items():
+    for view in host.values():
         view[:] = rng.integers(1, 1000, view.shape) if view.dtype.kind == "i" else rng.random(view.shape)
     return host
 
@@ -45,6 +45,19 @@ def test_a_step_copy_moves_the_rows_in_use_in_every_region_it_needs(monkeypatch,
     copied = bool(buffers.views["temperature"].any())
     assert copied == (one_copy == "1")  # one copy moves the float region along; three copies skip it
     assert np.array_equal(buffers.views["input_ids"].numpy(), buffers.host_views(0)["input_ids"])
+
+
+def test_the_input_prefix_and_the_mirrors():
+    buffers = StepBuffers(max_rows=4, max_tokens=16, max_pages=3, device=torch.device("cpu"))
+    end = buffers.input_bytes(2)
+    block_tables = buffers.views["block_tables"]
+    assert end == block_tables[2:].data_ptr() - buffers.raw_device.data_ptr()  # up to the third row's table
+    assert buffers.host_pair.shape == (2, buffers.raw_device.numel())
+    assert buffers.parity.tolist() == [0] and buffers.host_tokens.shape == (2, 4)
+    _filled(buffers, parity=1, rows=4)
+    assert not torch.equal(buffers.raw_host[0], buffers.raw_host[1])
+    buffers.mirror(1)
+    assert torch.equal(buffers.raw_host[0], buffers.raw_host[1])
 
 
 def test_a_bad_switch_is_refused_by_name(monkeypatch):
