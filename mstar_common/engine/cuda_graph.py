@@ -12,9 +12,12 @@ whole step, sampling included, is one replay. Steps that need the host-side toke
 run eager. A model with its own logits rules (`process_logits`) is captured up to the logits; its rules and the
 sampler run on the replay's logits.
 
-Buffers. Every input of every graph is a view into three static device buffers (int32, fp32, int64) with
-one named layout; the host fills a pinned mirror (two, alternating, so a fill never races the previous
-step's copy) and one copy per buffer moves a step's inputs. Outputs land in `out_tokens`. All graphs share
+Buffers. Every input of every graph is a typed view into one static flat device buffer with one named layout
+(`StepBuffers`); the host fills a page-locked mirror (two, alternating, so a fill never races the previous
+step's read). On a GPU, where the graph samples, its first kernel reads the mirror itself and its last writes the
+tokens to page-locked memory (mstar_kernels/step_io.py, `MSTAR_ZERO_COPY_STEP_IO`): nothing runs on the stream
+between two replays. Otherwise one copy moves a step's inputs before the replay and the tokens are copied back
+after it. Outputs land in `out_tokens` (the next step's gather reads them there). All graphs share
 one memory pool and are captured largest first. A bucket that runs out of GPU memory while it is captured is
 dropped with a warning, and its steps take the next larger captured bucket or run eager;
 `MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1` refuses to start instead (capture_policy.py).
