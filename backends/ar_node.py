@@ -18,6 +18,7 @@ import faulthandler
 import itertools
 import logging
 import signal
+import time
 
 from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
@@ -58,6 +59,7 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request) -> None:
+        arrival = time.monotonic()  # the TTFT histogram's start: before the parse (chat template, tokenization)
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
         responder = Responder(request, request_id)
         try:
@@ -74,6 +76,7 @@ class TritonPythonModel:
             detokenizer=IncrementalDetokenizer(self.runtime.tokenizer),
             stops=StopStringMatcher(text_request.stops) if text_request.stops else None,
             num_prompt_tokens=len(text_request.prompt_ids),
+            arrival=arrival,
         )
         self.pump.register(stream)
         # A model with per-request state (whisper's decoder: its cross-attention input) gets it from the parse.

@@ -382,7 +382,7 @@ class CudaGraphRunner:
         key = self.pick(batch)
         if key is None or key not in self.graphs:
             return None
-        parity, self._parity = self._parity, self._parity ^ 1
+        parity = self._parity  # flipped once the replay is launched, as the graph flips the device's (zero-copy)
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)
         self._plan(key, self.buffers.host_views(parity))
@@ -392,6 +392,7 @@ class CudaGraphRunner:
         if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
             previous[: last_tokens.numel()].copy_(last_tokens)
         self.graphs[key].replay()
+        self._parity ^= 1
         self.num_replays += 1
         num_sampling = len(batch.sampling_seqs)
         if self.logits_out is not None:

@@ -187,3 +187,22 @@ def test_required_graphs_refuse_to_start_when_a_bucket_is_out_of_memory(static_m
     monkeypatch.setenv("MSTAR_REQUIRE_ACCELERATOR_GRAPHS", "1")
     with pytest.raises(GraphCaptureError, match=r"\[cuda graphs\] decode 4: CUDA graph capture ran out of GPU memory"):
         make_engine(static_model, GRAPHS, overlap=True)
+
+
+def test_the_mirror_parity_flips_once_per_launched_replay(static_model, prompts, monkeypatch):  # noqa: F811
+    """The host fills mirror `_parity` and, with zero-copy IO on a GPU, the graph reads the mirror its own counter
+    names: both must flip exactly once per replay, and a step that fails before its replay flips neither."""
+    engine = make_engine(static_model, GRAPHS, overlap=True)
+    runner = engine.runner.graphs
+    assert runner.zero_copy is False and runner.last_host_tokens is None  # the CPU copies; nothing published
+    run_all(engine, prompts[:2], greedy(max_tokens=5))
+    assert runner.num_replays > 0 and runner._parity == runner.num_replays % 2
+    before = (runner._parity, runner.num_replays)
+
+    def broken_fill(*args, **kwargs):
+        raise RuntimeError("fill failed")
+
+    monkeypatch.setattr(runner, "_fill", broken_fill)
+    collector = run_all(engine, prompts[:1], greedy(max_tokens=3))
+    assert collector.streams["0"].finals[0][0] == FinishReason.ERROR  # the step failed, the request with it
+    assert (runner._parity, runner.num_replays) == before
