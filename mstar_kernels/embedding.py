@@ -73,8 +73,8 @@ def embed_tokens_ref(weight: torch.Tensor, input_ids: torch.Tensor,
                      gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                      ) -> torch.Tensor:
     """The torch ops `embed_tokens` replaces (the gather, then the lookup)."""
+    from mstar_common.layers.embedding import gather_ids
+
     if gather is not None:
-        dst, src, count, previous = gather
-        n = int(count.reshape(-1)[0])
-        input_ids[dst[:n].long()] = previous[src[:n].long()].to(input_ids.dtype)
+        gather_ids(input_ids, *gather)
     return torch.nn.functional.embedding(input_ids, weight)

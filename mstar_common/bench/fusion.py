@@ -141,7 +141,7 @@ def _staged_replay(graphs, rows: int, context_len: int, page_size: int, batch=No
     key = graphs.pick(batch)
     graphs._fill(graphs.buffers.host_views(0), batch, key)
     graphs._plan(key, graphs.buffers.host_views(0))  # the attention backend's plan (FlashInfer's; else a no-op)
-    graphs.buffers.copy_in(0, graphs._shape(key[0], key[1])[0], with_sampling=bool(key[2]))
+    graphs.buffers.copy_in(0, graphs._shape(key[0], key[1])[0])
     graphs.buffers.mirror(0)  # replays that read the host mirror themselves alternate between the two
     graphs.resync()
     return batch, graphs.graphs[key].replay
@@ -373,9 +373,7 @@ def served_like_ms(graphs, rows: int, context_len: int, page_size: int, steps: i
 
     def launch():
         tokens = graphs.try_replay(batch, last)
-        if graphs.last_host_tokens is not None:  # as the model runner reads them
-            return readback.behind_event(batch.sampling_seqs, graphs.last_host_tokens)
-        return readback.start(batch.sampling_seqs, tokens)
+        return readback.start(batch.sampling_seqs, tokens, graphs.last_host_tokens)
 
     for _ in range(5):
         launch().tokens()

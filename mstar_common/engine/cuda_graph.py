@@ -94,16 +94,11 @@ class StepBuffers:
 
     The regions lie int64 (seeds), then float32 (sampling parameters, penalties), then int32 with the block
     tables last, so that one host-to-device copy of a prefix, ending at the last block-table row in use, moves a
-    step's inputs (`MSTAR_ONE_INPUT_COPY`, default 1). Each copy is an operation of its own on the stream between
-    two replays, and costs the served loop a few microseconds there whatever its size; 0 copies the int32 region,
-    then the float32 one where a step reads it (sampling or the penalty), then the seeds, as three copies."""
+    step's inputs (or, with zero-copy step IO, one kernel reads that prefix from the host mirror)."""
 
     def __init__(self, max_rows: int, max_tokens: int, max_pages: int, device: torch.device) -> None:
-        from mstar_common.config import env_switch
-
         self.max_rows, self.max_tokens, self.max_pages = max_rows, max_tokens, max_pages
         self.work_capacity = prefill_work_capacity(max_tokens, max_rows)
-        self.one_copy = env_switch("MSTAR_ONE_INPUT_COPY", True)
         ints, floats, longs = _Layout(), _Layout(), _Layout()
         for name, length in (("query_start_loc", max_rows + 1), ("context_lens", max_rows), ("request_slots", max_rows),
                              ("sample_indices", max_rows), ("is_greedy", max_rows), ("top_k", max_rows),
@@ -167,20 +162,12 @@ class StepBuffers:
         """The other host mirror := this one (so a replay reads these inputs whichever parity it takes)."""
         self.raw_host[parity ^ 1].copy_(self.raw_host[parity])
 
-    def copy_in(self, parity: int, num_rows: int, with_sampling: bool, with_penalty: bool = False) -> None:
-        """Host mirror -> device, the int32 region up to the last block-table row in use; the float32 region
-        (sampling parameters, penalties) for a sampling or penalised step, the seeds for a sampling one. With
-        `one_copy`, the whole prefix up to that block-table row in one copy (the float and seed regions ride along
-        whether the step reads them or not: `max_rows` x 24 bytes)."""
+    def copy_in(self, parity: int, num_rows: int) -> None:
+        """Host mirror -> device: the flat buffer's prefix a step of `num_rows` rows reads, in one copy (the seed and
+        float regions ride along whether the step reads them or not: `max_rows` x 24 bytes; one copy against three
+        measured the same on the H200, docs/benchmarks.md)."""
         end = self.input_bytes(num_rows)
-        if self.one_copy:
-            self.raw_device[:end].copy_(self.raw_host[parity][:end], non_blocking=True)
-            return
-        first = self.regions["ints"][0]
-        self.raw_device[first:end].copy_(self.raw_host[parity][first:end], non_blocking=True)
-        for key, wanted in (("floats", with_sampling or with_penalty), ("longs", with_sampling)):
-            if wanted:
-                self.device[key].copy_(self.host[parity][key], non_blocking=True)
+        self.raw_device[:end].copy_(self.raw_host[parity][:end], non_blocking=True)
 
 
 class CudaGraphRunner:
@@ -252,9 +239,8 @@ class CudaGraphRunner:
         """Waits for the device, then the next replay reads host mirror 0, as the host will fill it. After replays
         that did not go through `try_replay` (the capture's warm-ups, a benchmark's bare replays)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.buffers.parity.zero_()
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # every replay before has read its parity (some may have run on another stream)
+            self.buffers.parity.zero_()  # stream-ordered before the next replay
         self._parity = 0
 
     def _capture_one(self, key: tuple[str, int, int], pool):
@@ -387,7 +373,7 @@ class CudaGraphRunner:
         self._fill(self.buffers.host_views(parity), batch, key)
         self._plan(key, self.buffers.host_views(parity))
         if not self.zero_copy:  # else the graph reads the host mirror itself
-            self.buffers.copy_in(parity, rows, with_sampling=key[2] != GREEDY, with_penalty=self.penalty is not None)
+            self.buffers.copy_in(parity, rows)
         previous = self.buffers.out_tokens
         if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
             previous[: last_tokens.numel()].copy_(last_tokens)
@@ -474,7 +460,7 @@ class CudaGraphRunner:
         if sampling:
             self._fill_sampling(host, _Empty, rows)
         self.buffers.mirror(0)  # a warm-up that reads its inputs itself may take either mirror
-        self.buffers.copy_in(0, rows, with_sampling=True)
+        self.buffers.copy_in(0, rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -497,8 +483,9 @@ def _gather_tokens(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor
 
         gather_tokens(input_ids, dst, src, count, previous)
         return
-    n = int(count[0])
-    input_ids[dst[:n].long()] = previous[src[:n].long()].to(input_ids.dtype)
+    from mstar_common.layers.embedding import gather_ids
+
+    gather_ids(input_ids, dst, src, count, previous)
 
 
 def configure_fast_path(model, component, device: str, max_rows: int, max_tokens: int) -> GraphConfig | None:

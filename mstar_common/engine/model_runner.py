@@ -171,18 +171,17 @@ class TokenReadback:
             self._buffers[dtype] = [torch.empty(self._max_rows, dtype=dtype, pin_memory=True) for _ in range(2)]
         return self._buffers[dtype]
 
-    def start(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingStep:
-        buffer = self._pair(tokens.dtype)[self._parity][: len(seqs)]
-        self._parity ^= 1
-        buffer.copy_(tokens[: len(seqs)], non_blocking=True)
-        return self.behind_event(seqs, buffer)
-
-    def behind_event(self, seqs: list[Sequence], host_tokens: torch.Tensor) -> PendingStep:
-        """A step whose tokens the stream's work so far writes into page-locked `host_tokens` (a graph that publishes
-        them itself, mstar_kernels/step_io.py): an event after it, nothing copied."""
+    def start(self, seqs: list[Sequence], tokens: torch.Tensor, published: torch.Tensor | None = None) -> PendingStep:
+        """The step's tokens behind an event: copied from `tokens` (device), or, where a replayed graph wrote them
+        into page-locked memory itself (`published`, mstar_kernels/step_io.py), read there with nothing copied."""
+        buffer = published
+        if buffer is None:
+            buffer = self._pair(tokens.dtype)[self._parity][: len(seqs)]
+            self._parity ^= 1
+            buffer.copy_(tokens[: len(seqs)], non_blocking=True)
         event = torch.cuda.Event(enable_timing=self.timing)
         event.record()
-        return PendingStep(seqs, host_tokens, event)
+        return PendingStep(seqs, buffer, event)
 
 
 def logits_window(model, vocab_size: int) -> tuple[int, int]:
@@ -218,14 +217,12 @@ class ModelRunner:
         tokens = published = None
         if self.graphs is not None:
             tokens = self.graphs.try_replay(batch, self._last_tokens, self.sample)
-            published = self.graphs.last_host_tokens if tokens is not None else None
+            published = self.graphs.last_host_tokens  # None unless a graph published its tokens
         if tokens is None:
             tokens = self._run_eager(batch)
         self._last_tokens = tokens
-        if published is not None:  # the graph wrote its tokens to page-locked memory itself
-            return self._readback.behind_event(batch.sampling_seqs, published)
         if self._readback is not None:
-            return self._readback.start(batch.sampling_seqs, tokens)
+            return self._readback.start(batch.sampling_seqs, tokens, published)
         # A replay's tokens live in a static buffer the next replay overwrites.
         return PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
 

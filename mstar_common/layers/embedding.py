@@ -13,6 +13,14 @@ import torch
 from torch import nn
 
 
+def gather_ids(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor,
+               previous: torch.Tensor) -> None:
+    """`input_ids[dst[i]] = previous[src[i]]` for `i < count[0]`, as torch ops (reads `count` on the host: not graph
+    safe; the kernels that replace it in a graph are mstar_kernels/gather_tokens.py and mstar_kernels/embedding.py)."""
+    n = int(count.reshape(-1)[0])
+    input_ids[dst[:n].long()] = previous[src[:n].long()].to(input_ids.dtype)
+
+
 class TokenEmbedding(nn.Embedding):
     use_kernel = False
 
@@ -23,7 +31,5 @@ class TokenEmbedding(nn.Embedding):
 
             return embed_tokens(self.weight, input_ids, gather)
         if gather is not None:
-            dst, src, count, previous = gather
-            n = int(count.reshape(-1)[0])
-            input_ids[dst[:n].long()] = previous[src[:n].long()].to(input_ids.dtype)
+            gather_ids(input_ids, *gather)
         return super().forward(input_ids)

@@ -24,8 +24,7 @@ def _gather(tokens: int, rows: int, count: int, vocab: int, gen: torch.Generator
     dst = torch.randperm(tokens, generator=gen)[:rows].to(torch.int32)
     src = torch.randperm(rows, generator=gen).to(torch.int32)
     previous = torch.randint(0, vocab, (rows,), generator=gen, dtype=torch.int32)
-    count_t = torch.tensor([count], dtype=torch.int32)
-    return [t.to(DEVICE) for t in (dst, src, count_t, previous)]
+    return dst, src, torch.tensor([count], dtype=torch.int32), previous
 
 
 @pytest.mark.parametrize("vocab,hidden", SHAPES)
@@ -34,13 +33,10 @@ def _gather(tokens: int, rows: int, count: int, vocab: int, gen: torch.Generator
 def test_the_lookup_with_the_gather_equals_the_torch_ops(vocab, hidden, tokens, rows, count, id_dtype):
     gen = torch.Generator().manual_seed(vocab + hidden + tokens + count)
     weight = torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
-    ids = torch.full((tokens,), -1, dtype=id_dtype)  # placeholders where the gather fills ...
-    ids[count:] = torch.randint(0, vocab, (tokens - count,), generator=gen).to(id_dtype)  # (the order is shuffled)
     gather = _gather(tokens, rows, count, vocab, gen)
-    dst = gather[0][:count].long().cpu()
-    ids = ids[torch.argsort(torch.cat([dst, torch.tensor([i for i in range(tokens) if i not in set(dst.tolist())],
-                                                          dtype=torch.long)]))]  # ... placeholders at dst
-    ids = ids.to(DEVICE)
+    ids = torch.randint(0, vocab, (tokens,), generator=gen).to(id_dtype)
+    ids[gather[0][:count].long()] = -1  # placeholders where the live entries point
+    ids, gather = ids.to(DEVICE), [t.to(DEVICE) for t in gather]
     want_ids = ids.clone()
     want = embed_tokens_ref(weight, want_ids, gather)
     assert (want_ids >= 0).all()  # every placeholder was a destination

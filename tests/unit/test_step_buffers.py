@@ -1,6 +1,6 @@
 """The captured steps' input buffers (engine/cuda_graph.py `StepBuffers`): one flat byte buffer with typed views,
-moved to the device as one prefix copy (`MSTAR_ONE_INPUT_COPY`, default) or as one copy per dtype region; and the
-token readback keeping the tokens' dtype (engine/model_runner.py `TokenReadback`, on the GPU)."""
+moved to the device as one prefix copy; and the token readback keeping the tokens' dtype, or reading tokens a graph
+published itself (engine/model_runner.py `TokenReadback`, on the GPU)."""
 
 from __future__ import annotations
 
@@ -19,18 +19,15 @@ def _filled(buffers: StepBuffers, parity: int, rows: int) -> dict[str, np.ndarra
     return host
 
 
-@pytest.mark.parametrize("one_copy", ["1", "0"])
-def test_a_step_copy_moves_the_rows_in_use_in_every_region_it_needs(monkeypatch, one_copy):
-    monkeypatch.setenv("MSTAR_ONE_INPUT_COPY", one_copy)
+def test_a_step_copy_moves_the_prefix_up_to_the_rows_in_use():
     buffers = StepBuffers(max_rows=8, max_tokens=32, max_pages=5, device=torch.device("cpu"))
-    assert buffers.one_copy == (one_copy == "1")
     assert buffers.views["seeds"].dtype == torch.int64 and buffers.views["temperature"].dtype == torch.float32
     assert buffers.views["input_ids"].dtype == torch.int32 and buffers.views["block_tables"].shape == (8, 5)
     starts = [buffers.views[name].data_ptr() - buffers.raw_device.data_ptr() for name in ("seeds", "temperature",
                                                                                          "input_ids")]
     assert starts[0] == 0 and all(start % 8 == 0 for start in starts)  # regions in copy order, aligned
     host = _filled(buffers, parity=1, rows=3)
-    buffers.copy_in(1, num_rows=3, with_sampling=True)
+    buffers.copy_in(1, num_rows=3)
     for name, view in host.items():
         got = buffers.views[name].numpy().reshape(-1)
         want = view.reshape(-1)
@@ -38,13 +35,6 @@ def test_a_step_copy_moves_the_rows_in_use_in_every_region_it_needs(monkeypatch,
             got, want = got[:3 * 5], want[:3 * 5]
         assert np.array_equal(got, want), name
     assert not buffers.views["block_tables"][3:].any()  # the rows past the step's stay as they were
-    buffers.views["temperature"].zero_()
-    buffers.views["seeds"].zero_()
-    _filled(buffers, parity=0, rows=2)
-    buffers.copy_in(0, num_rows=2, with_sampling=False)  # a greedy step without the penalty
-    copied = bool(buffers.views["temperature"].any())
-    assert copied == (one_copy == "1")  # one copy moves the float region along; three copies skip it
-    assert np.array_equal(buffers.views["input_ids"].numpy(), buffers.host_views(0)["input_ids"])
 
 
 def test_the_input_prefix_and_the_mirrors():
@@ -58,12 +48,6 @@ def test_the_input_prefix_and_the_mirrors():
     assert not torch.equal(buffers.raw_host[0], buffers.raw_host[1])
     buffers.mirror(1)
     assert torch.equal(buffers.raw_host[0], buffers.raw_host[1])
-
-
-def test_a_bad_switch_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv("MSTAR_ONE_INPUT_COPY", "yes")
-    with pytest.raises(ValueError, match="MSTAR_ONE_INPUT_COPY"):
-        StepBuffers(max_rows=2, max_tokens=4, max_pages=1, device=torch.device("cpu"))
 
 
 @pytest.mark.gpu
@@ -80,3 +64,6 @@ def test_the_readback_keeps_the_tokens_dtype_unless_told(monkeypatch, native):
         pending = readback.start([None] * 3, tokens)
         assert pending._tokens.dtype == (dtype if native == "1" else torch.int64)
         assert pending.tokens() == [0, 7, 14]
+    published = torch.tensor([4, 5], dtype=torch.int32).pin_memory()  # a graph's own page-locked tokens
+    pending = readback.start([None] * 2, tokens, published)
+    assert pending._tokens is published and pending.tokens() == [4, 5]
