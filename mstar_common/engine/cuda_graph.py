@@ -240,7 +240,8 @@ class CudaGraphRunner:
         that did not go through `try_replay` (the capture's warm-ups, a benchmark's bare replays)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # every replay before has read its parity (some may have run on another stream)
-            self.buffers.parity.zero_()  # stream-ordered before the next replay
+            self.buffers.parity.zero_()
+            torch.cuda.synchronize()  # done before a replay on any stream (the step loop's thread may use another)
         self._parity = 0
 
     def _capture_one(self, key: tuple[str, int, int], pool):
