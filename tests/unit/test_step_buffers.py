@@ -67,3 +67,19 @@ def test_the_readback_keeps_the_tokens_dtype_unless_told(monkeypatch, native):
     published = torch.tensor([4, 5], dtype=torch.int32).pin_memory()  # a graph's own page-locked tokens
     pending = readback.start([None] * 2, tokens, published)
     assert pending._tokens is published and pending.tokens() == [4, 5]
+
+
+@pytest.mark.parametrize("name", ["MSTAR_ZERO_COPY_STEP_IO", "MSTAR_READBACK_NATIVE", "MSTAR_EMBED_KERNEL"])
+def test_the_step_io_and_embedding_switches_refuse_a_bad_value_by_name(monkeypatch, name):
+    from mstar_common.engine.cuda_graph import zero_copy_step_io
+    from mstar_common.engine.model_runner import TokenReadback
+    from mstar_common.layers.causal_lm import DecoderOnlyLM
+    from mstar_common.layers.decoder import DecoderLayerConfig
+
+    monkeypatch.setenv(name, "on")
+    layer = DecoderLayerConfig(hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8)
+    checks = {"MSTAR_ZERO_COPY_STEP_IO": zero_copy_step_io,
+              "MSTAR_READBACK_NATIVE": lambda: TokenReadback(4, torch.device("cpu")),
+              "MSTAR_EMBED_KERNEL": lambda: DecoderOnlyLM(layer, 1, 50, 10000.0, 64, False).enable_fused_ops(True)}
+    with pytest.raises(ValueError, match=name):
+        checks[name]()
