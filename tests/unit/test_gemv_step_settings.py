@@ -89,3 +89,11 @@ def test_writing_merges_into_the_cache_and_none_removes(tmp_path):
     assert "step:8x8:bfloat16:bias=False:rows=1" not in json.loads(cache.read_text())
     with pytest.raises(ValueError, match="not step-setting keys"):  # tune_gemv's own decisions are not written so
         write_step_settings(cache, {"8x8:bfloat16:bias=False:rows=1": [1, 8]})
+
+
+def test_the_kernel_must_beat_cublas_by_five_percent_or_two_microseconds():
+    from mstar_common.layers.linear import gemv_bar
+
+    assert gemv_bar(4.0) == pytest.approx(3.8)  # short shapes: 5% (0.2 us)
+    assert gemv_bar(40.0) == pytest.approx(38.0)  # where 5% is 2 us
+    assert gemv_bar(76.69) == pytest.approx(74.69)  # a vocabulary head: 2 us (2.6%)
