@@ -215,12 +215,15 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             chained = _is_chained(weight, rows, norm)
             cublas_us = timer(_timed_calls(x, weights, bias, None, swiglu, norm, residual, chained))
             best, best_us, apart = None, gemv_bar(cublas_us), False
+            fastest_us = float("inf")  # the kernel's best time, under the bar or not (for the log)
             for setting in gemv_candidates(rows, n, k):
                 us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, chained))
+                fastest_us = min(fastest_us, us)
                 if us < best_us:
                     best, best_us, apart = setting, us, False
                 if norm is not None and try_apart:  # the norm kernel (add + norm), then the plain kernel
                     us = timer(_timed_calls(x, weights, bias, setting, swiglu, norm, residual, norm_apart=True))
+                    fastest_us = min(fastest_us, us)
                     if us < best_us:
                         best, best_us, apart = setting, us, True
             if best is None:
@@ -236,7 +239,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             form = " after the norm kernel" if apart else " with the norm inside" if norm is not None else ""
             log(f"gemv tune: {n}x{k}{prologue} rows {rows}: cuBLAS {cublas_us:.2f} us, "
                 + (f"kernel {best_us:.2f} us with blocks {best}{form}" if best
-                   else f"no kernel setting under {gemv_bar(cublas_us):.2f} us: cuBLAS"))
+                   else f"kernel {fastest_us:.2f} us at best, not under {gemv_bar(cublas_us):.2f} us: cuBLAS"))
         plan, norm_apart = {}, set()
         for rows in module.gemv_plan:
             bucket = _row_bucket(rows)
