@@ -218,9 +218,11 @@ def prompt_text_for(checkpoint: Path | None):
 
 
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None,
-          metrics: str | None = None) -> list[dict]:
+          metrics: str | None = None, on_run=None) -> list[dict]:
     """Every level of the run, each with its client-side summary and, where Triton's `metrics` page (URL) is
-    given, the server-side latency the components recorded over it (`server`)."""
+    given, the server-side latency the components recorded over it (`server`). `on_run(runs)` is called after
+    each level with the levels so far (the serve command writes its results file there, so a run cut short by a
+    time limit keeps the levels it measured)."""
     workload = workload_from_args(args)
     given = args.input_requests  # main() read --input-data
     described = _describe(args.input_data, given) if given else describe_workload(workload)
@@ -245,6 +247,8 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
         if latency is not None:
             run["server"] = latency
         runs.append(run)
+        if on_run is not None:
+            on_run(runs)
         s = summary
         print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
               f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_ms(s['itl_ms']['p50'])}/"
@@ -322,12 +326,17 @@ def _serve(args) -> int:
                    "prefix_caching": args.prefix_caching}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save(runs: list[dict]) -> None:  # after every level, then once more with the checks and baselines
+        model["runs"] = runs
+        Path(args.out).write_text(json.dumps(model, indent=1))
+
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
         model["startup_s"] = server.startup_s
         model["deployment"] = server.dep.to_dict()  # as served, defaults filled in: the run is self-describing
         model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
-                              args.checkpoint, server.ports.metrics_url)
+                              args.checkpoint, server.ports.metrics_url, on_run=save)
         model["engine_metrics"] = engine_metrics(server.ports.metrics_url)
         queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
         if args.prefix_caching and queried:

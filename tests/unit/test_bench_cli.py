@@ -277,3 +277,45 @@ def test_bench_url_refuses_an_unreachable_server(tmp_path, capsys):
 
     assert bench_cli.main(["url", "--grpc", f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "o.json")]) == 2
     assert "did not answer" in capsys.readouterr().err and not (tmp_path / "o.json").exists()
+
+
+def test_serve_writes_its_results_after_every_level(bench, monkeypatch, tmp_path):
+    """A run cut short (here the second level fails; on the device, a stage's time limit) leaves the levels it
+    measured in its results file, for the baseline and the report that follow it."""
+    from types import SimpleNamespace
+
+    from mstar_common.bench.metrics import RequestRecord
+
+    out = tmp_path / "run.json"
+    args = _serve_args(bench, monkeypatch, "--concurrency", "1", "8", "--rates", "--proxy-concurrency",
+                       "--check-eager", "0", "--out", str(out))
+
+    class FakeServer:
+        startup_s, entry = 1.0, "qwen3_llm"
+        ports = SimpleNamespace(grpc_url="127.0.0.1:1", proxy_url=None, metrics_url=None)
+
+        def __init__(self, raw, with_proxy):
+            self.dep = SimpleNamespace(to_dict=lambda: raw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class FakeDriver:
+        def __init__(self, url, model):
+            pass
+
+        def run(self, batch, concurrency=None, rate=None):
+            if concurrency == 8:
+                raise TimeoutError("8 requests unfinished")
+            return [RequestRecord(start=0.0, chunks=[(0.004, 1), (0.005, 1)], end=0.005) for _ in batch]
+
+    monkeypatch.setattr(bench, "Server", FakeServer)
+    monkeypatch.setattr(bench, "TritonDriver", FakeDriver)
+    with pytest.raises(TimeoutError):
+        bench._serve(args)
+    saved = json.loads(out.read_text())
+    assert [run["concurrency"] for run in saved["runs"]] == [1]
+    assert saved["runs"][0]["summary"]["num_requests"] == 4 and saved["startup_s"] == 1.0
