@@ -21,24 +21,29 @@ logger = logging.getLogger(__name__)
 
 
 class Responder:
-    __slots__ = ("_sender", "_request", "is_closed", "request_id")
+    """`_wanted`: the outputs the client asked for (Triton's requested outputs; a client that names none asks for
+    all). Triton drops the others after the backend has sent them, so they are never built: each output is a
+    tensor copied into the backend's shared memory, under the GIL that the step loop needs, on every response."""
+
+    __slots__ = ("_sender", "_request", "_wanted", "is_closed", "request_id")
 
     def __init__(self, request, request_id: str):
         self._request = request
         self._sender = request.get_response_sender()
+        self._wanted = frozenset(request.requested_output_names())
         self.request_id = request_id
         self.is_closed = False
 
     def send_chunk(self, outputs: dict[str, np.ndarray]) -> None:
         if not self.is_closed:
-            self._send(_response(outputs), 0)
+            self._send(_response(outputs, self._wanted), 0)
 
     def send_final(self, outputs: dict[str, np.ndarray] | None = None) -> None:
         if self.is_closed:
             return
         self.is_closed = True
         if outputs:
-            self._send(_response(outputs), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._send(_response(outputs, self._wanted), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
             self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
@@ -78,8 +83,10 @@ class Responder:
             logger.debug("[%s] send failed: %s", self.request_id, exc)
 
 
-def _response(outputs: dict[str, np.ndarray | torch.Tensor]):
-    return pb_utils.InferenceResponse(output_tensors=[to_pb_tensor(k, v) for k, v in outputs.items()])
+def _response(outputs: dict[str, np.ndarray | torch.Tensor], wanted: frozenset[str] = frozenset()):
+    """A response with the `outputs` the client asked for (`wanted`; all of them where it is empty)."""
+    return pb_utils.InferenceResponse(output_tensors=[to_pb_tensor(k, v) for k, v in outputs.items()
+                                                      if not wanted or k in wanted])
 
 
 def to_pb_tensor(name: str, value: np.ndarray | torch.Tensor) -> pb_utils.Tensor:

@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from mstar_common import wire
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
 from mstar_common.bench.metrics import Slo, summarize
 from mstar_common.bench.report import comparisons, write_report
@@ -243,6 +244,8 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
     def record(target: str, records, **load) -> None:
         summary = summarize(records, slo)
         run = {"target": target, **load, "workload": described, "summary": summary}
+        if target == "triton":
+            run["outputs"] = args.triton_outputs  # what its client asked for (--triton-outputs)
         latency = server.stop(sum(r.ttft is not None for r in records))
         if latency is not None:
             run["server"] = latency
@@ -271,7 +274,8 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
             count = max(args.min_requests, int(rate * args.poisson_seconds))
             record(target, measured(driver, requests(count), rate=rate), rate=rate)
 
-    levels("triton", TritonDriver(grpc_url, entry), args.concurrency, args.rates)
+    outputs = [wire.TOKEN_IDS] if args.triton_outputs == "token_ids" else None
+    levels("triton", TritonDriver(grpc_url, entry, outputs=outputs), args.concurrency, args.rates)
     if proxy_url is not None:
         openai = OpenAIDriver(proxy_url, args.name, prompt_text_for(checkpoint), processes=args.client_processes)
         levels("openai", openai, args.proxy_concurrency, args.proxy_rates)
@@ -615,6 +619,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="... and its mean time per output token after the first within this many ms")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
+    p.add_argument("--triton-outputs", default="all", choices=("all", "token_ids"),
+                   help="the outputs the Triton levels' client asks for: all of the entry model's (what a client "
+                        "that names none gets), or only the token ids, which is all the benchmark reads (the "
+                        "component then builds one tensor per response instead of five)")
     p.add_argument("--proxy-concurrency", type=int, nargs="*", default=[])
     p.add_argument("--proxy-rates", type=float, nargs="*", default=[])
     p.add_argument("--client-processes", default="auto", type=_processes,

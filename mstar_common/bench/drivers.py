@@ -41,8 +41,10 @@ def _triton_inputs(request: dict):
 
 
 class TritonDriver:
-    def __init__(self, url: str, model: str, max_streams: int = 4) -> None:
-        self.url, self.model, self.max_streams = url, model, max_streams
+    """`outputs`: the output names every request asks for (None: none named, so Triton returns them all)."""
+
+    def __init__(self, url: str, model: str, max_streams: int = 4, outputs: list[str] | None = None) -> None:
+        self.url, self.model, self.max_streams, self.outputs = url, model, max_streams, outputs
 
     def run(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
             seed: int = 0, timeout_s: float = 600.0) -> list[RequestRecord]:
@@ -72,6 +74,7 @@ class TritonDriver:
                 rec.end = now
                 done.put(response.id)
 
+        outputs = [grpcclient.InferRequestedOutput(name) for name in self.outputs] if self.outputs else None
         clients = [grpcclient.InferenceServerClient(self.url) for _ in range(self.max_streams)]
         for client in clients:
             client.start_stream(callback=on_response)
@@ -81,7 +84,8 @@ class TritonDriver:
                 with lock:
                     records[rid] = RequestRecord(start=time.perf_counter())
                 clients[index % len(clients)].async_stream_infer(
-                    self.model, _triton_inputs(requests[index]), request_id=rid, enable_empty_final_response=True)
+                    self.model, _triton_inputs(requests[index]), request_id=rid, outputs=outputs,
+                    enable_empty_final_response=True)
 
             _drive(len(requests), send, done, concurrency, rate, seed, timeout_s)
         finally:

@@ -19,13 +19,14 @@ def test_bench_serve_measures_its_own_server_and_checks_it_against_eager(tmp_pat
     assert main(["bench", "serve", "--checkpoint", "builtin:qwen3-tiny", "--device", "cpu", "--name", "qwen3-tiny",
                  "--max-model-len", "512", "--concurrency", "2", "--proxy-concurrency", "1", "--prompt-len", "12",
                  "--output-len", "5", "--warmup", "1", "--check-eager", "2", "--check-len", "6",
-                 "--out", str(out)]) == 0
+                 "--triton-outputs", "token_ids", "--out", str(out)]) == 0
     model = json.loads(out.read_text())
     assert model["checkpoint"] == str(tmp_path / "cache" / "builtin" / "qwen3-tiny") and model["startup_s"] > 0
     served = model["deployment"]  # the deployment as served, defaults filled in
     assert served["resources"]["max_batch_tokens"] == 2048 and served["resources"]["max_model_len"] == 512
     assert served["components"]["llm"]["placement"]["device"] == "cpu"
     assert [(run["target"], run["concurrency"]) for run in model["runs"]] == [("triton", 2), ("openai", 1)]
+    assert model["runs"][0]["outputs"] == "token_ids"  # its client asked for the token ids alone
     for run in model["runs"]:
         summary = run["summary"]
         assert summary["num_errors"] == 0 and summary["output_tokens"] == 5 * summary["num_requests"], summary

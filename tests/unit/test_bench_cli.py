@@ -282,29 +282,14 @@ def test_bench_url_refuses_an_unreachable_server(tmp_path, capsys):
 def test_serve_writes_its_results_after_every_level(bench, monkeypatch, tmp_path):
     """A run cut short (here the second level fails; on the device, a stage's time limit) leaves the levels it
     measured in its results file, for the baseline and the report that follow it."""
-    from types import SimpleNamespace
-
     from mstar_common.bench.metrics import RequestRecord
 
     out = tmp_path / "run.json"
     args = _serve_args(bench, monkeypatch, "--concurrency", "1", "8", "--rates", "--proxy-concurrency",
                        "--check-eager", "0", "--out", str(out))
 
-    class FakeServer:
-        startup_s, entry = 1.0, "qwen3_llm"
-        ports = SimpleNamespace(grpc_url="127.0.0.1:1", proxy_url=None, metrics_url=None)
-
-        def __init__(self, raw, with_proxy):
-            self.dep = SimpleNamespace(to_dict=lambda: raw)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     class FakeDriver:
-        def __init__(self, url, model):
+        def __init__(self, url, model, outputs=None):
             pass
 
         def run(self, batch, concurrency=None, rate=None):
@@ -319,3 +304,47 @@ def test_serve_writes_its_results_after_every_level(bench, monkeypatch, tmp_path
     saved = json.loads(out.read_text())
     assert [run["concurrency"] for run in saved["runs"]] == [1]
     assert saved["runs"][0]["summary"]["num_requests"] == 4 and saved["startup_s"] == 1.0
+
+
+@pytest.mark.parametrize("flag, outputs", [([], None), (["--triton-outputs", "token_ids"], ["token_ids"])])
+def test_the_triton_client_asks_for_all_outputs_or_the_token_ids_alone(bench, monkeypatch, tmp_path, flag, outputs):
+    """`--triton-outputs`: by default the Triton levels' client names no outputs (Triton returns them all); with
+    `token_ids` it asks for the token ids alone. Each Triton run records which."""
+    from mstar_common.bench.metrics import RequestRecord
+
+    out = tmp_path / "run.json"
+    args = _serve_args(bench, monkeypatch, "--concurrency", "1", "--rates", "--proxy-concurrency",
+                       "--check-eager", "0", "--out", str(out), *flag)
+    asked = []
+
+    class FakeDriver:
+        def __init__(self, url, model, outputs=None):
+            asked.append(outputs)
+
+        def run(self, batch, concurrency=None, rate=None):
+            return [RequestRecord(start=0.0, chunks=[(0.004, 1)], end=0.004) for _ in batch]
+
+    monkeypatch.setattr(bench, "Server", FakeServer)
+    monkeypatch.setattr(bench, "TritonDriver", FakeDriver)
+    monkeypatch.setattr(bench, "engine_metrics", lambda url: {})
+    assert bench._serve(args) == 0
+    assert asked == [outputs]
+    assert json.loads(out.read_text())["runs"][0]["outputs"] == (outputs[0] if outputs else "all")
+
+
+class FakeServer:
+    """`bench.Server` without processes: the sweep's drivers are faked too."""
+
+    startup_s, entry = 1.0, "qwen3_llm"
+
+    def __init__(self, raw, with_proxy):
+        from types import SimpleNamespace
+
+        self.dep = SimpleNamespace(to_dict=lambda: raw)
+        self.ports = SimpleNamespace(grpc_url="127.0.0.1:1", proxy_url=None, metrics_url=None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
