@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# A/B of one environment variable of the served components on the GPU, e.g. the GIL switch interval
+# A/B of one environment variable of the served components (or one flag of the benchmark) on the GPU, e.g. the GIL switch interval
 # (MSTAR_SWITCH_INTERVAL_MS, docs/deployment.md): Qwen3-0.6B at real shapes (random weights), 512-token prompts,
 # 256 output tokens, c=64 (AB_CONCURRENCY) through Triton gRPC and through the OpenAI proxy, one server per value,
 # in one device call. The step loop's and the output pump's time lines (MSTAR_STEP_TIMES=1) land in each run's
 # server log under $OUT/logs/<value>.
 # Usage (device): source .device/prepare.sh && bash scripts/ab_serve_env.sh VARIABLE VALUE [VALUE ...]
 #   ("" is the variable unset), e.g. bash scripts/ab_serve_env.sh MSTAR_SWITCH_INTERVAL_MS 5 0.5
+# A VARIABLE that starts with -- is a flag of `bench serve` instead ("" leaves it out), e.g.
+#   AB_CONCURRENCY="1 64" bash scripts/ab_serve_env.sh --triton-outputs all token_ids
 # AB_CONCURRENCY (default "64") sets the closed-loop levels, e.g. AB_CONCURRENCY="1 64"; each level runs
 # 6 requests per stream through Triton and through the proxy.
 set -u
@@ -25,7 +27,9 @@ print(build_random_checkpoint('qwen3-0.6b', '$CKPT'))" 2>&1 | tail -n 1
 for value in "$@"; do
   tag=${value:-unset}
   echo "=== $VAR=$tag"
-  env "$VAR=$value" MSTAR_BENCH_LOG_DIR=$OUT/logs/$tag timeout 240 $PY scripts/bench.py serve \
+  flag=(); setting=("$VAR=$value")
+  if [[ $VAR == --* ]]; then setting=(); [ -n "$value" ] && flag=("$VAR" "$value"); fi
+  env "${setting[@]}" MSTAR_BENCH_LOG_DIR=$OUT/logs/$tag timeout 240 $PY scripts/bench.py serve "${flag[@]}" \
     --family qwen3 --checkpoint "$CKPT" --name qwen3-0.6b --prompt-len 512 --output-len 256 \
     --concurrency ${AB_CONCURRENCY:-64} --proxy-concurrency ${AB_CONCURRENCY:-64} --requests-per-level 6 --check-eager 0 --no-capture-sampling \
     --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 --out "$OUT/ab_${VAR}_$tag.json" \
