@@ -324,23 +324,29 @@ def cmd_serve(args) -> int:
         return 1 if isinstance(exc, RuntimeError) else 2
 
 
+def _saver(model: dict, out: str):
+    """`sweep`'s `on_run`: the results file rewritten with the levels so far (the commands write it once more at
+    the end, with what follows the sweep)."""
+
+    def save(runs: list[dict]) -> None:
+        model["runs"] = runs
+        Path(out).write_text(json.dumps(model, indent=1))
+
+    return save
+
+
 def _serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
                    "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
                    "prefix_caching": args.prefix_caching}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-
-    def save(runs: list[dict]) -> None:  # after every level, then once more with the checks and baselines
-        model["runs"] = runs
-        Path(args.out).write_text(json.dumps(model, indent=1))
-
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
         model["startup_s"] = server.startup_s
         model["deployment"] = server.dep.to_dict()  # as served, defaults filled in: the run is self-describing
         model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
-                              args.checkpoint, server.ports.metrics_url, on_run=save)
+                              args.checkpoint, server.ports.metrics_url, on_run=_saver(model, args.out))
         model["engine_metrics"] = engine_metrics(server.ports.metrics_url)
         queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
         if args.prefix_caching and queried:
@@ -522,7 +528,7 @@ def cmd_url(args) -> int:
         model["deployment"] = deployment_served
     host = args.grpc.rpartition(":")[0] or "127.0.0.1"
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
-    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics)
+    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics, on_run=_saver(model, args.out))
     Path(args.out).write_text(json.dumps(model, indent=1))
     return 0
 

@@ -100,37 +100,15 @@ def test_text_input_streams_decoded_text(served, reference):
 def test_a_client_that_names_its_outputs_gets_only_those(served, reference):
     """Triton's requested outputs: a client that asks for the token ids alone gets them in every response and none
     of the other outputs (the component builds only what was asked: fewer tensors through the backend's shared
-    memory per response); a client that names none gets them all (the other tests)."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
+    memory per response); a client that names none gets them all."""
     from mstar_common import wire
-    from tests.integration.triton_stream import make_inputs
 
     _, expected = reference
     ids, want = expected[PROMPTS[3]]
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(served.grpc_url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    got, names = [], set()
-    try:
-        client.async_stream_infer(served.entry, make_inputs(**_request(ids)), request_id="o",
-                                  outputs=[grpcclient.InferRequestedOutput(wire.TOKEN_IDS)],
-                                  enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=120)
-            assert error is None, error
-            response = result.get_response()
-            names |= {output.name for output in response.outputs}
-            if result.as_numpy(wire.TOKEN_IDS) is not None:
-                got += result.as_numpy(wire.TOKEN_IDS).tolist()
-            if response.parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    assert got == want and names == {wire.TOKEN_IDS}
+    every = run_stream(served.grpc_url, served.entry, {"all": _request(ids)})["all"]
+    only = run_stream(served.grpc_url, served.entry, {"ids": _request(ids)}, outputs=[wire.TOKEN_IDS])["ids"]
+    assert only.token_ids == want and only.output_names == {wire.TOKEN_IDS}
+    assert every.token_ids == want and wire.TEXT_OUTPUT in every.output_names
 
 
 def test_invalid_request_is_refused_and_server_keeps_serving(served, reference):

@@ -20,6 +20,7 @@ class Collected:
     num_responses: int = 0
     error: str | None = None
     is_final: bool = False
+    output_names: set[str] = field(default_factory=set)  # every output any of its responses carried
 
 
 def make_inputs(**values) -> list[grpcclient.InferInput]:
@@ -43,15 +44,19 @@ def make_inputs(**values) -> list[grpcclient.InferInput]:
     return inputs
 
 
-def run_stream(url: str, model: str, requests: dict[str, dict], timeout: float = 120.0) -> dict[str, Collected]:
-    """Send every request (id -> input values) on one gRPC stream; return what each one received."""
+def run_stream(url: str, model: str, requests: dict[str, dict], timeout: float = 120.0,
+               outputs: list[str] | None = None) -> dict[str, Collected]:
+    """Send every request (id -> input values) on one gRPC stream, asking for `outputs` (None: names none, so
+    all); return what each one received."""
+    asked = [grpcclient.InferRequestedOutput(name) for name in outputs] if outputs else None
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     collected = {rid: Collected() for rid in requests}
     try:
         for rid, values in requests.items():
-            client.async_stream_infer(model, make_inputs(**values), request_id=rid, enable_empty_final_response=True)
+            client.async_stream_infer(model, make_inputs(**values), request_id=rid, outputs=asked,
+                                      enable_empty_final_response=True)
         deadline = time.monotonic() + timeout
         while not all(c.is_final for c in collected.values()):
             result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -63,11 +68,14 @@ def run_stream(url: str, model: str, requests: dict[str, dict], timeout: float =
                 continue
             response = result.get_response()
             c = collected[response.id]
+            c.output_names |= {output.name for output in response.outputs}
             if result.as_numpy(wire.TOKEN_IDS) is not None:
                 c.num_responses += 1
                 c.token_ids += result.as_numpy(wire.TOKEN_IDS).tolist()
-                c.text += result.as_numpy(wire.TEXT_OUTPUT)[0].decode()
-                c.finish_reason = result.as_numpy(wire.FINISH_REASON)[0].decode() or c.finish_reason
+                if result.as_numpy(wire.TEXT_OUTPUT) is not None:
+                    c.text += result.as_numpy(wire.TEXT_OUTPUT)[0].decode()
+                if result.as_numpy(wire.FINISH_REASON) is not None:
+                    c.finish_reason = result.as_numpy(wire.FINISH_REASON)[0].decode() or c.finish_reason
             if response.parameters["triton_final_response"].bool_param:
                 c.is_final = True
     finally:
