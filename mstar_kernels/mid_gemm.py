@@ -129,11 +129,12 @@ def block_m_for(rows: int) -> int:
 
 
 def fits(rows: int, n: int, k: int, block_n: int, block_k: int, split_k: int, num_stages: int) -> bool:
-    """Whether a setting suits the shape: its tiles in shared memory, K not split finer than one chunk per split,
-    and its tiles within the counters."""
+    """Whether a setting suits the shape: its tiles in shared memory (with PDL the first chunk's tile takes a buffer
+    of its own: (64, 256, 3 stages) at 64 rows asked for 256 KB on the H200), K not split finer than one chunk per
+    split, and its tiles within the counters."""
     block_m = block_m_for(rows)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
-    smem = (block_m + block_n) * block_k * 2 * max(1, num_stages)
+    smem = (block_m + block_n) * block_k * 2 * (max(1, num_stages) + 1)  # + 1: the tile loaded ahead of a PDL wait
     return (smem <= SMEM_BYTES and triton.cdiv(k, block_k) >= split_k and tiles <= COUNTERS
             and block_n >= 16 and block_k >= 16)
 

@@ -1,6 +1,7 @@
 """SwiGLU activation on a packed gate/up projection: `[T, 2I]` (gate | up) -> `silu(gate) * up` `[T, I]`.
 
-Rounded like the reference's two eager ops (silu rounded to the dtype, then the product rounded).
+Rounded like the reference's two eager ops (silu rounded to the dtype, then the product rounded). Launched with PDL
+(mstar_kernels/_pdl.py) at the row counts it allows: it waits for the gate/up projection before its first load.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mstar_kernels._pdl import gdc_enter, pdl_launch
 from mstar_kernels._rounding import round_to
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,8 +40,9 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(n_cols))
-    _silu_mul_kernel[(num_tokens, triton.cdiv(n_cols, block))](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block,
-                                                                num_warps=4)
+    grid = (num_tokens, triton.cdiv(n_cols, block))
+    _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+                           **pdl_launch(x, num_tokens, grid[0] * grid[1]))
     return out
 
 

@@ -52,7 +52,50 @@ class GemvLinear(nn.Linear):
             from mstar_kernels.gemv import gemv_with
 
             return gemv_with(x, self.weight, self.bias, blocks, kind=self.pdl_kind)
+        setting = self.mid_gemm_setting_for(x)
+        if setting is not None:
+            from mstar_kernels.mid_gemm import counters, mid_gemm
+
+            if not torch.cuda.is_current_stream_capturing():
+                counters(x.device)  # its split-K counters made outside any graph's memory pool
+            return mid_gemm(x, self.weight, self.bias, *setting)
         return super().forward(x)
+
+    def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
+        if (not x.is_cuda or not MID_GEMM_ROWS[0] <= x.shape[0] <= MID_GEMM_ROWS[1]
+                or self.pdl_kind not in mid_gemm_kinds()):
+            return None
+        from mstar_kernels.mid_gemm import readable
+
+        if not readable(x, self.weight, self.bias):
+            return None
+        return MID_GEMM_SHAPE_SETTINGS.get((self.out_features, self.in_features), MID_GEMM_SETTINGS[self.pdl_kind])
+
+
+# An A/B switch, unset by default: `MSTAR_MID_GEMM=all` or `KIND[+KIND...]` (`,` too; of qkv_proj, o_proj,
+# gate_up_proj, down_proj) runs those projections through mstar_kernels/mid_gemm.py at steps of `MID_GEMM_ROWS` rows
+# instead of cuBLAS, with the settings below, by shape, else by kind: (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages),
+# scripts/sweep_mid_gemm.py's best for Qwen3-0.6B at 64 rows (2026-12-03; down's is o's; gate_up at 2 stages, not
+# 3, for the tile it loads ahead of its PDL wait). Alone each ties cuBLAS at 64 rows; the question it answers is
+# whether a step's chain gains once every launch in it can start under PDL (`MSTAR_PDL_MAX_ROWS=64`), which cuBLAS's
+# cannot.
+MID_GEMM_SETTINGS = {"qkv_proj": (32, 256, 1, 4, 3), "o_proj": (32, 256, 4, 4, 3),
+                     "gate_up_proj": (64, 256, 1, 4, 2), "down_proj": (32, 256, 4, 4, 3)}
+# Llama-3.2-3B's (N, K): the sweep's best at 64 rows (qkv at 2 stages), down's a guess
+MID_GEMM_SHAPE_SETTINGS = {(5120, 3072): (64, 256, 1, 4, 2), (3072, 3072): (32, 256, 1, 4, 3),
+                           (16384, 3072): (64, 128, 1, 4, 3), (3072, 8192): (32, 256, 2, 4, 3)}
+MID_GEMM_ROWS = (5, 64)
+
+
+def mid_gemm_kinds() -> frozenset[str]:
+    raw = os.environ.get("MSTAR_MID_GEMM", "")
+    if raw in ("", "0"):
+        return frozenset()
+    kinds = frozenset(MID_GEMM_SETTINGS) if raw == "all" else frozenset(raw.replace("+", ",").split(","))
+    if not kinds <= MID_GEMM_SETTINGS.keys():
+        raise ValueError(f"MSTAR_MID_GEMM={raw!r}: expected all or a list (joined by , or +) of "
+                         f"{', '.join(MID_GEMM_SETTINGS)}")
+    return kinds
 
 
 GEMV_MAX_OUT = 32768  # a wider projection is a vocabulary head: it joins the tuning only with MSTAR_GEMV_HEADS

@@ -98,3 +98,32 @@ def test_fits_and_readable_refuse_what_the_kernel_cannot_take():
     assert not readable(torch.zeros(300, 16, dtype=DTYPE, device=DEVICE), weight, None)
     assert not readable(torch.zeros(4, 16, dtype=torch.float64, device=DEVICE), weight.double().float(), None)
     assert not readable(torch.zeros(16, 4, dtype=DTYPE, device=DEVICE).T, weight, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers route to the kernel on CUDA tensors only")
+def test_a_projection_takes_the_kernel_under_the_ab_switch(monkeypatch):
+    """`MSTAR_MID_GEMM` (mstar_common/layers/linear.py) puts the named projections on this kernel at 5-64 rows with
+    the table's settings, and leaves other kinds, other row counts and an unset switch on cuBLAS."""
+    from torch import nn
+
+    from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear
+
+    gen = torch.Generator().manual_seed(7)
+    linear = nn.Linear(2048, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1024, 2048, generator=gen) / 2048**0.5)
+    linear.__class__, linear.pdl_kind, linear.gemv_plan = GemvLinear, "o_proj", {}
+    x = torch.randn(64, 2048, generator=gen).to("cuda", torch.bfloat16)
+    cublas = torch.nn.functional.linear(x, linear.weight)
+    kernel = mid_gemm(x, linear.weight, None, *MID_GEMM_SETTINGS["o_proj"])
+    assert not torch.equal(cublas, kernel), "the two sums should differ in some last bits, or the test proves nothing"
+    monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,down_proj")
+    assert torch.equal(linear(x), kernel)
+    assert torch.equal(linear(x[:4]), torch.nn.functional.linear(x[:4], linear.weight))  # below the switch's rows
+    linear.pdl_kind = "qkv_proj"
+    assert torch.equal(linear(x), cublas)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    linear.pdl_kind = "o_proj"
+    assert rel_err(linear(x), cublas.float()) < 8e-3
+    monkeypatch.delenv("MSTAR_MID_GEMM")
+    assert torch.equal(linear(x), cublas)

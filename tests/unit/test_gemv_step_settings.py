@@ -97,3 +97,22 @@ def test_the_kernel_must_beat_cublas_by_five_percent_or_two_microseconds():
     assert gemv_bar(4.0) == pytest.approx(3.8)  # short shapes: 5% (0.2 us)
     assert gemv_bar(40.0) == pytest.approx(38.0)  # where 5% is 2 us
     assert gemv_bar(76.69) == pytest.approx(74.69)  # a vocabulary head: 2 us (2.6%)
+
+
+def test_the_mid_gemm_switch_names_projection_kinds(monkeypatch):
+    from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear, mid_gemm_kinds
+
+    monkeypatch.delenv("MSTAR_MID_GEMM", raising=False)
+    assert mid_gemm_kinds() == frozenset()
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    assert mid_gemm_kinds() == frozenset(MID_GEMM_SETTINGS)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,down_proj")
+    assert mid_gemm_kinds() == {"o_proj", "down_proj"}
+    monkeypatch.setenv("MSTAR_MID_GEMM", "qkv_proj+o_proj")  # + for scripts/ab_decode_step.py's comma-split variants
+    assert mid_gemm_kinds() == {"qkv_proj", "o_proj"}
+    linear = GemvLinear(16, 8)
+    linear.pdl_kind = "o_proj"
+    assert linear.mid_gemm_setting_for(torch.zeros(16, 16)) is None  # a CPU tensor stays on torch
+    monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,lm_head")
+    with pytest.raises(ValueError, match="MSTAR_MID_GEMM=.o_proj,lm_head.*qkv_proj, o_proj, gate_up_proj, down_proj"):
+        mid_gemm_kinds()
