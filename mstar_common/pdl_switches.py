@@ -12,8 +12,17 @@ def enabled() -> bool:
     return env_switch("MSTAR_PDL", True)
 
 
+MID_GEMM_PDL_ROWS = 32  # PDL's default rows with MSTAR_MID_GEMM set (mstar_common/layers/linear.py)
+
+
 def max_rows() -> int:
-    raw = os.environ.get("MSTAR_PDL_MAX_ROWS", "2") or "2"
+    """`MSTAR_PDL_MAX_ROWS`: launches of at most this many rows go with PDL. Default 2; with `MSTAR_MID_GEMM` set,
+    32, so that steps of 5-32 rows, whose projections then run on Triton kernels, run their whole chain under PDL.
+    On the H200 that is what made them faster (Qwen3-0.6B, 8 rows: 1.345 -> 1.199 ms); at 64 rows PDL made the
+    step slower, with mid_gemm or with cuBLAS (docs/benchmarks.md, 2026-12-04 night)."""
+    mid_gemm = os.environ.get("MSTAR_MID_GEMM", "") not in ("", "0")
+    default = str(MID_GEMM_PDL_ROWS if mid_gemm else 2)
+    raw = os.environ.get("MSTAR_PDL_MAX_ROWS", default) or default
     if not raw.isdigit():
         raise ValueError(f"MSTAR_PDL_MAX_ROWS={raw!r}: expected a non-negative integer")
     return int(raw)
@@ -62,9 +71,9 @@ def ahead_of() -> frozenset[str]:
 DEFAULT_AHEAD_OF = frozenset({"prologue", "o_proj", "gate_up_proj", "down_proj"})
 
 
-def signature() -> str:
-    """The switches a decode step is captured under: `off`, or the trigger mode and the kinds that trigger before
-    their wait, e.g. `early/down_proj+gate_up_proj+o_proj+prologue`."""
-    if not enabled():
+def signature(rows: int | None = None) -> str:
+    """The switches a decode step (of `rows` rows: `off` above `max_rows()`) is captured under: `off`, or the trigger
+    mode and the kinds that trigger before their wait, e.g. `early/down_proj+gate_up_proj+o_proj+prologue`."""
+    if not enabled() or rows is not None and rows > max_rows():
         return "off"
     return f"{trigger_mode()}/{'+'.join(sorted(ahead_of())) or 'none'}"

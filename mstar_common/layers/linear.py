@@ -324,7 +324,7 @@ def step_setting_key(weight: torch.Tensor, bias: torch.Tensor | None, rows: int)
 
     n, k = weight.shape
     return (f"step:{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:rows={rows}"
-            f":pdl={pdl_switches.signature()}")
+            f":pdl={pdl_switches.signature(rows)}")
 
 
 def step_setting(known: dict, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[int, ...] | None:

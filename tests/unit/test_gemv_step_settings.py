@@ -15,7 +15,7 @@ DEFAULT_PDL = f"pdl=early/{DEFAULT_KINDS}"
 
 @pytest.fixture(autouse=True)
 def default_pdl(monkeypatch):
-    for name in ("MSTAR_PDL", "MSTAR_PDL_TRIGGER", "MSTAR_PDL_AHEAD_OF"):
+    for name in ("MSTAR_PDL", "MSTAR_PDL_TRIGGER", "MSTAR_PDL_AHEAD_OF", "MSTAR_PDL_MAX_ROWS", "MSTAR_MID_GEMM"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -23,6 +23,7 @@ def test_the_key_names_shape_dtype_bias_rows_and_the_pdl_switches():
     weight = torch.zeros(1024, 2048, dtype=torch.bfloat16)
     assert step_setting_key(weight, None, 1) == f"step:1024x2048:bfloat16:bias=False:rows=1:{DEFAULT_PDL}"
     assert step_setting_key(weight, torch.zeros(1024), 2) == f"step:1024x2048:bfloat16:bias=True:rows=2:{DEFAULT_PDL}"
+    assert step_setting_key(weight, None, 4) == "step:1024x2048:bfloat16:bias=False:rows=4:pdl=off"  # no PDL at 4 rows
 
 
 @pytest.mark.parametrize("env,pdl", [({"MSTAR_PDL_AHEAD_OF": "o_proj+prologue"}, "pdl=early/o_proj+prologue"),
@@ -116,3 +117,17 @@ def test_the_mid_gemm_switch_names_projection_kinds(monkeypatch):
     monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,lm_head")
     with pytest.raises(ValueError, match="MSTAR_MID_GEMM=.o_proj,lm_head.*qkv_proj, o_proj, gate_up_proj, down_proj"):
         mid_gemm_kinds()
+
+
+def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
+    from mstar_common.pdl_switches import max_rows
+
+    monkeypatch.delenv("MSTAR_PDL_MAX_ROWS", raising=False)
+    monkeypatch.delenv("MSTAR_MID_GEMM", raising=False)
+    assert max_rows() == 2
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    assert max_rows() == 32
+    weight = torch.zeros(1024, 2048, dtype=torch.bfloat16)
+    assert step_setting_key(weight, None, 4) == f"step:1024x2048:bfloat16:bias=False:rows=4:{DEFAULT_PDL}"
+    monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")
+    assert max_rows() == 8
