@@ -19,11 +19,14 @@ as mstar_kernels/silu_mul.py rounds (the SwiGLU down projection without the acti
 added in fp32, one rounding to the output dtype; sums run in another order than cuBLAS's, so results differ in the
 last bit now and then.
 
-Measured, not used by the layers. `scripts/sweep_mid_gemm.py` on the H200 (2026-12-03, docs/benchmarks.md "A
+Alone it does not beat cuBLAS. `scripts/sweep_mid_gemm.py` on the H200 (2026-12-03, docs/benchmarks.md "A
 tensor-core GEMM for steps of 16-64 rows"): at 64 rows cuBLAS and this kernel take the same ~5-6 us for
 Qwen3-0.6B's qkv, o and gate_up (a launch floor: gate_up moves 50% more bytes than qkv in 0.6 us more); it won
-only the o projections at 16 rows (5.87 -> 5.18 us, Llama's 9.91 -> 8.58), ~1% of a step, and its SwiGLU load ran
-1.3-2x slower than cuBLAS after `silu_mul`.
+only the o projections at 16 rows (5.87 -> 5.18 us, Llama's 9.91 -> 8.58), and its SwiGLU load ran 1.3-2x slower
+than cuBLAS after `silu_mul`. What it gives is a chain: with `MSTAR_MID_GEMM` (mstar_common/layers/linear.py) the
+layers run their projections of 5-32-row steps on it, and every launch of such a step then starts under PDL;
+Qwen3-0.6B's 8-row step took 11% less (2026-12-04, docs/benchmarks.md "The projections of 8-32-row steps under
+PDL").
 
 Launched with PDL (mstar_kernels/_pdl.py, at the row counts it allows) a program loads its first weight chunk before it
 waits for the kernel that writes `x`.

@@ -72,19 +72,23 @@ class GemvLinear(nn.Linear):
         return MID_GEMM_SHAPE_SETTINGS.get((self.out_features, self.in_features), MID_GEMM_SETTINGS[self.pdl_kind])
 
 
-# An A/B switch, unset by default: `MSTAR_MID_GEMM=all` or `KIND[+KIND...]` (`,` too; of qkv_proj, o_proj,
+# `MSTAR_MID_GEMM` (unset by default; docs/deployment.md): `all` or `KIND[+KIND...]` (`,` too; of qkv_proj, o_proj,
 # gate_up_proj, down_proj) runs those projections through mstar_kernels/mid_gemm.py at steps of `MID_GEMM_ROWS` rows
-# instead of cuBLAS, with the settings below, by shape, else by kind: (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages),
-# scripts/sweep_mid_gemm.py's best for Qwen3-0.6B at 64 rows (2026-12-03; down's is o's; gate_up at 2 stages, not
-# 3, for the tile it loads ahead of its PDL wait). Alone each ties cuBLAS at 64 rows; the question it answers is
-# whether a step's chain gains once every launch in it can start under PDL (`MSTAR_PDL_MAX_ROWS=64`), which cuBLAS's
-# cannot.
+# instead of cuBLAS, and PDL's default rows become 32 (mstar_common/pdl_switches.py), so that such a step's whole
+# chain of launches can start under PDL, which cuBLAS's cannot. Settings, by shape, else by kind: (BLOCK_N, BLOCK_K,
+# SPLIT_K, warps, stages), scripts/sweep_mid_gemm.py's best at 64 rows (2026-12-03; Qwen3-0.6B's by kind, down's
+# is o's; 2 stages, not 3, where the tile loaded ahead of the PDL wait would not fit). Alone each ties cuBLAS.
+# In a step, on the H200 (scripts/ab_decode_step.py, 2026-12-04, docs/benchmarks.md "The projections of 8-32-row
+# steps under PDL"): Qwen3-0.6B 8 rows 1.345 -> 1.199 ms, 16 rows 1.527 -> 1.359, 32 rows 1.842 -> 1.743, and
+# served at c=8 5,565 -> 6,241 tok/s; Llama-3.2-3B 16 rows 2.811 -> 2.783. At 64 rows PDL made the step slower
+# (Qwen3 2.329 -> 2.428, Llama 3.635 -> 4.294) and mid_gemm without it tied cuBLAS, hence the rows stop at 32. Not
+# the default: the gain is the shape's (Llama's 1%), and no start-up timing chooses it per model yet.
 MID_GEMM_SETTINGS = {"qkv_proj": (32, 256, 1, 4, 3), "o_proj": (32, 256, 4, 4, 3),
                      "gate_up_proj": (64, 256, 1, 4, 2), "down_proj": (32, 256, 4, 4, 3)}
 # Llama-3.2-3B's (N, K): the sweep's best at 64 rows (qkv at 2 stages), down's a guess
 MID_GEMM_SHAPE_SETTINGS = {(5120, 3072): (64, 256, 1, 4, 2), (3072, 3072): (32, 256, 1, 4, 3),
                            (16384, 3072): (64, 128, 1, 4, 3), (3072, 8192): (32, 256, 2, 4, 3)}
-MID_GEMM_ROWS = (5, 64)
+MID_GEMM_ROWS = (5, 32)
 
 
 def mid_gemm_kinds() -> frozenset[str]:

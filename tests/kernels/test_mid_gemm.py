@@ -102,7 +102,7 @@ def test_fits_and_readable_refuse_what_the_kernel_cannot_take():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers route to the kernel on CUDA tensors only")
 def test_a_projection_takes_the_kernel_under_the_ab_switch(monkeypatch):
-    """`MSTAR_MID_GEMM` (mstar_common/layers/linear.py) puts the named projections on this kernel at 5-64 rows with
+    """`MSTAR_MID_GEMM` (mstar_common/layers/linear.py) puts the named projections on this kernel at 5-32 rows with
     the table's settings, and leaves other kinds, other row counts and an unset switch on cuBLAS."""
     from torch import nn
 
@@ -113,13 +113,15 @@ def test_a_projection_takes_the_kernel_under_the_ab_switch(monkeypatch):
     with torch.no_grad():
         linear.weight.copy_(torch.randn(1024, 2048, generator=gen) / 2048**0.5)
     linear.__class__, linear.pdl_kind, linear.gemv_plan = GemvLinear, "o_proj", {}
-    x = torch.randn(64, 2048, generator=gen).to("cuda", torch.bfloat16)
+    wide = torch.randn(64, 2048, generator=gen).to("cuda", torch.bfloat16)
+    x = wide[:32]
     cublas = torch.nn.functional.linear(x, linear.weight)
     kernel = mid_gemm(x, linear.weight, None, *MID_GEMM_SETTINGS["o_proj"])
     assert not torch.equal(cublas, kernel), "the two sums should differ in some last bits, or the test proves nothing"
     monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,down_proj")
     assert torch.equal(linear(x), kernel)
-    assert torch.equal(linear(x[:4]), torch.nn.functional.linear(x[:4], linear.weight))  # below the switch's rows
+    for rows in (4, 64):  # below and above the switch's rows
+        assert torch.equal(linear(wide[:rows]), torch.nn.functional.linear(wide[:rows], linear.weight))
     linear.pdl_kind = "qkv_proj"
     assert torch.equal(linear(x), cublas)
     monkeypatch.setenv("MSTAR_MID_GEMM", "all")
