@@ -17,15 +17,37 @@ MID_GEMM_PDL_ROWS = 32  # PDL's default rows with MSTAR_MID_GEMM set (mstar_comm
 
 def max_rows() -> int:
     """`MSTAR_PDL_MAX_ROWS`: launches of at most this many rows go with PDL. Default 2; with `MSTAR_MID_GEMM` set,
-    32, so that steps of 5-32 rows, whose projections then run on Triton kernels, run their whole chain under PDL.
+    32, so that steps of 5-32 rows, whose projections then run on Triton kernels, run their whole chain under PDL
+    (`MSTAR_MID_GEMM=auto` adds the row counts it chose instead: `add_rows`).
     On the H200 that is what made them faster (Qwen3-0.6B, 8 rows: 1.345 -> 1.199 ms); at 64 rows PDL made the
     step slower, with mid_gemm or with cuBLAS (docs/benchmarks.md, 2026-12-04 night)."""
-    mid_gemm = os.environ.get("MSTAR_MID_GEMM", "") not in ("", "0")
+    mid_gemm = os.environ.get("MSTAR_MID_GEMM", "") not in ("", "0", "auto")
     default = str(MID_GEMM_PDL_ROWS if mid_gemm else 2)
     raw = os.environ.get("MSTAR_PDL_MAX_ROWS", default) or default
     if not raw.isdigit():
         raise ValueError(f"MSTAR_PDL_MAX_ROWS={raw!r}: expected a non-negative integer")
     return int(raw)
+
+
+_EXTRA_ROWS: dict[int, int] = {}  # row count -> how many models asked for PDL there (`add_rows`)
+
+
+def add_rows(rows: int) -> None:
+    """Launches of exactly `rows` rows go with PDL too, whatever `max_rows()` says, until as many `remove_rows`
+    calls: the row counts at which a model chose its projections on Triton kernels (MSTAR_MID_GEMM=auto)."""
+    _EXTRA_ROWS[rows] = _EXTRA_ROWS.get(rows, 0) + 1
+
+
+def remove_rows(rows: int) -> None:
+    if _EXTRA_ROWS.get(rows, 0) <= 1:
+        _EXTRA_ROWS.pop(rows, None)
+    else:
+        _EXTRA_ROWS[rows] -= 1
+
+
+def applies(rows: int) -> bool:
+    """Whether a launch of `rows` rows goes with PDL (when `enabled()`): up to `max_rows()`, or at an added count."""
+    return rows <= max_rows() or rows in _EXTRA_ROWS
 
 
 TRIGGER_MODES = ("early", "fit", "ahead")
@@ -72,8 +94,8 @@ DEFAULT_AHEAD_OF = frozenset({"prologue", "o_proj", "gate_up_proj", "down_proj"}
 
 
 def signature(rows: int | None = None) -> str:
-    """The switches a decode step (of `rows` rows: `off` above `max_rows()`) is captured under: `off`, or the trigger
-    mode and the kinds that trigger before their wait, e.g. `early/down_proj+gate_up_proj+o_proj+prologue`."""
-    if not enabled() or rows is not None and rows > max_rows():
+    """The switches a decode step (of `rows` rows: `off` where PDL does not apply) is captured under: `off`, or the
+    trigger mode and the kinds that trigger before their wait, e.g. `early/down_proj+gate_up_proj+o_proj+prologue`."""
+    if not enabled() or rows is not None and not applies(rows):
         return "off"
     return f"{trigger_mode()}/{'+'.join(sorted(ahead_of())) or 'none'}"

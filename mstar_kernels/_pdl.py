@@ -47,6 +47,7 @@ from mstar_common.pdl_switches import (  # noqa: F401 (the switches, re-exported
     DEFAULT_AHEAD_OF,
     TRIGGER_MODES,
     ahead_of,
+    applies,
     enabled,
     max_rows,
     trigger_mode,
@@ -60,8 +61,8 @@ def _supported(device_index: int) -> bool:
 
 def use_pdl(tensor: torch.Tensor, rows: int) -> bool:
     """Whether a kernel of `rows` rows on `tensor`'s device launches with PDL (a Hopper-or-newer GPU, `MSTAR_PDL`
-    not 0, at most `MSTAR_PDL_MAX_ROWS` rows)."""
-    if not tensor.is_cuda or not enabled() or rows > max_rows():
+    not 0, at most `MSTAR_PDL_MAX_ROWS` rows or a row count added by `pdl_switches.add_rows`)."""
+    if not tensor.is_cuda or not enabled() or not applies(rows):
         return False
     return _supported(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
 

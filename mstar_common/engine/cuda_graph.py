@@ -202,6 +202,8 @@ class CudaGraphRunner:
         # there.
         self.zero_copy = device.type == "cuda" and self.samples_in_graph and zero_copy_step_io()
         self.last_host_tokens: torch.Tensor | None = None
+        # MSTAR_MID_GEMM=auto: rows -> (cuBLAS ms, mid_gemm ms, mid_gemm taken), for the buckets timed at capture
+        self.mid_choices: dict[int, tuple[float, float, bool]] = {}
 
     # ---- capture ---------------------------------------------------------------------------------------------
 
@@ -219,10 +221,14 @@ class CudaGraphRunner:
         started = time.perf_counter()
         logger.info("[cuda graphs] capturing %d graphs: decode rows %s, prefill/mixed tokens %s, sampling %s",
                     len(keys), self.decode_buckets, self.token_buckets, self.config.capture_sampling)
+        undecided = self._mid_rows_to_time()
         for index, key in enumerate(keys, 1):
             t0 = time.perf_counter()
             name = f"{key[0]} {key[1]}{_VARIANT_NAMES[key[2]]}"
-            graph = capture_or_skip(f"[cuda graphs] {name}", lambda key=key: self._capture_one(key, pool))
+            if key[0] == DECODE and key[2] == GREEDY and key[1] in undecided:  # the bucket's other variants follow
+                graph = self._capture_choosing_mid(key, pool, f"[cuda graphs] {name}")
+            else:
+                graph = capture_or_skip(f"[cuda graphs] {name}", lambda key=key: self._capture_one(key, pool))
             if graph is None:
                 continue
             self.graphs[key] = graph
@@ -234,6 +240,90 @@ class CudaGraphRunner:
         logger.info("[cuda graphs] %d of %d graphs captured in %.1f s%s", len(self.graphs), len(keys),
                     time.perf_counter() - started, f"; not captured (out of GPU memory): "
                     f"{[f'{kind} {size}' for kind, size, _ in self.uncaptured]}" if self.uncaptured else "")
+
+    def _mid_rows_to_time(self) -> set[int]:
+        """With MSTAR_MID_GEMM=auto on a GPU: the decode buckets of `MID_GEMM_ROWS` rows with no stored choice for
+        this model (the stored ones are applied here)."""
+        from mstar_common.layers.linear import (
+            MID_GEMM_ROWS,
+            default_gemv_cache,
+            known_mid_choices,
+            mid_gemm_auto,
+            mid_projections,
+        )
+
+        if self.device.type != "cuda" or not mid_gemm_auto() or not mid_projections(self.model):
+            return set()
+        known = known_mid_choices(self.model, default_gemv_cache())
+        return {b for b in self.decode_buckets if MID_GEMM_ROWS[0] <= b <= MID_GEMM_ROWS[1] and b not in known}
+
+    def _capture_choosing_mid(self, key: tuple[str, int, int], pool, what: str):
+        """A decode bucket captured with its projections on cuBLAS and on mid_gemm under PDL; the faster by
+        `MID_MIN_GAIN` is kept, the choice applied to the model and stored (`choose_mid_rows`)."""
+        from mstar_common.layers.linear import choose_mid_rows, default_gemv_cache, set_mid_rows
+
+        rows = key[1]
+        cublas = capture_or_skip(what, lambda: self._capture_one(key, pool))
+        if cublas is None:
+            return None
+        set_mid_rows(self.model, rows, True)
+        mid = capture_or_skip(f"{what} (mid_gemm)", lambda: self._capture_one(key, pool))
+        if mid is None:
+            set_mid_rows(self.model, rows, False)
+            return cublas
+        context, (cublas_ms, mid_ms) = self._time_replays(key, (cublas, mid))
+        taken = choose_mid_rows(self.model, rows, cublas_ms, mid_ms, default_gemv_cache())
+        self.mid_choices[rows] = (cublas_ms, mid_ms, taken)
+        logger.info("[cuda graphs] decode %d: %.4f ms a replay with the projections on mid_gemm under PDL, %.4f ms "
+                    "on cuBLAS (%d tokens of context a row): %s (MSTAR_MID_GEMM=auto; stored)", rows, mid_ms,
+                    cublas_ms, context, "mid_gemm" if taken else "cuBLAS")
+        return mid if taken else cublas
+
+    def _time_replays(self, key: tuple[str, int, int], graphs, rounds: int = 5,
+                      replays: int = 20) -> tuple[int, list[float]]:
+        """ms per replay of each graph of a decode bucket (median of `rounds`, the graphs in alternation) on the
+        inputs of `_fill_timing`. Returns the context and the times; the capture's safe inputs after."""
+        context = self._fill_timing(key)
+        times: list[list[float]] = [[] for _ in graphs]
+        for _ in range(rounds):
+            for graph, kept in zip(graphs, times, strict=True):
+                graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                kept.append(start.elapsed_time(end) / replays)
+        self._fill_padding(key)
+        return context, [sorted(kept)[len(kept) // 2] for kept in times]
+
+    def _fill_timing(self, key: tuple[str, int, int]) -> int:
+        """A decode bucket's inputs for timing: every row attends over up to `MID_TIMING_CONTEXT` tokens of pages
+        of its own (the pool holds no request yet, so any page will do; their contents do not matter), and the new
+        tokens go to the sink. Returns that context."""
+        from mstar_common.layers.linear import MID_TIMING_CONTEXT
+
+        kind, rows, _ = key
+        page = self.kv_cache.page_size
+        per_row = max(1, min(self.buffers.max_pages, -(-MID_TIMING_CONTEXT // page), self.kv_cache.num_pages // rows))
+        context = min(per_row * page, MID_TIMING_CONTEXT)
+
+        class _Timing:
+            num_tokens = num_rows = rows
+            input_ids, positions, slot_mapping = [0] * rows, [context - 1] * rows, [self.sink_slot] * rows
+            query_lens, context_lens, request_slots = [1] * rows, [context] * rows, [0] * rows
+            page_tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+            sample_indices = sampling_seqs = penalty_slots = penalties = gather_dst = gather_src = []
+
+        host = self.buffers.host_views(0)
+        self._fill(host, _Timing, (kind, rows, GREEDY))
+        self.buffers.mirror(0)  # a replay that reads its inputs itself may take either mirror
+        self.buffers.copy_in(0, rows)
+        self._plan(key, host)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return context
 
     def resync(self) -> None:
         """Waits for the device, then the next replay reads host mirror 0, as the host will fill it. After replays

@@ -40,6 +40,8 @@ class GemvLinear(nn.Linear):
     norm_apart: frozenset[int] = frozenset()
     # the projection's attribute name (`o_proj`, ...): its kind for MSTAR_PDL_AHEAD_OF (mstar_kernels/_pdl.py)
     pdl_kind: str | None = None
+    # rows at which the projection runs on mstar_kernels/mid_gemm.py: what MSTAR_MID_GEMM=auto chose (`set_mid_rows`)
+    mid_rows: frozenset[int] = frozenset()
 
     def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
@@ -62,8 +64,11 @@ class GemvLinear(nn.Linear):
         return super().forward(x)
 
     def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
-        if (not x.is_cuda or not MID_GEMM_ROWS[0] <= x.shape[0] <= MID_GEMM_ROWS[1]
-                or self.pdl_kind not in mid_gemm_kinds()):
+        if not x.is_cuda:
+            return None
+        rows = x.shape[0]
+        if rows not in self.mid_rows and (not MID_GEMM_ROWS[0] <= rows <= MID_GEMM_ROWS[1]
+                                          or self.pdl_kind not in mid_gemm_kinds()):
             return None
         from mstar_kernels.mid_gemm import readable
 
@@ -82,7 +87,7 @@ class GemvLinear(nn.Linear):
 # steps under PDL"): Qwen3-0.6B 8 rows 1.345 -> 1.199 ms, 16 rows 1.527 -> 1.359, 32 rows 1.842 -> 1.743, and
 # served at c=8 5,565 -> 6,241 tok/s; Llama-3.2-3B 16 rows 2.811 -> 2.783. At 64 rows PDL made the step slower
 # (Qwen3 2.329 -> 2.428, Llama 3.635 -> 4.294) and mid_gemm without it tied cuBLAS, hence the rows stop at 32. Not
-# the default: the gain is the shape's (Llama's 1%), and no start-up timing chooses it per model yet.
+# the default: the gain is the shape's (Llama's 1%). `auto` (below) chooses per model and row count.
 MID_GEMM_SETTINGS = {"qkv_proj": (32, 256, 1, 4, 3), "o_proj": (32, 256, 4, 4, 3),
                      "gate_up_proj": (64, 256, 1, 4, 2), "down_proj": (32, 256, 4, 4, 3)}
 # Llama-3.2-3B's (N, K): the sweep's best at 64 rows (qkv at 2 stages), down's a guess
@@ -92,14 +97,90 @@ MID_GEMM_ROWS = (5, 32)
 
 
 def mid_gemm_kinds() -> frozenset[str]:
+    """The projection kinds `MSTAR_MID_GEMM` puts on the kernel at every row count of `MID_GEMM_ROWS` (none for
+    `auto`, which decides per model and row count: `choose_mid_rows`)."""
     raw = os.environ.get("MSTAR_MID_GEMM", "")
-    if raw in ("", "0"):
+    if raw in ("", "0", "auto"):
         return frozenset()
     kinds = frozenset(MID_GEMM_SETTINGS) if raw == "all" else frozenset(raw.replace("+", ",").split(","))
     if not kinds <= MID_GEMM_SETTINGS.keys():
-        raise ValueError(f"MSTAR_MID_GEMM={raw!r}: expected all or a list (joined by , or +) of "
+        raise ValueError(f"MSTAR_MID_GEMM={raw!r}: expected auto, all or a list (joined by , or +) of "
                          f"{', '.join(MID_GEMM_SETTINGS)}")
     return kinds
+
+
+# MSTAR_MID_GEMM=auto: the graph runner captures each decode bucket of MID_GEMM_ROWS rows twice, its projections on
+# cuBLAS and on mid_gemm under PDL, times the replays (rows reading MID_TIMING_CONTEXT tokens of KV each), and keeps
+# mid_gemm where its step is at least MID_MIN_GAIN shorter. The choice is stored in the GEMV cache by the model's
+# projection shapes, so that every process on the machine (an engine without graphs too) runs the same kernels.
+MID_MIN_GAIN = 0.02
+MID_TIMING_CONTEXT = 512
+
+
+def mid_gemm_auto() -> bool:
+    mid_gemm_kinds()  # a bad value is refused here too
+    return os.environ.get("MSTAR_MID_GEMM", "") == "auto"
+
+
+def mid_projections(model: nn.Module) -> list[GemvLinear]:
+    """The model's projections the kernel may take (the decoder's qkv, o, gate_up and down)."""
+    return [m for m in model.modules() if isinstance(m, GemvLinear) and m.pdl_kind in MID_GEMM_SETTINGS]
+
+
+def mid_choice_key(model: nn.Module, rows: int) -> str | None:
+    """The GEMV cache's key for the choice at `rows` rows: the model's projection shapes (kind, N x K, dtype, bias;
+    how many of each) and the PDL switches; None where the model has no such projection."""
+    from mstar_common import pdl_switches
+
+    shapes: dict[str, int] = {}
+    for m in mid_projections(model):
+        name = (f"{m.pdl_kind}={m.out_features}x{m.in_features}:{str(m.weight.dtype).removeprefix('torch.')}"
+                f":bias={m.bias is not None}")
+        shapes[name] = shapes.get(name, 0) + 1
+    if not shapes:
+        return None
+    layers = "+".join(f"{name}*{count}" for name, count in sorted(shapes.items()))
+    return f"mid:{layers}:rows={rows}:pdl={pdl_switches.signature()}"
+
+
+def set_mid_rows(model: nn.Module, rows: int, on: bool) -> None:
+    """Put the model's projections of `rows`-row steps on mid_gemm (and such launches under PDL), or back."""
+    from mstar_common import pdl_switches
+
+    projections = mid_projections(model)
+    was = bool(projections) and rows in projections[0].mid_rows
+    for m in projections:
+        m.mid_rows = m.mid_rows | {rows} if on else m.mid_rows - {rows}
+    if on and not was:
+        pdl_switches.add_rows(rows)
+    elif was and not on:
+        pdl_switches.remove_rows(rows)
+
+
+def known_mid_choices(model: nn.Module, cache: Path | None) -> dict[int, bool]:
+    """The stored choices for this model (rows -> on), applied to it; with MSTAR_MID_GEMM=auto only."""
+    if not mid_gemm_auto() or cache is None or not cache.is_file():
+        return {}
+    known = json.loads(cache.read_text())
+    choices = {}
+    for rows in range(MID_GEMM_ROWS[0], MID_GEMM_ROWS[1] + 1):
+        entry = known.get(mid_choice_key(model, rows) or "")
+        if isinstance(entry, dict) and "on" in entry:
+            choices[rows] = bool(entry["on"])
+            set_mid_rows(model, rows, choices[rows])
+    return choices
+
+
+def choose_mid_rows(model: nn.Module, rows: int, cublas_ms: float, mid_ms: float, cache: Path | None) -> bool:
+    """Take mid_gemm at `rows` rows if its timed step was at least `MID_MIN_GAIN` shorter; apply and store it."""
+    on = mid_ms < cublas_ms * (1 - MID_MIN_GAIN)
+    set_mid_rows(model, rows, on)
+    key = mid_choice_key(model, rows)
+    if cache is not None and key is not None:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+        known[key] = {"on": on, "cublas_ms": round(cublas_ms, 4), "mid_ms": round(mid_ms, 4)}
+        _write_cache(cache, known)
+    return on
 
 
 GEMV_MAX_OUT = 32768  # a wider projection is a vocabulary head: it joins the tuning only with MSTAR_GEMV_HEADS
@@ -455,6 +536,12 @@ def use_gemv_from_env(model: nn.Module) -> None:
     if rows and use_gemv(model, rows) and next(model.parameters()).is_cuda:
         tune_gemv(model)
         force_gemv_settings(model, forced, rows)
+        if mid_gemm_auto():
+            choices = known_mid_choices(model, default_gemv_cache())
+            if choices:
+                logging.getLogger(__name__).info(
+                    "mid_gemm (MSTAR_MID_GEMM=auto, stored): rows %s", {r: "mid_gemm" if on else "cuBLAS"
+                                                                        for r, on in sorted(choices.items())})
 
 
 def forced_gemv_settings() -> dict[int, tuple[int, ...]]:

@@ -20,7 +20,7 @@ from mstar_common.engine.attention import select_attention_backend
 from mstar_common.engine.cuda_graph import GraphConfig
 from mstar_common.engine.types import EngineConfig, SamplingParams
 from mstar_common.families.qwen3.loader import load_qwen3
-from mstar_common.layers.linear import use_gemv
+from mstar_common.layers.linear import default_gemv_cache, known_mid_choices, use_gemv
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -64,6 +64,7 @@ def generate(checkpoint: Path, prompts, *, graphs: bool, overlap: bool, backend:
     model.enable_fused_ops(fused_ops)
     if gemv_rows:
         use_gemv(model, gemv_rows)
+        known_mid_choices(model, default_gemv_cache())  # MSTAR_MID_GEMM=auto's stored choices, as the server does
     graph_config = GraphConfig([1, 2, 4, 8], [64, 256, 512], capture_sampling=True) if graphs else None
     engine = AREngine(model, EngineConfig(num_kv_pages=256, page_size=16, max_num_seqs=8, max_batch_tokens=512,
                                           max_model_len=1024, dtype="bfloat16", device="cuda", kv_dtype=kv_dtype),
@@ -202,6 +203,29 @@ def test_mid_gemm_projections_replay_as_they_run_eager_and_match_cublas(separate
     assert calls and set(calls) <= set(range(5, 33)), "mid_gemm ran, and only in steps of 5-32 rows"
     assert replayed == eager
     _assert_near_ties(separated, prompts, reference, [eager])
+
+
+def test_mid_gemm_auto_times_the_buckets_and_an_engine_without_graphs_follows(separated, monkeypatch, tmp_path):
+    """MSTAR_MID_GEMM=auto: the runner captures the 8-row bucket on cuBLAS and on mid_gemm under PDL, times both,
+    stores its choice in the GEMV cache; an engine without graphs then reads it, so its tokens equal the replayed
+    ones bit for bit, and both tie the cuBLAS engine's."""
+    import json
+
+    from mstar_common import pdl_switches
+
+    monkeypatch.setattr(pdl_switches, "_EXTRA_ROWS", {})  # the PDL row counts the choices add, dropped after
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
+    prompts = _prompts(8, 60, seed=12)
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
+    replayed = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    stored = {key: value for key, value in json.loads(default_gemv_cache().read_text()).items()
+              if key.startswith("mid:")}
+    assert sorted(int(key.split(":rows=")[1].split(":")[0]) for key in stored) == [8]  # buckets 1, 2, 4, 8
+    assert all(set(value) == {"on", "cublas_ms", "mid_ms"} and value["cublas_ms"] > 0 for value in stored.values())
+    eager = generate(separated, prompts, graphs=False, overlap=False, max_tokens=8, gemv_rows=4)
+    assert eager == replayed
+    _assert_near_ties(separated, prompts, reference, [replayed])
 
 
 def _assert_switch_keeps_tokens(checkpoint: Path, monkeypatch, switch: str, on: str, module, launch: str,

@@ -131,3 +131,69 @@ def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
     assert step_setting_key(weight, None, 4) == f"step:1024x2048:bfloat16:bias=False:rows=4:{DEFAULT_PDL}"
     monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")
     assert max_rows() == 8
+
+
+def _decoder_like(hidden: int = 16) -> torch.nn.Module:
+    """Linears named as the decoder names them, turned into `GemvLinear`s with their kinds (as `use_gemv` does)."""
+    from mstar_common.layers.linear import GemvLinear
+
+    layer = torch.nn.Module()
+    for name, (n, k) in {"qkv_proj": (3 * hidden, hidden), "o_proj": (hidden, hidden),
+                         "gate_up_proj": (4 * hidden, hidden), "down_proj": (hidden, 2 * hidden),
+                         "lm_head": (100, hidden)}.items():
+        linear = torch.nn.Linear(k, n, bias=False)
+        linear.__class__, linear.pdl_kind = GemvLinear, name
+        setattr(layer, name, linear)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+@pytest.fixture
+def pdl_rows(monkeypatch):
+    from mstar_common import pdl_switches
+
+    monkeypatch.setattr(pdl_switches, "_EXTRA_ROWS", {})
+    return pdl_switches
+
+
+def test_pdl_takes_added_row_counts_until_each_model_removes_them(pdl_rows):
+    assert pdl_rows.applies(2) and not pdl_rows.applies(8)
+    pdl_rows.add_rows(8)
+    pdl_rows.add_rows(8)  # two models chose it
+    assert pdl_rows.applies(8) and not pdl_rows.applies(16)
+    assert pdl_rows.signature(8) == pdl_rows.signature() != "off" and pdl_rows.signature(16) == "off"
+    pdl_rows.remove_rows(8)
+    assert pdl_rows.applies(8)
+    pdl_rows.remove_rows(8)
+    assert not pdl_rows.applies(8)
+
+
+def test_mid_gemm_choices_are_taken_by_the_gain_stored_and_read_back(tmp_path, monkeypatch, pdl_rows):
+    """MSTAR_MID_GEMM=auto: a row count takes mid_gemm (and PDL) where its step was 2% shorter; the choice lands in
+    the GEMV cache under the model's projection shapes, and another process's model of those shapes reads it."""
+    from mstar_common.layers.linear import choose_mid_rows, known_mid_choices, mid_choice_key, mid_projections
+
+    monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
+    cache = tmp_path / "gemv.json"
+    model = _decoder_like()
+    assert [m.pdl_kind for m in mid_projections(model)] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    key = mid_choice_key(model, 8)
+    assert key.startswith("mid:down_proj=16x32:float32:bias=False*1+gate_up_proj=64x16") and ":rows=8:pdl=" in key
+    assert choose_mid_rows(model, 8, cublas_ms=1.345, mid_ms=1.199, cache=cache)
+    assert not choose_mid_rows(model, 16, cublas_ms=2.811, mid_ms=2.783, cache=cache)  # 1%: under the bar
+    assert all(m.mid_rows == {8} for m in mid_projections(model)) and model.layers[0].lm_head.mid_rows == set()
+    assert pdl_rows.applies(8) and not pdl_rows.applies(16)
+    stored = json.loads(cache.read_text())
+    assert stored[key] == {"on": True, "cublas_ms": 1.345, "mid_ms": 1.199}
+    assert stored[mid_choice_key(model, 16)]["on"] is False
+
+    again = _decoder_like()
+    assert known_mid_choices(again, cache) == {8: True, 16: False}
+    assert all(m.mid_rows == {8} for m in mid_projections(again))
+    assert known_mid_choices(_decoder_like(hidden=32), cache) == {}  # other shapes: nothing stored
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    assert known_mid_choices(_decoder_like(), cache) == {}  # only auto reads the choices
+    monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
+    assert not choose_mid_rows(model, 8, cublas_ms=1.2, mid_ms=1.3, cache=cache)  # timed again: back to cuBLAS
+    assert all(m.mid_rows == set() for m in mid_projections(model)) and pdl_rows.applies(8)  # `again` holds 8

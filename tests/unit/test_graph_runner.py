@@ -206,3 +206,25 @@ def test_the_mirror_parity_flips_once_per_launched_replay(static_model, prompts,
     collector = run_all(engine, prompts[:1], greedy(max_tokens=3))
     assert collector.streams["0"].finals[0][0] == FinishReason.ERROR  # the step failed, the request with it
     assert (runner._parity, runner.num_replays) == before
+
+
+def test_the_timing_inputs_give_each_row_pages_of_its_own_and_the_step_runs(static_model):
+    """MSTAR_MID_GEMM=auto times a decode bucket's replays with every row reading up to 512 tokens of its own pages
+    (the choice itself is timed on a GPU only): here pages of 4 tokens, 128 of them, 24 to a row at most."""
+    import numpy as np
+
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY
+
+    engine = make_engine(static_model, GRAPHS, overlap=False)
+    runner = engine.runner.graphs
+    key = (DECODE, 8, GREEDY)
+    assert runner._fill_timing(key) == 64  # 128 pages // 8 rows = 16 pages a row
+    host = runner.buffers.host_views(0)
+    assert host["context_lens"][:8].tolist() == [64] * 8
+    assert host["slot_mapping"][:8].tolist() == [runner.sink_slot] * 8
+    width = runner.buffers.max_pages
+    tables = [host["block_tables"][r * width: r * width + 16].tolist() for r in range(8)]
+    assert sorted(np.concatenate(tables).tolist()) == list(range(128))  # every page once: no row shares one
+    runner.graphs[key].replay()  # the CPU stand-in re-runs the step over those pages
+    assert runner.buffers.out_tokens[:8].min() >= 0
+    assert runner._fill_timing((DECODE, 1, GREEDY)) == 96  # one row: its block table's width (max_model_len 96)
