@@ -202,8 +202,6 @@ class CudaGraphRunner:
         # there.
         self.zero_copy = device.type == "cuda" and self.samples_in_graph and zero_copy_step_io()
         self.last_host_tokens: torch.Tensor | None = None
-        # MSTAR_MID_GEMM=auto: rows -> (cuBLAS ms, mid_gemm ms, mid_gemm taken), for the buckets timed at capture
-        self.mid_choices: dict[int, tuple[float, float, bool]] = {}
 
     # ---- capture ---------------------------------------------------------------------------------------------
 
@@ -273,7 +271,6 @@ class CudaGraphRunner:
             return cublas
         context, (cublas_ms, mid_ms) = self._time_replays(key, (cublas, mid))
         taken = choose_mid_rows(self.model, rows, cublas_ms, mid_ms, default_gemv_cache())
-        self.mid_choices[rows] = (cublas_ms, mid_ms, taken)
         logger.info("[cuda graphs] decode %d: %.4f ms a replay with the projections on mid_gemm under PDL, %.4f ms "
                     "on cuBLAS (%d tokens of context a row): %s (MSTAR_MID_GEMM=auto; stored)", rows, mid_ms,
                     cublas_ms, context, "mid_gemm" if taken else "cuBLAS")
