@@ -93,9 +93,18 @@ def ahead_of() -> frozenset[str]:
 DEFAULT_AHEAD_OF = frozenset({"prologue", "o_proj", "gate_up_proj", "down_proj"})
 
 
+def skipped() -> frozenset[str]:
+    """`MSTAR_PDL_SKIP` (unset: none; for A/Bs): the kinds of kernel, named as for `ahead_of`, that launch without
+    PDL even where it applies. Such a kernel starts when the one before it has finished, and neither waits nor
+    triggers, so the kernel after it starts at its end too."""
+    raw = os.environ.get("MSTAR_PDL_SKIP", "")
+    return frozenset(kind.strip() for kind in raw.replace("+", ",").split(",") if kind.strip())
+
+
 def signature(rows: int | None = None) -> str:
     """The switches a decode step (of `rows` rows: `off` where PDL does not apply) is captured under: `off`, or the
     trigger mode and the kinds that trigger before their wait, e.g. `early/down_proj+gate_up_proj+o_proj+prologue`."""
     if not enabled() or rows is not None and not applies(rows):
         return "off"
-    return f"{trigger_mode()}/{'+'.join(sorted(ahead_of())) or 'none'}"
+    skip = f"/skip={'+'.join(sorted(skipped()))}" if skipped() else ""
+    return f"{trigger_mode()}/{'+'.join(sorted(ahead_of())) or 'none'}{skip}"

@@ -50,6 +50,7 @@ from mstar_common.pdl_switches import (  # noqa: F401 (the switches, re-exported
     applies,
     enabled,
     max_rows,
+    skipped,
     trigger_mode,
 )
 
@@ -76,7 +77,7 @@ def pdl_launch(tensor: torch.Tensor, rows: int, programs: int | None = None, kin
     """Launch keywords for a kernel of `rows` rows (and `programs` programs) with a `USE_GDC` constexpr: `USE_GDC`
     (0: no PDL; 1: wait, then trigger the next kernel; 2: wait only; 3: trigger the next kernel, then wait) and
     Triton's `launch_pdl`. `kind` names the kernel for `MSTAR_PDL_AHEAD_OF`."""
-    if not use_pdl(tensor, rows):
+    if not use_pdl(tensor, rows) or kind is not None and kind in skipped():
         return {"USE_GDC": 0}
     mode = trigger_mode()
     if mode == "ahead" or (mode == "early" and kind is not None and kind in ahead_of()):

@@ -151,10 +151,10 @@ def readable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def mid_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 32,
              block_k: int = 128, split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
-             swiglu: bool = False) -> torch.Tensor:
+             swiglu: bool = False, kind: str | None = None) -> torch.Tensor:
     """`x` `[M, K]` (M <= MAX_ROWS; `[M, 2K]` gate | up with `swiglu`), `weight` `[N, K]`, `bias` `[N]` ->
     `[M, N]` in x's dtype. `split_k` > 1 spreads K over that many programs per column block (fewer where K has
-    fewer `block_k` chunks than that)."""
+    fewer `block_k` chunks than that). `kind` names the launch for the PDL switches (`mid:o_proj`, ...)."""
     n, k = weight.shape
     assert readable(x, weight, bias), "x [M <= 256, K] and weight [N, K] in one dtype (bf16, fp16, fp32), unit stride"
     assert x.shape[1] == (2 * k if swiglu else k), "x's width must be K (2K with swiglu)"
@@ -176,7 +176,7 @@ def mid_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=num_stages, num_warps=num_warps,
         num_stages=num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **pdl_launch(x, rows, grid_n * split_k * grid_m),
+        **pdl_launch(x, rows, grid_n * split_k * grid_m, kind=kind),
     )
     return out
 

@@ -240,20 +240,21 @@ class CudaGraphRunner:
                     f"{[f'{kind} {size}' for kind, size, _ in self.uncaptured]}" if self.uncaptured else "")
 
     def _mid_rows_to_time(self) -> set[int]:
-        """With MSTAR_MID_GEMM=auto on a GPU: the decode buckets of `MID_GEMM_ROWS` rows with no stored choice for
+        """With MSTAR_MID_GEMM=auto on a GPU: the decode buckets of `mid_gemm_rows()` rows with no stored choice for
         this model (the stored ones are applied here)."""
         from mstar_common.layers.linear import (
-            MID_GEMM_ROWS,
             default_gemv_cache,
             known_mid_choices,
             mid_gemm_auto,
+            mid_gemm_rows,
             mid_projections,
         )
 
         if self.device.type != "cuda" or not mid_gemm_auto() or not mid_projections(self.model):
             return set()
         known = known_mid_choices(self.model, default_gemv_cache())
-        return {b for b in self.decode_buckets if MID_GEMM_ROWS[0] <= b <= MID_GEMM_ROWS[1] and b not in known}
+        low, high = mid_gemm_rows()
+        return {b for b in self.decode_buckets if low <= b <= high and b not in known}
 
     def _capture_choosing_mid(self, key: tuple[str, int, int], pool, what: str):
         """A decode bucket captured with its projections on cuBLAS and on mid_gemm under PDL; the faster by

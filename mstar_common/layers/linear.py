@@ -60,15 +60,15 @@ class GemvLinear(nn.Linear):
 
             if not torch.cuda.is_current_stream_capturing():
                 counters(x.device)  # its split-K counters made outside any graph's memory pool
-            return mid_gemm(x, self.weight, self.bias, *setting)
+            return mid_gemm(x, self.weight, self.bias, *setting, kind=f"mid:{self.pdl_kind}")
         return super().forward(x)
 
     def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if not x.is_cuda:
             return None
         rows = x.shape[0]
-        if rows not in self.mid_rows and (not MID_GEMM_ROWS[0] <= rows <= MID_GEMM_ROWS[1]
-                                          or self.pdl_kind not in mid_gemm_kinds()):
+        low, high = mid_gemm_rows()
+        if rows not in self.mid_rows and (not low <= rows <= high or self.pdl_kind not in mid_gemm_kinds()):
             return None
         from mstar_kernels.mid_gemm import readable
 
@@ -94,6 +94,15 @@ MID_GEMM_SETTINGS = {"qkv_proj": (32, 256, 1, 4, 3), "o_proj": (32, 256, 4, 4, 3
 MID_GEMM_SHAPE_SETTINGS = {(5120, 3072): (64, 256, 1, 4, 2), (3072, 3072): (32, 256, 1, 4, 3),
                            (16384, 3072): (64, 128, 1, 4, 3), (3072, 8192): (32, 256, 2, 4, 3)}
 MID_GEMM_ROWS = (5, 32)
+
+
+def mid_gemm_rows() -> tuple[int, int]:
+    """The row counts `MSTAR_MID_GEMM` covers: `MID_GEMM_ROWS`, the top raised or lowered by
+    `MSTAR_MID_GEMM_MAX_ROWS` (for A/Bs; PDL's rows follow only where `pdl_switches.max_rows()` says)."""
+    raw = os.environ.get("MSTAR_MID_GEMM_MAX_ROWS", "") or str(MID_GEMM_ROWS[1])
+    if not raw.isdigit():
+        raise ValueError(f"MSTAR_MID_GEMM_MAX_ROWS={raw!r}: expected a non-negative integer")
+    return MID_GEMM_ROWS[0], int(raw)
 
 
 def mid_gemm_kinds() -> frozenset[str]:
@@ -163,7 +172,8 @@ def known_mid_choices(model: nn.Module, cache: Path | None) -> dict[int, bool]:
         return {}
     known = json.loads(cache.read_text())
     choices = {}
-    for rows in range(MID_GEMM_ROWS[0], MID_GEMM_ROWS[1] + 1):
+    low, high = mid_gemm_rows()
+    for rows in range(low, high + 1):
         entry = known.get(mid_choice_key(model, rows) or "")
         if isinstance(entry, dict) and "on" in entry:
             choices[rows] = bool(entry["on"])
