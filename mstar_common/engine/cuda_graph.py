@@ -186,7 +186,7 @@ class CudaGraphRunner:
         self.decode_buckets = sorted(b for b in set(config.decode_buckets) if 1 <= b <= max_rows)
         self.token_buckets = sorted(b for b in set(config.token_buckets) if b >= 1)
         max_tokens = max(self.token_buckets + self.decode_buckets)
-        self.max_rows = max_rows
+        self.max_rows, self.max_model_len = max_rows, max_model_len
         self.buffers = StepBuffers(max_rows, max_tokens, -(-max_model_len // kv_cache.page_size), device)
         self.is_device_sampling = device.type == "cuda"
         self.graphs: dict[tuple[str, int, int], object] = {}
@@ -297,15 +297,15 @@ class CudaGraphRunner:
         return context, [sorted(kept)[len(kept) // 2] for kept in times]
 
     def _fill_timing(self, key: tuple[str, int, int]) -> int:
-        """A decode bucket's inputs for timing: every row attends over up to `MID_TIMING_CONTEXT` tokens of pages
-        of its own (the pool holds no request yet, so any page will do; their contents do not matter), and the new
-        tokens go to the sink. Returns that context."""
+        """A decode bucket's inputs for timing: every row attends over up to `MID_TIMING_CONTEXT` tokens (at most
+        the longest sequence served) of pages of its own (the pool holds no request yet, so any page will do; their
+        contents do not matter), and the new tokens go to the sink. Returns that context."""
         from mstar_common.layers.linear import MID_TIMING_CONTEXT
 
         kind, rows, _ = key
         page = self.kv_cache.page_size
         per_row = max(1, min(self.buffers.max_pages, -(-MID_TIMING_CONTEXT // page), self.kv_cache.num_pages // rows))
-        context = min(per_row * page, MID_TIMING_CONTEXT)
+        context = min(per_row * page, MID_TIMING_CONTEXT, self.max_model_len)  # a position the model can embed
 
         class _Timing:
             num_tokens = num_rows = rows

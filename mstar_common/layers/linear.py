@@ -77,17 +77,18 @@ class GemvLinear(nn.Linear):
         return MID_GEMM_SHAPE_SETTINGS.get((self.out_features, self.in_features), MID_GEMM_SETTINGS[self.pdl_kind])
 
 
-# `MSTAR_MID_GEMM` (unset by default; docs/deployment.md): `all` or `KIND[+KIND...]` (`,` too; of qkv_proj, o_proj,
-# gate_up_proj, down_proj) runs those projections through mstar_kernels/mid_gemm.py at steps of `MID_GEMM_ROWS` rows
-# instead of cuBLAS, and PDL's default rows become 32 (mstar_common/pdl_switches.py), so that such a step's whole
-# chain of launches can start under PDL, which cuBLAS's cannot. Settings, by shape, else by kind: (BLOCK_N, BLOCK_K,
-# SPLIT_K, warps, stages), scripts/sweep_mid_gemm.py's best at 64 rows (2026-12-03; Qwen3-0.6B's by kind, down's
-# is o's; 2 stages, not 3, where the tile loaded ahead of the PDL wait would not fit). Alone each ties cuBLAS.
+# `MSTAR_MID_GEMM` (docs/deployment.md): `auto` (the default, below) chooses per model and row count whether the
+# decoder's projections of steps of `MID_GEMM_ROWS` rows run through mstar_kernels/mid_gemm.py, under PDL, instead of
+# cuBLAS; `all` or `KIND[+KIND...]` (`,` too; of qkv_proj, o_proj, gate_up_proj, down_proj) puts those everywhere in
+# the range, and PDL's default rows become 32 (mstar_common/pdl_switches.py), so that such a step's whole chain of
+# launches can start under PDL, which cuBLAS's cannot; `0` keeps cuBLAS. Settings, by shape, else by kind: (BLOCK_N,
+# BLOCK_K, SPLIT_K, warps, stages), scripts/sweep_mid_gemm.py's best at 64 rows (2026-12-03; Qwen3-0.6B's by kind,
+# down's is o's; 2 stages, not 3, where the tile loaded ahead of the PDL wait would not fit). Alone each ties cuBLAS.
 # In a step, on the H200 (scripts/ab_decode_step.py, 2026-12-04, docs/benchmarks.md "The projections of 8-32-row
 # steps under PDL"): Qwen3-0.6B 8 rows 1.345 -> 1.199 ms, 16 rows 1.527 -> 1.359, 32 rows 1.842 -> 1.743, and
 # served at c=8 5,565 -> 6,241 tok/s; Llama-3.2-3B 16 rows 2.811 -> 2.783. At 64 rows PDL made the step slower
-# (Qwen3 2.329 -> 2.428, Llama 3.635 -> 4.294) and mid_gemm without it tied cuBLAS, hence the rows stop at 32. Not
-# the default: the gain is the shape's (Llama's 1%). `auto` (below) chooses per model and row count.
+# (Qwen3 2.329 -> 2.428, Llama 3.635 -> 4.294) and mid_gemm without it tied cuBLAS, hence the rows stop at 32. The
+# gain is the shape's (Llama's 1%), hence `auto` by default.
 MID_GEMM_SETTINGS = {"qkv_proj": (32, 256, 1, 4, 3), "o_proj": (32, 256, 4, 4, 3),
                      "gate_up_proj": (64, 256, 1, 4, 2), "down_proj": (32, 256, 4, 4, 3)}
 # Llama-3.2-3B's (N, K): the sweep's best at 64 rows (qkv at 2 stages), down's a guess
@@ -107,13 +108,13 @@ def mid_gemm_rows() -> tuple[int, int]:
 
 def mid_gemm_kinds() -> frozenset[str]:
     """The projection kinds `MSTAR_MID_GEMM` puts on the kernel at every row count of `MID_GEMM_ROWS` (none for
-    `auto`, which decides per model and row count: `choose_mid_rows`)."""
+    `auto`, the default, which decides per model and row count: `choose_mid_rows`; none for `0`)."""
     raw = os.environ.get("MSTAR_MID_GEMM", "")
     if raw in ("", "0", "auto"):
         return frozenset()
     kinds = frozenset(MID_GEMM_SETTINGS) if raw == "all" else frozenset(raw.replace("+", ",").split(","))
     if not kinds <= MID_GEMM_SETTINGS.keys():
-        raise ValueError(f"MSTAR_MID_GEMM={raw!r}: expected auto, all or a list (joined by , or +) of "
+        raise ValueError(f"MSTAR_MID_GEMM={raw!r}: expected auto, 0, all or a list (joined by , or +) of "
                          f"{', '.join(MID_GEMM_SETTINGS)}")
     return kinds
 
@@ -127,8 +128,9 @@ MID_TIMING_CONTEXT = 512
 
 
 def mid_gemm_auto() -> bool:
+    """`MSTAR_MID_GEMM` unset or `auto`: the graph runner chooses (on a GPU; stored choices are applied anywhere)."""
     mid_gemm_kinds()  # a bad value is refused here too
-    return os.environ.get("MSTAR_MID_GEMM", "") == "auto"
+    return os.environ.get("MSTAR_MID_GEMM", "") in ("", "auto")
 
 
 def mid_projections(model: nn.Module) -> list[GemvLinear]:
@@ -167,7 +169,7 @@ def set_mid_rows(model: nn.Module, rows: int, on: bool) -> None:
 
 
 def known_mid_choices(model: nn.Module, cache: Path | None) -> dict[int, bool]:
-    """The stored choices for this model (rows -> on), applied to it; with MSTAR_MID_GEMM=auto only."""
+    """The stored choices for this model (rows -> on), applied to it; with MSTAR_MID_GEMM=auto (the default) only."""
     if not mid_gemm_auto() or cache is None or not cache.is_file():
         return {}
     known = json.loads(cache.read_text())

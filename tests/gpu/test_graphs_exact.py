@@ -192,7 +192,7 @@ def test_mid_gemm_projections_replay_as_they_run_eager_and_match_cublas(separate
     import mstar_kernels.mid_gemm as mid_module
 
     prompts = _prompts(8, 60, seed=10)
-    monkeypatch.delenv("MSTAR_MID_GEMM", raising=False)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "0")  # cuBLAS
     reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
     monkeypatch.setenv("MSTAR_MID_GEMM", "all")
     calls = []
@@ -206,9 +206,9 @@ def test_mid_gemm_projections_replay_as_they_run_eager_and_match_cublas(separate
 
 
 def test_mid_gemm_auto_times_the_buckets_and_an_engine_without_graphs_follows(separated, monkeypatch, tmp_path):
-    """MSTAR_MID_GEMM=auto: the runner captures the 8-row bucket on cuBLAS and on mid_gemm under PDL, times both,
-    stores its choice in the GEMV cache; an engine without graphs then reads it, so its tokens equal the replayed
-    ones bit for bit, and both tie the cuBLAS engine's."""
+    """MSTAR_MID_GEMM=auto (the default): the runner captures the 8-row bucket on cuBLAS and on mid_gemm under PDL,
+    times both, stores its choice in the GEMV cache; an engine without graphs then reads it, so its tokens equal the
+    replayed ones bit for bit, and both tie the cuBLAS engine's (`0`)."""
     import json
 
     from mstar_common import pdl_switches
@@ -216,8 +216,9 @@ def test_mid_gemm_auto_times_the_buckets_and_an_engine_without_graphs_follows(se
     monkeypatch.setattr(pdl_switches, "_EXTRA_ROWS", {})  # the PDL row counts the choices add, dropped after
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
     prompts = _prompts(8, 60, seed=12)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "0")  # cuBLAS
     reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
-    monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
+    monkeypatch.delenv("MSTAR_MID_GEMM")
     replayed = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
     stored = {key: value for key, value in json.loads(default_gemv_cache().read_text()).items()
               if key.startswith("mid:")}

@@ -103,7 +103,8 @@ def test_fits_and_readable_refuse_what_the_kernel_cannot_take():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers route to the kernel on CUDA tensors only")
 def test_a_projection_takes_the_kernel_under_the_ab_switch(monkeypatch):
     """`MSTAR_MID_GEMM` (mstar_common/layers/linear.py) puts the named projections on this kernel at 5-32 rows with
-    the table's settings, and leaves other kinds, other row counts and an unset switch on cuBLAS."""
+    the table's settings, and leaves other kinds, other row counts and the default (`auto`, with nothing chosen
+    for this layer) on cuBLAS."""
     from torch import nn
 
     from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear

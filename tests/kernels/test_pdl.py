@@ -54,6 +54,12 @@ def test_trigger_modes(monkeypatch):
     assert _pdl.pdl_launch(x, 1, 256, kind="gemv:4096x1024") == {"USE_GDC": 1, "launch_pdl": True}
     monkeypatch.setenv("MSTAR_PDL_TRIGGER", "fit")
     assert _pdl.pdl_launch(x, 1, 16, kind="merge") == {"USE_GDC": 1, "launch_pdl": True}  # early only
+    monkeypatch.setenv("MSTAR_PDL_SKIP", "split + mid:o_proj")  # A/Bs: these kinds launch as without PDL
+    assert _pdl.pdl_launch(x, 1, 80, kind="split") == {"USE_GDC": 0}
+    assert _pdl.pdl_launch(x, 8, 64, kind="mid:o_proj") == {"USE_GDC": 0}
+    assert _pdl.pdl_launch(x, 8, 64, kind="mid:down_proj") == {"USE_GDC": 1, "launch_pdl": True}
+    assert _pdl.pdl_launch(x, 8, 64) == {"USE_GDC": 1, "launch_pdl": True}
+    monkeypatch.delenv("MSTAR_PDL_SKIP")
     monkeypatch.setenv("MSTAR_PDL_TRIGGER", "late")
     with pytest.raises(ValueError, match="MSTAR_PDL_TRIGGER='late': expected one of early, fit, ahead"):
         _pdl.pdl_launch(x, 64, 512)

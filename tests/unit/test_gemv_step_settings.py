@@ -15,7 +15,8 @@ DEFAULT_PDL = f"pdl=early/{DEFAULT_KINDS}"
 
 @pytest.fixture(autouse=True)
 def default_pdl(monkeypatch):
-    for name in ("MSTAR_PDL", "MSTAR_PDL_TRIGGER", "MSTAR_PDL_AHEAD_OF", "MSTAR_PDL_MAX_ROWS", "MSTAR_MID_GEMM"):
+    for name in ("MSTAR_PDL", "MSTAR_PDL_TRIGGER", "MSTAR_PDL_AHEAD_OF", "MSTAR_PDL_MAX_ROWS", "MSTAR_MID_GEMM",
+                 "MSTAR_PDL_SKIP", "MSTAR_MID_GEMM_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -29,6 +30,7 @@ def test_the_key_names_shape_dtype_bias_rows_and_the_pdl_switches():
 @pytest.mark.parametrize("env,pdl", [({"MSTAR_PDL_AHEAD_OF": "o_proj+prologue"}, "pdl=early/o_proj+prologue"),
                                      ({"MSTAR_PDL_AHEAD_OF": "none"}, "pdl=early/none"),
                                      ({"MSTAR_PDL_TRIGGER": "ahead"}, f"pdl=ahead/{DEFAULT_KINDS}"),
+                                     ({"MSTAR_PDL_SKIP": "split+merge"}, f"pdl=early/{DEFAULT_KINDS}/skip=merge+split"),
                                      ({"MSTAR_PDL": "0", "MSTAR_PDL_TRIGGER": "fit"}, "pdl=off")])
 def test_a_setting_timed_under_other_pdl_switches_is_not_taken(monkeypatch, env, pdl):
     """A step-timed setting is the best of a step whose kernels overlap as the PDL switches say; under other
@@ -101,10 +103,18 @@ def test_the_kernel_must_beat_cublas_by_five_percent_or_two_microseconds():
 
 
 def test_the_mid_gemm_switch_names_projection_kinds(monkeypatch):
-    from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear, mid_gemm_kinds
+    from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear, mid_gemm_auto, mid_gemm_kinds, mid_gemm_rows
 
     monkeypatch.delenv("MSTAR_MID_GEMM", raising=False)
-    assert mid_gemm_kinds() == frozenset()
+    assert mid_gemm_kinds() == frozenset() and mid_gemm_auto()  # by default each model chooses
+    monkeypatch.setenv("MSTAR_MID_GEMM", "0")
+    assert mid_gemm_kinds() == frozenset() and not mid_gemm_auto()
+    assert mid_gemm_rows() == (5, 32)
+    monkeypatch.setenv("MSTAR_MID_GEMM_MAX_ROWS", "64")
+    assert mid_gemm_rows() == (5, 64)
+    monkeypatch.setenv("MSTAR_MID_GEMM_MAX_ROWS", "many")
+    with pytest.raises(ValueError, match="MSTAR_MID_GEMM_MAX_ROWS='many'"):
+        mid_gemm_rows()
     monkeypatch.setenv("MSTAR_MID_GEMM", "all")
     assert mid_gemm_kinds() == frozenset(MID_GEMM_SETTINGS)
     monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,down_proj")
@@ -124,6 +134,8 @@ def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
 
     monkeypatch.delenv("MSTAR_PDL_MAX_ROWS", raising=False)
     monkeypatch.delenv("MSTAR_MID_GEMM", raising=False)
+    assert max_rows() == 2  # auto, the default, adds only the row counts it chose
+    monkeypatch.setenv("MSTAR_MID_GEMM", "0")
     assert max_rows() == 2
     monkeypatch.setenv("MSTAR_MID_GEMM", "all")
     assert max_rows() == 32
