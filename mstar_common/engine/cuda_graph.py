@@ -220,6 +220,10 @@ class CudaGraphRunner:
         logger.info("[cuda graphs] capturing %d graphs: decode rows %s, prefill/mixed tokens %s, sampling %s",
                     len(keys), self.decode_buckets, self.token_buckets, self.config.capture_sampling)
         undecided = self._mid_rows_to_time()
+        # a mixed bucket of as many tokens as an undecided decode bucket is captured after that bucket's choice, so
+        # that it holds the projections the choice puts on that many rows (eager mixed steps will run them)
+        keys = ([k for k in keys if k[0] != MIXED or k[1] not in undecided]
+                + [k for k in keys if k[0] == MIXED and k[1] in undecided])
         for index, key in enumerate(keys, 1):
             t0 = time.perf_counter()
             name = f"{key[0]} {key[1]}{_VARIANT_NAMES[key[2]]}"
@@ -270,7 +274,14 @@ class CudaGraphRunner:
         if mid is None:
             set_mid_rows(self.model, rows, False)
             return cublas
-        context, (cublas_ms, mid_ms) = self._time_replays(key, (cublas, mid))
+        try:
+            context, (cublas_ms, mid_ms) = self._time_replays(key, (cublas, mid))
+        except Exception as exc:  # inputs this model's step cannot take: a speed choice must not stop the start
+            logger.warning("[cuda graphs] decode %d: timing mid_gemm against cuBLAS failed (%s: %s); cuBLAS kept, "
+                           "nothing stored", rows, type(exc).__name__, exc)
+            set_mid_rows(self.model, rows, False)
+            self._fill_padding(key)
+            return cublas
         taken = choose_mid_rows(self.model, rows, cublas_ms, mid_ms, default_gemv_cache())
         logger.info("[cuda graphs] decode %d: %.4f ms a replay with the projections on mid_gemm under PDL, %.4f ms "
                     "on cuBLAS (%d tokens of context a row): %s (MSTAR_MID_GEMM=auto; stored)", rows, mid_ms,

@@ -228,3 +228,46 @@ def test_the_timing_inputs_give_each_row_pages_of_its_own_and_the_step_runs(stat
     runner.graphs[key].replay()  # the CPU stand-in re-runs the step over those pages
     assert runner.buffers.out_tokens[:8].min() >= 0
     assert runner._fill_timing((DECODE, 1, GREEDY)) == 96  # one row: its block table's width (max_model_len 96)
+
+
+def test_a_mixed_bucket_of_an_undecided_row_count_is_captured_after_the_choice(static_model, monkeypatch):
+    """MSTAR_MID_GEMM=auto: where a token bucket has as many tokens as a decode bucket still to be timed, the mixed
+    graph is captured after the decode bucket's choice, so both hold the projections the choice put on that many
+    rows (eager steps of that many tokens run them too)."""
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY, MIXED
+
+    engine = make_engine(static_model, GraphConfig([1, 2, 4, 8], [8, 64], capture_sampling=False), overlap=False)
+    runner = engine.runner.graphs
+    order = []
+    real = runner._capture_one
+    monkeypatch.setattr(runner, "_mid_rows_to_time", lambda: {8})
+    monkeypatch.setattr(runner, "_capture_one", lambda key, pool: order.append(key) or real(key, pool))
+    monkeypatch.setattr(runner, "_capture_choosing_mid",
+                        lambda key, pool, what: order.append(("chose", key[1])) or real(key, pool))
+    runner.capture()
+    assert order.index(("chose", 8)) < order.index((MIXED, 8, GREEDY))
+    assert order.index((MIXED, 64, GREEDY)) < order.index(("chose", 8))  # the others keep largest-first
+    assert set(runner.graphs) == {(MIXED, 8, GREEDY), (MIXED, 64, GREEDY)} | {(DECODE, b, GREEDY) for b in (1, 2, 4)} \
+        | {(DECODE, 8, GREEDY)}
+
+
+def test_a_failed_mid_gemm_timing_keeps_cublas_and_the_start_goes_on(static_model, monkeypatch, caplog):
+    """Timing the two captures of a bucket is a speed choice: if the model's step cannot take the timing inputs,
+    the cuBLAS graph is kept, nothing is stored, and the capture goes on."""
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY
+
+    engine = make_engine(static_model, GRAPHS, overlap=False)
+    runner = engine.runner.graphs
+    captured = []
+    monkeypatch.setattr(runner, "_capture_one", lambda key, pool: captured.append(key) or f"graph{len(captured)}")
+
+    def broken(key, graphs):
+        raise IndexError("no such slot")
+
+    monkeypatch.setattr(runner, "_time_replays", broken)
+    stored = []
+    monkeypatch.setattr("mstar_common.layers.linear.choose_mid_rows", lambda *a, **k: stored.append(a))
+    with caplog.at_level(logging.WARNING):
+        graph = runner._capture_choosing_mid((DECODE, 8, GREEDY), None, "[cuda graphs] decode 8")
+    assert graph == "graph1" and len(captured) == 2 and not stored  # the cuBLAS capture, nothing chosen
+    assert "timing mid_gemm against cuBLAS failed (IndexError: no such slot); cuBLAS kept" in caplog.text
