@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar_kernels._pdl import gdc_enter, pdl_launch
+from mstar_common.config import env_switch
+from mstar_kernels._pdl import _num_sms, gdc_enter, pdl_launch
 from mstar_kernels._rounding import round_to
 from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin, decode_prefetch
 
@@ -396,6 +397,21 @@ def decode_num_stages(num_rows: int, num_kv_heads: int, splits: int) -> int:
     return 3 if splits == 1 and num_rows * num_kv_heads >= 1024 else 2
 
 
+# Programs of the split kernel an SM holds with `PREFETCH` (its first block held in registers across the PDL wait):
+# scripts/probe_kernel_resources.py, Triton 3.6 for sm_90 (2026-12-04): 175 registers a thread against 96 without
+# (4 warps, 64 tokens a block, GQA 2 or 3, head size 128), so 2 programs an SM against 5. Qwen3-0.6B's 64-row step
+# (512 programs) then takes two waves instead of one; under PDL there its attention took 1,411 us of the step
+# against 1,206 without PDL (docs/benchmarks.md, 2026-12-04 night).
+PREFETCH_PROGRAMS_PER_SM = 2
+
+
+def prefetch_fits(programs: int, sms: int) -> bool:
+    """Whether a split grid of `programs` programs runs in one wave at the prefetching form's occupancy, so that
+    holding its first block costs no wave (grids of up to 32 rows x 8 KV heads, 256 programs, do on 132 SMs).
+    `MSTAR_DECODE_PREFETCH_ANY_GRID=1` (for A/Bs) prefetches on any grid, as before 2026-12-04 late night."""
+    return programs <= PREFETCH_PROGRAMS_PER_SM * sms
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
@@ -439,9 +455,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_rows == 0:
         return out
     part_acc, part_ml = _partials(out, num_rows, splits)
-    pdl = pdl_launch(query, num_rows, num_rows * num_kv_heads * splits, kind="split")
+    programs = num_rows * num_kv_heads * splits
+    pdl = pdl_launch(query, num_rows, programs, kind="split")
     if prefetch is None:
-        prefetch = bool(pdl["USE_GDC"]) and decode_prefetch()
+        prefetch = bool(pdl["USE_GDC"]) and decode_prefetch() and (
+            prefetch_fits(programs, _num_sms(query.device)) or env_switch("MSTAR_DECODE_PREFETCH_ANY_GRID", False))
     kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch and not mixed}
     if tokens_major:
         kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}

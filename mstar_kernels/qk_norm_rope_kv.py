@@ -146,7 +146,8 @@ def decode_prefetch() -> bool:
     launch reads ahead of its wait what no kernel of the step writes. The prologue here takes its angles and loads
     its norm weights and slots before it waits for the qkv projection (not under `MSTAR_PDL_TRIGGER=ahead`, where
     a kernel before the projection may still run); the split attention kernel (mstar_kernels/paged_decode_attention.py)
-    loads its first block of context before it waits for the prologue, and the merge reads the step's lengths
+    loads its first block of context before it waits for the prologue (where its grid still fits one wave at
+    that form's occupancy: `paged_decode_attention.prefetch_fits`), and the merge reads the step's lengths
     before it waits for the split kernel. That is safe for decode steps: positions, slots and lengths are step
     inputs, and the prologue writes only each row's newest token (position `ctx - 1`), which the split reads after
     the wait. `MSTAR_PROLOGUE_AHEAD=0` turns off the prologue's part alone, for A/Bs. Read at each launch, so at

@@ -121,3 +121,13 @@ def test_ab_decode_step_variants_are_parsed_and_checked():
     for bad in ("x:PATH=/tmp", ":MSTAR_PDL=0"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:MSTAR_KEY=VALUE"):
             ab.parse_variant(bad)
+
+
+def test_kernel_resources_probe_counts_programs_per_sm_as_hopper_allocates():
+    """scripts/probe_kernel_resources.py's occupancy: registers go per warp in units of 256, shared memory per
+    program with 1 KB reserved; the split kernel's two forms (96 and 175 registers, 38,912 B) hold 5 and 2."""
+    probe = _load("probe_kernel_resources")
+    assert probe.ctas_per_sm(96, 4, 38912) == {"registers": 5, "shared": 5, "warps": 16, "ctas": 5}
+    assert probe.ctas_per_sm(175, 4, 38912)["ctas"] == 2  # 176 a thread: 5,632 a warp, 11 warps
+    assert probe.ctas_per_sm(80, 4, 38912) == {"registers": 6, "shared": 5, "warps": 16, "ctas": 5}
+    assert probe.ctas_per_sm(32, 1, 0)["ctas"] == 32  # the hardware's cap on programs per SM
