@@ -189,9 +189,7 @@ def choose_mid_rows(model: nn.Module, rows: int, cublas_ms: float, mid_ms: float
     set_mid_rows(model, rows, on)
     key = mid_choice_key(model, rows)
     if cache is not None and key is not None:
-        known = json.loads(cache.read_text()) if cache.is_file() else {}
-        known[key] = {"on": on, "cublas_ms": round(cublas_ms, 4), "mid_ms": round(mid_ms, 4)}
-        _write_cache(cache, known)
+        update_cache(cache, {key: {"on": on, "cublas_ms": round(cublas_ms, 4), "mid_ms": round(mid_ms, 4)}})
     return on
 
 
@@ -318,6 +316,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
             cache = default_gemv_cache()
     log = log or logging.getLogger(__name__).info
     known: dict[str, list[int] | dict | None] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
+    fresh: dict[str, list[int] | dict | None] = {}  # this call's decisions, merged into the file at the end
     swiglu_downs = {id(m.down_proj) for m in model.modules()
                     if getattr(m, "gate_up_proj", None) is not None and getattr(m, "use_kernel", False)}
     norm_fed = {id(linear): norm for m in model.modules() if hasattr(m, "norm_gemv_pairs")
@@ -372,6 +371,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
                 known[key] = {"blocks": list(best), "norm": "apart" if apart else "in"}
             else:
                 known[key] = list(best)
+            fresh[key] = known[key]
             records.append({"n": n, "k": k, "swiglu": swiglu, "norm": norm is not None, "rows": rows,
                             "cublas_us": round(cublas_us, 2), "gemv_us": round(best_us, 2) if best else None,
                             "blocks": best, "norm_apart": apart})
@@ -400,8 +400,8 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     for n, k, rows, setting in sorted(step_logged):
         log(f"gemv tune: {n}x{k} rows {rows}: the step-timed setting {setting} (scripts/tune_step_gemv.py "
             "--write-cache; MSTAR_GEMV_STEP_PLANS=0 ignores it)")
-    if cache and records:
-        _write_cache(cache, known)
+    if cache and fresh:
+        update_cache(cache, fresh)
     return records
 
 
@@ -410,6 +410,22 @@ def _write_cache(cache: Path, known: dict) -> None:
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
     tmp.replace(cache)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def update_cache(cache: Path, updates: dict, remove: tuple[str, ...] = ()) -> None:
+    """Merges `updates` into the GEMV cache file (and drops the keys in `remove`) under an exclusive lock: the file
+    is read again inside it, so processes that tune at the same time (a deployment's instances starting together)
+    keep each other's decisions instead of the last writer's snapshot winning."""
+    import fcntl
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+        known.update(updates)
+        for key in remove:
+            known.pop(key, None)
+        _write_cache(cache, known)
 
 
 def step_setting_key(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> str:
@@ -442,13 +458,8 @@ def write_step_settings(cache: Path, settings: dict[str, list[int] | None]) -> N
     bad = [key for key in settings if not key.startswith("step:")]
     if bad:
         raise ValueError(f"not step-setting keys: {bad}")
-    known = json.loads(cache.read_text()) if cache.is_file() else {}
-    for key, setting in settings.items():
-        if setting is None:
-            known.pop(key, None)
-        else:
-            known[key] = [int(v) for v in setting]
-    _write_cache(cache, known)
+    update_cache(cache, {key: [int(v) for v in setting] for key, setting in settings.items() if setting is not None},
+                 remove=tuple(key for key, setting in settings.items() if setting is None))
 
 
 def _is_chained(weight: torch.Tensor, rows: int, norm) -> bool:

@@ -209,3 +209,28 @@ def test_mid_gemm_choices_are_taken_by_the_gain_stored_and_read_back(tmp_path, m
     monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
     assert not choose_mid_rows(model, 8, cublas_ms=1.2, mid_ms=1.3, cache=cache)  # timed again: back to cuBLAS
     assert all(m.mid_rows == set() for m in mid_projections(model)) and pdl_rows.applies(8)  # `again` holds 8
+
+
+def _merge_many(cache, worker: int, count: int) -> None:
+    from mstar_common.layers.linear import update_cache
+
+    for i in range(count):
+        update_cache(cache, {f"step:worker{worker}:{i}": [worker, i]})
+
+
+def test_processes_merging_decisions_at_once_keep_each_others(tmp_path):
+    """Instances of a deployment start, tune and store at the same time: every process's decisions must land in
+    the GEMV cache file (each merge re-reads it under a lock), not only the last writer's snapshot."""
+    import multiprocessing
+
+    cache = tmp_path / "gemv.json"
+    cache.write_text(json.dumps({"step:kept": [1, 2]}))
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_merge_many, args=(cache, w, 40)) for w in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert all(worker.exitcode == 0 for worker in workers)
+    known = json.loads(cache.read_text())
+    assert len(known) == 1 + 4 * 40 and known["step:kept"] == [1, 2] and known["step:worker3:39"] == [3, 39]
