@@ -9,6 +9,7 @@ an initial prompt, 30 s, and a long upload cut into windows (each window against
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 
@@ -302,3 +303,28 @@ def test_token_rules_do_not_sync_the_stream(checkpoint):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_the_mid_gemm_timing_inputs_run_through_the_decoder(checkpoint):
+    """MSTAR_MID_GEMM=auto (the default) times each 5-32-row decode bucket at start-up on inputs of its own
+    (`CudaGraphRunner._fill_timing`): the decoder, with its cross-attention slots and learned positions, must take
+    them (here on the CPU stand-in; positions stay under its 448-token table)."""
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.attention import TorchStaticAttention
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY, GraphConfig
+
+    harness = LocalWhisper(checkpoint)
+    eager = harness.decoder.engine
+    model = eager.runner.model
+    model.attn_backend = TorchStaticAttention()
+    # pages of 256 tokens: one page holds more than the 128 positions the tiny decoder embeds
+    config = dataclasses.replace(eager.config, page_size=256, num_kv_pages=16)
+    engine = AREngine(model, config, eos_token_ids=sorted(eager.eos_token_ids), vocab_size=eager.vocab_size,
+                      graphs=GraphConfig(decode_buckets=[1, 8], token_buckets=[], capture_sampling=False))
+    runner = engine.runner.graphs
+    key = (DECODE, 8, GREEDY)
+    with torch.inference_mode():  # as in `capture`
+        context = runner._fill_timing(key)
+        runner.graphs[key].replay()  # the stand-in re-runs the step over those inputs
+    assert context == config.max_model_len == 128
+    assert runner.buffers.out_tokens[: key[1]].min() >= 0
