@@ -138,6 +138,34 @@ def test_device_penalty_history_with_graphs_and_overlap_equals_transformers(tmp_
     assert engine.runner.penalty.num_free == rt.engine.config.max_num_seqs  # every slot given back
     _assert_equal_to_transformers(got, prompts, rt, checkpoint, 1.3)
 
+
+def test_the_mid_gemm_timing_inputs_run_through_the_lm_with_the_device_penalty(tmp_path):
+    """MSTAR_MID_GEMM=auto (the default) times each 5-32-row decode bucket at start-up on inputs of its own
+    (`CudaGraphRunner._fill_timing`): the Orpheus LM, whose graphs carry the custom-token window and the device-side
+    repetition penalty, must take them (the CPU stand-in re-runs the step) and give every row a token."""
+    import torch
+
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.attention import TorchStaticAttention
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY, GraphConfig
+
+    checkpoint = build_orpheus_checkpoint(tmp_path / "tiny")
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    rt = OrpheusFamily().build_component("lm", dep, checkpoint, "cpu")
+    model = rt.engine.runner.model
+    model.attn_backend = TorchStaticAttention()
+    graphs = GraphConfig(decode_buckets=[1, 8], token_buckets=[64], capture_sampling=False)
+    engine = AREngine(model, rt.engine.config, eos_token_ids=rt.layout.stop_token_ids, vocab_size=rt.layout.vocab_size,
+                      graphs=graphs, overlap=True, device_penalty=True)
+    runner = engine.runner.graphs
+    key = (DECODE, 8, GREEDY)
+    with torch.inference_mode():  # as in `capture`
+        context = runner._fill_timing(key)
+        runner.graphs[key].replay()
+    assert 0 < context <= 512
+    assert runner.buffers.out_tokens[:8].min() >= 0
+
+
 def test_codec_in_process_decodes_like_the_snac_component(tmp_path):
     import dataclasses
 
