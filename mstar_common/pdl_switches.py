@@ -73,7 +73,8 @@ def trigger_mode() -> str:
 def ahead_of() -> frozenset[str]:
     """`MSTAR_PDL_AHEAD_OF`: the kinds of kernel (separated by `,` or `+`) that, under the `early` trigger, let the
     next kernel start before their own wait, as `ahead` does for all: `prologue`, `split`, `merge`, a GEMV by its
-    projection's name (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, ...; `gemv:NxK` for an unnamed one).
+    projection's name (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, ...; `gemv:NxK` for an unnamed one),
+    mstar_kernels/mid_gemm.py's launches as `mid:o_proj` and so on.
     Unset: `prologue`, `o_proj`, `gate_up_proj` and `down_proj`. After the prologue, the split attention then loads
     its first block of context while the qkv projection still computes; after o, gate_up streams its weights while
     o computes; and so on. (Those kernels' own loads ahead of their waits are step inputs and weights, and the
