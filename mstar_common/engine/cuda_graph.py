@@ -327,11 +327,8 @@ class CudaGraphRunner:
 
         host = self.buffers.host_views(0)
         self._fill(host, _Timing, (kind, rows, GREEDY))
-        self.buffers.mirror(0)  # a replay that reads its inputs itself may take either mirror
-        self.buffers.copy_in(0, rows)
         self._plan(key, host)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self._stage_host(rows)
         return context
 
     def resync(self) -> None:
@@ -559,7 +556,12 @@ class CudaGraphRunner:
         self._fill(host, _Empty, (kind, size, GREEDY))
         if sampling:
             self._fill_sampling(host, _Empty, rows)
-        self.buffers.mirror(0)  # a warm-up that reads its inputs itself may take either mirror
+        self._stage_host(rows)
+
+    def _stage_host(self, rows: int) -> None:
+        """Host mirror 0 (filled for a capture, a warm-up or a timing) into the other mirror, since a replay that
+        reads its inputs itself may take either, and onto the device; waits for it."""
+        self.buffers.mirror(0)
         self.buffers.copy_in(0, rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
