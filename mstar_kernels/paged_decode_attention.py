@@ -15,6 +15,7 @@ mixed step (`query_start_loc` given) both attend only the rows of one new token,
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -55,6 +56,29 @@ def _token_slots(bt_ptr, row, stride_bt, t, t_mask, stride_slot, kv_head, stride
     """Where tokens `t` of `row`'s context sit in the pool for `kv_head`: offsets of their first element (int64)."""
     page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
     return (page * PAGE_SIZE + t % PAGE_SIZE) * stride_slot + kv_head * stride_kv_head
+
+
+@triton.jit
+def _l2_prefetch_block(k_ptr, v_ptr, bt_ptr, ctx_ptr, row, split, kv_head, stride_bt, stride_slot, stride_kv_head,
+                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       LINES: tl.constexpr):
+    """Asks L2 for the K and V rows of this split's first block (`LINES` 128-byte lines a token row) and holds
+    nothing: the loads after the PDL wait then hit L2. The newest token's lines may be fetched before the prologue
+    writes them; its write goes through L2, and `prefetch.global.L2` fills no L1 line, so the loads still see it."""
+    start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
+    t = start + tl.arange(0, BLOCK)
+    t = tl.where(t < end, t, start)  # past the context: the first token's lines again (a repeat is free)
+    slots = _token_slots(bt_ptr, row, stride_bt, t, t >= 0, stride_slot, kv_head, stride_kv_head, PAGE_SIZE)
+    line = tl.arange(0, LINES).to(tl.int64)[None, :] * 128
+    _l2_prefetch((k_ptr + slots).to(tl.int64)[:, None] + line)
+    _l2_prefetch((v_ptr + slots).to(tl.int64)[:, None] + line)
+
+
+@triton.jit
+def _l2_prefetch(addr):
+    """`prefetch.global.L2` at each byte address of `addr` (int64); its dummy result is discarded."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -102,16 +126,22 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                          scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, MIXED: tl.constexpr,
-                         PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
+                         PREFETCH: tl.constexpr, PREFETCH_L2: tl.constexpr, L2_LINES: tl.constexpr,
+                         USE_GDC: tl.constexpr):
     """One (row, KV head, context split): the split's softmax state over its context for the query heads that
     share the KV head. `PREFETCH` (decode steps under PDL, one new token per row at position `ctx - 1`): the
     split's first block of context is loaded before the PDL wait, all but the new token, which the kernel before
     this one (the prologue) writes to the pool; after the wait that token's rows are read from L2 and put into the
-    block, so the dots see the same tiles, and give the same bits, as without it."""
+    block, so the dots see the same tiles, and give the same bits, as without it. `PREFETCH_L2` asks L2 for that
+    block ahead of the wait instead and holds no registers across it (`_l2_prefetch_block`); the kernel after the
+    wait is the plain form's."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     d = tl.arange(0, HEAD_DIM)
+    if PREFETCH_L2:  # never interpreted (no PTX there); nothing after the wait depends on it
+        _l2_prefetch_block(k_ptr, v_ptr, bt_ptr, ctx_ptr, row, split, kv_head, stride_bt, stride_slot,
+                           stride_kv_head, PAGE_SIZE, BLOCK, NUM_SPLITS, L2_LINES)
     if PREFETCH:  # older tokens, block tables and lengths: nothing an unfinished kernel writes
         start, end = _split_span(ctx_ptr, row, split, NUM_SPLITS, BLOCK)
         if split > 0 and start >= end:
@@ -412,12 +442,27 @@ def prefetch_fits(programs: int, sms: int) -> bool:
     return programs <= PREFETCH_PROGRAMS_PER_SM * sms
 
 
+def prefetch_forms(under_pdl: bool, programs: int, sms: Callable[[], int]) -> tuple[bool, bool]:
+    """How a decode step's split kernel reads its first block ahead of the PDL wait: (held in registers, asked of
+    L2). Held where the grid fits one wave at that form's occupancy (`prefetch_fits`, or any grid with
+    `MSTAR_DECODE_PREFETCH_ANY_GRID=1`); on a wider grid, asked of L2 with `MSTAR_DECODE_PREFETCH_L2=1` (default
+    0 until timed: the L2 form keeps the plain form's 96 registers and 5 programs an SM, compiled by Triton 3.6
+    for sm_90), else not read ahead. Nothing ahead without PDL or with `MSTAR_DECODE_PREFETCH=0`. `sms` gives
+    the GPU's SM count (asked only under PDL)."""
+    if not (under_pdl and decode_prefetch()):
+        return False, False
+    if prefetch_fits(programs, sms()) or env_switch("MSTAR_DECODE_PREFETCH_ANY_GRID", False):
+        return True, False
+    return False, env_switch("MSTAR_DECODE_PREFETCH_L2", False)
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, fp16_dots: bool = False, tokens_major: bool = False,
                            qk_fp8: bool = False, query_start_loc: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, prefetch: bool | None = None,
+                           prefetch_l2: bool | None = None) -> torch.Tensor:
     """Launch knobs (`block` context tokens per iteration, warps, pipeline stages) default to the measured
     choice: scripts/sweep_decode_attention.py on the H200 found 64 tokens, 4 warps and 2 stages within a few
     percent of the best everywhere, and 3 stages 5% faster once the grid is many waves deep (256 rows x 8
@@ -433,7 +478,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Mixed steps: with `query_start_loc` ([rows + 1], packed `query` [T, Hq, D]) the kernel attends only the rows
     that have exactly one new token, each at its packed position, and writes those rows' outputs into `out`
     (the ragged prefill kernel's output for the other rows), so a mixed step's decode rows keep this kernel's
-    GQA-shared, split-K reads instead of the prefill kernel's one pass per query head."""
+    GQA-shared, split-K reads instead of the prefill kernel's one pass per query head.
+
+    `prefetch` / `prefetch_l2` force how a decode step reads its first block ahead of the PDL wait (held in
+    registers / asked of L2); unset, `prefetch_forms` decides. Either gives the plain form's bits."""
     mixed = query_start_loc is not None
     num_heads, head_dim = query.shape[1:]
     num_rows = block_tables.shape[0] if mixed else query.shape[0]
@@ -457,10 +505,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     part_acc, part_ml = _partials(out, num_rows, splits)
     programs = num_rows * num_kv_heads * splits
     pdl = pdl_launch(query, num_rows, programs, kind="split")
-    if prefetch is None:
-        prefetch = bool(pdl["USE_GDC"]) and decode_prefetch() and (
-            prefetch_fits(programs, _num_sms(query.device)) or env_switch("MSTAR_DECODE_PREFETCH_ANY_GRID", False))
-    kernel, extra = _decode_split_kernel, {"PREFETCH": prefetch and not mixed}
+    held, asked = prefetch_forms(bool(pdl["USE_GDC"]) and not mixed, programs, lambda: _num_sms(query.device))
+    prefetch = held if prefetch is None else prefetch
+    prefetch_l2 = asked if prefetch_l2 is None else prefetch_l2
+    kernel, extra = _decode_split_kernel, {
+        "PREFETCH": prefetch and not mixed, "PREFETCH_L2": prefetch_l2 and not (prefetch or mixed or INTERPRETED),
+        "L2_LINES": max(1, head_dim * k_cache.element_size() // 128)}
     if tokens_major:
         kernel, extra = _decode_split_tokens_kernel, {"QK_FP8": qk_fp8}
     kernel[(num_rows, num_kv_heads, splits)](

@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Registers, spills and shared memory of the decode split-attention kernel as Triton compiles it for a Hopper GPU
-(sm_90), and how many of its programs an SM then holds at once. Runs on a machine without a GPU: Triton compiles
-ahead of time for a named target with the ptxas and cuobjdump it ships.
+"""Registers, spills and shared memory of a decode kernel as Triton compiles it for a Hopper GPU (sm_90), and how
+many of its programs an SM then holds at once. Runs on a machine without a GPU: Triton compiles ahead of time for a
+named target with the ptxas and cuobjdump it ships.
 
-    python scripts/probe_kernel_resources.py                    # Qwen3-0.6B / Llama-3.2-3B heads (GQA 2 and 3)
+    python scripts/probe_kernel_resources.py                    # split attention, Qwen3-0.6B / Llama-3.2-3B heads
     python scripts/probe_kernel_resources.py --group 4 --warps 4 8 --block 32 64
+    python scripts/probe_kernel_resources.py --kernel mid_gemm --rows 8 32 64 --block 64 256   # plain and normed
 
 Pointers and integer arguments are compiled as the JIT specialises them at run time (divisible by 16: the pool's
-strides are multiples of the head size), so the loads vectorise as they do when served. `PREFETCH` is the form
-launched under PDL (the split's first block of context held in registers across the PDL wait).
+strides are multiples of the head size), so the loads vectorise as they do when served.
+
+The split attention kernel (mstar_kernels/paged_decode_attention.py) in three forms: `PREFETCH` is the form launched
+under PDL where the grid fits one wave (the split's first block of context held in registers across the PDL wait);
+`PREFETCH_L2` asks L2 for that block ahead of the wait and holds nothing. The tens-of-rows GEMM
+(mstar_kernels/mid_gemm.py, under PDL) plain and with the pre-norm's add + RMSNorm inside (`mid_gemm_norm`);
+`--block` is then its columns of K per iteration.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # sm_90 (H100 / H200): per SM
 REGISTERS, MAX_WARPS, MAX_CTAS, SHARED, SHARED_RESERVED = 65536, 64, 32, 233472, 1024
 REGISTER_UNIT = 256  # registers are allocated per warp in units of 256 (8 a thread)
+FORMS = ("none", "registers", "L2")  # the split's first block: not read ahead, held in registers, asked of L2
 
 SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i32",
              "qsl_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
@@ -43,7 +50,8 @@ def ctas_per_sm(registers: int, warps: int, shared: int) -> dict[str, int]:
             "ctas": min(by_registers, by_shared, by_warps, MAX_CTAS)}
 
 
-def compile_split(group: int, head_dim: int, block: int, page_size: int, warps: int, stages: int, prefetch: bool):
+def compile_split(group: int, head_dim: int, block: int, page_size: int, warps: int, stages: int, prefetch: bool,
+                  prefetch_l2: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,12 +60,39 @@ def compile_split(group: int, head_dim: int, block: int, page_size: int, warps: 
 
     const = dict(PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
                  HEAD_DIM=head_dim, BLOCK=block, NUM_SPLITS=1, DOT_PRECISION="tf32", FP16_DOTS=False, MIXED=False,
-                 PREFETCH=prefetch, USE_GDC=1 if prefetch else 0)
+                 PREFETCH=prefetch, PREFETCH_L2=prefetch_l2, L2_LINES=max(1, head_dim * 2 // 128),
+                 USE_GDC=1 if prefetch or prefetch_l2 else 0)
     signature = dict(SIGNATURE) | {name: "constexpr" for name in const}
     names = list(signature)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
              if signature[name].startswith("*") or signature[name] == "i32"}
     source = ASTSource(fn=_decode_split_kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in const.items()}, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+MID_GEMM_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                      "count_ptr": "*i32", "res_ptr": "*bf16", "g_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32",
+                      "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                      "stride_om": "i32", "stride_rm": "i32", "stride_ro": "i32", "eps": "fp32"}
+
+
+def compile_mid_gemm(rows: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int, norm: bool):
+    """`_mid_gemm_kernel` under PDL, as `mid_gemm` (or `mid_gemm_norm`, with a residual) launches it for `rows`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mstar_kernels.mid_gemm import NORM_BLOCK_K, _mid_gemm_kernel, block_m_for
+
+    const = dict(HAS_BIAS=False, SWIGLU=False, NORM=norm, HAS_RES=norm, BLOCK_M=block_m_for(rows), BLOCK_N=block_n,
+                 BLOCK_K=min(block_k, NORM_BLOCK_K) if norm else block_k, NORM_BLOCK_K=NORM_BLOCK_K,
+                 SPLIT_K=split_k, STAGES=stages, USE_GDC=1, DOT_PRECISION="tf32")
+    signature = dict(MID_GEMM_SIGNATURE) | {name: "constexpr" for name in const}
+    names = list(signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+             if signature[name].startswith("*") or name.startswith("stride") or name in ("N", "K", "K_SPLIT")}
+    source = ASTSource(fn=_mid_gemm_kernel, signature=signature,
                        constexprs={(names.index(name),): value for name, value in const.items()}, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
@@ -75,25 +110,42 @@ def resources(kernel) -> dict[str, int]:
     return {"registers": int(found.group(1)), "stack": int(found.group(2)), "shared": int(kernel.metadata.shared)}
 
 
+def _row(cells, used, warps) -> str:
+    fit = ctas_per_sm(used["registers"], warps, used["shared"])
+    return (f"| {' | '.join(map(str, cells))} | {used['registers']} | {used['stack']} B | {used['shared']:,} B | "
+            f"**{fit['ctas']}** ({fit['registers']} / {fit['shared']} / {fit['warps']}) |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--group", type=int, nargs="+", default=[2, 3], help="query heads per KV head")
+    parser.add_argument("--kernel", choices=["split", "mid_gemm"], default="split")
+    parser.add_argument("--group", type=int, nargs="+", default=[2, 3], help="split: query heads per KV head")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block", type=int, nargs="+", default=[64], help="context tokens per iteration")
+    parser.add_argument("--block", type=int, nargs="+", default=None,
+                        help="split: context tokens per iteration (default 64); mid_gemm: K per iteration (256)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=None, help="default: 2 (split), 3 (mid_gemm)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64], help="mid_gemm: rows of the step")
+    parser.add_argument("--block-n", type=int, default=32, help="mid_gemm: output columns a program")
+    parser.add_argument("--split-k", type=int, default=1, help="mid_gemm")
     args = parser.parse_args()
-    print("| group | block | warps | PREFETCH | registers | stack (spills) | shared | programs per SM (by registers /"
-          " shared / warps) |")
+    tail = "registers | stack (spills) | shared | programs per SM (by registers / shared / warps) |"
+    if args.kernel == "mid_gemm":
+        stages = args.stages or 3
+        print(f"| rows | K per iteration | warps | pre-norm inside | {tail}")
+        print("|---|---|---|---|---|---|---|---|")
+        for rows, block, warps, norm in itertools.product(args.rows, args.block or [256], args.warps, (False, True)):
+            kernel = compile_mid_gemm(rows, args.block_n, block, args.split_k, warps, stages, norm)
+            print(_row((rows, block, warps, norm), resources(kernel), warps), flush=True)
+        return 0
+    stages = args.stages or 2
+    print(f"| group | block | warps | first block ahead of the wait | {tail}")
     print("|---|---|---|---|---|---|---|---|")
-    for group, block, warps, prefetch in itertools.product(args.group, args.block, args.warps, (False, True)):
-        kernel = compile_split(group, args.head_dim, block, args.page_size, warps, args.stages, prefetch)
-        used = resources(kernel)
-        fit = ctas_per_sm(used["registers"], warps, used["shared"])
-        print(f"| {group} | {block} | {warps} | {prefetch} | {used['registers']} | {used['stack']} B | "
-              f"{used['shared']:,} B | **{fit['ctas']}** ({fit['registers']} / {fit['shared']} / {fit['warps']}) |",
-              flush=True)
+    for group, block, warps, form in itertools.product(args.group, args.block or [64], args.warps, FORMS):
+        kernel = compile_split(group, args.head_dim, block, args.page_size, warps, stages, form == "registers",
+                               form == "L2")
+        print(_row((group, block, warps, form), resources(kernel), warps), flush=True)
     return 0
 
 

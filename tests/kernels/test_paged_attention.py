@@ -85,12 +85,15 @@ def test_decode_merge_reads_only_the_splits_that_ran():
         torch.use_deterministic_algorithms(previous)
 
 
+@pytest.mark.parametrize("form", ["registers", "L2"])
 @pytest.mark.parametrize("pool", ["model", "fp8"])
-def test_decode_with_the_first_block_prefetched_gives_the_same_bits(pool):
+def test_decode_with_the_first_block_prefetched_gives_the_same_bits(pool, form):
     """`prefetch` (under PDL: the first block loaded before the wait, the newest token put into it after) must
     give the bits of the plain loop: the newest token in a split's first block, in a later block, alone in its
     split, at 1 to 32 splits. A prefetched block that lost the newest token (or kept the pool's stale row) would
-    change the output."""
+    change the output. `prefetch_l2` (the block asked of L2 ahead of the wait; a no-op in the interpreter, which
+    runs no PTX) must too: its addresses are computed from the same block tables, and a bad one faults on the
+    GPU."""
     gen = torch.Generator().manual_seed(11)
     dtype = DTYPES[0]
     lengths = [1, 17, 64, 65, 130, 641]
@@ -105,7 +108,8 @@ def test_decode_with_the_first_block_prefetched_gives_the_same_bits(pool):
         plain = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits,
                                        fp16_dots=fp16_dots, prefetch=False)
         ahead = paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits,
-                                       fp16_dots=fp16_dots, prefetch=True)
+                                       fp16_dots=fp16_dots, prefetch=form == "registers",
+                                       prefetch_l2=form == "L2")
         assert torch.equal(plain, ahead), splits
 
 
@@ -132,12 +136,47 @@ def test_the_first_block_is_prefetched_only_where_the_grid_fits_one_wave_of_that
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     fits = []
-    for prefetch in (False, True):
-        kernel = probe.compile_split(2, 128, 64, PAGE_SIZE, 4, 2, prefetch)
+    for prefetch, prefetch_l2 in ((False, False), (True, False), (False, True)):
+        kernel = probe.compile_split(2, 128, 64, PAGE_SIZE, 4, 2, prefetch, prefetch_l2)
         used = probe.resources(kernel)
         fits.append(probe.ctas_per_sm(used["registers"], 4, used["shared"])["ctas"])
     assert fits[1] >= PREFETCH_PROGRAMS_PER_SM, fits
     assert fits[0] > fits[1], f"the plain form should hold more programs an SM: {fits}"
+    assert fits[2] == fits[0], f"the L2 form should hold as many programs an SM as the plain form: {fits}"
+    ptx = [line.strip() for line in kernel.asm["ptx"].splitlines()]  # the L2 form's, compiled last
+    asked = [i for i, line in enumerate(ptx) if line.startswith("prefetch.global.L2")]
+    waits = [i for i, line in enumerate(ptx) if line.startswith("griddepcontrol.wait")]
+    # 64 tokens x 2 lines (128 bf16) x K and V over 128 threads: two a thread, both ahead of the one wait
+    assert len(asked) == 2 and len(waits) == 1 and max(asked) < waits[0], (asked, waits)
+
+
+def test_the_first_block_is_asked_of_l2_on_wider_grids_only_when_switched_on(monkeypatch):
+    """`prefetch_forms`: held in registers where the grid fits one wave of that form; on a wider grid asked of L2
+    only with `MSTAR_DECODE_PREFETCH_L2=1`; nothing ahead without PDL or with `MSTAR_DECODE_PREFETCH=0` (and the
+    SM count is not asked for then: a CPU has none)."""
+    from mstar_kernels.paged_decode_attention import prefetch_forms
+
+    def no_gpu() -> int:
+        raise AssertionError("the SM count was asked for without PDL")
+
+    for name in ("MSTAR_DECODE_PREFETCH", "MSTAR_DECODE_PREFETCH_L2", "MSTAR_DECODE_PREFETCH_ANY_GRID"):
+        monkeypatch.delenv(name, raising=False)
+    sms = lambda: 132  # noqa: E731
+    assert prefetch_forms(False, 512, no_gpu) == (False, False)
+    assert prefetch_forms(True, 256, sms) == (True, False)
+    assert prefetch_forms(True, 512, sms) == (False, False)
+    monkeypatch.setenv("MSTAR_DECODE_PREFETCH_L2", "1")
+    assert prefetch_forms(True, 512, sms) == (False, True)
+    assert prefetch_forms(True, 256, sms) == (True, False)  # where the held form fits, it is kept
+    monkeypatch.setenv("MSTAR_DECODE_PREFETCH_ANY_GRID", "1")
+    assert prefetch_forms(True, 512, sms) == (True, False)
+    monkeypatch.setenv("MSTAR_DECODE_PREFETCH", "0")
+    assert prefetch_forms(True, 512, no_gpu) == (False, False)
+    monkeypatch.setenv("MSTAR_DECODE_PREFETCH", "")
+    monkeypatch.setenv("MSTAR_DECODE_PREFETCH_ANY_GRID", "")
+    monkeypatch.setenv("MSTAR_DECODE_PREFETCH_L2", "yes")
+    with pytest.raises(ValueError, match="MSTAR_DECODE_PREFETCH_L2='yes': expected 0 or 1"):
+        prefetch_forms(True, 512, sms)
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", HEADS)
