@@ -30,6 +30,12 @@ PDL").
 
 Launched with PDL (mstar_kernels/_pdl.py, at the row counts it allows) a program loads its first weight chunk before it
 waits for the kernel that writes `x`.
+
+`mid_gemm_norm` takes a pre-norm block's residual add + RMSNorm into the loads (`NORM`): every program first takes
+its rows' scales over the whole of K (from L2: tens of KB), then normalises each tile as it loads it, with the
+roundings of mstar_kernels/rmsnorm.py; the programs of the first column block store the residual stream. The forms
+that compute on their loads (`NORM`, `SWIGLU`) take at most `FOLD_BLOCK_K` columns of K an iteration, which keeps
+them from spilling. The decoder uses them with `MSTAR_MID_GEMM_FOLD` (mstar_common/layers/linear.py).
 """
 
 from __future__ import annotations
@@ -39,28 +45,39 @@ import triton
 import triton.language as tl
 
 from mstar_kernels._pdl import gdc_enter, gdc_start, pdl_launch
-from mstar_kernels.gemv import _x_chunk
+from mstar_kernels.gemv import _inv_rms, _x_chunk
 
 MAX_ROWS = 256
 MAX_BLOCK_M = 64  # more rows take several row blocks (each streams the weights again, from L2 mostly)
 COUNTERS = 1 << 16  # per-tile split-K counters per device: column blocks x row blocks of one launch
 SMEM_BYTES = 200 * 1024  # what the pipelined tiles may take (an H100/H200 SM has 228 KB)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact products (IEEE dots), for tests
+# Columns of K per iteration of the forms that compute on their loads (the pre-norm's RMSNorm, SwiGLU), and of the
+# normed form's pass for its row scales. Triton 3.6 for sm_90, 4 warps, 3 stages, 32 columns a program
+# (scripts/probe_kernel_resources.py --kernel mid_gemm): normed at 8 / 32 / 64 rows 64 / 96 / 124 registers a thread
+# this way, against 168 / 255 / 255 with spills from 32 rows at the plain form's 256; SwiGLU (split K 4) 60 / 80 /
+# 96, against 185 / 255 / 255, spilling from 32 rows (which fits the sweep's SwiGLU loads 1.3-2x slower at 64 rows).
+FOLD_BLOCK_K = 64
 
 
 @triton.jit
-def _x_tile(x_ptr, m, kk, x_mask, K, stride_xm, SWIGLU: tl.constexpr):
-    if SWIGLU:
-        return _x_chunk(x_ptr, x_ptr, x_ptr, x_ptr, m, kk, x_mask, K, stride_xm, 0, 0, 0.0, 0, True, False,
-                        False).to(x_ptr.dtype.element_ty)
+def _x_tile(x_ptr, res_ptr, g_ptr, res_out_ptr, m, kk, x_mask, K, stride_xm, stride_rm, stride_ro, inv, res_rows,
+            SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    if SWIGLU or NORM:
+        return _x_chunk(x_ptr, res_ptr, g_ptr, res_out_ptr, m, kk, x_mask, K, stride_xm, stride_rm, stride_ro, inv,
+                        res_rows, SWIGLU, NORM, HAS_RES).to(x_ptr.dtype.element_ty)
     return tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=x_mask, other=0.0)
 
 
 @triton.jit
-def _mid_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                     stride_om, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-                     USE_GDC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _mid_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res_ptr, g_ptr, res_out_ptr, M, N, K,
+                     K_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, stride_ro, eps, HAS_BIAS: tl.constexpr,
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     STAGES: tl.constexpr, USE_GDC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """With `NORM` (`mid_gemm_norm`): x is the block's input before its RMSNorm; every program takes its rows'
+    scales over the whole of K first (`NORM_BLOCK_K` columns at a time, from L2), then normalises each tile as it
+    loads it; the programs of the first column block store `x + residual` for their share of K."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -72,6 +89,8 @@ def _mid_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    res_rows = tl.where(pid_n == 0, M, 0)
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     start = k_lo
     if USE_GDC:
         # Launched with PDL: the first weight chunk streams in while the kernel that writes x finishes
@@ -80,14 +99,20 @@ def _mid_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         k_mask = kk < k_hi
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         gdc_enter(USE_GDC, True)
-        x = _x_tile(x_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm, SWIGLU)
+        if NORM:
+            inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, NORM_BLOCK_K)
+        x = _x_tile(x_ptr, res_ptr, g_ptr, res_out_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm,
+                    stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         start = k_lo + BLOCK_K
+    elif NORM:
+        inv = _inv_rms(x_ptr, res_ptr, m, m_mask, K, stride_xm, stride_rm, eps, HAS_RES, BLOCK_M, NORM_BLOCK_K)
     for k0 in tl.range(start, k_hi, BLOCK_K, num_stages=STAGES):
         kk = k0 + k
         k_mask = kk < k_hi
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _x_tile(x_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm, SWIGLU)
+        x = _x_tile(x_ptr, res_ptr, g_ptr, res_out_ptr, m, kk, m_mask[:, None] & k_mask[None, :], K, stride_xm,
+                    stride_rm, stride_ro, inv, res_rows, SWIGLU, NORM, HAS_RES)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + m[:, None] * stride_om + n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -154,13 +179,39 @@ def mid_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
              swiglu: bool = False, kind: str | None = None) -> torch.Tensor:
     """`x` `[M, K]` (M <= MAX_ROWS; `[M, 2K]` gate | up with `swiglu`), `weight` `[N, K]`, `bias` `[N]` ->
     `[M, N]` in x's dtype. `split_k` > 1 spreads K over that many programs per column block (fewer where K has
-    fewer `block_k` chunks than that). `kind` names the launch for the PDL switches (`mid:o_proj`, ...)."""
+    fewer `block_k` chunks than that; with `swiglu` at most `FOLD_BLOCK_K`). `kind` names the launch for the PDL
+    switches (`mid:o_proj`, ...)."""
+    return _launch(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, swiglu, None, kind)[0]
+
+
+def mid_gemm_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, block_n: int = 32,
+                  block_k: int = 128, split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
+                  kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's residual add and RMSNorm inside the projection after it, one launch: `h = x (+
+    residual)`, `out = rms_norm(h, norm_weight, eps) @ weight.T + bias`; returns `(out, h)` (`h` is `x` itself
+    without a residual). The roundings of mstar_kernels/rmsnorm.py then `mid_gemm` (the mean of squares summed in
+    another order: an ulp here and there), as mstar_kernels/gemv.py `norm_gemv` for a few rows. `block_k` is
+    capped at `FOLD_BLOCK_K`."""
+    assert norm_weight.shape == (x.shape[-1],) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+    assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
+                                and residual.dtype == x.dtype)
+    return _launch(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, False,
+                   (norm_weight, eps, residual), kind)
+
+
+def _launch(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, swiglu, norm, kind):
     n, k = weight.shape
     assert readable(x, weight, bias), "x [M <= 256, K] and weight [N, K] in one dtype (bf16, fp16, fp32), unit stride"
     assert x.shape[1] == (2 * k if swiglu else k), "x's width must be K (2K with swiglu)"
     rows = x.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    norm_weight, eps, residual = norm if norm is not None else (weight, 0.0, None)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    res = residual if residual is not None else x
     block_m = block_m_for(rows)
+    if norm is not None or swiglu:
+        block_k = min(block_k, FOLD_BLOCK_K)
     chunks = triton.cdiv(k, block_k)
     per_split = triton.cdiv(chunks, max(1, split_k))
     split_k = triton.cdiv(chunks, per_split)
@@ -172,11 +223,13 @@ def mid_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     else:
         part = count = out
     _mid_gemm_kernel[(grid_n, split_k, grid_m)](
-        x, weight, bias if bias is not None else weight, out, part, count, rows, n, k, per_split * block_k,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=num_stages, num_warps=num_warps,
-        num_stages=num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, weight, bias if bias is not None else weight, out, part, count, res, norm_weight, res_out, rows, n, k,
+        per_split * block_k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK_K=FOLD_BLOCK_K,
+        SPLIT_K=split_k, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **pdl_launch(x, rows, grid_n * split_k * grid_m, kind=kind),
     )
-    return out
+    return out, res_out
 

@@ -5,7 +5,7 @@ named target with the ptxas and cuobjdump it ships.
 
     python scripts/probe_kernel_resources.py                    # split attention, Qwen3-0.6B / Llama-3.2-3B heads
     python scripts/probe_kernel_resources.py --group 4 --warps 4 8 --block 32 64
-    python scripts/probe_kernel_resources.py --kernel mid_gemm --rows 8 32 64 --block 64 256   # plain and normed
+    python scripts/probe_kernel_resources.py --kernel mid_gemm --rows 8 32 64 --split-k 4
 
 Pointers and integer arguments are compiled as the JIT specialises them at run time (divisible by 16: the pool's
 strides are multiples of the head size), so the loads vectorise as they do when served.
@@ -13,8 +13,8 @@ strides are multiples of the head size), so the loads vectorise as they do when 
 The split attention kernel (mstar_kernels/paged_decode_attention.py) in three forms: `PREFETCH` is the form launched
 under PDL where the grid fits one wave (the split's first block of context held in registers across the PDL wait);
 `PREFETCH_L2` asks L2 for that block ahead of the wait and holds nothing. The tens-of-rows GEMM
-(mstar_kernels/mid_gemm.py, under PDL) plain and with the pre-norm's add + RMSNorm inside (`mid_gemm_norm`);
-`--block` is then its columns of K per iteration.
+(mstar_kernels/mid_gemm.py, under PDL) plain, with the pre-norm's add + RMSNorm inside (`mid_gemm_norm`) and with
+the SwiGLU load; `--block` is then its columns of K per iteration (the last two forms take at most `FOLD_BLOCK_K`).
 """
 
 from __future__ import annotations
@@ -77,16 +77,21 @@ MID_GEMM_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out
                       "stride_om": "i32", "stride_rm": "i32", "stride_ro": "i32", "eps": "fp32"}
 
 
-def compile_mid_gemm(rows: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int, norm: bool):
-    """`_mid_gemm_kernel` under PDL, as `mid_gemm` (or `mid_gemm_norm`, with a residual) launches it for `rows`."""
+MID_GEMM_FORMS = ("plain", "norm", "swiglu")
+
+
+def compile_mid_gemm(rows: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int, form: str):
+    """`_mid_gemm_kernel` under PDL, as `mid_gemm` launches it for `rows` (`form` norm: `mid_gemm_norm`, with a
+    residual; swiglu: `mid_gemm(swiglu=True)`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mstar_kernels.mid_gemm import NORM_BLOCK_K, _mid_gemm_kernel, block_m_for
+    from mstar_kernels.mid_gemm import FOLD_BLOCK_K, _mid_gemm_kernel, block_m_for
 
-    const = dict(HAS_BIAS=False, SWIGLU=False, NORM=norm, HAS_RES=norm, BLOCK_M=block_m_for(rows), BLOCK_N=block_n,
-                 BLOCK_K=min(block_k, NORM_BLOCK_K) if norm else block_k, NORM_BLOCK_K=NORM_BLOCK_K,
+    norm, swiglu = form == "norm", form == "swiglu"
+    const = dict(HAS_BIAS=False, SWIGLU=swiglu, NORM=norm, HAS_RES=norm, BLOCK_M=block_m_for(rows), BLOCK_N=block_n,
+                 BLOCK_K=min(block_k, FOLD_BLOCK_K) if norm or swiglu else block_k, NORM_BLOCK_K=FOLD_BLOCK_K,
                  SPLIT_K=split_k, STAGES=stages, USE_GDC=1, DOT_PRECISION="tf32")
     signature = dict(MID_GEMM_SIGNATURE) | {name: "constexpr" for name in const}
     names = list(signature)
@@ -133,11 +138,11 @@ def main() -> int:
     tail = "registers | stack (spills) | shared | programs per SM (by registers / shared / warps) |"
     if args.kernel == "mid_gemm":
         stages = args.stages or 3
-        print(f"| rows | K per iteration | warps | pre-norm inside | {tail}")
+        print(f"| rows | K per iteration asked | warps | form | {tail}")
         print("|---|---|---|---|---|---|---|---|")
-        for rows, block, warps, norm in itertools.product(args.rows, args.block or [256], args.warps, (False, True)):
-            kernel = compile_mid_gemm(rows, args.block_n, block, args.split_k, warps, stages, norm)
-            print(_row((rows, block, warps, norm), resources(kernel), warps), flush=True)
+        for rows, block, warps, form in itertools.product(args.rows, args.block or [256], args.warps, MID_GEMM_FORMS):
+            kernel = compile_mid_gemm(rows, args.block_n, block, args.split_k, warps, stages, form)
+            print(_row((rows, block, warps, form), resources(kernel), warps), flush=True)
         return 0
     stages = args.stages or 2
     print(f"| group | block | warps | first block ahead of the wait | {tail}")

@@ -71,11 +71,14 @@ class DecoderLayer(nn.Module):
     def _norm_project(self, norm: RMSNorm, linear: nn.Linear | None, hidden: torch.Tensor,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(linear(norm(hidden + residual)), hidden + residual)` as one skinny-GEMM launch, or None where the
-        projection's plan does not take this step (or the fusion is off)."""
+        projection's plan does not take this step (or the fusion is off). In steps whose projections run on the
+        tens-of-rows GEMM, the same as one mstar_kernels/mid_gemm.py launch with `MSTAR_MID_GEMM_FOLD=norm`."""
         if not self.norm_gemv or linear is None or not hasattr(linear, "gemv_blocks_for"):
             return None
         setting = linear.gemv_blocks_for(hidden)
-        if setting is None or hidden.shape[0] in linear.norm_apart:  # cuBLAS, or the plain kernel timed faster
+        if setting is None:
+            return linear.mid_gemm_normed(hidden, norm.weight, norm.eps, residual)
+        if hidden.shape[0] in linear.norm_apart:  # the plain kernel timed faster
             return None
         from mstar_kernels.gemv import norm_gemv_with
 

@@ -56,12 +56,25 @@ class GemvLinear(nn.Linear):
             return gemv_with(x, self.weight, self.bias, blocks, kind=self.pdl_kind)
         setting = self.mid_gemm_setting_for(x)
         if setting is not None:
-            from mstar_kernels.mid_gemm import counters, mid_gemm
+            from mstar_kernels.mid_gemm import mid_gemm
 
-            if not torch.cuda.is_current_stream_capturing():
-                counters(x.device)  # its split-K counters made outside any graph's memory pool
+            mid_gemm_counters(x)
             return mid_gemm(x, self.weight, self.bias, *setting, kind=f"mid:{self.pdl_kind}")
         return super().forward(x)
+
+    def mid_gemm_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(self(rms_norm(x + residual)), x + residual)` as one mstar_kernels/mid_gemm.py launch
+        (`mid_gemm_norm`), where this step's projection runs on that kernel and `MSTAR_MID_GEMM_FOLD` names `norm`;
+        else None."""
+        setting = self.mid_gemm_setting_for(x) if "norm" in mid_gemm_folds() else None
+        if setting is None:
+            return None
+        from mstar_kernels.mid_gemm import mid_gemm_norm
+
+        mid_gemm_counters(x)
+        return mid_gemm_norm(x, norm_weight, eps, self.weight, self.bias, residual, *setting,
+                             kind=f"mid:{self.pdl_kind}")
 
     def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if not x.is_cuda:
@@ -117,6 +130,31 @@ def mid_gemm_kinds() -> frozenset[str]:
         raise ValueError(f"MSTAR_MID_GEMM={raw!r}: expected auto, 0, all or a list (joined by , or +) of "
                          f"{', '.join(MID_GEMM_SETTINGS)}")
     return kinds
+
+
+def mid_gemm_counters(x: torch.Tensor) -> None:
+    """Makes `x`'s device's split-K counters for mstar_kernels/mid_gemm.py before any graph capture needs them."""
+    from mstar_kernels.mid_gemm import counters
+
+    if not torch.cuda.is_current_stream_capturing():
+        counters(x.device)  # its split-K counters made outside any graph's memory pool
+
+
+MID_GEMM_FOLDS = ("norm", "swiglu")
+
+
+def mid_gemm_folds() -> frozenset[str]:
+    """`MSTAR_MID_GEMM_FOLD` (default none; for A/Bs until timed on a GPU): what the decoder folds into the
+    projections that run on mstar_kernels/mid_gemm.py (`MSTAR_MID_GEMM`), joined by `,` or `+`: `norm`, the pre-norm's
+    residual add + RMSNorm into qkv and gate_up (`mid_gemm_norm`, one launch fewer each); `swiglu`, the activation
+    into down (the kernel's SwiGLU load; `silu_mul`'s launch saved). Same roundings as the launches they replace
+    (the mean of squares summed in another order: an ulp here and there). Read at each step, so at capture."""
+    raw = os.environ.get("MSTAR_MID_GEMM_FOLD", "")
+    folds = frozenset(filter(None, raw.replace("+", ",").split(",")))
+    if not folds <= set(MID_GEMM_FOLDS):
+        raise ValueError(f"MSTAR_MID_GEMM_FOLD={raw!r}: expected a list (joined by , or +) of "
+                         f"{', '.join(MID_GEMM_FOLDS)}, or nothing")
+    return folds
 
 
 # MSTAR_MID_GEMM=auto: the graph runner captures each decode bucket of MID_GEMM_ROWS rows twice, its projections on

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_common.layers.linear import concat_linears
+from mstar_common.layers.linear import concat_linears, mid_gemm_counters, mid_gemm_folds
 
 
 class GatedMLP(nn.Module):
@@ -40,6 +40,14 @@ class GatedMLP(nn.Module):
             from mstar_kernels.gemv import gemv_with  # a few rows: the activation runs inside the down projection
 
             return gemv_with(gate_up, down.weight, down.bias, blocks, swiglu=True, kind=down.pdl_kind)
+        setting = None
+        if self.use_kernel and hasattr(down, "mid_gemm_setting_for") and "swiglu" in mid_gemm_folds():
+            setting = down.mid_gemm_setting_for(gate_up)
+        if setting is not None:
+            from mstar_kernels.mid_gemm import mid_gemm  # the activation in the down projection's loads
+
+            mid_gemm_counters(gate_up)
+            return mid_gemm(gate_up, down.weight, down.bias, *setting, swiglu=True, kind=f"mid:{down.pdl_kind}")
         if self.use_kernel and gate_up.is_cuda:
             from mstar_kernels.silu_mul import silu_mul
 

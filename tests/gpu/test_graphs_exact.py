@@ -205,6 +205,30 @@ def test_mid_gemm_projections_replay_as_they_run_eager_and_match_cublas(separate
     _assert_near_ties(separated, prompts, reference, [eager])
 
 
+def test_mid_gemm_folds_replay_as_they_run_eager_and_tie_the_launches_they_replace(separated, monkeypatch):
+    """MSTAR_MID_GEMM_FOLD=norm+swiglu over MSTAR_MID_GEMM=all: in the 8-row bucket the pre-norms run inside qkv and
+    gate_up (`mid_gemm_norm`) and the activation inside down (the SwiGLU load). Replayed == eager bit for bit, and
+    against the unfolded mid_gemm engine equal tokens or ties."""
+    import mstar_kernels.mid_gemm as mid_module
+
+    prompts = _prompts(8, 60, seed=12)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "")
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm+swiglu")
+    normed, swiglu = [], []
+    real_norm, real_mid = mid_module.mid_gemm_norm, mid_module.mid_gemm
+    monkeypatch.setattr(mid_module, "mid_gemm_norm", lambda *a, **k: normed.append(a[0].shape[0]) or real_norm(*a, **k))
+    monkeypatch.setattr(mid_module, "mid_gemm",
+                        lambda *a, **k: k.get("swiglu") and swiglu.append(a[0].shape[0]) or real_mid(*a, **k))
+    eager, replayed = (generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
+                       for graphs in (False, True))
+    assert normed and set(normed) <= set(range(5, 33)), "the pre-norms ran inside mid_gemm, in steps of 5-32 rows"
+    assert swiglu and set(swiglu) <= set(range(5, 33)), "the activation ran inside down's mid_gemm"
+    assert replayed == eager
+    _assert_near_ties(separated, prompts, reference, [eager])
+
+
 def test_mid_gemm_auto_times_the_buckets_and_an_engine_without_graphs_follows(separated, monkeypatch, tmp_path):
     """MSTAR_MID_GEMM=auto (the default): the runner captures the 8-row bucket on cuBLAS and on mid_gemm under PDL,
     times both, stores its choice in the GEMV cache; an engine without graphs then reads it, so its tokens equal the

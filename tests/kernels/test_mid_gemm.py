@@ -66,8 +66,44 @@ def test_mid_gemm_swiglu_equals_the_activation_kernel_then_the_gemm(rows):
         fused = mid_gemm(gate_up, weight, swiglu=True, block_n=16, block_k=64, split_k=split_k)
         separate = mid_gemm(silu_mul(gate_up), weight, block_n=16, block_k=64, split_k=split_k)
         assert torch.equal(fused, separate)
+        # wider chunks are capped at FOLD_BLOCK_K (64) for the SwiGLU load: the same launch, the same bits
+        assert torch.equal(mid_gemm(gate_up, weight, swiglu=True, block_n=16, block_k=256, split_k=split_k), fused)
     with pytest.raises(AssertionError, match="2K with swiglu"):
         mid_gemm(gate_up[:, :k], weight, swiglu=True)
+
+
+@pytest.mark.parametrize("rows", sweep([5, 16, 64, 70], [5, 70]))
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_mid_gemm_norm_equals_the_norm_kernel_then_the_gemm(rows, split_k, with_residual):
+    """The pre-norm block's add + RMSNorm inside the projection's loads (`mid_gemm_norm`): the reference ops within
+    one rounding, the norm kernel + `mid_gemm` within an ulp here and there (the mean of squares summed in another
+    order), and the residual stream it returns equal to the add's over every column and row block, whichever
+    program of a split stores it. The input residual is only read."""
+    from mstar_kernels.mid_gemm import mid_gemm_norm
+    from mstar_kernels.rmsnorm import rms_norm_ref
+
+    n, k = sweep([(4096, 1024), (1000, 300)], [(48, 200)])[0]
+    gen = torch.Generator().manual_seed(rows + 5 * split_k + with_residual)
+    x = torch.randn(rows, k, generator=gen).to(DTYPE).to(DEVICE)
+    residual = torch.randn(rows, k, generator=gen).to(DTYPE).to(DEVICE) if with_residual else None
+    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(DTYPE).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPE).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(DTYPE).to(DEVICE)
+    before = residual.clone() if with_residual else None
+    out, stream = mid_gemm_norm(x, gamma, 1e-6, weight, bias, residual, block_n=16, block_k=64, split_k=split_k,
+                                num_stages=2)
+    assert residual is None or torch.equal(residual, before), "the input residual is read, never written"
+    ref_stream = before.clone() if with_residual else None
+    normed = rms_norm_ref(x, gamma, 1e-6, ref_stream)
+    assert torch.equal(stream, ref_stream if with_residual else x)
+    assert out.shape == (rows, n) and out.dtype == DTYPE
+    assert rel_err(out, _ref(normed, weight, bias)) < (1e-5 if DTYPE == torch.float32 else 1e-2)
+    apart = mid_gemm(normed, weight, bias, block_n=16, block_k=64, split_k=split_k, num_stages=2)
+    assert rel_err(out, apart) < (1e-6 if DTYPE == torch.float32 else 5e-3)
+    if DTYPE == torch.bfloat16:
+        assert (out != apart).float().mean() < 0.02, "the norm kernel's bits but for the odd ulp"
+    assert int(counters(DEVICE).abs().sum()) == 0, "a split-K launch left a counter set"
 
 
 def test_mid_gemm_in_a_captured_graph_replays_with_split_k():

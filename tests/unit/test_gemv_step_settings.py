@@ -129,6 +129,27 @@ def test_the_mid_gemm_switch_names_projection_kinds(monkeypatch):
         mid_gemm_kinds()
 
 
+def test_the_mid_gemm_folds_are_named_and_stay_off_the_cpu(monkeypatch):
+    """`MSTAR_MID_GEMM_FOLD`: none by default; `norm` and `swiglu`, joined by `,` or `+`; anything else is refused
+    with the switch's name and the choices. A CPU step never folds (its projections stay on torch)."""
+    from mstar_common.layers.linear import GemvLinear, mid_gemm_folds
+
+    monkeypatch.delenv("MSTAR_MID_GEMM_FOLD", raising=False)
+    assert mid_gemm_folds() == frozenset()
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm+swiglu")
+    assert mid_gemm_folds() == {"norm", "swiglu"}
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "swiglu,")
+    assert mid_gemm_folds() == {"swiglu"}
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm")
+    linear = GemvLinear(16, 8)
+    linear.pdl_kind = "qkv_proj"
+    assert linear.mid_gemm_normed(torch.zeros(8, 16), torch.ones(16), 1e-6, None) is None
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm,rope")
+    with pytest.raises(ValueError, match="MSTAR_MID_GEMM_FOLD='norm,rope'.*norm, swiglu"):
+        mid_gemm_folds()
+
+
 def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
     from mstar_common.pdl_switches import max_rows
 
