@@ -35,7 +35,8 @@ waits for the kernel that writes `x`.
 its rows' scales over the whole of K (from L2: tens of KB), then normalises each tile as it loads it, with the
 roundings of mstar_kernels/rmsnorm.py; the programs of the first column block store the residual stream. The forms
 that compute on their loads (`NORM`, `SWIGLU`) take at most `FOLD_BLOCK_K` columns of K an iteration, which keeps
-them from spilling. The decoder uses them with `MSTAR_MID_GEMM_FOLD` (mstar_common/layers/linear.py).
+them from spilling, with more pipeline stages in proportion (`fold_stages`). The decoder uses them with
+`MSTAR_MID_GEMM_FOLD` (mstar_common/layers/linear.py).
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ COUNTERS = 1 << 16  # per-tile split-K counters per device: column blocks x row 
 SMEM_BYTES = 200 * 1024  # what the pipelined tiles may take (an H100/H200 SM has 228 KB)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact products (IEEE dots), for tests
 # Columns of K per iteration of the forms that compute on their loads (the pre-norm's RMSNorm, SwiGLU), and of the
-# normed form's pass for its row scales. Triton 3.6 for sm_90, 4 warps, 3 stages, 32 columns a program
-# (scripts/probe_kernel_resources.py --kernel mid_gemm): normed at 8 / 32 / 64 rows 64 / 96 / 124 registers a thread
-# this way, against 168 / 255 / 255 with spills from 32 rows at the plain form's 256; SwiGLU (split K 4) 60 / 80 /
-# 96, against 185 / 255 / 255, spilling from 32 rows (which fits the sweep's SwiGLU loads 1.3-2x slower at 64 rows).
+# normed form's pass for its row scales. Triton 3.6 for sm_90, 4 warps, 32 columns a program, asked for 256 columns
+# and 3 stages (scripts/probe_kernel_resources.py --kernel mid_gemm): at 8 / 32 / 64 rows the normed form compiles to
+# 72 / 104 / 150 registers a thread at 64 columns (and `fold_stages`' 12 / 12 / 9 stages), against 168 / 255 / 255
+# with spills from 32 rows at 256; SwiGLU to 64 / 72 / 87 against 185 / 255 / 255, spilling from 32 rows (which
+# fits the 2026-12-03 sweep's SwiGLU loads, 1.3-2x slower at 64 rows).
 FOLD_BLOCK_K = 64
 
 
@@ -167,6 +169,16 @@ def fits(rows: int, n: int, k: int, block_n: int, block_k: int, split_k: int, nu
             and block_n >= 16 and block_k >= 16)
 
 
+def fold_stages(block_m: int, block_n: int, block_k: int, num_stages: int) -> int:
+    """Pipeline stages for a computing form (`NORM`, `SWIGLU`) asked for `block_k` columns of K a chunk but run at
+    `FOLD_BLOCK_K`: as many more as keep the same weight bytes in flight (a program streams its weight slice with
+    `num_stages` chunks of `block_n x block_k` in flight; at 8-32 rows the grids hold one program an SM, so those
+    bytes set its bandwidth), within `SMEM_BYTES` for tiles of two inputs (x and the residual, or gate and up)."""
+    stages = max(num_stages, num_stages * block_k // FOLD_BLOCK_K)
+    per_stage = (2 * block_m + block_n) * FOLD_BLOCK_K * 2
+    return max(num_stages, min(stages, SMEM_BYTES // per_stage - 1))
+
+
 def readable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether this kernel takes these tensors: one dtype of `DTYPES`, unit inner strides, 1-MAX_ROWS rows."""
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and weight.dtype == x.dtype
@@ -210,8 +222,9 @@ def _launch(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, s
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     res = residual if residual is not None else x
     block_m = block_m_for(rows)
-    if norm is not None or swiglu:
-        block_k = min(block_k, FOLD_BLOCK_K)
+    if (norm is not None or swiglu) and block_k > FOLD_BLOCK_K:
+        num_stages = fold_stages(block_m, block_n, block_k, num_stages)
+        block_k = FOLD_BLOCK_K
     chunks = triton.cdiv(k, block_k)
     per_split = triton.cdiv(chunks, max(1, split_k))
     split_k = triton.cdiv(chunks, per_split)

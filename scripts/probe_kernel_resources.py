@@ -87,12 +87,15 @@ def compile_mid_gemm(rows: int, block_n: int, block_k: int, split_k: int, warps:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mstar_kernels.mid_gemm import FOLD_BLOCK_K, _mid_gemm_kernel, block_m_for
+    from mstar_kernels.mid_gemm import FOLD_BLOCK_K, _mid_gemm_kernel, block_m_for, fold_stages
 
     norm, swiglu = form == "norm", form == "swiglu"
-    const = dict(HAS_BIAS=False, SWIGLU=swiglu, NORM=norm, HAS_RES=norm, BLOCK_M=block_m_for(rows), BLOCK_N=block_n,
-                 BLOCK_K=min(block_k, FOLD_BLOCK_K) if norm or swiglu else block_k, NORM_BLOCK_K=FOLD_BLOCK_K,
-                 SPLIT_K=split_k, STAGES=stages, USE_GDC=1, DOT_PRECISION="tf32")
+    block_m = block_m_for(rows)
+    if (norm or swiglu) and block_k > FOLD_BLOCK_K:  # as the launch does
+        block_k, stages = FOLD_BLOCK_K, fold_stages(block_m, block_n, block_k, stages)
+    const = dict(HAS_BIAS=False, SWIGLU=swiglu, NORM=norm, HAS_RES=norm, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k, NORM_BLOCK_K=FOLD_BLOCK_K, SPLIT_K=split_k, STAGES=stages, USE_GDC=1,
+                 DOT_PRECISION="tf32")
     signature = dict(MID_GEMM_SIGNATURE) | {name: "constexpr" for name in const}
     names = list(signature)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -122,6 +125,8 @@ def _row(cells, used, warps) -> str:
 
 
 def main() -> int:
+    from mstar_kernels.mid_gemm import FOLD_BLOCK_K
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=["split", "mid_gemm"], default="split")
     parser.add_argument("--group", type=int, nargs="+", default=[2, 3], help="split: query heads per KV head")
@@ -142,7 +147,8 @@ def main() -> int:
         print("|---|---|---|---|---|---|---|---|")
         for rows, block, warps, form in itertools.product(args.rows, args.block or [256], args.warps, MID_GEMM_FORMS):
             kernel = compile_mid_gemm(rows, args.block_n, block, args.split_k, warps, stages, form)
-            print(_row((rows, block, warps, form), resources(kernel), warps), flush=True)
+            ran = f"{kernel.metadata.num_stages} stages" + (f", K {FOLD_BLOCK_K}" if form != "plain" else "")
+            print(_row((rows, block, warps, f"{form} ({ran})"), resources(kernel), warps), flush=True)
         return 0
     stages = args.stages or 2
     print(f"| group | block | warps | first block ahead of the wait | {tail}")

@@ -106,6 +106,19 @@ def test_mid_gemm_norm_equals_the_norm_kernel_then_the_gemm(rows, split_k, with_
     assert int(counters(DEVICE).abs().sum()) == 0, "a split-K launch left a counter set"
 
 
+def test_the_computing_forms_keep_the_weight_bytes_in_flight_within_shared_memory():
+    """`fold_stages`: a form run at FOLD_BLOCK_K columns instead of the asked 256 takes 4x the stages (the same
+    weight bytes in flight), fewer where the tiles would pass SMEM_BYTES, never fewer than asked."""
+    from mstar_kernels.mid_gemm import FOLD_BLOCK_K, SMEM_BYTES, fold_stages
+
+    assert FOLD_BLOCK_K == 64
+    assert fold_stages(16, 32, 256, 3) == 12 and fold_stages(32, 32, 256, 3) == 12  # 8-32 rows: 4 x 3
+    assert fold_stages(16, 64, 128, 2) == 4
+    deep = fold_stages(64, 32, 256, 3)  # 64 rows: x and residual tiles of 64 rows cap it
+    assert 3 < deep < 12 and (deep + 1) * (2 * 64 + 32) * FOLD_BLOCK_K * 2 <= SMEM_BYTES
+    assert fold_stages(64, 256, 256, 3) == 3  # never below what was asked
+
+
 def test_mid_gemm_in_a_captured_graph_replays_with_split_k():
     """Counters made before capture, partials from the graph's pool: replays give the eager bits."""
     if IS_INTERPRETED:
