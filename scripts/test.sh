@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Sets up what the tests need, then runs them (GPU tests skip without a GPU). Extra args go to pytest.
+# Without a GPU, a second stage runs the kernel tests in Triton's interpreter (see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/python -m pytest "${@:-tests}"
+.venv/bin/python -m pytest "${@:-tests}"
+# Given no test paths (options only) and no GPU: the Triton kernels against their torch references too, on the
+# CPU through Triton's interpreter (their smaller sweep; the slowest cases there are marked `slow`, left to the GPU).
+for arg in "$@"; do
+  case $arg in -*) ;; *) exit 0 ;; esac
+done
+if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
+  TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -m "not slow" "$@" tests/kernels
+fi
