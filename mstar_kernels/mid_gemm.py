@@ -169,6 +169,14 @@ def fits(rows: int, n: int, k: int, block_n: int, block_k: int, split_k: int, nu
             and block_n >= 16 and block_k >= 16)
 
 
+def chunking(computes: bool, block_m: int, block_n: int, block_k: int, num_stages: int) -> tuple[int, int]:
+    """(BLOCK_K, stages) a launch runs: as asked, or for a form that computes on its loads (`NORM`, `SWIGLU`) at
+    most `FOLD_BLOCK_K` columns, with `fold_stages`' stages."""
+    if not computes or block_k <= FOLD_BLOCK_K:
+        return block_k, num_stages
+    return FOLD_BLOCK_K, fold_stages(block_m, block_n, block_k, num_stages)
+
+
 def fold_stages(block_m: int, block_n: int, block_k: int, num_stages: int) -> int:
     """Pipeline stages for a computing form (`NORM`, `SWIGLU`) asked for `block_k` columns of K a chunk but run at
     `FOLD_BLOCK_K`: as many more as keep the same weight bytes in flight (a program streams its weight slice with
@@ -222,9 +230,7 @@ def _launch(x, weight, bias, block_n, block_k, split_k, num_warps, num_stages, s
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     res = residual if residual is not None else x
     block_m = block_m_for(rows)
-    if (norm is not None or swiglu) and block_k > FOLD_BLOCK_K:
-        num_stages = fold_stages(block_m, block_n, block_k, num_stages)
-        block_k = FOLD_BLOCK_K
+    block_k, num_stages = chunking(norm is not None or swiglu, block_m, block_n, block_k, num_stages)
     chunks = triton.cdiv(k, block_k)
     per_split = triton.cdiv(chunks, max(1, split_k))
     split_k = triton.cdiv(chunks, per_split)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6-3.9's default, said out loud (3.9 warns)
 
 # sm_90 (H100 / H200): per SM
 REGISTERS, MAX_WARPS, MAX_CTAS, SHARED, SHARED_RESERVED = 65536, 64, 32, 233472, 1024
@@ -87,12 +89,11 @@ def compile_mid_gemm(rows: int, block_n: int, block_k: int, split_k: int, warps:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mstar_kernels.mid_gemm import FOLD_BLOCK_K, _mid_gemm_kernel, block_m_for, fold_stages
+    from mstar_kernels.mid_gemm import FOLD_BLOCK_K, _mid_gemm_kernel, block_m_for, chunking
 
     norm, swiglu = form == "norm", form == "swiglu"
     block_m = block_m_for(rows)
-    if (norm or swiglu) and block_k > FOLD_BLOCK_K:  # as the launch does
-        block_k, stages = FOLD_BLOCK_K, fold_stages(block_m, block_n, block_k, stages)
+    block_k, stages = chunking(norm or swiglu, block_m, block_n, block_k, stages)  # as the launch does
     const = dict(HAS_BIAS=False, SWIGLU=swiglu, NORM=norm, HAS_RES=norm, BLOCK_M=block_m, BLOCK_N=block_n,
                  BLOCK_K=block_k, NORM_BLOCK_K=FOLD_BLOCK_K, SPLIT_K=split_k, STAGES=stages, USE_GDC=1,
                  DOT_PRECISION="tf32")
