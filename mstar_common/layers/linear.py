@@ -28,6 +28,9 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     return packed
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
+
+
 class GemvLinear(nn.Linear):
     """An `nn.Linear` that runs the row counts in its `gemv_plan` through the skinny-GEMM kernel
     (mstar_kernels/gemv.py) on CUDA, with the plan's (BLOCK_N, BLOCK_K), and everything else through `F.linear`.
@@ -77,7 +80,7 @@ class GemvLinear(nn.Linear):
                              kind=f"mid:{self.pdl_kind}")
 
     def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
-        if not x.is_cuda:
+        if not (x.is_cuda or _INTERPRETED):  # on the CPU only in Triton's interpreter (the kernel tests)
             return None
         rows = x.shape[0]
         low, high = mid_gemm_rows()
@@ -136,7 +139,7 @@ def mid_gemm_counters(x: torch.Tensor) -> None:
     """Makes `x`'s device's split-K counters for mstar_kernels/mid_gemm.py before any graph capture needs them."""
     from mstar_kernels.mid_gemm import counters
 
-    if not torch.cuda.is_current_stream_capturing():
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         counters(x.device)  # its split-K counters made outside any graph's memory pool
 
 

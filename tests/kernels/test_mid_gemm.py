@@ -179,3 +179,52 @@ def test_a_projection_takes_the_kernel_under_the_ab_switch(monkeypatch):
     assert rel_err(linear(x), cublas.float()) < 8e-3
     monkeypatch.delenv("MSTAR_MID_GEMM")
     assert torch.equal(linear(x), cublas)
+
+
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_the_decoder_folds_match_the_launches_they_replace(first_layer, monkeypatch):
+    """`MSTAR_MID_GEMM_FOLD=norm+swiglu` in a decoder layer's 8-row step on mid_gemm: the pre-norm + qkv (and + gate_up)
+    as one launch give the norm then the projection's launch within an ulp, and the same residual stream (x itself
+    on the first layer, which has none); the MLP with the activation in down's loads gives the activation then
+    down. Run on the GPU, and on the CPU in Triton's interpreter (where the layers route CPU tensors to the kernel)."""
+    import mstar_kernels.mid_gemm as mid_module
+    from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig
+    from mstar_common.layers.linear import use_gemv
+
+    hidden, inter = sweep([(1024, 3072)], [(64, 96)])[0]
+    layer = DecoderLayer(DecoderLayerConfig(hidden_size=hidden, intermediate_size=inter, num_heads=4, num_kv_heads=2,
+                                            head_dim=hidden // 4, qk_norm=True))
+    gen = torch.Generator().manual_seed(5 + first_layer)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5 + (param.dim() == 1))
+    layer.self_attn.fuse_qkv()
+    layer.mlp.fuse_gate_up()
+    layer = layer.to(DEVICE, DTYPE)
+    use_gemv(layer, 4)  # GEMV plans for 1-4 rows: an 8-row step runs on mid_gemm
+    layer.norm_gemv, layer.mlp.use_kernel = True, True
+    monkeypatch.setenv("MSTAR_MID_GEMM", "all")
+    x = torch.randn(8, hidden, generator=gen).to(DEVICE, DTYPE)
+    residual = None if first_layer else torch.randn(8, hidden, generator=gen).to(DEVICE, DTYPE)
+    tol = 1e-6 if DTYPE == torch.float32 else 5e-3
+    calls = []
+    real_norm = mid_module.mid_gemm_norm
+    monkeypatch.setattr(mid_module, "mid_gemm_norm", lambda *a, **k: calls.append("norm") or real_norm(*a, **k))
+    for norm, linear in layer.norm_gemv_pairs():
+        monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "")
+        assert layer._norm_project(norm, linear, x, residual) is None, "unfolded: the norm kernel, then the launch"
+        normed, stream = (norm(x), x) if residual is None else norm(x, residual.clone())
+        want = linear(normed)
+        monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm")
+        out, got_stream = layer._norm_project(norm, linear, x, residual)
+        assert torch.equal(got_stream, stream) and (residual is not None or got_stream is x)
+        assert rel_err(out, want) < tol, linear.pdl_kind
+    assert calls == ["norm", "norm"]
+    gate_up = torch.randn(8, 2 * inter, generator=gen).to(DEVICE, DTYPE)
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "")
+    apart = layer.mlp(None, gate_up=gate_up)
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "swiglu")
+    real_mid, swiglu = mid_module.mid_gemm, []
+    monkeypatch.setattr(mid_module, "mid_gemm", lambda *a, **k: swiglu.append(k.get("swiglu")) or real_mid(*a, **k))
+    folded = layer.mlp(None, gate_up=gate_up)
+    assert swiglu == [True] and rel_err(folded, apart) < tol
