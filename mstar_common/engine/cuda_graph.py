@@ -261,9 +261,16 @@ class CudaGraphRunner:
         return {b for b in self.decode_buckets if low <= b <= high and b not in known}
 
     def _capture_choosing_mid(self, key: tuple[str, int, int], pool, what: str):
-        """A decode bucket captured with its projections on cuBLAS and on mid_gemm under PDL; the faster by
-        `MID_MIN_GAIN` is kept, the choice applied to the model and stored (`choose_mid_rows`)."""
-        from mstar_common.layers.linear import choose_mid_rows, default_gemv_cache, set_mid_rows
+        """A decode bucket captured with its projections on cuBLAS and on mid_gemm under PDL (and, with
+        MSTAR_MID_GEMM_FOLD=auto, on mid_gemm with the folds); the faster by `MID_MIN_GAIN` is kept, the choice
+        applied to the model and stored (`choose_mid_form`)."""
+        from mstar_common.layers.linear import (
+            MID_FORMS,
+            choose_mid_form,
+            default_gemv_cache,
+            mid_fold_auto,
+            set_mid_rows,
+        )
 
         rows = key[1]
         cublas = capture_or_skip(what, lambda: self._capture_one(key, pool))
@@ -274,19 +281,27 @@ class CudaGraphRunner:
         if mid is None:
             set_mid_rows(self.model, rows, False)
             return cublas
+        graphs = [cublas, mid]
+        if mid_fold_auto():
+            set_mid_rows(self.model, rows, True, fold=True)
+            folded = capture_or_skip(f"{what} (mid_gemm with the folds)", lambda: self._capture_one(key, pool))
+            set_mid_rows(self.model, rows, True)
+            graphs += [folded] if folded is not None else []
         try:
-            context, (cublas_ms, mid_ms) = self._time_replays(key, (cublas, mid))
+            context, times = self._time_replays(key, graphs)
         except Exception as exc:  # inputs this model's step cannot take: a speed choice must not stop the start
             logger.warning("[cuda graphs] decode %d: timing mid_gemm against cuBLAS failed (%s: %s); cuBLAS kept, "
                            "nothing stored", rows, type(exc).__name__, exc)
             set_mid_rows(self.model, rows, False)
             self._fill_padding(key)
             return cublas
-        taken = choose_mid_rows(self.model, rows, cublas_ms, mid_ms, default_gemv_cache())
-        logger.info("[cuda graphs] decode %d: %.4f ms a replay with the projections on mid_gemm under PDL, %.4f ms "
-                    "on cuBLAS (%d tokens of context a row): %s (MSTAR_MID_GEMM=auto; stored)", rows, mid_ms,
-                    cublas_ms, context, "mid_gemm" if taken else "cuBLAS")
-        return mid if taken else cublas
+        cublas_ms, mid_ms, *fold_ms = times
+        form = choose_mid_form(self.model, rows, cublas_ms, mid_ms, default_gemv_cache(), *fold_ms)
+        folds = f", {fold_ms[0]:.4f} ms with the folds" if fold_ms else ""
+        logger.info("[cuda graphs] decode %d: %.4f ms a replay with the projections on mid_gemm under PDL%s, %.4f ms "
+                    "on cuBLAS (%d tokens of context a row): %s (MSTAR_MID_GEMM=auto; stored)", rows, mid_ms, folds,
+                    cublas_ms, context, form)
+        return dict(zip(MID_FORMS, graphs, strict=False))[form]
 
     def _time_replays(self, key: tuple[str, int, int], graphs, rounds: int = 5,
                       replays: int = 20) -> tuple[int, list[float]]:

@@ -45,6 +45,8 @@ class GemvLinear(nn.Linear):
     pdl_kind: str | None = None
     # rows at which the projection runs on mstar_kernels/mid_gemm.py: what MSTAR_MID_GEMM=auto chose (`set_mid_rows`)
     mid_rows: frozenset[int] = frozenset()
+    # rows at which it also takes its fold (`MID_GEMM_FOLDED_KINDS`): what MSTAR_MID_GEMM_FOLD=auto chose
+    mid_fold_rows: frozenset[int] = frozenset()
 
     def gemv_blocks_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
@@ -68,9 +70,9 @@ class GemvLinear(nn.Linear):
     def mid_gemm_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(self(rms_norm(x + residual)), x + residual)` as one mstar_kernels/mid_gemm.py launch
-        (`mid_gemm_norm`), where this step's projection runs on that kernel and `MSTAR_MID_GEMM_FOLD` names `norm`;
-        else None."""
-        setting = self.mid_gemm_setting_for(x) if "norm" in mid_gemm_folds() else None
+        (`mid_gemm_norm`), where this step's projection runs on that kernel and takes its fold (`mid_folds`); else
+        None."""
+        setting = self.mid_gemm_setting_for(x) if self.pdl_kind in NORM_FOLDED and self.mid_folds(x) else None
         if setting is None:
             return None
         from mstar_kernels.mid_gemm import mid_gemm_norm
@@ -78,6 +80,12 @@ class GemvLinear(nn.Linear):
         mid_gemm_counters(x)
         return mid_gemm_norm(x, norm_weight, eps, self.weight, self.bias, residual, *setting,
                              kind=f"mid:{self.pdl_kind}")
+
+    def mid_folds(self, x: torch.Tensor) -> bool:
+        """Whether a step of `x`'s rows folds this projection's neighbour into it on mid_gemm (the pre-norm into qkv
+        and gate_up, the activation into down): `MSTAR_MID_GEMM_FOLD` names the fold, or `auto` chose it here."""
+        fold = MID_GEMM_FOLDED_KINDS.get(self.pdl_kind)
+        return fold is not None and (fold in mid_gemm_folds() or x.shape[0] in self.mid_fold_rows)
 
     def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
         if not (x.is_cuda or _INTERPRETED):  # on the CPU only in Triton's interpreter (the kernel tests)
@@ -124,7 +132,7 @@ def mid_gemm_rows() -> tuple[int, int]:
 
 def mid_gemm_kinds() -> frozenset[str]:
     """The projection kinds `MSTAR_MID_GEMM` puts on the kernel at every row count of `MID_GEMM_ROWS` (none for
-    `auto`, the default, which decides per model and row count: `choose_mid_rows`; none for `0`)."""
+    `auto`, the default, which decides per model and row count: `choose_mid_form`; none for `0`)."""
     raw = os.environ.get("MSTAR_MID_GEMM", "")
     if raw in ("", "0", "auto"):
         return frozenset()
@@ -144,6 +152,8 @@ def mid_gemm_counters(x: torch.Tensor) -> None:
 
 
 MID_GEMM_FOLDS = ("norm", "swiglu")
+MID_GEMM_FOLDED_KINDS = {"qkv_proj": "norm", "gate_up_proj": "norm", "down_proj": "swiglu"}
+NORM_FOLDED = frozenset(kind for kind, fold in MID_GEMM_FOLDED_KINDS.items() if fold == "norm")
 
 
 def mid_gemm_folds() -> frozenset[str]:
@@ -151,13 +161,24 @@ def mid_gemm_folds() -> frozenset[str]:
     projections that run on mstar_kernels/mid_gemm.py (`MSTAR_MID_GEMM`), joined by `,` or `+`: `norm`, the pre-norm's
     residual add + RMSNorm into qkv and gate_up (`mid_gemm_norm`, one launch fewer each); `swiglu`, the activation
     into down (the kernel's SwiGLU load; `silu_mul`'s launch saved). Same roundings as the launches they replace
-    (the mean of squares summed in another order: an ulp here and there). Read at each step, so at capture."""
+    (the mean of squares summed in another order: an ulp here and there). Read at each step, so at capture.
+    `auto` names none here: with `MSTAR_MID_GEMM=auto` the graph runner times both folds as a third form of each
+    bucket (`mid_fold_auto`)."""
     raw = os.environ.get("MSTAR_MID_GEMM_FOLD", "")
+    if raw == "auto":
+        return frozenset()
     folds = frozenset(filter(None, raw.replace("+", ",").split(",")))
     if not folds <= set(MID_GEMM_FOLDS):
-        raise ValueError(f"MSTAR_MID_GEMM_FOLD={raw!r}: expected a list (joined by , or +) of "
+        raise ValueError(f"MSTAR_MID_GEMM_FOLD={raw!r}: expected auto, or a list (joined by , or +) of "
                          f"{', '.join(MID_GEMM_FOLDS)}, or nothing")
     return folds
+
+
+def mid_fold_auto() -> bool:
+    """`MSTAR_MID_GEMM_FOLD=auto` (with `MSTAR_MID_GEMM=auto`): each decode bucket `auto` times is also captured with
+    both folds on mid_gemm, and the folds are kept where that step was `MID_MIN_GAIN` shorter than without them."""
+    mid_gemm_folds()  # a bad value is refused here too
+    return os.environ.get("MSTAR_MID_GEMM_FOLD", "") == "auto"
 
 
 # MSTAR_MID_GEMM=auto: the graph runner captures each decode bucket of MID_GEMM_ROWS rows twice, its projections on
@@ -192,17 +213,20 @@ def mid_choice_key(model: nn.Module, rows: int) -> str | None:
     if not shapes:
         return None
     layers = "+".join(f"{name}*{count}" for name, count in sorted(shapes.items()))
-    return f"mid:{layers}:rows={rows}:pdl={pdl_switches.signature()}"
+    folds = ":folds=auto" if mid_fold_auto() else ""  # a choice timed with the folds is not one timed without
+    return f"mid:{layers}:rows={rows}:pdl={pdl_switches.signature()}{folds}"
 
 
-def set_mid_rows(model: nn.Module, rows: int, on: bool) -> None:
-    """Put the model's projections of `rows`-row steps on mid_gemm (and such launches under PDL), or back."""
+def set_mid_rows(model: nn.Module, rows: int, on: bool, fold: bool = False) -> None:
+    """Put the model's projections of `rows`-row steps on mid_gemm (and such launches under PDL), with their folds
+    (`fold`) or without, or back on cuBLAS."""
     from mstar_common import pdl_switches
 
     projections = mid_projections(model)
     was = bool(projections) and rows in projections[0].mid_rows
     for m in projections:
         m.mid_rows = m.mid_rows | {rows} if on else m.mid_rows - {rows}
+        m.mid_fold_rows = m.mid_fold_rows | {rows} if on and fold else m.mid_fold_rows - {rows}
     if on and not was:
         pdl_switches.add_rows(rows)
     elif was and not on:
@@ -210,7 +234,8 @@ def set_mid_rows(model: nn.Module, rows: int, on: bool) -> None:
 
 
 def known_mid_choices(model: nn.Module, cache: Path | None) -> dict[int, bool]:
-    """The stored choices for this model (rows -> on), applied to it; with MSTAR_MID_GEMM=auto (the default) only."""
+    """The stored choices for this model (rows -> on mid_gemm), applied to it, folds included; with
+    MSTAR_MID_GEMM=auto (the default) only."""
     if not mid_gemm_auto() or cache is None or not cache.is_file():
         return {}
     known = json.loads(cache.read_text())
@@ -220,18 +245,29 @@ def known_mid_choices(model: nn.Module, cache: Path | None) -> dict[int, bool]:
         entry = known.get(mid_choice_key(model, rows) or "")
         if isinstance(entry, dict) and "on" in entry:
             choices[rows] = bool(entry["on"])
-            set_mid_rows(model, rows, choices[rows])
+            set_mid_rows(model, rows, choices[rows], bool(entry.get("fold")))
     return choices
 
 
-def choose_mid_rows(model: nn.Module, rows: int, cublas_ms: float, mid_ms: float, cache: Path | None) -> bool:
-    """Take mid_gemm at `rows` rows if its timed step was at least `MID_MIN_GAIN` shorter; apply and store it."""
-    on = mid_ms < cublas_ms * (1 - MID_MIN_GAIN)
-    set_mid_rows(model, rows, on)
+MID_FORMS = ("cuBLAS", "mid_gemm", "mid_gemm with the folds")
+
+
+def choose_mid_form(model: nn.Module, rows: int, cublas_ms: float, mid_ms: float, cache: Path | None,
+                    fold_ms: float | None = None) -> str:
+    """One of `MID_FORMS` for `rows`-row steps, by their timed steps: the folds where timed (`fold_ms`) and at least
+    `MID_MIN_GAIN` shorter than mid_gemm without them; then mid_gemm (with or without) where at least `MID_MIN_GAIN`
+    shorter than cuBLAS. Applied to the model and stored."""
+    fold = fold_ms is not None and fold_ms < mid_ms * (1 - MID_MIN_GAIN)
+    on = (fold_ms if fold else mid_ms) < cublas_ms * (1 - MID_MIN_GAIN)
+    fold = fold and on
+    set_mid_rows(model, rows, on, fold)
     key = mid_choice_key(model, rows)
     if cache is not None and key is not None:
-        update_cache(cache, {key: {"on": on, "cublas_ms": round(cublas_ms, 4), "mid_ms": round(mid_ms, 4)}})
-    return on
+        entry = {"on": on, "cublas_ms": round(cublas_ms, 4), "mid_ms": round(mid_ms, 4)}
+        if fold_ms is not None:
+            entry |= {"fold": fold, "fold_ms": round(fold_ms, 4)}
+        update_cache(cache, {key: entry})
+    return MID_FORMS[2] if fold else MID_FORMS[1] if on else MID_FORMS[0]
 
 
 GEMV_MAX_OUT = 32768  # a wider projection is a vocabulary head: it joins the tuning only with MSTAR_GEMV_HEADS

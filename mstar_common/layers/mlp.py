@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_common.layers.linear import concat_linears, mid_gemm_counters, mid_gemm_folds
+from mstar_common.layers.linear import concat_linears, mid_gemm_counters
 
 
 class GatedMLP(nn.Module):
@@ -41,7 +41,7 @@ class GatedMLP(nn.Module):
 
             return gemv_with(gate_up, down.weight, down.bias, blocks, swiglu=True, kind=down.pdl_kind)
         setting = None
-        if self.use_kernel and hasattr(down, "mid_gemm_setting_for") and "swiglu" in mid_gemm_folds():
+        if self.use_kernel and hasattr(down, "mid_folds") and down.mid_folds(gate_up):
             setting = down.mid_gemm_setting_for(gate_up)
         if setting is not None:
             from mstar_kernels.mid_gemm import mid_gemm  # the activation in the down projection's loads

@@ -228,3 +228,16 @@ def test_the_decoder_folds_match_the_launches_they_replace(first_layer, monkeypa
     monkeypatch.setattr(mid_module, "mid_gemm", lambda *a, **k: swiglu.append(k.get("swiglu")) or real_mid(*a, **k))
     folded = layer.mlp(None, gate_up=gate_up)
     assert swiglu == [True] and rel_err(folded, apart) < tol
+    # chosen by MSTAR_MID_GEMM=auto with MSTAR_MID_GEMM_FOLD=auto (`set_mid_rows(..., fold=True)`): the same launches
+    from mstar_common.layers.linear import set_mid_rows
+
+    monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "auto")
+    set_mid_rows(layer, 8, True, fold=True)
+    assert torch.equal(layer.mlp(None, gate_up=gate_up), folded) and swiglu == [True, True]
+    norm, linear = layer.norm_gemv_pairs()[0]
+    assert layer._norm_project(norm, linear, x, residual) is not None and calls == ["norm"] * 3
+    set_mid_rows(layer, 8, True)
+    assert layer._norm_project(norm, linear, x, residual) is None and layer.mlp(None, gate_up=gate_up) is not None
+    assert swiglu == [True, True, None]  # down on mid_gemm, after the activation kernel
+    set_mid_rows(layer, 8, False)

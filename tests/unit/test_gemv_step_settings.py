@@ -16,7 +16,7 @@ DEFAULT_PDL = f"pdl=early/{DEFAULT_KINDS}"
 @pytest.fixture(autouse=True)
 def default_pdl(monkeypatch):
     for name in ("MSTAR_PDL", "MSTAR_PDL_TRIGGER", "MSTAR_PDL_AHEAD_OF", "MSTAR_PDL_MAX_ROWS", "MSTAR_MID_GEMM",
-                 "MSTAR_PDL_SKIP", "MSTAR_MID_GEMM_MAX_ROWS"):
+                 "MSTAR_PDL_SKIP", "MSTAR_MID_GEMM_MAX_ROWS", "MSTAR_MID_GEMM_FOLD"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -132,7 +132,7 @@ def test_the_mid_gemm_switch_names_projection_kinds(monkeypatch):
 def test_the_mid_gemm_folds_are_named_and_stay_off_the_cpu(monkeypatch):
     """`MSTAR_MID_GEMM_FOLD`: none by default; `norm` and `swiglu`, joined by `,` or `+`; anything else is refused
     with the switch's name and the choices. A CPU step never folds (its projections stay on torch)."""
-    from mstar_common.layers.linear import GemvLinear, mid_gemm_folds
+    from mstar_common.layers.linear import GemvLinear, mid_fold_auto, mid_gemm_folds
 
     monkeypatch.delenv("MSTAR_MID_GEMM_FOLD", raising=False)
     assert mid_gemm_folds() == frozenset()
@@ -145,9 +145,11 @@ def test_the_mid_gemm_folds_are_named_and_stay_off_the_cpu(monkeypatch):
     linear = GemvLinear(16, 8)
     linear.pdl_kind = "qkv_proj"
     assert linear.mid_gemm_normed(torch.zeros(8, 16), torch.ones(16), 1e-6, None) is None
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "auto")  # the runner times them; none forced
+    assert mid_gemm_folds() == frozenset() and mid_fold_auto()
     monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm,rope")
-    with pytest.raises(ValueError, match="MSTAR_MID_GEMM_FOLD='norm,rope'.*norm, swiglu"):
-        mid_gemm_folds()
+    with pytest.raises(ValueError, match="MSTAR_MID_GEMM_FOLD='norm,rope': expected auto, or a list .*norm, swiglu"):
+        mid_fold_auto()
 
 
 def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
@@ -205,7 +207,7 @@ def test_pdl_takes_added_row_counts_until_each_model_removes_them(pdl_rows):
 def test_mid_gemm_choices_are_taken_by_the_gain_stored_and_read_back(tmp_path, monkeypatch, pdl_rows):
     """MSTAR_MID_GEMM=auto: a row count takes mid_gemm (and PDL) where its step was 2% shorter; the choice lands in
     the GEMV cache under the model's projection shapes, and another process's model of those shapes reads it."""
-    from mstar_common.layers.linear import choose_mid_rows, known_mid_choices, mid_choice_key, mid_projections
+    from mstar_common.layers.linear import choose_mid_form, known_mid_choices, mid_choice_key, mid_projections
 
     monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
     cache = tmp_path / "gemv.json"
@@ -213,8 +215,8 @@ def test_mid_gemm_choices_are_taken_by_the_gain_stored_and_read_back(tmp_path, m
     assert [m.pdl_kind for m in mid_projections(model)] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     key = mid_choice_key(model, 8)
     assert key.startswith("mid:down_proj=16x32:float32:bias=False*1+gate_up_proj=64x16") and ":rows=8:pdl=" in key
-    assert choose_mid_rows(model, 8, cublas_ms=1.345, mid_ms=1.199, cache=cache)
-    assert not choose_mid_rows(model, 16, cublas_ms=2.811, mid_ms=2.783, cache=cache)  # 1%: under the bar
+    assert choose_mid_form(model, 8, cublas_ms=1.345, mid_ms=1.199, cache=cache) == "mid_gemm"
+    assert choose_mid_form(model, 16, cublas_ms=2.811, mid_ms=2.783, cache=cache) == "cuBLAS"  # 1%: under the bar
     assert all(m.mid_rows == {8} for m in mid_projections(model)) and model.layers[0].lm_head.mid_rows == set()
     assert pdl_rows.applies(8) and not pdl_rows.applies(16)
     stored = json.loads(cache.read_text())
@@ -228,8 +230,46 @@ def test_mid_gemm_choices_are_taken_by_the_gain_stored_and_read_back(tmp_path, m
     monkeypatch.setenv("MSTAR_MID_GEMM", "all")
     assert known_mid_choices(_decoder_like(), cache) == {}  # only auto reads the choices
     monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
-    assert not choose_mid_rows(model, 8, cublas_ms=1.2, mid_ms=1.3, cache=cache)  # timed again: back to cuBLAS
+    assert choose_mid_form(model, 8, cublas_ms=1.2, mid_ms=1.3, cache=cache) == "cuBLAS"  # timed again: back
     assert all(m.mid_rows == set() for m in mid_projections(model)) and pdl_rows.applies(8)  # `again` holds 8
+
+
+def test_mid_gemm_fold_choices_take_the_folds_by_the_gain_and_keep_them_apart(tmp_path, monkeypatch, pdl_rows):
+    """MSTAR_MID_GEMM_FOLD=auto: a third form timed per bucket. The folds are taken where their step was 2% shorter
+    than mid_gemm's without them (and mid_gemm then 2% shorter than cuBLAS), applied to the folded kinds (qkv,
+    gate_up, down) and stored with the times; the key says they were timed, so a choice made without them is not
+    read as one made with them; another model of the shapes reads them back; unset, nothing folds."""
+    from mstar_common.layers.linear import choose_mid_form, known_mid_choices, mid_choice_key, mid_projections
+
+    monkeypatch.setenv("MSTAR_MID_GEMM", "auto")
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "")
+    plain_key = mid_choice_key(_decoder_like(), 8)
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "auto")
+    cache = tmp_path / "gemv.json"
+    model = _decoder_like()
+    key = mid_choice_key(model, 8)
+    assert key == plain_key + ":folds=auto"
+    x8, x16 = torch.zeros(8, 16), torch.zeros(16, 16)
+    assert choose_mid_form(model, 8, 1.311, 1.157, cache, fold_ms=1.090) == "mid_gemm with the folds"
+    assert choose_mid_form(model, 16, 1.467, 1.291, cache, fold_ms=1.280) == "mid_gemm"  # 0.9%: under the bar
+    assert choose_mid_form(model, 32, 1.709, 1.700, cache, fold_ms=1.600) == "mid_gemm with the folds"  # 6% off
+    assert choose_mid_form(model, 24, 1.000, 1.010, cache, fold_ms=0.995) == "cuBLAS"  # neither form 2% off
+    folded = {m.pdl_kind: m.mid_folds(x8) for m in mid_projections(model)}
+    assert folded == {"qkv_proj": True, "o_proj": False, "gate_up_proj": True, "down_proj": True}
+    assert not any(m.mid_folds(x16) for m in mid_projections(model))
+    assert all(m.mid_rows == {8, 16, 32} for m in mid_projections(model))
+    stored = json.loads(cache.read_text())
+    assert stored[key] == {"on": True, "cublas_ms": 1.311, "mid_ms": 1.157, "fold": True, "fold_ms": 1.09}
+    assert stored[mid_choice_key(model, 24)]["on"] is False and stored[mid_choice_key(model, 24)]["fold"] is False
+
+    again = _decoder_like()
+    assert known_mid_choices(again, cache) == {8: True, 16: True, 24: False, 32: True}
+    assert [m.pdl_kind for m in mid_projections(again) if m.mid_fold_rows == {8, 32}] == \
+        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # o holds the rows too; it has no fold to take
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "")
+    assert known_mid_choices(_decoder_like(), cache) == {}  # chosen with the folds timed: not this key's
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "norm")  # forced: every step on mid_gemm folds, the table aside
+    assert _decoder_like().layers[0].qkv_proj.mid_folds(x16) and not _decoder_like().layers[0].down_proj.mid_folds(x16)
 
 
 def _merge_many(cache, worker: int, count: int) -> None:

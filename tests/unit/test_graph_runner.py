@@ -251,6 +251,34 @@ def test_a_mixed_bucket_of_an_undecided_row_count_is_captured_after_the_choice(s
         | {(DECODE, 8, GREEDY)}
 
 
+@pytest.mark.parametrize("fold", ["", "auto"])
+@pytest.mark.parametrize("form", ["cuBLAS", "mid_gemm", "mid_gemm with the folds"])
+def test_auto_captures_each_form_times_them_and_keeps_the_chosen_graph(static_model, monkeypatch, fold, form):
+    """MSTAR_MID_GEMM=auto captures a bucket on cuBLAS, then on mid_gemm, then (MSTAR_MID_GEMM_FOLD=auto) on
+    mid_gemm with the folds, each capture under its own state of the model; it times them in one alternation and
+    keeps the graph of the form `choose_mid_form` took from those times."""
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY
+
+    if form.endswith("folds") and not fold:
+        pytest.skip("the folds are timed only with MSTAR_MID_GEMM_FOLD=auto")
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", fold)
+    engine = make_engine(static_model, GRAPHS, overlap=False)
+    runner = engine.runner.graphs
+    state, captured, timed, chosen = {"on": False, "fold": False}, [], [], []
+    monkeypatch.setattr("mstar_common.layers.linear.set_mid_rows",
+                        lambda model, rows, on, fold=False: state.update(on=on, fold=fold))
+    monkeypatch.setattr(runner, "_capture_one", lambda key, pool: captured.append(dict(state)) or len(captured))
+    monkeypatch.setattr(runner, "_time_replays",
+                        lambda key, graphs: timed.append(graphs) or (512, [1.3, 1.2, 1.1][:len(graphs)]))
+    monkeypatch.setattr("mstar_common.layers.linear.choose_mid_form", lambda *a: chosen.append(a[2:]) or form)
+    monkeypatch.setattr("mstar_common.layers.linear.default_gemv_cache", lambda: None)
+    graph = runner._capture_choosing_mid((DECODE, 8, GREEDY), None, "[cuda graphs] decode 8")
+    forms = [{"on": False, "fold": False}, {"on": True, "fold": False}] + [{"on": True, "fold": True}] * bool(fold)
+    assert captured == forms and timed == [list(range(1, len(forms) + 1))]
+    assert chosen == [(1.3, 1.2, None, 1.1)] if fold else chosen == [(1.3, 1.2, None)]
+    assert graph == {"cuBLAS": 1, "mid_gemm": 2, "mid_gemm with the folds": 3}[form]
+
+
 def test_a_failed_mid_gemm_timing_keeps_cublas_and_the_start_goes_on(static_model, monkeypatch, caplog):
     """Timing the two captures of a bucket is a speed choice: if the model's step cannot take the timing inputs,
     the cuBLAS graph is kept, nothing is stored, and the capture goes on."""
@@ -266,7 +294,7 @@ def test_a_failed_mid_gemm_timing_keeps_cublas_and_the_start_goes_on(static_mode
 
     monkeypatch.setattr(runner, "_time_replays", broken)
     stored = []
-    monkeypatch.setattr("mstar_common.layers.linear.choose_mid_rows", lambda *a, **k: stored.append(a))
+    monkeypatch.setattr("mstar_common.layers.linear.choose_mid_form", lambda *a, **k: stored.append(a))
     with caplog.at_level(logging.WARNING):
         graph = runner._capture_choosing_mid((DECODE, 8, GREEDY), None, "[cuda graphs] decode 8")
     assert graph == "graph1" and len(captured) == 2 and not stored  # the cuBLAS capture, nothing chosen
