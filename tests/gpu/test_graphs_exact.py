@@ -253,6 +253,32 @@ def test_mid_gemm_auto_times_the_buckets_and_an_engine_without_graphs_follows(se
     _assert_near_ties(separated, prompts, reference, [replayed])
 
 
+def test_mid_gemm_fold_auto_times_three_forms_and_an_engine_without_graphs_follows(separated, monkeypatch, tmp_path):
+    """MSTAR_MID_GEMM_FOLD=auto: the runner also captures the 8-row bucket on mid_gemm with the folds, times the
+    three replays and stores the choice with the folds' time; an engine without graphs reads it (folds included),
+    so its tokens equal the replayed ones bit for bit, and both tie the cuBLAS engine's."""
+    import json
+
+    from mstar_common import pdl_switches
+
+    monkeypatch.setattr(pdl_switches, "_EXTRA_ROWS", {})
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
+    prompts = _prompts(8, 60, seed=13)
+    monkeypatch.setenv("MSTAR_MID_GEMM", "0")
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    monkeypatch.delenv("MSTAR_MID_GEMM")
+    monkeypatch.setenv("MSTAR_MID_GEMM_FOLD", "auto")
+    replayed = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, gemv_rows=4)
+    stored = {key: value for key, value in json.loads(default_gemv_cache().read_text()).items()
+              if key.startswith("mid:")}
+    assert list(stored) and all(key.endswith(":folds=auto") for key in stored)
+    assert all({"on", "fold", "fold_ms", "mid_ms", "cublas_ms"} <= set(value) and value["fold_ms"] > 0
+               for value in stored.values())
+    eager = generate(separated, prompts, graphs=False, overlap=False, max_tokens=8, gemv_rows=4)
+    assert eager == replayed
+    _assert_near_ties(separated, prompts, reference, [replayed])
+
+
 def _assert_switch_keeps_tokens(checkpoint: Path, monkeypatch, switch: str, on: str, module, launch: str,
                                 max_rows: int, seed: int) -> None:
     """With the environment `switch` at `on`, `module.launch` runs (counted), only in steps of <= `max_rows` rows,
