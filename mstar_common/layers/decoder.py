@@ -72,7 +72,8 @@ class DecoderLayer(nn.Module):
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(linear(norm(hidden + residual)), hidden + residual)` as one skinny-GEMM launch, or None where the
         projection's plan does not take this step (or the fusion is off). In steps whose projections run on the
-        tens-of-rows GEMM, the same as one mstar_kernels/mid_gemm.py launch with `MSTAR_MID_GEMM_FOLD=norm`."""
+        tens-of-rows GEMM, the same as one mstar_kernels/mid_gemm.py launch where the projection takes its fold
+        (`MSTAR_MID_GEMM_FOLD`: `norm`, or `auto`'s choice)."""
         if not self.norm_gemv or linear is None or not hasattr(linear, "gemv_blocks_for"):
             return None
         setting = linear.gemv_blocks_for(hidden)
