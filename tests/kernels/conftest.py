@@ -46,3 +46,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def sweep(full: list, small: list) -> list:
     return small if IS_INTERPRETED else full
+
+
+def normed_projection_inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, with_residual: bool):
+    """A pre-norm block's projection inputs on DEVICE: x, residual (None without), the norm weight (about 1), the
+    projection's weight (scaled by 1/sqrt(K)) and bias."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    return x, residual, gamma, weight, bias

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
+from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, normed_projection_inputs, rel_err, sweep
 
 triton = pytest.importorskip("triton")
 pytestmark = GPU_ONLY
@@ -65,12 +65,8 @@ def test_norm_gemv_equals_the_norm_kernel_then_gemv(rows, with_residual, dtype):
     from mstar_kernels.rmsnorm import rms_norm_ref
 
     n, k = sweep([(4096, 1024), (1024, 3072)], [(96, 200)])[0]
-    gen = torch.Generator().manual_seed(rows + 7 * with_residual)
-    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
-    residual = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE) if with_residual else None
-    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
-    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    x, residual, gamma, weight, bias = normed_projection_inputs(rows, n, k, dtype, rows + 7 * with_residual,
+                                                                with_residual)
     before = residual.clone() if with_residual else None
     out, stream = norm_gemv(x, gamma, 1e-6, weight, bias, residual, block_k=64)  # several K chunks
     assert residual is None or torch.equal(residual, before), "the input residual is read, never written"

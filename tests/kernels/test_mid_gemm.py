@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, rel_err, sweep
+from tests.kernels.conftest import DEVICE, GPU_ONLY, IS_INTERPRETED, normed_projection_inputs, rel_err, sweep
 
 pytest.importorskip("triton")
 pytestmark = GPU_ONLY
@@ -84,12 +84,8 @@ def test_mid_gemm_norm_equals_the_norm_kernel_then_the_gemm(rows, split_k, with_
     from mstar_kernels.rmsnorm import rms_norm_ref
 
     n, k = sweep([(4096, 1024), (1000, 300)], [(48, 200)])[0]
-    gen = torch.Generator().manual_seed(rows + 5 * split_k + with_residual)
-    x = torch.randn(rows, k, generator=gen).to(DTYPE).to(DEVICE)
-    residual = torch.randn(rows, k, generator=gen).to(DTYPE).to(DEVICE) if with_residual else None
-    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(DTYPE).to(DEVICE)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DTYPE).to(DEVICE)
-    bias = torch.randn(n, generator=gen).to(DTYPE).to(DEVICE)
+    x, residual, gamma, weight, bias = normed_projection_inputs(rows, n, k, DTYPE, rows + 5 * split_k + with_residual,
+                                                                with_residual)
     before = residual.clone() if with_residual else None
     out, stream = mid_gemm_norm(x, gamma, 1e-6, weight, bias, residual, block_n=16, block_k=64, split_k=split_k,
                                 num_stages=2)
