@@ -4,9 +4,16 @@ Row `r` owns packed queries `query_start_loc[r]:query_start_loc[r+1]`, the last 
 `context_lens[r]` tokens (already written to the cache). Work is a host-built list of (row, first query of a
 BLOCK_M block) items, padded with row -1, so the grid `(items, Hq)` depends only on a step's token/row bucket:
 CUDA-graph safe. Each program runs a flash-attention loop over the row's keys up to the block's last position.
+
+Two forms (`MSTAR_PREFILL_ATTENTION`): `plain`, one query head a program with the causal mask on every block of
+keys; `grouped`, the query heads of one KV head together in a program (up to 128 query rows: one load of each K
+and V block serves them all, in one larger dot), the keys below the block's diagonal in a loop without the mask,
+and, where a page holds whole blocks of keys, one page-table read a block instead of one a key.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -17,6 +24,8 @@ from mstar_common.engine.attention import build_prefill_work, prefill_work_capac
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner iteration
+FORMS = ("plain", "grouped")
+GROUPED_ROWS = 128  # query rows (heads x queries) a grouped program takes at most
 
 
 @triton.jit
@@ -64,13 +73,128 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, ctx_ptr, bt_ptr, work_r
              mask=m_mask[:, None])
 
 
+@triton.jit
+def _block_slots(bt_ptr, row, stride_bt, n0, t, t_mask, PAGE_SIZE: tl.constexpr, BN: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """The KV slots of keys `n0 .. n0 + BN`: one page-table read where a page holds whole blocks, else one a key."""
+    if PAGE_SIZE % BN == 0:
+        page = tl.load(bt_ptr + row * stride_bt + n0 // PAGE_SIZE).to(tl.int64)
+        return page * PAGE_SIZE + (n0 % PAGE_SIZE) + tl.arange(0, BN)
+    elif MASKED:
+        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        return page * PAGE_SIZE + t % PAGE_SIZE
+    else:
+        page = tl.load(bt_ptr + row * stride_bt + t // PAGE_SIZE).to(tl.int64)
+        return page * PAGE_SIZE + t % PAGE_SIZE
+
+
+@triton.jit
+def _grouped_block(q, k_ptr, v_ptr, bt_ptr, row, stride_bt, n0, kv_end, q_pos, kv_off, d, stride_slot, m, lsum,
+                   acc, scale_log2, PAGE_SIZE: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """One block of keys into the running softmax of every query row; `MASKED` for the blocks that reach the
+    context's end or a query's own position, the others take no mask at all."""
+    t = n0 + tl.arange(0, BN)
+    t_mask = t < kv_end
+    slots = _block_slots(bt_ptr, row, stride_bt, n0, t, t_mask, PAGE_SIZE, BN, MASKED)
+    offs = slots[:, None] * stride_slot + kv_off + d[None, :]
+    if MASKED:
+        k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)
+    else:
+        k = tl.load(k_ptr + offs).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(t_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0).to(q.dtype)
+    else:
+        v = tl.load(v_ptr + offs).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _prefill_grouped_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, ctx_ptr, bt_ptr, work_row_ptr, work_q_ptr,
+                            num_items, stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kv_head,
+                            stride_bt, scale_log2, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                            HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    """`HEADS` query heads of one KV head (a power of two; those past the group are padding) x the `BM` queries
+    of one work item, as one tile of `HEADS * BM` rows (row `r`: head `r // BM`, query `r % BM`). Items run last
+    first: a row's later query blocks attend over more keys, so the longest programs start first."""
+    item = num_items - 1 - tl.program_id(0)
+    CHUNKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
+    kv_head = tl.program_id(1) // CHUNKS
+    first_local = (tl.program_id(1) % CHUNKS) * HEADS
+    row_raw = tl.load(work_row_ptr + item)
+    row = tl.maximum(row_raw, 0).to(tl.int64)
+    q_first = tl.load(work_q_ptr + item)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.where(row_raw >= 0, tl.load(qsl_ptr + row + 1) - q_start, 0)
+    ctx = tl.load(ctx_ptr + row)
+    r = tl.arange(0, HEADS * BM)
+    m_idx = q_first + r % BM
+    local = first_local + r // BM
+    r_mask = (m_idx < q_len) & (local < GROUP)
+    head = kv_head * GROUP + tl.minimum(local, GROUP - 1)
+    q_pos = ctx - q_len + m_idx
+    d = tl.arange(0, HEAD_DIM)
+    tok = (q_start + m_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=r_mask[:, None],
+                other=0.0)
+    m = tl.full([HEADS * BM], float("-inf"), tl.float32)
+    lsum = tl.zeros([HEADS * BM], tl.float32)
+    acc = tl.zeros([HEADS * BM, HEAD_DIM], tl.float32)
+    first_pos = ctx - q_len + q_first  # the block's first query sees every key up to here
+    kv_end = tl.where(q_len > 0, tl.minimum(ctx, first_pos + BM), 0)
+    open_end = tl.where(q_len > 0, (first_pos + 1) // BN * BN, 0)
+    kv_off = kv_head * stride_kv_head
+    for n0 in range(0, open_end, BN):
+        m, lsum, acc = _grouped_block(q, k_ptr, v_ptr, bt_ptr, row, stride_bt, n0, kv_end, q_pos, kv_off, d,
+                                      stride_slot, m, lsum, acc, scale_log2, PAGE_SIZE, BN, False, DOT_PRECISION)
+    for n0 in range(open_end, kv_end, BN):
+        m, lsum, acc = _grouped_block(q, k_ptr, v_ptr, bt_ptr, row, stride_bt, n0, kv_end, q_pos, kv_off, d,
+                                      stride_slot, m, lsum, acc, scale_log2, PAGE_SIZE, BN, True, DOT_PRECISION)
+    out = acc / lsum[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=r_mask[:, None])
+
+
+def prefill_form() -> str:
+    """`MSTAR_PREFILL_ATTENTION`: `plain` (the default until the grouped form is timed on a GPU) or `grouped`."""
+    value = os.environ.get("MSTAR_PREFILL_ATTENTION", "") or "plain"
+    if value not in FORMS:
+        raise ValueError(f"MSTAR_PREFILL_ATTENTION={value!r}: expected one of {', '.join(FORMS)}")
+    return value
+
+
+def grouped_heads(group: int, block_m: int = BLOCK_M) -> int:
+    """Query heads a grouped program takes: the group rounded up to a power of two, at most GROUPED_ROWS rows."""
+    return max(1, min(triton.next_power_of_2(group), GROUPED_ROWS // block_m))
+
+
+def grouped_launch(heads: int) -> tuple[int, int, int]:
+    """(keys per iteration, warps, pipeline stages) of a grouped program of `heads` query heads, as compiled for
+    sm_90 (`scripts/probe_kernel_resources.py --kernel prefill`, Triton 3.6 and 3.9): a 128-row tile takes 32 keys,
+    8 warps and 3 stages, 115-127 registers and no spills, two programs an SM (2 stages: 139 registers for a group
+    of 3, one program; 64 keys: 161-170, one; 4 warps spill); a 64-row tile the plain form's 64 keys, 4 warps and
+    2 stages. Not yet timed on a GPU."""
+    return (32, 8, 3) if heads * BLOCK_M >= 128 else (BLOCK_N, 4, 2)
+
+
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            work_rows: torch.Tensor, work_firsts: torch.Tensor, scale: float, block_n: int = BLOCK_N,
-                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """`query` `[T, Hq, D]` -> `[T, Hq, D]`; tokens not covered by a work item are left unwritten. The launch
-    knobs (keys per iteration, warps, pipeline stages) are swept by `scripts/sweep_decode_attention.py
-    --prefill`."""
+                            work_rows: torch.Tensor, work_firsts: torch.Tensor, scale: float,
+                            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                            form: str | None = None, heads_per_program: int | None = None) -> torch.Tensor:
+    """`query` `[T, Hq, D]` -> `[T, Hq, D]`; tokens not covered by a work item are left unwritten. `form`:
+    `plain` or `grouped` (None: `MSTAR_PREFILL_ATTENTION`); `heads_per_program` (grouped only, a power of two;
+    None: `grouped_heads`). The launch knobs (keys per iteration, warps, pipeline stages; None takes 64, 4 and 2, or
+    `grouped_launch`'s) are swept by `scripts/sweep_decode_attention.py --prefill`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
@@ -78,15 +202,33 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     assert k_cache.stride(0) == page_size * k_cache.stride(1), "each page must be contiguous"
     assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
     assert work_rows.shape == work_firsts.shape and work_rows.dtype == work_firsts.dtype == torch.int32
+    form = form or prefill_form()
+    if form not in FORMS:
+        raise ValueError(f"prefill attention form must be one of {FORMS}, got {form!r}")
     out = torch.empty_like(query)
     if num_tokens == 0 or work_rows.numel() == 0:
+        return out
+    group = num_heads // num_kv_heads
+    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    if form == "grouped":
+        heads = heads_per_program or grouped_heads(group)
+        if heads & (heads - 1):
+            raise ValueError(f"heads_per_program must be a power of two, got {heads}")
+        default_n, default_warps, default_stages = grouped_launch(heads)
+        _prefill_grouped_kernel[(work_rows.shape[0], num_kv_heads * -(-group // heads))](
+            query, k_cache, v_cache, out, query_start_loc, context_lens, block_tables, work_rows, work_firsts,
+            work_rows.shape[0], query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
+            k_cache.stride(2), block_tables.stride(0), scale * _LOG2E,
+            PAGE_SIZE=page_size, GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BM=BLOCK_M, BN=block_n or default_n,
+            DOT_PRECISION=dot_precision, num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
+        )
         return out
     _prefill_kernel[(work_rows.shape[0], num_heads)](
         query, k_cache, v_cache, out, query_start_loc, context_lens, block_tables, work_rows, work_firsts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * _LOG2E,
-        PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BM=BLOCK_M, BN=block_n,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BM=BLOCK_M, BN=block_n or BLOCK_N,
+        DOT_PRECISION=dot_precision, num_warps=num_warps or 4, num_stages=num_stages or 2,
     )
     return out
 

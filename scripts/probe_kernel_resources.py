@@ -6,6 +6,7 @@ named target with the ptxas and cuobjdump it ships.
     python scripts/probe_kernel_resources.py                    # split attention, Qwen3-0.6B / Llama-3.2-3B heads
     python scripts/probe_kernel_resources.py --group 4 --warps 4 8 --block 32 64
     python scripts/probe_kernel_resources.py --kernel mid_gemm --rows 8 32 64 --split-k 4
+    python scripts/probe_kernel_resources.py --kernel prefill --warps 4 8 --stages 2 3 --page-size 64
 
 Pointers and integer arguments are compiled as the JIT specialises them at run time (divisible by 16: the pool's
 strides are multiples of the head size), so the loads vectorise as they do when served.
@@ -15,6 +16,8 @@ under PDL where the grid fits one wave (the split's first block of context held 
 `PREFETCH_L2` asks L2 for that block ahead of the wait and holds nothing. The tens-of-rows GEMM
 (mstar_kernels/mid_gemm.py, under PDL) plain, with the pre-norm's add + RMSNorm inside (`mid_gemm_norm`) and with
 the SwiGLU load; `--block` is then its columns of K per iteration (the last two forms take at most `FOLD_BLOCK_K`).
+The ragged prefill attention (mstar_kernels/paged_prefill_attention.py) plain and grouped, with whether its dots
+compiled to Hopper's warpgroup MMA (`wgmma`); `--block` is then its keys per iteration.
 """
 
 from __future__ import annotations
@@ -106,6 +109,37 @@ def compile_mid_gemm(rows: int, block_n: int, block_k: int, split_k: int, warps:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+PREFILL_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "qsl_ptr": "*i32",
+                     "ctx_ptr": "*i32", "bt_ptr": "*i32", "work_row_ptr": "*i32", "work_q_ptr": "*i32",
+                     "num_items": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                     "stride_slot": "i32", "stride_kv_head": "i32", "stride_bt": "i32", "scale_log2": "fp32"}
+
+
+def compile_prefill(group: int, head_dim: int, block_n: int, page_size: int, warps: int, stages: int, heads: int):
+    """The ragged prefill kernel as `paged_prefill_attention` launches it: `heads` 0 is the plain form (one query
+    head a program), else the grouped form with that many heads a program."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mstar_kernels.paged_prefill_attention import BLOCK_M, _prefill_grouped_kernel, _prefill_kernel
+
+    const = dict(PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BM=BLOCK_M, BN=block_n, DOT_PRECISION="tf32")
+    signature = dict(PREFILL_SIGNATURE)
+    if heads:
+        const = dict(PAGE_SIZE=page_size, GROUP=group, HEADS=heads) | {k: v for k, v in const.items()
+                                                                      if k not in ("PAGE_SIZE", "GROUP")}
+    else:
+        del signature["num_items"]
+    signature |= {name: "constexpr" for name in const}
+    names = list(signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+             if signature[name].startswith("*") or name.startswith("stride")}
+    source = ASTSource(fn=_prefill_grouped_kernel if heads else _prefill_kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in const.items()}, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
 def resources(kernel) -> dict[str, int]:
     import triton
 
@@ -129,21 +163,35 @@ def main() -> int:
     from mstar_kernels.mid_gemm import FOLD_BLOCK_K
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernel", choices=["split", "mid_gemm"], default="split")
+    parser.add_argument("--kernel", choices=["split", "mid_gemm", "prefill"], default="split")
     parser.add_argument("--group", type=int, nargs="+", default=[2, 3], help="split: query heads per KV head")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block", type=int, nargs="+", default=None,
                         help="split: context tokens per iteration (default 64); mid_gemm: K per iteration (256)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--stages", type=int, default=None, help="default: 2 (split), 3 (mid_gemm)")
+    parser.add_argument("--stages", type=int, nargs="+", default=None,
+                        help="default: 2 (split, prefill), 3 (mid_gemm); split and mid_gemm take the first")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64], help="mid_gemm: rows of the step")
     parser.add_argument("--block-n", type=int, default=32, help="mid_gemm: output columns a program")
     parser.add_argument("--split-k", type=int, default=1, help="mid_gemm")
     args = parser.parse_args()
     tail = "registers | stack (spills) | shared | programs per SM (by registers / shared / warps) |"
+    if args.kernel == "prefill":
+        from mstar_kernels.paged_prefill_attention import grouped_heads
+
+        print(f"| group | form | keys per iteration | warps | stages | wgmma | {tail}")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for group, block, warps, stages in itertools.product(args.group, args.block or [64], args.warps,
+                                                             args.stages or [2]):
+            for heads in dict.fromkeys([0, 1, grouped_heads(group)]):
+                kernel = compile_prefill(group, args.head_dim, block, args.page_size, warps, stages, heads)
+                form = f"grouped, {heads} head{'s' if heads > 1 else ''}" if heads else "plain"
+                wgmma = "yes" if "wgmma" in kernel.asm["ptx"] else "no"
+                print(_row((group, form, block, warps, stages, wgmma), resources(kernel), warps), flush=True)
+        return 0
     if args.kernel == "mid_gemm":
-        stages = args.stages or 3
+        stages = args.stages[0] if args.stages else 3
         print(f"| rows | K per iteration asked | warps | form | {tail}")
         print("|---|---|---|---|---|---|---|---|")
         for rows, block, warps, form in itertools.product(args.rows, args.block or [256], args.warps, MID_GEMM_FORMS):
@@ -151,7 +199,7 @@ def main() -> int:
             ran = f"{kernel.metadata.num_stages} stages" + (f", K {FOLD_BLOCK_K}" if form != "plain" else "")
             print(_row((rows, block, warps, f"{form} ({ran})"), resources(kernel), warps), flush=True)
         return 0
-    stages = args.stages or 2
+    stages = args.stages[0] if args.stages else 2
     print(f"| group | block | warps | first block ahead of the wait | {tail}")
     print("|---|---|---|---|---|---|---|---|")
     for group, block, warps, form in itertools.product(args.group, args.block or [64], args.warps, FORMS):

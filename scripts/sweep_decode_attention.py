@@ -10,7 +10,8 @@ The first shape is swept in full; the five best settings are then timed on the o
 `--variants` instead compares the kernel's forms (heads-major, tokens-major, fp16 dots, fp8 q.k) over a smaller
 grid of launch knobs, per pool dtype. `--focus NAME` sweeps one shape's launch knobs and context splits for each
 pool's default form (bf16: heads-major; fp8: tokens-major with the fp8 q.k), against the defaults. `--prefill`
-sweeps the ragged prefill kernel's launch knobs on a step of 8 fresh 512-token prompts.
+sweeps the ragged prefill kernel's two forms and launch knobs on a step of 8 fresh 512-token prompts and on one
+4,096-token prompt.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("--mixed", action="store_true", help="time a mixed step's attention both ways")
     parser.add_argument("--focus", choices=[shape[0] for shape in SHAPES], help="sweep one shape (see above)")
     parser.add_argument("--prefill", action="store_true",
-                        help="sweep the ragged prefill kernel's launch knobs on a step of 8 fresh 512-token prompts")
+                        help="sweep the ragged prefill kernel's forms and launch knobs (8 x 512 and 1 x 4,096 tokens)")
     args = parser.parse_args()
     import torch
 
@@ -142,15 +143,27 @@ def main() -> int:
     return 0
 
 
-def sweep_prefill(top: int, rows: int = 8, prompt: int = 512) -> list[dict]:
-    """The ragged prefill kernel on `rows` fresh prompts of `prompt` tokens (pages of 64, as served), Qwen3-0.6B's
-    and Llama-3.2-3B's heads: every (keys per iteration, warps, stages), in TFLOPS of the causal attention."""
+PREFILL_CASES = ((8, 512), (1, 4096))  # (fresh prompts, tokens each): the benchmark's step, one long prompt
+
+
+def sweep_prefill(top: int, cases=PREFILL_CASES) -> list[dict]:
+    """The ragged prefill kernel on steps of fresh prompts (pages of 64, as served), Qwen3-0.6B's and
+    Llama-3.2-3B's heads: both forms (`plain`; `grouped` with one and with two query heads a program) at every
+    (keys per iteration, warps, stages), in TFLOPS of the causal attention. Each output is compared with the plain
+    form's at its default settings first."""
     import torch
 
-    from mstar_kernels.paged_prefill_attention import build_prefill_work, paged_prefill_attention, prefill_work_capacity
+    from mstar_kernels.paged_prefill_attention import (
+        build_prefill_work,
+        grouped_heads,
+        grouped_launch,
+        paged_prefill_attention,
+        prefill_work_capacity,
+    )
 
     out = []
-    for name, heads, kv_heads in (("qwen3-prefill", 16, 8), ("llama-prefill", 24, 8)):
+    for (name, heads, kv_heads), (rows, prompt) in itertools.product(
+            (("qwen3-prefill", 16, 8), ("llama-prefill", 24, 8)), cases):
         gen = torch.Generator(device="cuda").manual_seed(0)
         pages = rows * (prompt // 64)
         shape = (pages + 1, 64, kv_heads, 128)
@@ -163,22 +176,35 @@ def sweep_prefill(top: int, rows: int = 8, prompt: int = 512) -> list[dict]:
         work = [torch.tensor(w, dtype=torch.int32, device="cuda")
                 for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
         flops = 4 * heads * 128 * rows * prompt * (prompt + 1) / 2  # q.k and p.v over the causal half
-        found = []
         args = (query, k_cache, v_cache, qsl, ctx, tables, *work, 0.088)
-        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+        reference = paged_prefill_attention(*args, form="plain").float()
+        group = heads // kv_heads
+        forms = [("plain", None), ("grouped", 1)] + ([("grouped", 2)] if group > 1 else [])
+        found = []
+        for (form, per_program), block_n, warps, stages in itertools.product(forms, (32, 64, 128), (4, 8), (2, 3)):
+            def run(a=args, b=block_n, w=warps, st=stages, f=form, h=per_program):
+                return paged_prefill_attention(*a, block_n=b, num_warps=w, num_stages=st, form=f,
+                                               heads_per_program=h)
             try:
-                us = time_us(lambda a=args, b=block_n, w=warps, st=stages: paged_prefill_attention(
-                    *a, block_n=b, num_warps=w, num_stages=st))
+                err = ((run().float() - reference).norm() / reference.norm()).item()
+                us = time_us(run)
             except Exception as exc:  # an out-of-resources launch: report it and go on
-                print(f"{name} {block_n}/{warps}/{stages}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                print(f"{name} {form}/{per_program} {block_n}/{warps}/{stages}: {type(exc).__name__}: "
+                      f"{str(exc)[:80]}", flush=True)
                 continue
-            found.append({"shape": name, "block_n": block_n, "warps": warps, "stages": stages, "us": round(us, 2),
-                          "TFLOPS": round(flops / us / 1e6, 1)})
+            found.append({"shape": f"{name}-{rows}x{prompt}", "form": form, "heads": per_program,
+                          "block_n": block_n, "warps": warps, "stages": stages, "us": round(us, 2),
+                          "TFLOPS": round(flops / us / 1e6, 1), "rel_err_vs_plain": float(f"{err:.2e}")})
         found.sort(key=lambda r: r["us"])
-        default = next((r for r in found if (r["block_n"], r["warps"], r["stages"]) == (64, 4, 2)), None)
-        print(f"\n{name}: default {default}", flush=True)
-        for r in found[:top]:
-            print("  best", r, flush=True)
+        served = {"plain": next((r for r in found if r["form"] == "plain" and (r["block_n"], r["warps"],
+                                                                              r["stages"]) == (64, 4, 2)), None),
+                  "grouped": next((r for r in found if r["form"] == "grouped" and r["heads"] == grouped_heads(group)
+                                   and (r["block_n"], r["warps"], r["stages"])
+                                   == grouped_launch(grouped_heads(group))), None)}
+        print(f"\n{name} {rows}x{prompt}: as launched by default {served}", flush=True)
+        for form in ("plain", "grouped"):
+            for r in [r for r in found if r["form"] == form][:top]:
+                print(f"  best {form}", r, flush=True)
         out.extend(found)
     return out
 

@@ -113,6 +113,32 @@ def test_mixed_steps_replayed_equal_eager_and_the_reference_backend(separated, k
         assert sum(n >= 8 for n in first_diff) >= 6, first_diff
 
 
+@pytest.mark.parametrize("stagger", [0, 5], ids=["prompts_together", "mixed_steps"])
+def test_grouped_prefill_attention_replays_as_it_runs_eager_and_ties_the_plain_form(separated, monkeypatch, stagger):
+    """MSTAR_PREFILL_ATTENTION=grouped: the prompts' attention runs in the grouped kernel (counted), replayed ==
+    eager bit for bit, and the tokens equal or tie the plain form's (the two sum the keys in other orders)."""
+    import mstar_kernels.paged_prefill_attention as prefill_module
+
+    prompts = _prompts(8, 100, seed=14)
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "plain")
+    reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, stagger=stagger)
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "grouped")
+    launches = []
+    real = prefill_module._prefill_grouped_kernel
+
+    class Counted:  # the kernel's `[grid](...)` launch, counted
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(prefill_module, "_prefill_grouped_kernel", Counted())
+    eager, replayed = (generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, stagger=stagger)
+                       for graphs in (False, True))
+    assert launches, "the grouped prefill kernel ran"
+    assert replayed == eager
+    _assert_near_ties(separated, prompts, reference, [eager])
+
+
 def test_fp8_pool_graphs_equal_the_eager_step(separated):
     """An fp8 (e4m3) KV pool, decoded by the fp8 q.k kernel (MSTAR_DECODE_FORM auto): captured graphs give the
     eager step's greedy tokens. Against the bf16 pool the tokens drift apart after a few steps (H200, 12-01:

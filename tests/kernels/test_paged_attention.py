@@ -200,11 +200,55 @@ def test_paged_prefill_matches_reference_on_ragged_rows(head_dim, num_heads, num
     capacity = prefill_work_capacity(sum(query_lens), len(rows)) + 5  # padded items must be ignored
     work_rows, work_firsts = build_prefill_work(query_lens, capacity)
     scale = head_dim**-0.5
-    out = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables,
-                                  torch.tensor(work_rows, dtype=torch.int32, device=DEVICE),
-                                  torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, qsl, ctx, tables, scale=scale)
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    group = num_heads // num_kv_heads
+    # the grouped form: its own choice of heads a program, one head, and padded head slots past the group
+    variants = [("plain", None)] + [("grouped", h) for h in dict.fromkeys([None, 1, 2 if group > 1 else 4])]
+    for form, heads in variants:
+        out = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables,
+                                      torch.tensor(work_rows, dtype=torch.int32, device=DEVICE),
+                                      torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale, form=form,
+                                      heads_per_program=heads)
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (form, heads)
+
+
+@pytest.mark.parametrize("block_n", sweep([32, 64, 128], [32, 128]))
+def test_grouped_prefill_blocks_of_keys_against_pages_and_diagonals(block_n):
+    """The grouped form's two loops (keys below the diagonal unmasked, the rest masked) meet where the block
+    size puts them: contexts whose cached part ends mid-block and on a block's edge, chunks of 1-130 queries, pages
+    that hold whole blocks (one table read a block) and pages smaller than a block (one a key)."""
+    dtype = DTYPES[0]
+    head_dim, num_heads, num_kv_heads = 64, 4, 2
+    scale = head_dim**-0.5
+    rows = [(130, 130), (64, 192), (1, 64), (33, 97), (70, 200), (2, 128)]
+    query_lens = [q for q, _ in rows]
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([c for _, c in rows], dtype=torch.int32, device=DEVICE)
+    work = [torch.tensor(w, dtype=torch.int32, device=DEVICE)
+            for w in build_prefill_work(query_lens, prefill_work_capacity(sum(query_lens), len(rows)))]
+    for page_size in (16, 128):
+        gen = torch.Generator().manual_seed(block_n + page_size)
+        k_cache, v_cache, tables = _pool([c for _, c in rows], page_size, num_kv_heads, head_dim, dtype, gen)
+        query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+        ref = paged_prefill_attention_ref(query, k_cache, v_cache, qsl, ctx, tables, scale=scale)
+        out = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables, *work, scale, block_n=block_n,
+                                      form="grouped")
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), page_size
+
+
+def test_prefill_form_switch(monkeypatch):
+    from mstar_kernels.paged_prefill_attention import grouped_heads, prefill_form
+
+    monkeypatch.delenv("MSTAR_PREFILL_ATTENTION", raising=False)
+    assert prefill_form() == "plain"
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "grouped")
+    assert prefill_form() == "grouped"
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="MSTAR_PREFILL_ATTENTION='fast': expected one of plain, grouped"):
+        prefill_form()
+    # Qwen3-0.6B's group of 2 fills a 128-row tile; Llama-3.2-3B's 3 takes 2 heads a program (4 slots for 3)
+    assert [grouped_heads(g) for g in (1, 2, 3, 4, 8)] == [1, 2, 2, 2, 2]
+    assert grouped_heads(4, block_m=32) == 4
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="fp16 on the GPU only")

@@ -61,3 +61,24 @@ def test_mid_gemm_forms_that_compute_on_their_loads_do_not_spill(rows):
         used = probe.resources(kernel)
         assert used["stack"] == 0, (form, used)
         assert probe.ctas_per_sm(used["registers"], 4, used["shared"])["ctas"] >= 1, (form, used)
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_grouped_prefill_at_its_default_launch_keeps_two_programs_an_sm(group):
+    """The grouped prefill attention as launched by default (`grouped_heads`, `grouped_launch`; pages of 64):
+    dots on Hopper's warpgroup MMA, no spills, and two programs an SM, as many warps as the plain form's default
+    (Triton 3.6: 115-127 registers at 8 warps and 3 stages; 2 stages would take 139 for a group of 3, 64 keys a
+    block 161-170: one program)."""
+    from mstar_kernels.paged_prefill_attention import BLOCK_N, grouped_heads, grouped_launch
+
+    probe = _probe()
+    heads = grouped_heads(group)
+    block_n, warps, stages = grouped_launch(heads)
+    assert heads * 64 == 128 and (block_n, warps, stages) == (32, 8, 3)
+    fits = []
+    for kernel, launch_warps in ((probe.compile_prefill(group, 128, block_n, 64, warps, stages, heads), warps),
+                                 (probe.compile_prefill(group, 128, BLOCK_N, 64, 4, 2, 0), 4)):
+        used = probe.resources(kernel)
+        assert used["stack"] == 0 and "wgmma" in kernel.asm["ptx"], used
+        fits.append(probe.ctas_per_sm(used["registers"], launch_warps, used["shared"])["ctas"])
+    assert fits[0] >= 2 and fits[0] * warps >= fits[1] * 4, fits
