@@ -41,6 +41,7 @@ from mstar_common.engine.sampler import Sampler, make_generator
 from mstar_common.engine.scheduler import Scheduler, StepPlan
 from mstar_common.engine.sequence import OutputCallback, Sequence, SequenceStatus
 from mstar_common.engine.types import AdmissionError, EngineConfig, FinishReason, SamplingParams
+from mstar_common.switches import check_switches
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class AREngine:
         `overlap`: launch step N+1 before collecting step N (default: on CUDA only).
         `device_penalty`: keep the repetition-penalty history as device masks (default: on CUDA only)."""
         _check_config(config)
+        check_switches()  # a misspelt switch refuses the model here, not at a request or a capture
         self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(config.device)
         self.max_model_len = _resolve_max_model_len(model, config)

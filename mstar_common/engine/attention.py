@@ -291,10 +291,7 @@ class TritonPagedAttention(AttentionBackend):
     is_graph_safe = True
 
     def __init__(self, fused_prologue: bool = True) -> None:
-        from mstar_kernels.paged_prefill_attention import prefill_form
-
         self.fused_prologue = fused_prologue
-        prefill_form()  # a misspelt MSTAR_PREFILL_ATTENTION refuses the model at load, not its first prompt
 
     def prologue(self, qkv, layer, rope, kv, metadata) -> torch.Tensor:
         if not self.fused_prologue:

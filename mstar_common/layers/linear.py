@@ -628,10 +628,7 @@ def default_gemv_cache() -> Path:
 def use_gemv_from_env(model: nn.Module) -> None:
     """`use_gemv` with `MSTAR_GEMV_MAX_ROWS` rows (default 4; 0: cuBLAS throughout), then, on CUDA, `tune_gemv`,
     so that a projection takes the kernel only at the row counts where it beat cuBLAS on this GPU."""
-    raw = os.environ.get("MSTAR_GEMV_MAX_ROWS", "4") or "0"
-    if not raw.isdigit() or int(raw) > GEMV_MAX_ROWS:
-        raise ValueError(f"MSTAR_GEMV_MAX_ROWS: must be an integer in [0, {GEMV_MAX_ROWS}], got {raw!r}")
-    rows = int(raw)
+    rows = gemv_max_rows()
     forced = forced_gemv_settings()
     if rows and use_gemv(model, rows) and next(model.parameters()).is_cuda:
         tune_gemv(model)
@@ -642,6 +639,15 @@ def use_gemv_from_env(model: nn.Module) -> None:
                 logging.getLogger(__name__).info(
                     "mid_gemm (MSTAR_MID_GEMM=auto, stored): rows %s", {r: "mid_gemm" if on else "cuBLAS"
                                                                         for r, on in sorted(choices.items())})
+
+
+def gemv_max_rows() -> int:
+    """`MSTAR_GEMV_MAX_ROWS` (default 4; 0: cuBLAS throughout): decode steps of at most this many rows may run their
+    projections on the skinny GEMM."""
+    raw = os.environ.get("MSTAR_GEMV_MAX_ROWS", "4") or "0"
+    if not raw.isdigit() or int(raw) > GEMV_MAX_ROWS:
+        raise ValueError(f"MSTAR_GEMV_MAX_ROWS: must be an integer in [0, {GEMV_MAX_ROWS}], got {raw!r}")
+    return int(raw)
 
 
 def forced_gemv_settings() -> dict[int, tuple[int, ...]]:

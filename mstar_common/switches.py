@@ -1,0 +1,78 @@
+"""The autoregressive engine's environment switches (docs/deployment.md), all checked when an engine is built.
+
+Most of them are read where they act: at each launch, so at a graph's capture, or at a step of some row count. A
+misspelt value would then fail only there: on the CPU, or without captured graphs, at a user's request. The
+engine instead reads every one of them when it is built, through the same parser the code uses, so the model is
+refused at load with each bad switch named beside its rule (`check_switches`). Kernel switches are checked where
+Triton imports (elsewhere their kernels never run). `MSTAR_DECODE_FORM` and `MSTAR_SWITCH_INTERVAL_MS` are
+already read at load (when mstar_common/engine/attention.py is imported; when the stub starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mstar_common.config import env_switch
+
+# `0`/`1` switches read with `env_switch(name, default)`, and their defaults (tests/unit/test_switches.py keeps this
+# list in step with the code's calls)
+BOOLEAN_SWITCHES = {
+    "MSTAR_PDL": True,
+    "MSTAR_GEMV_HEADS": True,
+    "MSTAR_GEMV_WIDE": True,
+    "MSTAR_GEMV_STEP_PLANS": True,
+    "MSTAR_GEMV_CHAINED": True,
+    "MSTAR_GEMV_NORM_ONE_READ": True,
+    "MSTAR_EMBED_KERNEL": True,
+    "MSTAR_READBACK_NATIVE": True,
+    "MSTAR_ZERO_COPY_STEP_IO": True,
+    "MSTAR_STEP_TIMES": False,
+    "MSTAR_REQUIRE_ACCELERATOR_GRAPHS": False,
+    "MSTAR_DECODE_PREFETCH": True,
+    "MSTAR_DECODE_PREFETCH_ANY_GRID": False,
+    "MSTAR_DECODE_PREFETCH_L2": False,
+    "MSTAR_PROLOGUE_AHEAD": True,
+    "MSTAR_TOP_P_REJECT": True,
+    "MSTAR_DENOISE_EXACT_BATCHES": True,
+    "MSTAR_DIFFUSION_KERNELS": True,
+}
+
+
+def _parsers() -> list[Callable[[], object]]:
+    """The parsers of the switches that take more than 0 or 1, as the code calls them."""
+    from mstar_common import pdl_switches
+    from mstar_common.engine import flashinfer_backend
+    from mstar_common.layers import decoder, linear
+
+    parsers = [pdl_switches.max_rows, pdl_switches.trigger_mode, linear.mid_gemm_rows, linear.mid_gemm_kinds,
+               linear.mid_gemm_folds, linear.gemv_max_rows, linear.forced_gemv_settings, decoder.fused_mlp_rows,
+               decoder.fused_mlp_options, decoder.norm_gemv_mode, flashinfer_backend.prefill_kernel_family]
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return parsers
+    from mstar_kernels import paged_decode_attention, paged_prefill_attention, top_k_top_p
+
+    return parsers + [lambda: paged_decode_attention.decode_num_stages(1, 1, 1),
+                      lambda: paged_decode_attention.rope_in_attention(1),
+                      paged_prefill_attention.prefill_form,
+                      lambda: top_k_top_p.search_groups(1, 1, torch.device("cpu"))]  # asks no GPU anything
+
+
+def check_switches() -> None:
+    """Read every switch above; raise one ValueError naming each refused value and its rule."""
+    problems = []
+    for name, default in BOOLEAN_SWITCHES.items():
+        try:
+            env_switch(name, default)
+        except ValueError as exc:
+            problems.append(str(exc))
+    for parse in _parsers():
+        try:
+            parse()
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("environment switches refused (docs/deployment.md): " + "; ".join(problems))

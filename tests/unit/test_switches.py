@@ -1,0 +1,116 @@
+"""The engine reads every environment switch when it is built (mstar_common/switches.py), so a misspelt value
+refuses the model at load with the switch and its rule named, instead of failing a request later."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from mstar_common.switches import BOOLEAN_SWITCHES, check_switches
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# one value each parser refuses, with a piece of its message
+REFUSED = {
+    "MSTAR_PDL_MAX_ROWS": ("two", "expected a non-negative integer"),
+    "MSTAR_PDL_TRIGGER": ("late", "expected one of early, fit, ahead"),
+    "MSTAR_MID_GEMM_MAX_ROWS": ("-1", "expected a non-negative integer"),
+    "MSTAR_MID_GEMM": ("qkv", "expected auto, 0, all or a list"),
+    "MSTAR_MID_GEMM_FOLD": ("rope", "expected auto, or a list"),
+    "MSTAR_GEMV_MAX_ROWS": ("9", "must be an integer in [0, 8]"),
+    "MSTAR_GEMV_FORCE": ("1:8/0/8", "expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES"),
+    "MSTAR_FUSED_MLP_ROWS": ("16", "expected an integer in [0, 8]"),
+    "MSTAR_FUSED_MLP_OPTIONS": ("warps=4", "is not KEY=positive integer"),
+    "MSTAR_NORM_GEMV": ("yes", "expected one of auto, 1, 0"),
+    "MSTAR_DECODE_STAGES": ("x", "expected a positive integer"),
+    "MSTAR_DECODE_ROPE_IN_ATTENTION": ("always", "expected rule, 0 or 1"),
+    "MSTAR_PREFILL_ATTENTION": ("fast", "expected one of plain, grouped"),
+    "MSTAR_SEARCH_PROGRAMS": ("many", "expected a non-negative integer"),
+    "MSTAR_FLASHINFER_PREFILL": ("fa4", "must be auto, fa2 or fa3"),
+}
+# parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
+# already), by the image families' DiT, and by the BLS scripts
+NOT_THE_ENGINES = {"MSTAR_DECODE_FORM", "MSTAR_DIT_ATTENTION", "MSTAR_BLS_HOLD_S"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("MSTAR_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def _code_files():
+    for folder in ("mstar_common", "mstar_kernels", "backends"):
+        yield from (ROOT / folder).rglob("*.py")
+
+
+def test_the_boolean_list_is_every_env_switch_call_with_its_default():
+    calls = {}
+    for source in _code_files():
+        for name, default in re.findall(r'env_switch\(\s*"(MSTAR_[A-Z0-9_]+)",\s*(True|False)\)', source.read_text()):
+            calls[name] = default == "True"
+    assert calls == BOOLEAN_SWITCHES
+
+
+def test_the_refused_values_cover_every_parsed_switch():
+    """Every switch the kernels and layers parse themselves (more than 0 or 1, refused on a bad value) is in REFUSED,
+    so the next test shows that `check_switches` reads it."""
+    parsed = set()
+    for source in _code_files():
+        text = source.read_text()
+        for name in re.findall(r'os\.environ\.get\("(MSTAR_[A-Z0-9_]+)"', text):
+            if re.search(rf'raise ValueError\(f"{name}', text) or re.search(rf'raise ValueError\(f"{name}[:=]', text):
+                parsed.add(name)
+    assert parsed - NOT_THE_ENGINES <= REFUSED.keys(), parsed - NOT_THE_ENGINES - REFUSED.keys()
+    assert len(parsed) >= 10
+
+
+def test_a_clean_environment_passes(clean_env):
+    check_switches()
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_each_parsed_switch_is_read(clean_env, name):
+    value, rule = REFUSED[name]
+    clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(rule)) as raised:
+        check_switches()
+    assert name in str(raised.value)
+
+
+def test_every_bad_switch_is_named_at_once(clean_env):
+    clean_env.setenv("MSTAR_PDL", "yes")
+    clean_env.setenv("MSTAR_DECODE_PREFETCH_L2", "on")
+    clean_env.setenv("MSTAR_PREFILL_ATTENTION", "fast")
+    with pytest.raises(ValueError) as raised:
+        check_switches()
+    message = str(raised.value)
+    assert message.startswith("environment switches refused (docs/deployment.md): ")
+    for part in ("MSTAR_PDL='yes': expected 0 or 1", "MSTAR_DECODE_PREFETCH_L2='on': expected 0 or 1",
+                 "MSTAR_PREFILL_ATTENTION='fast'"):
+        assert part in message
+
+
+def test_an_engine_with_a_misspelt_switch_is_refused_at_build(clean_env, tmp_path):
+    """On the CPU no Triton kernel runs, so without this check the value would never be read there at all."""
+    import torch
+
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.types import EngineConfig
+    from mstar_common.families.qwen3.loader import load_qwen3
+    from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+    model, config = load_qwen3(build_tiny_checkpoint(tmp_path / "qwen3_tiny"))
+    engine_config = EngineConfig(num_kv_pages=16, page_size=16, max_num_seqs=2, max_batch_tokens=64,
+                                 max_model_len=128, dtype="float32", device="cpu")
+    clean_env.setenv("MSTAR_DECODE_STAGES", "three")
+    with pytest.raises(ValueError, match="MSTAR_DECODE_STAGES='three'"):
+        AREngine(model, engine_config, eos_token_ids=[], vocab_size=config["vocab_size"])
+    clean_env.delenv("MSTAR_DECODE_STAGES")
+    assert AREngine(model, engine_config, eos_token_ids=[], vocab_size=config["vocab_size"]).device == \
+        torch.device("cpu")
