@@ -291,11 +291,12 @@ def test_fp8_kv_pool_is_read_back_exactly(dtype):
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     work_rows, work_firsts = build_prefill_work(query_lens, prefill_work_capacity(sum(query_lens), len(lengths)))
-    out = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables,
-                                  torch.tensor(work_rows, dtype=torch.int32, device=DEVICE),
-                                  torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, qsl, ctx, tables, scale=scale)
-    assert rel_err(out, ref) < tol
+    for form in ("plain", "grouped"):
+        out = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables,
+                                      torch.tensor(work_rows, dtype=torch.int32, device=DEVICE),
+                                      torch.tensor(work_firsts, dtype=torch.int32, device=DEVICE), scale, form=form)
+        assert rel_err(out, ref) < tol, form
 
 
 def _row_slots(tables, lengths, page_size):
