@@ -6,8 +6,10 @@
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_suite.sh [--bench-only | --tests-only]
 # SUITE_MODELS (default "qwen3 llama") picks the served models; SUITE_TESTS (default "tests/kernels tests/gpu")
 # the test paths. A device call of 600 s holds the benchmarks or the tests, not both: on the H200 the two models'
-# benchmarks take ~7 minutes, and `pytest -m gpu tests/kernels tests/gpu` ~11 (2026-12-04: 608 tests in 520 s, then
-# tests/gpu alone 159 s), so the whole test set is two calls, SUITE_TESTS=tests/kernels and SUITE_TESTS=tests/gpu.
+# benchmarks take ~7 minutes, and `pytest -m gpu tests/kernels tests/gpu` in one process ~11 (2026-12-04: 608 tests
+# in 520 s, then tests/gpu alone 159 s), most of it Triton compiling on one core. The tests now run as SUITE_JOBS
+# processes (default 4; scripts/parallel_pytest.py, one log each under $OUT/test_logs), meant to fit one call (not
+# yet timed); with SUITE_JOBS=1 the set is two calls, SUITE_TESTS=tests/kernels and SUITE_TESTS=tests/gpu.
 # With FLASHINFER_SDIST=<flashinfer-python 0.2.5 source archive> it also installs FlashInfer and runs the
 # FlashInfer backend's tests (which skip without it in the main test stage).
 # Every stage has its own time limit and the report is rewritten after each benchmark, so a stage that fails
@@ -72,7 +74,8 @@ TESTS_ONLY=0; [ "${1:-}" = "--tests-only" ] && TESTS_ONLY=1
 [ "${1:-}" = "--bench-only" ] && { tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null; exit 0; }
 
 stage "kernel and graph tests"
-MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 540 $IMAGE_PY -m pytest -q -m gpu ${SUITE_TESTS:-tests/kernels tests/gpu} -p no:cacheprovider \
+MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 540 $IMAGE_PY scripts/parallel_pytest.py --jobs "${SUITE_JOBS:-4}" \
+  --logs "$OUT/test_logs" -- -q -m gpu ${SUITE_TESTS:-tests/kernels tests/gpu} -p no:cacheprovider \
   || echo "STAGE FAILED: gpu tests"
 
 if [ -n "${FLASHINFER_SDIST:-}" ]; then  # e.g. flashinfer_python-0.2.5.tar.gz (pip download --no-deps ...)

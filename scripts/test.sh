@@ -7,10 +7,13 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/python -m pytest "${@:-tests}"
 # Given no test paths (options only) and no GPU: the Triton kernels against their torch references too, on the
-# CPU through Triton's interpreter (their smaller sweep; the slowest cases there are marked `slow`, left to the GPU).
+# CPU through Triton's interpreter (their smaller sweep; the slowest cases there are marked `slow`, left to the GPU),
+# as one process a core (at most 4; KERNEL_TEST_JOBS sets it), each with its log under $TMPDIR/mstar-kernel-tests.
 for arg in "$@"; do
   case $arg in -*) ;; *) exit 0 ;; esac
 done
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
-  TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -m "not slow" "$@" tests/kernels
+  jobs=${KERNEL_TEST_JOBS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+  TRITON_INTERPRET=1 exec .venv/bin/python scripts/parallel_pytest.py --jobs "$jobs" \
+    --logs "${TMPDIR:-/tmp}/mstar-kernel-tests" -- -m "not slow" "$@" tests/kernels
 fi

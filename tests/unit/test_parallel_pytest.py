@@ -1,0 +1,75 @@
+"""scripts/parallel_pytest.py: one pytest run as several processes (the GPU suite's test stage, the CPU kernel
+stage of scripts/test.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "parallel_pytest.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("parallel_pytest", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_functions_are_dealt_largest_first_to_the_smallest_group():
+    deal = _module().deal
+    counts = {"a::t1": 1, "a::t2": 10, "b::t3": 6, "b::t4": 5, "c::t5": 3}
+    groups = deal(counts, 2)
+    assert groups == [["a::t2", "c::t5"], ["a::t1", "b::t3", "b::t4"]]  # 13 and 12 cases, in collection order
+    assert sorted(sum(groups, [])) == sorted(counts)
+    assert deal(counts, 9) == [["a::t2"], ["b::t3"], ["b::t4"], ["c::t5"], ["a::t1"]]  # no empty groups
+
+
+def test_options_are_kept_and_paths_replaced():
+    options_only = _module().options_only
+    args = ["-q", "-m", "not slow", "tests/kernels", "-p", "no:cacheprovider", "-k", "prefill", "tests/gpu/x.py::t",
+            "-x", "--durations=5"]
+    assert options_only(args) == ["-q", "-m", "not slow", "-p", "no:cacheprovider", "-k", "prefill", "-x",
+                                  "--durations=5"]
+
+
+def _tests(tmp_path, failing: bool) -> Path:
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    (folder / "test_one.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('n', range(4))\ndef test_a(n):\n    assert n < 4\n\n"
+        "def test_b():\n    assert True\n")
+    (folder / "test_two.py").write_text(f"def test_c():\n    assert {not failing}\n\ndef test_d():\n    pass\n\n"
+                                        "import pytest\n\n@pytest.mark.skipif(True, reason='never here')\n"
+                                        "def test_e():\n    pass\n")
+    return folder
+
+
+def test_collection_counts_cases_and_leaves_out_what_a_marker_skips(tmp_path):
+    folder = _tests(tmp_path, failing=False)
+    counts = _module().collect(["-q", str(folder)])
+    assert counts == {f"{folder}/test_one.py::test_a": 4, f"{folder}/test_one.py::test_b": 1,
+                      f"{folder}/test_two.py::test_c": 1, f"{folder}/test_two.py::test_d": 1,
+                      f"{folder}/test_two.py::test_e": 0}
+
+
+def _run(tmp_path, folder, jobs):
+    return subprocess.run([sys.executable, str(SCRIPT), "--jobs", str(jobs), "--logs", str(tmp_path / "logs"), "--",
+                           "-q", "-p", "no:cacheprovider", str(folder)], capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_in_processes_passes_and_reports_each(tmp_path):
+    done = _run(tmp_path, _tests(tmp_path, failing=False), 3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summaries = [line for line in done.stdout.splitlines() if " exit 0: " in line]
+    assert len(summaries) == 3
+    assert sum(int(line.split("exit 0: ")[1].split(" passed")[0]) for line in summaries) == 7
+    assert len(list((tmp_path / "logs").glob("pytest_*.log"))) == 3
+
+
+def test_a_failing_process_fails_the_run_and_prints_its_log(tmp_path):
+    done = _run(tmp_path, _tests(tmp_path, failing=True), 2)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAILED" in done.stdout and "test_c" in done.stdout and "-----" in done.stdout
