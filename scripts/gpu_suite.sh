@@ -33,9 +33,11 @@ $IMAGE_PY -c "import torch, triton, transformers, numpy; print('torch', torch.__
 $PY -c "from transformers import AutoTokenizer; import numpy; print('server venv: AutoTokenizer imports, numpy', numpy.__version__)"
 
 stage "random-weight checkpoints at real shapes"
+CHECKPOINTS="'qwen3-0.6b', 'llama-3.2-3b'"
+[ "${1:-}" = "--tests-only" ] && CHECKPOINTS="'qwen3-0.6b',"  # the tests read the Qwen3 one alone
 timeout 150 $IMAGE_PY -c "
 from mstar_common.bench.checkpoints import build_random_checkpoint
-for name in ('qwen3-0.6b', 'llama-3.2-3b'):
+for name in ($CHECKPOINTS):
     print(build_random_checkpoint(name, '$WORK/' + name))
 "
 
