@@ -13,7 +13,9 @@ and, where a page holds whole blocks of keys, one page-table read a block instea
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -25,6 +27,7 @@ from mstar_common.engine.attention import build_prefill_work, prefill_work_capac
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner iteration
 FORMS = ("plain", "grouped")
+SWITCH_VALUES = (*FORMS, "auto")
 GROUPED_ROWS = 128  # query rows (heads x queries) a grouped program takes at most
 
 
@@ -165,11 +168,80 @@ def _prefill_grouped_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, ctx_ptr, bt_ptr
 
 
 def prefill_form() -> str:
-    """`MSTAR_PREFILL_ATTENTION`: `plain` (the default until the grouped form is timed on a GPU) or `grouped`."""
+    """`MSTAR_PREFILL_ATTENTION`: `plain` (the default until the grouped form is timed on a GPU), `grouped`, or
+    `auto` (each shape of heads times both forms on its GPU once, `auto_form`)."""
     value = os.environ.get("MSTAR_PREFILL_ATTENTION", "") or "plain"
-    if value not in FORMS:
-        raise ValueError(f"MSTAR_PREFILL_ATTENTION={value!r}: expected one of {', '.join(FORMS)}")
+    if value not in SWITCH_VALUES:
+        raise ValueError(f"MSTAR_PREFILL_ATTENTION={value!r}: expected one of {', '.join(SWITCH_VALUES)}")
     return value
+
+
+# MSTAR_PREFILL_ATTENTION=auto: the forms are timed on these steps of fresh prompts (prompts, tokens each: the
+# benchmark's step and a prompt of the default step budget), summed, and the grouped form is kept where it is at
+# least AUTO_MIN_GAIN faster. One choice a process per (heads, KV heads, head size, page size, dtype, device).
+AUTO_WORKLOADS = ((8, 512), (1, 2048))
+AUTO_MIN_GAIN = 0.02
+_AUTO_CHOICES: dict[tuple, str] = {}
+_logger = logging.getLogger(__name__)
+
+
+def _bench_us(fn: Callable[[], object], form: str) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25) * 1e3
+
+
+Timer = Callable[[Callable[[], object], str], float]  # (the launch, its form) -> microseconds
+
+
+def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype, device: torch.device, timer: Timer = _bench_us,
+                workloads=AUTO_WORKLOADS) -> tuple[str, dict[str, float]]:
+    """Both forms timed (`timer(fn, form)` -> us) on `workloads` of fresh prompts with these heads (queries in
+    `dtype`, a pool in `kv_dtype`), summed:
+    (`grouped` where it is AUTO_MIN_GAIN faster than `plain`, else `plain`; the totals)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    totals = dict.fromkeys(FORMS, 0.0)
+    for rows, prompt in workloads:
+        pages_per_row = -(-prompt // page_size)
+        shape = (rows * pages_per_row + 1, page_size, num_kv_heads, head_dim)
+        k_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+        v_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+        tables = (torch.randperm(rows * pages_per_row, generator=gen, device=device).to(torch.int32) + 1)
+        tables = tables.view(rows, pages_per_row)
+        ctx = torch.full((rows,), prompt, dtype=torch.int32, device=device)
+        qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device=device)
+        query = torch.randn((rows * prompt, num_heads, head_dim), generator=gen, device=device).to(dtype)
+        work = [torch.tensor(w, dtype=torch.int32, device=device)
+                for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
+        args = (query, k_cache, v_cache, qsl, ctx, tables, *work, head_dim**-0.5)
+        for form in FORMS:
+            totals[form] += timer(lambda a=args, f=form: paged_prefill_attention(*a, form=f), form)
+    chosen = "grouped" if totals["grouped"] <= totals["plain"] * (1 - AUTO_MIN_GAIN) else "plain"
+    return chosen, totals
+
+
+def auto_form(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+              kv_dtype: torch.dtype, device: torch.device) -> str:
+    """The form `MSTAR_PREFILL_ATTENTION=auto` runs for these heads: timed on the first call outside a graph
+    capture (a captured step's warm-ups run first), then kept. `plain` off CUDA (where nothing is timed) and, with
+    a warning, in a capture that finds no choice made."""
+    key = (num_heads, num_kv_heads, head_dim, page_size, str(dtype), str(kv_dtype), str(device))
+    if key in _AUTO_CHOICES:
+        return _AUTO_CHOICES[key]
+    if device.type != "cuda":
+        return "plain"
+    if torch.cuda.is_current_stream_capturing():
+        _logger.warning("prefill attention (MSTAR_PREFILL_ATTENTION=auto): no form timed before this capture; "
+                        "it runs the plain form")
+        return "plain"
+    chosen, totals = choose_form(num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, device)
+    _AUTO_CHOICES[key] = chosen
+    _logger.info("prefill attention (MSTAR_PREFILL_ATTENTION=auto), %d/%d heads of %d, pages of %d, %s pool: "
+                 "plain %.1f us, grouped %.1f us over %s prompts x tokens: %s", num_heads, num_kv_heads, head_dim,
+                 page_size, str(kv_dtype).removeprefix("torch."), totals["plain"], totals["grouped"],
+                 " + ".join(f"{r}x{p}" for r, p in AUTO_WORKLOADS), chosen)
+    return chosen
 
 
 def grouped_heads(group: int, block_m: int = BLOCK_M) -> int:
@@ -192,7 +264,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                             form: str | None = None, heads_per_program: int | None = None) -> torch.Tensor:
     """`query` `[T, Hq, D]` -> `[T, Hq, D]`; tokens not covered by a work item are left unwritten. `form`:
-    `plain` or `grouped` (None: `MSTAR_PREFILL_ATTENTION`); `heads_per_program` (grouped only, a power of two;
+    `plain`, `grouped` or `auto` (None: `MSTAR_PREFILL_ATTENTION`); `heads_per_program` (grouped only, a power of two;
     None: `grouped_heads`). The launch knobs (keys per iteration, warps, pipeline stages; None takes 64, 4 and 2, or
     `grouped_launch`'s) are swept by `scripts/sweep_decode_attention.py --prefill`."""
     num_tokens, num_heads, head_dim = query.shape
@@ -203,8 +275,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
     assert work_rows.shape == work_firsts.shape and work_rows.dtype == work_firsts.dtype == torch.int32
     form = form or prefill_form()
+    if form == "auto":
+        form = auto_form(num_heads, num_kv_heads, head_dim, page_size, query.dtype, k_cache.dtype, query.device)
     if form not in FORMS:
-        raise ValueError(f"prefill attention form must be one of {FORMS}, got {form!r}")
+        raise ValueError(f"prefill attention form must be one of {SWITCH_VALUES}, got {form!r}")
     out = torch.empty_like(query)
     if num_tokens == 0 or work_rows.numel() == 0:
         return out

@@ -113,28 +113,49 @@ def test_mixed_steps_replayed_equal_eager_and_the_reference_backend(separated, k
         assert sum(n >= 8 for n in first_diff) >= 6, first_diff
 
 
+@pytest.mark.parametrize("form", ["grouped", "auto"])
 @pytest.mark.parametrize("stagger", [0, 5], ids=["prompts_together", "mixed_steps"])
-def test_grouped_prefill_attention_replays_as_it_runs_eager_and_ties_the_plain_form(separated, monkeypatch, stagger):
+def test_grouped_prefill_attention_replays_as_it_runs_eager_and_ties_the_plain_form(separated, monkeypatch, caplog,
+                                                                                     stagger, form):
     """MSTAR_PREFILL_ATTENTION=grouped: the prompts' attention runs in the grouped kernel (counted), replayed ==
-    eager bit for bit, and the tokens equal or tie the plain form's (the two sum the keys in other orders)."""
+    eager bit for bit, and the tokens equal or tie the plain form's (the two sum the keys in other orders). `auto`:
+    the forms are timed once, in the first capture's warm-up (the replayed engine runs first), and the engines run
+    the form it kept."""
+    import logging
+
     import mstar_kernels.paged_prefill_attention as prefill_module
 
+    monkeypatch.setattr(prefill_module, "_AUTO_CHOICES", {})
     prompts = _prompts(8, 100, seed=14)
     monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "plain")
     reference = generate(separated, prompts, graphs=True, overlap=True, max_tokens=8, stagger=stagger)
-    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "grouped")
-    launches = []
-    real = prefill_module._prefill_grouped_kernel
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", form)
+    launches, timing = [], []
+    real_kernel, real_choose = prefill_module._prefill_grouped_kernel, prefill_module.choose_form
 
     class Counted:  # the kernel's `[grid](...)` launch, counted
         def __getitem__(self, grid):
             launches.append(grid)
-            return real[grid]
+            return real_kernel[grid]
+
+    def counted_choose(*args, **kwargs):  # the timing's own launches are not the engines'
+        before = len(launches)
+        chosen = real_choose(*args, **kwargs)
+        timing.append(len(launches) - before)
+        return chosen
 
     monkeypatch.setattr(prefill_module, "_prefill_grouped_kernel", Counted())
-    eager, replayed = (generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, stagger=stagger)
-                       for graphs in (False, True))
-    assert launches, "the grouped prefill kernel ran"
+    monkeypatch.setattr(prefill_module, "choose_form", counted_choose)
+    with caplog.at_level(logging.INFO):
+        replayed, eager = (generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, stagger=stagger)
+                           for graphs in (True, False))
+    served = len(launches) - sum(timing)
+    if form == "auto":
+        (chosen,) = prefill_module._AUTO_CHOICES.values()
+        assert len(timing) == 1 and "no form timed before this capture" not in caplog.text
+        assert (served > 0) == (chosen == "grouped"), (chosen, served)
+    else:
+        assert served > 0 and not timing, "the grouped prefill kernel ran"
     assert replayed == eager
     _assert_near_ties(separated, prompts, reference, [eager])
 

@@ -236,6 +236,80 @@ def test_grouped_prefill_blocks_of_keys_against_pages_and_diagonals(block_n):
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), page_size
 
 
+@pytest.mark.parametrize("grouped_us,expected", [(9.7, "grouped"), (9.9, "plain")])
+def test_auto_keeps_the_grouped_form_where_it_is_two_percent_faster(monkeypatch, grouped_us, expected):
+    """`choose_form` times each form on synthetic prompts with the model's heads (here with a stand-in timer that
+    runs each launch once and checks it against the reference) and keeps `grouped` only at a 2% gain."""
+    import mstar_kernels.paged_prefill_attention as prefill_module
+
+    launches = []
+    real = prefill_module._prefill_grouped_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(prefill_module, "_prefill_grouped_kernel", Counted())
+    timed = []
+
+    def timer(fn, form):
+        out = fn()
+        assert out.shape == (70, 4, 64) and torch.isfinite(out.float()).all()
+        timed.append((form, len(launches)))
+        return {"plain": 10.0, "grouped": grouped_us}[form]
+
+    dtype = DTYPES[0]
+    chosen, totals = prefill_module.choose_form(4, 2, 64, 16, dtype, dtype, torch.device(DEVICE), timer=timer,
+                                                workloads=((1, 70),))
+    assert chosen == expected and totals == {"plain": 10.0, "grouped": grouped_us}
+    assert timed == [("plain", 0), ("grouped", 1)]  # each launch ran its own form
+
+
+def test_auto_times_once_a_shape_and_not_off_cuda_nor_in_a_capture(monkeypatch, caplog):
+    import logging
+
+    import mstar_kernels.paged_prefill_attention as prefill_module
+
+    monkeypatch.setattr(prefill_module, "_AUTO_CHOICES", {})
+    asked = []
+    monkeypatch.setattr(prefill_module, "choose_form",
+                        lambda *a: asked.append(a) or ("grouped", {"plain": 50.0, "grouped": 30.0}))
+    bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
+    assert prefill_module.auto_form(16, 8, 128, 64, bf16, bf16, torch.device("cpu")) == "plain" and not asked
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with caplog.at_level(logging.WARNING):
+        assert prefill_module.auto_form(16, 8, 128, 64, bf16, bf16, cuda) == "plain" and not asked
+    assert "no form timed before this capture" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with caplog.at_level(logging.INFO):
+        assert prefill_module.auto_form(16, 8, 128, 64, bf16, bf16, cuda) == "grouped"
+    assert "plain 50.0 us, grouped 30.0 us over 8x512 + 1x2048 prompts x tokens: grouped" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # kept: no timing, no warning
+    assert prefill_module.auto_form(16, 8, 128, 64, bf16, bf16, cuda) == "grouped" and len(asked) == 1
+    assert prefill_module.auto_form(16, 8, 128, 64, bf16, torch.float8_e4m3fn, cuda) == "plain"  # another pool
+
+
+@pytest.mark.skipif(IS_INTERPRETED, reason="times both forms on the GPU")
+def test_auto_on_the_gpu_runs_the_form_it_timed_and_keeps_it(monkeypatch):
+    import mstar_kernels.paged_prefill_attention as prefill_module
+
+    monkeypatch.setattr(prefill_module, "_AUTO_CHOICES", {})
+    gen = torch.Generator().manual_seed(21)
+    lengths = [300, 77]
+    k_cache, v_cache, tables = _pool(lengths, 64, 8, 128, torch.bfloat16, gen)
+    qsl = torch.tensor([0, 300, 377], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(377, 16, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    work = [torch.tensor(w, dtype=torch.int32, device=DEVICE)
+            for w in build_prefill_work(lengths, prefill_work_capacity(377, 2))]
+    auto = paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables, *work, 0.088, form="auto")
+    (chosen,) = prefill_module._AUTO_CHOICES.values()
+    assert chosen in prefill_module.FORMS
+    assert torch.equal(auto, paged_prefill_attention(query, k_cache, v_cache, qsl, ctx, tables, *work, 0.088,
+                                                     form=chosen))
+
+
 def test_prefill_form_switch(monkeypatch):
     from mstar_kernels.paged_prefill_attention import grouped_heads, prefill_form
 
@@ -243,8 +317,10 @@ def test_prefill_form_switch(monkeypatch):
     assert prefill_form() == "plain"
     monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "grouped")
     assert prefill_form() == "grouped"
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "auto")
+    assert prefill_form() == "auto"
     monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="MSTAR_PREFILL_ATTENTION='fast': expected one of plain, grouped"):
+    with pytest.raises(ValueError, match="MSTAR_PREFILL_ATTENTION='fast': expected one of plain, grouped, auto"):
         prefill_form()
     # Qwen3-0.6B's group of 2 fills a 128-row tile; Llama-3.2-3B's 3 takes 2 heads a program (4 slots for 3)
     assert [grouped_heads(g) for g in (1, 2, 3, 4, 8)] == [1, 2, 2, 2, 2]

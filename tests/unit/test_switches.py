@@ -27,7 +27,7 @@ REFUSED = {
     "MSTAR_NORM_GEMV": ("yes", "expected one of auto, 1, 0"),
     "MSTAR_DECODE_STAGES": ("x", "expected a positive integer"),
     "MSTAR_DECODE_ROPE_IN_ATTENTION": ("always", "expected rule, 0 or 1"),
-    "MSTAR_PREFILL_ATTENTION": ("fast", "expected one of plain, grouped"),
+    "MSTAR_PREFILL_ATTENTION": ("fast", "expected one of plain, grouped, auto"),
     "MSTAR_SEARCH_PROGRAMS": ("many", "expected a non-negative integer"),
     "MSTAR_FLASHINFER_PREFILL": ("fa4", "must be auto, fa2 or fa3"),
 }
