@@ -144,13 +144,17 @@ def main() -> int:
 
 
 PREFILL_CASES = ((8, 512), (1, 4096))  # (fresh prompts, tokens each): the benchmark's step, one long prompt
+PREFILL_HEADS = (("qwen3-prefill", 16, 8), ("llama-prefill", 24, 8))
+PREFILL_SETTINGS = tuple(itertools.product((32, 64, 128), (4, 8), (2, 3)))  # keys a block, warps, stages
 
 
-def sweep_prefill(top: int, cases=PREFILL_CASES) -> list[dict]:
+def sweep_prefill(top: int, cases=PREFILL_CASES, heads_list=PREFILL_HEADS, settings=PREFILL_SETTINGS,
+                  device: str = "cuda", dtype=None, timer=None) -> list[dict]:
     """The ragged prefill kernel on steps of fresh prompts (pages of 64, as served), Qwen3-0.6B's and
     Llama-3.2-3B's heads: both forms (`plain`; `grouped` with one and with two query heads a program) at every
     (keys per iteration, warps, stages), in TFLOPS of the causal attention. Each output is compared with the plain
-    form's at its default settings first."""
+    form's at its default settings first. `device`, `dtype` (default bf16), `timer` and the rest let a test run
+    it small in Triton's interpreter."""
     import torch
 
     from mstar_kernels.paged_prefill_attention import (
@@ -161,19 +165,20 @@ def sweep_prefill(top: int, cases=PREFILL_CASES) -> list[dict]:
         prefill_work_capacity,
     )
 
+    dtype = dtype or torch.bfloat16
+    timer = timer or time_us
     out = []
-    for (name, heads, kv_heads), (rows, prompt) in itertools.product(
-            (("qwen3-prefill", 16, 8), ("llama-prefill", 24, 8)), cases):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        pages = rows * (prompt // 64)
+    for (name, heads, kv_heads), (rows, prompt) in itertools.product(heads_list, cases):
+        gen = torch.Generator(device=device).manual_seed(0)
+        pages = rows * -(-prompt // 64)
         shape = (pages + 1, 64, kv_heads, 128)
-        k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-        tables = (torch.randperm(pages, generator=gen, device="cuda").to(torch.int32) + 1).view(rows, -1)
-        ctx = torch.full((rows,), prompt, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device="cuda")
-        query = torch.randn((rows * prompt, heads, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
-        work = [torch.tensor(w, dtype=torch.int32, device="cuda")
+        k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        tables = (torch.randperm(pages, generator=gen, device=device).to(torch.int32) + 1).view(rows, -1)
+        ctx = torch.full((rows,), prompt, dtype=torch.int32, device=device)
+        qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device=device)
+        query = torch.randn((rows * prompt, heads, 128), generator=gen, device=device, dtype=dtype)
+        work = [torch.tensor(w, dtype=torch.int32, device=device)
                 for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
         flops = 4 * heads * 128 * rows * prompt * (prompt + 1) / 2  # q.k and p.v over the causal half
         args = (query, k_cache, v_cache, qsl, ctx, tables, *work, 0.088)
@@ -181,13 +186,13 @@ def sweep_prefill(top: int, cases=PREFILL_CASES) -> list[dict]:
         group = heads // kv_heads
         forms = [("plain", None), ("grouped", 1)] + ([("grouped", 2)] if group > 1 else [])
         found = []
-        for (form, per_program), block_n, warps, stages in itertools.product(forms, (32, 64, 128), (4, 8), (2, 3)):
+        for (form, per_program), (block_n, warps, stages) in itertools.product(forms, settings):
             def run(a=args, b=block_n, w=warps, st=stages, f=form, h=per_program):
                 return paged_prefill_attention(*a, block_n=b, num_warps=w, num_stages=st, form=f,
                                                heads_per_program=h)
             try:
                 err = ((run().float() - reference).norm() / reference.norm()).item()
-                us = time_us(run)
+                us = timer(run)
             except Exception as exc:  # an out-of-resources launch: report it and go on
                 print(f"{name} {form}/{per_program} {block_n}/{warps}/{stages}: {type(exc).__name__}: "
                       f"{str(exc)[:80]}", flush=True)

@@ -464,3 +464,23 @@ def test_rope_in_attention_rule_and_switch(monkeypatch):
     monkeypatch.setenv("MSTAR_DECODE_ROPE_IN_ATTENTION", "yes")
     with pytest.raises(ValueError, match="MSTAR_DECODE_ROPE_IN_ATTENTION='yes': expected rule, 0 or 1"):
         rope_in_attention(8)
+
+
+@pytest.mark.skipif(not IS_INTERPRETED, reason="the sweep's own run is the GPU check")
+def test_the_prefill_sweep_runs_both_forms_and_reports_them(capsys):
+    """scripts/sweep_decode_attention.py --prefill, small and in the interpreter (fp32, a stand-in timer): every
+    form at every setting runs, equals the plain form, and is reported, so a device call never finds it broken."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "sweep_decode_attention.py"
+    spec = importlib.util.spec_from_file_location("sweep_decode_attention", path)
+    sweep_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep_module)
+    rows = sweep_module.sweep_prefill(1, cases=((1, 70),), heads_list=(("gqa3", 6, 2),),
+                                      settings=((32, 4, 2), (64, 4, 2)), device="cpu", dtype=torch.float32,
+                                      timer=lambda fn: fn() is not None and 10.0)
+    assert {(r["form"], r["heads"], r["block_n"]) for r in rows} == {
+        (form, heads, block) for form, heads in (("plain", None), ("grouped", 1), ("grouped", 2)) for block in (32, 64)}
+    assert all(r["rel_err_vs_plain"] < 1e-5 and r["us"] == 10.0 for r in rows)
+    assert "gqa3 1x70: as launched by default" in capsys.readouterr().out
