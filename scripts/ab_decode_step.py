@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,10 +23,26 @@ from mstar_common.bench.checkpoints import add_step_args, family_checkpoint, row
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:MSTAR_KEY=VALUE,...`, each value read by the switch's own parser (`check_switches`) before any GPU
+    time is spent on the variant."""
     name, _, settings = text.partition(":")
     env = dict(item.split("=", 1) for item in settings.split(",") if item)
     if not name or any(not key.startswith("MSTAR_") for key in env):
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME:MSTAR_KEY=VALUE[,MSTAR_KEY=VALUE...]")
+    from mstar_common.switches import check_switches
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        check_switches()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--variant {name}: {exc}") from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return name, env
 
 

@@ -3,6 +3,7 @@
 import faulthandler
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -121,6 +122,11 @@ def test_ab_decode_step_variants_are_parsed_and_checked():
     for bad in ("x:PATH=/tmp", ":MSTAR_PDL=0"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:MSTAR_KEY=VALUE"):
             ab.parse_variant(bad)
+    # a value the switch's parser refuses is refused here, before the GPU runs anything; the environment is left
+    before = dict(os.environ)
+    with pytest.raises(argparse.ArgumentTypeError, match="--variant typo: .*MSTAR_MID_GEMM_FOLD='norms'"):
+        ab.parse_variant("typo:MSTAR_MID_GEMM=all,MSTAR_MID_GEMM_FOLD=norms")
+    assert dict(os.environ) == before
 
 
 def test_kernel_resources_probe_counts_programs_per_sm_as_hopper_allocates():
