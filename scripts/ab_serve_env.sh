@@ -21,6 +21,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MSTAR_CACHE_DI
 export MSTAR_STEP_TIMES=1
 source "$(dirname "$0")/device_env.sh"
 CKPT=$WORK/qwen3-0.6b
+if [[ $VAR == MSTAR_* ]]; then  # every value through the switch's own parser first: a typo costs no server start
+  for value in "$@"; do
+    env "$VAR=$value" $IMAGE_PY -c "from mstar_common.switches import check_switches; check_switches()" \
+      || { echo "refused: $VAR=$value" >&2; exit 2; }
+  done
+fi
 timeout 150 $IMAGE_PY -c "
 from mstar_common.bench.checkpoints import build_random_checkpoint
 print(build_random_checkpoint('qwen3-0.6b', '$CKPT'))" 2>&1 | tail -n 1
