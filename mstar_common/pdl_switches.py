@@ -4,6 +4,7 @@ readable without Triton: the GEMV cache keys its step-timed settings by them (`s
 from __future__ import annotations
 
 import os
+import re
 
 from mstar_common.config import env_switch
 
@@ -100,6 +101,24 @@ def skipped() -> frozenset[str]:
     triggers, so the kernel after it starts at its end too."""
     raw = os.environ.get("MSTAR_PDL_SKIP", "")
     return frozenset(kind.strip() for kind in raw.replace("+", ",").split(",") if kind.strip())
+
+
+FIXED_KINDS = frozenset({"prologue", "split", "merge"})
+
+
+def unknown_kinds(projections: set[str]) -> list[str]:
+    """The kinds that `MSTAR_PDL_AHEAD_OF` or `MSTAR_PDL_SKIP`, where set, name but that name no kernel of a model
+    with these `projections` (the last part of each linear layer's name: `qkv_proj`, `lm_head`, ...): not a fixed
+    kind, not a projection or `mid:` one, not `gemv:NxK`. Such a kind leaves an A/B measuring nothing (or names a
+    kernel of another model of the deployment)."""
+    known = FIXED_KINDS | projections | {f"mid:{name}" for name in projections}
+    found = []
+    for switch, kinds in (("MSTAR_PDL_AHEAD_OF", ahead_of()), ("MSTAR_PDL_SKIP", skipped())):
+        if os.environ.get(switch) is None:
+            continue
+        found += [f"{switch}: {kind}" for kind in sorted(kinds)
+                  if kind not in known and not re.fullmatch(r"gemv:\d+x\d+", kind)]
+    return found
 
 
 def signature(rows: int | None = None) -> str:

@@ -10,6 +10,7 @@ already read at load (when mstar_common/engine/attention.py is imported; when th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -61,9 +62,25 @@ def _parsers() -> list[Callable[[], object]]:
                       lambda: top_k_top_p.search_groups(1, 1, torch.device("cpu"))]  # asks no GPU anything
 
 
-def check_switches() -> None:
-    """Read every switch above; raise one ValueError naming each refused value and its rule."""
+def check_switches(model: torch.nn.Module | None = None) -> None:
+    """Read every switch above; raise one ValueError naming each refused value and its rule. With the `model`,
+    also warn of each kernel kind named in `MSTAR_PDL_AHEAD_OF` or `MSTAR_PDL_SKIP` that none of its layers
+    launches (a warning: in a deployment of several models it may name another model's kernel)."""
     problems = []
+    if model is not None:
+        from mstar_common import pdl_switches
+
+        names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                 if isinstance(module, torch.nn.Linear)}
+        try:
+            unknown = pdl_switches.unknown_kinds(names)
+        except ValueError as exc:
+            problems.append(str(exc))
+        else:
+            for item in unknown:
+                logging.getLogger(__name__).warning(
+                    "%s names no kernel of %s (its kinds: %s, mid:<projection>, gemv:NxK)", item,
+                    type(model).__name__, ", ".join(sorted(pdl_switches.FIXED_KINDS | names)))
     for name, default in BOOLEAN_SWITCHES.items():
         try:
             env_switch(name, default)

@@ -58,7 +58,7 @@ class AREngine:
         `overlap`: launch step N+1 before collecting step N (default: on CUDA only).
         `device_penalty`: keep the repetition-penalty history as device masks (default: on CUDA only)."""
         _check_config(config)
-        check_switches()  # a misspelt switch refuses the model here, not at a request or a capture
+        check_switches(model)  # a misspelt switch refuses the model here, not at a request or a capture
         self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(config.device)
         self.max_model_len = _resolve_max_model_len(model, config)

@@ -114,3 +114,22 @@ def test_an_engine_with_a_misspelt_switch_is_refused_at_build(clean_env, tmp_pat
     clean_env.delenv("MSTAR_DECODE_STAGES")
     assert AREngine(model, engine_config, eos_token_ids=[], vocab_size=config["vocab_size"]).device == \
         torch.device("cpu")
+
+
+def test_a_pdl_kind_that_names_no_kernel_of_the_model_is_warned_of(clean_env, tmp_path, caplog):
+    import logging
+
+    from mstar_common.families.qwen3.loader import load_qwen3
+    from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+    model, _ = load_qwen3(build_tiny_checkpoint(tmp_path / "qwen3_tiny"))
+    with caplog.at_level(logging.WARNING):
+        check_switches(model)  # the defaults name Qwen3's projections, and unset they are not checked anyway
+    assert "names no kernel" not in caplog.text
+    clean_env.setenv("MSTAR_PDL_AHEAD_OF", "prologue,o_prj,mid:down_proj,gemv:1024x2048,lm_head")
+    clean_env.setenv("MSTAR_PDL_SKIP", "split+mid:qkv")
+    with caplog.at_level(logging.WARNING):
+        check_switches(model)
+    warned = [r.getMessage() for r in caplog.records if "names no kernel" in r.getMessage()]
+    assert [w.split(" names")[0] for w in warned] == ["MSTAR_PDL_AHEAD_OF: o_prj", "MSTAR_PDL_SKIP: mid:qkv"]
+    assert "qkv_proj" in warned[0] and "Qwen3" in warned[0]
