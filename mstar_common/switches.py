@@ -1,4 +1,5 @@
-"""The autoregressive engine's environment switches (docs/deployment.md), all checked when an engine is built.
+"""The serving components' environment switches (docs/deployment.md), all checked when an autoregressive engine is
+built (the image families' two `0`/`1` switches with them: one environment serves a whole deployment).
 
 Most of them are read where they act: at each launch, so at a graph's capture, or at a step of some row count. A
 misspelt value would then fail only there: on the CPU, or without captured graphs, at a user's request. The
@@ -72,15 +73,10 @@ def check_switches(model: torch.nn.Module | None = None) -> None:
 
         names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                  if isinstance(module, torch.nn.Linear)}
-        try:
-            unknown = pdl_switches.unknown_kinds(names)
-        except ValueError as exc:
-            problems.append(str(exc))
-        else:
-            for item in unknown:
-                logging.getLogger(__name__).warning(
-                    "%s names no kernel of %s (its kinds: %s, mid:<projection>, gemv:NxK)", item,
-                    type(model).__name__, ", ".join(sorted(pdl_switches.FIXED_KINDS | names)))
+        for item in pdl_switches.unknown_kinds(names):
+            logging.getLogger(__name__).warning(
+                "%s names no kernel of %s (its kinds: %s, mid:<projection>, gemv:NxK)", item, type(model).__name__,
+                ", ".join(sorted(pdl_switches.FIXED_KINDS | names)))
     for name, default in BOOLEAN_SWITCHES.items():
         try:
             env_switch(name, default)
