@@ -59,9 +59,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.launcher import Ports, start_proxy, stop_process, wait_ready
     from mstar_common.repository import entry_model, generate_repository
     from mstar_common.supervisor import TritonSupervisor
+    from mstar_common.switches import check_switches
 
     path = resolve_target(args.target)
     dep = load_deployment(path)
+    try:
+        check_switches()  # a misspelt MSTAR_* switch: refused here, not after tritonserver has loaded the models
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
     print(f"[mstar] deployment {dep.name} ({path}) is valid", flush=True)
     checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
     print(f"[mstar] checkpoint: {checkpoint}", flush=True)

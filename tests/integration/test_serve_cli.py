@@ -49,3 +49,13 @@ def test_serve_refuses_a_bad_deployment_before_starting(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mstar_common.cli", "serve", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "components: missing ['llm']" in out.stderr
+
+
+def test_serve_refuses_a_misspelt_switch_before_starting():
+    env = {**os.environ, "MSTAR_PDL": "yes", "MSTAR_PREFILL_ATTENTION": "fast"}
+    out = subprocess.run([sys.executable, "-m", "mstar_common.cli", "serve", "qwen3"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "mstar: error: environment switches refused" in out.stderr
+    assert "MSTAR_PDL='yes': expected 0 or 1" in out.stderr and "MSTAR_PREFILL_ATTENTION='fast'" in out.stderr
+    assert "tritonserver starting" not in out.stdout
