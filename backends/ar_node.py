@@ -29,6 +29,7 @@ from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.output_pump import OutputPump, TextStream
 from mstar_common.engine.stop_strings import StopStringMatcher
 from mstar_common.gc_policy import settle_heap
+from mstar_common.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class TritonPythonModel:
         self.input_names = [spec.name for spec in node.component.inputs]
         self.runtime = node.build()
         self.engine = self.runtime.engine
-        self.pump = OutputPump(self.engine, name=f"{self.model_name}-output")
+        self.pump = OutputPump(self.engine, name=f"{self.model_name}-output",
+                               watch=StallWatch.from_env(self.engine, self.model_name))
         self._ids = itertools.count()
         self.pump.start()
         self.engine.start()

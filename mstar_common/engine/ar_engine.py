@@ -152,6 +152,11 @@ class AREngine:
                 return
         self._cancel_everything()
 
+    @property
+    def num_live(self) -> int:
+        """Requests admitted and not yet finished (queued, waiting or running)."""
+        return len(self._live)
+
     def stats(self) -> dict:
         with self._cond:
             num_inbox = len(self._inbox)

@@ -131,9 +131,11 @@ class PumpTimes:
 
 
 class OutputPump:
-    def __init__(self, engine: Any, name: str = "output-pump"):
+    def __init__(self, engine: Any, name: str = "output-pump", watch: Any = None):
+        """`watch`: a `mstar_common.stall_watch.StallWatch` that each cycle of the pump's loop beats."""
         self._engine = engine
         self._name = name
+        self._watch = watch
         self.times = PumpTimes()
         self.latency = LatencySamples()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,6 +155,8 @@ class OutputPump:
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._watch is not None:
+            self._watch.stop()  # after the loop's last beat: a shutdown is not a stall
 
     def register(self, stream: TextStream) -> None:
         with self._lock:
@@ -193,6 +197,8 @@ class OutputPump:
                 self._poll_cancellations()
             except Exception:  # never let one bad stream stop every other stream's output
                 logger.exception("output pump iteration failed")
+            if self._watch is not None and self._is_running:
+                self._watch.beat()
             self._log_times()
 
     def _log_times(self) -> None:
