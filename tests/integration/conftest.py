@@ -41,9 +41,24 @@ class Served:
 
 
 def print_logs(root: Path) -> None:
-    for log in ("tritonserver.log", "proxy.log"):
-        if (root / log).is_file():
-            print(f"----- {log} -----\n{(root / log).read_text()[-6000:]}")
+    print(server_logs(root))
+
+
+def server_logs(root: Path, limit: int = 6000) -> str:
+    return "".join(f"----- {log} -----\n{(root / log).read_text(errors='replace')[-limit:]}\n"
+                   for log in ("tritonserver.log", "proxy.log") if (root / log).is_file())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a served fixture shows that server's log tails in its report (a hang's stacks, a
+    stub's last words), since the fixture prints them only when it fails to start."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            if isinstance(value, Served) and value.log_dir.is_dir():
+                report.sections.append((f"server logs ({value.dep.name})", server_logs(value.log_dir, 20000)))
 
 
 @contextlib.contextmanager
