@@ -27,6 +27,7 @@ from mstar_common import wire
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
 from mstar_common.families.orpheus.codes import SpeechChunker
 from mstar_common.gc_policy import settle_heap
+from mstar_common.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class TritonPythonModel:
         self.runtime = setup.build()
         self.engine = self.runtime.engine
         codec = self.runtime.local_codec or BLSCodec(self.runtime.codec_model)
-        self.pump = CodecPump(self.engine, codec, name=f"{self.model_name}-codec")
+        self.pump = CodecPump(self.engine, codec, name=f"{self.model_name}-codec",
+                              watch=StallWatch.from_env(self.engine, self.model_name))
         self._ids = itertools.count()
         self.pump.start()
         self.engine.start()

@@ -114,8 +114,8 @@ class _Ready:
 
 
 class CodecPump(OutputPump):
-    def __init__(self, engine: Any, codec: Codec, name: str = "codec-pump") -> None:
-        super().__init__(engine, name=name)
+    def __init__(self, engine: Any, codec: Codec, name: str = "codec-pump", watch: Any = None) -> None:
+        super().__init__(engine, name=name, watch=watch)
         self.latency = SpeechLatency()
         self._codec = codec
         self.num_codec_calls = 0
