@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -61,6 +62,32 @@ def find_stubs(server_pid: int) -> dict[int, Stub]:
         model = Path(argv[1].decode(errors="replace")).parent.parent.name if len(argv) > 1 else "?"
         stubs[int(entry)] = Stub(int(entry), model)
     return stubs
+
+
+_REGION = re.compile(r"^mstar(\d+)_[0-9a-f]{6}_")
+
+
+def remove_stale_shm(shm_dir: Path = SHM_DIR) -> int:
+    """Remove the shared-memory regions that supervisors no longer alive left behind (a supervisor killed before
+    its `stop`): regions are named `mstar<supervisor pid>_...` (`_launch`), so those whose pid runs no process
+    belong to no server. Returns how many were removed."""
+    removed = 0
+    if not shm_dir.is_dir():
+        return 0
+    for region in shm_dir.iterdir():
+        match = _REGION.match(region.name)
+        if not match or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # alive (or another user's process): not ours to judge
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        region.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 class TritonSupervisor:
@@ -147,6 +174,9 @@ class TritonSupervisor:
         self._launch()
 
     def _launch(self) -> None:
+        stale = remove_stale_shm()
+        if stale:
+            logger.info("[supervisor] removed %d shared-memory region(s) left by supervisors no longer running", stale)
         self._shm_prefix = f"mstar{os.getpid()}_{uuid.uuid4().hex[:6]}_"
         prefix_arg = f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}"
         self.proc = start_triton(self.repo, self.dep, self.ports, self.log_path, extra_args=(prefix_arg,))
