@@ -68,9 +68,9 @@ _REGION = re.compile(r"^mstar(\d+)_[0-9a-f]{6}_")
 
 
 def remove_stale_shm(shm_dir: Path = SHM_DIR) -> int:
-    """Remove the shared-memory regions that supervisors no longer alive left behind (a supervisor killed before
-    its `stop`): regions are named `mstar<supervisor pid>_...` (`_launch`), so those whose pid runs no process
-    belong to no server. Returns how many were removed."""
+    """Remove the shared-memory regions that supervisors no longer alive left behind: regions are named
+    `mstar<supervisor pid>_...` (`_launch`), so those whose pid runs no process belong to no server. Returns how
+    many were removed."""
     removed = 0
     if not shm_dir.is_dir():
         return 0
