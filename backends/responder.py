@@ -4,11 +4,19 @@ A Responder wraps one request's response sender. `send_chunk` streams outputs, `
 request (with or without outputs) and `send_error` ends it with an error; after the FINAL every further
 call is a no-op, so racing paths (a stop string found while the engine reports a cancel) cannot send
 twice or send after the end.
+
+Two threads reach one Responder: `execute` (a refusal's error) and the output pump (chunks, the FINAL, the
+cancellation polls). A lock makes "is it still open?" and the call to the sender one step, so that no thread
+asks the sender anything after another has sent the FINAL. Triton's Python backend answers `is_cancelled()` by
+reading the request's response factory, by its address, in the server process; after the FINAL that factory may
+be freed, and a stub whose query gets no answer waits for it forever. A hung stub seen once after a burst of
+refusals and cancellations (docs/reliability.md) fits that race; its stacks were not captured to confirm it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 
 import numpy as np
@@ -25,34 +33,37 @@ class Responder:
     all). Triton drops the others after the backend has sent them, so they are never built: each output is a
     tensor copied into the backend's shared memory, under the GIL that the step loop needs, on every response."""
 
-    __slots__ = ("_sender", "_request", "_wanted", "is_closed", "request_id")
+    __slots__ = ("_sender", "_request", "_wanted", "_lock", "is_closed", "request_id")
 
     def __init__(self, request, request_id: str):
         self._request = request
         self._sender = request.get_response_sender()
         self._wanted = frozenset(request.requested_output_names())
+        self._lock = threading.Lock()  # "still open?" and the sender's call as one step (module docstring)
         self.request_id = request_id
         self.is_closed = False
 
     def send_chunk(self, outputs: dict[str, np.ndarray]) -> None:
-        if not self.is_closed:
-            self._send(_response(outputs, self._wanted), 0)
+        response = _response(outputs, self._wanted)
+        with self._lock:
+            if not self.is_closed:
+                self._send(response, 0)
 
     def send_final(self, outputs: dict[str, np.ndarray] | None = None) -> None:
-        if self.is_closed:
-            return
-        self.is_closed = True
-        if outputs:
-            self._send(_response(outputs, self._wanted), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        else:
-            self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        response = _response(outputs, self._wanted) if outputs else None
+        with self._lock:
+            if self.is_closed:
+                return
+            self.is_closed = True
+            self._send(response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def send_error(self, message: str) -> None:
-        if self.is_closed:
-            return
-        self.is_closed = True
         error = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
-        self._send(error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self._lock:
+            if self.is_closed:
+                return
+            self.is_closed = True
+            self._send(error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def send_invalid(self, detail: str) -> None:
         """The client's fault: the proxy turns this prefix into an HTTP 400."""
@@ -67,10 +78,14 @@ class Responder:
         return error_id
 
     def is_cancelled(self) -> bool:
-        try:
-            return bool(self._sender.is_cancelled())
-        except Exception:  # the stub raises once the request is gone
-            return True
+        """Whether the client went away; True once the FINAL is sent (the sender is not asked then)."""
+        with self._lock:
+            if self.is_closed:
+                return True
+            try:
+                return bool(self._sender.is_cancelled())
+            except Exception:  # the stub raises once the request is gone
+                return True
 
     def _send(self, response, flags: int) -> None:
         try:

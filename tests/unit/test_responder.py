@@ -18,6 +18,7 @@ def responder(monkeypatch):
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     pb.Tensor = lambda name, value: (name, value)
     pb.InferenceResponse = lambda output_tensors, error=None: {name for name, _ in output_tensors}
+    pb.TritonError = lambda message: message
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
     monkeypatch.delitem(sys.modules, "backends.responder", raising=False)
     import backends.responder as module
@@ -59,3 +60,57 @@ def test_a_response_carries_the_requested_outputs_only(responder, names, built):
     r.send_chunk(OUTPUTS)
     r.send_final(OUTPUTS)
     assert request.sender.sent == [(built, 0), (built, 1)]
+
+
+class WatchedSender(Sender):
+    """Records every call with whether another call to it was in progress, and can hold `is_cancelled` open."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.calls, self.inside, self.proceed = [], threading.Event(), threading.Event()
+        self.busy = False
+
+    def _enter(self, name):
+        self.calls.append((name, self.busy))
+        self.busy = True
+
+    def send(self, response=None, flags=0):
+        self._enter("send")
+        super().send(response, flags)
+        self.busy = False
+
+    def is_cancelled(self):
+        self._enter("is_cancelled")
+        self.inside.set()
+        self.proceed.wait(2)
+        self.busy = False
+        return False
+
+
+def test_no_thread_asks_the_sender_after_the_final_nor_during_another_call(responder):
+    """The output pump polls `is_cancelled()` while `execute` may end the same request (a refusal's error):
+    Triton frees the request's response factory at the FINAL and answers a later query from freed memory, so
+    the FINAL must wait for a query in progress, and no query may follow it."""
+    import threading
+
+    request = Request([])
+    sender = request.sender = WatchedSender()
+    r = responder.Responder(request, "r")
+    polled = threading.Thread(target=r.is_cancelled)
+    polled.start()
+    assert sender.inside.wait(2)
+    ended = threading.Thread(target=r.send_error, args=("refused",))
+    ended.start()
+    ended.join(0.2)
+    assert ended.is_alive(), "the FINAL went out while the sender was answering a query"
+    sender.proceed.set()
+    polled.join(2)
+    ended.join(2)
+    assert [name for name, _ in sender.calls] == ["is_cancelled", "send"]
+    assert not any(overlapped for _, overlapped in sender.calls)
+    assert r.is_cancelled() is True and [name for name, _ in sender.calls] == ["is_cancelled", "send"]
+    r.send_chunk(OUTPUTS)
+    r.send_final(OUTPUTS)
+    assert len(sender.calls) == 2  # nothing after the FINAL
