@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,20 +28,14 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     env = dict(item.split("=", 1) for item in settings.split(",") if item)
     if not name or any(not key.startswith("MSTAR_") for key in env):
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME:MSTAR_KEY=VALUE[,MSTAR_KEY=VALUE...]")
+    from mstar_common.bench.fusion import scoped_environment
     from mstar_common.switches import check_switches
 
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
     try:
-        check_switches()
+        with scoped_environment(env):
+            check_switches()
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--variant {name}: {exc}") from None
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return name, env
 
 

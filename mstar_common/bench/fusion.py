@@ -309,7 +309,7 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
     model, config, kv_cache = _load(checkpoint, family, batch_sizes, context_len, page_size, kv_dtype=kv_dtype)
     captured = {}
     for name, env in variants.items():
-        with _environment(env):
+        with scoped_environment(env):
             component = ComponentConfig(attention_backend=env.get("MSTAR_AB_ATTENTION_BACKEND", "auto"))
             configure_fast_path(model, component, "cuda", max(batch_sizes), 4096)
             captured[name] = _decode_graphs(model, config, kv_cache, batch_sizes)
@@ -330,7 +330,7 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
         for rows in batch_sizes:
             for name, graphs in captured.items():
                 for gather in (True, False):
-                    with _environment(variants[name]):  # switches read by the served loop's own objects
+                    with scoped_environment(variants[name]):  # switches read by the served loop's own objects
                         ms = served_like_ms(graphs, rows, context_len, page_size, gather=gather)
                     results.append({"family": family, "variant": name, "env": variants[name], "rows": rows,
                                     "context_len": context_len, "served_like_ms": ms, "gather": gather})
@@ -342,7 +342,7 @@ def ab_steps(checkpoint: str | Path, family: str, batch_sizes: list[int], varian
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]):
+def scoped_environment(env: dict[str, str]):
     """`env` set in `os.environ` for the block, the previous values back after it."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
