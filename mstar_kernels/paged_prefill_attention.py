@@ -194,27 +194,33 @@ def _bench_us(fn: Callable[[], object], form: str) -> float:
 Timer = Callable[[Callable[[], object], str], float]  # (the launch, its form) -> microseconds
 
 
+def fresh_prompts(rows: int, prompt: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                  dtype: torch.dtype, kv_dtype: torch.dtype, device, seed: int = 0) -> tuple:
+    """`paged_prefill_attention`'s arguments (through the scale) for `rows` fresh prompts of `prompt` tokens each,
+    random, in shuffled pages: what `choose_form` and scripts/sweep_decode_attention.py time."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages = rows * -(-prompt // page_size)
+    shape = (pages + 1, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
+    tables = (torch.randperm(pages, generator=gen, device=device).to(torch.int32) + 1).view(rows, -1)
+    ctx = torch.full((rows,), prompt, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device=device)
+    query = torch.randn((rows * prompt, num_heads, head_dim), generator=gen, device=device).to(dtype)
+    work = [torch.tensor(w, dtype=torch.int32, device=device)
+            for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
+    return (query, k_cache, v_cache, qsl, ctx, tables, *work, head_dim**-0.5)
+
+
 def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                 kv_dtype: torch.dtype, device: torch.device, timer: Timer = _bench_us,
                 workloads=AUTO_WORKLOADS) -> tuple[str, dict[str, float]]:
     """Both forms timed (`timer(fn, form)` -> us) on `workloads` of fresh prompts with these heads (queries in
     `dtype`, a pool in `kv_dtype`), summed:
     (`grouped` where it is AUTO_MIN_GAIN faster than `plain`, else `plain`; the totals)."""
-    gen = torch.Generator(device=device).manual_seed(0)
     totals = dict.fromkeys(FORMS, 0.0)
     for rows, prompt in workloads:
-        pages_per_row = -(-prompt // page_size)
-        shape = (rows * pages_per_row + 1, page_size, num_kv_heads, head_dim)
-        k_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
-        v_cache = torch.randn(shape, generator=gen, device=device).to(kv_dtype)
-        tables = (torch.randperm(rows * pages_per_row, generator=gen, device=device).to(torch.int32) + 1)
-        tables = tables.view(rows, pages_per_row)
-        ctx = torch.full((rows,), prompt, dtype=torch.int32, device=device)
-        qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device=device)
-        query = torch.randn((rows * prompt, num_heads, head_dim), generator=gen, device=device).to(dtype)
-        work = [torch.tensor(w, dtype=torch.int32, device=device)
-                for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
-        args = (query, k_cache, v_cache, qsl, ctx, tables, *work, head_dim**-0.5)
+        args = fresh_prompts(rows, prompt, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, device)
         for form in FORMS:
             totals[form] += timer(lambda a=args, f=form: paged_prefill_attention(*a, form=f), form)
     chosen = "grouped" if totals["grouped"] <= totals["plain"] * (1 - AUTO_MIN_GAIN) else "plain"

@@ -158,30 +158,18 @@ def sweep_prefill(top: int, cases=PREFILL_CASES, heads_list=PREFILL_HEADS, setti
     import torch
 
     from mstar_kernels.paged_prefill_attention import (
-        build_prefill_work,
+        fresh_prompts,
         grouped_heads,
         grouped_launch,
         paged_prefill_attention,
-        prefill_work_capacity,
     )
 
     dtype = dtype or torch.bfloat16
     timer = timer or time_us
     out = []
     for (name, heads, kv_heads), (rows, prompt) in itertools.product(heads_list, cases):
-        gen = torch.Generator(device=device).manual_seed(0)
-        pages = rows * -(-prompt // 64)
-        shape = (pages + 1, 64, kv_heads, 128)
-        k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        tables = (torch.randperm(pages, generator=gen, device=device).to(torch.int32) + 1).view(rows, -1)
-        ctx = torch.full((rows,), prompt, dtype=torch.int32, device=device)
-        qsl = torch.arange(0, (rows + 1) * prompt, prompt, dtype=torch.int32, device=device)
-        query = torch.randn((rows * prompt, heads, 128), generator=gen, device=device, dtype=dtype)
-        work = [torch.tensor(w, dtype=torch.int32, device=device)
-                for w in build_prefill_work([prompt] * rows, prefill_work_capacity(rows * prompt, rows))]
+        args = fresh_prompts(rows, prompt, heads, kv_heads, 128, 64, dtype, dtype, device)
         flops = 4 * heads * 128 * rows * prompt * (prompt + 1) / 2  # q.k and p.v over the causal half
-        args = (query, k_cache, v_cache, qsl, ctx, tables, *work, 0.088)
         reference = paged_prefill_attention(*args, form="plain").float()
         group = heads // kv_heads
         forms = [("plain", None), ("grouped", 1)] + ([("grouped", 2)] if group > 1 else [])
