@@ -13,15 +13,15 @@ def enabled() -> bool:
     return env_switch("MSTAR_PDL", True)
 
 
-MID_GEMM_PDL_ROWS = 32  # PDL's default rows with MSTAR_MID_GEMM=all or kinds (mstar_common/layers/linear.py)
+MID_GEMM_PDL_ROWS = 64  # PDL's default rows with MSTAR_MID_GEMM=all or kinds (mstar_common/layers/linear.py)
 
 
 def max_rows() -> int:
     """`MSTAR_PDL_MAX_ROWS`: launches of at most this many rows go with PDL. Default 2; with `MSTAR_MID_GEMM` at
-    `all` or kinds, 32, so that steps of 5-32 rows, whose projections then run on Triton kernels, run their whole
+    `all` or kinds, 64, so that steps of 5-64 rows, whose projections then run on Triton kernels, run their whole
     chain under PDL (`MSTAR_MID_GEMM=auto`, the default, adds the row counts it chose instead: `add_rows`).
-    On the H200 that is what made them faster (Qwen3-0.6B, 8 rows: 1.345 -> 1.199 ms); at 64 rows PDL made the
-    step slower, with mid_gemm or with cuBLAS (docs/benchmarks.md, 2026-12-04 night)."""
+    On the H200 that is what made them faster (Qwen3-0.6B, 8 rows: 1.345 -> 1.199 ms; 64 rows, since the decode
+    attention's prefetch rule of 2026-12-04: 2.339 -> 2.207 ms, docs/benchmarks.md 2026-12-05)."""
     mid_gemm = os.environ.get("MSTAR_MID_GEMM", "") not in ("", "0", "auto")
     default = str(MID_GEMM_PDL_ROWS if mid_gemm else 2)
     raw = os.environ.get("MSTAR_PDL_MAX_ROWS", default) or default

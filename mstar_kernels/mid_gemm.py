@@ -24,7 +24,7 @@ tensor-core GEMM for steps of 16-64 rows"): at 64 rows cuBLAS and this kernel ta
 Qwen3-0.6B's qkv, o and gate_up (a launch floor: gate_up moves 50% more bytes than qkv in 0.6 us more); it won
 only the o projections at 16 rows (5.87 -> 5.18 us, Llama's 9.91 -> 8.58), and its SwiGLU load ran 1.3-2x slower
 than cuBLAS after `silu_mul`. What it gives is a chain: with `MSTAR_MID_GEMM` (mstar_common/layers/linear.py) the
-layers run their projections of 5-32-row steps on it, and every launch of such a step then starts under PDL;
+layers run their projections of 5-64-row steps on it, and every launch of such a step then starts under PDL;
 Qwen3-0.6B's 8-row step took 11% less (2026-12-04, docs/benchmarks.md "The projections of 8-32-row steps under
 PDL").
 

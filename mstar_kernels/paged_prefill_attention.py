@@ -29,6 +29,13 @@ BLOCK_N = 64  # keys per inner iteration
 FORMS = ("plain", "grouped")
 SWITCH_VALUES = (*FORMS, "auto")
 GROUPED_ROWS = 128  # query rows (heads x queries) a grouped program takes at most
+# Query heads a grouped program takes unless asked (`heads_per_program`): one. Timed on the H200 (2026-12-05,
+# scripts/sweep_decode_attention.py --prefill, docs/benchmarks.md): one head a program, 64 keys, 4 warps, 2 stages was
+# the best grouped launch at every shape (Qwen3-0.6B 8x512 47.9 us, 1x4096 219.8 us; Llama-3.2-3B 8x512 65.9 us,
+# 1x4096 303.5 us), 12-30% under the plain form's best (53.9, 285.9, 74.6, 394.9 us); two heads a program (128
+# rows) gained nothing over the plain form. The gain is the unmasked blocks below the diagonal and the page table
+# read once a block, not the shared K/V loads.
+GROUPED_HEADS = 1
 
 
 @triton.jit
@@ -168,9 +175,9 @@ def _prefill_grouped_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, ctx_ptr, bt_ptr
 
 
 def prefill_form() -> str:
-    """`MSTAR_PREFILL_ATTENTION`: `plain` (the default until the grouped form is timed on a GPU), `grouped`, or
+    """`MSTAR_PREFILL_ATTENTION`: `grouped` (the default: 12-30% faster on the H200, `GROUPED_HEADS`), `plain`, or
     `auto` (each shape of heads times both forms on its GPU once, `auto_form`)."""
-    value = os.environ.get("MSTAR_PREFILL_ATTENTION", "") or "plain"
+    value = os.environ.get("MSTAR_PREFILL_ATTENTION", "") or "grouped"
     if value not in SWITCH_VALUES:
         raise ValueError(f"MSTAR_PREFILL_ATTENTION={value!r}: expected one of {', '.join(SWITCH_VALUES)}")
     return value
@@ -251,7 +258,8 @@ def auto_form(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, 
 
 
 def grouped_heads(group: int, block_m: int = BLOCK_M) -> int:
-    """Query heads a grouped program takes: the group rounded up to a power of two, at most GROUPED_ROWS rows."""
+    """Query heads a grouped program can take: the group rounded up to a power of two, at most GROUPED_ROWS rows
+    (the default is `GROUPED_HEADS`)."""
     return max(1, min(triton.next_power_of_2(group), GROUPED_ROWS // block_m))
 
 
@@ -260,7 +268,7 @@ def grouped_launch(heads: int) -> tuple[int, int, int]:
     sm_90 (`scripts/probe_kernel_resources.py --kernel prefill`, Triton 3.6 and 3.9): a 128-row tile takes 32 keys,
     8 warps and 3 stages, 115-127 registers and no spills, two programs an SM (2 stages: 139 registers for a group
     of 3, one program; 64 keys: 161-170, one; 4 warps spill); a 64-row tile the plain form's 64 keys, 4 warps and
-    2 stages. Not yet timed on a GPU."""
+    2 stages. Timed on the H200: the 64-row tile's launch is the best of the sweep (`GROUPED_HEADS`)."""
     return (32, 8, 3) if heads * BLOCK_M >= 128 else (BLOCK_N, 4, 2)
 
 
@@ -271,7 +279,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             form: str | None = None, heads_per_program: int | None = None) -> torch.Tensor:
     """`query` `[T, Hq, D]` -> `[T, Hq, D]`; tokens not covered by a work item are left unwritten. `form`:
     `plain`, `grouped` or `auto` (None: `MSTAR_PREFILL_ATTENTION`); `heads_per_program` (grouped only, a power of two;
-    None: `grouped_heads`). The launch knobs (keys per iteration, warps, pipeline stages; None takes 64, 4 and 2, or
+    None: `GROUPED_HEADS`). The launch knobs (keys per iteration, warps, pipeline stages; None takes 64, 4 and 2, or
     `grouped_launch`'s) are swept by `scripts/sweep_decode_attention.py --prefill`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -291,7 +299,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     group = num_heads // num_kv_heads
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
     if form == "grouped":
-        heads = heads_per_program or grouped_heads(group)
+        heads = heads_per_program or GROUPED_HEADS
         if heads & (heads - 1):
             raise ValueError(f"heads_per_program must be a power of two, got {heads}")
         default_n, default_warps, default_stages = grouped_launch(heads)

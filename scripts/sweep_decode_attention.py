@@ -158,8 +158,8 @@ def sweep_prefill(top: int, cases=PREFILL_CASES, heads_list=PREFILL_HEADS, setti
     import torch
 
     from mstar_kernels.paged_prefill_attention import (
+        GROUPED_HEADS,
         fresh_prompts,
-        grouped_heads,
         grouped_launch,
         paged_prefill_attention,
     )
@@ -191,9 +191,9 @@ def sweep_prefill(top: int, cases=PREFILL_CASES, heads_list=PREFILL_HEADS, setti
         found.sort(key=lambda r: r["us"])
         served = {"plain": next((r for r in found if r["form"] == "plain" and (r["block_n"], r["warps"],
                                                                               r["stages"]) == (64, 4, 2)), None),
-                  "grouped": next((r for r in found if r["form"] == "grouped" and r["heads"] == grouped_heads(group)
+                  "grouped": next((r for r in found if r["form"] == "grouped" and r["heads"] == GROUPED_HEADS
                                    and (r["block_n"], r["warps"], r["stages"])
-                                   == grouped_launch(grouped_heads(group))), None)}
+                                   == grouped_launch(GROUPED_HEADS)), None)}
         print(f"\n{name} {rows}x{prompt}: as launched by default {served}", flush=True)
         for form in ("plain", "grouped"):
             for r in [r for r in found if r["form"] == form][:top]:

@@ -110,15 +110,17 @@ class GemvLinear(nn.Linear):
 # down's is o's; 2 stages, not 3, where the tile loaded ahead of the PDL wait would not fit). Alone each ties cuBLAS.
 # In a step, on the H200 (scripts/ab_decode_step.py, 2026-12-04, docs/benchmarks.md "The projections of 8-32-row
 # steps under PDL"): Qwen3-0.6B 8 rows 1.345 -> 1.199 ms, 16 rows 1.527 -> 1.359, 32 rows 1.842 -> 1.743, and
-# served at c=8 5,565 -> 6,241 tok/s; Llama-3.2-3B 16 rows 2.811 -> 2.783. At 64 rows PDL made the step slower
-# (Qwen3 2.329 -> 2.428, Llama 3.635 -> 4.294) and mid_gemm without it tied cuBLAS, hence the rows stop at 32. The
-# gain is the shape's (Llama's 1%), hence `auto` by default.
+# served at c=8 5,565 -> 6,241 tok/s; Llama-3.2-3B 16 rows 2.811 -> 2.783. At 64 rows PDL first made the step
+# slower (2026-12-04: Qwen3 2.329 -> 2.428, Llama 3.635 -> 4.294); since the decode attention's prefetch rule
+# (`prefetch_fits`) Qwen3's 64-row step is 2.339 -> 2.207 ms (2026-12-05), while Llama's is 3.591 -> 4.120, hence
+# the rows reach 64. The gain is the shape's, hence `auto` by default: served, Qwen3-0.6B's start-up chose
+# mid_gemm at 8-64 rows (64: 1.991 against 2.117 ms a replay) and Llama-3.2-3B's cuBLAS at 8-32.
 MID_GEMM_SETTINGS = {"qkv_proj": (32, 256, 1, 4, 3), "o_proj": (32, 256, 4, 4, 3),
                      "gate_up_proj": (64, 256, 1, 4, 2), "down_proj": (32, 256, 4, 4, 3)}
 # Llama-3.2-3B's (N, K): the sweep's best at 64 rows (qkv at 2 stages), down's a guess
 MID_GEMM_SHAPE_SETTINGS = {(5120, 3072): (64, 256, 1, 4, 2), (3072, 3072): (32, 256, 1, 4, 3),
                            (16384, 3072): (64, 128, 1, 4, 3), (3072, 8192): (32, 256, 2, 4, 3)}
-MID_GEMM_ROWS = (5, 32)
+MID_GEMM_ROWS = (5, 64)
 
 
 def mid_gemm_rows() -> tuple[int, int]:

@@ -20,7 +20,7 @@ from mstar_common.engine.attention import select_attention_backend
 from mstar_common.engine.cuda_graph import GraphConfig
 from mstar_common.engine.types import EngineConfig, SamplingParams
 from mstar_common.families.qwen3.loader import load_qwen3
-from mstar_common.layers.linear import default_gemv_cache, known_mid_choices, use_gemv
+from mstar_common.layers.linear import default_gemv_cache, known_mid_choices, mid_gemm_rows, use_gemv
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -233,9 +233,9 @@ def test_the_prologue_inside_the_decode_kernel_matches_the_two_launches(separate
 
 
 def test_mid_gemm_projections_replay_as_they_run_eager_and_match_cublas(separated, monkeypatch):
-    """MSTAR_MID_GEMM=all: the projections of steps of 5-32 rows run on mstar_kernels/mid_gemm.py, under PDL. Eight
-    prompts decode in the 8-row bucket: replayed == eager bit for bit (the kernel is chosen by the row count, not by
-    the capture), and against cuBLAS equal tokens or ties."""
+    """MSTAR_MID_GEMM=all: the projections of steps of 5-64 rows (`mid_gemm_rows`) run on mstar_kernels/mid_gemm.py,
+    under PDL. Eight prompts decode in the 8-row bucket: replayed == eager bit for bit (the kernel is chosen by the
+    row count, not by the capture), and against cuBLAS equal tokens or ties."""
     import mstar_kernels.mid_gemm as mid_module
 
     prompts = _prompts(8, 60, seed=10)
@@ -247,7 +247,8 @@ def test_mid_gemm_projections_replay_as_they_run_eager_and_match_cublas(separate
     monkeypatch.setattr(mid_module, "mid_gemm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     eager, replayed = (generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
                        for graphs in (False, True))
-    assert calls and set(calls) <= set(range(5, 33)), "mid_gemm ran, and only in steps of 5-32 rows"
+    low, high = mid_gemm_rows()
+    assert calls and set(calls) <= set(range(low, high + 1)), "mid_gemm ran, and only in steps of the switch's rows"
     assert replayed == eager
     _assert_near_ties(separated, prompts, reference, [eager])
 
@@ -270,8 +271,10 @@ def test_mid_gemm_folds_replay_as_they_run_eager_and_tie_the_launches_they_repla
                         lambda *a, **k: k.get("swiglu") and swiglu.append(a[0].shape[0]) or real_mid(*a, **k))
     eager, replayed = (generate(separated, prompts, graphs=graphs, overlap=graphs, max_tokens=8, gemv_rows=4)
                        for graphs in (False, True))
-    assert normed and set(normed) <= set(range(5, 33)), "the pre-norms ran inside mid_gemm, in steps of 5-32 rows"
-    assert swiglu and set(swiglu) <= set(range(5, 33)), "the activation ran inside down's mid_gemm"
+    low, high = mid_gemm_rows()
+    rows = set(range(low, high + 1))
+    assert normed and set(normed) <= rows, "the pre-norms ran inside mid_gemm, in steps of the switch's rows"
+    assert swiglu and set(swiglu) <= rows, "the activation ran inside down's mid_gemm"
     assert replayed == eager
     _assert_near_ties(separated, prompts, reference, [eager])
 

@@ -147,26 +147,27 @@ def test_fits_and_readable_refuse_what_the_kernel_cannot_take():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers route to the kernel on CUDA tensors only")
 def test_a_projection_takes_the_kernel_under_the_ab_switch(monkeypatch):
-    """`MSTAR_MID_GEMM` (mstar_common/layers/linear.py) puts the named projections on this kernel at 5-32 rows with
-    the table's settings, and leaves other kinds, other row counts and the default (`auto`, with nothing chosen
-    for this layer) on cuBLAS."""
+    """`MSTAR_MID_GEMM` (mstar_common/layers/linear.py) puts the named projections on this kernel at 5-64 rows
+    (`mid_gemm_rows`) with the table's settings, and leaves other kinds, other row counts and the default (`auto`,
+    with nothing chosen for this layer) on cuBLAS."""
     from torch import nn
 
-    from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear
+    from mstar_common.layers.linear import MID_GEMM_SETTINGS, GemvLinear, mid_gemm_rows
 
     gen = torch.Generator().manual_seed(7)
     linear = nn.Linear(2048, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(1024, 2048, generator=gen) / 2048**0.5)
     linear.__class__, linear.pdl_kind, linear.gemv_plan = GemvLinear, "o_proj", {}
-    wide = torch.randn(64, 2048, generator=gen).to("cuda", torch.bfloat16)
+    low, high = mid_gemm_rows()
+    wide = torch.randn(high + 1, 2048, generator=gen).to("cuda", torch.bfloat16)
     x = wide[:32]
     cublas = torch.nn.functional.linear(x, linear.weight)
     kernel = mid_gemm(x, linear.weight, None, *MID_GEMM_SETTINGS["o_proj"])
     assert not torch.equal(cublas, kernel), "the two sums should differ in some last bits, or the test proves nothing"
     monkeypatch.setenv("MSTAR_MID_GEMM", "o_proj,down_proj")
     assert torch.equal(linear(x), kernel)
-    for rows in (4, 64):  # below and above the switch's rows
+    for rows in (low - 1, high + 1):  # below and above the switch's rows
         assert torch.equal(linear(wide[:rows]), torch.nn.functional.linear(wide[:rows], linear.weight))
     linear.pdl_kind = "qkv_proj"
     assert torch.equal(linear(x), cublas)

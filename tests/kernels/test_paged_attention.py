@@ -314,9 +314,9 @@ def test_prefill_form_switch(monkeypatch):
     from mstar_kernels.paged_prefill_attention import grouped_heads, prefill_form
 
     monkeypatch.delenv("MSTAR_PREFILL_ATTENTION", raising=False)
-    assert prefill_form() == "plain"
-    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "grouped")
     assert prefill_form() == "grouped"
+    monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "plain")
+    assert prefill_form() == "plain"
     monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "auto")
     assert prefill_form() == "auto"
     monkeypatch.setenv("MSTAR_PREFILL_ATTENTION", "fast")

@@ -109,9 +109,9 @@ def test_the_mid_gemm_switch_names_projection_kinds(monkeypatch):
     assert mid_gemm_kinds() == frozenset() and mid_gemm_auto()  # by default each model chooses
     monkeypatch.setenv("MSTAR_MID_GEMM", "0")
     assert mid_gemm_kinds() == frozenset() and not mid_gemm_auto()
-    assert mid_gemm_rows() == (5, 32)
-    monkeypatch.setenv("MSTAR_MID_GEMM_MAX_ROWS", "64")
     assert mid_gemm_rows() == (5, 64)
+    monkeypatch.setenv("MSTAR_MID_GEMM_MAX_ROWS", "32")
+    assert mid_gemm_rows() == (5, 32)
     monkeypatch.setenv("MSTAR_MID_GEMM_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="MSTAR_MID_GEMM_MAX_ROWS='many'"):
         mid_gemm_rows()
@@ -152,7 +152,7 @@ def test_the_mid_gemm_folds_are_named_and_stay_off_the_cpu(monkeypatch):
         mid_fold_auto()
 
 
-def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
+def test_the_mid_gemm_switch_widens_pdl_to_64_rows_unless_told(monkeypatch):
     from mstar_common.pdl_switches import max_rows
 
     monkeypatch.delenv("MSTAR_PDL_MAX_ROWS", raising=False)
@@ -161,7 +161,7 @@ def test_the_mid_gemm_switch_widens_pdl_to_32_rows_unless_told(monkeypatch):
     monkeypatch.setenv("MSTAR_MID_GEMM", "0")
     assert max_rows() == 2
     monkeypatch.setenv("MSTAR_MID_GEMM", "all")
-    assert max_rows() == 32
+    assert max_rows() == 64
     weight = torch.zeros(1024, 2048, dtype=torch.bfloat16)
     assert step_setting_key(weight, None, 4) == f"step:1024x2048:bfloat16:bias=False:rows=4:{DEFAULT_PDL}"
     monkeypatch.setenv("MSTAR_PDL_MAX_ROWS", "8")

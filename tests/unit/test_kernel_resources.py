@@ -64,8 +64,27 @@ def test_mid_gemm_forms_that_compute_on_their_loads_do_not_spill(rows):
 
 
 @pytest.mark.parametrize("group", [2, 3])
-def test_grouped_prefill_at_its_default_launch_keeps_two_programs_an_sm(group):
-    """The grouped prefill attention as launched by default (`grouped_heads`, `grouped_launch`; pages of 64):
+def test_grouped_prefill_at_its_default_launch_fits_as_the_plain_form_does(group):
+    """The grouped prefill attention as launched by default (`GROUPED_HEADS`, one query head a program, and
+    `grouped_launch`'s 64 keys, 4 warps, 2 stages; pages of 64): dots on Hopper's warpgroup MMA, no spills, and at
+    least as many programs an SM as the plain form at the same launch."""
+    from mstar_kernels.paged_prefill_attention import BLOCK_N, GROUPED_HEADS, grouped_launch
+
+    probe = _probe()
+    block_n, warps, stages = grouped_launch(GROUPED_HEADS)
+    assert GROUPED_HEADS == 1 and (block_n, warps, stages) == (BLOCK_N, 4, 2)
+    fits = []
+    for heads in (GROUPED_HEADS, 0):  # 0: the plain form
+        kernel = probe.compile_prefill(group, 128, block_n, 64, warps, stages, heads)
+        used = probe.resources(kernel)
+        assert used["stack"] == 0 and "wgmma" in kernel.asm["ptx"], used
+        fits.append(probe.ctas_per_sm(used["registers"], warps, used["shared"])["ctas"])
+    assert fits[0] >= fits[1] >= 1, fits
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_grouped_prefill_of_two_heads_a_program_keeps_two_programs_an_sm(group):
+    """The grouped prefill attention with two query heads a program (`grouped_heads`, 128 rows, `grouped_launch`):
     dots on Hopper's warpgroup MMA, no spills, and two programs an SM, as many warps as the plain form's default
     (Triton 3.6: 115-127 registers at 8 warps and 3 stages; 2 stages would take 139 for a group of 3, 64 keys a
     block 161-170: one program)."""

@@ -140,7 +140,7 @@ def test_device_penalty_history_with_graphs_and_overlap_equals_transformers(tmp_
 
 
 def test_the_mid_gemm_timing_inputs_run_through_the_lm_with_the_device_penalty(tmp_path):
-    """MSTAR_MID_GEMM=auto (the default) times each 5-32-row decode bucket at start-up on inputs of its own
+    """MSTAR_MID_GEMM=auto (the default) times each 5-64-row decode bucket at start-up on inputs of its own
     (`CudaGraphRunner._fill_timing`): the Orpheus LM, whose graphs carry the custom-token window and the device-side
     repetition penalty, must take them (the CPU stand-in re-runs the step) and give every row a token."""
     import torch

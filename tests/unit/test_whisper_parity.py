@@ -306,7 +306,7 @@ def test_token_rules_do_not_sync_the_stream(checkpoint):
 
 
 def test_the_mid_gemm_timing_inputs_run_through_the_decoder(checkpoint):
-    """MSTAR_MID_GEMM=auto (the default) times each 5-32-row decode bucket at start-up on inputs of its own
+    """MSTAR_MID_GEMM=auto (the default) times each 5-64-row decode bucket at start-up on inputs of its own
     (`CudaGraphRunner._fill_timing`): the decoder, with its cross-attention slots and learned positions, must take
     them (here on the CPU stand-in; positions stay under its 448-token table)."""
     from mstar_common.engine.ar_engine import AREngine
