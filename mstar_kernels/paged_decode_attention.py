@@ -443,12 +443,12 @@ def prefetch_fits(programs: int, sms: int) -> bool:
 
 
 def prefetch_forms(under_pdl: bool, programs: int, sms: Callable[[], int]) -> tuple[bool, bool]:
-    """How a decode step's split kernel reads its first block ahead of the PDL wait: (held in registers, asked of
-    L2). Held where the grid fits one wave at that form's occupancy (`prefetch_fits`, or any grid with
-    `MSTAR_DECODE_PREFETCH_ANY_GRID=1`); on a wider grid, asked of L2 with `MSTAR_DECODE_PREFETCH_L2=1` (default
-    0 until timed: the L2 form keeps the plain form's 96 registers and 5 programs an SM, compiled by Triton 3.6
-    for sm_90), else not read ahead. Nothing ahead without PDL or with `MSTAR_DECODE_PREFETCH=0`. `sms` gives
-    the GPU's SM count (asked only under PDL)."""
+    """How a decode step's split kernel reads its first block ahead of the PDL wait: (held in registers, asked of L2).
+    Held where the grid fits one wave at that form's occupancy (`prefetch_fits`, or any grid with
+    `MSTAR_DECODE_PREFETCH_ANY_GRID=1`); on a wider grid, asked of L2 with `MSTAR_DECODE_PREFETCH_L2=1` (default 0:
+    timed on the H200 on 2026-12-05, no gain at 64 rows; the L2 form keeps the plain form's 96 registers and 5 programs
+    an SM, compiled by Triton 3.6 for sm_90), else not read ahead. Nothing ahead without PDL or with
+    `MSTAR_DECODE_PREFETCH=0`. `sms` gives the GPU's SM count (asked only under PDL)."""
     if not (under_pdl and decode_prefetch()):
         return False, False
     if prefetch_fits(programs, sms()) or env_switch("MSTAR_DECODE_PREFETCH_ANY_GRID", False):

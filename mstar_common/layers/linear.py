@@ -159,13 +159,13 @@ NORM_FOLDED = frozenset(kind for kind, fold in MID_GEMM_FOLDED_KINDS.items() if 
 
 
 def mid_gemm_folds() -> frozenset[str]:
-    """`MSTAR_MID_GEMM_FOLD` (default none; for A/Bs until timed on a GPU): what the decoder folds into the
-    projections that run on mstar_kernels/mid_gemm.py (`MSTAR_MID_GEMM`), joined by `,` or `+`: `norm`, the pre-norm's
-    residual add + RMSNorm into qkv and gate_up (`mid_gemm_norm`, one launch fewer each); `swiglu`, the activation
-    into down (the kernel's SwiGLU load; `silu_mul`'s launch saved). Same roundings as the launches they replace
-    (the mean of squares summed in another order: an ulp here and there). Read at each step, so at capture.
-    `auto` names none here: with `MSTAR_MID_GEMM=auto` the graph runner times both folds as a third form of each
-    bucket (`mid_fold_auto`)."""
+    """`MSTAR_MID_GEMM_FOLD` (default none; for A/Bs: on the H200 every fold made the step slower, 2026-12-05): what the
+    decoder folds into the projections that run on mstar_kernels/mid_gemm.py (`MSTAR_MID_GEMM`), joined by `,` or `+`:
+    `norm`, the pre-norm's residual add + RMSNorm into qkv and gate_up (`mid_gemm_norm`, one launch fewer each);
+    `swiglu`, the activation into down (the kernel's SwiGLU load; `silu_mul`'s launch saved). Same roundings as the
+    launches they replace (the mean of squares summed in another order: an ulp here and there). Read at each step, so at
+    capture. `auto` names none here: with `MSTAR_MID_GEMM=auto` the graph runner times both folds as a third form of
+    each bucket (`mid_fold_auto`)."""
     raw = os.environ.get("MSTAR_MID_GEMM_FOLD", "")
     if raw == "auto":
         return frozenset()
