@@ -257,7 +257,7 @@ class AREngine:
                 self._finish(seq, FinishReason.ERROR, error=f"engine step failed (error id {error_id})")
             return
         if times is not None:
-            times.tokens_ready(pending.event, delivered - waited)
+            times.tokens_ready(pending.event, delivered - waited, pending.kind, pending.num_tokens)
         self._commit(pending.written)  # the step has run: its KV is written
         for seq, index, token in zip(pending.seqs, pending.indices, tokens, strict=True):
             if seq.is_finished:

@@ -202,6 +202,7 @@ class CudaGraphRunner:
         # there.
         self.zero_copy = device.type == "cuda" and self.samples_in_graph and zero_copy_step_io()
         self.last_host_tokens: torch.Tensor | None = None
+        self.last_key: tuple[str, int, int] | None = None  # the last `try_replay`'s graph, None where none ran
 
     # ---- capture ---------------------------------------------------------------------------------------------
 
@@ -476,10 +477,11 @@ class CudaGraphRunner:
     def try_replay(self, batch, last_tokens: torch.Tensor | None, sample=None) -> torch.Tensor | None:
         """Replay the bucket that holds `batch` and return its tokens (device), or None if none does.
         `sample(logits, seqs)` samples after the replay when the model has its own logits rules."""
-        self.last_host_tokens = None
+        self.last_host_tokens = self.last_key = None
         key = self.pick(batch)
         if key is None or key not in self.graphs:
             return None
+        self.last_key = key
         parity = self._parity  # flipped once the replay is launched, as the graph flips the device's (zero-copy)
         rows, _ = self._shape(key[0], key[1])
         self._fill(self.buffers.host_views(parity), batch, key)

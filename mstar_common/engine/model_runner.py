@@ -136,6 +136,8 @@ class PendingStep:
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, event=None) -> None:
         self.seqs = seqs
+        self.kind = ("eager", 0)  # what ran: a graph's (kind, size), or eager (MSTAR_STEP_TIMES' breakdown)
+        self.num_tokens = 0  # the step's packed tokens (a graph's size counts the padding too)
         self.indices: list[int] = []  # where each row's token goes in its token list (set by the engine)
         self.written: list[tuple[Sequence, int]] = []  # each chunk's sequence, and its tokens with KV after this step
         self._tokens, self.event = tokens, event
@@ -214,17 +216,21 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         batch = self.prepare(plan)
-        tokens = published = None
+        tokens = published = key = None
         if self.graphs is not None:
             tokens = self.graphs.try_replay(batch, self._last_tokens, self.sample)
             published = self.graphs.last_host_tokens  # None unless a graph published its tokens
+            key = self.graphs.last_key
         if tokens is None:
             tokens = self._run_eager(batch)
         self._last_tokens = tokens
         if self._readback is not None:
-            return self._readback.start(batch.sampling_seqs, tokens, published)
-        # A replay's tokens live in a static buffer the next replay overwrites.
-        return PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
+            pending = self._readback.start(batch.sampling_seqs, tokens, published)
+        else:  # a replay's tokens live in a static buffer the next replay overwrites
+            pending = PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
+        pending.kind = ("eager", 0) if key is None else (key[0], key[1])
+        pending.num_tokens = batch.num_tokens
+        return pending
 
     def release(self, seq: Sequence) -> None:
         """Give back what a finished sequence holds here (its penalty slot)."""

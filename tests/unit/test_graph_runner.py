@@ -93,6 +93,54 @@ def test_overlap_never_schedules_past_max_tokens(static_model, prompts):  # noqa
         assert collector.reason(str(index)) is FinishReason.LENGTH
 
 
+def test_step_times_split_the_steps_by_the_graph_that_ran(static_model, prompts, monkeypatch):  # noqa: F811
+    """MSTAR_STEP_TIMES=1: each collected step is counted under the graph that ran it, (kind, size), or eager, with
+    its packed tokens: every token the requests computed is counted once, no mixed step holds more tokens than its
+    graph, and the logged line names the padding."""
+    monkeypatch.setenv("MSTAR_STEP_TIMES", "1")
+    engine = make_engine(static_model, GRAPHS, overlap=True)
+    run_all(engine, prompts, greedy(max_tokens=5, ignore_eos=True), stagger=3)
+    by_kind = engine.times.by_kind
+    assert sum(record[0] for record in by_kind.values()) == engine.times.steps == engine.num_steps
+    # each prompt computed once, then one token for each output but the last
+    assert sum(record[1] for record in by_kind.values()) == sum(len(p) + 4 for p in prompts)
+    kinds = {kind for kind, _ in by_kind}
+    assert kinds <= {"decode", "mixed"} and {"decode", "mixed"} <= kinds
+    for (kind, size), (steps, tokens, _, _) in by_kind.items():
+        assert size in (GRAPHS.decode_buckets if kind == "decode" else GRAPHS.token_buckets)
+        assert steps <= tokens <= steps * size, (kind, size)
+    mixed = next((size, record) for (kind, size), record in by_kind.items() if kind == "mixed")
+    line = engine.times.line(engine.times.since + 1.0)
+    assert f"mixed {mixed[0]}: {mixed[1][0]} x - ms, {mixed[1][1] / mixed[1][0]:.0f} of {mixed[0]} tokens" in line
+
+    eager = make_engine(static_model, None, overlap=True)
+    run_all(eager, prompts, greedy(max_tokens=5, ignore_eos=True))
+    assert list(eager.times.by_kind) == [("eager", 0)]
+    assert eager.times.by_kind[("eager", 0)][:2] == [eager.num_steps, sum(len(p) + 4 for p in prompts)]
+    assert "by step: eager: " in eager.times.line(eager.times.since + 1.0)
+
+
+def test_the_step_times_breakdown_puts_the_most_gpu_time_first():
+    from mstar_common.engine.loop_times import LoopTimes
+
+    class Event:
+        def __init__(self, at_ms: float) -> None:
+            self.at_ms = at_ms
+
+        def elapsed_time(self, later: "Event") -> float:
+            return later.at_ms - self.at_ms
+
+    times = LoopTimes()
+    for at, kind, tokens in [(0.0, ("decode", 64), 64), (2.0, ("decode", 64), 63), (7.0, ("mixed", 1024), 575),
+                             (9.0, ("decode", 64), 64), (9.5, ("eager", 0), 3)]:
+        times.launched(0.0, 0.0, 0.0)
+        times.tokens_ready(Event(at), 0.0, kind, tokens)
+    # the first step has no step before it to be timed from
+    assert times.breakdown() == ("mixed 1024: 1 x 5.000 ms, 575 of 1024 tokens; decode 64: 3 x 2.000 ms; "
+                                 "eager: 1 x 0.500 ms, 3 tokens")
+    assert times.gpu_steps == 4 and times.gpu_ms == 9.5
+
+
 def test_sampled_and_penalised_requests_fall_back_to_eager(static_model, prompts):  # noqa: F811
     engine = make_engine(static_model, GRAPHS, overlap=True)
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, repetition_penalty=1.2, ignore_eos=True)
