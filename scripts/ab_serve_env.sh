@@ -8,6 +8,8 @@
 #   ("" is the variable unset), e.g. bash scripts/ab_serve_env.sh MSTAR_SWITCH_INTERVAL_MS 5 0.5
 # A VARIABLE that starts with -- is a flag of `bench serve` instead ("" leaves it out), e.g.
 #   AB_CONCURRENCY="1 64" bash scripts/ab_serve_env.sh --triton-outputs all token_ids
+# A flag's value may be several words, e.g. the mixed graphs' token buckets:
+#   bash scripts/ab_serve_env.sh --token-buckets "512 1024 2048" "512 640 768 1024 1536 2048"
 # AB_CONCURRENCY (default "64") sets the closed-loop levels, e.g. AB_CONCURRENCY="1 64"; each level runs
 # 6 requests per stream through Triton and through the proxy.
 set -u
@@ -31,14 +33,15 @@ timeout 150 $IMAGE_PY -c "
 from mstar_common.bench.checkpoints import build_random_checkpoint
 print(build_random_checkpoint('qwen3-0.6b', '$CKPT'))" 2>&1 | tail -n 1
 for value in "$@"; do
-  tag=${value:-unset}
+  tag=${value:-unset}; tag=${tag// /_}
   echo "=== $VAR=$tag"
   flag=(); setting=("$VAR=$value")
-  if [[ $VAR == --* ]]; then setting=(); [ -n "$value" ] && flag=("$VAR" "$value"); fi
-  env "${setting[@]}" MSTAR_BENCH_LOG_DIR=$OUT/logs/$tag timeout 240 $PY scripts/bench.py serve "${flag[@]}" \
+  # a flag's value of several words is several arguments (after the script's own, so it wins)
+  if [[ $VAR == --* ]]; then setting=(); read -ra words <<< "$value"; [ -n "$value" ] && flag=("$VAR" "${words[@]}"); fi
+  env "${setting[@]}" MSTAR_BENCH_LOG_DIR=$OUT/logs/$tag timeout 240 $PY scripts/bench.py serve \
     --family qwen3 --checkpoint "$CKPT" --name qwen3-0.6b --prompt-len 512 --output-len 256 \
     --concurrency ${AB_CONCURRENCY:-64} --proxy-concurrency ${AB_CONCURRENCY:-64} --requests-per-level 6 --check-eager 0 --no-capture-sampling \
-    --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 --out "$OUT/ab_${VAR}_$tag.json" \
+    --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 --out "$OUT/ab_${VAR#--}_$tag.json" "${flag[@]}" \
     2>&1 | grep "\[bench\]" || echo "RUN FAILED: $tag"
   grep -h "step times\|output\]" "$OUT"/logs/$tag/*.log 2>/dev/null | tail -n 6
 done
