@@ -160,6 +160,32 @@ def server_latency(before: dict[str, tuple[float, float]], after: dict[str, tupl
     return out
 
 
+# the engines' step counters (backends/metrics.py), summed over components and instances
+SERVER_STEPS = {"steps": "mstar_engine_steps_total", "graph_steps": "mstar_graph_steps_total",
+                "rows": "mstar_engine_rows_stepped_total", "tokens": "mstar_engine_tokens_stepped_total",
+                "padding": "mstar_graph_padding_tokens_total"}
+
+
+def step_totals(text: str) -> dict[str, float]:
+    """Each `SERVER_STEPS` counter on a metrics page, summed over its label sets (0 if absent)."""
+    return {key: _series_total(text, name) for key, name in SERVER_STEPS.items()}
+
+
+def server_steps(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """The steps the engines ran between two `step_totals`: how many, the share replayed from captured graphs,
+    rows and packed tokens a step, and the share of the token slots the steps computed that was a graph's padding
+    up to its bucket. None where no engine stepped."""
+    delta = {key: after[key] - before[key] for key in SERVER_STEPS}
+    steps = delta["steps"]
+    if steps <= 0:
+        return None
+    computed = delta["tokens"] + delta["padding"]
+    return {"steps": int(steps), "tokens": int(delta["tokens"]), "padding_tokens": int(delta["padding"]),
+            "graph_share": round(delta["graph_steps"] / steps, 4),
+            "rows_per_step": round(delta["rows"] / steps, 2), "tokens_per_step": round(delta["tokens"] / steps, 2),
+            "padding_share": round(delta["padding"] / computed, 4) if computed > 0 else None}
+
+
 class ServerLatency:
     """Brackets a level with two reads of the components' latency histograms, so the run records what the
     server itself saw (component arrival -> first token sent, and its inter-token gaps) beside what the client
@@ -169,9 +195,9 @@ class ServerLatency:
         self.url = url
         self._before = None
 
-    def _totals(self) -> dict[str, tuple[float, float]] | None:
+    def _totals(self) -> tuple[dict, dict] | None:
         text = _metrics_text(self.url, "server-side latency") if self.url is not None else None
-        return None if text is None else latency_totals(text)
+        return None if text is None else (latency_totals(text), step_totals(text))
 
     def start(self) -> None:
         """Read the histograms once the samples of what ran before (the warm-up) have been exported: two reads
@@ -187,18 +213,23 @@ class ServerLatency:
 
     def stop(self, first_tokens: int) -> dict | None:
         """The level's server-side figures, once the components have exported `first_tokens` TTFT samples (or
-        after `EXPORT_WAIT_S`); None without a metrics endpoint."""
+        after `EXPORT_WAIT_S`) and the step counters read the same twice an export period apart: the latency means,
+        and under `steps` what the engines' steps were (`server_steps`); None without a metrics endpoint."""
         if self._before is None:
             return None
         deadline = time.monotonic() + EXPORT_WAIT_S
+        previous = None
         while True:
             after = self._totals()
             if after is None:
                 return None
-            latency = server_latency(self._before, after)
-            if latency["ttft_samples"] >= first_tokens or time.monotonic() > deadline:
-                return latency
-            time.sleep(0.1)
+            latency = server_latency(self._before[0], after[0])
+            settled = previous is not None and after[1] == previous[1]
+            if (latency["ttft_samples"] >= first_tokens and settled) or time.monotonic() > deadline:
+                steps = server_steps(self._before[1], after[1])
+                return latency if steps is None else {**latency, "steps": steps}
+            previous = after
+            time.sleep(0.15)
 
 
 def prompt_text_for(checkpoint: Path | None):

@@ -139,7 +139,7 @@ def comparisons(model: dict) -> list[str]:
 def server_lines(model: dict) -> list[str]:
     """Per level, the mean TTFT and ITL the serving component itself recorded (request arrival at it -> first
     token sent, and the gaps between its sends) beside the client's means: the TTFT difference is the path
-    through Triton (and the proxy) and back."""
+    through Triton (and the proxy) and back. Then, per level, the engines' steps (`cli.server_steps`)."""
     parts = []
     for run in model.get("runs", []):
         server, client = run.get("server"), run["summary"]
@@ -153,10 +153,22 @@ def server_lines(model: dict) -> list[str]:
             if client["itl_ms"].get("mean") is not None:
                 part += f" (client {client['itl_ms']['mean']:.3f})"
         parts.append(part)
-    if not parts:
-        return []
-    return ["server side, means (arrival at the component -> first token sent; gaps between its sends): "
-            + "; ".join(parts)]
+    lines = []
+    if parts:
+        lines.append("server side, means (arrival at the component -> first token sent; gaps between its sends): "
+                     + "; ".join(parts))
+    steps = []
+    for run in model.get("runs", []):
+        s = (run.get("server") or {}).get("steps")
+        if s:
+            padding = "-" if s.get("padding_share") is None else f"{s['padding_share']:.0%}"
+            steps.append(f"{run['target']} {_load(run)}: {s['steps']:,} steps, {s['rows_per_step']:.1f} rows and "
+                         f"{s['tokens_per_step']:.1f} tokens a step, {s['graph_share']:.0%} replayed, {padding} "
+                         "padding")
+    if steps:
+        lines.append("engine steps per level (the components' step counters; padding: the share of the token slots "
+                     "computed that a replayed graph padded up to its bucket): " + "; ".join(steps))
+    return lines
 
 
 def plot(name: str, model: dict, path: Path) -> bool:

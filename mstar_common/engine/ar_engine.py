@@ -171,6 +171,10 @@ class AREngine:
             "prefix_cache_hit_tokens": self.allocator.num_prefix_hit_tokens,
             "prefix_cache_evicted_pages": self.allocator.num_evicted_pages,
             "num_steps": self.num_steps,
+            "num_graph_steps": self.runner.counts.graph_steps,
+            "num_rows_stepped": self.runner.counts.rows,
+            "num_tokens_stepped": self.runner.counts.tokens,
+            "num_graph_padding_tokens": self.runner.counts.padding,
             "num_refused": self.admission.num_refused,
             "num_expired": self.admission.num_expired,
         }

@@ -131,6 +131,27 @@ def sampling_columns(seqs: list[Sequence], vocab_size: int) -> SamplingColumns:
     return cols
 
 
+@dataclass(slots=True)
+class StepCounts:
+    """Running totals of the steps a runner launched, for the component's metrics (backends/metrics.py): the
+    steps a captured graph replayed, the rows and packed tokens the steps computed, and the padding the replays
+    computed besides (a decode graph's rows, or a prefill/mixed graph's tokens, beyond the step's own)."""
+
+    graph_steps: int = 0
+    rows: int = 0
+    tokens: int = 0
+    padding: int = 0
+
+    def add(self, kind: tuple[str, int], rows: int, tokens: int) -> None:
+        """A launched step: `kind` is what ran it, a graph's (kind, size) or ("eager", 0)."""
+        self.rows += rows
+        self.tokens += tokens
+        name, size = kind
+        if name != "eager":
+            self.graph_steps += 1
+            self.padding += size - (rows if name == "decode" else tokens)
+
+
 class PendingStep:
     """A launched step: `tokens()` waits for it and returns one token per sampling row, in plan order."""
 
@@ -208,6 +229,7 @@ class ModelRunner:
         self._process_logits = getattr(model, "process_logits", None)  # a model's own logits rules, if any
         self._last_tokens: torch.Tensor | None = None  # device tokens of the last launched step
         self._readback = TokenReadback(4096, device, timing_events) if device.type == "cuda" else None
+        self.counts = StepCounts()
 
     def run(self, plan: StepPlan) -> list[int]:
         """One token per sampling row of `plan`, in plan order (rows that only prefill produce nothing)."""
@@ -230,6 +252,7 @@ class ModelRunner:
             pending = PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
         pending.kind = ("eager", 0) if key is None else (key[0], key[1])
         pending.num_tokens = batch.num_tokens
+        self.counts.add(pending.kind, batch.num_rows, batch.num_tokens)
         return pending
 
     def release(self, seq: Sequence) -> None:

@@ -36,6 +36,12 @@ def test_bench_serve_measures_its_own_server_and_checks_it_against_eager(tmp_pat
         assert server["ttft_samples"] == summary["num_requests"], server
         assert 0 < server["ttft_ms_mean"] < summary["ttft_ms"]["mean"], (server, summary["ttft_ms"])
         assert server["itl_samples"] >= 1 and server["itl_ms_mean"] > 0, server
+        # the engine's steps over the level: each request's 12 prompt tokens and 4 fed-back outputs, eager on the
+        # CPU (no graphs, no padding)
+        steps = server["steps"]
+        assert steps["tokens"] == 16 * summary["num_requests"], steps
+        assert steps["graph_share"] == 0 and steps["padding_share"] == 0, steps
+        assert 1 <= steps["rows_per_step"] <= run["concurrency"], steps
     (check,) = model["checks"].values()
     assert check.startswith("2/2 requests identical"), check
 

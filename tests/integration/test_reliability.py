@@ -104,6 +104,8 @@ def test_component_metrics_are_exported(capped):
     text = httpx.get(capped.metrics_url).text
     for series in ("mstar_requests_running{", "mstar_requests_waiting{", "mstar_kv_pages_used{",
                    "mstar_state_slots_used{", "mstar_engine_steps_total{", "mstar_graph_steps_total{",
+                   "mstar_engine_rows_stepped_total{", "mstar_engine_tokens_stepped_total{",
+                   "mstar_graph_padding_tokens_total{",
                    "mstar_requests_overloaded_total{", "mstar_engine_steps_per_second{",
                    "mstar_time_to_first_token_seconds_count{", "mstar_inter_token_latency_seconds_bucket{",
                    "nv_inference_request_success{"):

@@ -109,6 +109,15 @@ def test_step_times_split_the_steps_by_the_graph_that_ran(static_model, prompts,
     for (kind, size), (steps, tokens, _, _) in by_kind.items():
         assert size in (GRAPHS.decode_buckets if kind == "decode" else GRAPHS.token_buckets)
         assert steps <= tokens <= steps * size, (kind, size)
+    # the component's step counters (backends/metrics.py) agree: every step replayed, the padding is each graph's
+    # size beyond its step's rows (decode) or tokens (mixed)
+    stats = engine.stats()
+    assert stats["num_graph_steps"] == engine.runner.graphs.num_replays == engine.num_steps
+    assert stats["num_tokens_stepped"] == sum(record[1] for record in by_kind.values())
+    assert stats["num_rows_stepped"] >= stats["num_graph_steps"]
+    assert stats["num_tokens_stepped"] + stats["num_graph_padding_tokens"] == sum(
+        record[0] * size for (_, size), record in by_kind.items())
+    assert stats["num_graph_padding_tokens"] > 0  # prompts of a few tokens padded up to 16 or 64
     mixed = next((size, record) for (kind, size), record in by_kind.items() if kind == "mixed")
     line = engine.times.line(engine.times.since + 1.0)
     assert f"mixed {mixed[0]}: {mixed[1][0]} x - ms, {mixed[1][1] / mixed[1][0]:.0f} of {mixed[0]} tokens" in line
@@ -118,6 +127,9 @@ def test_step_times_split_the_steps_by_the_graph_that_ran(static_model, prompts,
     assert list(eager.times.by_kind) == [("eager", 0)]
     assert eager.times.by_kind[("eager", 0)][:2] == [eager.num_steps, sum(len(p) + 4 for p in prompts)]
     assert "by step: eager: " in eager.times.line(eager.times.since + 1.0)
+    counts = eager.stats()
+    assert counts["num_graph_steps"] == counts["num_graph_padding_tokens"] == 0
+    assert counts["num_tokens_stepped"] == sum(len(p) + 4 for p in prompts)
 
 
 def test_the_step_times_breakdown_puts_the_most_gpu_time_first():
