@@ -46,6 +46,7 @@ def simulate(concurrency: int, prompt_len: int, output_len: int, requests: int, 
              decode_buckets: list[int], token_buckets: list[int], page_size: int = 64,
              num_pages: int | None = None) -> dict:
     """Run the workload through the scheduler; the steps by bucket and their padding."""
+    decode_buckets = [b for b in decode_buckets if b <= concurrency]  # as the runner keeps them (max_num_seqs)
     pages_each = -(-(prompt_len + output_len) // page_size)
     allocator = PageAllocator(num_pages or pages_each * concurrency, page_size)
     scheduler = Scheduler(allocator, max_num_seqs=concurrency, max_batch_tokens=max_batch_tokens)
