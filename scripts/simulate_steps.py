@@ -18,35 +18,46 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from bisect import bisect_left
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mstar_common.engine.cuda_graph import DECODE, GREEDY, MIXED, CudaGraphRunner  # noqa: E402
 from mstar_common.engine.kv_cache import PageAllocator  # noqa: E402
 from mstar_common.engine.scheduler import Scheduler  # noqa: E402
 from mstar_common.engine.sequence import Sequence  # noqa: E402
 from mstar_common.engine.types import SamplingParams  # noqa: E402
 
 
-def bucket_of(rows: int, tokens: int, decode: bool, decode_buckets: list[int], token_buckets: list[int]):
-    """(kind, size) of the graph the runner would replay this step in (`CudaGraphRunner.pick`), or ("eager", 0)."""
-    if decode:
-        index = bisect_left(decode_buckets, rows)
-        if index < len(decode_buckets):
-            return "decode", decode_buckets[index]
-    index = bisect_left(token_buckets, tokens)
-    if index < len(token_buckets):
-        return "mixed", token_buckets[index]
-    return "eager", 0
+class RunnerBuckets:
+    """The graph runner's own bucket choice (`CudaGraphRunner.pick`) over greedy graphs of every bucket, all
+    captured, with no model behind them."""
+
+    samples_in_graph = False  # greedy steps: the choice is by rows and tokens alone
+    pick = CudaGraphRunner.pick
+    _shape = CudaGraphRunner._shape
+
+    def __init__(self, decode_buckets: list[int], token_buckets: list[int], max_rows: int) -> None:
+        # as the runner keeps them: decode buckets of at most max_num_seqs rows
+        self.decode_buckets = sorted(b for b in set(decode_buckets) if 1 <= b <= max_rows)
+        self.token_buckets = sorted(set(token_buckets))
+        self.max_rows = max_rows
+        self.graphs = {(DECODE, b, GREEDY) for b in self.decode_buckets} | {(MIXED, b, GREEDY)
+                                                                            for b in self.token_buckets}
+
+    def bucket_of(self, rows: int, tokens: int, decode: bool) -> tuple[str, int]:
+        """(kind, size) of the graph this step would replay, or ("eager", 0)."""
+        key = self.pick(SimpleNamespace(is_decode=decode, num_rows=rows, num_tokens=tokens))
+        return ("eager", 0) if key is None else (key[0], key[1])
 
 
 def simulate(concurrency: int, prompt_len: int, output_len: int, requests: int, max_batch_tokens: int,
              decode_buckets: list[int], token_buckets: list[int], page_size: int = 64,
              num_pages: int | None = None) -> dict:
     """Run the workload through the scheduler; the steps by bucket and their padding."""
-    decode_buckets = [b for b in decode_buckets if b <= concurrency]  # as the runner keeps them (max_num_seqs)
+    buckets = RunnerBuckets(decode_buckets, token_buckets, concurrency)
     pages_each = -(-(prompt_len + output_len) // page_size)
     allocator = PageAllocator(num_pages or pages_each * concurrency, page_size)
     scheduler = Scheduler(allocator, max_num_seqs=concurrency, max_batch_tokens=max_batch_tokens)
@@ -67,8 +78,7 @@ def simulate(concurrency: int, prompt_len: int, output_len: int, requests: int, 
         if plan.is_empty:
             raise RuntimeError("the scheduler made no step with requests left (too few KV pages?)")
         rows, tokens = len(plan.chunks), sum(chunk.num_tokens for chunk in plan.chunks)
-        kind = bucket_of(rows, tokens, all(chunk.num_tokens == 1 for chunk in plan.chunks), decode_buckets,
-                         token_buckets)
+        kind = buckets.bucket_of(rows, tokens, all(chunk.num_tokens == 1 for chunk in plan.chunks))
         steps[kind] += 1
         tokens_by[kind] += tokens
         done = []

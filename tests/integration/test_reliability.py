@@ -6,13 +6,11 @@ proxy's OpenAPI schema fuzzed (no 5xx), and a graceful drain. Tests run in file 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import queue
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,28 +21,21 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from mstar_common.cli import DEFAULT_DEPLOYMENT, PROJECT_ROOT
+from mstar_common.cli import DEFAULT_DEPLOYMENT
 from mstar_common.config import deployment_from_dict
 from mstar_common.launcher import Ports, start_proxy, stop_process, wait_ready
 from mstar_common.repository import entry_model, write_repository
 from mstar_common.supervisor import TritonSupervisor, find_stubs
 from tests.integration.conftest import Served, print_logs
 from tests.integration.triton_stream import make_inputs, run_stream
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.server
 
 CAP, QUEUE = 4, 4
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, PROJECT_ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the script is executed
-    spec.loader.exec_module(module)
-    return module
-
-
-cancel_fuzz = _load_script("cancel_fuzz")
+cancel_fuzz = load_script("cancel_fuzz")
 
 
 @pytest.fixture(scope="module")

@@ -470,13 +470,9 @@ def test_rope_in_attention_rule_and_switch(monkeypatch):
 def test_the_prefill_sweep_runs_both_forms_and_reports_them(capsys):
     """scripts/sweep_decode_attention.py --prefill, small and in the interpreter (fp32, a stand-in timer): every
     form at every setting runs, equals the plain form, and is reported, so a device call never finds it broken."""
-    import importlib.util
-    from pathlib import Path
+    from tests.scripts import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "sweep_decode_attention.py"
-    spec = importlib.util.spec_from_file_location("sweep_decode_attention", path)
-    sweep_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep_module)
+    sweep_module = load_script("sweep_decode_attention")
     rows = sweep_module.sweep_prefill(1, cases=((1, 70),), heads_list=(("gqa3", 6, 2),),
                                       settings=((32, 4, 2), (64, 4, 2)), device="cpu", dtype=torch.float32,
                                       timer=lambda fn: fn() is not None and 10.0)

@@ -3,19 +3,17 @@ stage of scripts/test.sh)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "parallel_pytest.py"
+from tests.scripts import SCRIPTS, load_script
+
+SCRIPT = SCRIPTS / "parallel_pytest.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("parallel_pytest", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("parallel_pytest")
 
 
 def test_functions_are_dealt_largest_first_to_the_smallest_group():

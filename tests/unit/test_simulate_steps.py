@@ -3,17 +3,11 @@ in the graph bucket the runner would replay it in."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "simulate_steps.py"
+from tests.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("simulate_steps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("simulate_steps")
 
 
 def test_every_token_is_computed_once_and_each_step_lands_in_its_bucket():
@@ -34,9 +28,10 @@ def test_every_token_is_computed_once_and_each_step_lands_in_its_bucket():
 
 def test_a_step_past_the_buckets_runs_eager_and_the_cli_prints_the_fill(capsys):
     sim = _module()
-    assert sim.bucket_of(3, 3, True, [1, 2, 4], [64]) == ("decode", 4)
-    assert sim.bucket_of(8, 8, True, [1, 2, 4], [64]) == ("mixed", 64)  # too many rows: the mixed graph
-    assert sim.bucket_of(2, 100, False, [1, 2, 4], [64]) == ("eager", 0)
+    buckets = sim.RunnerBuckets([1, 2, 4, 16], [64], max_rows=8)  # 16 rows: more than the runner keeps
+    assert buckets.bucket_of(3, 3, True) == ("decode", 4)
+    assert buckets.bucket_of(8, 8, True) == ("mixed", 64)  # too many rows for the decode graphs: the mixed one
+    assert buckets.bucket_of(2, 100, False) == ("eager", 0)
     assert sim.main(["--concurrency", "4", "--prompt-len", "64", "--output-len", "8", "--max-batch-tokens", "128",
                      "--decode-buckets", "1", "2", "4", "--token-buckets", "64", "128"]) == 0
     out = capsys.readouterr().out
