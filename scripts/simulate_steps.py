@@ -9,14 +9,18 @@ ladder before spending GPU time on it.
     python scripts/simulate_steps.py --concurrency 64 --prompt-len 512 --output-len 256 \\
         --token-buckets 512 1024 2048 --decode-buckets 1 2 4 8 16 32 64
 
-Every request decodes exactly `--output-len` tokens (`ignore_eos`); a finished request is replaced at once until
-`--requests` have been issued.
+Every request decodes exactly `--output-len` tokens (`ignore_eos`); a finished request is replaced until
+`--requests` have been issued: at once, or after a number of steps drawn evenly from 0 to `--return-lag` (the
+client's turnaround: the last token's trip back, the next request's trip in). With no lag the streams admitted in
+one step stay in step for good, so the prefills arrive four at a time and fill the 2048 graph; a lag of a step or
+two, as real clients have, spreads them out: one prefill a step, beside the decodes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -55,14 +59,17 @@ class RunnerBuckets:
 
 def simulate(concurrency: int, prompt_len: int, output_len: int, requests: int, max_batch_tokens: int,
              decode_buckets: list[int], token_buckets: list[int], page_size: int = 64,
-             num_pages: int | None = None) -> dict:
-    """Run the workload through the scheduler; the steps by bucket and their padding."""
+             num_pages: int | None = None, return_lag: int = 0, seed: int = 0) -> dict:
+    """Run the workload through the scheduler; the steps by bucket and their padding. A finished stream's next
+    request arrives 0 to `return_lag` steps later (evenly drawn, `seed`)."""
     buckets = RunnerBuckets(decode_buckets, token_buckets, concurrency)
     pages_each = -(-(prompt_len + output_len) // page_size)
     allocator = PageAllocator(num_pages or pages_each * concurrency, page_size)
     scheduler = Scheduler(allocator, max_num_seqs=concurrency, max_batch_tokens=max_batch_tokens)
     params = SamplingParams(max_tokens=output_len, temperature=0.0)
-    issued = finished = 0
+    issued = finished = step = 0
+    rng = random.Random(seed)
+    arrivals: Counter = Counter()  # step -> requests arriving before it is scheduled
 
     def issue() -> None:
         nonlocal issued
@@ -74,7 +81,12 @@ def simulate(concurrency: int, prompt_len: int, output_len: int, requests: int, 
     steps: Counter = Counter()
     tokens_by: Counter = Counter()
     while finished < requests:
+        for _ in range(arrivals.pop(step, 0)):
+            issue()
+        step += 1
         plan = scheduler.schedule()
+        if plan.is_empty and arrivals:
+            continue  # every stream is between requests
         if plan.is_empty:
             raise RuntimeError("the scheduler made no step with requests left (too few KV pages?)")
         rows, tokens = len(plan.chunks), sum(chunk.num_tokens for chunk in plan.chunks)
@@ -92,8 +104,8 @@ def simulate(concurrency: int, prompt_len: int, output_len: int, requests: int, 
         for seq in done:
             scheduler.finish(seq)
             finished += 1
-            if issued < requests:
-                issue()
+            if issued + sum(arrivals.values()) < requests:
+                arrivals[step + rng.randint(0, return_lag)] += 1
     slots = sum(count * size for (_, size), count in steps.items())
     graph_tokens = sum(tokens_by[kind] for kind in steps if kind[0] != "eager")
     return {
@@ -117,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--token-buckets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--return-lag", type=int, default=0,
+                        help="a finished stream's next request arrives 0 to this many steps later (default 0)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     result = simulate(args.concurrency, args.prompt_len, args.output_len, args.requests or 6 * args.concurrency,
-                      args.max_batch_tokens, sorted(args.decode_buckets), sorted(args.token_buckets), args.page_size)
+                      args.max_batch_tokens, sorted(args.decode_buckets), sorted(args.token_buckets), args.page_size,
+                      return_lag=args.return_lag, seed=args.seed)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
