@@ -121,6 +121,10 @@ class CodecPump(OutputPump):
         self.num_codec_calls = 0
         self.num_windows = 0
 
+    def _send_round(self) -> None:
+        """Every pending stream at once: their codec windows decode in one batched call."""
+        self._send_all()
+
     def _deliver(self, merged: dict[str, tuple[list[int], FinishReason | None, str | None]]) -> None:
         ready: list[_Ready] = []
         for request_id, (new_ids, finish, error) in merged.items():

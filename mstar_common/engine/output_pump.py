@@ -8,6 +8,15 @@ every 50 ms, at most 32 streams in turn (on Triton each ask is an IPC round trip
 all of 256 streams 20 times a second would take the pump thread half its time). A busy pump logs where its time
 went every 10 s (`PumpTimes`).
 
+The pump sends in rounds: every stream with output pending when a round starts gets one response, oldest first.
+On Triton a send waits for the server process to take the response and then for the GIL (~1 ms a send at 64
+streams beside a busy step loop, H200, 2026-12-05), so a round over 64 streams takes ~64 ms and a stream's tokens
+coalesce (~30 a response). A stream's first tokens, its last ones and errors do not wait for the round
+(`MSTAR_PUMP_FIRST_LAST=1`, the default): they go ahead of it, also when they arrive while it runs (the queue is
+drained between two sends). A first token then waits for one send instead of a round (time to first token), and
+so does a last one, which in a closed loop is what frees the client to send its next request (an idle row until
+it arrives). `MSTAR_PUMP_FIRST_LAST=0` sends each round in arrival order, as before.
+
 A cancelled request gets no more output: the poll that notices it closes the stream with a flags-only FINAL
 (the handshake Triton needs to release the request) and then cancels it in the engine. Latency samples
 (time to first token, inter-token latency) go to `latency` for the metrics exporter.
@@ -26,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mstar_common import wire
+from mstar_common.config import env_switch
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.stop_strings import StopStringMatcher
 from mstar_common.engine.types import FinishReason
@@ -145,6 +155,9 @@ class OutputPump:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._next_cancel_poll = 0.0
         self._poll_cursor = 0  # where the next cancellation poll starts among the live streams
+        # what the engine queued and the pump has not sent: request id -> (tokens, finish, error), oldest first
+        self._pending: dict[str, tuple[list[int], FinishReason | None, str | None]] = {}
+        self._first_last = env_switch("MSTAR_PUMP_FIRST_LAST", True)
 
     def start(self) -> None:
         self._is_running = True
@@ -176,30 +189,83 @@ class OutputPump:
 
     def _run(self) -> None:
         while self._is_running:
-            try:
-                first = self._queue.get(timeout=CANCEL_POLL_S)
-            except queue.Empty:
-                first = None
-            batch = [first] if first is not None else []
-            while True:
+            if not self._pending:
                 try:
-                    item = self._queue.get_nowait()
+                    first = self._queue.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
-                    break
-                if item is not None:
-                    batch.append(item)
+                    first = None
+                if first is not None:
+                    self._take(first)
+            self._drain()
             try:
-                started = time.perf_counter()
-                if batch:
-                    self._deliver(_merge(batch))
+                if self._pending:
+                    started, polled = time.perf_counter(), self.times.poll_s
+                    self._send_round()
                     self.times.cycles += 1
-                self.times.deliver_s += time.perf_counter() - started
+                    self.times.deliver_s += time.perf_counter() - started - (self.times.poll_s - polled)
                 self._poll_cancellations()
             except Exception:  # never let one bad stream stop every other stream's output
                 logger.exception("output pump iteration failed")
             if self._watch is not None and self._is_running:
                 self._watch.beat()
             self._log_times()
+
+    def _take(self, item: tuple) -> None:
+        """Merge one queued output into the stream's pending one (a stream keeps its place in the order)."""
+        request_id, new_ids, finish, error = item
+        ids, _, prev_error = self._pending.get(request_id, ((), None, None))
+        self._pending[request_id] = ([*ids, *new_ids], finish, error or prev_error)
+
+    def _drain(self) -> list[str]:
+        """Take everything queued into the pending outputs; the request ids taken."""
+        taken = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return taken
+            if item is not None:
+                self._take(item)
+                taken.append(item[0])
+
+    def _is_urgent(self, request_id: str) -> bool:
+        """Whether the stream's pending output holds its first tokens, its last ones or an error."""
+        item = self._pending.get(request_id)
+        if item is None:
+            return False
+        if item[1] is not None or item[2] is not None:
+            return True
+        stream = self._streams.get(request_id)
+        return stream is not None and stream.last_output is None
+
+    def _send_all(self) -> None:
+        """Every pending output in one `_deliver` call, in arrival order."""
+        merged, self._pending = self._pending, {}
+        self._deliver(merged)
+
+    def _send_round(self) -> None:
+        """One response to each stream with output pending now, oldest first; firsts, lasts and errors ahead of
+        the round, including those queued while it runs (module docstring)."""
+        if not self._first_last:
+            self._send_all()
+            return
+        due = list(self._pending)
+        urgent = dict.fromkeys(rid for rid in due if self._is_urgent(rid))
+        index = 0
+        while self._is_running:
+            if urgent:
+                request_id = next(iter(urgent))
+            elif index < len(due):
+                request_id, index = due[index], index + 1
+            else:
+                return
+            urgent.pop(request_id, None)
+            item = self._pending.pop(request_id, None)
+            if item is None:
+                continue  # sent already, ahead of the round
+            self._deliver({request_id: item})
+            urgent.update(dict.fromkeys(rid for rid in self._drain() if self._is_urgent(rid)))
+            self._poll_cancellations()
 
     def _log_times(self) -> None:
         now = time.monotonic()
@@ -259,10 +325,3 @@ class OutputPump:
                 self._engine.cancel(stream.request_id)
         self.times.poll_s += time.perf_counter() - started
 
-
-def _merge(batch: list[tuple]) -> dict[str, tuple[list[int], FinishReason | None, str | None]]:
-    merged: dict[str, tuple[list[int], FinishReason | None, str | None]] = {}
-    for request_id, new_ids, finish, error in batch:
-        ids, _, prev_error = merged.get(request_id, ([], None, None))
-        merged[request_id] = (ids + new_ids, finish, error or prev_error)
-    return merged

@@ -153,3 +153,75 @@ def test_the_time_in_sends_is_counted_for_text_streams():
     assert times.responses == 2
     assert 0.02 <= times.send_s <= times.deliver_s
     assert f"sends {times.send_s * 1e3 / 2:.2f} ms each" in times.line(time.monotonic())
+
+
+class _SlowSink(FakeSink):
+    """A send that takes 5 ms, as a Triton send waiting for the server and the GIL; each send is logged in order."""
+
+    log: list[tuple[str, str]] = []
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def send_chunk(self, outputs):
+        time.sleep(0.005)
+        _SlowSink.log.append((self.name, "chunk"))
+        super().send_chunk(outputs)
+
+    def send_final(self, outputs=None):
+        time.sleep(0.005)
+        _SlowSink.log.append((self.name, "final"))
+        super().send_final(outputs)
+
+
+def _slow_pump(monkeypatch, first_last: str, names):
+    monkeypatch.setenv("MSTAR_PUMP_FIRST_LAST", first_last)
+    _SlowSink.log = []
+    pump = OutputPump(FakeEngine())
+    sinks = {name: _SlowSink(name) for name in names}
+    for name, sink in sinks.items():
+        pump.register(_stream(name, sink))
+    return pump, sinks
+
+
+def test_a_last_token_queued_during_a_round_goes_ahead_of_the_rest_of_it(monkeypatch):
+    """20 streams past their first token each have a token pending; while the round sends them (5 ms a send),
+    s19's last token arrives: it is sent next, not after the other streams' chunks. With the switch off it waits
+    for the round."""
+    names = [f"s{i}" for i in range(20)]
+    for first_last, expected_place in (("1", range(1, 6)), ("0", range(19, 21))):
+        pump, sinks = _slow_pump(monkeypatch, first_last, names)
+        for name in names:  # every stream has had its first response
+            pump._streams[name].last_output = time.monotonic()
+            pump.on_output(name, [1], None, None)
+        pump.start()
+        try:
+            _run(pump, lambda: len(_SlowSink.log) >= 2)
+            pump.on_output("s19", [2], FinishReason.LENGTH, None)
+            _run(pump, lambda: sinks["s19"].is_closed)
+            _run(pump, lambda: all(len(sink.sent) >= 1 for sink in sinks.values()))
+        finally:
+            pump.stop()
+        place = _SlowSink.log.index(("s19", "final"))
+        assert place in expected_place, (first_last, _SlowSink.log)
+        sent = [kind for kind, _ in sinks["s19"].sent]
+        assert sent in (["chunk", "final"], ["final"]), sent  # its tokens in order, merged when not yet sent
+        assert sinks["s19"].sent[-1][1][wire.COMPLETION_TOKENS][0] == 2
+
+
+def test_first_tokens_go_ahead_of_the_streams_already_started(monkeypatch):
+    """In one round, the streams still waiting for their first token are sent before the started ones, in
+    arrival order; a started stream keeps its arrival order among the others."""
+    names = ["old0", "new0", "old1", "new1"]
+    pump, sinks = _slow_pump(monkeypatch, "1", names)
+    for name in ("old0", "old1"):
+        pump._streams[name].last_output = time.monotonic()
+    for name in names:
+        pump.on_output(name, [1], None, None)
+    pump.start()
+    try:
+        _run(pump, lambda: len(_SlowSink.log) == 4)
+    finally:
+        pump.stop()
+    assert [name for name, _ in _SlowSink.log] == ["new0", "new1", "old0", "old1"]
