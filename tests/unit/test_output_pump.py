@@ -199,8 +199,8 @@ def test_a_last_token_queued_during_a_round_goes_ahead_of_the_rest_of_it(monkeyp
         try:
             _run(pump, lambda: len(_SlowSink.log) >= 2)
             pump.on_output("s19", [2], FinishReason.LENGTH, None)
-            _run(pump, lambda: sinks["s19"].is_closed)
-            _run(pump, lambda: all(len(sink.sent) >= 1 for sink in sinks.values()))
+            _run(pump, lambda sinks=sinks: sinks["s19"].is_closed)
+            _run(pump, lambda sinks=sinks: all(len(sink.sent) >= 1 for sink in sinks.values()))
         finally:
             pump.stop()
         place = _SlowSink.log.index(("s19", "final"))
