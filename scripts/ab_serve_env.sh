@@ -11,7 +11,8 @@
 # A flag's value may be several words, e.g. the mixed graphs' token buckets:
 #   bash scripts/ab_serve_env.sh --token-buckets "512 1024 2048" "512 640 768 1024 1536 2048"
 # AB_CONCURRENCY (default "64") sets the closed-loop levels, e.g. AB_CONCURRENCY="1 64"; each level runs
-# 6 requests per stream through Triton and through the proxy.
+# 6 requests per stream through Triton and through the proxy. AB_PROXY_CONCURRENCY sets the proxy's levels apart
+# ("" runs none: Triton alone, e.g. to fit the device time left).
 set -u
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 VARIABLE VALUE [VALUE ...]" >&2; exit 2; }
@@ -40,7 +41,7 @@ for value in "$@"; do
   if [[ $VAR == --* ]]; then setting=(); read -ra words <<< "$value"; [ -n "$value" ] && flag=("$VAR" "${words[@]}"); fi
   env "${setting[@]}" MSTAR_BENCH_LOG_DIR=$OUT/logs/$tag timeout 240 $PY scripts/bench.py serve \
     --family qwen3 --checkpoint "$CKPT" --name qwen3-0.6b --prompt-len 512 --output-len 256 \
-    --concurrency ${AB_CONCURRENCY:-64} --proxy-concurrency ${AB_CONCURRENCY:-64} --requests-per-level 6 --check-eager 0 --no-capture-sampling \
+    --concurrency ${AB_CONCURRENCY:-64} --proxy-concurrency ${AB_PROXY_CONCURRENCY-${AB_CONCURRENCY:-64}} --requests-per-level 6 --check-eager 0 --no-capture-sampling \
     --decode-buckets 1 2 4 8 16 32 64 --token-buckets 512 1024 2048 --out "$OUT/ab_${VAR#--}_$tag.json" "${flag[@]}" \
     2>&1 | grep "\[bench\]" || echo "RUN FAILED: $tag"
   grep -h "step times\|output\]" "$OUT"/logs/$tag/*.log 2>/dev/null | tail -n 6
