@@ -36,3 +36,17 @@ def test_a_step_past_the_buckets_runs_eager_and_the_cli_prints_the_fill(capsys):
                      "--decode-buckets", "1", "2", "4", "--token-buckets", "64", "128"]) == 0
     out = capsys.readouterr().out
     assert "tokens computed" in out and "decode 4" in out and "% full)" in out
+
+
+def test_late_arrivals_keep_every_token_and_spread_the_prompts():
+    """With clients that come back 0-3 steps late every token is still computed once; the steps grow by the idle
+    ones, and the prompts no longer all fill the largest graph together."""
+    sim = _module()
+    common = dict(concurrency=16, prompt_len=512, output_len=64, requests=96, max_batch_tokens=2048,
+                  decode_buckets=[1, 2, 4, 8, 16], token_buckets=[512, 1024, 2048])
+    prompt, late = sim.simulate(**common), sim.simulate(**common, return_lag=3, seed=1)
+    for result in (prompt, late):
+        assert result["tokens"] == 96 * (512 + 63)
+    assert late["steps"] > prompt["steps"]
+    assert late["by_bucket"].get("mixed 1024", {}).get("steps", 0) > prompt["by_bucket"].get("mixed 1024", {}).get(
+        "steps", 0)
