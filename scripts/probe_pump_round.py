@@ -17,7 +17,6 @@ server: it takes the send's cost as given and leaves out the GIL the step loop a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mstar_common.bench.fusion import scoped_environment  # noqa: E402
 from mstar_common.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from mstar_common.engine.output_pump import OutputPump, TextStream  # noqa: E402
 from mstar_common.engine.types import FinishReason  # noqa: E402
@@ -131,15 +131,8 @@ class Sink:
 
 
 def measure(args: argparse.Namespace, first_last: str) -> dict:
-    before = os.environ.get("MSTAR_PUMP_FIRST_LAST")
-    os.environ["MSTAR_PUMP_FIRST_LAST"] = first_last
-    try:
+    with scoped_environment({"MSTAR_PUMP_FIRST_LAST": first_last}):
         loop = Loop(args)  # the pump reads the switch when it is made
-    finally:
-        if before is None:
-            del os.environ["MSTAR_PUMP_FIRST_LAST"]
-        else:
-            os.environ["MSTAR_PUMP_FIRST_LAST"] = before
     loop.pump.start()
     engine = threading.Thread(target=loop.run_engine, daemon=True)
     engine.start()
