@@ -214,7 +214,8 @@ class AREngine:
                 launched = time.perf_counter()
                 self._pending = self._launch(plan)
                 if times is not None:
-                    times.launched(started, launched, time.perf_counter())
+                    times.launched(started, launched, time.perf_counter(), self.runner.last_prepare_s,
+                                   self.runner.last_replay_s)
             if previous is not None:
                 self._collect(previous)
             return did_intake or not plan.is_empty or previous is not None

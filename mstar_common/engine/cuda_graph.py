@@ -202,6 +202,7 @@ class CudaGraphRunner:
         # there.
         self.zero_copy = device.type == "cuda" and self.samples_in_graph and zero_copy_step_io()
         self.last_host_tokens: torch.Tensor | None = None
+        self.last_replay_s = 0.0  # the last try_replay's seconds inside replay() (MSTAR_STEP_TIMES)
         self.last_key: tuple[str, int, int] | None = None  # the last `try_replay`'s graph, None where none ran
 
     # ---- capture ---------------------------------------------------------------------------------------------
@@ -478,6 +479,7 @@ class CudaGraphRunner:
         """Replay the bucket that holds `batch` and return its tokens (device), or None if none does.
         `sample(logits, seqs)` samples after the replay when the model has its own logits rules."""
         self.last_host_tokens = self.last_key = None
+        self.last_replay_s = 0.0
         key = self.pick(batch)
         if key is None or key not in self.graphs:
             return None
@@ -491,7 +493,9 @@ class CudaGraphRunner:
         previous = self.buffers.out_tokens
         if batch.gather_dst and last_tokens.data_ptr() != previous.data_ptr():  # the last step ran eager
             previous[: last_tokens.numel()].copy_(last_tokens)
+        replaying = time.perf_counter()
         self.graphs[key].replay()
+        self.last_replay_s = time.perf_counter() - replaying
         self._parity ^= 1
         self.num_replays += 1
         num_sampling = len(batch.sampling_seqs)

@@ -2,10 +2,13 @@
 
 Summed over a busy stretch of steps and logged when the loop goes idle (or every `LOG_S` while busy), per step:
 intake and scheduling, preparing and launching the step (graph replay or eager), blocking on the device for a
-step's tokens, and handing the tokens to the streams. With overlap, `gpu` is the device time between the token
-events of consecutive steps: what a step costs on the GPU as served (a step's kernels plus anything the device
-waits for between them). Where `wait` is near zero the host is the bottleneck; where `gpu` exceeds a captured
-step's replay time (scripts/ab_decode_step.py), the device waited on the host.
+step's tokens, and handing the tokens to the streams. `launch` is split further: `prepare` (the step's host-side
+inputs, Python; a wait for the GIL there counts too), and `replay` (inside the graph's `replay()`, which releases
+the GIL: the driver's `cudaGraphLaunch`); the rest of `launch` is filling the graph's input buffers, or the whole
+eager step. With overlap, `gpu` is the device time between the token events of consecutive steps: what a step
+costs on the GPU as served (a step's kernels plus anything the device waits for between them). Where `wait` is
+near zero the host is the bottleneck; where `gpu` exceeds a captured step's replay time
+(scripts/ab_decode_step.py), the device waited on the host.
 
 The line then splits the steps by what ran (`by step`): each captured graph (`decode 64`, `mixed 1024`) or `eager`,
 with its count, its mean GPU time, and for a mixed graph the mean packed tokens against the graph's size, the
@@ -34,6 +37,8 @@ class LoopTimes:
     steps: int = 0
     schedule_s: float = 0.0
     launch_s: float = 0.0
+    prepare_s: float = 0.0  # of launch_s: ModelRunner.prepare
+    replay_s: float = 0.0  # of launch_s: inside a graph's replay()
     wait_s: float = 0.0
     deliver_s: float = 0.0
     gpu_ms: float = 0.0
@@ -43,13 +48,17 @@ class LoopTimes:
     # (kind, size) of what ran -> [steps, packed tokens, gpu ms, steps with a gpu time]
     by_kind: dict[tuple[str, int], list] = field(default_factory=dict)
 
-    def launched(self, started: float, launched: float, done: float) -> None:
-        """A step was scheduled from `started` to `launched` and launched by `done` (perf_counter seconds)."""
+    def launched(self, started: float, launched: float, done: float, prepare_s: float = 0.0,
+                 replay_s: float = 0.0) -> None:
+        """A step was scheduled from `started` to `launched` and launched by `done` (perf_counter seconds), of which
+        `prepare_s` preparing its inputs and `replay_s` inside a graph's replay."""
         if self.steps == 0:
             self.since = started
         self.steps += 1
         self.schedule_s += launched - started
         self.launch_s += done - launched
+        self.prepare_s += prepare_s
+        self.replay_s += replay_s
 
     def tokens_ready(self, event, waited_s: float, kind: tuple[str, int] = ("eager", 0), num_tokens: int = 0) -> None:
         """A step's tokens were read after blocking `waited_s`; with its event, the device time since the previous
@@ -86,7 +95,8 @@ class LoopTimes:
         span_ms = (now - self.since) * 1e3
         gpu = f"{self.gpu_ms / self.gpu_steps:.3f}" if self.gpu_steps else "-"
         return (f"{self.steps} steps in {span_ms:.0f} ms, {span_ms / max(1, self.steps):.3f} ms each: schedule "
-                f"{self.schedule_s * per:.3f}, launch {self.launch_s * per:.3f}, wait {self.wait_s * per:.3f}, "
+                f"{self.schedule_s * per:.3f}, launch {self.launch_s * per:.3f} (prepare "
+                f"{self.prepare_s * per:.3f}, replay {self.replay_s * per:.3f}), wait {self.wait_s * per:.3f}, "
                 f"deliver {self.deliver_s * per:.3f}; gpu {gpu} ms per step"
                 + (f"; by step: {self.breakdown()}" if self.by_kind else ""))
 

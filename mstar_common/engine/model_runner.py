@@ -18,6 +18,7 @@ head covers its audio tokens): sampling runs over that window and the offset is 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -230,6 +231,8 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # device tokens of the last launched step
         self._readback = TokenReadback(4096, device, timing_events) if device.type == "cuda" else None
         self.counts = StepCounts()
+        # the last launch's seconds in `prepare` and inside a graph's replay (MSTAR_STEP_TIMES' launch split)
+        self.last_prepare_s = self.last_replay_s = 0.0
 
     def run(self, plan: StepPlan) -> list[int]:
         """One token per sampling row of `plan`, in plan order (rows that only prefill produce nothing)."""
@@ -237,12 +240,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
+        started = time.perf_counter()
         batch = self.prepare(plan)
+        self.last_prepare_s, self.last_replay_s = time.perf_counter() - started, 0.0
         tokens = published = key = None
         if self.graphs is not None:
             tokens = self.graphs.try_replay(batch, self._last_tokens, self.sample)
             published = self.graphs.last_host_tokens  # None unless a graph published its tokens
             key = self.graphs.last_key
+            self.last_replay_s = self.graphs.last_replay_s
         if tokens is None:
             tokens = self._run_eager(batch)
         self._last_tokens = tokens

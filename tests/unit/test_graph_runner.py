@@ -121,9 +121,14 @@ def test_step_times_split_the_steps_by_the_graph_that_ran(static_model, prompts,
     mixed = next((size, record) for (kind, size), record in by_kind.items() if kind == "mixed")
     line = engine.times.line(engine.times.since + 1.0)
     assert f"mixed {mixed[0]}: {mixed[1][0]} x - ms, {mixed[1][1] / mixed[1][0]:.0f} of {mixed[0]} tokens" in line
+    # launch's split: every step replayed, so time was spent inside replay(), and prepare and replay lie within launch
+    times = engine.times
+    assert times.replay_s > 0.0 and times.prepare_s > 0.0
+    assert times.prepare_s + times.replay_s <= times.launch_s
 
     eager = make_engine(static_model, None, overlap=True)
     run_all(eager, prompts, greedy(max_tokens=5, ignore_eos=True))
+    assert eager.times.replay_s == 0.0 and 0.0 < eager.times.prepare_s <= eager.times.launch_s
     assert list(eager.times.by_kind) == [("eager", 0)]
     assert eager.times.by_kind[("eager", 0)][:2] == [eager.num_steps, sum(len(p) + 4 for p in prompts)]
     assert "by step: eager: " in eager.times.line(eager.times.since + 1.0)
