@@ -1,14 +1,15 @@
 """Where an engine's step loop spends its time, with `MSTAR_STEP_TIMES=1` (off by default: it adds timing events).
 
 Summed over a busy stretch of steps and logged when the loop goes idle (or every `LOG_S` while busy), per step:
-intake and scheduling, preparing and launching the step (graph replay or eager), blocking on the device for a
-step's tokens, and handing the tokens to the streams. `launch` is split further: `prepare` (the step's host-side
-inputs, Python; a wait for the GIL there counts too), and `replay` (inside the graph's `replay()`, which releases
-the GIL: the driver's `cudaGraphLaunch`); the rest of `launch` is filling the graph's input buffers, or the whole
-eager step. With overlap, `gpu` is the device time between the token events of consecutive steps: what a step
-costs on the GPU as served (a step's kernels plus anything the device waits for between them). Where `wait` is
-near zero the host is the bottleneck; where `gpu` exceeds a captured step's replay time
-(scripts/ab_decode_step.py), the device waited on the host.
+intake and scheduling, preparing and launching the step (graph replay or eager), blocking on the device for a step's
+tokens, and handing the tokens to the streams. `launch` is split further: `prepare` (the step's host-side inputs,
+Python; a wait for the GIL there counts too), and `replay` (inside the graph's `replay()`: the driver's
+`cudaGraphLaunch`, with the GIL released, and getting the GIL back after it, which a busy output pump can hold for
+up to the switch interval); the rest of `launch` is filling the graph's input buffers, or the whole eager step. With
+overlap, `gpu` is the device time between the token events of consecutive steps: what a step costs on the GPU as
+served (a step's kernels plus anything the device waits for between them). Where `wait` is near zero the host is the
+bottleneck; where `gpu` exceeds a captured step's replay time (scripts/ab_decode_step.py), the device waited on the
+host.
 
 The line then splits the steps by what ran (`by step`): each captured graph (`decode 64`, `mixed 1024`) or `eager`,
 with its count, its mean GPU time, and for a mixed graph the mean packed tokens against the graph's size, the
