@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from mstar_common import wire
+from mstar_common.bench import gpu_memory
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
 from mstar_common.bench.metrics import Slo, summarize
 from mstar_common.bench.report import comparisons, write_report
@@ -372,12 +373,23 @@ def _serve(args) -> int:
                    "prefix_caching": args.prefix_caching}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    memory = {"before_start": gpu_memory.used_mib()}
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
         model["startup_s"] = server.startup_s
+        memory["after_start"] = gpu_memory.used_mib()
+        model["gpu_memory_mib"] = memory
         model["deployment"] = server.dep.to_dict()  # as served, defaults filled in: the run is self-describing
-        model["runs"] = sweep(args, server.ports.grpc_url, server.entry, server.ports.proxy_url if with_proxy else None,
-                              args.checkpoint, server.ports.metrics_url, on_run=_saver(model, args.out))
+        sampler = gpu_memory.PeakSampler().start()
+        try:
+            model["runs"] = sweep(args, server.ports.grpc_url, server.entry,
+                                  server.ports.proxy_url if with_proxy else None, args.checkpoint,
+                                  server.ports.metrics_url, on_run=_saver(model, args.out))
+        finally:
+            memory["peak"] = sampler.stop()
+        line = gpu_memory.report_line(memory)
+        if line:
+            print(f"[bench] {args.name}: {line}", flush=True)
         model["engine_metrics"] = engine_metrics(server.ports.metrics_url)
         queried = model["engine_metrics"].get("mstar_prefix_cache_queried_tokens_total", 0)
         if args.prefix_caching and queried:

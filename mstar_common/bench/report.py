@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from mstar_common.bench import gpu_memory
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,6 +34,9 @@ def markdown(results: dict) -> str:
                          f"**{model['floor_ms']:.3f} ms** per decode step.")
         if model.get("startup_s") is not None:
             lines.append(f"Server start to ready (load, graph capture): {model['startup_s']:.0f} s.")
+        memory_line = gpu_memory.report_line(model.get("gpu_memory_mib"))
+        if memory_line:
+            lines.append(memory_line)
         if model.get("deployment"):
             lines.append(serving_line(model["deployment"]))
         if model.get("runs"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -348,3 +350,74 @@ class FakeServer:
 
     def __exit__(self, *exc):
         return False
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, mib: int) -> Path:
+    """An `nvidia-smi` first on PATH that answers the memory query with the number in `mem.txt` (one GPU)."""
+    state = tmp_path / "mem.txt"
+    state.write_text(str(mib))
+    script = tmp_path / "bin" / "nvidia-smi"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\n[ "$1" = "--query-gpu=memory.used" ] || exit 9\ncat {state}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
+    return state
+
+
+def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak(bench, monkeypatch, tmp_path):
+    """`gpu_memory_mib`: nvidia-smi's reading before the server starts, once it is ready, and the highest a background
+    sample saw during the sweep (here the driver raises the reading mid-level and lowers it again); the report
+    prints them."""
+    from mstar_common.bench.metrics import RequestRecord
+    from mstar_common.bench.report import markdown
+
+    state = _fake_nvidia_smi(tmp_path, monkeypatch, 1_000)
+    out = tmp_path / "run.json"
+    args = _serve_args(bench, monkeypatch, "--concurrency", "1", "--rates", "--proxy-concurrency",
+                       "--check-eager", "0", "--out", str(out))
+
+    class StartingServer(FakeServer):
+        def __enter__(self):
+            state.write_text("5000")  # the server's weights, pools and graphs
+            return self
+
+    class FakeDriver:
+        def __init__(self, url, model, outputs=None):
+            pass
+
+        def run(self, batch, concurrency=None, rate=None):
+            state.write_text("9250")
+            time.sleep(1.2)  # the sampler reads every 0.5 s
+            state.write_text("6000")
+            return [RequestRecord(start=0.0, chunks=[(0.004, 1)], end=0.004) for _ in batch]
+
+    monkeypatch.setattr(bench, "Server", StartingServer)
+    monkeypatch.setattr(bench, "TritonDriver", FakeDriver)
+    monkeypatch.setattr(bench, "engine_metrics", lambda url: {})
+    assert bench._serve(args) == 0
+    saved = json.loads(out.read_text())
+    assert saved["gpu_memory_mib"] == {"before_start": 1_000, "after_start": 5_000, "peak": 9_250}
+    text = markdown({"meta": {}, "models": {"m": saved}})
+    assert "5,000 MiB once ready; 4,000 MiB of it taken by the server's start; 9,250 MiB at the sweep's peak" in text
+
+
+def test_gpu_memory_is_none_without_nvidia_smi_and_the_report_leaves_it_out(monkeypatch, tmp_path):
+    from mstar_common.bench import gpu_memory
+    from mstar_common.bench.report import markdown
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
+    assert gpu_memory.used_mib() is None
+    assert gpu_memory.PeakSampler(interval_s=0.01).start().stop() is None
+    memory = {"before_start": None, "after_start": None, "peak": None}
+    assert gpu_memory.report_line(memory) is None
+    assert "GPU memory" not in markdown({"meta": {}, "models": {"m": {"gpu_memory_mib": memory}}})
+
+
+def test_gpu_memory_sums_every_gpu_and_a_failing_query_reads_none(monkeypatch, tmp_path):
+    from mstar_common.bench import gpu_memory
+
+    state = _fake_nvidia_smi(tmp_path, monkeypatch, 0)
+    state.write_text("1200\n 800\n")
+    assert gpu_memory.used_mib() == 2_000
+    state.write_text("[N/A]\n")
+    assert gpu_memory.used_mib() is None
