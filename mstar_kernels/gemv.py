@@ -20,9 +20,16 @@ reading the old one).
 
 Launched with PDL (mstar_kernels/_pdl.py: Hopper or newer, `MSTAR_PDL` not 0) a program loads its first weight chunk
 before it waits for the kernel that writes `x`, so the weight stream overlaps that kernel's tail.
+
+Inside `compile_only()` the calls compile their kernel and launch nothing (their outputs stay unwritten): the GEMV
+tuning's parallel pre-compile (mstar_common/layers/linear.py `precompile_gemv_candidates`) calls them so under
+Triton's `AsyncCompileMode`, which hands each compile to a thread pool.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import triton
@@ -34,6 +41,17 @@ from mstar_kernels._rounding import round_to
 
 MAX_ROWS = 8
 TILE_ELEMENTS = 8192  # x-by-weight products held per iteration (fp32, across the program's threads)
+_COMPILE_ONLY = contextvars.ContextVar("mstar_gemv_compile_only", default=False)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within it, `gemv`/`norm_gemv` compile their kernel (Triton's `warmup`) and launch nothing (module docstring)."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
 
 
 @triton.jit
@@ -211,14 +229,17 @@ def _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, swiglu=Fal
     block_n, block_k = block_n or default_n, block_k or default_k
     num_warps = num_warps or gemv_warps(num_rows, block_n, block_k)
     res = residual if residual is not None else x
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, res, norm_weight, res_out, num_rows, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps,
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
-        BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
-        ONE_CHUNK=block_k >= k and _one_chunk(), num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(x, num_rows, triton.cdiv(n, block_n), kind=kind or f"gemv:{n}x{k}"),
-    )
+    grid = (triton.cdiv(n, block_n),)
+    args = (x, weight, bias if bias is not None else weight, out, res, norm_weight, res_out, num_rows, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0), eps)
+    meta = dict(HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, HAS_RES=residual is not None,
+                BLOCK_M=max(1, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+                STAGES=num_stages, ONE_CHUNK=block_k >= k and _one_chunk(), num_warps=num_warps,
+                num_stages=num_stages, **pdl_launch(x, num_rows, grid[0], kind=kind or f"gemv:{n}x{k}"))
+    if _COMPILE_ONLY.get():
+        _gemv_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _gemv_kernel[grid](*args, **meta)
     return out, res_out
 
 

@@ -370,7 +370,101 @@ def gemv_candidates(rows: int, n: int, k: int) -> list[tuple[int, ...]]:
     return kept
 
 
-def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None) -> list[dict]:
+def parallel_compile() -> bool:
+    """`MSTAR_PARALLEL_COMPILE` (default 0): `tune_gemv` compiles every setting it will time on a thread pool first."""
+    return env_switch("MSTAR_PARALLEL_COMPILE", False)
+
+
+def _shape_key(weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, norm, try_apart: bool) -> str:
+    """The part of a tuning decision's key that names the projection (`_decision_key` adds the rows)."""
+    n, k = weight.shape
+    key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
+    # a norm-fed decision: the norm inside the kernel or cuBLAS (MSTAR_NORM_GEMV=1: ":norm"), or also the norm
+    # kernel + the plain kernel (auto: ":norm(in|apart)")
+    return key + ((":norm(in|apart)" if try_apart else ":norm") if norm is not None else "")
+
+
+def _decision_key(shape_key: str, weight: torch.Tensor, norm, rows: int) -> str:
+    from mstar_kernels._pdl import use_pdl
+
+    # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
+    key = f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
+    key += ":wide" if _wide_candidates() else ""  # a decision taken over more candidates
+    return key + (":chained" if _is_chained(weight, rows, norm) else "")
+
+
+def _untuned(plans: list[tuple], known: dict):
+    """(module, swiglu, norm, rows) for each planned row bucket of `plans` without a decision in `known`."""
+    for module, swiglu, norm, shape_key in plans:
+        for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
+            if _decision_key(shape_key, module.weight, norm, rows) not in known:
+                yield module, swiglu, norm, rows
+
+
+def precompile_gemv_candidates(plans: list[tuple], known: dict, try_apart: bool, log) -> int:
+    """Compile each skinny-GEMM kernel that `tune_gemv` is about to time, on a thread pool, before it times any
+    (`MSTAR_PARALLEL_COMPILE=1`). Timing compiles each setting at its first call, one after another: on a fresh
+    machine most of a start's tuning time. Here every setting's call runs once under Triton's `AsyncCompileMode`
+    with mstar_kernels/gemv.py's `compile_only`, which hands each compile to the pool and launches nothing; the
+    timing then finds them compiled. A failure is logged and the timing compiles what is missing itself. Returns
+    the number of calls made."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import triton
+
+    from mstar_kernels import gemv as gemv_kernels
+
+    async_mode = getattr(triton, "AsyncCompileMode", None)
+    if async_mode is None:
+        log(f"gemv tune: no parallel compile (triton {triton.__version__} has no AsyncCompileMode)")
+        return 0
+    calls = []
+    for module, swiglu, norm, rows in _untuned(plans, known):
+        weight, bias = module.weight, module.bias
+        n, k = weight.shape
+        x = torch.randn(rows, 2 * k if swiglu else k, device=weight.device, dtype=weight.dtype)
+        residual = torch.randn_like(x) if norm is not None else None
+        for setting in gemv_candidates(rows, n, k):
+            if norm is not None:  # the norm inside the kernel
+                calls.append(functools.partial(gemv_kernels.norm_gemv_with, x, norm.weight, norm.eps, weight, bias,
+                                               residual, setting))
+            if norm is None or try_apart:  # the plain kernel (after the norm kernel, for a norm-fed projection)
+                calls.append(functools.partial(gemv_kernels.gemv_with, x, weight, bias, setting, swiglu=swiglu))
+    if not calls:
+        return 0
+    threads = max(1, min(16, os.cpu_count() or 1))
+    started = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="gemv-compile") as pool, async_mode(pool), \
+                gemv_kernels.compile_only():
+            for call in calls:
+                call()
+    except Exception:  # noqa: BLE001 - the timing compiles serially whatever is missing
+        logging.getLogger(__name__).warning("gemv tune: the parallel compile failed; the timing compiles instead",
+                                            exc_info=True)
+        _drop_pending_compiles(gemv_kernels._gemv_kernel)
+        return len(calls)
+    log(f"gemv tune: {len(calls)} candidate calls compiled on {threads} threads in "
+        f"{time.perf_counter() - started:.1f} s")
+    return len(calls)
+
+
+def _drop_pending_compiles(kernel) -> None:
+    """Take unfinished async compiles out of a Triton kernel's in-memory cache, so that its next launch compiles
+    (from Triton's disk cache where the compile got that far) instead of asking a failed one for its result."""
+    for caches in getattr(kernel, "device_caches", {}).values():
+        try:
+            compiled = caches[0]
+            for key, value in list(compiled.items()):
+                if type(value).__name__ == "FutureKernel" and getattr(value, "kernel", None) is None:
+                    del compiled[key]
+        except Exception:  # noqa: BLE001 - another Triton's layout: nothing to drop there
+            continue
+
+
+def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None,
+              precompile: bool | None = None) -> list[dict]:
     """Time each distinct `GemvLinear` shape at each planned power-of-two row count against cuBLAS (the down
     projection of a fused SwiGLU MLP against silu_mul + cuBLAS, as it would otherwise run), keep the kernel
     with its fastest setting only where it beats `gemv_bar`, and give the other row counts the plan of the
@@ -382,10 +476,11 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     weights from HBM, never from L2, and the timing must too). Decisions are kept
     in `cache` (JSON; default: one file per GPU model under the mstar cache directory when timing on CUDA), so
     every process on a machine (a restarted server, the benchmark's eager check) runs the same kernels and
-    gives the same bits. Returns one record per decision taken now."""
+    gives the same bits. `precompile` (default: with the default timer, where `MSTAR_PARALLEL_COMPILE=1`) first
+    compiles every setting to be timed on a thread pool (`precompile_gemv_candidates`). Returns one record per
+    decision taken now."""
     from mstar_common.bench.gpu_timing import cold_copies
     from mstar_common.layers.decoder import norm_gemv_mode
-    from mstar_kernels._pdl import use_pdl
 
     cold = timer is None
     if timer is None:
@@ -403,24 +498,20 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None)
     try_apart = norm_gemv_mode() == "auto"
     records = []
     step_logged: set[tuple] = set()
+    plans = []  # (module, swiglu, norm, shape_key) for each projection with a plan
     for module in model.modules():
-        if not isinstance(module, GemvLinear) or not module.gemv_plan:
-            continue
-        swiglu = id(module) in swiglu_downs
-        norm = norm_fed.get(id(module))
+        if isinstance(module, GemvLinear) and module.gemv_plan:
+            swiglu, norm = id(module) in swiglu_downs, norm_fed.get(id(module))
+            plans.append((module, swiglu, norm, _shape_key(module.weight, module.bias, swiglu, norm, try_apart)))
+    if precompile if precompile is not None else cold and parallel_compile():
+        precompile_gemv_candidates(plans, known, try_apart, log)
+    for module, swiglu, norm, shape_key in plans:
         weight, bias = module.weight, module.bias
         n, k = weight.shape
         weights = None
-        shape_key = f"{n}x{k}:{str(weight.dtype).removeprefix('torch.')}:bias={bias is not None}:swiglu={swiglu}"
-        # a norm-fed decision: the norm inside the kernel or cuBLAS (MSTAR_NORM_GEMV=1: ":norm"), or also the norm
-        # kernel + the plain kernel (auto: ":norm(in|apart)")
-        shape_key += (":norm(in|apart)" if try_apart else ":norm") if norm is not None else ""
 
         def key_of(rows: int, shape_key=shape_key, weight=weight, norm=norm) -> str:
-            # with PDL the kernel's weight prefetch overlaps the kernel before it: a decision of its own
-            key = f"{shape_key}:rows={rows}" + (":pdl" if use_pdl(weight, rows) else "")
-            key += ":wide" if _wide_candidates() else ""  # a decision taken over more candidates
-            return key + (":chained" if _is_chained(weight, rows, norm) else "")
+            return _decision_key(shape_key, weight, norm, rows)
 
         for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
             key = key_of(rows)

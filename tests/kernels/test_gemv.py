@@ -470,3 +470,78 @@ def test_forced_settings_replace_the_tuned_plan(monkeypatch):
         monkeypatch.setenv("MSTAR_GEMV_FORCE", bad)
         with pytest.raises(ValueError, match="MSTAR_GEMV_FORCE=.*expected ROWS:BLOCK_N/BLOCK_K/WARPS/STAGES"):
             forced_gemv_settings()
+
+
+class _RecordingKernel:
+    """Stands in for mstar_kernels/gemv.py's `_gemv_kernel`: records each launch's and each compile-only call's
+    specialization (argument dtypes and shapes, integer values, the constexprs and launch options) and hands the
+    call on to the real kernel. `fail_warmup`: a compile-only call raises, as a failed compile would."""
+
+    def __init__(self, real, fail_warmup: bool = False):
+        self.real, self.fail_warmup, self.seen = real, fail_warmup, []
+
+    @staticmethod
+    def spec(args, meta) -> tuple:
+        values = tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
+        return values, tuple(sorted(meta.items()))
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.append(("launch", self.spec(args, meta)))
+            return self.real[grid](*args, **meta)
+        return launch
+
+    def warmup(self, *args, grid, **meta):
+        self.seen.append(("compile", self.spec(args, meta)))
+        if self.fail_warmup:
+            raise RuntimeError("compile failed")
+        return self.real.warmup(*args, grid=grid, **meta)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_parallel_compile_covers_every_setting_the_tuning_times(monkeypatch, tmp_path, fail):
+    """`tune_gemv(..., precompile=True)` (MSTAR_PARALLEL_COMPILE=1 on the GPU) first makes one compile-only call per
+    setting and form it will time, and launches nothing then; every kernel the timing then launches was among those
+    compiled (same dtypes, shapes, integers, constexprs and launch options), and the plan is the one taken without
+    the pre-compile. A failing compile is logged and the tuning goes on to the same plan."""
+    import mstar_kernels.gemv as gemv_module
+    from mstar_common.layers.decoder import DecoderLayer, DecoderLayerConfig
+
+    def timer(fns):
+        before = len(kernel.seen)
+        fns[0]()
+        launches = [spec for what, spec in kernel.seen[before:] if what == "launch"]
+        if not launches:
+            return 5.0  # cuBLAS
+        return 3.0 if dict(launches[-1][1])["BLOCK_N"] == 8 else 6.0  # the kernel wins with 8 columns a program
+
+    plans = []
+    for precompile in (False, True):
+        kernel = _RecordingKernel(gemv_module._gemv_kernel, fail_warmup=fail and precompile)
+        monkeypatch.setattr(gemv_module, "_gemv_kernel", kernel)
+        torch.manual_seed(0)
+        layer = DecoderLayer(DecoderLayerConfig(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
+                                                head_dim=32)).to(DEVICE)
+        layer.self_attn.fuse_qkv()
+        layer.mlp.fuse_gate_up()
+        layer.mlp.use_kernel = True
+        layer.norm_gemv = True
+        use_gemv(layer, 2)
+        lines = []
+        tune_gemv(layer, timer=timer, log=lines.append,
+                  cache=tmp_path / f"{precompile}-{fail}.json", precompile=precompile)
+        plans.append({name: dict(m.gemv_plan) for name, m in layer.named_modules() if isinstance(m, GemvLinear)})
+        compiled = [spec for what, spec in kernel.seen if what == "compile"]
+        launched = [spec for what, spec in kernel.seen if what == "launch"]
+        assert launched
+        if not precompile:
+            assert not compiled
+            continue
+        first_launch = next(i for i, (what, _) in enumerate(kernel.seen) if what == "launch")
+        assert all(what == "compile" for what, _ in kernel.seen[:first_launch]), "nothing launches before the timing"
+        if fail:
+            assert len(compiled) == 1 and not any("compiled on" in line for line in lines)
+        else:
+            assert set(launched) <= set(compiled), "the timing launched a kernel the pre-compile did not compile"
+            assert any("candidate calls compiled on" in line for line in lines)
+    assert plans[0] == plans[1] and any(plans[0].values())
