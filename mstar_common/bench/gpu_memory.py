@@ -1,10 +1,11 @@
 """GPU memory around a served run (spec/ENGINE.md §14.2 "cold start": memory after start-up and at peak).
 
-Read with `nvidia-smi`, which needs no CUDA context in the benchmark's own process (a context would take ~0.5 GiB
-of the GPU it measures) and counts every process on the GPU: the server's stubs, their CUDA graphs' pools, the
-KV pools. `mstar bench serve` records the memory used before the server starts, once it is ready and the peak of
-a background sample every `interval_s` through the sweep; the report prints them. Where `nvidia-smi` is missing
-or fails (the CPU) every reading is None and the report leaves the line out.
+Read with `nvidia-smi`, which needs no CUDA context in the benchmark's own process (a context would take ~0.5 GiB of
+the GPU it measures) and counts every process on the GPU: the server's stubs, their CUDA graphs' pools, the KV
+pools. `mstar bench serve` records the memory used before the server starts, once it is ready and the peak of a
+background sample every `SAMPLE_S` through the sweep (the pools and graphs are allocated at start-up, so the peak
+moves little and a sparse sample keeps the driver queries away from the measured run); the report prints them. Where
+`nvidia-smi` is missing or fails (the CPU) every reading is None and the report leaves the line out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+
+SAMPLE_S = 2.0  # seconds between two readings during a sweep
 
 
 def used_mib() -> int | None:
@@ -28,11 +31,11 @@ def used_mib() -> int | None:
 
 
 class PeakSampler:
-    """The most memory in use seen by a sample every `interval_s`, from `start()` until `stop()` (which returns it,
-    or None if no sample could be read)."""
+    """The most memory in use seen by a sample every `interval_s` (default `SAMPLE_S`), from `start()` until `stop()`
+    (which returns it, or None if no sample could be read)."""
 
-    def __init__(self, interval_s: float = 0.5, read=used_mib) -> None:
-        self.interval_s, self._read = interval_s, read
+    def __init__(self, interval_s: float | None = None, read=used_mib) -> None:
+        self.interval_s, self._read = SAMPLE_S if interval_s is None else interval_s, read
         self.peak: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-memory", daemon=True)

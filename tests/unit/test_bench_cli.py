@@ -368,9 +368,11 @@ def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak
     """`gpu_memory_mib`: nvidia-smi's reading before the server starts, once it is ready, and the highest a background
     sample saw during the sweep (here the driver raises the reading mid-level and lowers it again); the report
     prints them."""
+    from mstar_common.bench import gpu_memory
     from mstar_common.bench.metrics import RequestRecord
     from mstar_common.bench.report import markdown
 
+    monkeypatch.setattr(gpu_memory, "SAMPLE_S", 0.2)
     state = _fake_nvidia_smi(tmp_path, monkeypatch, 1_000)
     out = tmp_path / "run.json"
     args = _serve_args(bench, monkeypatch, "--concurrency", "1", "--rates", "--proxy-concurrency",
@@ -387,7 +389,7 @@ def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak
 
         def run(self, batch, concurrency=None, rate=None):
             state.write_text("9250")
-            time.sleep(1.2)  # the sampler reads every 0.5 s
+            time.sleep(0.7)  # the sampler reads every 0.2 s here
             state.write_text("6000")
             return [RequestRecord(start=0.0, chunks=[(0.004, 1)], end=0.004) for _ in batch]
 
