@@ -1,6 +1,6 @@
 """GPU memory around a served run (spec/ENGINE.md §14.2 "cold start": memory after start-up and at peak).
 
-Read with `nvidia-smi`, which needs no CUDA context in the benchmark's own process (a context would take ~0.5 GiB of
+Read with `nvidia-smi`, which needs no CUDA context in the benchmark's own process (a context holds memory of its own on
 the GPU it measures) and counts every process on the GPU: the server's stubs, their CUDA graphs' pools, the KV
 pools. `mstar bench serve` records the memory used before the server starts, once it is ready and the peak of a
 background sample every `SAMPLE_S` through the sweep (the pools and graphs are allocated at start-up, so the peak
