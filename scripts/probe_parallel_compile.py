@@ -7,7 +7,8 @@ The GEMV tuning at start-up (mstar_common/layers/linear.py `tune_gemv`) compiles
 projection at its first call, one after another; `MSTAR_PARALLEL_COMPILE=1` compiles them on a thread pool first.
 This compiles the same kernels (mstar_kernels/gemv.py `_gemv_kernel` at Qwen3-0.6B's projection shapes, each
 row count and form that the tuning times: plain, with SwiGLU for the down projection, with the norm inside for
-qkv and gate_up) for a CUDA target with no GPU needed (Triton and its bundled ptxas only), once per thread count,
+qkv and gate_up; without PDL, which on the GPU makes the one- and two-row ones other variants of as many kernels)
+for a CUDA target with no GPU needed (Triton and its bundled ptxas only), once per thread count,
 each in a fresh process with an empty Triton cache, and prints the wall time of each.
 """
 
