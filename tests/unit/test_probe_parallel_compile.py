@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.scripts import SCRIPTS, load_script
+
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import probe_parallel_compile as probe  # noqa: E402
+probe = load_script("probe_parallel_compile")
 
 
 def test_the_kernels_cover_each_form_the_tuning_times_once():
@@ -29,7 +26,7 @@ def test_the_kernels_cover_each_form_the_tuning_times_once():
 
 
 def test_the_probe_compiles_for_sm_90_on_each_thread_count():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_parallel_compile.py"), "--threads", "1", "2",
+    out = subprocess.run([sys.executable, str(SCRIPTS / "probe_parallel_compile.py"), "--threads", "1", "2",
                           "--rows", "1", "--limit", "2"], capture_output=True, text=True, timeout=300, check=True)
     lines = [line for line in out.stdout.splitlines() if "GEMV kernels" in line]
     assert [line.split(" on ")[1].split(":")[0] for line in lines] == ["1 thread(s)", "2 thread(s)"]
