@@ -4,12 +4,13 @@ I/O contract: the text-LM tensors in mstar_common/wire.py (inputs text_input | m
 sampling knobs; streamed outputs text_output, token_ids, finish_reason, prompt_tokens, completion_tokens).
 
 Threads: Triton calls `execute` with new requests; it only parses, validates and enqueues, then returns.
-The engine's step loop (one background thread) batches every running request into each step: prefill
-chunks and decodes together over the paged KV cache. The output pump (a second thread) turns tokens
-into responses. A request refused at parse time gets one error response (an `invalid_request:` message),
-one the component has no room for an `overloaded:` or `unavailable:` one (mstar_common/engine/admission.py);
-every admitted request ends with exactly one FINAL, through backends/responder.py. A request's Triton
-`timeout` (microseconds, as tritonclient and the proxy set it) is its server-side deadline.
+The engine's step loop (one background thread; with `MSTAR_ENGINE_PROCESS=1` a child process,
+mstar_common/engine/engine_process.py) batches every running request into each step: prefill chunks and
+decodes together over the paged KV cache. The output pump (a second thread) turns tokens into responses.
+A request refused at parse time gets one error response (an `invalid_request:` message), one the component
+has no room for an `overloaded:` or `unavailable:` one (mstar_common/engine/admission.py); every admitted
+request ends with exactly one FINAL, through backends/responder.py. A request's Triton `timeout`
+(microseconds, as tritonclient and the proxy set it) is its server-side deadline.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class TritonPythonModel:
         node = load_node(args, kind="autoregressive")
         self.model_name, device = node.model_name, node.device
         self.input_names = [spec.name for spec in node.component.inputs]
-        self.runtime = node.build()
+        self.runtime = build_runtime(node)
         self.engine = self.runtime.engine
         self.pump = OutputPump(self.engine, name=f"{self.model_name}-output",
                                watch=StallWatch.from_env(self.engine, self.model_name))
@@ -93,6 +94,22 @@ class TritonPythonModel:
         self.engine.shutdown()
         self.pump.stop()
         release_stub_objects()
+
+
+def build_runtime(node):
+    """The component's runtime; with `MSTAR_ENGINE_PROCESS=1` and a family that supports it, its engine runs in a
+    process of its own (mstar_common/engine/engine_process.py) and the runtime holds a `RemoteEngine`."""
+    from mstar_common.engine import engine_process
+
+    if not engine_process.enabled():
+        return node.build()
+    if not node.family.supports_engine_process:
+        logger.info("[%s] %s=1: the %s family keeps its step loop in this process (it supports the engine "
+                    "process only for plain text LMs)", node.model_name, engine_process.SWITCH, node.family.name)
+        return node.build()
+    spec = engine_process.EngineSpec(node.model_name, node.family.name, node.component.name, node.deployment,
+                                     node.checkpoint, node.device)
+    return engine_process.start_engine_process(spec)
 
 
 def enqueue(engine, pump, responder: Responder, prompt_ids: list[int], params, timeout_s: float | None,

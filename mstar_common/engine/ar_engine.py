@@ -21,6 +21,7 @@ the CPU the step is synchronous: launch, collect, deliver.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import random
 import threading
@@ -409,24 +410,32 @@ class AREngine:
     # ---- validation -----------------------------------------------------------------------------------------
 
     def _validate(self, prompt_ids: SequenceOf[int], params: SamplingParams) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate(self.vocab_size)
-        prompt = _token_ids(prompt_ids, self.vocab_size)
-        num_tokens = len(prompt) + params.max_tokens
-        if num_tokens > self.max_model_len:
-            raise AdmissionError(
-                f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt)} tokens must be <= "
-                f"max_model_len ({self.max_model_len}); lower max_tokens to at most {self.max_model_len - len(prompt)}"
-            )
-        footprint = self.allocator.pages_for(num_tokens)
-        if footprint > self.config.num_kv_pages:
-            raise AdmissionError(
-                f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt)} tokens needs {footprint} KV "
-                f"pages of {self.config.page_size} tokens, more than the pool's num_kv_pages "
-                f"({self.config.num_kv_pages})"
-            )
-        return prompt
+        return check_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.config.page_size,
+                             self.config.num_kv_pages)
+
+
+def check_request(prompt_ids: SequenceOf[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  page_size: int, num_kv_pages: int) -> list[int]:
+    """The prompt as a list of token ids, once the request passes the engine's rules (a ValueError or an
+    AdmissionError naming the field and the rule otherwise). Also what a component whose engine runs in a
+    process of its own checks before it hands the request over (engine_process.py)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    params.validate(vocab_size)
+    prompt = _token_ids(prompt_ids, vocab_size)
+    num_tokens = len(prompt) + params.max_tokens
+    if num_tokens > max_model_len:
+        raise AdmissionError(
+            f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt)} tokens must be <= "
+            f"max_model_len ({max_model_len}); lower max_tokens to at most {max_model_len - len(prompt)}"
+        )
+    footprint = math.ceil(num_tokens / page_size)
+    if footprint > num_kv_pages:
+        raise AdmissionError(
+            f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt)} tokens needs {footprint} KV "
+            f"pages of {page_size} tokens, more than the pool's num_kv_pages ({num_kv_pages})"
+        )
+    return prompt
 
 
 def _token_ids(prompt_ids: SequenceOf[int], vocab_size: int) -> list[int]:

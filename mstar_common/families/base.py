@@ -15,6 +15,9 @@ class Family(ABC):
     graph: ClassVar[FamilyGraph]
     builtin_checkpoints: ClassVar[dict[str, Any]] = {}  # name -> callable(out_dir) -> Path
     proxy_kind: ClassVar[str] = "text"  # which proxy routes serve it: text | speech
+    # whose autoregressive components may run their engine in a process of their own (MSTAR_ENGINE_PROCESS=1):
+    # plain text LMs, whose requests are token ids and sampling parameters only
+    supports_engine_process: ClassVar[bool] = False
 
     @abstractmethod
     def validate_deployment(self, dep: Deployment, source: str) -> None:

@@ -137,3 +137,18 @@ def test_kernel_resources_probe_counts_programs_per_sm_as_hopper_allocates():
     assert probe.ctas_per_sm(175, 4, 38912)["ctas"] == 2  # 176 a thread: 5,632 a warp, 11 warps
     assert probe.ctas_per_sm(80, 4, 38912) == {"registers": 6, "shared": 5, "warps": 16, "ctas": 5}
     assert probe.ctas_per_sm(32, 1, 0)["ctas"] == 32  # the hardware's cap on programs per SM
+
+
+def test_engine_ipc_probe_measures_each_row_count():
+    """scripts/probe_engine_ipc.py: one line per row count, every step's message received and dispatched."""
+    probe = _load("probe_engine_ipc")
+    results = [probe.measure(rows, 50) for rows in (1, 64)]
+    assert [r["rows"] for r in results] == [1, 64] and all(r["steps"] == 50 for r in results)
+    assert all(r["send_us"] > 0 and r["dispatch_us"] > 0 for r in results)
+
+
+def test_step_host_probe_runs_the_engine_without_a_model():
+    """scripts/probe_step_host.py: the engine's decode steps at each row count, timed, with every row decoding."""
+    probe = _load("probe_step_host")
+    results = [probe.measure(rows, 20, 64) for rows in (1, 4)]
+    assert [r["rows"] for r in results] == [1, 4] and all(r["host_us_per_step"] > 0 for r in results)

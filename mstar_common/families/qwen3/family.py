@@ -30,6 +30,7 @@ class Qwen3Family(Family):
     name: ClassVar[str] = "qwen3"
     graph = GRAPH
     builtin_checkpoints: ClassVar[dict[str, Any]] = {"qwen3-tiny": _build_tiny}
+    supports_engine_process: ClassVar[bool] = True
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         if unknown := sorted(set(dep.model_kwargs) - set(MODEL_KWARGS)):

@@ -1,0 +1,110 @@
+"""A real tritonserver + proxy serving the default deployment with `MSTAR_ENGINE_PROCESS=1`: the component's engine
+runs in a child of its stub. Greedy tokens through Triton equal transformers `generate`; the OpenAI client
+streams a chat completion; random cancellations leave nothing held; the engine process goes with the server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import yaml
+
+from mstar_common.cli import DEFAULT_DEPLOYMENT
+from mstar_common.config import deployment_from_dict
+from tests.integration.conftest import serve_deployment
+from tests.integration.triton_stream import run_stream
+from tests.scripts import load_script
+
+pytestmark = pytest.mark.server
+
+CAP, QUEUE = 4, 4
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "What is the capital of France?",
+           "1 2 3 4 5 6 7 8 9 10", "GPU", "Serving engineers measure time to first token.", "Good night"]
+MAX_TOKENS = 16
+
+cancel_fuzz = load_script("cancel_fuzz")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _engine_pids(log: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"engine process (\d+) started", log.read_text(errors="replace"))]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-process-served")
+    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
+    raw.update(max_concurrent_requests=CAP, admission={"max_queue": QUEUE})
+    dep = deployment_from_dict(raw, source="engine-process-deployment")
+    previous = os.environ.get("MSTAR_ENGINE_PROCESS")
+    os.environ["MSTAR_ENGINE_PROCESS"] = "1"  # the stubs inherit the server's environment
+    try:
+        with serve_deployment(dep, root, "engine-process-deployment") as s:
+            yield s
+    finally:
+        if previous is None:
+            os.environ.pop("MSTAR_ENGINE_PROCESS", None)
+        else:
+            os.environ["MSTAR_ENGINE_PROCESS"] = previous
+    log = root / "tritonserver.log"
+    pids = _engine_pids(log)
+    assert pids and not any(_alive(p) for p in pids), f"engine processes left after the server stopped: {pids}"
+    # stopped by its stub after the drain, not by the stop signal the server's process group got
+    assert "exited (code" not in log.read_text(errors="replace")
+    assert re.search(r"engine process \d+\] stopped", log.read_text(errors="replace"))
+
+
+def test_the_engine_runs_in_a_child_of_the_component_stub(served):
+    pids = _engine_pids(served.log_dir / "tritonserver.log")
+    assert len(pids) == 1 and _alive(pids[0]), pids
+    parent = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert "triton_python_backend_stub" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
+    assert "ready on cpu" in (served.log_dir / "tritonserver.log").read_text(errors="replace")
+
+
+def test_greedy_tokens_through_triton_equal_transformers(served):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(served.checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(str(served.checkpoint), dtype=torch.float32).eval()
+    requests, expected = {}, {}
+    for i, prompt in enumerate(PROMPTS):  # 4 running + 4 queued
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected[f"p{i}"] = out[0, len(ids):].tolist()
+        requests[f"p{i}"] = {"input_ids": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    got = run_stream(served.grpc_url, served.entry, requests)
+    for key, want in expected.items():
+        assert got[key].error is None, got[key].error
+        assert got[key].token_ids == want, key
+
+
+def test_the_openai_client_streams_a_chat_completion(served):
+    client = openai.OpenAI(base_url=served.proxy_url + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model=served.dep.name, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_random_cancellations_leave_nothing_held(served):
+    result = asyncio.run(cancel_fuzz.fuzz(served.proxy_url, served.grpc_url, served.metrics_url, served.dep.name,
+                                          served.entry, n=60, concurrency=CAP + QUEUE, seed=11))
+    assert not result.errors, result.errors[:5]
+    assert sum(result.outcomes.values()) == 60, result.outcomes
+    assert not any(result.held_after.values()), result.held_after

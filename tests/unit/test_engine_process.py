@@ -1,0 +1,207 @@
+"""The engine in a process of its own (mstar_common/engine/engine_process.py), driven as the Triton node drives it,
+on the tiny Qwen3 on the CPU: the same tokens as the engine in this process, refusals raised at once in the caller,
+cancellation, shutdown, a killed engine process, a build that fails, and no engine process left behind by a
+caller that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mstar_common.checkpoints import resolve_checkpoint
+from mstar_common.cli import DEFAULT_DEPLOYMENT
+from mstar_common.config import deployment_from_dict
+from mstar_common.engine import engine_process
+from mstar_common.engine.admission import EngineOverloaded, EngineUnavailable
+from mstar_common.engine.types import AdmissionError, FinishReason, SamplingParams
+from mstar_common.families.registry import get_family
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["Hello there", "The quick brown fox", "a", "Continuous batching mixes prefill chunks with decodes."]
+
+
+class Streams:
+    """An `on_output` callback that records each request's tokens and its one final call."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finals: dict[str, tuple[FinishReason, str | None]] = {}
+        self.late: list[str] = []  # calls after a request's final (must stay empty)
+        self._cond = threading.Condition()
+
+    def __call__(self, request_id, token_ids, finish, error) -> None:
+        with self._cond:
+            if request_id in self.finals:
+                self.late.append(request_id)
+            self.tokens.setdefault(request_id, []).extend(token_ids)
+            if finish is not None:
+                self.finals[request_id] = (finish, error)
+            self._cond.notify_all()
+
+    def wait(self, request_ids, timeout: float = 60.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: all(r in self.finals for r in request_ids), timeout), self.finals
+
+    def wait_tokens(self, request_id: str, count: int = 1, timeout: float = 60.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.tokens.get(request_id, [])) >= count, timeout)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The default deployment (qwen3-tiny, CPU) with room for 2 running and 1 queued request."""
+    cache = tmp_path_factory.mktemp("engine-process-cache")
+    previous = os.environ.get("MSTAR_CACHE_DIR")
+    os.environ["MSTAR_CACHE_DIR"] = str(cache)
+    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
+    raw["max_concurrent_requests"] = 2
+    raw.setdefault("admission", {})["max_queue"] = 1
+    dep = deployment_from_dict(raw, source="test-engine-process")
+    family = get_family(dep.family)
+    checkpoint = resolve_checkpoint(dep.checkpoint, family.builtin_checkpoints)
+    spec = engine_process.EngineSpec("qwen3_llm", dep.family, "llm", dep, checkpoint, "cpu")
+    yield family, dep, spec
+    if previous is None:
+        os.environ.pop("MSTAR_CACHE_DIR", None)
+    else:
+        os.environ["MSTAR_CACHE_DIR"] = previous
+
+
+@pytest.fixture
+def remote(setup):
+    runtime = engine_process.start_engine_process(setup[2], ready_timeout_s=120)
+    yield runtime
+    runtime.engine.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (an exited process that nobody reaped yet, a zombie, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _ids(runtime, text: str) -> list[int]:
+    return runtime.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_greedy_tokens_equal_the_engine_in_this_process(setup, remote):
+    family, dep, spec = setup
+    engine = remote.engine
+    assert engine.pid != os.getpid() and _alive(engine.pid)
+    local = family.build_component("llm", dep, spec.checkpoint, "cpu")
+    local.engine.start()
+    try:
+        got, want = Streams(), Streams()
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        for i, prompt in enumerate(PROMPTS[:2]):  # the deployment's two running requests, batched in each engine
+            engine.add_request(f"r{i}", _ids(remote, prompt), replace(params), got)
+            local.engine.add_request(f"r{i}", _ids(local, prompt), replace(params), want)
+        got.wait(["r0", "r1"])
+        want.wait(["r0", "r1"])
+    finally:
+        local.engine.shutdown()
+    assert got.tokens == want.tokens and all(len(t) == 12 for t in got.tokens.values())
+    assert got.finals == want.finals == {"r0": (FinishReason.LENGTH, None), "r1": (FinishReason.LENGTH, None)}
+    assert not got.late
+    assert engine.num_live == 0
+
+
+def test_refusals_are_raised_in_the_caller_at_once(remote):
+    engine, streams = remote.engine, Streams()
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompt_ids must be token ids in \[0, 447\], got 9999"):
+        engine.add_request("bad", [1, 9999], SamplingParams(max_tokens=4), streams)
+    with pytest.raises(AdmissionError, match=r"max_tokens \(600\) plus the prompt's 2 tokens must be <= max_model_len"):
+        engine.add_request("big", [1, 2], SamplingParams(max_tokens=600), streams)
+    for i in range(3):  # 2 running + 1 queued fill the component
+        engine.add_request(f"hold{i}", [1, 2, 3], replace(long), streams)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("hold0", [1, 2, 3], replace(long), streams)
+    with pytest.raises(EngineOverloaded, match="its cap of 2 running and 1 queued"):
+        engine.add_request("one-more", [1, 2, 3], replace(long), streams)
+    assert engine.stats()["num_refused"] == 1
+    for i in range(3):
+        engine.cancel(f"hold{i}")
+    streams.wait([f"hold{i}" for i in range(3)])
+    assert {streams.finals[f"hold{i}"][0] for i in range(3)} == {FinishReason.CANCELLED}
+    assert "bad" not in streams.tokens and "big" not in streams.tokens and "one-more" not in streams.tokens
+    # what the cancels freed takes new requests again
+    engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), streams)
+    streams.wait(["after"])
+    assert streams.finals["after"] == (FinishReason.LENGTH, None) and len(streams.tokens["after"]) == 3
+
+
+def test_shutdown_cancels_what_is_live_and_the_process_exits(remote):
+    engine, streams = remote.engine, Streams()
+    engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True), streams)
+    streams.wait_tokens("long")
+    engine.shutdown()
+    assert streams.finals["long"] == (FinishReason.CANCELLED, None)
+    assert engine._process.returncode == 0 and not _alive(engine.pid)
+    with pytest.raises(EngineUnavailable, match="shut down"):
+        engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=3), streams)
+    engine.shutdown()  # twice is harmless
+    assert not streams.late
+
+
+def test_a_killed_engine_process_fails_its_requests_and_refuses_new_ones(remote):
+    engine, streams = remote.engine, Streams()
+    engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True), streams)
+    streams.wait_tokens("long")
+    os.kill(engine.pid, signal.SIGKILL)
+    streams.wait(["long"])
+    reason, error = streams.finals["long"]
+    assert reason is FinishReason.ERROR and "engine process exited (code -9)" in error
+    with pytest.raises(EngineUnavailable, match="engine process has stopped"):
+        engine.add_request("next", [1, 2, 3], SamplingParams(max_tokens=3), streams)
+    assert engine.num_live == 0
+
+
+def test_a_build_that_fails_raises_with_the_engine_process_traceback(setup, tmp_path):
+    spec = replace(setup[2], checkpoint=tmp_path / "no-such-checkpoint")
+    with pytest.raises(RuntimeError, match="failed to build the component") as info:
+        engine_process.start_engine_process(spec, ready_timeout_s=120)
+    assert "no-such-checkpoint" in str(info.value)
+
+
+def test_the_engine_process_exits_when_its_caller_dies(setup, tmp_path):
+    """A stub killed outright (no shutdown) must not leave an engine process holding the device."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""
+        import pickle, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from mstar_common.engine import engine_process
+        spec = pickle.loads(bytes.fromhex(sys.argv[1]))
+        runtime = engine_process.start_engine_process(spec, ready_timeout_s=120)
+        print(runtime.engine.pid, flush=True)
+        time.sleep(600)
+    """))
+    import pickle
+
+    caller = subprocess.Popen([sys.executable, str(script), pickle.dumps(setup[2]).hex()], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        child = int(caller.stdout.readline())
+        assert _alive(child)
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the engine process outlived its caller"
