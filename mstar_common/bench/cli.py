@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -370,7 +371,8 @@ def _saver(model: dict, out: str):
 def _serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
                    "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
-                   "prefix_caching": args.prefix_caching}
+                   "prefix_caching": args.prefix_caching, "code": code_revision(),
+                   "switches": served_switches(os.environ)}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     memory = {"before_start": gpu_memory.used_mib()}
@@ -585,6 +587,31 @@ def cmd_report(args) -> int:
     for path in write_report(results, args.out):
         print(f"[bench] wrote {path}")
     return 0
+
+
+# `MSTAR_*` variables that name places or the harness's own output, not how the server runs
+NOT_SWITCHES = frozenset({"MSTAR_CACHE_DIR", "MSTAR_BENCH_LOG_DIR", "MSTAR_ENGINE_PYTHON"})
+
+
+def served_switches(environ) -> dict[str, str]:
+    """The `MSTAR_*` switches set for the run (docs/deployment.md), which the server it starts inherits: a figure
+    is only comparable with another taken at the same switches."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("MSTAR_") and v and k not in NOT_SWITCHES}
+
+
+def code_revision() -> str | None:
+    """The checkout's commit, with `+changes` when its tracked files differ from it; None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def meta(command: str | None) -> dict:

@@ -32,6 +32,9 @@ def markdown(results: dict) -> str:
             lines.append(f"Weights {model['weight_bytes'] / 1e9:.3f} GB; read bandwidth {bw['read_tb_per_s']:.2f} TB/s "
                          f"(copy {bw['copy_rw_tb_per_s']:.2f} TB/s read+write); weight-streaming floor "
                          f"**{model['floor_ms']:.3f} ms** per decode step.")
+        if "switches" in model:  # `mstar bench serve` records them with the code it ran
+            switches = ", ".join(f"`{k}={v}`" for k, v in model["switches"].items()) or "none set (the defaults)"
+            lines.append(f"Code {model.get('code') or 'unknown'}; environment switches: {switches}.")
         if model.get("startup_s") is not None:
             lines.append(f"Server start to ready (load, graph capture): {model['startup_s']:.0f} s.")
         memory_line = gpu_memory.report_line(model.get("gpu_memory_mib"))

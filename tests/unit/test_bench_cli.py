@@ -403,6 +403,47 @@ def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak
     assert "5,000 MiB once ready; 4,000 MiB of it taken by the server's start; 9,250 MiB at the sweep's peak" in text
 
 
+def test_serve_records_the_code_and_the_switches_it_ran_with(bench, monkeypatch, tmp_path):
+    """A results file names the commit (`+changes` for a checkout that differs from it) and the `MSTAR_*` switches
+    the server inherited, paths left out; the report prints both."""
+    from mstar_common.bench.metrics import RequestRecord
+    from mstar_common.bench.report import markdown
+
+    out = tmp_path / "run.json"
+    args = _serve_args(bench, monkeypatch, "--concurrency", "1", "--rates", "--proxy-concurrency",
+                       "--check-eager", "0", "--out", str(out))
+
+    class FakeDriver:
+        def __init__(self, url, model, outputs=None):
+            pass
+
+        def run(self, batch, concurrency=None, rate=None):
+            return [RequestRecord(start=0.0, chunks=[(0.004, 1)], end=0.004) for _ in batch]
+
+    monkeypatch.setattr(bench, "Server", FakeServer)
+    monkeypatch.setattr(bench, "TritonDriver", FakeDriver)
+    monkeypatch.setattr(bench, "engine_metrics", lambda url: {})
+    for name in [k for k in os.environ if k.startswith("MSTAR_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MSTAR_ENGINE_PROCESS", "1")
+    monkeypatch.setenv("MSTAR_PDL", "0")
+    monkeypatch.setenv("MSTAR_STEP_TIMES", "")  # empty: unset
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))  # a place, not a switch
+    assert bench._serve(args) == 0
+    saved = json.loads(out.read_text())
+    assert saved["switches"] == {"MSTAR_ENGINE_PROCESS": "1", "MSTAR_PDL": "0"}
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert saved["code"].split("+")[0] == head.stdout.strip()
+        assert saved["code"].endswith("+changes") == bool(subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+            text=True).stdout.strip())
+    text = markdown({"meta": {}, "models": {"m": saved}})
+    assert f"Code {saved['code'] or 'unknown'}; environment switches: `MSTAR_ENGINE_PROCESS=1`, `MSTAR_PDL=0`." in text
+    saved["switches"] = {}
+    assert "environment switches: none set (the defaults)." in markdown({"meta": {}, "models": {"m": saved}})
+
+
 def test_gpu_memory_is_none_without_nvidia_smi_and_the_report_leaves_it_out(monkeypatch, tmp_path):
     from mstar_common.bench import gpu_memory
     from mstar_common.bench.report import markdown
