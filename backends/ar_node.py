@@ -42,7 +42,7 @@ class TritonPythonModel:
         node = load_node(args, kind="autoregressive")
         self.model_name, device = node.model_name, node.device
         self.input_names = [spec.name for spec in node.component.inputs]
-        self.runtime = build_runtime(node)
+        self.runtime = node.build_runtime()  # its engine in a child process with MSTAR_ENGINE_PROCESS=1
         self.engine = self.runtime.engine
         self.pump = OutputPump(self.engine, name=f"{self.model_name}-output",
                                watch=StallWatch.from_env(self.engine, self.model_name))
@@ -94,22 +94,6 @@ class TritonPythonModel:
         self.engine.shutdown()
         self.pump.stop()
         release_stub_objects()
-
-
-def build_runtime(node):
-    """The component's runtime; with `MSTAR_ENGINE_PROCESS=1` and a family that supports it, its engine runs in a
-    process of its own (mstar_common/engine/engine_process.py) and the runtime holds a `RemoteEngine`."""
-    from mstar_common.engine import engine_process
-
-    if not engine_process.enabled():
-        return node.build()
-    if not node.family.supports_engine_process:
-        logger.info("[%s] %s=1: the %s family keeps its step loop in this process (it supports the engine "
-                    "process only for plain text LMs)", node.model_name, engine_process.SWITCH, node.family.name)
-        return node.build()
-    spec = engine_process.EngineSpec(node.model_name, node.family.name, node.component.name, node.deployment,
-                                     node.checkpoint, node.device)
-    return engine_process.start_engine_process(spec)
 
 
 def enqueue(engine, pump, responder: Responder, prompt_ids: list[int], params, timeout_s: float | None,

@@ -39,6 +39,23 @@ class NodeSetup:
         """The family's runtime for this component on this instance's device."""
         return self.family.build_component(self.component.name, self.deployment, self.checkpoint, self.device)
 
+    def build_runtime(self):
+        """An autoregressive component's runtime. With `MSTAR_ENGINE_PROCESS=1` and a component that allows it, its
+        engine runs in a child process (mstar_common/engine/engine_process.py) and the runtime holds a
+        `RemoteEngine` in its place; a component that does not allow it keeps its engine here and logs why."""
+        from mstar_common.engine import engine_process
+
+        if not engine_process.enabled():
+            return self.build()
+        refusal = self.family.engine_process_refusal(self.component.name, self.deployment)
+        if refusal is not None:
+            logger.info("[%s] %s=1, but the engine stays in this process: %s", self.model_name,
+                        engine_process.SWITCH, refusal)
+            return self.build()
+        spec = engine_process.EngineSpec(self.model_name, self.family.name, self.component.name, self.deployment,
+                                         self.checkpoint, self.device)
+        return engine_process.start_engine_process(spec)
+
 
 def install_stack_dumps(stats=None) -> None:
     """With `MSTAR_STACK_DUMP_S=N` set, every thread's Python stack goes to the stub's stderr (the server log)

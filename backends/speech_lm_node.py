@@ -4,7 +4,8 @@ I/O contract: the speech tensors in mstar_common/wire.py (in: text_input, voice,
 out: audio_chunk PCM16, sample_rate, token_ids, finish_reason, prompt/completion token counts). A request
 refused at parse time gets one `invalid_request:` error; every admitted request ends with exactly one FINAL.
 
-Threads: `execute` only parses, validates and enqueues. The engine's step loop (one thread) batches every
+Threads: `execute` only parses, validates and enqueues. The engine's step loop (one thread; with
+`MSTAR_ENGINE_PROCESS=1` a child process, mstar_common/engine/engine_process.py) batches every
 running request into each prefill/decode step over the paged KV cache. The codec pump (a second thread)
 turns each step's tokens into codec windows, sends all of a step's windows to the codec component in ONE
 BLS request, and streams the decoded PCM to each request's response sender.
@@ -38,7 +39,7 @@ class TritonPythonModel:
         setup = load_node(args, kind="speech_lm")
         self.model_name = setup.model_name
         self.input_names = [spec.name for spec in setup.component.inputs]
-        self.runtime = setup.build()
+        self.runtime = setup.build_runtime()  # its engine in a child process with MSTAR_ENGINE_PROCESS=1
         self.engine = self.runtime.engine
         codec = self.runtime.local_codec or BLSCodec(self.runtime.codec_model)
         self.pump = CodecPump(self.engine, codec, name=f"{self.model_name}-codec",

@@ -1,4 +1,8 @@
-"""A text LM's step loop in a process of its own (`MSTAR_ENGINE_PROCESS=1`; the qwen3 and llama families).
+"""An autoregressive component's step loop in a process of its own (`MSTAR_ENGINE_PROCESS=1`).
+
+Which components: those whose family's `engine_process_refusal` allows it (qwen3, llama, and orpheus's LM unless its
+codec runs in the LM's stub): requests of token ids and sampling parameters alone, and no other user of the weights
+in the stub. The others keep their engine in the stub and log why (backends/node_setup.py).
 
 Why. In the component's stub process the step loop shares one GIL with the output pump (detokenizing, sending
 responses), Triton's `execute` threads and the metrics sampler. At 64 streams on the H200 the loop's own Python is

@@ -15,9 +15,6 @@ class Family(ABC):
     graph: ClassVar[FamilyGraph]
     builtin_checkpoints: ClassVar[dict[str, Any]] = {}  # name -> callable(out_dir) -> Path
     proxy_kind: ClassVar[str] = "text"  # which proxy routes serve it: text | speech
-    # whose autoregressive components may run their engine in a process of their own (MSTAR_ENGINE_PROCESS=1):
-    # plain text LMs, whose requests are token ids and sampling parameters only
-    supports_engine_process: ClassVar[bool] = False
 
     @abstractmethod
     def validate_deployment(self, dep: Deployment, source: str) -> None:
@@ -32,3 +29,9 @@ class Family(ABC):
     @abstractmethod
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         """Load one component's runtime (weights, resources, engine) for a Triton instance."""
+
+    def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
+        """Why this autoregressive component's engine cannot run in a process of its own (`MSTAR_ENGINE_PROCESS=1`,
+        mstar_common/engine/engine_process.py), or None when it can: its requests must be token ids and sampling
+        parameters alone, and nothing but the engine may need the weights it loads."""
+        return f"the {self.name} family's requests carry state beside their token ids"

@@ -1,22 +1,28 @@
-"""A real tritonserver + proxy serving the default deployment with `MSTAR_ENGINE_PROCESS=1`: the component's engine
-runs in a child of its stub. Greedy tokens through Triton equal transformers `generate`; the OpenAI client
-streams a chat completion; random cancellations leave nothing held; the engine process goes with the server."""
+"""A real tritonserver + proxy with `MSTAR_ENGINE_PROCESS=1`: the component's engine runs in a child of its stub.
+The default deployment (tiny Qwen3): greedy tokens through Triton equal transformers `generate`; the OpenAI client
+streams a chat completion; random cancellations leave nothing held; the engine process goes with the server.
+Orpheus (tiny Llama + tiny SNAC): the served tokens are transformers' and the served PCM is the `snac` package's
+decoding of them; a cancelled stream frees its pages and codec state."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import time
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 import torch
 import yaml
 
-from mstar_common.cli import DEFAULT_DEPLOYMENT
+from mstar_common.cli import CONFIGS, DEFAULT_DEPLOYMENT
 from mstar_common.config import deployment_from_dict
 from tests.integration.conftest import serve_deployment
+from tests.integration.test_orpheus_server import SAMPLES_PER_FRAME, _metric, _reference_pcm, _speak
 from tests.integration.triton_stream import run_stream
 from tests.scripts import load_script
 
@@ -42,16 +48,12 @@ def _engine_pids(log: Path) -> list[int]:
     return [int(p) for p in re.findall(r"engine process (\d+) started", log.read_text(errors="replace"))]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine-process-served")
-    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
-    raw.update(max_concurrent_requests=CAP, admission={"max_queue": QUEUE})
-    dep = deployment_from_dict(raw, source="engine-process-deployment")
+@contextlib.contextmanager
+def _served_with_engine_process(dep, root: Path, ready_timeout_s: float = 300):
     previous = os.environ.get("MSTAR_ENGINE_PROCESS")
     os.environ["MSTAR_ENGINE_PROCESS"] = "1"  # the stubs inherit the server's environment
     try:
-        with serve_deployment(dep, root, "engine-process-deployment") as s:
+        with serve_deployment(dep, root, dep.name, ready_timeout_s=ready_timeout_s) as s:
             yield s
     finally:
         if previous is None:
@@ -60,10 +62,30 @@ def served(tmp_path_factory):
             os.environ["MSTAR_ENGINE_PROCESS"] = previous
     log = root / "tritonserver.log"
     pids = _engine_pids(log)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert pids and not any(_alive(p) for p in pids), f"engine processes left after the server stopped: {pids}"
-    # stopped by its stub after the drain, not by the stop signal the server's process group got
+    # Not killed by the stop signal the server's process group got: stopped by its stub's finalize, or, where
+    # Triton 2.51 never calls it (a server that had cancelled streams, now and then: docs/reliability.md), killed
+    # with the group when the server outlives its stop's grace.
     assert "exited (code" not in log.read_text(errors="replace")
-    assert re.search(r"engine process \d+\] stopped", log.read_text(errors="replace"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
+    raw.update(max_concurrent_requests=CAP, admission={"max_queue": QUEUE})
+    dep = deployment_from_dict(raw, source="engine-process-deployment")
+    with _served_with_engine_process(dep, tmp_path_factory.mktemp("engine-process-served")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory):
+    dep = deployment_from_dict(yaml.safe_load((CONFIGS / "orpheus.yaml").read_text()), source="orpheus.yaml")
+    with _served_with_engine_process(dep, tmp_path_factory.mktemp("engine-process-orpheus"), 240) as s:
+        yield s
 
 
 def test_the_engine_runs_in_a_child_of_the_component_stub(served):
@@ -108,3 +130,45 @@ def test_random_cancellations_leave_nothing_held(served):
     assert not result.errors, result.errors[:5]
     assert sum(result.outcomes.values()) == 60, result.outcomes
     assert not any(result.held_after.values()), result.held_after
+
+
+def test_orpheus_serves_transformers_tokens_and_snacs_pcm_from_its_engine_process(tts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert len(_engine_pids(tts.log_dir / "tritonserver.log")) == 1  # the LM's; the codec has no engine
+    heard = _speak(tts, "parity", text_input="Hello there", voice="tara", max_tokens=56, temperature=0.0,
+                   ignore_eos=True)
+    assert heard.error is None and heard.finish_reason == "length" and len(heard.token_ids) == 56
+    tokenizer = AutoTokenizer.from_pretrained(str(tts.checkpoint))
+    start = tokenizer.convert_tokens_to_ids("<custom_token_0>")
+    pcm = np.concatenate(heard.pcm)
+    assert len(pcm) == 8 * SAMPLES_PER_FRAME
+    assert np.abs(pcm.astype(np.int32) - _reference_pcm(tts.checkpoint, heard.token_ids, start + 10)).max() <= 1
+    model = AutoModelForCausalLM.from_pretrained(str(tts.checkpoint), dtype=torch.float32).eval()
+    prompt = [start + 3, tokenizer.bos_token_id, *tokenizer.encode("tara: Hello there", add_special_tokens=False),
+              tokenizer.convert_tokens_to_ids("<|eot_id|>"), start + 4, start + 5, start + 1]
+
+    def restrict(_ids, scores):
+        scores[:, :start] = float("-inf")
+        return scores
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=56, min_new_tokens=56, do_sample=False,
+                             repetition_penalty=1.3, logits_processor=[restrict])  # the served default penalty
+    assert heard.token_ids == out[0, len(prompt):].tolist()
+
+
+def test_orpheus_cancelled_stream_frees_its_pages_and_codec_state(tts):
+    oai = openai.OpenAI(base_url=tts.proxy_url + "/v1", api_key="none", max_retries=0)
+    with oai.audio.speech.with_streaming_response.create(
+        model=tts.dep.name, input="A long story", voice="tara", response_format="pcm",
+        extra_body={"stream": True, "max_tokens": 1200, "ignore_eos": True},
+    ) as response:
+        assert next(response.iter_bytes())
+    deadline = time.monotonic() + 5  # the pages' gauge comes from the engine's stats, sent every 0.5 s
+    while time.monotonic() < deadline:
+        if (_metric(tts, "mstar_codec_streams"), _metric(tts, "mstar_kv_pages_used"),
+                _metric(tts, "mstar_kv_pages_reserved")) == (0, 0, 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the cancelled stream still holds KV pages or codec state")

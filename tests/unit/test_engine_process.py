@@ -205,3 +205,19 @@ def test_the_engine_process_exits_when_its_caller_dies(setup, tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the engine process outlived its caller"
+
+
+def test_which_components_may_run_their_engine_in_a_process_of_their_own():
+    """Token ids and sampling parameters in: qwen3, llama, orpheus's LM. Whisper's decoder (its requests carry the
+    audio's encoder state) and orpheus with the codec in the LM's stub keep the engine in the stub."""
+    def refusal(config: str, component: str, **model_kwargs):
+        raw = yaml.safe_load((ROOT / "configs" / config).read_text())
+        raw.setdefault("model_kwargs", {}).update(model_kwargs)
+        dep = deployment_from_dict(raw, source=config)
+        return get_family(dep.family).engine_process_refusal(component, dep)
+
+    assert refusal("qwen3.yaml", "llm") is None
+    assert refusal("orpheus.yaml", "lm") is None
+    assert "codec_in_process" in refusal("orpheus.yaml", "lm", codec_in_process=True)
+    assert "whisper" in refusal("whisper.yaml", "decoder")
+    assert get_family("llama").engine_process_refusal("llm", None) is None

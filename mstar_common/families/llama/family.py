@@ -19,7 +19,6 @@ class LlamaFamily(Qwen3Family):
     name: ClassVar[str] = "llama"
     graph = GRAPH
     builtin_checkpoints: ClassVar[dict[str, Any]] = {"llama-tiny": _build_tiny}
-    supports_engine_process: ClassVar[bool] = True
 
     def load_model(self, checkpoint: Path, dtype: str, device: str) -> tuple[Any, dict]:
         from mstar_common.families.llama.loader import load_llama

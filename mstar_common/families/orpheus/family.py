@@ -86,6 +86,11 @@ class OrpheusFamily(Family):
             return _build_snac(dep, checkpoint, device)
         raise KeyError(f"orpheus has no component {component!r}")
 
+    def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
+        if dep.model_kwargs.get("codec_in_process", False):
+            return "model_kwargs.codec_in_process: the codec decodes in the LM's own stub, beside its codec pump"
+        return None  # text in, audio tokens out; the codec is its own component, reached over BLS from the stub
+
 
 def codec_checkpoint(dep: Deployment, checkpoint: Path) -> Path:
     from mstar_common.checkpoints import resolve_checkpoint

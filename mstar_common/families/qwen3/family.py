@@ -30,7 +30,6 @@ class Qwen3Family(Family):
     name: ClassVar[str] = "qwen3"
     graph = GRAPH
     builtin_checkpoints: ClassVar[dict[str, Any]] = {"qwen3-tiny": _build_tiny}
-    supports_engine_process: ClassVar[bool] = True
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         if unknown := sorted(set(dep.model_kwargs) - set(MODEL_KWARGS)):
@@ -42,6 +41,9 @@ class Qwen3Family(Family):
         if isinstance(default_max, bool) or not isinstance(default_max, int) or default_max < 1:
             raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1")
         check_kv_pool_holds_cap(dep, source)
+
+    def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
+        return None  # token ids and sampling parameters in, tokens out (the llama family too)
 
     def load_model(self, checkpoint: Path, dtype: str, device: str) -> tuple[Any, dict]:
         from mstar_common.families.qwen3.loader import load_qwen3
