@@ -44,20 +44,36 @@ class Stub:
     model: str  # the Triton model whose instance this stub runs
 
 
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after the closing parenthesis
+    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+    return state, int(ppid)
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` runs: an exited process that its parent has not reaped yet (a zombie) does not."""
+    found = process_state(pid)
+    return found is not None and found[0] not in ("Z", "X")
+
+
 def find_stubs(server_pid: int) -> dict[int, Stub]:
     """The live (non-zombie) Python-backend stubs whose parent is `server_pid`."""
     stubs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        found = process_state(int(entry))
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        # stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after the closing parenthesis
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) != server_pid or state in ("Z", "X") or not argv[0].endswith(STUB_BINARY.encode()):
+        if found is None or found[1] != server_pid or found[0] in ("Z", "X") \
+                or not argv[0].endswith(STUB_BINARY.encode()):
             continue
         model = Path(argv[1].decode(errors="replace")).parent.parent.name if len(argv) > 1 else "?"
         stubs[int(entry)] = Stub(int(entry), model)

@@ -22,7 +22,7 @@ Messages are pickled tuples (`multiprocessing.connection`):
     engine -> stub: ("ready", EngineInfo) | ("failed", traceback), then ("out", outputs, stats) ... ("bye",)
 
 `outputs` is every `on_output` call the step loop made since the last message, in order (one message a step when
-the stub keeps up), `stats` the engine's `stats()` at most every STATS_S (None between).
+the stub keeps up), `stats` the engine's `stats()` every STATS_S (None between; sent alone when idle).
 
 Admission. The stub checks each request against the engine's rules (`check_request`) and its capacity itself (it
 knows every live request), so `RemoteEngine.add_request` raises what `AREngine.add_request` raises, at once, with
@@ -62,7 +62,7 @@ from mstar_common.engine.types import FinishReason, SamplingParams
 logger = logging.getLogger(__name__)
 
 SWITCH = "MSTAR_ENGINE_PROCESS"
-STATS_S = 0.5  # how often a busy engine sends its stats() along with its outputs
+STATS_S = 0.1  # how often the engine sends its stats() (with its outputs when busy): the metrics sampler's period
 STOP_WAIT_S = 10.0  # how long a stopping stub waits for the engine process before it kills it
 
 
@@ -203,7 +203,7 @@ class RemoteEngine:
         return int(self._stats.get("num_steps", 0))
 
     def stats(self) -> dict:
-        """The engine's stats() as it last sent them (every STATS_S while busy), with the stub's refusals added."""
+        """The engine's stats() as it last sent them (every STATS_S), with the stub's refusals added."""
         stats = dict(self._stats)
         stats["num_refused"] = stats.get("num_refused", 0) + self.admission.num_refused
         return stats

@@ -13,7 +13,6 @@ import re
 import time
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 import torch
@@ -21,8 +20,9 @@ import yaml
 
 from mstar_common.cli import CONFIGS, DEFAULT_DEPLOYMENT
 from mstar_common.config import deployment_from_dict
+from mstar_common.supervisor import is_running, process_state
 from tests.integration.conftest import serve_deployment
-from tests.integration.test_orpheus_server import SAMPLES_PER_FRAME, _metric, _reference_pcm, _speak
+from tests.integration.test_orpheus_server import check_cancel_frees, check_served_parity
 from tests.integration.triton_stream import run_stream
 from tests.scripts import load_script
 
@@ -34,14 +34,6 @@ PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "W
 MAX_TOKENS = 16
 
 cancel_fuzz = load_script("cancel_fuzz")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _engine_pids(log: Path) -> list[int]:
@@ -63,9 +55,9 @@ def _served_with_engine_process(dep, root: Path, ready_timeout_s: float = 300):
     log = root / "tritonserver.log"
     pids = _engine_pids(log)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(is_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert pids and not any(_alive(p) for p in pids), f"engine processes left after the server stopped: {pids}"
+    assert pids and not any(is_running(p) for p in pids), f"engine processes left after the server stopped: {pids}"
     # Not killed by the stop signal the server's process group got: stopped by its stub's finalize, or, where
     # Triton 2.51 never calls it (a server that had cancelled streams, now and then: docs/reliability.md), killed
     # with the group when the server outlives its stop's grace.
@@ -90,8 +82,8 @@ def tts(tmp_path_factory):
 
 def test_the_engine_runs_in_a_child_of_the_component_stub(served):
     pids = _engine_pids(served.log_dir / "tritonserver.log")
-    assert len(pids) == 1 and _alive(pids[0]), pids
-    parent = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert len(pids) == 1 and is_running(pids[0]), pids
+    parent = process_state(pids[0])[1]
     assert "triton_python_backend_stub" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
     assert "ready on cpu" in (served.log_dir / "tritonserver.log").read_text(errors="replace")
 
@@ -133,42 +125,10 @@ def test_random_cancellations_leave_nothing_held(served):
 
 
 def test_orpheus_serves_transformers_tokens_and_snacs_pcm_from_its_engine_process(tts):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     assert len(_engine_pids(tts.log_dir / "tritonserver.log")) == 1  # the LM's; the codec has no engine
-    heard = _speak(tts, "parity", text_input="Hello there", voice="tara", max_tokens=56, temperature=0.0,
-                   ignore_eos=True)
-    assert heard.error is None and heard.finish_reason == "length" and len(heard.token_ids) == 56
-    tokenizer = AutoTokenizer.from_pretrained(str(tts.checkpoint))
-    start = tokenizer.convert_tokens_to_ids("<custom_token_0>")
-    pcm = np.concatenate(heard.pcm)
-    assert len(pcm) == 8 * SAMPLES_PER_FRAME
-    assert np.abs(pcm.astype(np.int32) - _reference_pcm(tts.checkpoint, heard.token_ids, start + 10)).max() <= 1
-    model = AutoModelForCausalLM.from_pretrained(str(tts.checkpoint), dtype=torch.float32).eval()
-    prompt = [start + 3, tokenizer.bos_token_id, *tokenizer.encode("tara: Hello there", add_special_tokens=False),
-              tokenizer.convert_tokens_to_ids("<|eot_id|>"), start + 4, start + 5, start + 1]
-
-    def restrict(_ids, scores):
-        scores[:, :start] = float("-inf")
-        return scores
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=56, min_new_tokens=56, do_sample=False,
-                             repetition_penalty=1.3, logits_processor=[restrict])  # the served default penalty
-    assert heard.token_ids == out[0, len(prompt):].tolist()
+    check_served_parity(tts)
 
 
 def test_orpheus_cancelled_stream_frees_its_pages_and_codec_state(tts):
-    oai = openai.OpenAI(base_url=tts.proxy_url + "/v1", api_key="none", max_retries=0)
-    with oai.audio.speech.with_streaming_response.create(
-        model=tts.dep.name, input="A long story", voice="tara", response_format="pcm",
-        extra_body={"stream": True, "max_tokens": 1200, "ignore_eos": True},
-    ) as response:
-        assert next(response.iter_bytes())
-    deadline = time.monotonic() + 5  # the pages' gauge comes from the engine's stats, sent every 0.5 s
-    while time.monotonic() < deadline:
-        if (_metric(tts, "mstar_codec_streams"), _metric(tts, "mstar_kv_pages_used"),
-                _metric(tts, "mstar_kv_pages_reserved")) == (0, 0, 0):
-            return
-        time.sleep(0.05)
-    raise AssertionError("the cancelled stream still holds KV pages or codec state")
+    # the gauges come from the engine's stats, which it sends every 0.1 s (STATS_S), and are sampled as often
+    check_cancel_frees(tts, openai.OpenAI(base_url=tts.proxy_url + "/v1", api_key="none", max_retries=0))

@@ -112,7 +112,9 @@ def _reference_pcm(checkpoint, token_ids: list[int], audio_start: int) -> np.nda
     return np.concatenate(out)
 
 
-def test_served_pcm_equals_snac_decoding_the_served_tokens(tts):
+def check_served_parity(tts) -> None:
+    """One greedy request: the served tokens are transformers' (restricted to the custom rows, with the served default
+    repetition penalty) and the served PCM is the `snac` package decoding them (within 1 PCM16 LSB)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     heard = _speak(tts, "parity", text_input="Hello there", voice="tara", max_tokens=56, temperature=0.0,
@@ -124,7 +126,6 @@ def test_served_pcm_equals_snac_decoding_the_served_tokens(tts):
     assert pcm.dtype == np.int16 and len(pcm) == 8 * SAMPLES_PER_FRAME
     want = _reference_pcm(tts.checkpoint, heard.token_ids, start + 10)
     assert np.abs(pcm.astype(np.int32) - want).max() <= 1
-    # the served greedy tokens are transformers' (custom rows only)
     model = AutoModelForCausalLM.from_pretrained(str(tts.checkpoint), dtype=torch.float32).eval()
     prompt = [start + 3, tokenizer.bos_token_id, *tokenizer.encode("tara: Hello there", add_special_tokens=False),
               tokenizer.convert_tokens_to_ids("<|eot_id|>"), start + 4, start + 5, start + 1]
@@ -137,6 +138,31 @@ def test_served_pcm_equals_snac_decoding_the_served_tokens(tts):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=56, min_new_tokens=56, do_sample=False,
                              repetition_penalty=1.3, logits_processor=[restrict])  # the served default penalty
     assert heard.token_ids == out[0, len(prompt):].tolist()
+
+
+def check_cancel_frees(tts, oai) -> None:
+    """A stream cancelled after its first audio: its KV pages and codec state are freed within 5 s."""
+    with oai.audio.speech.with_streaming_response.create(
+        model=tts.dep.name, input="A long story", voice="tara", response_format="pcm",
+        extra_body={"stream": True, "max_tokens": 1200, "ignore_eos": True},
+    ) as response:
+        first = next(response.iter_bytes())
+        assert first
+        held = time.monotonic() + 2  # the gauges are sampled (every 0.1 s), not read at the request
+        while not (_metric(tts, "mstar_codec_streams") == 1 and _metric(tts, "mstar_kv_pages_used") > 0):
+            assert time.monotonic() < held, "the live stream's codec state and pages never showed in the metrics"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if (_metric(tts, "mstar_codec_streams"), _metric(tts, "mstar_kv_pages_used"),
+                _metric(tts, "mstar_kv_pages_reserved")) == (0, 0, 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the cancelled stream still holds KV pages or codec state")
+
+
+def test_served_pcm_equals_snac_decoding_the_served_tokens(tts):
+    check_served_parity(tts)
 
 
 def test_openai_streamed_speech_is_valid_wav_and_pcm(tts, oai):
@@ -188,20 +214,7 @@ def test_eight_concurrent_streams(tts, oai):
 
 
 def test_cancelled_stream_frees_its_pages_and_codec_state(tts, oai):
-    with oai.audio.speech.with_streaming_response.create(
-        model=tts.dep.name, input="A long story", voice="tara", response_format="pcm",
-        extra_body={"stream": True, "max_tokens": 1200, "ignore_eos": True},
-    ) as response:
-        first = next(response.iter_bytes())
-        assert first
-        assert _metric(tts, "mstar_codec_streams") == 1 and _metric(tts, "mstar_kv_pages_used") > 0
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if (_metric(tts, "mstar_codec_streams"), _metric(tts, "mstar_kv_pages_used"),
-                _metric(tts, "mstar_kv_pages_reserved")) == (0, 0, 0):
-            return
-        time.sleep(0.05)
-    raise AssertionError("the cancelled stream still holds KV pages or codec state")
+    check_cancel_frees(tts, oai)
 
 
 def test_sdk_tts_and_native_generate(tts, tmp_path):

@@ -25,6 +25,7 @@ from mstar_common.engine import engine_process
 from mstar_common.engine.admission import EngineOverloaded, EngineUnavailable
 from mstar_common.engine.types import AdmissionError, FinishReason, SamplingParams
 from mstar_common.families.registry import get_family
+from mstar_common.supervisor import is_running
 
 pytest.importorskip("transformers")
 
@@ -86,15 +87,6 @@ def remote(setup):
     runtime.engine.shutdown()
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (an exited process that nobody reaped yet, a zombie, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _ids(runtime, text: str) -> list[int]:
     return runtime.tokenizer.encode(text, add_special_tokens=False)
 
@@ -102,7 +94,7 @@ def _ids(runtime, text: str) -> list[int]:
 def test_greedy_tokens_equal_the_engine_in_this_process(setup, remote):
     family, dep, spec = setup
     engine = remote.engine
-    assert engine.pid != os.getpid() and _alive(engine.pid)
+    assert engine.pid != os.getpid() and is_running(engine.pid)
     local = family.build_component("llm", dep, spec.checkpoint, "cpu")
     local.engine.start()
     try:
@@ -152,7 +144,7 @@ def test_shutdown_cancels_what_is_live_and_the_process_exits(remote):
     streams.wait_tokens("long")
     engine.shutdown()
     assert streams.finals["long"] == (FinishReason.CANCELLED, None)
-    assert engine._process.returncode == 0 and not _alive(engine.pid)
+    assert engine._process.returncode == 0 and not is_running(engine.pid)
     with pytest.raises(EngineUnavailable, match="shut down"):
         engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=3), streams)
     engine.shutdown()  # twice is harmless
@@ -197,14 +189,14 @@ def test_the_engine_process_exits_when_its_caller_dies(setup, tmp_path):
                               text=True)
     try:
         child = int(caller.stdout.readline())
-        assert _alive(child)
+        assert is_running(child)
     finally:
         caller.kill()
         caller.wait()
     deadline = time.monotonic() + 30
-    while _alive(child) and time.monotonic() < deadline:
+    while is_running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(child), "the engine process outlived its caller"
+    assert not is_running(child), "the engine process outlived its caller"
 
 
 def test_which_components_may_run_their_engine_in_a_process_of_their_own():
