@@ -61,6 +61,17 @@ def is_running(pid: int) -> bool:
     return found is not None and found[0] not in ("Z", "X")
 
 
+def child_pids(parents: set[int]) -> list[int]:
+    """The running processes whose parent is one of `parents` (a stub's engine process, for one)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            state = process_state(int(entry))
+            if state is not None and state[1] in parents and state[0] not in ("Z", "X"):
+                found.append(int(entry))
+    return sorted(found)
+
+
 def find_stubs(server_pid: int) -> dict[int, Stub]:
     """The live (non-zombie) Python-backend stubs whose parent is `server_pid`."""
     stubs = {}

@@ -3,8 +3,9 @@
 Starts the deployment itself (tritonserver under the supervisor + the proxy, free 127.0.0.1 ports), or targets
 a running one with --proxy/--metrics/--server-pid. Each of C clients sends its next request when the last one
 ends: chat and completions, streamed or not, random max_tokens, and one request in ten is abandoned
-mid-stream. Every --sample-s it records the RSS of tritonserver, its stubs and the proxy, the KV pages in use,
-the running/waiting requests and the request counts, to CSV (and a PNG plot with matplotlib).
+mid-stream. Every --sample-s it records the RSS of tritonserver, its stubs, their engine processes
+(MSTAR_ENGINE_PROCESS=1) and the proxy, the KV pages in use, the running/waiting requests and the request counts,
+to CSV (and a PNG plot with matplotlib).
 
     python scripts/soak.py --duration-s 1800 -c 32 --out runs/soak        # the 30-minute run
     python scripts/soak.py --duration-s 360 -c 32 --out runs/soak-short   # what fits a dev session
@@ -95,11 +96,15 @@ async def client_loop(client: httpx.AsyncClient, proxy: str, model: str, rng: ra
             await asyncio.sleep(0.1)
 
 
+MEMORY_SERIES = ("rss_tritonserver_mib", "rss_stubs_mib", "rss_engines_mib", "rss_proxy_mib")
+
+
 def server_pids(server_pid: int | None, proxy_pid: int | None) -> dict[str, list[int]]:
-    from mstar_common.supervisor import find_stubs
+    from mstar_common.supervisor import child_pids, find_stubs
 
     pids = {"tritonserver": [server_pid] if server_pid else [], "proxy": [proxy_pid] if proxy_pid else []}
     pids["stubs"] = sorted(find_stubs(server_pid)) if server_pid else []
+    pids["engines"] = child_pids(set(pids["stubs"])) if pids["stubs"] else []  # MSTAR_ENGINE_PROCESS=1
     return pids
 
 
@@ -147,7 +152,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
         return
     t = [r["t_s"] / 60 for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for key in [k for k in rows[0] if k.startswith("rss_")]:
+    for key in [k for k in rows[0] if k.startswith("rss_") and any(r.get(k) for r in rows)]:
         ax1.plot(t, [r.get(key, 0) for r in rows], label=key.removeprefix("rss_").removesuffix("_mib"))
     ax1.set_ylabel("RSS (MiB)")
     ax1.legend(loc="upper left")
@@ -167,8 +172,7 @@ async def soak(args, proxy: str, model: str, metrics: str, pid_source, out_dir: 
     stop_at = time.monotonic() + args.duration_s
     rng = random.Random(args.seed)
     csv_path = out_dir / "soak.csv"
-    fields = ["t_s", "rss_tritonserver_mib", "rss_stubs_mib", "rss_proxy_mib", *GAUGES, "requests_ok",
-              "requests_other"]
+    fields = ["t_s", *MEMORY_SERIES, *GAUGES, "requests_ok", "requests_other"]
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -182,7 +186,9 @@ async def soak(args, proxy: str, model: str, metrics: str, pid_source, out_dir: 
     idle = read_metrics(metrics, GAUGES)
     summary = {"duration_s": args.duration_s, "concurrency": args.concurrency, "counts": dict(counts),
                "idle_after": idle, "samples": len(rows), "csv": str(csv_path)}
-    for key in ("rss_tritonserver_mib", "rss_stubs_mib", "rss_proxy_mib"):
+    for key in MEMORY_SERIES:
+        if key == "rss_engines_mib" and not any(r.get(key) for r in rows):
+            continue  # no engine process (the engines run in their stubs)
         level, grew = growth(rows, key)
         summary[key] = {"level": round(level, 1), "fitted_growth_second_half": round(grew, 1),
                         "flat": abs(grew) < 0.05 * max(level, 1.0)}
@@ -227,7 +233,7 @@ def main() -> int:
             supervisor.stop(drain_s=5)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
-    is_flat = all(summary[k]["flat"] for k in ("rss_tritonserver_mib", "rss_stubs_mib", "rss_proxy_mib"))
+    is_flat = all(summary[k]["flat"] for k in MEMORY_SERIES if k in summary)
     return 0 if is_flat and not any(summary["idle_after"].values()) else 1
 
 
