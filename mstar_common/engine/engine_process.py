@@ -140,7 +140,7 @@ def start_engine_process(spec: EngineSpec, ready_timeout_s: float | None = None)
         conn.close()
         raise
     if message[0] != "ready":
-        process.wait(STOP_WAIT_S)
+        _stop_child(process, STOP_WAIT_S)
         conn.close()
         raise RuntimeError(f"{spec.model_name}: the engine process failed to build the component:\n{message[1]}")
     info: EngineInfo = message[1]
@@ -160,7 +160,7 @@ def _await_ready(conn: Connection, process: subprocess.Popen, timeout_s: float |
     try:
         return conn.recv()
     except EOFError:
-        process.wait(STOP_WAIT_S)
+        _stop_child(process, STOP_WAIT_S)
         raise RuntimeError(f"the engine process exited with code {process.returncode} before it was ready "
                            "(its log is above)") from None
 
