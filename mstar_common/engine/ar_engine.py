@@ -21,7 +21,6 @@ the CPU the step is synchronous: launch, collect, deliver.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import random
 import threading
@@ -35,7 +34,7 @@ import torch
 from mstar_common.engine import loop_times
 from mstar_common.engine.admission import Admission, EngineUnavailable
 from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
-from mstar_common.engine.kv_cache import KVCache, PageAllocator
+from mstar_common.engine.kv_cache import KVCache, PageAllocator, pages_for
 from mstar_common.engine.model_runner import PLACEHOLDER, CausalLM, ModelRunner, PendingStep, logits_window
 from mstar_common.engine.penalty import PenaltyState
 from mstar_common.engine.sampler import Sampler, make_generator
@@ -429,7 +428,7 @@ def check_request(prompt_ids: SequenceOf[int], params: SamplingParams, vocab_siz
             f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt)} tokens must be <= "
             f"max_model_len ({max_model_len}); lower max_tokens to at most {max_model_len - len(prompt)}"
         )
-    footprint = math.ceil(num_tokens / page_size)
+    footprint = pages_for(num_tokens, page_size)
     if footprint > num_kv_pages:
         raise AdmissionError(
             f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt)} tokens needs {footprint} KV "

@@ -87,7 +87,6 @@ class EngineInfo:
     """The child's answer once its engine is built: the limits the stub checks requests against, and the runtime
     (tokenizer, request parsing) with its `engine` left out."""
 
-    pid: int
     vocab_size: int
     max_model_len: int
     page_size: int
@@ -366,7 +365,7 @@ def _build(spec: EngineSpec) -> tuple[Any, EngineInfo]:
     engine = runtime.engine
     config = engine.config
     runtime.engine = None
-    info = EngineInfo(os.getpid(), engine.vocab_size, engine.max_model_len, config.page_size, config.num_kv_pages,
+    info = EngineInfo(engine.vocab_size, engine.max_model_len, config.page_size, config.num_kv_pages,
                       config.max_num_seqs, config.max_queue, runtime, engine.stats())
     return engine, info
 

@@ -82,6 +82,11 @@ class _Node:
     key: tuple[int, tuple[int, ...]]
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """KV pages that `num_tokens` tokens take."""
+    return math.ceil(num_tokens / page_size)
+
+
 class PageAllocator:
     """Hands out pages `0 .. num_pages - 1` against per-sequence reservations.
 
@@ -128,7 +133,7 @@ class PageAllocator:
         return self.num_pages - self._num_reserved
 
     def pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_unreserved_pages

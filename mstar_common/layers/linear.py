@@ -510,11 +510,8 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None,
         n, k = weight.shape
         weights = None
 
-        def key_of(rows: int, shape_key=shape_key, weight=weight, norm=norm) -> str:
-            return _decision_key(shape_key, weight, norm, rows)
-
         for rows in sorted({_row_bucket(r) for r in module.gemv_plan}):
-            key = key_of(rows)
+            key = _decision_key(shape_key, weight, norm, rows)
             if key in known:
                 continue
             if weights is None:
@@ -553,7 +550,7 @@ def tune_gemv(model: nn.Module, timer=None, log=None, cache: Path | None = None,
         plan, norm_apart = {}, set()
         for rows in module.gemv_plan:
             bucket = _row_bucket(rows)
-            decision = known[key_of(bucket)]
+            decision = known[_decision_key(shape_key, weight, norm, bucket)]
             if isinstance(decision, dict):
                 if decision["norm"] == "apart":
                     norm_apart.add(rows)
