@@ -27,7 +27,7 @@ from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, request_inputs
 from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
-from mstar_common.engine.output_pump import OutputPump, TextStream
+from mstar_common.engine.output_pump import TextStream, make_output_pump
 from mstar_common.engine.stop_strings import StopStringMatcher
 from mstar_common.gc_policy import settle_heap
 from mstar_common.stall_watch import StallWatch
@@ -44,8 +44,8 @@ class TritonPythonModel:
         self.input_names = [spec.name for spec in node.component.inputs]
         self.runtime = node.build_runtime()  # its engine in a child process with MSTAR_ENGINE_PROCESS=1
         self.engine = self.runtime.engine
-        self.pump = OutputPump(self.engine, name=f"{self.model_name}-output",
-                               watch=StallWatch.from_env(self.engine, self.model_name))
+        self.pump = make_output_pump(self.engine, name=f"{self.model_name}-output",
+                                     watch=StallWatch.from_env(self.engine, self.model_name))
         self._ids = itertools.count()
         self.pump.start()
         self.engine.start()

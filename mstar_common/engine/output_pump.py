@@ -17,6 +17,11 @@ drained between two sends). A first token then waits for one send instead of a r
 so does a last one, which in a closed loop is what frees the client to send its next request (an idle row until
 it arrives). `MSTAR_PUMP_FIRST_LAST=0` sends each round in arrival order, as before.
 
+`MSTAR_PUMP_SHARDS=N` (default 1) splits the streams over N pumps, each its own thread and round (a stream's
+outputs stay in one pump, so their order holds). A send waits for the server process with the GIL released, so N
+pumps keep up to N sends in flight. With the engine in the stub this slowed the step loop (each thread takes the
+GIL from it; 2026-12-03); with `MSTAR_ENGINE_PROCESS=1` the stub holds no step loop.
+
 A cancelled request gets no more output: the poll that notices it closes the stream with a flags-only FINAL
 (the handshake Triton needs to release the request) and then cancels it in the engine. Latency samples
 (time to first token, inter-token latency) go to `latency` for the metrics exporter.
@@ -25,6 +30,7 @@ A cancelled request gets no more output: the poll that notices it closes the str
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +48,7 @@ from mstar_common.engine.types import FinishReason
 
 logger = logging.getLogger(__name__)
 
+MAX_SHARDS = 16
 CANCEL_POLL_S = 0.05  # how often live streams are asked whether their client went away ...
 CANCEL_POLL_STREAMS = 32  # ... at most this many per poll, in turn (each ask is an IPC round trip on Triton)
 STATS_LOG_S = 10.0  # how often a busy pump logs where its time went (PumpTimes)
@@ -104,6 +111,14 @@ class TextStream:
         return outputs, reason
 
 
+def pump_shards() -> int:
+    """`MSTAR_PUMP_SHARDS`: how many output pumps (threads) share a component's streams; 1 to MAX_SHARDS."""
+    raw = os.environ.get("MSTAR_PUMP_SHARDS", "").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_SHARDS:
+        raise ValueError(f"MSTAR_PUMP_SHARDS={raw!r}: expected a whole number of pumps in [1, {MAX_SHARDS}]")
+    return int(raw)
+
+
 class LatencySamples:
     """Seconds, appended by the pump thread and drained by the metrics exporter (bounded: oldest dropped)."""
 
@@ -141,13 +156,15 @@ class PumpTimes:
 
 
 class OutputPump:
-    def __init__(self, engine: Any, name: str = "output-pump", watch: Any = None):
-        """`watch`: a `mstar_common.stall_watch.StallWatch` that each cycle of the pump's loop beats."""
+    def __init__(self, engine: Any, name: str = "output-pump", watch: Any = None,
+                 latency: LatencySamples | None = None):
+        """`watch`: a `mstar_common.stall_watch.StallWatch` that each cycle of the pump's loop beats; `latency`:
+        where the samples go (shared by the pumps of a `ShardedOutputPump`)."""
         self._engine = engine
         self._name = name
         self._watch = watch
         self.times = PumpTimes()
-        self.latency = LatencySamples()
+        self.latency = latency if latency is not None else LatencySamples()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, TextStream] = {}
         self._lock = threading.Lock()
@@ -325,3 +342,83 @@ class OutputPump:
                 self._engine.cancel(stream.request_id)
         self.times.poll_s += time.perf_counter() - started
 
+
+
+class _EveryShardBeats:
+    """A stall watch shared by the pumps of a `ShardedOutputPump`: the watch is beaten once every shard has beaten
+    since its last beat, so one stuck pump (a send that never returns) stops the re-arming as a lone pump would."""
+
+    def __init__(self, watch: Any, shards: int) -> None:
+        self._watch, self._shards = watch, shards
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()
+
+    def for_shard(self, shard: int) -> _ShardBeat:
+        return _ShardBeat(self, shard)
+
+    def beat(self, shard: int) -> None:
+        with self._lock:
+            self._seen.add(shard)
+            if len(self._seen) < self._shards:
+                return
+            self._seen.clear()
+        self._watch.beat()
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
+@dataclass(slots=True)
+class _ShardBeat:
+    beats: _EveryShardBeats
+    shard: int
+
+    def beat(self) -> None:
+        self.beats.beat(self.shard)
+
+    def stop(self) -> None:
+        self.beats.stop()
+
+
+class ShardedOutputPump:
+    """`MSTAR_PUMP_SHARDS` output pumps behind the calls the node makes of one (module docstring): each stream
+    belongs to the pump its request id hashes to, and the pumps share one set of latency samples."""
+
+    def __init__(self, engine: Any, shards: int, name: str = "output-pump", watch: Any = None) -> None:
+        beats = None if watch is None else _EveryShardBeats(watch, shards)
+        self.latency = LatencySamples()
+        self.pumps = [OutputPump(engine, f"{name}-{k}", None if beats is None else beats.for_shard(k), self.latency)
+                      for k in range(shards)]
+
+    def _pump(self, request_id: str) -> OutputPump:
+        return self.pumps[hash(request_id) % len(self.pumps)]
+
+    def start(self) -> None:
+        for pump in self.pumps:
+            pump.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for pump in self.pumps:
+            pump.stop(timeout)
+
+    def register(self, stream: TextStream) -> None:
+        self._pump(stream.request_id).register(stream)
+
+    def unregister(self, request_id: str) -> None:
+        self._pump(request_id).unregister(request_id)
+
+    @property
+    def num_streams(self) -> int:
+        return sum(pump.num_streams for pump in self.pumps)
+
+    def on_output(self, request_id: str, new_ids: list[int], finish: FinishReason | None, error: str | None) -> None:
+        self._pump(request_id).on_output(request_id, new_ids, finish, error)
+
+
+def make_output_pump(engine: Any, name: str = "output-pump", watch: Any = None) -> OutputPump | ShardedOutputPump:
+    """One pump, or `MSTAR_PUMP_SHARDS` of them behind one face."""
+    shards = pump_shards()
+    if shards == 1:
+        return OutputPump(engine, name, watch)
+    logger.info("[%s] %d output pumps share the streams (MSTAR_PUMP_SHARDS)", name, shards)
+    return ShardedOutputPump(engine, shards, name, watch)

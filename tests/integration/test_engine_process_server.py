@@ -1,6 +1,7 @@
 """A real tritonserver + proxy with `MSTAR_ENGINE_PROCESS=1`: the component's engine runs in a child of its stub.
 The default deployment (tiny Qwen3): greedy tokens through Triton equal transformers `generate`; the OpenAI client
-streams a chat completion; random cancellations leave nothing held; the engine process goes with the server.
+streams a chat completion; random cancellations leave nothing held; the engine process goes with the server. The
+Qwen3 server runs two output pumps (`MSTAR_PUMP_SHARDS=2`).
 Orpheus (tiny Llama + tiny SNAC): the served tokens are transformers' and the served PCM is the `snac` package's
 decoding of them; a cancelled stream frees its pages and codec state."""
 
@@ -41,17 +42,19 @@ def _engine_pids(log: Path) -> list[int]:
 
 
 @contextlib.contextmanager
-def _served_with_engine_process(dep, root: Path, ready_timeout_s: float = 300):
-    previous = os.environ.get("MSTAR_ENGINE_PROCESS")
-    os.environ["MSTAR_ENGINE_PROCESS"] = "1"  # the stubs inherit the server's environment
+def _served_with_engine_process(dep, root: Path, ready_timeout_s: float = 300, **switches: str):
+    setting = {"MSTAR_ENGINE_PROCESS": "1", **switches}
+    previous = {name: os.environ.get(name) for name in setting}
+    os.environ.update(setting)  # the stubs inherit the server's environment
     try:
         with serve_deployment(dep, root, dep.name, ready_timeout_s=ready_timeout_s) as s:
             yield s
     finally:
-        if previous is None:
-            os.environ.pop("MSTAR_ENGINE_PROCESS", None)
-        else:
-            os.environ["MSTAR_ENGINE_PROCESS"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     log = root / "tritonserver.log"
     pids = _engine_pids(log)
     deadline = time.monotonic() + 10
@@ -69,7 +72,9 @@ def served(tmp_path_factory):
     raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
     raw.update(max_concurrent_requests=CAP, admission={"max_queue": QUEUE})
     dep = deployment_from_dict(raw, source="engine-process-deployment")
-    with _served_with_engine_process(dep, tmp_path_factory.mktemp("engine-process-served")) as s:
+    # two output pumps (MSTAR_PUMP_SHARDS, meant for this mode): parity, streaming and cancellations through both
+    with _served_with_engine_process(dep, tmp_path_factory.mktemp("engine-process-served"),
+                                     MSTAR_PUMP_SHARDS="2") as s:
         yield s
 
 
@@ -85,7 +90,9 @@ def test_the_engine_runs_in_a_child_of_the_component_stub(served):
     assert len(pids) == 1 and is_running(pids[0]), pids
     parent = process_state(pids[0])[1]
     assert "triton_python_backend_stub" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
-    assert "ready on cpu" in (served.log_dir / "tritonserver.log").read_text(errors="replace")
+    log = (served.log_dir / "tritonserver.log").read_text(errors="replace")
+    assert "ready on cpu" in log
+    assert "2 output pumps share the streams" in log
 
 
 def test_greedy_tokens_through_triton_equal_transformers(served):

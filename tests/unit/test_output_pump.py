@@ -225,3 +225,95 @@ def test_first_tokens_go_ahead_of_the_streams_already_started(monkeypatch):
     finally:
         pump.stop()
     assert [name for name, _ in _SlowSink.log] == ["new0", "new1", "old0", "old1"]
+
+
+# ---- MSTAR_PUMP_SHARDS -------------------------------------------------------------------------------------------
+
+
+def test_pump_shards_parses_and_refuses(monkeypatch):
+    import pytest
+
+    from mstar_common.engine.output_pump import pump_shards
+
+    monkeypatch.delenv("MSTAR_PUMP_SHARDS", raising=False)
+    assert pump_shards() == 1
+    monkeypatch.setenv("MSTAR_PUMP_SHARDS", "4")
+    assert pump_shards() == 4
+    for bad in ("0", "17", "two", "-1", "1.5"):
+        monkeypatch.setenv("MSTAR_PUMP_SHARDS", bad)
+        with pytest.raises(ValueError, match="MSTAR_PUMP_SHARDS"):
+            pump_shards()
+
+
+def test_make_output_pump_one_or_sharded(monkeypatch):
+    from mstar_common.engine.output_pump import ShardedOutputPump, make_output_pump
+
+    monkeypatch.delenv("MSTAR_PUMP_SHARDS", raising=False)
+    assert isinstance(make_output_pump(FakeEngine()), OutputPump)
+    monkeypatch.setenv("MSTAR_PUMP_SHARDS", "3")
+    pump = make_output_pump(FakeEngine())
+    assert isinstance(pump, ShardedOutputPump) and len(pump.pumps) == 3
+
+
+def test_sharded_pump_keeps_each_streams_order_and_spreads_streams():
+    """Many streams over 3 pumps: every token reaches its own stream once and in order, each stream ends with one
+    FINAL, every pump serves some streams, and the latency samples of all pumps land in one place."""
+    from mstar_common.engine.output_pump import ShardedOutputPump
+
+    engine = FakeEngine()
+    pump = ShardedOutputPump(engine, 3)
+    sinks = {f"r{i}": FakeSink() for i in range(24)}
+    for request_id, sink in sinks.items():
+        pump.register(_stream(request_id, sink))
+    assert pump.num_streams == 24
+    assert all(p.num_streams > 0 for p in pump.pumps)
+    pump.start()
+    try:
+        for step in range(20):
+            for i, request_id in enumerate(sinks):
+                finish = FinishReason.LENGTH if step == 19 else None
+                pump.on_output(request_id, [i * 100 + step], finish, None)
+        _run(pump, lambda: all(sink.is_closed for sink in sinks.values()))
+    finally:
+        pump.stop()
+    for i, (request_id, sink) in enumerate(sinks.items()):
+        kinds = [kind for kind, _ in sink.sent]
+        assert kinds[-1] == "final" and kinds.count("final") == 1, request_id
+        ids = [int(t) for _, outputs in sink.sent for t in outputs[wire.TOKEN_IDS]]
+        assert ids == [i * 100 + step for step in range(20)], request_id
+    assert pump.num_streams == 0
+    assert len(pump.latency.ttft) == 24
+    assert engine.cancelled == []
+
+
+class _CountingWatch:
+    def __init__(self):
+        self.beats = 0
+        self.stops = 0
+
+    def beat(self):
+        self.beats += 1
+
+    def stop(self):
+        self.stops += 1
+
+
+def test_sharded_watch_beats_only_when_every_pump_has_beaten():
+    from mstar_common.engine.output_pump import _EveryShardBeats
+
+    watch = _CountingWatch()
+    beats = _EveryShardBeats(watch, 3)
+    shard = [beats.for_shard(k) for k in range(3)]
+    for _ in range(5):  # a stuck pump 2: the others beat on, the watch is never beaten
+        shard[0].beat()
+        shard[1].beat()
+    assert watch.beats == 0
+    shard[2].beat()
+    assert watch.beats == 1
+    shard[2].beat()
+    shard[0].beat()
+    assert watch.beats == 1
+    shard[1].beat()
+    assert watch.beats == 2
+    shard[0].stop()
+    assert watch.stops == 1

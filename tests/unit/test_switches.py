@@ -31,6 +31,7 @@ REFUSED = {
     "MSTAR_SEARCH_PROGRAMS": ("many", "expected a non-negative integer"),
     "MSTAR_FLASHINFER_PREFILL": ("fa4", "must be auto, fa2 or fa3"),
     "MSTAR_STALL_EXIT_S": ("2", "expected 0 (off) or seconds in [5, 3600]"),
+    "MSTAR_PUMP_SHARDS": ("0", "expected a whole number of pumps in [1, 16]"),
 }
 # parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
 # already), by the image families' DiT, and by the BLS scripts
