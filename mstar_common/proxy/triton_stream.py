@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 _FINAL_PARAM = "triton_final_response"
 _EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
 _TIMEOUT_PARAM = "timeout"  # microseconds, as tritonclient's `timeout=` sets it
+END_AFTER_FINAL_S = 2.0  # how long a stream whose final response came may take to end before it is cancelled
 DEADLINE_GRACE_S = 5.0  # the gRPC deadline trails the server-side one, so the server's clean 504 comes first
 
 
@@ -219,6 +220,12 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def is_final_message(message: service_pb2.ModelStreamInferResponse) -> bool:
+    """Whether Triton marked this stream message as the request's last, an error's included."""
+    params = message.infer_response.parameters
+    return _FINAL_PARAM in params and params[_FINAL_PARAM].bool_param
+
+
 def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamResponse:
     if message.error_message:
         raise classify_error(message.error_message)
@@ -293,6 +300,36 @@ async def _next_message(call: grpc.aio.StreamStreamCall, messages: AsyncIterator
         raise
 
 
+_ENDING: set[asyncio.Task] = set()  # the calls `_let_end` waits on, held so that no garbage collection cancels them
+
+
+def _let_end(call) -> None:
+    """Let a stream whose final response came end on its own: our side is closed, and Triton then ends the call.
+
+    A gRPC call dropped before its end is cancelled (grpc.aio cancels it when it is collected), and cancelling a
+    stream after its final response, a refusal's error in particular, left the request held in Triton 2.51: the
+    model stayed "live" and a stopping server waited its whole exit timeout (docs/reliability.md). So a task holds
+    the call until it ends, and cancels it only if it is still open END_AFTER_FINAL_S later."""
+    if call.done():
+        return
+    try:
+        task = asyncio.get_running_loop().create_task(_await_end(call))
+    except RuntimeError:  # no loop running (a generator finalized late): the call goes as grpc lets it
+        return
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
+
+
+async def _await_end(call) -> None:
+    try:
+        async with asyncio.timeout(END_AFTER_FINAL_S):
+            await call.code()
+    except TimeoutError:
+        call.cancel()
+    except grpc.aio.AioRpcError:
+        pass
+
+
 def _consume_result(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log "exception was never retrieved"
@@ -331,8 +368,8 @@ class TritonStreamClient:
         try:
             while (message := await _next_message(call, messages)) is not None:
                 is_started = True
+                is_finished = is_final_message(message)  # an error's too: a refusal is final
                 response = parse_response(message)
-                is_finished = response.is_final
                 yield response
                 if is_finished:
                     return
@@ -344,6 +381,8 @@ class TritonStreamClient:
             is_done.set()
             if not is_finished:
                 call.cancel()  # the consumer left or failed: Triton cancels the request
+            else:
+                _let_end(call)
 
     async def is_ready(self, models: list[str]) -> bool:
         """True when the server is live and every given model is ready."""

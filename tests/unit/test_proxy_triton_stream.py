@@ -4,6 +4,7 @@ fake server speaking Triton's GRPCInferenceService) including cancellation."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import grpc
@@ -16,6 +17,7 @@ from mstar_common import wire
 from mstar_common.proxy.triton_stream import (
     GenerationRequest,
     TritonInvalidRequest,
+    TritonOverloaded,
     TritonServerError,
     TritonStreamClient,
     build_request,
@@ -140,6 +142,7 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self):
         self.received: list[service_pb2.ModelInferRequest] = []
         self.cancelled = asyncio.Event()
+        self.half_closed = asyncio.Event()  # a client ended its side of a stream (no cancel)
 
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -148,21 +151,28 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelReadyResponse(ready=request.name in ("ok", "bad", "slow"))
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async for request in request_iterator:
-            self.received.append(request)
-            if request.model_name == "bad":
-                yield service_pb2.ModelStreamInferResponse(error_message=wire.invalid_request_message("no prompt"))
-            elif request.model_name == "slow":
-                yield data_response("a", [1])
-                try:
+        try:
+            async for request in request_iterator:  # Triton keeps a stream open until the client ends its side
+                self.received.append(request)
+                if request.model_name == "bad":
+                    yield service_pb2.ModelStreamInferResponse(error_message=wire.invalid_request_message("no prompt"))
+                elif request.model_name == "slow":
+                    yield data_response("a", [1])
                     await asyncio.sleep(30)
-                except asyncio.CancelledError:
-                    self.cancelled.set()
-                    raise
-            else:
-                yield data_response("a", [1])
-                yield data_response("b", [2], finish="stop", completion=2)
-                yield empty_final()
+                elif request.model_name == "refused":  # an error flagged final, as Triton sends a refusal
+                    infer_response = service_pb2.ModelInferResponse()
+                    infer_response.parameters["triton_final_response"].bool_param = True
+                    yield service_pb2.ModelStreamInferResponse(error_message="overloaded: 4 requests running",
+                                                               infer_response=infer_response)
+                else:
+                    yield data_response("a", [1])
+                    yield data_response("b", [2], finish="stop", completion=2)
+                    yield empty_final()
+            self.half_closed.set()
+            await asyncio.sleep(0.3)  # the server ends the call a moment after the client's side (a cancel shows)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
 
 
 @pytest.fixture
@@ -203,6 +213,25 @@ async def test_closing_the_stream_cancels_the_grpc_call(grpc_server):
         assert (await anext(stream)).text == "a"
         await stream.aclose()
         await asyncio.wait_for(servicer.cancelled.wait(), 5)
+    finally:
+        await client.close()
+
+
+@pytest.mark.anyio
+async def test_a_final_error_ends_the_stream_without_a_cancel(grpc_server):
+    """Cancelling a gRPC stream after its final response (a refusal's error) left the request held in Triton 2.51,
+    and the model then never unloaded at shutdown (docs/reliability.md): after a final error the client ends its
+    side of the stream and holds the call until the server ends it."""
+    url, servicer = grpc_server
+    client = TritonStreamClient(url)
+    try:
+        with pytest.raises(TritonOverloaded, match="4 requests running"):
+            async for _ in client.generate("refused", "rid-10", GenerationRequest(text="hi")):
+                pass
+        gc.collect()  # a call that nothing holds is cancelled when it is collected
+        await asyncio.wait_for(servicer.half_closed.wait(), 5)
+        await asyncio.sleep(0.6)  # past the moment the server ends the call: a cancel would have shown
+        assert not servicer.cancelled.is_set()
     finally:
         await client.close()
 
