@@ -300,24 +300,22 @@ async def _next_message(call: grpc.aio.StreamStreamCall, messages: AsyncIterator
         raise
 
 
-_ENDING: set[asyncio.Task] = set()  # the calls `_let_end` waits on, held so that no garbage collection cancels them
-
-
-def _let_end(call) -> None:
+def _let_end(call, ending: set[asyncio.Task]) -> None:
     """Let a stream whose final response came end on its own: our side is closed, and Triton then ends the call.
 
     A gRPC call dropped before its end is cancelled (grpc.aio cancels it when it is collected), and cancelling a
     stream after its final response, a refusal's error in particular, left the request held in Triton 2.51: the
-    model stayed "live" and a stopping server waited its whole exit timeout (docs/reliability.md). So a task holds
-    the call until it ends, and cancels it only if it is still open END_AFTER_FINAL_S later."""
+    model stayed "live" and a stopping server waited its whole exit timeout (docs/reliability.md). So a task in
+    `ending` holds the call until it ends, and cancels it only if it is still open END_AFTER_FINAL_S later. (Closing
+    the channel cancels its open calls too: `TritonStreamClient.close` waits for these tasks first.)"""
     if call.done():
         return
     try:
         task = asyncio.get_running_loop().create_task(_await_end(call))
     except RuntimeError:  # no loop running (a generator finalized late): the call goes as grpc lets it
         return
-    _ENDING.add(task)
-    task.add_done_callback(_ENDING.discard)
+    ending.add(task)
+    task.add_done_callback(ending.discard)
 
 
 async def _await_end(call) -> None:
@@ -340,6 +338,7 @@ class TritonStreamClient:
         self.url = url
         self.health_timeout_s = health_timeout_s
         self._client: InferenceServerClient | None = None
+        self._ending: set[asyncio.Task] = set()  # streams past their final response, until Triton ends them
 
     def _connection(self) -> InferenceServerClient:
         if self._client is None:  # grpc.aio binds a channel to the running loop, so open it from inside one
@@ -382,7 +381,7 @@ class TritonStreamClient:
             if not is_finished:
                 call.cancel()  # the consumer left or failed: Triton cancels the request
             else:
-                _let_end(call)
+                _let_end(call, self._ending)
 
     async def is_ready(self, models: list[str]) -> bool:
         """True when the server is live and every given model is ready."""
@@ -409,6 +408,9 @@ class TritonStreamClient:
         return {key: value.get("string_value", "") for key, value in params.items()}
 
     async def close(self) -> None:
+        """Close the channel once every stream whose final response came has ended (`_let_end`)."""
+        if self._ending:
+            await asyncio.wait(list(self._ending), timeout=END_AFTER_FINAL_S + 1.0)
         if self._client is not None:
             await self._client.close()
             self._client = None

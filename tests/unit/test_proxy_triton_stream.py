@@ -221,7 +221,7 @@ async def test_closing_the_stream_cancels_the_grpc_call(grpc_server):
 async def test_a_final_error_ends_the_stream_without_a_cancel(grpc_server):
     """Cancelling a gRPC stream after its final response (a refusal's error) left the request held in Triton 2.51,
     and the model then never unloaded at shutdown (docs/reliability.md): after a final error the client ends its
-    side of the stream and holds the call until the server ends it."""
+    side of the stream and holds the call until the server ends it, also when the client is closed."""
     url, servicer = grpc_server
     client = TritonStreamClient(url)
     try:
@@ -232,6 +232,14 @@ async def test_a_final_error_ends_the_stream_without_a_cancel(grpc_server):
         await asyncio.wait_for(servicer.half_closed.wait(), 5)
         await asyncio.sleep(0.6)  # past the moment the server ends the call: a cancel would have shown
         assert not servicer.cancelled.is_set()
+        # closing the channel cancels the calls still open: close() first waits for them to end
+        servicer.half_closed.clear()
+        with pytest.raises(TritonOverloaded):
+            async for _ in client.generate("refused", "rid-11", GenerationRequest(text="hi")):
+                pass
+        await client.close()
+        await asyncio.sleep(0.6)
+        assert servicer.half_closed.is_set() and not servicer.cancelled.is_set()
     finally:
         await client.close()
 
