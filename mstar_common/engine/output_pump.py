@@ -343,7 +343,6 @@ class OutputPump:
         self.times.poll_s += time.perf_counter() - started
 
 
-
 class _EveryShardBeats:
     """A stall watch shared by the pumps of a `ShardedOutputPump`: the watch is beaten once every shard has beaten
     since its last beat, so one stuck pump (a send that never returns) stops the re-arming as a lone pump would."""

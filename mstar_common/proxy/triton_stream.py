@@ -230,8 +230,7 @@ def parse_response(message: service_pb2.ModelStreamInferResponse) -> StreamRespo
     if message.error_message:
         raise classify_error(message.error_message)
     response = message.infer_response
-    params = response.parameters
-    is_final = _FINAL_PARAM in params and params[_FINAL_PARAM].bool_param
+    is_final = is_final_message(message)
     if not response.outputs:
         return StreamResponse(is_final=is_final)
     result = _Outputs(response)
@@ -303,11 +302,11 @@ async def _next_message(call: grpc.aio.StreamStreamCall, messages: AsyncIterator
 def _let_end(call, ending: set[asyncio.Task]) -> None:
     """Let a stream whose final response came end on its own: our side is closed, and Triton then ends the call.
 
-    A gRPC call dropped before its end is cancelled (grpc.aio cancels it when it is collected), and cancelling a
-    stream after its final response, a refusal's error in particular, left the request held in Triton 2.51: the
-    model stayed "live" and a stopping server waited its whole exit timeout (docs/reliability.md). So a task in
-    `ending` holds the call until it ends, and cancels it only if it is still open END_AFTER_FINAL_S later. (Closing
-    the channel cancels its open calls too: `TritonStreamClient.close` waits for these tasks first.)"""
+    A gRPC call dropped before its end may be cancelled (grpc.aio cancels a call it collects unfinished), and
+    cancelling a stream after its final response, a refusal's error in particular, left the request held in Triton
+    2.51: the model stayed "live" and a stopping server waited its whole exit timeout (docs/reliability.md). So a
+    task in `ending` holds the call until it ends, and cancels it only if it is still open END_AFTER_FINAL_S later.
+    (Closing the channel cancels its open calls too: `TritonStreamClient.close` waits for these tasks first.)"""
     if call.done():
         return
     try:
@@ -324,8 +323,6 @@ async def _await_end(call) -> None:
             await call.code()
     except TimeoutError:
         call.cancel()
-    except grpc.aio.AioRpcError:
-        pass
 
 
 def _consume_result(task: asyncio.Future) -> None:
