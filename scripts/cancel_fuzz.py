@@ -94,7 +94,8 @@ async def _via_proxy(client: httpx.AsyncClient, proxy: str, model: str, rng: ran
             res.outcomes[outcome] += 1
 
 
-async def _via_grpc(triton, entry: str, rng: random.Random, res: FuzzResult, index: int):
+async def _via_grpc(triton, entry: str, rng: random.Random, res: FuzzResult, index: int, cancel: bool = True):
+    """One gRPC stream, cancelled after 0-8 responses (read to its final with `cancel` false)."""
     from mstar_common.proxy.triton_stream import GenerationRequest, TritonError, TritonOverloaded
 
     gen = GenerationRequest(text=f"fuzz {rng.random()}", sampling={"max_tokens": rng.randint(16, 200),
@@ -105,7 +106,7 @@ async def _via_grpc(triton, entry: str, rng: random.Random, res: FuzzResult, ind
         num = 0
         async for response in stream:
             num += 1
-            if num > stop_after:
+            if cancel and num > stop_after:
                 res.outcomes["grpc_cancel_after_responses"] += 1
                 return
             if response.is_final:

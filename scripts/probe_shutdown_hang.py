@@ -5,9 +5,9 @@ Each of `--servers` servers (the default deployment, 4 running + 4 queued places
 `-c` at a time, then 2 s idle and SIGTERM; it counts as hung when the model was never unloaded (its `finalize` never
 ran) and the stop took the whole grace.
 
-Kinds: `finish` (gRPC streams read to their final), `cancel` (gRPC streams cancelled after 0-8 responses),
-`proxy_cancel` (streaming completions whose client leaves after 0-8 events), `refuse` (gRPC streams read to their
-final, most of them refused at `-c 16`), `mix` (scripts/cancel_fuzz.py's mix of all of these).
+Kinds, each through scripts/cancel_fuzz.py's clients: `finish` (gRPC streams read to their final), `cancel` (gRPC
+streams cancelled after 0-8 responses), `proxy_cancel` (streaming completions whose client leaves after 0-8 events
+or 0-0.2 s), `refuse` (`finish` at `-c 16`: most of them refused), `mix` (cancel_fuzz.py's mix of all of these).
 
     python scripts/probe_shutdown_hang.py refuse -c 16 --servers 5 [--engine-process]
 """
@@ -29,64 +29,23 @@ import yaml
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from cancel_fuzz import fuzz  # noqa: E402
+from cancel_fuzz import FuzzResult, _via_grpc, _via_proxy, fuzz  # noqa: E402
 
 from mstar_common.cli import DEFAULT_DEPLOYMENT  # noqa: E402
 from mstar_common.config import deployment_from_dict  # noqa: E402
 from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready  # noqa: E402
-from mstar_common.proxy.triton_stream import (  # noqa: E402
-    GenerationRequest,
-    TritonError,
-    TritonOverloaded,
-    TritonStreamClient,
-)
+from mstar_common.proxy.triton_stream import TritonStreamClient  # noqa: E402
 from mstar_common.repository import entry_model, write_repository  # noqa: E402
 
 GRACE_S = 12.0  # a stop that takes this long is a hang (the server's exit timeout is longer)
 
 
-async def _grpc(triton: TritonStreamClient, entry: str, index: int, rng: random.Random, cancel: bool) -> str:
-    gen = GenerationRequest(text=f"probe {rng.random()}",
-                            sampling={"max_tokens": rng.randint(16, 100), "ignore_eos": True, "temperature": 0.8})
-    stop_after = rng.randint(0, 8)
-    stream = triton.generate(entry, f"probe-{index}", gen, 120.0)
-    try:
-        num = 0
-        async for response in stream:
-            num += 1
-            if cancel and num > stop_after:
-                return "grpc_cancelled"
-            if response.is_final:
-                return "grpc_finished"
-        return "grpc_no_final"
-    except TritonOverloaded:
-        return "grpc_refused"
-    except TritonError as error:
-        return f"grpc_error_{type(error).__name__}"
-    finally:
-        await stream.aclose()
-
-
-async def _proxy(client: httpx.AsyncClient, url: str, model: str, rng: random.Random) -> str:
-    body = {"model": model, "prompt": f"probe {rng.random()}", "max_tokens": rng.randint(16, 100),
-            "temperature": 0.8, "ignore_eos": True, "stream": True}
-    stop_after = rng.randint(0, 8)
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return f"proxy_status_{response.status_code}"
-        events = 0
-        async for line in response.aiter_lines():
-            events += line.startswith("data: ")
-            if events >= stop_after:
-                return "proxy_left"
-    return "proxy_finished"
-
-
 async def _drive(kind: str, ports: Ports, model: str, entry: str, n: int, concurrency: int, seed: int) -> Counter:
+    """One kind of stream through cancel_fuzz.py's clients; the outcomes, and any errors under `error: ...`."""
     if kind == "mix":
         result = await fuzz(ports.proxy_url, ports.grpc_url, ports.metrics_url, model, entry, n, concurrency, seed)
-        return Counter(result.outcomes)
-    outcomes: Counter = Counter()
+        return Counter(result.outcomes) + Counter(f"error: {e}" for e in result.errors)
+    result = FuzzResult(num_streams=n, elapsed_s=0.0)
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
     triton = TritonStreamClient(ports.grpc_url)
@@ -95,13 +54,13 @@ async def _drive(kind: str, ports: Ports, model: str, entry: str, n: int, concur
             async with gate:
                 own = random.Random(rng.random())
                 if kind == "proxy_cancel":
-                    outcomes[await _proxy(client, ports.proxy_url, model, own)] += 1
+                    await _via_proxy(client, ports.proxy_url, model, own, result)
                 else:
-                    outcomes[await _grpc(triton, entry, index, own, cancel=kind == "cancel")] += 1
+                    await _via_grpc(triton, entry, own, result, index, cancel=kind == "cancel")
 
         await asyncio.gather(*(one(i) for i in range(n)))
     await triton.close()
-    return outcomes
+    return result.outcomes + Counter(f"error: {e}" for e in result.errors)
 
 
 def main() -> int:
