@@ -8,7 +8,7 @@
 # the test paths. A device call of 600 s holds the benchmarks or the tests, not both: on the H200 the two models'
 # benchmarks take ~7 minutes, and `pytest -m gpu tests/kernels tests/gpu` in one process ~11 (2026-12-04: 608 tests
 # in 520 s, then tests/gpu alone 159 s), most of it Triton compiling on one core. The tests now run as SUITE_JOBS
-# processes (default 4; scripts/parallel_pytest.py, one log each under $OUT/test_logs), which fits one call (652
+# processes (default 4; scripts/parallel_pytest.py, one log each under $OUT/test_logs), which fits one call (652-654
 # tests in under 5 minutes on 2026-12-05); with SUITE_JOBS=1 the set is two calls, SUITE_TESTS=tests/kernels and
 # SUITE_TESTS=tests/gpu.
 # With FLASHINFER_SDIST=<flashinfer-python 0.2.5 source archive> it also installs FlashInfer and runs the
