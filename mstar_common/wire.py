@@ -6,7 +6,8 @@ Inputs (all optional, shape [1] unless noted; give exactly one of `text_input`, 
   text_input          BYTES   raw prompt text (completion style; no chat template)
   messages            BYTES   JSON list of OpenAI-style chat messages; the checkpoint's chat template is applied
   input_ids           INT32   [-1] prompt token ids
-  chat_template_kwargs BYTES  JSON object passed to the chat template (e.g. {"enable_thinking": false})
+  chat_template_kwargs BYTES  JSON object of chat template variables (e.g. {"enable_thinking": false}; rules in
+                              check_chat_template_kwargs)
   max_tokens          INT32   default: the room the prompt leaves, capped by the deployment's default
   temperature         FP32    0 = greedy
   top_p               FP32
@@ -135,3 +136,40 @@ def error_class(message: str) -> str | None:
 def strip_prefix(message: str, prefix: str) -> str:
     idx = message.find(prefix)
     return message[idx + len(prefix):] if idx >= 0 else message
+
+
+# chat_template_kwargs: variables for the checkpoint's own chat template, never a way to change how it is applied
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1024
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    # apply_chat_template's own arguments: a client template runs arbitrary Jinja on the server (unbounded time and
+    # memory), and the rest change what the call returns or duplicate what the server passes
+    "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+
+
+def check_chat_template_kwargs(kwargs: object, field: str = CHAT_TEMPLATE_KWARGS) -> dict:
+    """Refuse (ValueError naming `field.key` and the rule) template variables that are not plain named values:
+    apply_chat_template's own arguments, non-identifier names, nested values, long strings, a non-boolean
+    `enable_thinking`. Returns the kwargs unchanged."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{field}: must be a JSON object")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"{field}: at most {MAX_TEMPLATE_KWARGS} entries, got {len(kwargs)}")
+    for key, value in kwargs.items():
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_") or len(key) > 64:
+            raise ValueError(f"{field}: keys must be identifiers of at most 64 characters not starting with '_', "
+                             f"got {str(key)[:64]!r}")
+        where = f"{field}.{key}"
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{where}: not accepted: the server applies the checkpoint's own chat template, and "
+                             f"'{key}' is an argument of that call, not a template variable")
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"{where}: must be a string, number, boolean or null, got {type(value).__name__}")
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
+            raise ValueError(f"{where}: at most {MAX_TEMPLATE_KWARG_CHARS} characters, got {len(value)}")
+        if key == "enable_thinking" and not isinstance(value, bool):
+            raise ValueError(f"{where}: must be a boolean, got {value!r}")
+    return kwargs

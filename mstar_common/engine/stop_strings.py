@@ -18,16 +18,16 @@ def validate_stops(stops: str | list[str] | None) -> list[str]:
     if isinstance(stops, str):
         stops = [stops]
     if not isinstance(stops, list):
-        raise ValueError(f"stop must be a string or a list of strings, got {type(stops).__name__}")
+        raise ValueError(f"stop: must be a string or a list of strings, got {type(stops).__name__}")
     if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        raise ValueError(f"stop: must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     for stop in stops:
         if not isinstance(stop, str):
-            raise ValueError(f"stop entries must be strings, got {stop!r}")
+            raise ValueError(f"stop: entries must be strings, got {stop!r}")
         if not stop:
-            raise ValueError("stop entries must be non-empty strings")
+            raise ValueError("stop: entries must be non-empty strings")
         if len(stop) > MAX_STOP_LENGTH:
-            raise ValueError(f"stop entries must be at most {MAX_STOP_LENGTH} characters, got {len(stop)}")
+            raise ValueError(f"stop: entries must be at most {MAX_STOP_LENGTH} characters, got {len(stop)}")
     return list(stops)
 
 

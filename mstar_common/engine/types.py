@@ -51,37 +51,37 @@ class SamplingParams:
         _check_int("top_k", self.top_k, 0, INT32_MAX)
         _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_p <= 0.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.min_p >= 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise ValueError(f"min_p: must be in [0, 1), got {self.min_p}")
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, None)
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, INT64_MAX)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, (vocab_size - 1) if vocab_size else INT32_MAX)
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
 
 
 def _check_float(name: str, value, lo: float | None, hi: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name}: must be a number, got {value!r}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise ValueError(f"{name}: must be finite, got {value}")
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+        raise ValueError(f"{name}: must be >= {lo}, got {value}")
     if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
+        raise ValueError(f"{name}: must be <= {hi}, got {value}")
 
 
 @dataclass(slots=True)

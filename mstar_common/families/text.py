@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from mstar_common import wire
 from mstar_common.engine.stop_strings import validate_stops
@@ -94,8 +95,7 @@ class TextLMRuntime:
             return list(self.tokenizer.encode(_scalar_text(inputs, wire.TEXT_INPUT), add_special_tokens=False))
         messages = _json(inputs, wire.MESSAGES)
         template_kwargs = _json(inputs, wire.CHAT_TEMPLATE_KWARGS) if wire.CHAT_TEMPLATE_KWARGS in inputs else {}
-        if not isinstance(template_kwargs, dict):
-            raise ValueError("chat_template_kwargs: must be a JSON object")
+        wire.check_chat_template_kwargs(template_kwargs)
         return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
 
 
@@ -135,7 +135,12 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
             raise ValueError(f"messages[{i}].content: must be a string for a text-only model")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
+        # The checkpoint's template rejected this conversation or these variables (its raise_exception, a bad
+        # operand from a client value): the request's fault, said in the template's own words.
+        raise ValueError(f"messages: the checkpoint's chat template refused this request: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

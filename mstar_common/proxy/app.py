@@ -7,6 +7,7 @@ or SSE.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -27,7 +28,7 @@ from mstar_common.proxy import (
     serving_speech,
     serving_transcriptions,
 )
-from mstar_common.proxy.errors import APIError, BodyTooLarge, install_error_handlers, server_error
+from mstar_common.proxy.errors import APIError, BodyTooLarge, NotUnicodeText, install_error_handlers, server_error
 from mstar_common.proxy.serving_common import ServingContext, TritonClient
 from mstar_common.proxy.triton_stream import TritonStreamClient
 
@@ -113,27 +114,74 @@ class RequestContext:
         if _content_length(headers) > self.max_body_bytes:
             return await reply(APIError(413, str(BodyTooLarge(self.max_body_bytes).detail)))
         scope.setdefault("state", {})["request_id"] = request_id
+        is_json = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
+        is_json = is_json == "application/json" or is_json.endswith("+json")
         try:
-            await self.app(scope, self._capped(receive), send_with_id)
+            await self.app(scope, self._capped(receive, check_text=is_json), send_with_id)
         except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error id
             if is_started:
                 raise
             where = f"{scope.get('method')} {scope.get('path')}"
             await reply(server_error(f"unhandled {type(exc).__name__} in {where}: {exc}", exc_info=exc))
 
-    def _capped(self, receive: Receive) -> Receive:
+    def _capped(self, receive: Receive, check_text: bool = False) -> Receive:
+        """`receive`, refusing a body over the cap (413) and, with `check_text`, a JSON body whose strings are
+        not Unicode text (a lone surrogate escape such as \\ud800: 400 naming the field)."""
         num_bytes = 0
+        chunks: list[bytes] = []
 
         async def capped() -> Message:
             nonlocal num_bytes
             message = await receive()
             if message["type"] == "http.request":
-                num_bytes += len(message.get("body", b""))
+                body = message.get("body", b"")
+                num_bytes += len(body)
                 if num_bytes > self.max_body_bytes:
                     raise BodyTooLarge(self.max_body_bytes)
+                if check_text:
+                    chunks.append(body)
+                    if not message.get("more_body", False):
+                        check_json_text(b"".join(chunks))
+                        chunks.clear()
             return message
 
         return capped
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_json_text(body: bytes) -> None:
+    """Raise NotUnicodeText if a string (or key) of this JSON body holds a lone UTF-16 surrogate: JSON allows the
+    escape, but no text encoding can carry it on to the server. Cheap unless the body has a surrogate escape."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return  # not JSON: the route's own parsing says so
+    stack: list[tuple[str, object]] = [("", parsed)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                raise NotUnicodeText(path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                if not _is_text(key):
+                    raise NotUnicodeText(path or "body", key=True)
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _content_length(headers: dict[str, str]) -> int:

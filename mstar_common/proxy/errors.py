@@ -11,6 +11,7 @@ import re
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -78,11 +79,39 @@ def server_error(
     return APIError(status, f"{public} (error id {error_id})", code=error_id)
 
 
+def check_wire_number(value: int | float, np_dtype: str, param: str) -> None:
+    """A 400 naming `param` if `value` does not survive the tensor it travels in (int32 / int64 wrap around;
+    float32 overflows to inf), so that the model never checks a value the client did not send."""
+    if np.dtype(np_dtype).kind == "f":
+        with np.errstate(over="ignore"):
+            held = np.float32(value)
+        if not np.isfinite(held):
+            raise invalid_request(f"'{param}': must be finite as a 32-bit float (|x| < 3.4e38), got {value!r}",
+                                  param=param)
+        return
+    info = np.iinfo(np_dtype)
+    if isinstance(value, bool) or not info.min <= value <= info.max:
+        raise invalid_request(f"'{param}': must be in [{info.min}, {info.max}] (a {info.bits}-bit integer), got "
+                              f"{value!r}", param=param)
+
+
 class BodyTooLarge(HTTPException):
     """Raised from the receive channel; a FastAPI HTTPException so FastAPI's body parsing re-raises it as is."""
 
     def __init__(self, limit: int):
         super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+class NotUnicodeText(HTTPException):
+    """A JSON body string (or key) holding a lone UTF-16 surrogate; raised from the receive channel like
+    BodyTooLarge."""
+
+    def __init__(self, path: str, key: bool = False):
+        shown = path or "body"
+        what = f"a key of '{shown}'" if key else f"'{shown}'"
+        super().__init__(400, f"{what} is not Unicode text: it holds a lone UTF-16 surrogate escape (\\ud800-"
+                              f"\\udfff without its pair)")
+        self.param = shown
 
 
 # validation errors -> one readable 400
@@ -107,6 +136,9 @@ def _describe(error: dict[str, Any]) -> str:
     msg = str(error.get("msg", "invalid value"))
     if kind == "extra_forbidden":
         return f"unknown field '{path}'"
+    if not path and (kind == "missing" or isinstance(error.get("input"), (bytes, str))):
+        return ("the request body must be a JSON object, sent with 'content-type: application/json'"
+                + ("" if kind == "missing" else f", got {_shown(error.get('input'))}"))
     if kind == "missing":
         return f"'{path}' is required"
     if kind == "json_invalid":
@@ -114,11 +146,13 @@ def _describe(error: dict[str, Any]) -> str:
     msg = msg.removeprefix("Value error, ")
     text = f"{path}: {msg}" if path else msg
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        shown = repr(error.get("input"))
-        if len(shown) > _MAX_INPUT_REPR:
-            shown = shown[:_MAX_INPUT_REPR] + "..."
-        text += f", got {shown}"
+        text += f", got {_shown(error.get('input'))}"
     return text
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown[:_MAX_INPUT_REPR] + "..." if len(shown) > _MAX_INPUT_REPR else shown
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -162,7 +196,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code >= 500:
             return server_error(str(exc.detail), status=exc.status_code).response()
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail), param=getattr(exc, "param", None)).response()
 
 
 def from_exception(exc: BaseException, timeout_s: float | None = None, retry_after_s: int = 1,

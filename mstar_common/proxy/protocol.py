@@ -10,9 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from mstar_common import wire
+from mstar_common.engine.stop_strings import validate_stops
 from mstar_common.engine.types import SamplingParams
 from mstar_common.proxy.errors import invalid_request
 from mstar_common.proxy.triton_stream import GenerationRequest
@@ -49,20 +51,37 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stops
 
-    def sampling_inputs(self) -> dict[str, int | float | bool]:
-        """The set knobs, range-checked with the server's own rules (`SamplingParams.validate`)."""
+    def sampling_inputs(self, field_names: dict[str, str] | None = None) -> dict[str, int | float | bool]:
+        """The set knobs, range-checked with the server's own rules (`SamplingParams.validate`, the stop rules)
+        as the server will hold them: FP32 knobs rounded to 32 bits first, so that 1e39 or a min_p of
+        0.99999999999 is refused here with the value the client sent. `field_names` renames a field for the
+        client (/generate's `model_kwargs.`)."""
         knobs = {name: getattr(self, name) for name in wire.SAMPLING_INPUTS if getattr(self, name) is not None}
+        held = dict(knobs)
+        with np.errstate(over="ignore"):
+            for name, value in knobs.items():
+                if wire.SAMPLING_INPUTS[name][0] == "FP32":
+                    held[name] = float(np.float32(value))
         try:
-            SamplingParams(**knobs, stop_token_ids=list(self.stop_token_ids or [])).validate()
+            SamplingParams(**held, stop_token_ids=list(self.stop_token_ids or [])).validate()
+            validate_stops(self.stop)
         except ValueError as error:
-            message = str(error)
-            raise invalid_request(message, param=message.split(" ", 1)[0]) from None
+            name, rule = str(error).split(": ", 1)
+            if name in knobs and held[name] != knobs[name]:
+                rule += f" (as a 32-bit float; {knobs[name]!r} was sent)"
+            field = (field_names or {}).get(name, name)
+            raise invalid_request(f"{field}: {rule}", param=field) from None
         return knobs
+
+    @classmethod
+    def field_names(cls) -> dict[str, str]:
+        """The client's names for the knobs where they differ from the wire's (none at the top level)."""
+        return {}
 
     def to_generation(self, **prompt: Any) -> GenerationRequest:
         return GenerationRequest(
             **prompt,
-            sampling=self.sampling_inputs(),
+            sampling=self.sampling_inputs(self.field_names()),
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
         )
@@ -79,7 +98,7 @@ class OpenAIFields(SamplingFields):
     """Fields common to /v1/chat/completions and /v1/completions, harmless ones and refused ones."""
 
     model: str
-    stream: bool = False
+    stream: bool | None = None  # null: false
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int | None = None
@@ -92,6 +111,11 @@ class OpenAIFields(SamplingFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every content chunk as well (`stream_options.continuous_usage_stats`, as vLLM has it)."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
 
 
 class ChatMessage(BaseModel):
@@ -136,6 +160,10 @@ class ChatCompletionRequest(OpenAIFields):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+
+    def field_names(self) -> dict[str, str]:
+        """`max_tokens` is the client's `max_completion_tokens` when that is what it sent."""
+        return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
 
 
 class CompletionRequest(OpenAIFields):
@@ -182,6 +210,11 @@ def _refuse(field: str, rule: str) -> None:
 
 
 def _refuse_common(req: OpenAIFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats and not req.include_usage:
+        raise invalid_request("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
+                              param="stream_options.continuous_usage_stats")
     if req.n not in (None, 1):
         _refuse("n", f"only one choice per request (n=1), got {req.n}")
     if req.presence_penalty not in (None, 0):
@@ -275,13 +308,20 @@ def _text_content(content: str | list[dict[str, Any]], model: str, where: str) -
     return "\n".join(texts)
 
 
-def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any] | None:
-    """chat_template_kwargs with the `enable_thinking` shortcut folded in (a conflict is a 400)."""
+def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None,
+                    field: str = "chat_template_kwargs") -> dict[str, Any] | None:
+    """chat_template_kwargs, checked by the component's rule (`wire.check_chat_template_kwargs`), with the
+    `enable_thinking` shortcut folded in (a conflict is a 400). `field` is the client's name for the object."""
     merged = dict(kwargs or {})
+    try:
+        wire.check_chat_template_kwargs(merged, field)
+    except ValueError as error:
+        message = str(error)
+        raise invalid_request(message, param=message.split(":", 1)[0]) from None
     if enable_thinking is not None:
+        shortcut = "model_kwargs.enable_thinking" if field.startswith("model_kwargs.") else "enable_thinking"
         if merged.get("enable_thinking", enable_thinking) != enable_thinking:
-            raise invalid_request("'enable_thinking' conflicts with chat_template_kwargs.enable_thinking",
-                                  param="enable_thinking")
+            raise invalid_request(f"'{shortcut}' conflicts with {field}.enable_thinking", param=shortcut)
         merged["enable_thinking"] = enable_thinking
     return merged or None
 
@@ -312,7 +352,7 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 def text_completion(rid: str, model: str, created: int, text: str, finish_reason: str | None,
                     use: dict | None = None) -> dict:
-    """A text_completion response or stream chunk (chunks carry no usage)."""
+    """A text_completion response or stream chunk (a chunk carries usage only under continuous_usage_stats)."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if use is not None:

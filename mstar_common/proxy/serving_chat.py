@@ -22,7 +22,8 @@ def chat_generation(body: protocol.ChatCompletionRequest) -> GenerationRequest:
         messages=protocol.text_messages(body.messages, body.model),
         chat_template_kwargs=protocol.template_kwargs(body.chat_template_kwargs, body.enable_thinking),
     )
-    gen.field_names = {"prompt": "messages"}  # the entry model's name for the prompt, whatever form it took
+    # the entry model's name for the prompt, whatever form it took, and max_completion_tokens where sent
+    gen.field_names = {"prompt": "messages", **body.field_names()}
     return gen
 
 
@@ -34,22 +35,31 @@ async def create_chat_completion(body: protocol.ChatCompletionRequest, request: 
     rid, created = f"chatcmpl-{request.state.request_id}", protocol.now()
     if body.stream:
         stream = await ctx.stream(request, served, gen)
-        events = _chunks(stream, rid, body.model, created, body.include_usage)
+        events = _chunks(stream, rid, body.model, created, body.include_usage, body.continuous_usage)
         return SSEResponse(sse_body(events, ctx.settings.request_timeout_s))
     done = await ctx.complete(request, served, gen)
     return protocol.chat_completion(rid, body.model, created, done.text, done.finish, done.usage)
 
 
-async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, created: int, include_usage: bool):
-    """role chunk -> content chunks -> finish chunk [-> usage chunk]."""
+async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, created: int, include_usage: bool,
+                  continuous_usage: bool = False):
+    """role chunk -> content chunks -> finish chunk [-> usage chunk]. With `continuous_usage` the content and
+    finish chunks also carry the usage so far."""
     done = Completion()
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        body = protocol.chat_chunk(rid, model, created, delta, finish)
+        if continuous_usage:
+            body["usage"] = done.usage
+        return body
+
     try:
         yield protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""})
         async for response in stream:
             done.add(response)
             if response.text:
-                yield protocol.chat_chunk(rid, model, created, {"content": response.text})
-        yield protocol.chat_chunk(rid, model, created, {}, done.finish)
+                yield chunk({"content": response.text})
+        yield chunk({}, done.finish)
         if include_usage:
             yield protocol.usage_chunk(rid, model, created, "chat.completion.chunk", done.usage)
     finally:

@@ -40,21 +40,24 @@ async def create_completion(body: protocol.CompletionRequest, request: Request):
     rid, created = f"cmpl-{request.state.request_id}", protocol.now()
     if body.stream:
         stream = await ctx.stream(request, served, gen)
-        events = _chunks(stream, rid, body.model, created, body.include_usage)
+        events = _chunks(stream, rid, body.model, created, body.include_usage, body.continuous_usage)
         return SSEResponse(sse_body(events, ctx.settings.request_timeout_s))
     done = await ctx.complete(request, served, gen)
     return protocol.text_completion(rid, body.model, created, done.text, done.finish, done.usage)
 
 
-async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, created: int, include_usage: bool):
-    """text chunks -> finish chunk [-> usage chunk]."""
+async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, created: int, include_usage: bool,
+                  continuous_usage: bool = False):
+    """text chunks -> finish chunk [-> usage chunk]. With `continuous_usage` the text and finish chunks also carry
+    the usage so far."""
     done = Completion()
     try:
         async for response in stream:
             done.add(response)
             if response.text:
-                yield protocol.text_completion(rid, model, created, response.text, None)
-        yield protocol.text_completion(rid, model, created, "", done.finish)
+                yield protocol.text_completion(rid, model, created, response.text, None,
+                                               done.usage if continuous_usage else None)
+        yield protocol.text_completion(rid, model, created, "", done.finish, done.usage if continuous_usage else None)
         if include_usage:
             yield protocol.usage_chunk(rid, model, created, "text_completion", done.usage)
     finally:

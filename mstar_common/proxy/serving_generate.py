@@ -131,7 +131,8 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
         messages = [{"role": "user", "content": req.text}]
     gen = kwargs.to_generation(
         messages=messages, chat_template_kwargs=protocol.template_kwargs(kwargs.chat_template_kwargs,
-                                                                        kwargs.enable_thinking)
+                                                                        kwargs.enable_thinking,
+                                                                        "model_kwargs.chat_template_kwargs")
     )
     prompt_field = "model_kwargs.messages" if kwargs.messages is not None else "text"
     gen.field_names = {**protocol.GenerateKwargs.field_names(), "prompt": prompt_field, wire.MESSAGES: prompt_field}

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from mstar_common import images, wire
-from mstar_common.proxy.errors import APIError, from_exception, from_pydantic, invalid_request
+from mstar_common.proxy.errors import APIError, check_wire_number, from_exception, from_pydantic, invalid_request
 from mstar_common.proxy.serving_common import ServingContext, until_disconnect
 from mstar_common.proxy.triton_stream import GenerationRequest
 
@@ -72,8 +72,10 @@ class ImageFields(BaseModel):
 # request -> Triton tensors
 
 
-def image_tensors(fields: ImageFields, references: list[bytes]) -> tuple[list[tuple[str, str, np.ndarray]], str]:
-    """The entry model's input tensors (wire.IMAGE_INPUTS) and the chosen output format; 400s on bad fields."""
+def image_tensors(fields: ImageFields, references: list[bytes], prefix: str = ""
+                  ) -> tuple[list[tuple[str, str, np.ndarray]], str]:
+    """The entry model's input tensors (wire.IMAGE_INPUTS) and the chosen output format; 400s on bad fields.
+    `prefix` is where the client put the knobs (/generate: `model_kwargs.`), for the 400s raised here."""
     for name, allowed in _REFUSED.items():
         if getattr(fields, name) not in allowed:
             raise invalid_request(f"'{name}' is not supported by this model (got {getattr(fields, name)!r})",
@@ -105,6 +107,8 @@ def image_tensors(fields: ImageFields, references: list[bytes]) -> tuple[list[tu
         if value is None:
             continue
         dtype, np_dtype = wire.IMAGE_INPUTS[name]
+        if dtype != "BYTES":
+            check_wire_number(value, np_dtype, prefix + {"num_images": "n"}.get(name, name))
         array = np.array([value.encode("utf-8") if dtype == "BYTES" else value], dtype=np_dtype)
         tensors.append((name, dtype, array))
     if references:
@@ -273,7 +277,7 @@ async def generate_native(request: Request, ctx: ServingContext, served) -> dict
     if not isinstance(kwargs, dict):
         raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
     fields = _native_fields(raw, dict(kwargs))
-    tensors, fmt = image_tensors(fields, references)
+    tensors, fmt = image_tensors(fields, references, prefix="model_kwargs.")
     found, seed = await run_images(request, ctx, served, tensors)
     return {"id": request.state.request_id, "model": served.name,
             "outputs": {"image": [base64.b64encode(img).decode("ascii") for img in found]},

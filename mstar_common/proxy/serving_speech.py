@@ -117,8 +117,9 @@ def _speech_generation(body: SpeechRequest) -> GenerationRequest:
     if body.instructions:
         raise invalid_request("'instructions' is not supported: put emotion tags such as <laugh> in 'input'",
                               param="instructions")
-    if body.stop or body.stop_token_ids:
-        raise invalid_request("'stop' and 'stop_token_ids' do not apply to speech", param="stop")
+    for name in ("stop", "stop_token_ids"):
+        if getattr(body, name):
+            raise invalid_request(f"'{name}' does not apply to speech", param=name)
     if body.stream and body.stream_format == "audio" and body.response_format not in STREAM_FORMATS:
         raise invalid_request(f"'stream': response_format must be one of {list(STREAM_FORMATS)} to stream, got "
                               f"{body.response_format!r}", param="response_format")

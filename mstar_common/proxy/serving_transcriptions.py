@@ -24,7 +24,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
-from mstar_common.proxy.errors import from_exception, invalid_request
+from mstar_common.proxy.errors import check_wire_number, from_exception, invalid_request
 from mstar_common.proxy.serving_common import ServingContext, until_disconnect
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
@@ -209,8 +209,14 @@ def _bool(raw: str, key: str) -> bool:
 
 def transcription_generation(audio: bytes, task: str, *, language: str | None = None, prompt: str | None = None,
                              temperature: float | None = None, timestamps: bool = False, seed: int | None = None,
-                             max_tokens: int | None = None) -> GenerationRequest:
-    """The walk's input tensors (mstar_common/families/whisper/graph.py)."""
+                             max_tokens: int | None = None, field_names: dict[str, str] | None = None
+                             ) -> GenerationRequest:
+    """The walk's input tensors (mstar_common/families/whisper/graph.py); `field_names` gives the client's
+    names of the knobs (/generate's `model_kwargs.`) for the 400 of a number its tensor cannot hold."""
+    for name, value, np_dtype in (("temperature", temperature, "float32"), ("seed", seed, "int64"),
+                                  ("max_tokens", max_tokens, "int32")):
+        if value is not None:
+            check_wire_number(value, np_dtype, (field_names or {}).get(name, name))
     def text(value: str) -> np.ndarray:
         return np.array([value.encode("utf-8")], dtype=np.object_)
 
@@ -368,6 +374,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
         audio, kwargs.get("task", "transcribe"), language=kwargs.get("language"), prompt=prompt,
         temperature=kwargs.get("temperature"), timestamps=bool(kwargs.get("timestamps", False)),
         seed=kwargs.get("seed"), max_tokens=kwargs.get("max_tokens"),
+        field_names={name: f"model_kwargs.{name}" for name in kwargs},
     )
     gen.field_names = {name: f"model_kwargs.{name}" for name in kwargs}
     if "prompt" not in kwargs:

@@ -94,6 +94,27 @@ def test_the_entry_models_refusals_name_the_openai_fields(served, oai):
     assert info.value.body["param"] == "max_tokens"
 
 
+def test_template_control_and_text_that_is_not_unicode_are_400s_at_both_doors(served, oai):
+    """A client chat template (arbitrary Jinja run in the component) is refused by the proxy and, for a Triton
+    client, by the entry model; a lone surrogate escape is a 400 naming its field; the server keeps serving."""
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}hi"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=served.dep.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra_body={"chat_template_kwargs": {"chat_template": slow}})
+    assert info.value.body["param"] == "chat_template_kwargs.chat_template"
+    started = time.monotonic()
+    got = run_stream(served.grpc_url, served.entry, {"a": {
+        "messages": '[{"role": "user", "content": "hi"}]', "chat_template_kwargs": f'{{"chat_template": "{slow}"}}'}})
+    assert got["a"].error and "chat_template_kwargs.chat_template: not accepted" in got["a"].error
+    assert time.monotonic() - started < 10
+    raw = f'{{"model": "{served.dep.name}", "messages": [{{"role": "user", "content": "\\ud800"}}]}}'
+    reply = httpx.post(served.proxy_url + "/v1/chat/completions", content=raw.encode(),
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].content"
+    assert oai.chat.completions.create(model=served.dep.name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2).choices
+
+
 def test_stop_string_ends_the_stream_and_frees_pages(served, oai):
     whole = oai.completions.create(model=served.dep.name, prompt="abc", max_tokens=40, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].text

@@ -64,7 +64,8 @@ def test_streamed_pcm_and_sse():
     ({"input": "hi", "speed": 2.0}, "speed"),
     ({"input": "hi", "instructions": "whisper"}, "instructions"),
     ({"input": "hi", "stream": True, "response_format": "mp3"}, "to stream"),
-    ({"input": "hi", "stop": ["x"]}, "do not apply to speech"),
+    ({"input": "hi", "stop": ["x"]}, "'stop' does not apply to speech"),
+    ({"input": "hi", "stop_token_ids": [1]}, "'stop_token_ids' does not apply to speech"),
     ({"input": "hi", "top_p": 0}, "top_p"),
 ])
 def test_refusals_name_the_field(body, message):

@@ -1,0 +1,208 @@
+"""Input rules found by a black-box sweep of the proxy (2026-12-05): each was a 500, a silently wrapped or ignored
+value, a hang of the component's intake, or a 400 that named no field. Against a fake Triton; each test fails on
+the code before its fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mstar_common import wire
+from mstar_common.proxy.app import ServedModel
+from tests.unit.proxy_fake_triton import FakeTriton, make_app
+from tests.unit.test_proxy_chat import MESSAGES, chat, sse_events
+from tests.unit.test_proxy_images import MODEL as IMAGE_MODEL
+from tests.unit.test_proxy_images import image_script
+from tests.unit.test_proxy_transcriptions import script as transcript_script
+
+WHISPER = ServedModel("whisper", "whisper_walk", "transcription")
+WAV = {"file": ("a.wav", b"RIFF....", "audio/wav")}
+
+
+@pytest.fixture
+def served():
+    app, fake = make_app()
+    with TestClient(app) as client:
+        yield client, fake
+
+
+def error_of(reply) -> dict:
+    assert reply.status_code == 400, reply.text
+    return reply.json()["error"]
+
+
+# chat_template_kwargs: template variables only, never the template or the call's own arguments
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"chat_template": "{% for i in range(10**9) %}{% endfor %}"}, "chat_template_kwargs.chat_template"),
+    ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+    ({"tokenize": True}, "chat_template_kwargs.tokenize"),
+    ({"documents": 5}, "chat_template_kwargs.documents"),
+    ({"enable_thinking": "yes"}, "chat_template_kwargs.enable_thinking"),
+    ({"persona": {"nested": 1}}, "chat_template_kwargs.persona"),
+    ({"persona": "x" * 1025}, "chat_template_kwargs.persona"),
+    ({"_private": 1}, "chat_template_kwargs"),
+    ({f"k{i}": i for i in range(17)}, "chat_template_kwargs"),
+])
+def test_template_kwargs_that_are_not_plain_variables_are_400(served, kwargs, param):
+    client, fake = served
+    error = error_of(chat(client, chat_template_kwargs=kwargs))
+    assert error["param"] == param and error["message"].startswith(param)
+    assert fake.requests == []
+    error = error_of(client.post("/generate", json={"model": "qwen3", "text": "hi",
+                                                    "model_kwargs": {"chat_template_kwargs": kwargs}}))
+    assert error["param"] == f"model_kwargs.{param}"
+    assert fake.requests == []
+
+
+def test_plain_template_variables_still_reach_the_wire(served):
+    client, fake = served
+    assert chat(client, chat_template_kwargs={"enable_thinking": False, "persona": "terse", "n": 2}).status_code == 200
+    sent = json.loads(fake.requests[-1].tensors[wire.CHAT_TEMPLATE_KWARGS][2][0])
+    assert sent == {"enable_thinking": False, "persona": "terse", "n": 2}
+
+
+def test_the_component_applies_the_same_rule_and_turns_template_errors_into_its_refusals():
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import chat_prompt_ids
+
+    tokenizer = build_tokenizer()  # a real PreTrainedTokenizerFast; its template raises as real ones do
+    tokenizer.chat_template = ("{%- if messages[-1]['role'] != 'user' -%}{{ raise_exception('last turn must be the "
+                               "user') }}{%- endif -%}{{ messages[-1]['content'] * (100 // width) }}")
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs\.chat_template: not accepted"):
+        wire.check_chat_template_kwargs({"chat_template": "x"})
+    with pytest.raises(ValueError, match=r"^messages: the checkpoint's chat template refused this request: last"):
+        chat_prompt_ids(tokenizer, [{"role": "assistant", "content": "a"}], {"width": 50})
+    with pytest.raises(ValueError, match=r"^messages: the checkpoint's chat template refused this request"):
+        chat_prompt_ids(tokenizer, MESSAGES, {"width": 0})
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"width": 50})) == "HiHi"
+
+
+# lone UTF-16 surrogates: valid JSON, not text
+
+
+@pytest.mark.parametrize("raw, param", [
+    ('{"model": "qwen3", "messages": [{"role": "user", "content": "\\ud800x"}]}', "messages[0].content"),
+    ('{"model": "qwen3", "messages": [{"role": "user", "content": "a"}], "stop": ["\\udfff"]}', "stop[0]"),
+    ('{"model": "\\ud83d", "messages": []}', "model"),
+    ('{"model": "qwen3", "messages": [], "chat_template_kwargs": {"\\ud800": 1}}', "chat_template_kwargs"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field(served, raw, param):
+    client, fake = served
+    error = error_of(client.post("/v1/chat/completions", content=raw.encode(),
+                                 headers={"content-type": "application/json"}))
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert fake.requests == []
+
+
+def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):
+    client, fake = served
+    raw = '{"model": "qwen3", "messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}'
+    reply = client.post("/v1/chat/completions", content=raw.encode(), headers={"content-type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    assert json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])[0]["content"] == "\U0001F600 \\ud800"
+
+
+# numbers the wire's tensors cannot hold
+
+
+@pytest.mark.parametrize("body, param, shown", [
+    ({"temperature": 1e39}, "temperature", "1e+39 was sent"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 was sent"),
+    ({"min_p": 0.99999999999}, "min_p", "0.99999999999 was sent"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
+    ({"stop": ["x" * 300]}, "stop", "at most 256 characters"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens", "got -3"),
+])
+def test_knobs_are_checked_as_the_server_holds_them(served, body, param, shown):
+    client, fake = served
+    error = error_of(chat(client, **body))
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and shown in error["message"]
+    assert fake.requests == []
+
+
+def test_generate_names_its_knobs_under_model_kwargs(served):
+    client, _ = served
+    error = error_of(client.post("/generate", json={"model": "qwen3", "text": "hi",
+                                                    "model_kwargs": {"temperature": -1}}))
+    assert error["param"] == "model_kwargs.temperature" and error["message"].startswith("model_kwargs.temperature:")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 2**32 + 1}, "n"), ({"num_inference_steps": 2**32 + 1}, "num_inference_steps"),
+    ({"seed": 2**63}, "seed"),
+])
+def test_image_integers_that_would_wrap_are_400(body, param):
+    app, fake = make_app(FakeTriton(script=image_script()), models=[IMAGE_MODEL])
+    client = TestClient(app)
+    error = error_of(client.post("/v1/images/generations", json={"model": "klein", "prompt": "a cat", **body}))
+    assert error["param"] == param and str(list(body.values())[0]) in error["message"]
+    error = error_of(client.post("/generate", json={"model": "klein", "text": "a cat", "model_kwargs": body}))
+    assert error["param"] == f"model_kwargs.{param}"
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("data, param", [
+    ({"max_tokens": str(2**32 + 5)}, "max_tokens"), ({"seed": str(2**63)}, "seed"),
+    ({"temperature": "1e39"}, "temperature"),
+])
+def test_transcription_numbers_that_would_wrap_are_400(data, param):
+    app, fake = make_app(FakeTriton(script=transcript_script()), models=[WHISPER])
+    client = TestClient(app)
+    error = error_of(client.post("/v1/audio/transcriptions", data={"model": "whisper", **data}, files=WAV))
+    assert error["param"] == param
+    value = json.loads(data[param])
+    error = error_of(client.post("/generate", data={"model": "whisper", "model_kwargs": json.dumps({param: value})},
+                                 files={"audio": WAV["file"]}))
+    assert error["param"] == f"model_kwargs.{param}"
+    assert fake.requests == []
+
+
+# stream_options and stream
+
+
+def test_stream_options_need_a_stream_and_continuous_usage_needs_usage(served):
+    client, fake = served
+    error = error_of(chat(client, stream_options={"include_usage": True}))
+    assert error["param"] == "stream_options"
+    error = error_of(chat(client, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert error["param"] == "stream_options.continuous_usage_stats"
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Hi"}),
+])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, route, body):
+    client, _ = served
+    reply = client.post(route, json={"model": "qwen3", "stream": True, **body,
+                                     "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(reply.text)[:-1]
+    *chunks, finish, total = events
+    text_chunks = [c for c in chunks if c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text")]
+    assert text_chunks and all("usage" in c for c in text_chunks)
+    counts = [c["usage"]["completion_tokens"] for c in text_chunks]
+    assert counts == sorted(counts) and counts[-1] <= finish["usage"]["completion_tokens"]
+    assert finish["usage"] == total["usage"] and total["choices"] == []
+
+
+def test_stream_null_means_not_streamed(served):
+    client, _ = served
+    reply = chat(client, stream=None)
+    assert reply.status_code == 200 and reply.json()["object"] == "chat.completion"
+
+
+# bodies that are not a JSON object
+
+
+def test_a_form_or_empty_body_says_what_the_route_takes(served):
+    client, _ = served
+    body = json.dumps({"model": "qwen3", "messages": MESSAGES})
+    error = error_of(client.post("/v1/chat/completions", content=body.encode(),
+                                 headers={"content-type": "application/x-www-form-urlencoded"}))
+    assert "content-type: application/json" in error["message"]
+    error = error_of(client.post("/v1/chat/completions"))
+    assert "content-type: application/json" in error["message"] and "''" not in error["message"]
