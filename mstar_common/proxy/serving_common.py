@@ -8,16 +8,38 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from urllib.parse import parse_qsl
 
 from fastapi import Request
+from starlette.datastructures import FormData
 
-from mstar_common.proxy.errors import APIError, from_exception
+from mstar_common.proxy.errors import APIError, from_exception, invalid_request
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
 if TYPE_CHECKING:
     from mstar_common.proxy.app import ProxySettings, ServedModel
 
 T = TypeVar("T")
+
+
+async def read_utf8_form(request: Request) -> FormData:
+    """The request's form, refused (400 naming the field) where a text field is not UTF-8. Starlette decodes such
+    a multipart field as latin-1 and a urlencoded one with U+FFFD in place of the bad bytes, silently; the raw body
+    (already capped by the proxy's middleware) tells the two apart."""
+    body = await request.body()
+    form = await request.form()  # parsed from the body read above
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "application/x-www-form-urlencoded":
+        try:
+            parse_qsl(body.decode("latin-1"), keep_blank_values=True, encoding="utf-8", errors="strict")
+        except UnicodeDecodeError:
+            bad = next(key for key, value in form.multi_items() if "\ufffd" in key + str(value))
+            raise invalid_request(f"'{bad}' is not UTF-8 text", param=bad) from None
+        return form
+    for key, value in form.multi_items():
+        if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in body:
+            raise invalid_request(f"'{key}' is not UTF-8 text", param=key)
+    return form
 
 
 class TritonClient(Protocol):

@@ -19,7 +19,7 @@ from starlette.datastructures import UploadFile
 from mstar_common import wire
 from mstar_common.proxy import protocol, serving_images, serving_speech, serving_transcriptions
 from mstar_common.proxy.errors import from_pydantic, invalid_request
-from mstar_common.proxy.serving_common import Completion, ServingContext
+from mstar_common.proxy.serving_common import Completion, ServingContext, read_utf8_form
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
@@ -71,7 +71,7 @@ def _form_bool(value: str, field: str) -> bool:
 
 
 async def _form_fields(request: Request) -> dict[str, Any]:
-    form = await request.form()
+    form = await read_utf8_form(request)
     fields: dict[str, Any] = {}
     for key in dict.fromkeys(form.keys()):
         values = form.getlist(key)

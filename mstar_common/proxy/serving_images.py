@@ -28,7 +28,7 @@ from starlette.datastructures import UploadFile
 
 from mstar_common import images, wire
 from mstar_common.proxy.errors import APIError, check_wire_number, from_exception, from_pydantic, invalid_request
-from mstar_common.proxy.serving_common import ServingContext, until_disconnect
+from mstar_common.proxy.serving_common import ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.triton_stream import GenerationRequest
 
 router = APIRouter()
@@ -208,7 +208,7 @@ async def _form(request: Request, file_fields: tuple[str, ...]) -> tuple[dict[st
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in _FORM_TYPES:
         raise invalid_request(f"this route takes multipart/form-data, got {content_type or 'no content type'!r}")
-    form = await request.form()
+    form = await read_utf8_form(request)
     raw: dict[str, Any] = {}
     uploads: list[bytes] = []
     for key in dict.fromkeys(form.keys()):
@@ -246,7 +246,7 @@ async def image_model_for(request: Request, ctx: ServingContext):
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
         if content_type in _FORM_TYPES:
-            name = (await request.form()).get("model")
+            name = (await read_utf8_form(request)).get("model")
         else:
             body = json.loads(await request.body())
             name = body.get("model") if isinstance(body, dict) else None

@@ -25,7 +25,7 @@ from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
 from mstar_common.proxy.errors import check_wire_number, from_exception, invalid_request
-from mstar_common.proxy.serving_common import ServingContext, until_disconnect
+from mstar_common.proxy.serving_common import ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
@@ -94,7 +94,7 @@ async def read_form(request: Request, task: str) -> TranscriptionForm:
     if content_type not in _FORM_TYPES:
         raise invalid_request(f"this route takes multipart/form-data with the audio in 'file', got "
                               f"{content_type or 'no content type'!r}")
-    form = await request.form()
+    form = await read_utf8_form(request)
     values: dict[str, list[Any]] = {key: form.getlist(key) for key in dict.fromkeys(form.keys())}
     for key in values:
         if key in _REFUSED:
@@ -333,7 +333,7 @@ async def transcription_model_for(request: Request, ctx: ServingContext):
         return None
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in _FORM_TYPES:
-        name = (await request.form()).get("model")
+        name = (await read_utf8_form(request)).get("model")
     else:
         try:
             body = json.loads(await request.body())
@@ -354,7 +354,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
     if content_type != "multipart/form-data":
         raise invalid_request(f"model '{served.name}' transcribes audio: send multipart/form-data with the audio "
                               "in 'audio'", param="audio")
-    form = await request.form()
+    form = await read_utf8_form(request)
     values = {key: form.getlist(key) for key in dict.fromkeys(form.keys())}
     uploads = [v for key in ("audio", "files") for v in values.pop(key, [])]
     if len(uploads) != 1:

@@ -206,3 +206,33 @@ def test_a_form_or_empty_body_says_what_the_route_takes(served):
     assert "content-type: application/json" in error["message"]
     error = error_of(client.post("/v1/chat/completions"))
     assert "content-type: application/json" in error["message"] and "''" not in error["message"]
+
+
+# form fields that are not UTF-8 (Starlette would decode them as latin-1 or with U+FFFD, silently)
+
+
+def test_a_form_field_that_is_not_utf8_is_400_and_utf8_text_passes(served):
+    client, fake = served
+    boundary = "b0undary"
+
+    def multipart(text: bytes) -> bytes:
+        return (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nqwen3\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode() + text + (
+                f"\r\n--{boundary}--\r\n").encode()
+
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    error = error_of(client.post("/generate", content=multipart(b"caf\xe9 \xff"), headers=headers))
+    assert error["param"] == "text" and "UTF-8" in error["message"]
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    error = error_of(client.post("/generate", content=b"model=qwen3&text=caf%E9", headers=form))
+    assert error["param"] == "text"
+    assert fake.requests == []
+    for reply in (client.post("/generate", content=multipart("café ✓".encode()), headers=headers),
+                  client.post("/generate", content=b"model=qwen3&text=caf%C3%A9+%E2%9C%93", headers=form)):
+        assert reply.status_code == 200, reply.text
+        assert json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])[0]["content"] == "café ✓"
+    app, fake = make_app(FakeTriton(script=transcript_script()), models=[WHISPER])
+    whisper = TestClient(app)
+    error = error_of(whisper.post("/v1/audio/transcriptions", data={"model": "whisper", "prompt": b"\xff\xfe"},
+                                  files=WAV))
+    assert error["param"] == "prompt" and fake.requests == []
