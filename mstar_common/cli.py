@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import signal
 import sys
 import tempfile
@@ -68,8 +70,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise DeploymentError(str(exc)) from None
     print(f"[mstar] deployment {dep.name} ({path}) is valid", flush=True)
-    checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+    family = get_family(dep.family)
+    checkpoint = resolve_checkpoint(dep.checkpoint, family.builtin_checkpoints)
     print(f"[mstar] checkpoint: {checkpoint}", flush=True)
+    family.check_checkpoint(dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
+    check_gpus_visible(dep, path.name)
     run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{dep.name}-"))
     repo = run_dir / "model_repository"
     generate_repository(path, repo)
@@ -80,6 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics=args.metrics_port or s.metrics_port,
         proxy=args.port or s.proxy_port,
     )
+    if len({ports.http, ports.grpc, ports.metrics, ports.proxy}) < 4:
+        raise DeploymentError(f"the ports must differ: Triton HTTP {ports.http}, gRPC {ports.grpc}, metrics "
+                              f"{ports.metrics}, proxy {ports.proxy} (server.*_port and the --*port options)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -87,7 +95,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     triton = TritonSupervisor(repo, dep, ports, run_dir / "tritonserver.log", ready_timeout_s=args.timeout)
     try:
         print(f"[mstar] tritonserver starting (log: {run_dir / 'tritonserver.log'})", flush=True)
-        triton.start()
+        try:
+            triton.start()
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"mstar: error: {exc}", file=sys.stderr)
+            for line in load_errors(run_dir / "tritonserver.log"):
+                print(f"  {line}", file=sys.stderr)
+            print(f"  (the whole log: {run_dir / 'tritonserver.log'})", file=sys.stderr)
+            return 1
         if s.restart_on_fault:
             triton.watch()  # relaunches tritonserver when it or a stub dies (docs/reliability.md)
         if not args.no_proxy:
@@ -111,6 +126,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
             proxy.send_signal(signal.SIGTERM)
         triton.stop()
         stop_process(proxy, grace=s.drain_timeout_s + 5)
+
+
+def check_gpus_visible(dep, source: str) -> None:
+    """Every GPU a placement names must be visible here (torch's count, which honours CUDA_VISIBLE_DEVICES):
+    refused before tritonserver starts, naming the placement."""
+    wanted = {name: comp.placement.gpus for name, comp in dep.components.items() if comp.placement.device == "gpu"}
+    if not wanted:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    for name, gpus in wanted.items():
+        if missing := [g for g in gpus if g >= count]:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            shown = f"{count} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            raise DeploymentError(f"{source}: components.{name}.placement.gpus: {missing} not visible on this "
+                                  f"machine, which shows {shown}")
+
+
+def load_errors(log: Path, most: int = 8) -> list[str]:
+    """The error lines of a tritonserver log (a model that failed to load says why there), the last `most`."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    errors = [line.strip() for line in lines if (re.match(r"E\d{4} ", line) or "failed to load" in line)
+              and "CudaDriverHelper has not been initialized" not in line]  # said by every CPU-only server
+    return errors[-most:]
 
 
 def _print_urls(dep, ports, args, run_dir: Path) -> None:

@@ -144,8 +144,25 @@ def load_deployment(path: str | Path) -> Deployment:
     if not path.is_file():
         raise DeploymentError(f"deployment file not found: {path}")
     with path.open() as f:
-        raw = yaml.safe_load(f)
+        try:
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        except yaml.YAMLError as exc:
+            raise DeploymentError(f"{path.name}: not valid YAML: {exc}") from None
     return deployment_from_dict(raw, source=path.name)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"the key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def deployment_from_dict(raw: Any, source: str = "<deployment>") -> Deployment:
@@ -188,6 +205,11 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             buckets = getattr(comp, key)
             if buckets is not None and (not buckets or min(buckets) < 1):
                 raise DeploymentError(f"{source}: components.{name}.{key}: must be a non-empty list of integers >= 1")
+        too_many = [b for b in comp.decode_buckets or () if b > dep.max_concurrent_requests]
+        if too_many:
+            raise DeploymentError(f"{source}: components.{name}.decode_buckets: {too_many} exceed "
+                                  f"max_concurrent_requests ({dep.max_concurrent_requests}); no decode step has more "
+                                  f"rows than that, so such a graph would never be captured or replayed")
         too_large = [b for b in comp.prefill_token_buckets or () if b > dep.resources.max_batch_tokens]
         if too_large:
             raise DeploymentError(f"{source}: components.{name}.prefill_token_buckets: {too_large} exceed "
@@ -205,7 +227,13 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
 
 
 def check_kv_pool_holds_cap(dep: Deployment, source: str) -> None:
-    """A paged pool must hold `max_concurrent_requests` requests of full length (no preemption)."""
+    """A paged pool must hold `max_concurrent_requests` requests of full length (no preemption), and one step's
+    token budget must give every running request its decode token."""
+    if dep.resources.max_batch_tokens < dep.max_concurrent_requests:
+        raise DeploymentError(
+            f"{source}: resources.max_batch_tokens: {dep.resources.max_batch_tokens} tokens a step cannot decode "
+            f"max_concurrent_requests={dep.max_concurrent_requests} requests at once (one token each): need >= "
+            f"{dep.max_concurrent_requests}")
     kv = dep.resources.kv_cache
     per_request = math.ceil(dep.resources.max_model_len / kv.page_size)
     needed = per_request * dep.max_concurrent_requests
@@ -241,6 +269,14 @@ def _check_service_limits(dep: Deployment, source: str) -> None:
     if srv.shm_default_byte_size < 1024 * 1024:
         raise DeploymentError(f"{source}: server.shm_default_byte_size: must be >= 1 MiB (1048576), got "
                               f"{srv.shm_default_byte_size}")
+    ports = {key: getattr(srv, key) for key in ("proxy_port", "http_port", "grpc_port", "metrics_port")}
+    for key, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise DeploymentError(f"{source}: server.{key}: must be a TCP port in [1, 65535], got {port}")
+    for key, port in ports.items():
+        if other := next((k for k, p in ports.items() if p == port and k != key), None):
+            raise DeploymentError(f"{source}: server.{other}: {port} is also server.{key}; each server needs a port "
+                                  f"of its own")
     if not 1 <= srv.proxy_workers <= 64:
         raise DeploymentError(f"{source}: server.proxy_workers: must be in [1, 64], got {srv.proxy_workers}")
     if srv.max_restarts < 0:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError
 from mstar_common.families.base import Family
+from mstar_common.images import check_geometry, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,26 @@ class ImageFamily(Family):
     def options_from_kwargs(self, kwargs: dict[str, Any], source: str) -> Any:
         """The family's typed `model_kwargs` (a DeploymentError names the key)."""
         return family_module(self.name, "options").options_from_kwargs(kwargs, source)
+
+    @abstractmethod
+    def grid_multiple(self, checkpoint: Path) -> int:
+        """Pixels per latent token side (the VAE's downscale times the DiT's patch): image sides are multiples."""
+
+    def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        """default_size, and the captured sizes where the denoise step is captured, on this checkpoint's grid and
+        within max_image_area (a request without a size takes the default: off the grid, every one is a 400)."""
+        options = self.options_from_kwargs(dep.model_kwargs, source)
+        multiple = self.grid_multiple(checkpoint)
+        sizes = {"default_size": [options.default_size]}
+        if dep.components["denoise"].cuda_graphs:
+            sizes["capture_sizes"] = options.capture_sizes
+            sizes["capture_edit_sizes"] = getattr(options, "capture_edit_sizes", None) or []
+        for key, values in sizes.items():
+            for size in values:
+                try:
+                    check_geometry(*parse_size(size), multiple, options.max_image_area, field=f"model_kwargs.{key}")
+                except ValueError as exc:
+                    raise DeploymentError(f"{source}: {exc}") from None
 
     def check_pipeline(self, checkpoint: Path) -> None:
         """Refuse a checkpoint this family does not serve (model_index.json)."""
@@ -61,6 +82,7 @@ class ImageFamily(Family):
         if component not in builders:
             raise KeyError(f"{self.name} has no component {component!r}; it has {sorted(builders)}")
         self.check_pipeline(checkpoint)
+        self.check_checkpoint(dep, checkpoint, dep.name)
         runtime = builders[component](dep, options, checkpoint, device)
         logger.info("[%s/%s] loaded %s on %s (%s)", self.name, component, checkpoint.name, device,
                     options.dtype_for(device))

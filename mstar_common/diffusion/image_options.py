@@ -60,6 +60,11 @@ def check_relations(options: Any, where: str) -> None:
     if options.max_images_per_request > options.vae_max_batch:
         raise DeploymentError(f"{where}.max_images_per_request: {options.max_images_per_request} exceeds "
                               f"vae_max_batch={options.vae_max_batch} (a request's images decode together)")
+    width, height = parse_size(options.default_size)
+    if width * height > options.max_image_area:
+        raise DeploymentError(f"{where}.default_size: {options.default_size} = {width * height} pixels exceeds "
+                              f"max_image_area={options.max_image_area} (every request without a size would be "
+                              f"refused)")
     if any(b > options.max_batch_size for b in options.capture_batch_sizes):
         raise DeploymentError(f"{where}.capture_batch_sizes: {options.capture_batch_sizes} has sizes above "
                               f"max_batch_size={options.max_batch_size}; such graphs would never replay")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mstar_common.config import Deployment
+from mstar_common.config import Deployment, DeploymentError
 from mstar_common.graph import FamilyGraph
 
 
@@ -19,6 +20,11 @@ class Family(ABC):
     @abstractmethod
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         """Family checks beyond the generic schema (raise config.DeploymentError naming the key)."""
+
+    def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        """Checks of the deployment against its checkpoint (raise config.DeploymentError naming the key): `mstar
+        serve` runs them before it starts anything, and the components as they load. None by default."""
+        return None
 
     def wire_dtype(self, dep: Deployment) -> str:
         """The Triton dtype (FP32, BF16 or FP16) of the tensors declared with MODEL_DTYPE: activations that cross
@@ -35,3 +41,18 @@ class Family(ABC):
         mstar_common/engine/engine_process.py), or None when it can: its requests must be token ids and sampling
         parameters alone, and nothing but the engine may need the weights it loads."""
         return f"the {self.name} family's requests carry state beside their token ids"
+
+
+def check_max_model_len(dep: Deployment, limit: int, name: str, source: str) -> None:
+    """resources.max_model_len within the checkpoint's position limit (`name` in its config.json)."""
+    if dep.resources.max_model_len > limit:
+        raise DeploymentError(f"{source}: resources.max_model_len: {dep.resources.max_model_len} exceeds the "
+                              f"checkpoint's {name}={limit}")
+
+
+def read_checkpoint_config(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DeploymentError(f"checkpoint {checkpoint}: cannot read config.json: {exc}") from None

@@ -59,3 +59,50 @@ def test_serve_refuses_a_misspelt_switch_before_starting():
     assert "mstar: error: environment switches refused" in out.stderr
     assert "MSTAR_PDL='yes': expected 0 or 1" in out.stderr and "MSTAR_PREFILL_ATTENTION='fast'" in out.stderr
     assert "tritonserver starting" not in out.stdout
+
+
+def _deployment(tmp_path, **replace: str):
+    from mstar_common.cli import DEFAULT_DEPLOYMENT
+
+    text = DEFAULT_DEPLOYMENT.read_text()
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "dep.yaml"
+    path.write_text(text)
+    return path
+
+
+def _serve(path, tmp_path, timeout: float = 180) -> subprocess.CompletedProcess:
+    ports = [f"--{name}={free_port()}" for name in ("port", "http-port", "grpc-port", "metrics-port")]
+    env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-m", "mstar_common.cli", "serve", str(path), "--timeout", "120", *ports],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_serve_refuses_gpus_it_cannot_see_and_a_checkpoint_too_short_before_starting(tmp_path):
+    out = _serve(_deployment(tmp_path, **{"{device: cpu, instances: 1}": "{device: gpu, gpus: [64]}"}), tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "components.llm.placement.gpus: [64] not visible on this machine" in out.stderr
+    assert "tritonserver starting" not in out.stdout
+    out = _serve(_deployment(tmp_path, **{"max_model_len: 512": "max_model_len: 100000",
+                                          "num_pages: 512": "num_pages: 100000"}), tmp_path)
+    assert out.returncode == 2 and "resources.max_model_len: 100000 exceeds the checkpoint's" in out.stderr
+    assert "tritonserver starting" not in out.stdout
+
+
+def test_serve_says_why_a_model_failed_to_load(tmp_path):
+    """Weights that cannot be read fail the load inside tritonserver: serve prints the model's own error lines
+    from the server log (not a traceback of its own) and exits 1."""
+    import shutil
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+
+    tiny = resolve_checkpoint("builtin:qwen3-tiny", get_family("qwen3").builtin_checkpoints)
+    broken = shutil.copytree(tiny, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = _serve(_deployment(tmp_path, **{"builtin:qwen3-tiny": str(broken)}), tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "mstar: error: tritonserver exited" in out.stderr and "failed to load 'qwen3_llm'" in out.stderr
+    assert "safetensors" in out.stderr.lower() and "Traceback" not in out.stderr.split("mstar: error:")[1]

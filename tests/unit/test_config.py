@@ -130,3 +130,84 @@ def test_admission_limits_and_server_keys_load_and_resolve():
 ])
 def test_admission_limits_and_server_refusals_name_the_key(changes, fragments):
     _refused(_with(**changes), *fragments)
+
+
+# rules found by a black-box sweep of `mstar check` / `mstar serve` (2026-12-05): each was accepted, then failed
+# inside tritonserver (or silently dropped a setting)
+
+
+@pytest.mark.parametrize("changes, fragments", [
+    ({"resources__max_batch_tokens": 8}, ["resources.max_batch_tokens: 8 tokens a step", "need >= 16"]),
+    ({"server__grpc_port": -1}, ["server.grpc_port: must be a TCP port in [1, 65535], got -1"]),
+    ({"server__metrics_port": 70000}, ["server.metrics_port", "got 70000"]),
+    ({"server__http_port": 8001}, ["server.grpc_port: 8001 is also server.http_port"]),
+    ({"components__llm__decode_buckets": [1, 2, 1000]}, ["components.llm.decode_buckets: [1000] exceed "
+                                                         "max_concurrent_requests (16)"]),
+])
+def test_step_budget_ports_and_decode_buckets_are_checked(changes, fragments):
+    _refused(_with(**changes), *fragments)
+
+
+def test_a_key_given_twice_and_malformed_yaml_are_refused_naming_the_place(tmp_path):
+    from mstar_common.config import load_deployment
+
+    text = DEFAULT_DEPLOYMENT.read_text()
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(text + "\nmax_concurrent_requests: 4\n")
+    with pytest.raises(DeploymentError, match=r"(?s)twice.yaml: not valid YAML: .*'max_concurrent_requests' is given "
+                                              r"twice.*line 19"):
+        load_deployment(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(text.replace("components:\n", "components:\n  llm: {placement: {device: cpu}}\n", 1))
+    with pytest.raises(DeploymentError, match=r"'llm' is given twice"):
+        load_deployment(nested)
+    for body in ("name: [unclosed\n", "name: x\n\tfamily: qwen3\n", "name: !!python/object/apply:os.system [ls]\n"):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(body)
+        with pytest.raises(DeploymentError, match=r"^bad.yaml: not valid YAML"):
+            load_deployment(bad)
+
+
+def test_image_default_size_within_the_area_and_on_the_checkpoints_grid(tmp_path):
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
+    raw["model_kwargs"]["default_size"] = "4096x4096"
+    _refused(copy.deepcopy(raw), "model_kwargs.default_size: 4096x4096 = 16777216 pixels exceeds max_image_area")
+    family = get_family(raw["family"])
+    checkpoint = resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints)
+    raw["model_kwargs"]["default_size"] = "63x65"
+    with pytest.raises(DeploymentError, match=r"model_kwargs.default_size: 63x65 is not on the latent grid"):
+        family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+    raw["model_kwargs"]["default_size"] = "64x64"
+    family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+
+
+def test_max_model_len_is_checked_against_the_checkpoint_before_serving():
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+
+    family = get_family("qwen3")
+    checkpoint = resolve_checkpoint(BASE["checkpoint"], family.builtin_checkpoints)
+    raw = _with(resources__max_model_len=100_000, resources__kv_cache__num_pages=100_000)
+    with pytest.raises(DeploymentError, match=r"resources.max_model_len: 100000 exceeds the checkpoint's "
+                                              r"max_position_embeddings=\d+"):
+        family.check_checkpoint(deployment_from_dict(raw), checkpoint, "test.yaml")
+    family.check_checkpoint(deployment_from_dict(copy.deepcopy(BASE)), checkpoint, "test.yaml")
+
+
+def test_gpus_a_placement_names_must_be_visible(monkeypatch):
+    import torch
+
+    from mstar_common.cli import check_gpus_visible
+
+    dep = deployment_from_dict(copy.deepcopy(BASE))
+    check_gpus_visible(dep, "test.yaml")  # cpu placements: nothing to see
+    dep.components["llm"].placement.device, dep.components["llm"].placement.gpus = "gpu", [0, 2]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(DeploymentError, match=r"components.llm.placement.gpus: \[2\] not visible .* 2 GPU\(s\)"):
+        check_gpus_visible(dep, "test.yaml")
+    dep.components["llm"].placement.gpus = [1]
+    check_gpus_visible(dep, "test.yaml")

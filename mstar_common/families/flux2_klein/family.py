@@ -19,17 +19,26 @@ class Flux2KleinFamily(ImageFamily):
     graph = GRAPH
     builtin_checkpoints: ClassVar[dict[str, Any]] = {"flux2-klein-tiny": tiny_builder("flux2_klein")}
 
+    def grid_multiple(self, checkpoint: Path) -> int:
+        return _multiple(checkpoint)
+
     def builders(self) -> dict[str, Builder]:
         return {"walk": _walk, "text_encoder": _text_encoder, "vae_encode": _vae_encode, "denoise": _denoise,
                 "vae_decode": _vae_decode}
 
 
-def _walk(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):
-    from ensembles.flux2_klein import Flux2KleinWalk
+def _multiple(checkpoint: Path) -> int:
+    """Pixels per DiT token side: the VAE's downscale times the DiT's 2x2 patches."""
     from mstar_common.families.flux2_klein.loader import vae_config
 
+    return 2 * vae_config(checkpoint).scale_factor
+
+
+def _walk(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):
+    from ensembles.flux2_klein import Flux2KleinWalk
+
     tokenizer = image_family.load_walk_tokenizer(checkpoint)
-    return Flux2KleinWalk(tokenizer, options, multiple=2 * vae_config(checkpoint).scale_factor)
+    return Flux2KleinWalk(tokenizer, options, multiple=_multiple(checkpoint))
 
 
 def _text_encoder(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):
@@ -71,9 +80,9 @@ def _vae_decode(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, d
 
 def _denoise(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):
     from mstar_common.families.flux2_klein.components import DenoiseComponent, DenoiseLimits
-    from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config, vae_config
+    from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config
 
-    limits = DenoiseLimits.from_options(options, multiple=2 * vae_config(checkpoint).scale_factor)
+    limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
     model = load_transformer(checkpoint, options.dtype_for(device), device)
     if options.dit_fp8:  # the blocks' linears; the embedders, modulations and output projection stay
         image_family.quantize_dit_fp8([*model.transformer_blocks, *model.single_transformer_blocks], device)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family
+from mstar_common.families.base import Family, check_max_model_len, read_checkpoint_config
 from mstar_common.families.qwen3.graph import GRAPH
 from mstar_common.families.text import TextLMRuntime
 
@@ -42,6 +42,11 @@ class Qwen3Family(Family):
             raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1")
         check_kv_pool_holds_cap(dep, source)
 
+    def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        config = read_checkpoint_config(checkpoint)
+        if "max_position_embeddings" in config:
+            check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
+
     def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
         return None  # token ids and sampling parameters in, tokens out (the llama family too)
 
@@ -63,12 +68,7 @@ class Qwen3Family(Family):
         model, hf_config = self.load_model(checkpoint, dtype, device)
         graphs = configure_fast_path(model, dep.components[component], device, dep.max_concurrent_requests,
                                      dep.resources.max_batch_tokens)
-        max_positions = int(hf_config.get("max_position_embeddings", dep.resources.max_model_len))
-        if dep.resources.max_model_len > max_positions:
-            raise DeploymentError(
-                f"resources.max_model_len: {dep.resources.max_model_len} exceeds the checkpoint's "
-                f"max_position_embeddings={max_positions}"
-            )
+        self.check_checkpoint(dep, checkpoint, dep.name)
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
         kv = dep.resources.kv_cache
         config = EngineConfig(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family
+from mstar_common.families.base import Family, check_max_model_len
 from mstar_common.families.whisper.graph import GRAPH
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,11 @@ class WhisperFamily(Family):
                                   "(leave it unset or false)")
         check_kv_pool_holds_cap(dep, source)
 
+    def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        from mstar_common.families.whisper.loader import read_config
+
+        check_max_model_len(dep, read_config(checkpoint)[0].max_target_positions, "max_target_positions", source)
+
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         builders = {"walk": _walk, "encoder": _encoder, "decoder": _decoder}
         if component not in builders:
@@ -155,9 +160,7 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
     from mstar_common.layers.linear import use_gemv_from_env
 
     config, _ = read_config(checkpoint)
-    if dep.resources.max_model_len > config.max_target_positions:
-        raise DeploymentError(f"resources.max_model_len: {dep.resources.max_model_len} exceeds the checkpoint's "
-                              f"max_target_positions={config.max_target_positions}")
+    check_max_model_len(dep, config.max_target_positions, "max_target_positions", dep.name)
     dtype = options.dtype_for(device)
     component = dep.components["decoder"]
     fused = bool(component.fused_ops and device.startswith("cuda") and _has_triton())

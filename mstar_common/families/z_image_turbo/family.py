@@ -19,6 +19,9 @@ class ZImageTurboFamily(ImageFamily):
     graph = GRAPH
     builtin_checkpoints: ClassVar[dict[str, Any]] = {"z-image-turbo-tiny": tiny_builder("z_image_turbo")}
 
+    def grid_multiple(self, checkpoint: Path) -> int:
+        return _multiple(checkpoint)
+
     def builders(self) -> dict[str, Builder]:
         return {"walk": _walk, "text_encoder": _text_encoder, "denoise": _denoise, "vae_decode": _vae_decode}
 
