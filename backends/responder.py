@@ -15,6 +15,7 @@ refusals and cancellations (docs/reliability.md) fits that race; its stacks were
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -127,10 +128,25 @@ def tensor_value(tensor: pb_utils.Tensor) -> np.ndarray | torch.Tensor:
 
 
 def request_inputs(request, names) -> dict[str, np.ndarray | torch.Tensor]:
-    """The request's tensors among `names` (`tensor_value`); absent optional inputs are left out."""
+    """The request's tensors among `names` (`tensor_value`); absent optional inputs are left out. A request
+    parameter is refused (ValueError naming it): every knob is an input tensor, so a parameter (or a field of
+    Triton's HTTP generate body that names no input) would otherwise be dropped without a word."""
+    check_no_parameters(request)
     inputs = {}
     for name in names:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             inputs[name] = tensor_value(tensor)
     return inputs
+
+
+def check_no_parameters(request) -> None:
+    """ValueError naming the first request parameter that is not Triton's own (`triton_...`)."""
+    try:
+        text = request.parameters()
+    except Exception:  # noqa: BLE001 - a stub without parameters(): nothing to check
+        return
+    params = json.loads(text) if text else {}
+    if unknown := sorted(key for key in params if not key.startswith("triton_")):
+        raise ValueError(f"parameters.{unknown[0]}: unknown request parameter; the knobs are input tensors "
+                         f"(docs/api.md lists them)")

@@ -49,13 +49,14 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_float("temperature", self.temperature, 0.0, None)
         _check_int("top_k", self.top_k, 0, INT32_MAX)
-        _check_float("top_p", self.top_p, 0.0, 1.0)
-        if self.top_p <= 0.0:
+        # one message per rule, whichever side the value misses it on
+        _check_float("top_p", self.top_p, None, None)
+        if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        if self.min_p >= 1.0:
+        _check_float("min_p", self.min_p, None, None)
+        if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p: must be in [0, 1), got {self.min_p}")
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None)
+        _check_float("repetition_penalty", self.repetition_penalty, None, None)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:

@@ -77,7 +77,7 @@ class TextLMRuntime:
                 f"max_model_len={self.max_model_len} (at most {room})"
             )
         params.validate(self.vocab_size)
-        stops = [_decode(s) for s in inputs[wire.STOP].reshape(-1)] if wire.STOP in inputs else []
+        stops = [_decode(s, wire.STOP) for s in inputs[wire.STOP].reshape(-1)] if wire.STOP in inputs else []
         validate_stops(stops)
         return TextRequest(prompt_ids, params, stops)
 
@@ -86,6 +86,9 @@ class TextLMRuntime:
         if len(given) != 1:
             raise ValueError(f"prompt: give exactly one of text_input, messages, input_ids (got {given or 'none'})")
         self._check_prompt_size(inputs)
+        if wire.CHAT_TEMPLATE_KWARGS in inputs and wire.MESSAGES not in inputs:
+            raise ValueError(f"{wire.CHAT_TEMPLATE_KWARGS}: applies only to a messages prompt (the chat template is "
+                             f"not used for {given[0]})")
         if wire.INPUT_IDS in inputs:
             ids = [int(i) for i in inputs[wire.INPUT_IDS].reshape(-1)]
             if bad := [i for i in ids if not 0 <= i < self.vocab_size]:
@@ -162,12 +165,12 @@ def sampling_params_from_inputs(inputs: dict[str, np.ndarray], default_max_token
     return SamplingParams(**values)
 
 
-def _decode(value: Any) -> str:
+def _decode(value: Any, name: str) -> str:
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError("text inputs must be UTF-8") from None
+            raise ValueError(f"{name}: must be UTF-8 text") from None
     return str(value)
 
 
@@ -175,7 +178,7 @@ def _scalar_text(inputs: dict[str, np.ndarray], name: str) -> str:
     arr = inputs[name].reshape(-1)
     if arr.size != 1:
         raise ValueError(f"{name}: expected one string, got {arr.size}")
-    return _decode(arr[0])
+    return _decode(arr[0], name)
 
 
 def _json(inputs: dict[str, np.ndarray], name: str) -> Any:

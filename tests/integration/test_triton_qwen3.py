@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -117,5 +118,36 @@ def test_invalid_request_is_refused_and_server_keeps_serving(served, reference):
     assert got.error is not None and "invalid_request" in got.error and "temperature" in got.error
     got = run_stream(served.grpc_url, served.entry, {"bad2": {"input_ids": [1], "max_tokens": 10_000}})["bad2"]
     assert "max_tokens" in got.error and "max_model_len" in got.error
+    ids, want = expected[PROMPTS[0]]
+    assert run_stream(served.grpc_url, served.entry, {"ok": _request(ids)})["ok"].token_ids == want
+
+
+def test_request_parameters_are_refused_not_dropped(served, reference):
+    """Every knob is an input tensor: a gRPC request parameter, or a field of Triton's HTTP generate body that
+    names no input (a misspelt knob), is refused naming it instead of being ignored."""
+    import json
+
+    import tritonclient.grpc as grpcclient
+
+    from tests.integration.triton_stream import make_inputs
+
+    results = []
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    client.start_stream(callback=lambda result, error: results.append(error))
+    client.async_stream_infer(served.entry, make_inputs(text_input="hi", max_tokens=2),
+                              parameters={"temperature": -5}, enable_empty_final_response=True)
+    deadline = time.monotonic() + 30
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.stop_stream()
+    client.close()
+    assert results and results[0] is not None and "parameters.temperature: unknown request parameter" in str(results[0])
+    url = f"http://127.0.0.1:{served.ports.http}/v2/models/{served.entry}/generate_stream"
+    body = json.dumps({"text_input": "hi", "max_tokens": 2, "tempreature": 0.5}).encode()
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30).read()
+    assert "parameters.tempreature: unknown request parameter" in info.value.read().decode()
+    _, expected = reference
     ids, want = expected[PROMPTS[0]]
     assert run_stream(served.grpc_url, served.entry, {"ok": _request(ids)})["ok"].token_ids == want

@@ -236,3 +236,49 @@ def test_a_form_field_that_is_not_utf8_is_400_and_utf8_text_passes(served):
     error = error_of(whisper.post("/v1/audio/transcriptions", data={"model": "whisper", "prompt": b"\xff\xfe"},
                                   files=WAV))
     assert error["param"] == "prompt" and fake.requests == []
+
+
+# the text component's own refusals, for Triton clients (the second sweep, through tritonclient)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import TextLMRuntime
+
+    tokenizer = build_tokenizer()
+    return TextLMRuntime(engine=None, tokenizer=tokenizer, vocab_size=len(tokenizer), max_model_len=64,
+                         default_max_tokens=8)
+
+
+def _inputs(**values) -> dict:
+    import numpy as np
+
+    out = {}
+    for name, value in values.items():
+        if name in wire.SAMPLING_INPUTS:
+            out[name] = np.array([value], dtype=wire.SAMPLING_INPUTS[name][1])
+        elif name == wire.INPUT_IDS:
+            out[name] = np.array(value, dtype=np.int32)
+        else:
+            out[name] = np.array(value if isinstance(value, list) else [value], dtype=np.object_)
+    return out
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"top_p": -0.5}, "top_p: must be in (0, 1], got -0.5"),
+    ({"top_p": 0.0}, "top_p: must be in (0, 1], got 0.0"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty: must be > 0, got -1.0"),
+    ({"min_p": -0.25}, "min_p: must be in [0, 1), got -0.25"),
+    ({"stop": [b"\xff\xfe"]}, "stop: must be UTF-8 text"),
+    ({"text_input": b"\xff"}, "text_input: must be UTF-8 text"),
+    ({"chat_template_kwargs": b"{not json"}, "chat_template_kwargs: applies only to a messages prompt"),
+    ({"input_ids": [1, 2], "text_input": None, "chat_template_kwargs": b"{}"},
+     "chat_template_kwargs: applies only to a messages prompt"),
+])
+def test_the_text_components_refusals_state_one_rule_and_name_the_input(runtime, values, message):
+    values = {"text_input": b"hi", **values}
+    values = {k: v for k, v in values.items() if v is not None}
+    with pytest.raises(ValueError) as info:
+        runtime.parse_request(_inputs(**values))
+    assert str(info.value).startswith(message), str(info.value)
