@@ -9,6 +9,7 @@ instance). docs/metrics.md lists the series and what they mean.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -94,7 +95,11 @@ class ComponentMetrics:
         self._families.clear()
 
     def _run(self) -> None:
+        server = os.getppid()
         while not self._stop.wait(PERIOD_S):
+            if os.getppid() != server:  # the server is gone: a metric call would wait for it forever, GIL held
+                logger.error("metrics: the server process %d is gone; sampling stops", server)
+                return
             try:
                 self.sample()
             except Exception:  # metrics must never take the component down

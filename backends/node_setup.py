@@ -22,6 +22,7 @@ from mstar_common.families.registry import get_family
 from mstar_common.gil import apply_switch_interval
 from mstar_common.graph import Component
 from mstar_common.native_backtrace import load_from_env as load_native_backtrace
+from mstar_common.orphan_watch import kill_when_orphaned
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
     load_native_backtrace()  # MSTAR_NATIVE_BACKTRACE: native frames too; loaded first, faulthandler chains to it
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # a fatal signal leaves every stack in the log
     model_name = args["model_name"]
+    kill_when_orphaned()  # a stub outlives a dead server by a few seconds at most, wedged or not
     try:
         interval = apply_switch_interval()
     except ValueError as exc:
