@@ -168,8 +168,22 @@ def check_chat_template_kwargs(kwargs: object, field: str = CHAT_TEMPLATE_KWARGS
                              f"'{key}' is an argument of that call, not a template variable")
         if value is not None and not isinstance(value, (bool, int, float, str)):
             raise ValueError(f"{where}: must be a string, number, boolean or null, got {type(value).__name__}")
+        if isinstance(value, str) and not is_unicode_text(value):
+            raise ValueError(f"{where}: {NOT_UNICODE_RULE}")
         if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
             raise ValueError(f"{where}: at most {MAX_TEMPLATE_KWARG_CHARS} characters, got {len(value)}")
         if key == "enable_thinking" and not isinstance(value, bool):
             raise ValueError(f"{where}: must be a boolean, got {value!r}")
     return kwargs
+
+
+NOT_UNICODE_RULE = "not Unicode text: it holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair)"
+
+
+def is_unicode_text(value: str) -> bool:
+    """Whether `value` can be encoded (JSON's \\ud800 escape decodes to a lone surrogate, which cannot)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -136,6 +136,9 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
             raise ValueError(f"messages[{i}].role: must be system, user, assistant or developer, got {msg['role']!r}")
         if not isinstance(msg.get("content"), str):
             raise ValueError(f"messages[{i}].content: must be a string for a text-only model")
+        for key in ("content", "name"):
+            if isinstance(msg.get(key), str) and not wire.is_unicode_text(msg[key]):
+                raise ValueError(f"messages[{i}].{key}: {wire.NOT_UNICODE_RULE}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
     try:

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mstar_common import wire
 from mstar_common.proxy import (
     protocol,
     serving_chat,
@@ -164,24 +165,16 @@ def check_json_text(body: bytes) -> None:
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
-            if not _is_text(value):
+            if not wire.is_unicode_text(value):
                 raise NotUnicodeText(path)
         elif isinstance(value, dict):
             for key, item in value.items():
                 where = f"{path}.{key}" if path else key
-                if not _is_text(key):
-                    raise NotUnicodeText(path or "body", key=True)
+                if not wire.is_unicode_text(key):
+                    raise NotUnicodeText(path, key=True)
                 stack.append((where, item))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _content_length(headers: dict[str, str]) -> int:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mstar_common import wire
 from mstar_common.proxy.triton_stream import (
     TritonInvalidRequest,
     TritonOverloaded,
@@ -79,9 +80,10 @@ def server_error(
     return APIError(status, f"{public} (error id {error_id})", code=error_id)
 
 
-def check_wire_number(value: int | float, np_dtype: str, param: str) -> None:
+def check_wire_number(value: int | float, np_dtype: str, param: str, minimum: int | None = None) -> None:
     """A 400 naming `param` if `value` does not survive the tensor it travels in (int32 / int64 wrap around;
-    float32 overflows to inf), so that the model never checks a value the client did not send."""
+    float32 overflows to inf), so that the model never checks a value the client did not send. `minimum`: the
+    field's own lower bound, shown in the rule (the model's upper bound may be lower than the tensor's)."""
     if np.dtype(np_dtype).kind == "f":
         with np.errstate(over="ignore"):
             held = np.float32(value)
@@ -90,9 +92,9 @@ def check_wire_number(value: int | float, np_dtype: str, param: str) -> None:
                                   param=param)
         return
     info = np.iinfo(np_dtype)
-    if isinstance(value, bool) or not info.min <= value <= info.max:
-        raise invalid_request(f"'{param}': must be in [{info.min}, {info.max}] (a {info.bits}-bit integer), got "
-                              f"{value!r}", param=param)
+    low = info.min if minimum is None else minimum
+    if isinstance(value, bool) or not low <= value <= info.max:
+        raise invalid_request(f"'{param}': must be in [{low}, {info.max}], got {value!r}", param=param)
 
 
 class BodyTooLarge(HTTPException):
@@ -107,11 +109,9 @@ class NotUnicodeText(HTTPException):
     BodyTooLarge."""
 
     def __init__(self, path: str, key: bool = False):
-        shown = path or "body"
-        what = f"a key of '{shown}'" if key else f"'{shown}'"
-        super().__init__(400, f"{what} is not Unicode text: it holds a lone UTF-16 surrogate escape (\\ud800-"
-                              f"\\udfff without its pair)")
-        self.param = shown
+        what = (f"a key of '{path}'" if path else "a key of the request body") if key else f"'{path or 'body'}'"
+        super().__init__(400, f"{what} is {wire.NOT_UNICODE_RULE}")
+        self.param = path or None
 
 
 # validation errors -> one readable 400
@@ -142,7 +142,8 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "missing":
         return f"'{path}' is required"
     if kind == "json_invalid":
-        return f"request body is not valid JSON: {error.get('ctx', {}).get('error', msg)}"
+        return (f"request body is not valid JSON: {error.get('ctx', {}).get('error', msg)} (send a JSON object with "
+                f"'content-type: application/json')")
     msg = msg.removeprefix("Value error, ")
     text = f"{path}: {msg}" if path else msg
     if kind.endswith("_type") or kind.endswith("_parsing"):

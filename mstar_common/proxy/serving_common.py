@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote_plus
 
 from fastapi import Request
 from starlette.datastructures import FormData
@@ -24,22 +24,32 @@ T = TypeVar("T")
 
 async def read_utf8_form(request: Request) -> FormData:
     """The request's form, refused (400 naming the field) where a text field is not UTF-8. Starlette decodes such
-    a multipart field as latin-1 and a urlencoded one with U+FFFD in place of the bad bytes, silently; the raw body
-    (already capped by the proxy's middleware) tells the two apart."""
+    a multipart field as latin-1, and a urlencoded body as latin-1 before its %XX escapes (so raw UTF-8 there
+    turns to mojibake), silently. A urlencoded body is parsed here instead, as UTF-8 throughout; a multipart
+    body's raw bytes (already capped by the proxy's middleware) tell its text fields apart."""
     body = await request.body()
-    form = await request.form()  # parsed from the body read above
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/x-www-form-urlencoded":
-        try:
-            parse_qsl(body.decode("latin-1"), keep_blank_values=True, encoding="utf-8", errors="strict")
-        except UnicodeDecodeError:
-            bad = next(key for key, value in form.multi_items() if "\ufffd" in key + str(value))
-            raise invalid_request(f"'{bad}' is not UTF-8 text", param=bad) from None
-        return form
+        return FormData(_urlencoded_pairs(body))
+    form = await request.form()  # parsed from the body read above
     for key, value in form.multi_items():
         if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in body:
-            raise invalid_request(f"'{key}' is not UTF-8 text", param=key)
+            raise invalid_request(f"'{key}' is not UTF-8 text (an upload needs a filename in its part's "
+                                  f"Content-Disposition)", param=key)
     return form
+
+
+def _urlencoded_pairs(body: bytes) -> list[tuple[str, str]]:
+    pairs = []
+    for chunk in body.split(b"&"):
+        if not chunk:
+            continue
+        try:
+            pairs.extend(parse_qsl(chunk.decode("utf-8"), keep_blank_values=True, encoding="utf-8", errors="strict"))
+        except UnicodeDecodeError:
+            key = unquote_plus(chunk.partition(b"=")[0].decode("utf-8", errors="replace"), errors="replace")
+            raise invalid_request(f"'{key}' is not UTF-8 text", param=key) from None
+    return pairs
 
 
 class TritonClient(Protocol):

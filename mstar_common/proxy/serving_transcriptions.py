@@ -213,10 +213,10 @@ def transcription_generation(audio: bytes, task: str, *, language: str | None = 
                              ) -> GenerationRequest:
     """The walk's input tensors (mstar_common/families/whisper/graph.py); `field_names` gives the client's
     names of the knobs (/generate's `model_kwargs.`) for the 400 of a number its tensor cannot hold."""
-    for name, value, np_dtype in (("temperature", temperature, "float32"), ("seed", seed, "int64"),
-                                  ("max_tokens", max_tokens, "int32")):
+    for name, value, np_dtype, minimum in (("temperature", temperature, "float32", None), ("seed", seed, "int64", 0),
+                                           ("max_tokens", max_tokens, "int32", 1)):
         if value is not None:
-            check_wire_number(value, np_dtype, (field_names or {}).get(name, name))
+            check_wire_number(value, np_dtype, (field_names or {}).get(name, name), minimum)
     def text(value: str) -> np.ndarray:
         return np.array([value.encode("utf-8")], dtype=np.object_)
 

@@ -140,6 +140,7 @@ def test_image_integers_that_would_wrap_are_400(body, param):
     client = TestClient(app)
     error = error_of(client.post("/v1/images/generations", json={"model": "klein", "prompt": "a cat", **body}))
     assert error["param"] == param and str(list(body.values())[0]) in error["message"]
+    assert f"must be in [{0 if param == 'seed' else 1}, " in error["message"]
     error = error_of(client.post("/generate", json={"model": "klein", "text": "a cat", "model_kwargs": body}))
     assert error["param"] == f"model_kwargs.{param}"
     assert fake.requests == []
@@ -227,8 +228,11 @@ def test_a_form_field_that_is_not_utf8_is_400_and_utf8_text_passes(served):
     error = error_of(client.post("/generate", content=b"model=qwen3&text=caf%E9", headers=form))
     assert error["param"] == "text"
     assert fake.requests == []
+    error = error_of(client.post("/generate", content=b"model=qwen3&text=hi\xff", headers=form))
+    assert error["param"] == "text"
     for reply in (client.post("/generate", content=multipart("café ✓".encode()), headers=headers),
-                  client.post("/generate", content=b"model=qwen3&text=caf%C3%A9+%E2%9C%93", headers=form)):
+                  client.post("/generate", content=b"model=qwen3&text=caf%C3%A9+%E2%9C%93", headers=form),
+                  client.post("/generate", content="model=qwen3&text=café ✓".encode(), headers=form)):
         assert reply.status_code == 200, reply.text
         assert json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])[0]["content"] == "café ✓"
     app, fake = make_app(FakeTriton(script=transcript_script()), models=[WHISPER])
@@ -266,6 +270,10 @@ def _inputs(**values) -> dict:
 
 
 @pytest.mark.parametrize("values, message", [
+    ({"text_input": None, "messages": '[{"role": "user", "content": "a\\udc00"}]'},
+     "messages[0].content: not Unicode text"),
+    ({"text_input": None, "messages": '[{"role": "user", "content": "a"}]', "chat_template_kwargs": '{"x": "\\ud800"}'},
+     "chat_template_kwargs.x: not Unicode text"),
     ({"top_p": -0.5}, "top_p: must be in (0, 1], got -0.5"),
     ({"top_p": 0.0}, "top_p: must be in (0, 1], got 0.0"),
     ({"repetition_penalty": -1.0}, "repetition_penalty: must be > 0, got -1.0"),
