@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -121,11 +122,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("\n[mstar] draining in-flight requests, then shutting down", flush=True)
         return 0
     finally:
-        # Both get SIGTERM at once: neither takes new work, in-flight requests finish (drain_timeout_s).
+        # The proxy first: it takes no new work and its in-flight requests finish (drain_timeout_s) against a
+        # Triton that still serves every component. Stopped together, Triton counted a walk's request (its BLS
+        # hops between components) as nothing in flight and unloaded the components under it, so whisper, the
+        # image families and orpheus's codec failed their last requests. Then Triton drains what came to it
+        # directly.
         if proxy is not None and proxy.poll() is None:
             proxy.send_signal(signal.SIGTERM)
+            try:
+                proxy.wait(s.drain_timeout_s + 5)
+            except subprocess.TimeoutExpired:
+                pass
         triton.stop()
-        stop_process(proxy, grace=s.drain_timeout_s + 5)
+        stop_process(proxy, grace=5)
 
 
 def check_gpus_visible(dep, source: str) -> None:

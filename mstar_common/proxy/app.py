@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mstar_common import wire
@@ -119,6 +120,9 @@ class RequestContext:
         is_json = is_json == "application/json" or is_json.endswith("+json")
         try:
             await self.app(scope, self._capped(receive, check_text=is_json), send_with_id)
+        except ClientDisconnect:  # the client left while its body was being read: nobody to answer
+            logger.info("[%s] %s %s -> client disconnected (499) in %.1f ms", request_id, scope.get("method"),
+                        scope.get("path"), 1e3 * (time.monotonic() - start))
         except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error id
             if is_started:
                 raise

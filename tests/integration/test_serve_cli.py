@@ -106,3 +106,41 @@ def test_serve_says_why_a_model_failed_to_load(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "mstar: error: tritonserver exited" in out.stderr and "failed to load 'qwen3_llm'" in out.stderr
     assert "safetensors" in out.stderr.lower() and "Traceback" not in out.stderr.split("mstar: error:")[1]
+
+
+def test_sigterm_lets_a_walks_in_flight_request_finish(tmp_path):
+    """A walk's request (BLS hops between components) in flight when `mstar serve` gets SIGTERM completes: the
+    proxy drains first, against a Triton that still serves every component (stopped together, Triton unloaded
+    the components under the walk and the request failed with a 500)."""
+    import threading
+
+    from mstar_common.cli import CONFIGS
+
+    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
+    cmd = [sys.executable, "-m", "mstar_common.cli", "serve", str(CONFIGS / "z_image_turbo.yaml"), "--timeout", "300"]
+    cmd += [f"--{name}={port}" for name, port in ports.items()]
+    env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while not any("Ctrl-C stops both servers" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        body = {"model": "z-image-turbo-tiny", "prompt": "a cat", "size": "256x256", "n": 4,
+                "num_inference_steps": 40}
+        url = f"http://127.0.0.1:{ports['port']}/v1/images/generations"
+        replies = []
+        started = time.monotonic()
+        thread = threading.Thread(target=lambda: replies.append(httpx.post(url, json=body, timeout=120)))
+        thread.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+        assert replies and replies[0].status_code == 200, replies and replies[0].text
+        assert len(replies[0].json()["data"]) == 4 and time.monotonic() - started > 0.5
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

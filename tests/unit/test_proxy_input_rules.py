@@ -290,3 +290,28 @@ def test_the_text_components_refusals_state_one_rule_and_name_the_input(runtime,
     with pytest.raises(ValueError) as info:
         runtime.parse_request(_inputs(**values))
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_client_that_leaves_mid_upload_is_a_499_line_not_a_server_fault(caplog):
+    import asyncio
+
+    app, fake = make_app(FakeTriton(script=transcript_script()), models=[WHISPER])
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwh",
+                 "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    route = "/v1/audio/transcriptions"
+    scope = {"type": "http", "method": "POST", "path": route, "raw_path": route.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"multipart/form-data; boundary=b")],
+             "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    with caplog.at_level("INFO"):
+        asyncio.run(app(scope, receive, send))
+    assert not any(m.get("status") == 500 for m in sent)
+    assert "client disconnected (499)" in caplog.text and "unhandled" not in caplog.text
+    assert fake.requests == []

@@ -74,11 +74,21 @@ def test_uploads_decode_downmix_and_resample():
     (_encode(np.zeros((SR, 3), np.float32), SR), "3 channels"),
     (_encode(np.zeros(SR * 61, np.int16), SR), "at most 60 s"),
     (b"RIFF" + b"\0" * (5 * 1024 * 1024), "at most 4194304 bytes"),
+    (_encode(np.zeros(SR, np.int16), SR)[:2000], "truncated: its WAV header declares more"),
+    (_encode(np.full(2000, 1e30, np.float32), SR, "WAV", "FLOAT"), "within \\+-1000"),
 ])
 def test_bad_uploads_are_refused_naming_the_field(data, rule):
     with pytest.raises(ValueError, match=rule) as info:
         decode_upload(data, LIMITS, field="file")
     assert str(info.value).startswith("file:")
+
+
+def test_a_streamed_wav_with_an_unknown_length_still_decodes():
+    data = bytearray(_encode(np.zeros(SR, np.int16), SR))
+    at = data.index(b"data")
+    data[at + 4:at + 8] = (0xFFFFFFFF).to_bytes(4, "little")  # a streamed WAV's "unknown" size
+    assert decode_upload(bytes(data), LIMITS).shape == (SR,)
+    assert decode_upload(_encode(np.full(SR, 0.999, np.float32), SR, "WAV", "FLOAT"), LIMITS).shape == (SR,)
 
 
 def test_pcm_input_checks():

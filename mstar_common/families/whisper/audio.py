@@ -19,6 +19,7 @@ import torch.nn.functional as F
 TARGET_RATE = 16_000  # Hz, what Whisper hears
 MAX_CHANNELS = 2  # stereo is averaged to mono; more channels are refused
 MIN_SAMPLE_RATE = 4_000  # below this an upload is not speech audio Whisper can use
+MAX_SAMPLE_MAGNITUDE = 1e3  # float samples past this are not audio (full scale is 1.0); their log-mel overflows
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,9 @@ def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.
                          "other formats libsndfile reads)") from None
     if info.frames > 0 and info.samplerate > 0:  # the header's length, when it has one
         _check_duration(info.frames / info.samplerate, limits, field)
+    if wav_data_is_short(data):
+        raise ValueError(f"{field}: the audio file is damaged or truncated: its WAV header declares more sample "
+                         f"data than the upload holds")
     try:
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception:  # noqa: BLE001
@@ -77,9 +81,27 @@ def to_model_pcm(samples: np.ndarray, rate: int, limits: AudioLimits, field: str
         raise ValueError(f"{field}: sample rate {rate} Hz is outside [{MIN_SAMPLE_RATE}, 384000]")
     if not np.isfinite(samples).all():
         raise ValueError(f"{field}: the audio holds NaN or infinite samples")
+    if (peak := float(np.abs(samples).max())) > MAX_SAMPLE_MAGNITUDE:
+        raise ValueError(f"{field}: sample values must be within +-{MAX_SAMPLE_MAGNITUDE:g} (full scale is 1.0), "
+                         f"got {peak:.3g}")
     _check_duration(samples.shape[0] / rate, limits, field)
     mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
     return resample(mono, rate, TARGET_RATE)
+
+
+def wav_data_is_short(data: bytes) -> bool:
+    """A RIFF/WAVE upload whose `data` chunk declares more bytes than follow it (libsndfile reads such a file
+    silently, as the frames that are there). A size of 0 or 0xFFFFFFFF (a streamed WAV's "unknown") is not a
+    claim."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return False
+    offset = 12
+    while offset + 8 <= len(data):
+        kind, size = data[offset:offset + 4], int.from_bytes(data[offset + 4:offset + 8], "little")
+        if kind == b"data":
+            return size not in (0, 0xFFFFFFFF) and offset + 8 + size > len(data)
+        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return False
 
 
 def _check_duration(seconds: float, limits: AudioLimits, field: str) -> None:
