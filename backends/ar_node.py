@@ -24,7 +24,7 @@ import time
 from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
-from backends.responder import Responder, request_inputs
+from backends.responder import Responder, request_inputs, request_timeout_s
 from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.output_pump import TextStream, make_output_pump
@@ -112,12 +112,3 @@ def enqueue(engine, pump, responder: Responder, prompt_ids: list[int], params, t
     except Exception as exc:  # noqa: BLE001 - one bad request must not take down the node
         pump.unregister(request_id)
         responder.send_server_error(exc)
-
-
-def request_timeout_s(request) -> float | None:
-    """The request's Triton timeout (microseconds; 0 = none) in seconds."""
-    try:
-        timeout_us = int(request.timeout())
-    except Exception:  # noqa: BLE001 - an older stub without timeout(): no client deadline
-        return None
-    return timeout_us / 1e6 if timeout_us > 0 else None

@@ -150,3 +150,12 @@ def check_no_parameters(request) -> None:
     if unknown := sorted(key for key in params if not key.startswith("triton_")):
         raise ValueError(f"parameters.{unknown[0]}: unknown request parameter; the knobs are input tensors "
                          f"(docs/api.md lists them)")
+
+
+def request_timeout_s(request) -> float | None:
+    """The request's Triton timeout (microseconds; 0 = none) in seconds."""
+    try:
+        timeout_us = int(request.timeout())
+    except Exception:  # noqa: BLE001 - an older stub without timeout(): no client deadline
+        return None
+    return timeout_us / 1e6 if timeout_us > 0 else None

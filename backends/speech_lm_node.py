@@ -19,11 +19,11 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.ar_node import enqueue, request_timeout_s
+from backends.ar_node import enqueue
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
-from backends.responder import Responder, request_inputs
+from backends.responder import Responder, request_inputs, request_timeout_s
 from mstar_common import wire
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
 from mstar_common.families.orpheus.codes import SpeechChunker

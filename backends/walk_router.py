@@ -26,19 +26,37 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.node_setup import load_node
-from backends.responder import Responder, request_inputs, tensor_value, to_pb_tensor
+from backends.responder import Responder, request_inputs, request_timeout_s, tensor_value, to_pb_tensor
+from mstar_common import wire
 from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
 from mstar_common.walk_api import ComponentError
 
 logger = logging.getLogger(__name__)
 TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log each hop's and each walk's wall time (stateless_node.py)
+
+
+@dataclass(frozen=True, slots=True)
+class WalkLimits:
+    running: int
+    queued: int
+    timeout_s: float | None
+
+    @property
+    def cap(self) -> int:
+        return self.running + self.queued
+
+
+def deadline_s(request, ceiling_s: float | None) -> float | None:
+    """The request's Triton timeout in seconds, at most `ceiling_s` (either may be None: none)."""
+    return min((t for t in (request_timeout_s(request), ceiling_s) if t is not None), default=None)
 
 
 class TritonPythonModel:
@@ -50,6 +68,14 @@ class TritonPythonModel:
         self.components = setup.family.graph.components
         self.walk = setup.build()  # .input_names; async .run(inputs, call) -> outputs
         self._ids = itertools.count()
+        dep = setup.deployment
+        # The walk's own admission and deadline (its components may queue without bound, e.g. the denoise engine):
+        # past `max_concurrent_requests` + `admission.max_queue` walks in this instance a request is refused at
+        # once (the proxy's 429), and a request past its deadline (the client's Triton timeout, at most
+        # `admission.request_timeout_s`) ends with deadline_exceeded (504).
+        cap = dep.max_concurrent_requests
+        self.limit = WalkLimits(cap, dep.admission.resolved_max_queue(cap), dep.admission.request_timeout_s)
+        self.in_flight = 0
         settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready", self.model_name)
 
@@ -63,13 +89,29 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
+        if self.in_flight >= self.limit.cap:
+            responder.send_error(wire.OVERLOADED_PREFIX + f"{self.in_flight} requests in {self.model_name} already, "
+                                 f"its cap of {self.limit.running} running and {self.limit.queued} queued")
+            return
+        self.in_flight += 1
+        try:
+            await self._serve_admitted(request, responder, deadline_s(request, self.limit.timeout_s))
+        finally:
+            self.in_flight -= 1
+
+    async def _serve_admitted(self, request, responder: Responder, timeout_s: float | None) -> None:
         started = time.perf_counter()
         try:
             inputs = request_inputs(request, self.walk.input_names)
             if hasattr(self.walk, "stream"):
-                outputs = await self._stream(responder, inputs)
+                work = self._stream(responder, inputs)
             else:
-                outputs = await self.walk.run(inputs, self._caller(responder, Received()))
+                work = self.walk.run(inputs, self._caller(responder, Received()))
+            outputs = await asyncio.wait_for(work, timeout_s)
+        except TimeoutError:
+            # Its component requests run on (BLS requests cannot be cancelled in Triton 2.51); the client is told now.
+            logger.info("[%s] past its deadline of %g s", responder.request_id, timeout_s)
+            responder.send_error(wire.DEADLINE_PREFIX + f"the request did not finish within {timeout_s:g} s")
         except ValueError as exc:
             responder.send_invalid(str(exc))
         except ComponentError as exc:

@@ -81,3 +81,57 @@ def test_native_generate_and_sdk(served_images):
     assert pixels(reply.json()["outputs"]["image"][0]).shape == (48, 64, 3)
     image = MStarClient(served_images.proxy_url).generate_image("a cat", width=48, height=32, seed=0)
     assert np.array(Image.open(io.BytesIO(image))).shape == (32, 48, 3)
+
+
+def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
+    """The walk router's own admission (cap 1 + queue 1 here: the third of three at once is overloaded, a 429
+    through the proxy) and deadline (a Triton client's timeout ends the request with deadline_exceeded when it
+    passes, not when the work is done)."""
+    import queue
+    import threading
+    import time
+
+    import httpx
+    import tritonclient.grpc as grpcclient
+
+    from mstar_common import wire
+
+    root = tmp_path_factory.mktemp("zimage-limits")
+    raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
+    raw["max_concurrent_requests"], raw["admission"] = 1, {"max_queue": 1}
+    heavy = {"prompt": "a cat", "size": "256x256", "n": 4, "num_inference_steps": 40}
+    with serve_deployment(deployment_from_dict(raw, source="zimage-limits"), root, "zimage-limits") as served:
+        url = served.proxy_url + "/v1/images/generations"
+        replies: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: replies.append(
+            httpx.post(url, json={"model": served.dep.name, **heavy}, timeout=120))) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.1)
+        for thread in threads:
+            thread.join(120)
+        codes = sorted(r.status_code for r in replies)
+        assert codes == [200, 200, 429], [r.text for r in replies]
+        assert "cap of 1 running and 1 queued" in next(r for r in replies if r.status_code == 429).text
+
+        inputs = []
+        for name, value in (("prompt", "a cat"), ("width", 256), ("height", 256), ("num_images", 4),
+                            ("num_inference_steps", 40)):
+            dtype, np_dtype = wire.IMAGE_INPUTS[name]
+            array = np.array([value.encode() if dtype == "BYTES" else value], dtype=np_dtype)
+            tensor = grpcclient.InferInput(name, [1], dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(served.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((time.monotonic(), error)))
+        started = time.monotonic()
+        client.async_stream_infer(served.entry, inputs, timeout=300_000)  # microseconds
+        at, error = results.get(timeout=60)
+        client.stop_stream()
+        client.close()
+        assert error is not None and "deadline_exceeded" in str(error) and "0.3 s" in str(error)
+        assert at - started < 1.2  # the work itself takes several seconds on this machine
+        time.sleep(5)  # the abandoned work ends; the server serves on
+        ok = httpx.post(url, json={"model": served.dep.name, "prompt": "x", "size": "64x64"}, timeout=60)
+        assert ok.status_code == 200, ok.text
