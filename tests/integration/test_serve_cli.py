@@ -16,18 +16,29 @@ from mstar_common.launcher import free_port
 pytestmark = pytest.mark.server
 
 
-def test_serve_starts_both_and_stops_cleanly_on_sigterm(tmp_path):
+def _start_serve(target: str, tmp_path, timeout: float) -> tuple[subprocess.Popen, dict[str, int], list[str]]:
+    """`mstar serve TARGET` on free ports, read until it says it is serving: (process, ports, its lines)."""
     ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-    cmd = [sys.executable, "-m", "mstar_common.cli", "serve", "qwen3", "--timeout", "240"]
+    cmd = [sys.executable, "-m", "mstar_common.cli", "serve", target, "--timeout", str(int(timeout))]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        lines = []
-        deadline = time.monotonic() + 240
         while not any("Ctrl-C stops both servers" in line for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, ports, lines
+
+
+def test_serve_starts_both_and_stops_cleanly_on_sigterm(tmp_path):
+    proc, ports, lines = _start_serve("qwen3", tmp_path, 240)
+    try:
         assert any(f"http://localhost:{ports['port']}/v1" in line for line in lines), "".join(lines)
         base = f"http://127.0.0.1:{ports['port']}"
         reply = httpx.post(base + "/v1/completions", json={"model": "qwen3-tiny", "prompt": "hi", "max_tokens": 3})
@@ -116,17 +127,8 @@ def test_sigterm_lets_a_walks_in_flight_request_finish(tmp_path):
 
     from mstar_common.cli import CONFIGS
 
-    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-    cmd = [sys.executable, "-m", "mstar_common.cli", "serve", str(CONFIGS / "z_image_turbo.yaml"), "--timeout", "300"]
-    cmd += [f"--{name}={port}" for name, port in ports.items()]
-    env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    proc, ports, _ = _start_serve(str(CONFIGS / "z_image_turbo.yaml"), tmp_path, 300)
     try:
-        lines = []
-        deadline = time.monotonic() + 300
-        while not any("Ctrl-C stops both servers" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
         body = {"model": "z-image-turbo-tiny", "prompt": "a cat", "size": "256x256", "n": 4,
                 "num_inference_steps": 40}
         url = f"http://127.0.0.1:{ports['port']}/v1/images/generations"
