@@ -108,8 +108,9 @@ def image_tensors(fields: ImageFields, references: list[bytes], prefix: str = ""
             continue
         dtype, np_dtype = wire.IMAGE_INPUTS[name]
         if dtype != "BYTES":
-            check_wire_number(value, np_dtype, prefix + {"num_images": "n"}.get(name, name),
-                              minimum=0 if name in ("seed", "png_compress_level", "output_compression") else 1)
+            client_name = {"num_images": "n", "width": "size", "height": "size"}.get(name, name)
+            check_wire_number(value, np_dtype, prefix + client_name, minimum=1 if name in (
+                "num_images", "num_inference_steps") else 0)  # a 0x0 size is the model's to refuse, by its grid
         array = np.array([value.encode("utf-8") if dtype == "BYTES" else value], dtype=np_dtype)
         tensors.append((name, dtype, array))
     if references:

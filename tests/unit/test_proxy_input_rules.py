@@ -135,7 +135,7 @@ def test_generate_names_its_knobs_under_model_kwargs(served):
     ({"n": 2**32 + 1}, "n"), ({"num_inference_steps": 2**32 + 1}, "num_inference_steps"),
     ({"seed": 2**63}, "seed"),
 ])
-def test_image_integers_that_would_wrap_are_400(body, param):
+def test_image_integers_that_would_wrap_are_400(body, param):  # (a size's digits are bounded by its own pattern)
     app, fake = make_app(FakeTriton(script=image_script()), models=[IMAGE_MODEL])
     client = TestClient(app)
     error = error_of(client.post("/v1/images/generations", json={"model": "klein", "prompt": "a cat", **body}))
