@@ -108,10 +108,12 @@ class TritonPythonModel:
             else:
                 work = self.walk.run(inputs, self._caller(responder, Received()))
             outputs = await asyncio.wait_for(work, timeout_s)
-        except TimeoutError:
-            # Its component requests run on (BLS requests cannot be cancelled in Triton 2.51); the client is told now.
-            logger.info("[%s] past its deadline of %g s", responder.request_id, timeout_s)
-            responder.send_error(wire.DEADLINE_PREFIX + f"the request did not finish within {timeout_s:g} s")
+        except TimeoutError as exc:
+            if timeout_s is None or time.perf_counter() - started < timeout_s:  # the walk's own, not the deadline
+                responder.send_server_error(exc)
+            else:  # its component requests run on (BLS requests cannot be cancelled in 2.51); the client is told now
+                logger.info("[%s] past its deadline of %g s", responder.request_id, timeout_s)
+                responder.send_error(wire.DEADLINE_PREFIX + f"the request did not finish within {timeout_s:g} s")
         except ValueError as exc:
             responder.send_invalid(str(exc))
         except ComponentError as exc:

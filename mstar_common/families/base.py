@@ -50,9 +50,11 @@ def check_max_model_len(dep: Deployment, limit: int, name: str, source: str) -> 
                               f"checkpoint's {name}={limit}")
 
 
-def read_checkpoint_config(checkpoint: Path) -> dict[str, Any]:
-    path = checkpoint / "config.json"
+def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None:
+    """An HF causal LM's `max_position_embeddings` (config.json), where it declares one, bounds max_model_len."""
     try:
-        return json.loads(path.read_text())
+        config = json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read config.json: {exc}") from None
+    if "max_position_embeddings" in config:
+        check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)

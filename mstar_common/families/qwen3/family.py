@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, check_max_model_len, read_checkpoint_config
+from mstar_common.families.base import Family, check_position_limit
 from mstar_common.families.qwen3.graph import GRAPH
 from mstar_common.families.text import TextLMRuntime
 
@@ -43,9 +43,7 @@ class Qwen3Family(Family):
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
-        config = read_checkpoint_config(checkpoint)
-        if "max_position_embeddings" in config:
-            check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
+        check_position_limit(dep, checkpoint, source)
 
     def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
         return None  # token ids and sampling parameters in, tokens out (the llama family too)
