@@ -6,7 +6,9 @@ response per request carrying its outputs, or an `invalid_request:` error for in
 Threads: `execute` parses each request (a ValueError is refused at once) and hands it to the runtime's engine;
 the engine's loop (one background thread) batches every waiting request of the same shapes into one
 forward and calls back per request, and the callback sends the response through backends/responder.py.
-A request cancelled before its batch runs is dropped unrun. With `MSTAR_TIMINGS=1` each request's time from
+A request cancelled before its batch runs is dropped unrun; so is one past its deadline (the request's Triton
+timeout, which the walk router sets to the time its client has left), answered `deadline_exceeded:` and counted
+in `mstar_requests_expired_total`. With `MSTAR_TIMINGS=1` each request's time from
 arrival to its response being sent is logged (with the walk router's per-hop times: where a walk's time goes).
 """
 
@@ -22,8 +24,9 @@ import torch
 from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
-from backends.responder import Responder, request_inputs
-from mstar_common.diffusion.batcher import Cancelled
+from backends.responder import Responder, request_inputs, request_timeout_s
+from mstar_common import wire
+from mstar_common.diffusion.batcher import Cancelled, Expired, StopCheck
 from mstar_common.gc_policy import settle_heap
 from mstar_common.graph import MODEL_DTYPE
 
@@ -67,7 +70,8 @@ class ComponentNode:
             inputs = {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
                       for name, value in request_inputs(request, self.input_names).items()}
             on_done = _on_done(responder, self.wire_dtypes, self.model_name if TIMINGS else None)
-            self.runtime.submit(responder.request_id, inputs, on_done, responder.is_cancelled)
+            stop = StopCheck(responder.is_cancelled, request_timeout_s(request))
+            self.runtime.submit(responder.request_id, inputs, on_done, stop)
         except ValueError as exc:
             responder.send_invalid(str(exc))
         except Exception as exc:  # noqa: BLE001 - a fault in one request must not take down the node
@@ -84,7 +88,9 @@ def _on_done(responder: Responder, dtypes: dict[str, torch.dtype], timed_as: str
     started = time.perf_counter()
 
     def on_done(outputs: dict[str, torch.Tensor] | None, error: BaseException | None) -> None:
-        if isinstance(error, Cancelled):
+        if isinstance(error, Expired):
+            responder.send_error(wire.DEADLINE_PREFIX + str(error))
+        elif isinstance(error, Cancelled):
             responder.send_error(f"cancelled: {error}")
         elif error is not None:
             responder.send_server_error(error)

@@ -4,12 +4,18 @@
 with the same batch key (same tensor shapes) in arrival order up to `max_rows` rows, runs them as one batch
 and hands each item its own result. Items of other keys wait for the next turn, still in arrival order, so
 no shape starves. A request cancelled before its turn is dropped without running.
+
+A request's `is_cancelled` may be a `StopCheck`: then it also stops the request at its deadline (the Triton
+timeout its caller set; the walk router sets the time its client has left), and the engine ends it with
+`Expired` and counts it in `num_expired`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -22,6 +28,36 @@ OnDone = Callable[[Any, BaseException | None], None]
 
 class Cancelled(Exception):
     """The request was cancelled before its result was ready."""
+
+
+class Expired(Cancelled):
+    """The request's deadline passed before its result was ready."""
+
+
+class StopCheck:
+    """An engine's `is_cancelled` for one request: true once its client went away (`client_gone()`) or
+    `timeout_s` (None: no deadline) passed since it was made."""
+
+    __slots__ = ("_client_gone", "timeout_s", "_deadline")
+
+    def __init__(self, client_gone: Callable[[], bool], timeout_s: float | None):
+        self._client_gone = client_gone
+        self.timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
+
+    def is_expired(self) -> bool:
+        return time.monotonic() >= self._deadline
+
+    def __call__(self) -> bool:
+        return self.is_expired() or bool(self._client_gone())
+
+
+def stop_error(is_cancelled: Callable[[], bool], request_id: str, where: str = "") -> Cancelled:
+    """Why a request whose `is_cancelled()` came true stops: `Expired` past a StopCheck's deadline, else
+    `Cancelled` (`where`: e.g. " at step 3")."""
+    if isinstance(is_cancelled, StopCheck) and is_cancelled.is_expired():
+        return Expired(f"the request did not finish within its deadline of {is_cancelled.timeout_s:g} s{where}")
+    return Cancelled(f"{request_id} cancelled{where}")
 
 
 @dataclass(slots=True)
@@ -50,6 +86,7 @@ class BatchingEngine:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
         self.num_batches = 0
         self.num_rows_run = 0
+        self.num_expired = 0  # requests dropped unrun at their deadline
         self.graph_replays: Callable[[], int] | None = None  # the component's captured-graph runs, for stats()
 
     def start(self) -> None:
@@ -78,6 +115,7 @@ class BatchingEngine:
             waiting = len(self._waiting)
         # num_steps: batched forwards run (the metrics' step counter); num_rows_stepped / num_steps: mean batch
         return {"num_waiting": waiting, "num_steps": self.num_batches, "num_rows_stepped": self.num_rows_run,
+                "num_expired": self.num_expired,
                 "num_graph_steps": self.graph_replays() if self.graph_replays is not None else 0}
 
     # the loop
@@ -113,7 +151,9 @@ class BatchingEngine:
         live = []
         for item in batch:
             if item.is_cancelled():
-                _finish(item, None, Cancelled(f"{item.request_id} cancelled"))
+                error = stop_error(item.is_cancelled, item.request_id)
+                self.num_expired += isinstance(error, Expired)
+                _finish(item, None, error)
             else:
                 live.append(item)
         if not live:

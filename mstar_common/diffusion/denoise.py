@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_common.diffusion.batcher import Cancelled, OnDone
+from mstar_common.diffusion.batcher import Cancelled, Expired, OnDone, stop_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class DenoiseEngine:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-denoise", daemon=True)
         self.num_steps = 0  # batched forwards run
         self.num_rows_stepped = 0  # rows advanced by them (num_rows_stepped / num_steps = mean batch)
+        self.num_expired = 0  # jobs ended by their deadline (their is_cancelled a batcher.StopCheck)
         self.companions: list[Any] = []  # engines started and stopped with this one (an in-process VAE decoder)
 
     def start(self) -> None:
@@ -101,7 +102,7 @@ class DenoiseEngine:
     def stats(self) -> dict[str, float]:
         graphs = getattr(self.stepper, "graphs", None)
         return {"num_running": len(self._running), "num_waiting": self._incoming.qsize(),
-                "num_steps": self.num_steps, "num_rows_stepped": self.num_rows_stepped,
+                "num_steps": self.num_steps, "num_rows_stepped": self.num_rows_stepped, "num_expired": self.num_expired,
                 "num_graph_steps": graphs.num_replays if graphs is not None else 0}
 
     # the loop
@@ -136,7 +137,9 @@ class DenoiseEngine:
         kept = []
         for job in self._running:
             if job.is_cancelled():
-                _finish(job, None, Cancelled(f"{job.request_id} cancelled at step {job.step}"))
+                error = stop_error(job.is_cancelled, job.request_id, f" at step {job.step}")
+                self.num_expired += isinstance(error, Expired)
+                _finish(job, None, error)
             else:
                 kept.append(job)
         self._running = kept

@@ -5,11 +5,12 @@ shapes in arrival order; the step-graph buckets (eager replay on the CPU) give t
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
-from mstar_common.diffusion.batcher import BatchingEngine, Cancelled
+from mstar_common.diffusion.batcher import BatchingEngine, Cancelled, Expired, StopCheck
 from mstar_common.diffusion.denoise import DenoiseEngine, DenoiseJob
 
 
@@ -100,6 +101,58 @@ def test_cancelled_request_leaves_the_batch():
     assert isinstance(result.error, Cancelled) and len(stepper.calls) == 1
 
 
+def test_a_job_past_its_deadline_leaves_the_batch_as_expired_and_is_counted():
+    """A StopCheck's deadline (the walk's time left, as the request's Triton timeout) ends a job at the next
+    step with Expired, which the node answers deadline_exceeded; a client that goes away is still Cancelled."""
+    stepper = RecordingStepper(gated=True)
+    engine = DenoiseEngine("test", stepper, max_rows=4)
+    late, late_result = job("a", "64x64", steps=50)
+    late.is_cancelled = StopCheck(lambda: False, 0.05)
+    gone, gone_result = job("b", "64x64", steps=50)
+    client_gone = threading.Event()
+    gone.is_cancelled = StopCheck(client_gone.is_set, 60.0)
+    kept, kept_result = job("c", "64x64", steps=3)
+    kept.is_cancelled = StopCheck(lambda: False, None)
+    for j in (late, gone, kept):
+        engine.submit(j)
+    engine.start()
+    assert stepper.entered.wait(5)
+    time.sleep(0.1)  # step 0 outlasts the first job's deadline
+    client_gone.set()
+    stepper.release.set()
+    assert late_result.done.wait(5) and gone_result.done.wait(5) and kept_result.done.wait(5)
+    engine.shutdown()
+    assert isinstance(late_result.error, Expired) and "deadline of 0.05 s at step 1" in str(late_result.error)
+    assert isinstance(gone_result.error, Cancelled) and not isinstance(gone_result.error, Expired)
+    assert kept_result.error is None
+    assert engine.stats()["num_expired"] == 1
+    assert [len(timesteps) for _, timesteps in stepper.calls] == [3, 1, 1]  # the two left after step 0
+
+
+def test_the_batcher_drops_an_item_past_its_deadline_unrun():
+    runs = []
+    gate = threading.Event()
+
+    def run_batch(payloads):
+        gate.wait(5)
+        runs.append(list(payloads))
+        return payloads
+
+    engine = BatchingEngine("test", run_batch, max_rows=1)
+    first, late, on_time = Result(), Result(), Result()
+    engine.submit("r0", 0, first)
+    engine.submit("r1", 1, late, StopCheck(lambda: False, 0.05))
+    engine.submit("r2", 2, on_time, StopCheck(lambda: False, 60.0))
+    engine.start()
+    time.sleep(0.1)  # the first batch holds the loop past r1's deadline
+    gate.set()
+    assert first.done.wait(5) and late.done.wait(5) and on_time.done.wait(5)
+    engine.shutdown()
+    assert runs == [[0], [2]]
+    assert isinstance(late.error, Expired) and on_time.value == 2
+    assert engine.stats()["num_expired"] == 1
+
+
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving():
     class Flaky(RecordingStepper):
         def __call__(self, layout, *args):
@@ -141,7 +194,8 @@ def test_batcher_groups_equal_keys_in_arrival_order():
     assert batches == [[1, 3], [2, 4], [5]]
     assert [r.value for r in results] == [10, 20, 30, 50, 40]
     # the metrics' view (backends/metrics.py): 3 batches of 5 rows; graph runs as the component reports them
-    assert engine.stats() == {"num_waiting": 0, "num_steps": 3, "num_rows_stepped": 5, "num_graph_steps": 0}
+    assert engine.stats() == {"num_waiting": 0, "num_steps": 3, "num_rows_stepped": 5, "num_expired": 0,
+                              "num_graph_steps": 0}
     engine.graph_replays = lambda: 2
     assert engine.stats()["num_graph_steps"] == 2
 
