@@ -11,6 +11,10 @@ asks the sender anything after another has sent the FINAL. Triton's Python backe
 reading the request's response factory, by its address, in the server process; after the FINAL that factory may
 be freed, and a stub whose query gets no answer waits for it forever. A hung stub seen once after a burst of
 refusals and cancellations (docs/reliability.md) fits that race; its stacks were not captured to confirm it.
+
+A request from a walk (its id `<walk id>/<component>`) is also cancelled once the walk posts it on the cancel
+board, when the walk's own client has gone (mstar_common/walk_cancel.py; a BLS request cannot be cancelled in
+Triton 2.51).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from mstar_common import wire
+from mstar_common.walk_cancel import CancelBoard, is_hop_id
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +39,12 @@ class Responder:
     all). Triton drops the others after the backend has sent them, so they are never built: each output is a
     tensor copied into the backend's shared memory, under the GIL that the step loop needs, on every response."""
 
-    __slots__ = ("_sender", "_request", "_wanted", "_lock", "is_closed", "request_id")
+    __slots__ = ("_sender", "_request", "_wanted", "_lock", "is_closed", "request_id", "_hop_id")
 
     def __init__(self, request, request_id: str):
         self._request = request
+        hop_id = request.request_id() or ""
+        self._hop_id = hop_id if is_hop_id(hop_id) else None  # a walk's component request: ask the board too
         self._sender = request.get_response_sender()
         self._wanted = frozenset(request.requested_output_names())
         self._lock = threading.Lock()  # "still open?" and the sender's call as one step (module docstring)
@@ -83,6 +90,8 @@ class Responder:
         with self._lock:
             if self.is_closed:
                 return True
+            if self._hop_id is not None and walk_board().is_posted(self._hop_id):
+                return True
             try:
                 return bool(self._sender.is_cancelled())
             except Exception:  # the stub raises once the request is gone
@@ -97,6 +106,17 @@ class Responder:
         except Exception as exc:  # a cancelled or released request; nothing else can be sent to it
             self.is_closed = True
             logger.debug("[%s] send failed: %s", self.request_id, exc)
+
+
+_BOARD: CancelBoard | None = None
+
+
+def walk_board() -> CancelBoard:
+    """This server's walk cancel board (made on first use: a stub's parent is its server)."""
+    global _BOARD
+    if _BOARD is None:
+        _BOARD = CancelBoard()
+    return _BOARD
 
 
 def _response(outputs: dict[str, np.ndarray | torch.Tensor], wanted: frozenset[str] = frozenset()):

@@ -13,8 +13,14 @@ Streaming walks (whisper): a walk with `stream(inputs, call, call_stream)` yield
 sent as it comes and the last one carries the FINAL flag. `call_stream` is a decoupled BLS request whose
 responses arrive as an async iterator: Triton 2.51's response iterator blocks, so a thread per stream reads
 it and hands each response to the event loop, which keeps serving the instance's other requests meanwhile.
-A client that goes away stops its walk at the next response (BLS requests cannot be cancelled in 2.51:
-a component stream already started runs to its end, its responses discarded).
+Clients that go away: the walk asks every WALK_CANCEL_POLL_S (and after each streamed response) whether its
+client is still there. Once it is gone, Triton 2.51 cannot cancel the walk's BLS requests, so the walk posts
+the ids of those in flight on the server's cancel board (mstar_common/walk_cancel.py); each component reads
+that as a cancel and stops the work (a denoise job at its next step, a batched item before it runs, an LLM
+row at its next step), and the walk ends with a flags-only FINAL once they have answered.
+
+Deadlines: each component request carries the time the walk's client has left as its Triton timeout, so a
+component stops the walk's work at the same deadline, with `deadline_exceeded:`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import triton_python_backend_utils as pb_utils
 
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.node_setup import load_node
-from backends.responder import Responder, request_inputs, request_timeout_s, tensor_value, to_pb_tensor
+from backends.responder import Responder, request_inputs, request_timeout_s, tensor_value, to_pb_tensor, walk_board
 from mstar_common import wire
 from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
@@ -41,6 +47,7 @@ from mstar_common.walk_api import ComponentError
 
 logger = logging.getLogger(__name__)
 TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log each hop's and each walk's wall time (stateless_node.py)
+WALK_CANCEL_POLL_S = 0.1  # how often a walk asks whether its client is still there (one IPC round trip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +92,12 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("[%s] shutting down", self.model_name)
+        walk_board().remove_if_empty()
         release_stub_objects()
 
     async def _serve(self, request) -> None:
-        responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
+        # the pid keeps hop ids unique across this model's instances (the cancel board is the server's)
+        responder = Responder(request, f"{request.request_id() or 'req'}#{os.getpid()}.{next(self._ids)}")
         if self.in_flight >= self.limit.cap:
             responder.send_error(wire.OVERLOADED_PREFIX + f"{self.in_flight} requests in {self.model_name} already, "
                                  f"its cap of {self.limit.running} running and {self.limit.queued} queued")
@@ -101,23 +110,28 @@ class TritonPythonModel:
 
     async def _serve_admitted(self, request, responder: Responder, timeout_s: float | None) -> None:
         started = time.perf_counter()
+        hops = Hops(Budget(started, timeout_s))
+        watch = asyncio.ensure_future(watch_client(responder, hops))
         try:
             inputs = request_inputs(request, self.walk.input_names)
             if hasattr(self.walk, "stream"):
-                work = self._stream(responder, inputs)
+                work = self._stream(responder, inputs, hops)
             else:
-                work = self.walk.run(inputs, self._caller(responder, Received()))
+                work = self.walk.run(inputs, self._caller(responder, Received(), hops))
             outputs = await asyncio.wait_for(work, timeout_s)
         except TimeoutError as exc:
             if timeout_s is None or time.perf_counter() - started < timeout_s:  # the walk's own, not the deadline
                 responder.send_server_error(exc)
-            else:  # its component requests run on (BLS requests cannot be cancelled in 2.51); the client is told now
+            else:  # the components stop its work at the same deadline (Budget); the client is told now
                 logger.info("[%s] past its deadline of %g s", responder.request_id, timeout_s)
                 responder.send_error(wire.DEADLINE_PREFIX + f"the request did not finish within {timeout_s:g} s")
         except ValueError as exc:
             responder.send_invalid(str(exc))
         except ComponentError as exc:
-            if exc.is_invalid_request:
+            if hops.is_abandoned:
+                logger.info("[%s] client cancelled; its walk stopped at %s", responder.request_id, exc.component)
+                responder.send_final()
+            elif wire.error_class(exc.message) is not None:  # the client's: refused, or past its deadline there
                 responder.send_error(exc.message)
             else:
                 logger.error("[%s] %s", responder.request_id, exc)
@@ -126,40 +140,46 @@ class TritonPythonModel:
             responder.send_server_error(exc)
         else:
             responder.send_final(outputs)
+        finally:
+            watch.cancel()
         if TIMINGS:
             logger.info("[%s] timing walk: %.1f ms", responder.request_id, (time.perf_counter() - started) * 1e3)
 
-    async def _stream(self, responder: Responder, inputs: dict) -> dict[str, np.ndarray] | None:
+    async def _stream(self, responder: Responder, inputs: dict, hops: Hops) -> dict[str, np.ndarray] | None:
         """Send every response of a streaming walk but the last, which is returned (the FINAL); None when
         the client went away (a flags-only FINAL then ends the request)."""
         last = None
         received = Received()
-        stream = self.walk.stream(inputs, self._caller(responder, received), self._stream_caller(responder, received))
+        stream = self.walk.stream(inputs, self._caller(responder, received, hops),
+                                  self._stream_caller(responder, received, hops))
         try:
             async for outputs in stream:
                 if last is not None:
                     responder.send_chunk(last)
                 last = outputs
-                if responder.is_cancelled():
+                if hops.is_abandoned or responder.is_cancelled():
                     logger.info("[%s] client cancelled; stopping its walk", responder.request_id)
+                    hops.abandon()
                     return None
         finally:
             await stream.aclose()
         return last
 
-    def _stream_caller(self, responder: Responder, received: Received):
+    def _stream_caller(self, responder: Responder, received: Received, hops: Hops):
         loop = asyncio.get_running_loop()
 
         async def call_stream(component: str, inputs: dict):
             spec = self.components[component]
+            hop_id = hops.new_id(responder.request_id, component)
             request = pb_utils.InferenceRequest(
                 model_name=model_name(self.family, component),
                 inputs=[received.tensor(name, value) for name, value in inputs.items()],
                 requested_output_names=[out.name for out in spec.outputs],
-                request_id=f"{responder.request_id}/{component}",
+                request_id=hop_id,
+                **hops.budget.timeout(),
                 **cpu_output_memory(),
             )
-            responses = await request.async_exec(decoupled=True)
+            responses = await send_hop(request, hops, hop_id)
             queue: asyncio.Queue = asyncio.Queue()
             is_abandoned = threading.Event()
 
@@ -172,6 +192,7 @@ class TritonPythonModel:
                     loop.call_soon_threadsafe(queue.put_nowait, exc)
                 finally:
                     KEEPER.hold(responses)  # backends/bls.py: the stub must not free it off the GIL
+                    hops.ended(hop_id)  # the component's stream is over: off the board
                     loop.call_soon_threadsafe(queue.put_nowait, None)
 
             threading.Thread(target=read, name=f"{responder.request_id}/{component}", daemon=True).start()
@@ -195,21 +216,23 @@ class TritonPythonModel:
 
         return call_stream
 
-    def _caller(self, responder: Responder, received: Received):
+    def _caller(self, responder: Responder, received: Received, hops: Hops):
         async def call(component: str, inputs: dict) -> dict[str, np.ndarray]:
             if responder.is_cancelled():
                 raise ComponentError(component, "cancelled: the client went away")
             spec = self.components[component]
             started = time.perf_counter()
+            hop_id = hops.new_id(responder.request_id, component)
             request = pb_utils.InferenceRequest(
                 model_name=model_name(self.family, component),
                 inputs=[received.tensor(name, value) for name, value in inputs.items()],
                 requested_output_names=[out.name for out in spec.outputs],
-                request_id=f"{responder.request_id}/{component}",
+                request_id=hop_id,
+                **hops.budget.timeout(),
                 **cpu_output_memory(),
             )
             outputs: dict[str, np.ndarray] = {}
-            responses = await request.async_exec(decoupled=True)
+            responses = await send_hop(request, hops, hop_id)
             try:
                 for response in responses:
                     if response.has_error():
@@ -220,6 +243,7 @@ class TritonPythonModel:
                             outputs[out.name] = received.add(tensor)
             finally:
                 KEEPER.hold(responses)  # backends/bls.py: the stub must not free it off the GIL
+                hops.ended(hop_id)
             if not outputs:
                 raise ComponentError(component, f"{component} answered without outputs")
             if TIMINGS:
@@ -228,6 +252,105 @@ class TritonPythonModel:
             return outputs
 
         return call
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A walk's deadline (`timeout_s` after `started`, a perf_counter time; None: none), handed on to each of
+    its component requests as the Triton timeout they have left."""
+
+    started: float
+    timeout_s: float | None
+
+    def timeout(self) -> dict[str, int]:
+        """The BLS request's `timeout` keyword (microseconds, at least 1; 0 is Triton's "none"), or nothing."""
+        if self.timeout_s is None:
+            return {}
+        left_s = self.timeout_s - (time.perf_counter() - self.started)
+        return {"timeout": max(1, int(left_s * 1e6))}
+
+
+class Hops:
+    """A walk's component requests in flight (their ids) and its Budget. Once its client has gone (`abandon`),
+    each is on the server's cancel board until it ends (mstar_common/walk_cancel.py). A stream's hop ends on its
+    reader thread, hence the lock."""
+
+    __slots__ = ("budget", "_live", "_lock", "is_abandoned", "_count")
+
+    def __init__(self, budget: Budget):
+        self.budget = budget
+        self._live: set[str] = set()
+        self._lock = threading.Lock()
+        self.is_abandoned = False
+        self._count = itertools.count()
+
+    def new_id(self, walk_id: str, component: str) -> str:
+        """A hop's request id, unique within the walk (whisper opens a decoder stream per window)."""
+        return f"{walk_id}/{component}.{next(self._count)}"
+
+    def opened(self, hop_id: str) -> None:
+        with self._lock:
+            self._live.add(hop_id)
+            if self.is_abandoned:
+                walk_board().post(hop_id)
+
+    def ended(self, hop_id: str) -> None:
+        with self._lock:
+            self._live.discard(hop_id)
+            if self.is_abandoned:
+                walk_board().clear(hop_id)
+
+    def abandon(self) -> None:
+        with self._lock:
+            if self.is_abandoned:
+                return
+            self.is_abandoned = True
+            for hop_id in self._live:
+                walk_board().post(hop_id)
+
+
+async def send_hop(request, hops: Hops, hop_id: str):
+    """Send one component request (a BLS request, decoupled) and return its response iterator.
+
+    A walk that stops waiting while the request is in flight (its deadline, its client gone, a sibling's error:
+    the task awaiting here is cancelled) must still take the request's responses: in Triton 2.51 a BLS request
+    whose `async_exec` was abandoned before it answered keeps the calling model loaded at shutdown (the server
+    then waits its whole exit timeout; found with a whisper upload cancelled mid-walk, every run of three). So the
+    request runs on, shielded, and a thread reads its responses to their end and holds them (backends/bls.py)."""
+    hops.opened(hop_id)
+    sent = asyncio.ensure_future(request.async_exec(decoupled=True))
+    try:
+        return await asyncio.shield(sent)
+    except asyncio.CancelledError:
+        sent.add_done_callback(lambda _: threading.Thread(target=_drain, args=(sent, hops, hop_id),
+                                                          name=f"drain {hop_id}", daemon=True).start())
+        raise
+    except BaseException:
+        hops.ended(hop_id)
+        raise
+
+
+def _drain(sent: asyncio.Future, hops: Hops, hop_id: str) -> None:
+    try:
+        if not sent.cancelled() and sent.exception() is None:
+            responses = sent.result()
+            for _ in responses:
+                pass
+            KEEPER.hold(responses)
+    except Exception:  # noqa: BLE001 - nothing waits for it any more
+        logger.exception("reading the abandoned %s failed", hop_id)
+    finally:
+        hops.ended(hop_id)
+
+
+async def watch_client(responder: Responder, hops: Hops) -> None:
+    """Until cancelled (the walk's end): once the walk's client has gone, its hops in flight are abandoned."""
+    while not hops.is_abandoned:
+        await asyncio.sleep(WALK_CANCEL_POLL_S)
+        if responder.is_cancelled():
+            logger.info("[%s] client cancelled; its component requests in flight are cancelled",
+                        responder.request_id)
+            hops.abandon()
 
 
 class Received:

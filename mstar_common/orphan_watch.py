@@ -7,7 +7,8 @@ shared memory (and, on a GPU, its device memory). gdb showed why: a thread setti
 mutex. A watch thread in the stub would need that GIL, so the watch is a separate, tiny `/bin/sh` process: while
 the stub's parent is still the server that started it, it sleeps; once the stub is orphaned it gives the stub
 `grace_s` to end by itself, then sends it SIGKILL, and removes the stub's shared-memory region (the server,
-killed, could not). It exits when the stub does.
+killed, could not) and the server's walk cancel board. It exits when the stub does. It runs in a session of its
+own, so that a stop that kills the server's whole process group, stubs included, still leaves it to clean up.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ if [ -n "$region" ]; then
     for _ in 1 2 3 4 5 6 7 8 9 10; do [ -e /proc/"$stub" ] || break; sleep 0.5; done
     rm -f /dev/shm/"$region"
 fi
+rm -rf /dev/shm/mstar-walks-"$server"  # the server's walk cancel board (mstar_common/walk_cancel.py), if any
 exit 0
 """
 _REGION = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -47,7 +49,10 @@ def kill_when_orphaned(grace_s: float = GRACE_S) -> subprocess.Popen | None:
         return None
     args = ["/bin/sh", "-c", _WATCH, "orphan-watch", str(os.getppid()), str(os.getpid()), f"{grace_s:g}",
             stub_shm_region()]
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+    # A session of its own: a stop that kills the server's process group (mstar serve's, the tests' launcher)
+    # kills the stubs with it, and the watcher must outlive them to clean up after them.
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
+                            start_new_session=True)
 
 
 def stub_shm_region() -> str:

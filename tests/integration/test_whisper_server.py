@@ -190,3 +190,67 @@ def test_bench_smoke_against_this_server(asr, tmp_path):
         ("mstar-triton", "itl", 1), ("mstar-triton", "rtfx", 1), ("mstar-triton", "rtfx", 2),
         ("hf-pipeline", "rtfx", 1)]
     assert all(r["errors"] == 0 and r["value"] > 0 for r in results)
+
+
+def test_a_client_that_leaves_stops_its_windows_decoders_and_the_server_still_stops_at_once(tmp_path):
+    """Each window of an upload is a decoder stream the walk opened over BLS, which Triton 2.51 cannot cancel.
+    A client that cancels its stream after the first response: the walk posts the streams in flight on the
+    cancel board and the decoder stops them at its next step, so it steps far fewer tokens than the same
+    upload transcribed to its end, and holds nothing afterwards. The walk's encoder calls still in flight are
+    read to their end: abandoned, they kept the walk model loaded at shutdown, which then took the whole exit
+    timeout (every run of three before the fix)."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    def transcribe_over_grpc(asr: Served, leave_after_first: bool) -> float:
+        def decoder(name: str) -> float:
+            text = httpx.get(asr.metrics_url, timeout=5).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + "{") and 'decoder"' in line)
+
+        before = decoder("mstar_engine_tokens_stepped_total")
+        client = grpcclient.InferenceServerClient(asr.grpc_url)
+        first, done = threading.Event(), threading.Event()
+
+        def on_response(result, error):
+            first.set()
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                done.set()
+
+        client.start_stream(callback=on_response)
+        try:
+            client.async_stream_infer(asr.entry, make_inputs(audio=wav(pcm), language="en"),
+                                      enable_empty_final_response=True)
+            assert (first if leave_after_first else done).wait(180)
+        finally:
+            client.stop_stream(cancel_requests=leave_after_first)
+            client.close()
+        started, last = time.monotonic(), None
+        while time.monotonic() - started < 60:  # until the decoder is idle: nothing running, no new steps
+            now = (decoder("mstar_requests_running"), decoder("mstar_engine_tokens_stepped_total"))
+            if now == last and now[0] == 0:
+                break
+            last = now
+            time.sleep(0.5)  # several metrics periods
+        assert last is not None and last[0] == 0
+        return last[1] - before
+
+    pcm = np.concatenate([clip(i, 29) for i in range(3)])  # three windows
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    raw["limits"]["max_upload_s"] = MAX_UPLOAD_S
+    dep = deployment_from_dict(raw, source="whisper.yaml")
+    with serve_deployment(dep, tmp_path, "whisper.yaml") as asr:
+        whole = transcribe_over_grpc(asr, leave_after_first=False)
+        cut = transcribe_over_grpc(asr, leave_after_first=True)
+        stopping = time.monotonic()
+    stopped_s = time.monotonic() - stopping  # the proxy's stop, then tritonserver's (SIGTERM; SIGKILL after 25 s)
+    # On the dev machine: 508 tokens whole; 15-60ish cut, against 127 before the board (the window then being
+    # decoded ran to its end; the decoder never saw a cancel).
+    assert 0 < cut < whole / 2, (cut, whole)
+    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+    stopped_streams = [line for line in log.splitlines()
+                       if "/decoder." in line and "client cancelled; freeing its resources" in line]
+    assert stopped_streams, "no decoder stream of the walk was cancelled"
+    assert f"successfully unloaded '{asr.entry}'" in log, "the walk model was never unloaded"
+    assert stopped_s < 15, f"stopping took {stopped_s:.1f} s"

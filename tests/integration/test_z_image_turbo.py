@@ -86,7 +86,8 @@ def test_native_generate_and_sdk(served_images):
 def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
     """The walk router's own admission (cap 1 + queue 1 here: the third of three at once is overloaded, a 429
     through the proxy) and deadline (a Triton client's timeout ends the request with deadline_exceeded when it
-    passes, not when the work is done)."""
+    passes, not when the work is done). The walk hands its deadline on to its component requests, so the denoise
+    component drops the work at its next step (counted as expired) instead of running it to the end."""
     import queue
     import threading
     import time
@@ -112,6 +113,7 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
             thread.join(120)
         codes = sorted(r.status_code for r in replies)
         assert codes == [200, 200, 429], [r.text for r in replies]
+        work_s = min(r.elapsed.total_seconds() for r in replies if r.status_code == 200)
         assert "cap of 1 running and 1 queued" in next(r for r in replies if r.status_code == 429).text
 
         inputs = []
@@ -132,6 +134,71 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         client.close()
         assert error is not None and "deadline_exceeded" in str(error) and "0.3 s" in str(error)
         assert at - started < 1.2  # the work itself takes several seconds on this machine
-        time.sleep(5)  # the abandoned work ends; the server serves on
+        expired_at = None
+        while time.monotonic() - at < work_s:
+            denoise = denoise_metrics(served.metrics_url)
+            if denoise == {"mstar_requests_expired_total": 1.0, "mstar_requests_running": 0.0}:
+                expired_at = time.monotonic()
+                break
+            time.sleep(0.05)
+        assert expired_at is not None, (denoise, work_s)  # dropped well before the work would have ended
+        assert expired_at - at < max(2.0, work_s / 2), (expired_at - at, work_s)
         ok = httpx.post(url, json={"model": served.dep.name, "prompt": "x", "size": "64x64"}, timeout=60)
         assert ok.status_code == 200, ok.text
+
+
+def denoise_metrics(url: str) -> dict[str, float]:
+    """The denoise component's expired count and running gauge, from Triton's /metrics."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("mstar_requests_expired_total", "mstar_requests_running") and 'denoise"' in line:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_clients_that_leave_stop_the_components_work(served_images):
+    """Triton 2.51 cannot cancel the walk's BLS requests: when a client leaves mid-request, the walk posts its hops
+    on the cancel board and the denoise component drops the job at its next step. Four clients of 4 images x 50
+    steps each leave after 0.3 s (the whole work takes ~3 s here): far fewer than their 800 rows are stepped,
+    and nothing is held afterwards."""
+    import threading
+    import time
+
+    import httpx
+
+    def denoise(name: str) -> float:
+        text = httpx.get(served_images.metrics_url, timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and 'denoise"' in line)
+
+    url = served_images.proxy_url + "/v1/images/generations"
+    body = {"model": served_images.dep.name, "prompt": "a cat", "size": "256x256", "n": 4, "num_inference_steps": 50}
+    before = denoise("mstar_engine_rows_stepped_total")
+    outcomes: list[str] = []
+
+    def leave_early() -> None:
+        try:
+            httpx.post(url, json=body, timeout=httpx.Timeout(60, read=0.3))
+            outcomes.append("answered")
+        except httpx.ReadTimeout:
+            outcomes.append("left")
+
+    clients = [threading.Thread(target=leave_early) for _ in range(4)]
+    started = time.monotonic()
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(60)
+    while denoise("mstar_requests_running") > 0 and time.monotonic() - started < 60:
+        time.sleep(0.05)
+    stopped_after_s = time.monotonic() - started
+    time.sleep(0.3)  # a metrics period: the last steps' count is in
+    stepped = denoise("mstar_engine_rows_stepped_total") - before
+    assert outcomes == ["left"] * 4
+    assert denoise("mstar_requests_running") == 0
+    assert 0 < stepped < 4 * 4 * 50 / 2, (stepped, stopped_after_s)
+    ok = httpx.post(url, timeout=60, json={"model": served_images.dep.name, "prompt": "x", "size": "64x64"})
+    assert ok.status_code == 200, ok.text

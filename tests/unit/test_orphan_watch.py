@@ -4,6 +4,7 @@ stub must be when its server is gone; one whose parent lives is left alone, and 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -53,22 +54,28 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 def _start(mode: str) -> tuple[subprocess.Popen, int, int]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, mode], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     child, watcher = map(int, parent.stdout.readline().split())
     return parent, child, watcher
 
 
 @pytest.mark.parametrize("mode", ["wedged", "idle"])
 def test_an_orphan_is_killed_after_its_grace_even_when_wedged(mode):
+    from mstar_common.walk_cancel import CancelBoard, board_dir
+
     parent, child, watcher = _start(mode)
+    board = CancelBoard(board_dir(parent.pid))  # the dead server's walk cancel board goes with it
     try:
+        board.post("req#1.0/denoise")
         time.sleep(1.5)
         assert _alive(child) and _alive(watcher)  # the parent lives: the watch keeps still
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         assert _wait_gone(child, 10), "the orphan was not ended"
         assert _wait_gone(watcher, 5), "the watcher outlived the stub"
+        assert not os.path.exists(board.directory)
     finally:
+        board.remove()
         if parent.poll() is None:
             parent.kill()
 
@@ -82,3 +89,22 @@ def test_the_watcher_ends_with_a_stub_that_ends_normally():
         assert _wait_gone(watcher, 5)
     finally:
         parent.kill()
+
+
+def test_a_process_group_kill_leaves_the_watcher_to_clean_up():
+    """`mstar serve` and the tests' launcher stop a server by killing its process group, stubs included: the
+    watcher, in a session of its own, survives that and removes what the server left (its walk cancel board)."""
+    from mstar_common.walk_cancel import CancelBoard, board_dir
+
+    parent, child, watcher = _start("idle")
+    board = CancelBoard(board_dir(parent.pid))
+    try:
+        board.post("req#1.0/denoise")
+        time.sleep(0.5)
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        assert _wait_gone(child, 5), "the group kill missed the child"
+        assert _wait_gone(watcher, 10), "the watcher did not end after the stub"
+        assert not os.path.exists(board.directory)
+    finally:
+        board.remove()

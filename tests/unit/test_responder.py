@@ -35,8 +35,11 @@ class Sender:
 
 
 class Request:
-    def __init__(self, names):
-        self.names, self.sender = names, Sender()
+    def __init__(self, names, request_id="r"):
+        self.names, self.sender, self.id = names, Sender(), request_id
+
+    def request_id(self):
+        return self.id
 
     def get_response_sender(self):
         return self.sender
@@ -114,3 +117,47 @@ def test_no_thread_asks_the_sender_after_the_final_nor_during_another_call(respo
     r.send_chunk(OUTPUTS)
     r.send_final(OUTPUTS)
     assert len(sender.calls) == 2  # nothing after the FINAL
+
+
+def test_a_walks_component_request_is_cancelled_once_the_walk_posts_it(responder, monkeypatch, tmp_path):
+    """Triton 2.51 cannot cancel a BLS request: a walk whose client went away posts its hops' ids on the cancel
+    board (mstar_common/walk_cancel.py), and the component's Responder reads it as a cancel; a request whose id
+    is not a hop's, or another hop, is not touched."""
+    from mstar_common.walk_cancel import CancelBoard
+
+    board = CancelBoard(str(tmp_path / "board"))
+    monkeypatch.setattr(responder, "_BOARD", board)
+
+    class Live(Sender):
+        def is_cancelled(self):
+            return False
+
+    def made(request_id):
+        request = Request([], request_id)
+        request.sender = Live()
+        return responder.Responder(request, request_id + "#0")
+
+    hop, other_hop, direct = made("req#7.0/denoise"), made("req#7.1/denoise"), made("req")
+    assert not hop.is_cancelled() and not other_hop.is_cancelled()
+    board.post("req#7.0/denoise")
+    board.post("req")  # not a hop's form: never asked
+    assert hop.is_cancelled() and not other_hop.is_cancelled() and not direct.is_cancelled()
+    board.clear("req#7.0/denoise")
+    assert not hop.is_cancelled()
+    board.remove()
+    assert not (tmp_path / "board").exists()
+
+
+def test_the_cancel_board_exists_only_while_something_is_posted(tmp_path):
+    from mstar_common.walk_cancel import CancelBoard
+
+    board = CancelBoard(str(tmp_path / "board"))
+    board.post("a/x.0")
+    board.post("a/x.1")
+    board.clear("a/x.0")
+    assert board.is_posted("a/x.1") and not board.is_posted("a/x.0")
+    board.clear("a/x.1")
+    assert not (tmp_path / "board").exists()
+    board.clear("a/x.1")  # twice: nothing to do
+    board.post("b/y.0")  # and back
+    assert board.is_posted("b/y.0")
