@@ -206,6 +206,12 @@ print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper'
   MSTAR_BENCH_LOG_DIR=$OUT timeout 240 $PY scripts/bench_whisper.py --baseline-concurrency "" \
     --out "$OUT/whisper_served.json" || echo "STAGE FAILED: whisper served"
   stage "whisper: transformers pipeline baseline"
+  # It writes its WAV uploads with soundfile, which the image's Python lacks: take the server's wheels from .device/
+  # (batch 64 of large-v3 needs more than an H100's 80 GB: WHISPER_BASELINE_C=1,16 there).
+  if ! $IMAGE_PY -c "import soundfile" 2>/dev/null && ls .device/soundfile-*.whl >/dev/null 2>&1; then
+    $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/soundfile-*.whl \
+      .device/cffi-*.whl .device/pycparser-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
+  fi
   timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 --baseline-concurrency ${WHISPER_BASELINE_C:-1,16,64} \
     --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
 fi
