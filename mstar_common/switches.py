@@ -5,8 +5,8 @@ Most of them are read where they act: at each launch, so at a graph's capture, o
 misspelt value would then fail only there: on the CPU, or without captured graphs, at a user's request. The
 engine instead reads every one of them when it is built, through the same parser the code uses, so the model is
 refused at load with each bad switch named beside its rule (`check_switches`). Kernel switches are checked where
-Triton imports (elsewhere their kernels never run). `MSTAR_DECODE_FORM` and `MSTAR_SWITCH_INTERVAL_MS` are
-already read at load (when mstar_common/engine/attention.py is imported; when the stub starts).
+Triton imports (elsewhere their kernels never run). `MSTAR_DECODE_FORM` is already read at load (when
+mstar_common/engine/attention.py is imported). `mstar serve` calls `check_switches` too, before it starts anything.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ BOOLEAN_SWITCHES = {
     "MSTAR_DECODE_PREFETCH_L2": False,
     "MSTAR_PROLOGUE_AHEAD": True,
     "MSTAR_TOP_P_REJECT": True,
+    "MSTAR_TOP_P_KERNEL": True,
+    "MSTAR_TOP_P_FAST": True,
+    "MSTAR_TOP_K_FINE": True,
     "MSTAR_DENOISE_EXACT_BATCHES": True,
     "MSTAR_DIFFUSION_KERNELS": True,
 }
@@ -47,11 +50,13 @@ BOOLEAN_SWITCHES = {
 
 def _parsers() -> list[Callable[[], object]]:
     """The parsers of the switches that take more than 0 or 1, as the code calls them."""
-    from mstar_common import pdl_switches, stall_watch
+    from mstar_common import gil, pdl_switches, stall_watch
+    from mstar_common.diffusion import attention as dit_attention
     from mstar_common.engine import flashinfer_backend, output_pump
     from mstar_common.layers import decoder, linear
 
-    parsers = [stall_watch.stall_exit_s, pdl_switches.max_rows, pdl_switches.trigger_mode, linear.mid_gemm_rows,
+    parsers = [gil.switch_interval_s, dit_attention.sdpa_backends,
+               stall_watch.stall_exit_s, pdl_switches.max_rows, pdl_switches.trigger_mode, linear.mid_gemm_rows,
                linear.mid_gemm_kinds, linear.mid_gemm_folds, linear.gemv_max_rows, linear.forced_gemv_settings,
                decoder.fused_mlp_rows, decoder.fused_mlp_options, decoder.norm_gemv_mode,
                flashinfer_backend.prefill_kernel_family, output_pump.pump_shards]
@@ -86,7 +91,13 @@ def check_switches(model: torch.nn.Module | None = None) -> None:
             env_switch(name, default)
         except ValueError as exc:
             problems.append(str(exc))
-    for parse in _parsers():
+    try:
+        parsers = _parsers()
+    except ValueError as exc:  # a kernel module reads its 0/1 switches at import: refused above already
+        parsers = []
+        if str(exc) not in problems:
+            problems.append(str(exc))
+    for parse in parsers:
         try:
             parse()
         except ValueError as exc:

@@ -32,8 +32,6 @@ search's 95 / 196 / 624 / 2,442.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +53,7 @@ from mstar_kernels.top_k_top_p import (
     top_k_top_p,
 )
 
-_SORT_FREE_FILTER = os.environ.get("MSTAR_TOP_P_KERNEL", "1") != "0"  # docs/deployment.md "Kernel switches"
+_SORT_FREE_FILTER = env_switch("MSTAR_TOP_P_KERNEL", True)  # docs/deployment.md "Kernel switches"
 _REJECT = env_switch("MSTAR_TOP_P_REJECT", True)  # docs/deployment.md "Kernel switches"
 REJECT_CANDIDATES = 8
 

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_common.config import env_switch
+
 MAX_VOCAB = 32768
 _BITS_OF_ONE = tl.constexpr(0x3F800000)  # 1.0f; every e = exp(logit - max) lies in [0, 1]
 
@@ -120,11 +122,11 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 CHUNK = 4096  # columns per program
 SUB = 512  # columns compared against the candidates at once
 FINE = 128  # the blocks whose maxima bound a top-k above half the row's SUB-column blocks ...
-FINE_BOUND = os.environ.get("MSTAR_TOP_K_FINE", "1") != "0"  # ... unless off (docs/deployment.md "Kernel switches")
+FINE_BOUND = env_switch("MSTAR_TOP_K_FINE", True)  # ... unless off (docs/deployment.md "Kernel switches")
 CANDIDATES = 16  # patterns per step: the interval shrinks 16-fold a launch
 FAST_CAP_CHUNK = 128  # the fast path's gathered tokens a chunk ...
 FAST_CAP = 1024  # ... and a row; a row with more is left to the search
-FAST_PATH = os.environ.get("MSTAR_TOP_P_FAST", "1") != "0"  # docs/deployment.md "Kernel switches"
+FAST_PATH = env_switch("MSTAR_TOP_P_FAST", True)  # docs/deployment.md "Kernel switches"
 
 
 SEARCH_PROGRAMS_PER_SM = 8  # the default spread of a search launch (H200: 1,056 programs)

@@ -1,17 +1,22 @@
-"""Input safety rules every route applies to media references and uploads (400/413 naming the rule).
+"""The rule for media given by URL (a 400 naming the field), for the routes that take one.
+
+No route takes a media URL yet: the spec's are the voice-cloning TTS families' `ref_audio`, which are not built.
+Media come inline today (base64 fields, multipart uploads), so `limits.allow_remote_urls` has no effect yet.
 
 - A request never makes the server read its own files: `file:` URLs and bare paths are refused, whatever the
-  setting. Media come inline (`data:` URLs, base64 fields, multipart uploads).
+  setting.
 - `http(s)` URLs are refused unless the deployment enables them (`limits.allow_remote_urls`, or
-  `MSTAR_ALLOW_REMOTE=1` for the proxy); a failed fetch names the status, never a server path.
-- Uploads longer than `limits.max_upload_s` seconds of media are refused before they are decoded further.
+  `MSTAR_ALLOW_REMOTE=1` for the proxy).
+
+The length of an upload (`limits.max_upload_s`) is checked where the audio is decoded: the whisper walk (a 400
+naming `file`).
 """
 
 from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from mstar_common.proxy.errors import APIError, invalid_request
+from mstar_common.proxy.errors import invalid_request
 
 REMOTE_SCHEMES = ("http", "https")
 
@@ -32,8 +37,3 @@ def check_media_url(url: str, field: str, allow_remote: bool) -> str:
     raise invalid_request(f"'{field}': only data: URLs{' and http(s) URLs' if allow_remote else ''} are accepted; "
                           "server-side files are never read", param=field)
 
-
-def check_upload_duration(seconds: float, field: str, max_upload_s: float) -> None:
-    if not seconds <= max_upload_s:  # also refuses NaN
-        raise APIError(413, f"'{field}': {seconds:.1f} s of media exceeds the limit of {max_upload_s:g} s",
-                       param=field)

@@ -32,10 +32,12 @@ REFUSED = {
     "MSTAR_FLASHINFER_PREFILL": ("fa4", "must be auto, fa2 or fa3"),
     "MSTAR_STALL_EXIT_S": ("2", "expected 0 (off) or seconds in [5, 3600]"),
     "MSTAR_PUMP_SHARDS": ("0", "expected a whole number of pumps in [1, 16]"),
+    "MSTAR_DIT_ATTENTION": ("bogus", "expected one of auto, cudnn, flash, efficient"),
+    "MSTAR_SWITCH_INTERVAL_MS": ("1000", "must be between 0.05 and 100.0 milliseconds"),
 }
 # parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
-# already), by the image families' DiT, and by the BLS scripts
-NOT_THE_ENGINES = {"MSTAR_DECODE_FORM", "MSTAR_DIT_ATTENTION", "MSTAR_BLS_HOLD_S"}
+# already), and by the BLS scripts
+NOT_THE_ENGINES = {"MSTAR_DECODE_FORM", "MSTAR_BLS_HOLD_S"}
 
 
 @pytest.fixture
@@ -135,3 +137,18 @@ def test_a_pdl_kind_that_names_no_kernel_of_the_model_is_warned_of(clean_env, tm
     warned = [r.getMessage() for r in caplog.records if "names no kernel" in r.getMessage()]
     assert [w.split(" names")[0] for w in warned] == ["MSTAR_PDL_AHEAD_OF: o_prj", "MSTAR_PDL_SKIP: mid:qkv"]
     assert "qkv_proj" in warned[0] and "Qwen3" in warned[0]
+
+
+def test_a_kernel_modules_switch_read_at_import_is_named_like_the_others(clean_env):
+    """MSTAR_TOP_P_FAST and its neighbours are read when their kernel module is imported (`=yes` used to be taken
+    as on): a bad value is refused in the same one message."""
+    pytest.importorskip("triton")
+    import sys
+
+    clean_env.setenv("MSTAR_TOP_P_FAST", "yes")
+    for name in [m for m in sys.modules if m.startswith("mstar_kernels")]:
+        clean_env.delitem(sys.modules, name)
+    with pytest.raises(ValueError) as raised:
+        check_switches()
+    assert str(raised.value) == ("environment switches refused (docs/deployment.md): "
+                                 "MSTAR_TOP_P_FAST='yes': expected 0 or 1")
