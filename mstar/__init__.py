@@ -1,5 +1,15 @@
 """The M* SDK: `from mstar import MStarClient`."""
 
-from mstar_common.client import ChatEvent, ChatResult, MStarClient, MStarError, TranscriptionEvent, TranscriptionResult
+from mstar_common.client import (
+    ChatEvent,
+    ChatResult,
+    EventStream,
+    MStarClient,
+    MStarConnectionError,
+    MStarError,
+    TranscriptionEvent,
+    TranscriptionResult,
+)
 
-__all__ = ["ChatEvent", "ChatResult", "MStarClient", "MStarError", "TranscriptionEvent", "TranscriptionResult"]
+__all__ = ["ChatEvent", "ChatResult", "EventStream", "MStarClient", "MStarConnectionError", "MStarError",
+           "TranscriptionEvent", "TranscriptionResult"]

@@ -48,8 +48,10 @@ def cmd_gen_repo(args: argparse.Namespace) -> int:
 
 def cmd_build_checkpoint(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
-    from mstar_common.families.registry import get_family
+    from mstar_common.families.registry import family_names, get_family
 
+    if args.family not in family_names():
+        raise DeploymentError(f"unknown family {args.family!r}; available: {family_names()}")
     family = get_family(args.family)
     path = resolve_checkpoint(args.checkpoint, family.builtin_checkpoints)
     print(path)
@@ -59,7 +61,7 @@ def cmd_build_checkpoint(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
-    from mstar_common.launcher import Ports, start_proxy, stop_process, wait_ready
+    from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
     from mstar_common.repository import entry_model, generate_repository
     from mstar_common.supervisor import TritonSupervisor
     from mstar_common.switches import check_switches
@@ -89,6 +91,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if len({ports.http, ports.grpc, ports.metrics, ports.proxy}) < 4:
         raise DeploymentError(f"the ports must differ: Triton HTTP {ports.http}, gRPC {ports.grpc}, metrics "
                               f"{ports.metrics}, proxy {ports.proxy} (server.*_port and the --*port options)")
+    # Another server on one of them would answer this one's readiness checks, and this one would report itself
+    # serving while its own tritonserver or proxy had failed to bind.
+    wanted = [("Triton HTTP", ports.http, "--http-port"), ("Triton gRPC", ports.grpc, "--grpc-port"),
+              ("Triton metrics", ports.metrics, "--metrics-port")]
+    if not args.no_proxy:
+        wanted.append(("proxy", ports.proxy, "--port"))
+    if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
+        raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

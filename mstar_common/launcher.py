@@ -149,6 +149,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_in_use(port: int, host: str = "") -> bool:
+    """Whether something listens on `port` (at `host`; "" is every address, which any listener on the port blocks).
+    A port left in TIME_WAIT by a server that just stopped counts as free, as it does for the servers' own bind."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def bare_triton(repo: Path, log_path: Path, extra_args: tuple[str, ...] = (), timeout: float = 120.0) -> Iterator[str]:
     """A tritonserver on a throwaway model repository (the platform probes in scripts/): yields its gRPC address,

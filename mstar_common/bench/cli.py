@@ -286,6 +286,10 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
         if on_run is not None:
             on_run(runs)
         s = summary
+        failed = [r.error for r in records if r.error]
+        if failed and len(failed) == len(records):
+            run["all_failed"] = True  # cmd_url / cmd_serve exit 1
+            print(f"[bench] {target:6s} {load}: every request failed; the first error: {failed[0]}", flush=True)
         print(f"[bench] {target:6s} {load}: {s['num_requests']} req, {s['output_tok_per_s']:,.0f} tok/s, "
               f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_ms(s['itl_ms']['p50'])}/"
               f"{_ms(s['itl_ms']['p99'])} ms, errors {s['num_errors']}"
@@ -299,7 +303,8 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
         return driver.run(batch, **load)
 
     def levels(target: str, driver, concurrencies: list[int], rates: list[float]) -> None:
-        driver.run(requests(args.warmup), concurrency=args.warmup)  # warm-up, not recorded (the proxy's: its channel)
+        if args.warmup:  # warm-up, not recorded (the proxy's: its channel)
+            driver.run(requests(args.warmup), concurrency=args.warmup)
         for conc in concurrencies:
             count = max(args.min_requests, args.requests_per_level * conc)
             record(target, measured(driver, requests(count), concurrency=conc), concurrency=conc)
@@ -408,7 +413,7 @@ def _serve(args) -> int:
     for line in comparisons(model):
         print(f"[bench] {args.name}: {line}", flush=True)
     Path(args.out).write_text(json.dumps(model, indent=1))
-    return 0
+    return _exit_status(model.get("runs", []))
 
 
 def _check_requests(args) -> list[dict]:
@@ -575,14 +580,28 @@ def cmd_url(args) -> int:
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics, on_run=_saver(model, args.out))
     Path(args.out).write_text(json.dumps(model, indent=1))
+    return _exit_status(model["runs"])
+
+
+def _exit_status(runs: list[dict]) -> int:
+    """1 (with a line saying so) when a level had no request succeed: its figures measure nothing."""
+    if failed := [run for run in runs if run.get("all_failed")]:
+        print(f"mstar bench: error: {len(failed)} level(s) had no request succeed (their first errors above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_report(args) -> int:
     models = {}
     for path in args.inputs:
-        model = json.loads(Path(path).read_text())
-        models[model["name"]] = model
+        try:
+            model = json.loads(Path(path).read_text())
+            models[model["name"]] = model
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"mstar bench: error: {path}: not a results file of `mstar bench` ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+            return 2
     results = {"meta": meta(args.command_line), "models": models}
     for path in write_report(results, args.out):
         print(f"[bench] wrote {path}")
@@ -655,6 +674,30 @@ def _positive(value: str) -> float:
     return number
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= `low`."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, not {value!r}")
+        return number
+    return parse
+
+
+def _rate(value: str) -> float:
+    """An argparse type: a finite number > 0 (a Poisson rate, seconds)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not 0 < number < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {value!r}")
+    return number
+
+
 def _processes(value: str) -> int | str:
     if value == "auto" or (value.isdigit() and int(value) >= 1):
         return value if value == "auto" else int(value)
@@ -693,28 +736,29 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "--slo-tpot-ms: both); each level then reports the share that met it and the goodput")
     p.add_argument("--slo-tpot-ms", type=_positive, default=None,
                    help="... and its mean time per output token after the first within this many ms")
-    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
-    p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
+    p.add_argument("--concurrency", type=_at_least(1), nargs="*", default=[1, 8, 64])
+    p.add_argument("--rates", type=_rate, nargs="*", default=[], help="Poisson arrival rates (req/s) against Triton")
     p.add_argument("--triton-outputs", default="all", choices=("all", "token_ids"),
                    help="the outputs the Triton levels' client asks for: all of the entry model's (what a client "
                         "that names none gets), or only the token ids, which is all the benchmark reads (the "
                         "component then builds one tensor per response instead of five)")
-    p.add_argument("--proxy-concurrency", type=int, nargs="*", default=[])
-    p.add_argument("--proxy-rates", type=float, nargs="*", default=[])
+    p.add_argument("--proxy-concurrency", type=_at_least(1), nargs="*", default=[])
+    p.add_argument("--proxy-rates", type=_rate, nargs="*", default=[])
     p.add_argument("--client-processes", default="auto", type=_processes,
                    help="client processes for the proxy levels (auto: one per 16 closed-loop streams, at most half "
                         "the CPUs; one process of httpx saturates a core at ~17,000 SSE events/s)")
-    p.add_argument("--requests-per-level", type=int, default=2, help="closed loop: requests = this x concurrency")
-    p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--poisson-seconds", type=float, default=4.0, help="Poisson: requests = rate x this")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--requests-per-level", type=_at_least(1), default=2,
+                   help="closed loop: requests = this x concurrency")
+    p.add_argument("--min-requests", type=_at_least(1), default=4)
+    p.add_argument("--poisson-seconds", type=_rate, default=4.0, help="Poisson: requests = rate x this")
+    p.add_argument("--warmup", type=_at_least(0), default=2)
     p.add_argument("--out", required=True)
 
 
 def add_baseline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--floor", action="store_true", help="measure read bandwidth and the weight-streaming floor")
     p.add_argument("--hf-baseline", action="store_true", help="time HF generate on the same checkpoint")
-    p.add_argument("--hf-batch", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--hf-batch", type=_at_least(1), nargs="*", default=[1, 64])
     p.add_argument("--hf-output-len", type=int, default=None)
     p.add_argument("--hf-repeats", type=int, default=3,
                    help="timed HF generate runs per batch size; the fastest is the baseline")

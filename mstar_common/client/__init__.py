@@ -2,6 +2,7 @@
 
 from mstar_common.client.client import MStarClient
 from mstar_common.client.transcription import TranscriptionEvent, TranscriptionResult
-from mstar_common.client.types import ChatEvent, ChatResult, MStarError
+from mstar_common.client.types import ChatEvent, ChatResult, EventStream, MStarConnectionError, MStarError
 
-__all__ = ["ChatEvent", "ChatResult", "MStarClient", "MStarError", "TranscriptionEvent", "TranscriptionResult"]
+__all__ = ["ChatEvent", "ChatResult", "EventStream", "MStarClient", "MStarConnectionError", "MStarError",
+           "TranscriptionEvent", "TranscriptionResult"]

@@ -17,7 +17,7 @@ import httpx
 from mstar_common.client.images import ImageMethods
 from mstar_common.client.speech import SpeechMethods
 from mstar_common.client.transcription import TranscriptionMethods
-from mstar_common.client.types import ChatEvent, ChatResult, MStarError
+from mstar_common.client.types import ChatEvent, ChatResult, EventStream, MStarConnectionError, MStarError
 
 _STATUS_BY_TYPE = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
 
@@ -40,7 +40,7 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
     def chat(
         self, prompt_or_messages: str | list[dict[str, Any]], stream: bool = False, *, model: str | None = None,
         **knobs: Any,
-    ) -> ChatResult | Iterator[ChatEvent]:
+    ) -> ChatResult | EventStream[ChatEvent]:
         """Chat with the model (its chat template applies). `knobs` are generation knobs (max_tokens,
         temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ignore_eos, enable_thinking,
         chat_template_kwargs, return_token_ids)."""
@@ -52,12 +52,13 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
 
     def generate(
         self, text: str, stream: bool = False, *, model: str | None = None, **model_kwargs: Any
-    ) -> ChatResult | Iterator[ChatEvent]:
-        """Native /generate with `text` and `model_kwargs`."""
+    ) -> ChatResult | EventStream[ChatEvent]:
+        """Native /generate with `text` and `model_kwargs`. On a text model `text` is the user's message: the chat
+        template applies as in `chat` (so do `enable_thinking` and `chat_template_kwargs`)."""
         return self._generate({"text": text, "model_kwargs": model_kwargs}, stream, model)
 
     def models(self) -> list[str]:
-        return [card["id"] for card in self._json(self._http.get("/v1/models"))["data"]]
+        return [card["id"] for card in self._json(self._call(self._http.build_request("GET", "/v1/models")))["data"]]
 
     def health(self) -> bool:
         """True when the proxy reports Triton live and every served model ready."""
@@ -78,13 +79,14 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
 
     # internals
 
-    def _generate(self, payload: dict[str, Any], stream: bool, model: str | None) -> ChatResult | Iterator[ChatEvent]:
+    def _generate(self, payload: dict[str, Any], stream: bool, model: str | None
+                  ) -> ChatResult | EventStream[ChatEvent]:
         body = {**payload, "streaming": stream, "output_modalities": ["text"]}
         if model or self.model:
             body["model"] = model or self.model
         if stream:
             return self._stream(body)
-        data = self._json(self._http.post("/generate", json=body))
+        data = self._json(self._post(json=body))
         return ChatResult(
             text="".join(data["outputs"]["text"]),
             finish_reason=data["finish_reason"],
@@ -92,19 +94,45 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
             token_ids=data.get("token_ids"),
         )
 
-    def _stream(self, body: dict[str, Any]) -> Iterator[ChatEvent]:
-        response = self._http.send(self._http.build_request("POST", "/generate", json=body), stream=True)
+    def _stream(self, body: dict[str, Any]) -> EventStream[ChatEvent]:
+        response = self._open_stream(json=body)
+        return EventStream(response, _events(response))
+
+    def _post(self, **content: Any) -> httpx.Response:
+        """POST /generate (`content`: httpx's json=, or data= and files=)."""
+        return self._call(self._build(content))
+
+    def _open_stream(self, **content: Any) -> httpx.Response:
+        """POST /generate and return the response once its status says it streams (else its MStarError)."""
+        response = self._call(self._build(content), stream=True)
         if response.status_code != 200:
             response.read()
             response.close()
             raise _error(response)
-        return _events(response)
+        return response
+
+    def _build(self, content: dict[str, Any]) -> httpx.Request:
+        try:
+            return self._http.build_request("POST", "/generate", **content)
+        except (ValueError, TypeError) as exc:  # e.g. a NaN knob (not JSON), a lone surrogate, an odd file object
+            raise MStarError(400, f"the request cannot be encoded: {exc}") from None
+
+    def _call(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        try:
+            return self._http.send(request, stream=stream)
+        except httpx.TimeoutException as exc:
+            raise MStarConnectionError(f"{request.url}: no answer within the client's timeout ({exc!r})") from None
+        except httpx.TransportError as exc:
+            raise MStarConnectionError(f"{request.url}: could not reach the server ({exc})") from None
 
     @staticmethod
     def _json(response: httpx.Response) -> dict[str, Any]:
         if response.status_code != 200:
             raise _error(response)
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise MStarError(502, f"{response.request.url}: the answer is not JSON (is this an M* proxy?)") from None
 
 
 def _events(response: httpx.Response) -> Iterator[ChatEvent]:

@@ -15,7 +15,7 @@ ImageInput = str | Path | bytes
 
 
 class ImageMethods:
-    """Mixed into MStarClient: uses its `_http`, `model` and `_json`."""
+    """Mixed into MStarClient: uses its `model`, `_post` and `_json`."""
 
     def generate_image(self, prompt: str, width: int | None = None, height: int | None = None,
                        seed: int | None = None, *, model: str | None = None, **model_kwargs: Any) -> bytes:
@@ -30,7 +30,7 @@ class ImageMethods:
         body: dict[str, Any] = {"text": prompt, "output_modalities": ["image"], "model_kwargs": kwargs}
         if model or self.model:
             body["model"] = model or self.model
-        return _images(self._json(self._http.post("/generate", json=body)))
+        return _images(self._json(self._post(json=body)))
 
     def edit_image(self, prompt: str, image: ImageInput | list[ImageInput], seed: int | None = None, *,
                    width: int | None = None, height: int | None = None, model: str | None = None,
@@ -43,7 +43,7 @@ class ImageMethods:
                 "model_kwargs": json.dumps(_knobs(width, height, seed, 1, model_kwargs))}
         if model or self.model:
             data["model"] = model or self.model
-        return _images(self._json(self._http.post("/generate", data=data, files=files)))[0]
+        return _images(self._json(self._post(data=data, files=files)))[0]
 
 
 def _knobs(width: int | None, height: int | None, seed: int | None, n: int, extra: dict[str, Any]) -> dict[str, Any]:

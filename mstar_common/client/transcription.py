@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from mstar_common.client.types import EventStream
+
 
 @dataclass(slots=True)
 class TranscriptionResult:
@@ -39,12 +41,12 @@ class TranscriptionEvent:
 
 
 class TranscriptionMethods:
-    """Mixed into MStarClient: uses its `_http`, `model` and `_json`."""
+    """Mixed into MStarClient: uses its `model`, `_post`, `_open_stream` and `_json`."""
 
     def transcribe(self, audio: str | Path | bytes, *, stream: bool = False, model: str | None = None,
                    language: str | None = None, task: str = "transcribe", prompt: str | None = None,
                    temperature: float | None = None, timestamps: bool = False, max_tokens: int | None = None,
-                   seed: int | None = None) -> TranscriptionResult | Iterator[TranscriptionEvent]:
+                   seed: int | None = None) -> TranscriptionResult | EventStream[TranscriptionEvent]:
         """Speech to text (`task="translate"`: to English). `audio`: a file path or the file's bytes (WAV,
         FLAC, OGG, MP3, ...). Uploads over 30 s are cut at quiet moments and transcribed in parallel."""
         data = Path(audio).read_bytes() if isinstance(audio, (str, Path)) else bytes(audio)
@@ -56,16 +58,9 @@ class TranscriptionMethods:
             form["model"] = model or self.model
         files = {"audio": ("audio", data, "application/octet-stream")}
         if stream:
-            from mstar_common.client.client import _error
-
-            request = self._http.build_request("POST", "/generate", data=form, files=files)
-            response = self._http.send(request, stream=True)
-            if response.status_code != 200:
-                response.read()
-                response.close()
-                raise _error(response)
-            return _events(response)
-        body = self._json(self._http.post("/generate", data=form, files=files))
+            response = self._open_stream(data=form, files=files)
+            return EventStream(response, _events(response))
+        body = self._json(self._post(data=form, files=files))
         return TranscriptionResult(text="".join(body["outputs"]["text"]), language=body.get("language", ""),
                                    duration=float(body.get("duration", 0.0)), finish_reason=body["finish_reason"],
                                    segments=body.get("segments", []), usage=body.get("usage", {}))

@@ -146,3 +146,21 @@ def test_sigterm_lets_a_walks_in_flight_request_finish(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_refuses_ports_already_in_use_before_starting(tmp_path):
+    """Another server on a port would answer this one's readiness checks: `mstar serve` used to say it was serving
+    while its own proxy had failed to bind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "mstar_common.cli", "serve", "qwen3", f"--port={port}",
+               *(f"--{name}={free_port()}" for name in ("http-port", "grpc-port", "metrics-port"))]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"mstar: error: port(s) already in use: proxy {port} (--port)" in out.stderr
+    assert "tritonserver starting" not in out.stdout

@@ -464,3 +464,38 @@ def test_gpu_memory_sums_every_gpu_and_a_failing_query_reads_none(monkeypatch, t
     assert gpu_memory.used_mib() == 2_000
     state.write_text("[N/A]\n")
     assert gpu_memory.used_mib() is None
+
+
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--concurrency", "-2", "must be an integer >= 1"),  # hung for good
+    ("--concurrency", "0", "must be an integer >= 1"),
+    ("--rates", "0", "must be a number > 0"),  # ZeroDivisionError in the arrival draw
+    ("--proxy-rates", "nan", "must be a number > 0"),
+    ("--requests-per-level", "0", "must be an integer >= 1"),
+])
+def test_levels_the_sweep_cannot_run_are_refused_by_the_parser(capsys, flag, value, rule):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(["url", "--grpc", "127.0.0.1:1", "--out", "x.json", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {rule}" in capsys.readouterr().err
+
+
+def test_a_report_of_files_that_are_not_results_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "dep.yaml").write_text("name: x\n")
+    for path in (tmp_path / "missing.json", tmp_path / "dep.yaml"):
+        assert bench_cli.main(["report", str(path), "--out", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mstar bench: error: {path}: not a results file") and "Traceback" not in err
+
+
+def test_a_level_where_every_request_failed_says_why_and_fails_the_command(capsys):
+    assert bench_cli._exit_status([{"target": "triton"}]) == 0
+    assert bench_cli._exit_status([{"target": "triton", "all_failed": True}]) == 1
+    assert "1 level(s) had no request succeed" in capsys.readouterr().err
+
+
+def test_build_checkpoint_names_an_unknown_family_in_one_line(capsys):
+    from mstar_common.cli import main
+
+    assert main(["build-checkpoint", "nofam", "builtin:qwen3-tiny"]) == 2
+    assert capsys.readouterr().err.startswith("mstar: error: unknown family 'nofam'; available: ['flux2_klein'")

@@ -67,3 +67,43 @@ def test_errors_raise_mstar_error():
     with pytest.raises(MStarError) as info:
         list(stream)
     assert info.value.status == 500 and "error id" in info.value.message
+
+
+def test_a_stream_dropped_before_it_is_read_closes_its_connection():
+    """The request is sent when the stream is made (a refusal raises there), so a stream the caller never iterates
+    must still close its connection when dropped: it used to hold it (and the server its request) for good."""
+    import gc
+
+    from mstar_common.client import EventStream
+
+    closed = []
+
+    class Response:
+        def close(self):
+            closed.append(True)
+
+    def events():
+        yield ChatEvent(text="x")
+
+    stream = EventStream(Response(), events())
+    del stream
+    gc.collect()
+    assert closed == [True]
+    client, _ = sdk()
+    with client.chat("Hi", stream=True) as stream:
+        first = next(stream)
+    assert first.text and isinstance(stream, EventStream)
+    with pytest.raises(StopIteration):
+        next(stream)  # closed: nothing more
+
+
+def test_transport_and_encoding_failures_are_sdk_errors():
+    from mstar_common.client import MStarConnectionError
+
+    with pytest.raises(MStarConnectionError) as info:
+        MStarClient("http://127.0.0.1:1", timeout=1).chat("x")
+    assert info.value.status == 0 and "could not reach" in info.value.message
+    client, _ = sdk()
+    with pytest.raises(MStarError) as info:
+        client.chat("x", temperature=float("nan"))
+    assert info.value.status == 400 and "cannot be encoded" in info.value.message
