@@ -197,8 +197,9 @@ class _Transcription:
             g.TIMESTAMPS: np.array([self.req.timestamps]),
             g.TEMPERATURE: np.array([temperature], np.float32),
         }
-        if self.req.max_tokens is not None:
-            inputs[g.MAX_TOKENS] = np.array([self.req.max_tokens], np.int32)
+        if self.req.max_tokens is not None:  # a cap: past the window's room it is the room (the client cannot know it)
+            room = self.tokens.max_length - len(prompt.prompt) - len(prompt.forced)
+            inputs[g.MAX_TOKENS] = np.array([max(1, min(self.req.max_tokens, room))], np.int32)
         if self.req.seed is not None and temperature > 0:
             inputs[g.SEED] = np.array([(self.req.seed + index) % 2**63], np.int64)
         tokens: list[int] = []

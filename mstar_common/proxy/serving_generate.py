@@ -146,6 +146,8 @@ async def generate(request: Request):
         return await serving_images.generate_native(request, ctx, image_model)
     if (asr_model := await serving_transcriptions.transcription_model_for(request, ctx)) is not None:
         return await serving_transcriptions.generate_native(request, ctx, asr_model)
+    if isinstance(name := await serving_transcriptions.requested_model(request), str) and name not in ctx.models:
+        ctx.resolve(name)  # a 404 naming it, before the body's parse (an upload would be refused as text-only)
     req = await read_generate_request(request)
     served = ctx.resolve(req.model, kinds=("text", *serving_speech.SPEECH_KINDS))
     if served.kind in serving_speech.SPEECH_KINDS:

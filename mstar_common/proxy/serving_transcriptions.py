@@ -118,16 +118,17 @@ async def read_form(request: Request, task: str) -> TranscriptionForm:
     return form_
 
 
-async def _upload(values: list[Any] | None) -> bytes:
+async def _upload(values: list[Any] | None, field: str = "file") -> bytes:
+    """The one audio upload in `field` (the route's name for it: `file`, /generate's `audio`)."""
     if not values:
-        raise invalid_request("'file' is required: the audio to transcribe, as a multipart upload", param="file")
+        raise invalid_request(f"'{field}' is required: the audio to transcribe, as a multipart upload", param=field)
     if len(values) > 1:
-        raise invalid_request(f"'file' was sent {len(values)} times; send one audio file", param="file")
+        raise invalid_request(f"'{field}' was sent {len(values)} times; send one audio file", param=field)
     if not isinstance(values[0], UploadFile):
-        raise invalid_request("'file' must be an uploaded file, not a text field", param="file")
+        raise invalid_request(f"'{field}' must be an uploaded file, not a text field", param=field)
     data = await values[0].read()
     if not data:
-        raise invalid_request("'file': the upload is empty", param="file")
+        raise invalid_request(f"'{field}': the upload is empty", param=field)
     return data
 
 
@@ -327,19 +328,24 @@ def _clock(seconds: float, decimal: str) -> str:
 _NATIVE_KWARGS = {"language", "task", "prompt", "temperature", "timestamps", "seed", "max_tokens"}
 
 
+async def requested_model(request: Request) -> Any:
+    """The `model` field of a /generate body (form or JSON), as sent; None where it has none or is not readable
+    (the route's own parse then says why)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in _FORM_TYPES:
+        return (await read_utf8_form(request)).get("model")
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return body.get("model") if isinstance(body, dict) else None
+
+
 async def transcription_model_for(request: Request, ctx: ServingContext):
     """The served transcription model a /generate request names (or the only served model), else None."""
     if not any(m.kind in TRANSCRIPTION_KINDS for m in ctx.models.values()):
         return None
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type in _FORM_TYPES:
-        name = (await read_utf8_form(request)).get("model")
-    else:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
-        name = body.get("model") if isinstance(body, dict) else None
+    name = await requested_model(request)
     if name is None and len(ctx.models) == 1:
         name = next(iter(ctx.models))
     served = ctx.models.get(name) if isinstance(name, str) else None
@@ -359,7 +365,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
     uploads = [v for key in ("audio", "files") for v in values.pop(key, [])]
     if len(uploads) != 1:
         raise invalid_request(f"'audio': send exactly one audio upload, got {len(uploads)}", param="audio")
-    audio = await _upload(uploads)
+    audio = await _upload(uploads, "audio")
     one = {key: _one(key, vals) for key, vals in values.items()}
     if unknown := sorted(set(one) - {"model", "text", "streaming", "model_kwargs", "input_modalities",
                                      "output_modalities"}):

@@ -127,3 +127,21 @@ def test_native_generate_with_an_audio_upload(app):
     error = client.post("/generate", data={**data, "model_kwargs": "{}"},
                         files={"audio": ("a.flac", b"fLaC", "audio/flac")}).json()["error"]
     assert error["param"] == "text"
+
+
+def test_an_upload_to_generate_naming_an_unknown_model_is_a_404(app):
+    """It used to be refused as an upload to a text-only server, on a server serving whisper."""
+    client, fake = app
+    before = len(fake.requests)
+    response = client.post("/generate", data={"model": "nope"}, files={"audio": ("a.wav", b"RIFF", "audio/wav")})
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and "'nope' does not exist" in error["message"]
+    assert len(fake.requests) == before
+
+
+def test_an_empty_upload_to_generate_is_named_as_sent(app):
+    client, _ = app
+    response = client.post("/generate", data={"model": "whisper"}, files={"audio": ("a.wav", b"", "audio/wav")})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "audio", response.text
+    assert response.json()["error"]["message"].startswith("'audio': the upload is empty")

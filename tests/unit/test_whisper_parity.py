@@ -136,6 +136,15 @@ def test_long_upload_windows_each_equal_transformers(local, reference):
     assert out["duration"] == pytest.approx(pcm.shape[0] / SR)
 
 
+def test_a_max_tokens_past_the_windows_room_is_that_room(local):
+    """A client cannot know how many decoder positions a window's prompt leaves: a larger `max_tokens` caps at
+    them (it used to reach the decoder and come back as `max_tokens: must be in [0, 124]`)."""
+    data = wav(clip(1, 5))
+    unset = asyncio.run(local.transcribe(audio=data, language="en"))
+    huge = asyncio.run(local.transcribe(audio=data, language="en", max_tokens=10**6))
+    assert huge["text_output"] == unset["text_output"] and huge["finish_reason"] == unset["finish_reason"]
+
+
 def test_streamed_deltas_join_to_the_final_text_and_batching_keeps_requests_apart(local):
     uploads = [wav(clip(i, 4 + 3 * i)) for i in range(8)]
     solo = [asyncio.run(local.transcribe(audio=data, language="en", max_tokens=32))["text_output"] for data in uploads]
