@@ -44,6 +44,9 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         """Chat with the model (its chat template applies). `knobs` are generation knobs (max_tokens,
         temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ignore_eos, enable_thinking,
         chat_template_kwargs, return_token_ids)."""
+        if "messages" in knobs:
+            raise TypeError("chat() takes the conversation as its first argument (a string or a list of messages); "
+                            "'messages' is not a knob")
         if isinstance(prompt_or_messages, str):
             messages = [{"role": "user", "content": prompt_or_messages}]
         else:

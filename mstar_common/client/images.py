@@ -32,12 +32,13 @@ class ImageMethods:
             body["model"] = model or self.model
         return _images(self._json(self._post(json=body)))
 
-    def edit_image(self, prompt: str, image: ImageInput | list[ImageInput], seed: int | None = None, *,
+    def edit_image(self, prompt: str, image: ImageInput | list[ImageInput] | tuple[ImageInput, ...],
+                   seed: int | None = None, *,
                    width: int | None = None, height: int | None = None, model: str | None = None,
                    **model_kwargs: Any) -> bytes:
         """Edit with one to four reference images (paths or bytes), in order. The output size defaults to the
         first reference's (cropped to the latent grid)."""
-        images = image if isinstance(image, list) else [image]
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
         files = [("files", (f"image{i}.png", _read(img), "application/octet-stream")) for i, img in enumerate(images)]
         data = {"text": prompt, "output_modalities": "image",
                 "model_kwargs": json.dumps(_knobs(width, height, seed, 1, model_kwargs))}

@@ -107,3 +107,9 @@ def test_transport_and_encoding_failures_are_sdk_errors():
     with pytest.raises(MStarError) as info:
         client.chat("x", temperature=float("nan"))
     assert info.value.status == 400 and "cannot be encoded" in info.value.message
+
+
+def test_a_conversation_given_twice_is_refused_not_dropped():
+    client, _ = sdk()
+    with pytest.raises(TypeError, match="'messages' is not a knob"):
+        client.chat("hi", messages=[{"role": "user", "content": "other"}])
