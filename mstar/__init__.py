@@ -7,9 +7,10 @@ from mstar_common.client import (
     MStarClient,
     MStarConnectionError,
     MStarError,
+    SpeechResult,
     TranscriptionEvent,
     TranscriptionResult,
 )
 
 __all__ = ["ChatEvent", "ChatResult", "EventStream", "MStarClient", "MStarConnectionError", "MStarError",
-           "TranscriptionEvent", "TranscriptionResult"]
+           "SpeechResult", "TranscriptionEvent", "TranscriptionResult"]

@@ -7,6 +7,7 @@ refused by `refuse_unsupported_*` unless they carry their harmless value. `null`
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
@@ -58,16 +59,20 @@ class SamplingFields(BaseModel):
         client (/generate's `model_kwargs.`)."""
         knobs = {name: getattr(self, name) for name in wire.SAMPLING_INPUTS if getattr(self, name) is not None}
         held = dict(knobs)
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", under="ignore"):
             for name, value in knobs.items():
                 if wire.SAMPLING_INPUTS[name][0] == "FP32":
                     held[name] = float(np.float32(value))
+                    if held[name] == 0.0 and value != 0:  # e.g. a temperature of 1e-46 would decode greedily
+                        field = (field_names or {}).get(name, name)
+                        raise invalid_request(f"{field}: {value!r} is 0 as a 32-bit float (the smallest non-zero "
+                                              "is about 1.4e-45); send 0 or a larger value", param=field)
         try:
             SamplingParams(**held, stop_token_ids=list(self.stop_token_ids or [])).validate()
             validate_stops(self.stop)
         except ValueError as error:
             name, rule = str(error).split(": ", 1)
-            if name in knobs and held[name] != knobs[name]:
+            if name in knobs and held[name] != knobs[name] and not math.isnan(knobs[name]):
                 rule += f" (as a 32-bit float; {knobs[name]!r} was sent)"
             field = (field_names or {}).get(name, name)
             raise invalid_request(f"{field}: {rule}", param=field) from None

@@ -123,6 +123,15 @@ def _speech_generation(body: SpeechRequest) -> GenerationRequest:
     if body.stream and body.stream_format == "audio" and body.response_format not in STREAM_FORMATS:
         raise invalid_request(f"'stream': response_format must be one of {list(STREAM_FORMATS)} to stream, got "
                               f"{body.response_format!r}", param="response_format")
+    sent = body.model_fields_set
+    if body.stream_format == "sse":  # its events carry base64 PCM16: a format or `stream: false` beside it is refused
+        if "stream" in sent and body.stream is False:
+            raise invalid_request("'stream_format': 'sse' streams; it cannot go with \"stream\": false",
+                                  param="stream_format")
+        if "response_format" in sent and body.response_format != "pcm":
+            raise invalid_request(f"'response_format': stream_format 'sse' sends PCM16 (base64) only: set "
+                                  f"response_format to 'pcm', got {body.response_format!r}",
+                                  param="response_format")
     gen = body.to_generation(text=body.input, voice=body.voice)
     gen.field_names = {wire.TEXT_INPUT: "input"}
     return gen
@@ -226,6 +235,8 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
             raise invalid_request(f"'model_kwargs.{name}' does not apply to speech", param=f"model_kwargs.{name}")
     if not (req.text or "").strip():
         raise invalid_request("'text' is required and must not be empty", param="text")
+    if len(req.text) > MAX_INPUT_CHARS:  # before its tokenization: a 16 MB text took 25 s to be refused
+        raise invalid_request(f"'text' is {len(req.text)} characters; the limit is {MAX_INPUT_CHARS}", param="text")
     gen = kw.to_generation(text=req.text, voice=kw.voice)
     gen.field_names = {**protocol.GenerateKwargs.field_names(), wire.TEXT_INPUT: "text"}
     return gen

@@ -111,7 +111,8 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):
 
 @pytest.mark.parametrize("body, param, shown", [
     ({"temperature": 1e39}, "temperature", "1e+39 was sent"),
-    ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 was sent"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 is 0 as a 32-bit float"),
+    ({"temperature": 1e-46}, "temperature", "1e-46 is 0 as a 32-bit float"),  # was served greedily
     ({"min_p": 0.99999999999}, "min_p", "0.99999999999 was sent"),
     ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
     ({"stop": ["x" * 300]}, "stop", "at most 256 characters"),
@@ -121,6 +122,14 @@ def test_knobs_are_checked_as_the_server_holds_them(served, body, param, shown):
     client, fake = served
     error = error_of(chat(client, **body))
     assert error["param"] == param and error["message"].startswith(f"{param}: ") and shown in error["message"]
+    assert fake.requests == []
+
+
+def test_a_nan_knob_is_not_said_to_be_rounded(served):
+    client, fake = served
+    body = b'{"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    error = error_of(client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}))
+    assert error["param"] == "temperature" and error["message"] == "temperature: must be finite, got nan"
     assert fake.requests == []
 
 

@@ -67,6 +67,8 @@ def test_streamed_pcm_and_sse():
     ({"input": "hi", "stop": ["x"]}, "'stop' does not apply to speech"),
     ({"input": "hi", "stop_token_ids": [1]}, "'stop_token_ids' does not apply to speech"),
     ({"input": "hi", "top_p": 0}, "top_p"),
+    ({"input": "hi", "stream_format": "sse", "response_format": "mp3"}, "stream_format 'sse' sends PCM16"),
+    ({"input": "hi", "stream_format": "sse", "stream": False}, "cannot go with \"stream\": false"),
 ])
 def test_refusals_name_the_field(body, message):
     http, fake = client()
@@ -115,3 +117,14 @@ def test_a_generate_knobs_refusal_names_it_under_model_kwargs():
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "model_kwargs.voice"
     assert reply.json()["error"]["message"].startswith("model_kwargs.voice: unknown voice")
+
+
+def test_sse_takes_pcm_named_or_not_and_generate_caps_the_text():
+    http, fake = client()
+    for extra in ({}, {"response_format": "pcm", "stream": True}):
+        reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse", **extra})
+        assert reply.status_code == 200 and '"speech.audio.delta"' in reply.text
+    sent = len(fake.requests)
+    reply = http.post("/generate", json={"text": "x" * 5000, "output_modalities": ["audio"]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "text" and "the limit is 4096" in reply.text
+    assert len(fake.requests) == sent
