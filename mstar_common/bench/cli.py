@@ -664,14 +664,21 @@ def cmd_perf_analyzer_data(args) -> int:
     return 0
 
 
-def _positive(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = 0.0
-    if not 0 < number < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of ms > 0, not {value!r}")
-    return number
+def _above_zero(what: str):
+    """An argparse type: a finite number > 0 (`what` names it in the refusal)."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = 0.0
+        if not 0 < number < math.inf:
+            raise argparse.ArgumentTypeError(f"must be {what} > 0, not {value!r}")
+        return number
+    return parse
+
+
+_positive = _above_zero("a number of ms")  # the SLO bounds
+_rate = _above_zero("a number")  # Poisson rates (req/s) and seconds
 
 
 def _at_least(low: int):
@@ -686,16 +693,6 @@ def _at_least(low: int):
         return number
     return parse
 
-
-def _rate(value: str) -> float:
-    """An argparse type: a finite number > 0 (a Poisson rate, seconds)."""
-    try:
-        number = float(value)
-    except ValueError:
-        number = 0.0
-    if not 0 < number < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, not {value!r}")
-    return number
 
 
 def _processes(value: str) -> int | str:
