@@ -85,8 +85,8 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
     def _generate(self, payload: dict[str, Any], stream: bool, model: str | None
                   ) -> ChatResult | EventStream[ChatEvent]:
         body = {**payload, "streaming": stream, "output_modalities": ["text"]}
-        if model or self.model:
-            body["model"] = model or self.model
+        if (name := self._model(model)) is not None:
+            body["model"] = name
         if stream:
             return self._stream(body)
         data = self._json(self._post(json=body))
@@ -100,6 +100,13 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
     def _stream(self, body: dict[str, Any]) -> EventStream[ChatEvent]:
         response = self._open_stream(json=body)
         return EventStream(response, _events(response))
+
+    def _model(self, model: str | None) -> str | None:
+        """The model a call names: its own `model`, else the client's default, else None (the server's only one)."""
+        for name, given in (("model", model), ("MStarClient.model", self.model)):
+            if given is not None and (not isinstance(given, str) or not given):
+                raise ValueError(f"{name}: must be a non-empty model name, or None, got {given!r}")
+        return model if model is not None else self.model
 
     def _post(self, **content: Any) -> httpx.Response:
         """POST /generate (`content`: httpx's json=, or data= and files=)."""

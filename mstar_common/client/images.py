@@ -15,7 +15,7 @@ ImageInput = str | Path | bytes
 
 
 class ImageMethods:
-    """Mixed into MStarClient: uses its `model`, `_post` and `_json`."""
+    """Mixed into MStarClient: uses its `_model`, `_post` and `_json`."""
 
     def generate_image(self, prompt: str, width: int | None = None, height: int | None = None,
                        seed: int | None = None, *, model: str | None = None, **model_kwargs: Any) -> bytes:
@@ -28,8 +28,8 @@ class ImageMethods:
                         **model_kwargs: Any) -> list[bytes]:
         kwargs = _knobs(width, height, seed, n, model_kwargs)
         body: dict[str, Any] = {"text": prompt, "output_modalities": ["image"], "model_kwargs": kwargs}
-        if model or self.model:
-            body["model"] = model or self.model
+        if (name := self._model(model)) is not None:
+            body["model"] = name
         return _images(self._json(self._post(json=body)))
 
     def edit_image(self, prompt: str, image: ImageInput | list[ImageInput] | tuple[ImageInput, ...],
@@ -42,8 +42,8 @@ class ImageMethods:
         files = [("files", (f"image{i}.png", _read(img), "application/octet-stream")) for i, img in enumerate(images)]
         data = {"text": prompt, "output_modalities": "image",
                 "model_kwargs": json.dumps(_knobs(width, height, seed, 1, model_kwargs))}
-        if model or self.model:
-            data["model"] = model or self.model
+        if (name := self._model(model)) is not None:
+            data["model"] = name
         return _images(self._json(self._post(data=data, files=files)))[0]
 
 

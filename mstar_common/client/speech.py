@@ -39,7 +39,7 @@ class SpeechResult:
 
 
 class SpeechMethods:
-    """Mixed into MStarClient: uses its `model`, `_post` and `_json`."""
+    """Mixed into MStarClient: uses its `_model`, `_post` and `_json`."""
 
     def tts(self, text: str, voice: str | None = None, *, model: str | None = None, **knobs: Any) -> SpeechResult:
         """Text to speech. `knobs`: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed,
@@ -48,8 +48,8 @@ class SpeechMethods:
         if voice is not None:
             kwargs["voice"] = voice
         body: dict[str, Any] = {"text": text, "output_modalities": ["audio"], "model_kwargs": kwargs}
-        if model or self.model:
-            body["model"] = model or self.model
+        if (name := self._model(model)) is not None:
+            body["model"] = name
         data = self._json(self._post(json=body))
         audio = data["outputs"]["audio"][0]
         return SpeechResult(wav=base64.b64decode(audio["data"]), sample_rate=int(audio["sample_rate"]),

@@ -41,7 +41,7 @@ class TranscriptionEvent:
 
 
 class TranscriptionMethods:
-    """Mixed into MStarClient: uses its `model`, `_post`, `_open_stream` and `_json`."""
+    """Mixed into MStarClient: uses its `_model`, `_post`, `_open_stream` and `_json`."""
 
     def transcribe(self, audio: str | Path | bytes, *, stream: bool = False, model: str | None = None,
                    language: str | None = None, task: str = "transcribe", prompt: str | None = None,
@@ -54,8 +54,8 @@ class TranscriptionMethods:
                   "timestamps": timestamps, "max_tokens": max_tokens, "seed": seed}
         form = {"model_kwargs": json.dumps({k: v for k, v in kwargs.items() if v is not None}),
                 "streaming": "true" if stream else "false", "output_modalities": "text"}
-        if model or self.model:
-            form["model"] = model or self.model
+        if (name := self._model(model)) is not None:
+            form["model"] = name
         files = {"audio": ("audio", data, "application/octet-stream")}
         if stream:
             response = self._open_stream(data=form, files=files)

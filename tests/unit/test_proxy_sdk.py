@@ -113,3 +113,11 @@ def test_a_conversation_given_twice_is_refused_not_dropped():
     client, _ = sdk()
     with pytest.raises(TypeError, match="'messages' is not a knob"):
         client.chat("hi", messages=[{"role": "user", "content": "other"}])
+
+
+def test_an_empty_model_name_is_refused_not_taken_as_none():
+    client, fake = sdk()
+    with pytest.raises(ValueError, match="model: must be a non-empty model name"):
+        client.chat("hi", model="")
+    assert fake.requests == []
+    assert client.chat("hi", model="qwen3").text == "Hello, world"
