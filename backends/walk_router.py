@@ -92,7 +92,6 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("[%s] shutting down", self.model_name)
-        walk_board().remove_if_empty()
         release_stub_objects()
 
     async def _serve(self, request) -> None:
@@ -170,16 +169,7 @@ class TritonPythonModel:
 
         async def call_stream(component: str, inputs: dict):
             spec = self.components[component]
-            hop_id = hops.new_id(responder.request_id, component)
-            request = pb_utils.InferenceRequest(
-                model_name=model_name(self.family, component),
-                inputs=[received.tensor(name, value) for name, value in inputs.items()],
-                requested_output_names=[out.name for out in spec.outputs],
-                request_id=hop_id,
-                **hops.budget.timeout(),
-                **cpu_output_memory(),
-            )
-            responses = await send_hop(request, hops, hop_id)
+            hop_id, responses = await self._send(component, inputs, responder, received, hops)
             queue: asyncio.Queue = asyncio.Queue()
             is_abandoned = threading.Event()
 
@@ -216,23 +206,28 @@ class TritonPythonModel:
 
         return call_stream
 
+    async def _send(self, component: str, inputs: dict, responder: Responder, received: Received, hops: Hops):
+        """One decoupled BLS request to `component` with the walk's time left as its timeout: (its hop id, its
+        response iterator)."""
+        hop_id = hops.new_id(responder.request_id, component)
+        request = pb_utils.InferenceRequest(
+            model_name=model_name(self.family, component),
+            inputs=[received.tensor(name, value) for name, value in inputs.items()],
+            requested_output_names=[out.name for out in self.components[component].outputs],
+            request_id=hop_id,
+            **hops.budget.timeout(),
+            **cpu_output_memory(),
+        )
+        return hop_id, await send_hop(request, hops, hop_id)
+
     def _caller(self, responder: Responder, received: Received, hops: Hops):
         async def call(component: str, inputs: dict) -> dict[str, np.ndarray]:
             if responder.is_cancelled():
                 raise ComponentError(component, "cancelled: the client went away")
             spec = self.components[component]
             started = time.perf_counter()
-            hop_id = hops.new_id(responder.request_id, component)
-            request = pb_utils.InferenceRequest(
-                model_name=model_name(self.family, component),
-                inputs=[received.tensor(name, value) for name, value in inputs.items()],
-                requested_output_names=[out.name for out in spec.outputs],
-                request_id=hop_id,
-                **hops.budget.timeout(),
-                **cpu_output_memory(),
-            )
             outputs: dict[str, np.ndarray] = {}
-            responses = await send_hop(request, hops, hop_id)
+            hop_id, responses = await self._send(component, inputs, responder, received, hops)
             try:
                 for response in responses:
                     if response.has_error():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 
 BOARD_PREFIX = "mstar-walks-"
@@ -57,18 +56,10 @@ class CancelBoard:
             os.remove(_entry(self.directory, request_id))
         except FileNotFoundError:
             pass
-        self.remove_if_empty()
-
-    def is_posted(self, request_id: str) -> bool:
-        return os.path.exists(_entry(self.directory, request_id))
-
-    def remove_if_empty(self) -> None:
-        """Remove the board unless an entry is on it (a walk router's finalize: another may still run)."""
         try:
-            os.rmdir(self.directory)
+            os.rmdir(self.directory)  # refused while another walk's entry is on it
         except OSError:
             pass
 
-    def remove(self) -> None:
-        """Remove the board and every entry on it (the walk router's finalize)."""
-        shutil.rmtree(self.directory, ignore_errors=True)
+    def is_posted(self, request_id: str) -> bool:
+        return os.path.exists(_entry(self.directory, request_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -37,6 +38,34 @@ async def read_utf8_form(request: Request) -> FormData:
             raise invalid_request(f"'{key}' is not UTF-8 text (an upload needs a filename in its part's "
                                   f"Content-Disposition)", param=key)
     return form
+
+
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+async def requested_model(request: Request) -> Any:
+    """The `model` field of a /generate body (form or JSON), as sent; None where it has none or is not readable
+    (the route's own parse then says why)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in FORM_TYPES:
+        return (await read_utf8_form(request)).get("model")
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return body.get("model") if isinstance(body, dict) else None
+
+
+async def generate_model(request: Request, ctx: ServingContext, kinds: tuple[str, ...]) -> ServedModel | None:
+    """The served model of one of `kinds` that a /generate request names (or the only served model, if it is of
+    one of them), else None (another route module serves it)."""
+    if not any(m.kind in kinds for m in ctx.models.values()):
+        return None
+    name = await requested_model(request)
+    if name is None and len(ctx.models) == 1:
+        name = next(iter(ctx.models))
+    served = ctx.models.get(name) if isinstance(name, str) else None
+    return served if served is not None and served.kind in kinds else None
 
 
 def _urlencoded_pairs(body: bytes) -> list[tuple[str, str]]:

@@ -19,13 +19,19 @@ from starlette.datastructures import UploadFile
 from mstar_common import wire
 from mstar_common.proxy import protocol, serving_images, serving_speech, serving_transcriptions
 from mstar_common.proxy.errors import from_pydantic, invalid_request
-from mstar_common.proxy.serving_common import Completion, ServingContext, read_utf8_form
+from mstar_common.proxy.serving_common import (
+    FORM_TYPES,
+    Completion,
+    ServingContext,
+    generate_model,
+    read_utf8_form,
+    requested_model,
+)
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
 router = APIRouter()
 
-_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 _LIST_FIELDS = ("input_modalities", "output_modalities")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
 TEXT_MODALITIES = ["text"]
@@ -93,7 +99,7 @@ async def _form_fields(request: Request) -> dict[str, Any]:
 
 async def read_generate_request(request: Request) -> protocol.GenerateRequest:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type in _FORM_TYPES:
+    if content_type in FORM_TYPES:
         fields = await _form_fields(request)
     else:
         fields = _json_object(await request.body(), "body")
@@ -142,11 +148,11 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
 @router.post("/generate")
 async def generate(request: Request):
     ctx: ServingContext = request.app.state.serving
-    if (image_model := await serving_images.image_model_for(request, ctx)) is not None:
+    if (image_model := await generate_model(request, ctx, serving_images.IMAGE_KINDS)) is not None:
         return await serving_images.generate_native(request, ctx, image_model)
-    if (asr_model := await serving_transcriptions.transcription_model_for(request, ctx)) is not None:
+    if (asr_model := await generate_model(request, ctx, serving_transcriptions.TRANSCRIPTION_KINDS)) is not None:
         return await serving_transcriptions.generate_native(request, ctx, asr_model)
-    if isinstance(name := await serving_transcriptions.requested_model(request), str) and name not in ctx.models:
+    if isinstance(name := await requested_model(request), str) and name not in ctx.models:
         ctx.resolve(name)  # a 404 naming it, before the body's parse (an upload would be refused as text-only)
     req = await read_generate_request(request)
     served = ctx.resolve(req.model, kinds=("text", *serving_speech.SPEECH_KINDS))

@@ -28,14 +28,13 @@ from starlette.datastructures import UploadFile
 
 from mstar_common import images, wire
 from mstar_common.proxy.errors import APIError, check_wire_number, from_exception, from_pydantic, invalid_request
-from mstar_common.proxy.serving_common import ServingContext, read_utf8_form, until_disconnect
+from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.triton_stream import GenerationRequest
 
 router = APIRouter()
 
 IMAGE_KINDS = ("image",)
 MAX_REFERENCES = 4  # the entry model enforces its own (deployment) limit as well
-_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 _IMAGE_FIELDS = ("image", "image[]")
 _REFUSED = {  # OpenAI field -> values that may pass (the harmless ones)
     "quality": (None, "auto"), "style": (None,), "background": (None, "auto"), "moderation": (None, "auto", "low"),
@@ -208,7 +207,7 @@ async def edits(request: Request):
 async def _form(request: Request, file_fields: tuple[str, ...]) -> tuple[dict[str, Any], list[bytes]]:
     """Form values (numbers converted) and the uploaded files of `file_fields`, in order."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type not in _FORM_TYPES:
+    if content_type not in FORM_TYPES:
         raise invalid_request(f"this route takes multipart/form-data, got {content_type or 'no content type'!r}")
     form = await read_utf8_form(request)
     raw: dict[str, Any] = {}
@@ -241,28 +240,9 @@ def _form_value(key: str, value: str) -> Any:
 # native /generate
 
 
-async def image_model_for(request: Request, ctx: ServingContext):
-    """The served image model a /generate request names (or the only served model, if it is one), else None."""
-    if not any(m.kind in IMAGE_KINDS for m in ctx.models.values()):
-        return None
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    try:
-        if content_type in _FORM_TYPES:
-            name = (await read_utf8_form(request)).get("model")
-        else:
-            body = json.loads(await request.body())
-            name = body.get("model") if isinstance(body, dict) else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if name is None and len(ctx.models) == 1:
-        name = next(iter(ctx.models))
-    served = ctx.models.get(name) if isinstance(name, str) else None
-    return served if served is not None and served.kind in IMAGE_KINDS else None
-
-
 async def generate_native(request: Request, ctx: ServingContext, served) -> dict[str, Any]:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type in _FORM_TYPES:
+    if content_type in FORM_TYPES:
         raw, references = await _form(request, file_fields=("files", "image", "image[]"))
         kwargs = raw.pop("model_kwargs", "") or "{}"
         try:

@@ -25,7 +25,7 @@ from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
 from mstar_common.proxy.errors import check_wire_number, from_exception, invalid_request
-from mstar_common.proxy.serving_common import ServingContext, read_utf8_form, until_disconnect
+from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
@@ -36,7 +36,6 @@ RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 TIMED_FORMATS = ("srt", "verbose_json", "vtt")
 STREAM_FORMATS = ("json", "text")
 MAX_TEMPERATURE = 1.0  # OpenAI's range
-_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 _FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]",
            "timestamp_granularities", "stream", "seed", "max_tokens", "include[]", "include", "chunking_strategy"}
 _REFUSED = {  # OpenAI fields this server cannot honour -> the rule
@@ -91,7 +90,7 @@ class Transcript:
 
 async def read_form(request: Request, task: str) -> TranscriptionForm:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type not in _FORM_TYPES:
+    if content_type not in FORM_TYPES:
         raise invalid_request(f"this route takes multipart/form-data with the audio in 'file', got "
                               f"{content_type or 'no content type'!r}")
     form = await read_utf8_form(request)
@@ -326,30 +325,6 @@ def _clock(seconds: float, decimal: str) -> str:
 # ---- native /generate ---------------------------------------------------------------------------------------
 
 _NATIVE_KWARGS = {"language", "task", "prompt", "temperature", "timestamps", "seed", "max_tokens"}
-
-
-async def requested_model(request: Request) -> Any:
-    """The `model` field of a /generate body (form or JSON), as sent; None where it has none or is not readable
-    (the route's own parse then says why)."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type in _FORM_TYPES:
-        return (await read_utf8_form(request)).get("model")
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return body.get("model") if isinstance(body, dict) else None
-
-
-async def transcription_model_for(request: Request, ctx: ServingContext):
-    """The served transcription model a /generate request names (or the only served model), else None."""
-    if not any(m.kind in TRANSCRIPTION_KINDS for m in ctx.models.values()):
-        return None
-    name = await requested_model(request)
-    if name is None and len(ctx.models) == 1:
-        name = next(iter(ctx.models))
-    served = ctx.models.get(name) if isinstance(name, str) else None
-    return served if served is not None and served.kind in TRANSCRIPTION_KINDS else None
 
 
 async def generate_native(request: Request, ctx: ServingContext, served):
