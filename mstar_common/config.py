@@ -66,14 +66,32 @@ class ComponentConfig:
 KV_DTYPES = ("auto", "fp8_e4m3")
 
 
+NUM_PAGES_AUTO = "auto"
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+
 @dataclass(slots=True)
 class KVCacheConfig:
-    num_pages: int = 512  # pages per instance
+    # pages per instance, or "auto": as many as the instance's share of its GPU's memory leaves after its weights and
+    # what its steps need (engine/kv_sizing.py); gpu placements only
+    num_pages: int | Literal["auto"] = 512
     page_size: int = 16  # tokens per page
     dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16; attention reads it back)
     # reuse earlier prompts' KV pages for a common start. null (default): on where the model's KV depends only on
     # the token ids; true: the same, and a family whose KV does not is refused at startup; false: off
     prefix_caching: bool | None = None
+    # with num_pages: auto, the share of a GPU's total memory that the component's instances on it may hold in all
+    # (weights, step buffers and graphs, the pool), split evenly among them; null: 0.9
+    gpu_memory_fraction: float | None = None
+
+    @property
+    def is_auto(self) -> bool:
+        return self.num_pages == NUM_PAGES_AUTO
+
+    def instance_share(self, placement: Placement) -> float:
+        """The share of its GPU's memory that one instance of a component at `placement` may hold (auto pools)."""
+        fraction = DEFAULT_GPU_MEMORY_FRACTION if self.gpu_memory_fraction is None else self.gpu_memory_fraction
+        return fraction / placement.instances
 
 
 @dataclass(slots=True)
@@ -179,7 +197,7 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
     from mstar_common.families.registry import get_family
 
     _check_positive(source, "max_concurrent_requests", dep.max_concurrent_requests)
-    _check_positive(source, "resources.kv_cache.num_pages", dep.resources.kv_cache.num_pages)
+    _check_kv_pool_size(dep, source)
     _check_positive(source, "resources.kv_cache.page_size", dep.resources.kv_cache.page_size)
     if dep.resources.kv_cache.dtype not in KV_DTYPES:
         raise DeploymentError(f"{source}: resources.kv_cache.dtype: must be one of {list(KV_DTYPES)}, "
@@ -237,12 +255,39 @@ def check_kv_pool_holds_cap(dep: Deployment, source: str) -> None:
     kv = dep.resources.kv_cache
     per_request = math.ceil(dep.resources.max_model_len / kv.page_size)
     needed = per_request * dep.max_concurrent_requests
+    if kv.is_auto:
+        return  # sized at start-up on the GPU, which refuses a pool that cannot hold the cap (engine/kv_sizing.py)
     if kv.num_pages < needed:
         raise DeploymentError(
             f"{source}: resources.kv_cache.num_pages: {kv.num_pages} pages cannot hold max_concurrent_requests="
             f"{dep.max_concurrent_requests} requests of max_model_len={dep.resources.max_model_len} tokens "
             f"({per_request} pages of {kv.page_size} tokens each): need >= {needed}"
         )
+
+
+def _check_kv_pool_size(dep: Deployment, source: str) -> None:
+    """`num_pages` is a count >= 1, or `auto` for pools on GPUs only; `gpu_memory_fraction` goes with `auto`."""
+    from mstar_common.families.registry import get_family
+
+    kv = dep.resources.kv_cache
+    if not kv.is_auto:
+        _check_positive(source, "resources.kv_cache.num_pages", kv.num_pages)
+        if kv.gpu_memory_fraction is not None:
+            raise DeploymentError(f"{source}: resources.kv_cache.gpu_memory_fraction: sizes a pool of num_pages: auto "
+                                  f"only, and num_pages is {kv.num_pages}; drop one of the two")
+        return
+    fraction = kv.gpu_memory_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        raise DeploymentError(f"{source}: resources.kv_cache.gpu_memory_fraction: must be in (0, 1], got {fraction}")
+    try:
+        holders = [c.name for c in get_family(dep.family).graph.components.values() if c.holds_kv]
+    except KeyError:
+        return  # the unknown family is refused next, by name
+    for name in holders:
+        comp = dep.components.get(name)
+        if comp is not None and comp.placement.device != "gpu":
+            raise DeploymentError(f"{source}: resources.kv_cache.num_pages: auto sizes the pool from GPU memory, and "
+                                  f"components.{name} holds it on the cpu; give a number of pages")
 
 
 def _check_positive(source: str, key: str, value: int) -> None:
@@ -315,7 +360,14 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, path)
+        if len(inner) == 1:
+            return _coerce(inner[0], value, path)
+        for alternative in inner:
+            try:
+                return _coerce(alternative, value, path)
+            except DeploymentError:
+                pass
+        raise DeploymentError(f"{path}: expected {' or '.join(_describe(a) for a in inner)}, got {value!r}")
     if origin is Literal:
         if value not in args:
             raise DeploymentError(f"{path}: must be one of {list(args)}, got {value!r}")
@@ -347,3 +399,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise DeploymentError(f"{path}: expected a non-empty string, got {value!r}")
         return value
     raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))

@@ -681,6 +681,11 @@ _positive = _above_zero("a number of ms")  # the SLO bounds
 _rate = _above_zero("a number")  # Poisson rates (req/s) and seconds
 
 
+def _pages(value: str) -> int | str:
+    """An argparse type: `auto` or an integer >= 1 (resources.kv_cache.num_pages)."""
+    return value if value == "auto" else _at_least(1)(value)
+
+
 def _at_least(low: int):
     """An argparse type: an integer >= `low`."""
     def parse(value: str) -> int:
@@ -779,7 +784,8 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.add_argument("--decode-buckets", type=int, nargs="*")
     p.add_argument("--token-buckets", type=int, nargs="*")
     p.add_argument("--max-concurrent", type=int, default=64)
-    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--num-pages", type=_pages, default=1024,
+                   help="KV pages per instance, or auto (sized from the GPU's memory; resources.kv_cache.num_pages)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="the KV pool's element type (resources.kv_cache.dtype; auto: the model's)")

@@ -20,6 +20,7 @@ the CPU the step is synchronous: launch, collect, deliver.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import random
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mstar_common.engine import loop_times
+from mstar_common.engine import kv_sizing, loop_times
 from mstar_common.engine.admission import Admission, EngineUnavailable
 from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
 from mstar_common.engine.kv_cache import KVCache, PageAllocator, pages_for
@@ -66,9 +67,16 @@ class AREngine:
         dtype = _DTYPES[config.dtype]
         _check_model_placement(model, dtype, self.device)
         hooks = model if hasattr(model, "admit_request") else None  # scheduler.RequestHooks
-        self.allocator = PageAllocator(config.num_kv_pages, config.page_size,
-                                       prefix_caching=_prefix_caching(model, config, hooks))
+        caches_prefixes = _prefix_caching(model, config, hooks)
         kv_dtype = dtype if config.kv_dtype == "auto" else _KV_DTYPES[config.kv_dtype]
+        reserve = 0 if self.device.type != "cuda" else kv_sizing.step_reserve_bytes(
+            model, config.max_batch_tokens, config.max_num_seqs, vocab_size, dtype)
+        num_pages = kv_sizing.pool_pages(
+            config.num_kv_pages, spec=model.kv_spec, page_size=config.page_size, kv_dtype=kv_dtype, reserve=reserve,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, caches_prefixes=caches_prefixes,
+            share=config.gpu_memory_share, device=self.device)
+        self.config = config = dataclasses.replace(config, num_kv_pages=num_pages)  # from here on a count
+        self.allocator = PageAllocator(config.num_kv_pages, config.page_size, prefix_caching=caches_prefixes)
         self.kv_cache = KVCache(model.kv_spec, config.num_kv_pages, config.page_size, kv_dtype, self.device)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens, hooks)
         self._needs_history = getattr(model, "logits_need_history", None)
@@ -81,6 +89,8 @@ class AREngine:
             graph_runner = CudaGraphRunner(model, self.kv_cache, graphs, config.max_num_seqs, self.max_model_len,
                                            vocab_size, self.device, penalty)
             graph_runner.capture()
+        if self.device.type == "cuda":
+            kv_sizing.log_memory(self.device, "after the pool and the graphs")
         self.times = loop_times.LoopTimes() if loop_times.enabled() else None  # MSTAR_STEP_TIMES=1
         self.runner = ModelRunner(model, self.kv_cache, Sampler(), self.device, vocab_size, graph_runner, penalty,
                                   timing_events=self.times is not None)
@@ -453,6 +463,8 @@ def _token_ids(prompt_ids: SequenceOf[int], vocab_size: int) -> list[int]:
 def _check_config(config: EngineConfig) -> None:
     for name in ("num_kv_pages", "page_size", "max_num_seqs", "max_batch_tokens"):
         value = getattr(config, name)
+        if name == "num_kv_pages" and value == kv_sizing.AUTO:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
     if config.max_batch_tokens < config.max_num_seqs:

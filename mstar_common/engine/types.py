@@ -89,7 +89,9 @@ def _check_float(name: str, value, lo: float | None, hi: float | None) -> None:
 class EngineConfig:
     """Resources and batching limits of one autoregressive component instance."""
 
-    num_kv_pages: int = 512  # pages in the paged KV pool (one extra sink page is added internally if needed)
+    # pages in the paged KV pool (one extra sink page is added internally), or "auto": what `gpu_memory_share` of the
+    # GPU leaves after the weights and the steps' buffers (engine/kv_sizing.py; CUDA only)
+    num_kv_pages: int | str = 512
     page_size: int = 16  # tokens per page
     max_num_seqs: int = 64  # requests running at once (the deployment's max_concurrent_requests)
     max_batch_tokens: int = 2048  # packed tokens per step (decode rows + prefill chunks)
@@ -103,6 +105,7 @@ class EngineConfig:
     max_queue: int | None = None  # requests waiting beyond max_num_seqs before new ones are refused; None: no cap
     queue_timeout_s: float | None = None  # the longest a request waits for admission; None: no limit
     request_timeout_s: float | None = None  # default (and ceiling) of a request's deadline; None: no limit
+    gpu_memory_share: float = 0.9  # the share of its GPU's total memory this instance may hold (auto pools)
 
 
 class AdmissionError(ValueError):

@@ -433,7 +433,8 @@ def test_step_loop_survives_a_failing_step(loaded, prompts, reference):
     failures = iter([RuntimeError("scheduler bug")])
 
     def flaky():
-        error = next(failures, None)
+        # Fail the first step that has a request to schedule (an idle pass must not use the failure up).
+        error = next(failures, None) if engine.scheduler.waiting else None
         if error is not None:
             raise error
         return schedule()
@@ -450,3 +451,10 @@ def test_step_loop_survives_a_failing_step(loaded, prompts, reference):
         engine.shutdown()
     assert collector.streams["1"].tokens == reference[1]
     assert_pool_empty(engine)
+
+
+def test_an_auto_pool_needs_a_gpu_and_an_engine_reports_its_pages_as_a_count(loaded):
+    with pytest.raises(ValueError, match="'auto' sizes the pool from GPU memory; on cpu give a number of pages"):
+        make_engine(loaded, num_kv_pages="auto")
+    engine = make_engine(loaded, num_kv_pages=96)
+    assert engine.config.num_kv_pages == 96 and engine.kv_cache.num_pages == 96

@@ -71,6 +71,15 @@ def test_kv_dtype_default_is_the_models_and_bad_values_are_refused(bench, monkey
     assert "--kv-dtype" in capsys.readouterr().err
 
 
+def test_num_pages_takes_a_count_or_auto(bench, monkeypatch, capsys):
+    args = _serve_args(bench, monkeypatch, "--num-pages", "auto")
+    assert deployment_from_dict(bench.deployment(args), source="test").resources.kv_cache.is_auto
+    assert _serve_args(bench, monkeypatch, "--num-pages", "2048").num_pages == 2048
+    with pytest.raises(SystemExit):
+        _serve_args(bench, monkeypatch, "--num-pages", "0")
+    assert "argument --num-pages: must be an integer >= 1, not '0'" in capsys.readouterr().err
+
+
 def test_the_benchmark_serves_without_the_prefix_cache_unless_asked(bench, monkeypatch):
     """Its figures are full prefills unless asked: the proxy's prompts are all alike, which a cache would skip."""
     for extra, expected in (((), False), (("--prefix-caching",), True)):

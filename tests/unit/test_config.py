@@ -90,6 +90,27 @@ def test_pool_too_small_for_the_cap_is_refused():
     )
 
 
+def test_an_auto_pool_is_for_gpu_placements_and_its_fraction_goes_with_it():
+    gpu = {"placement": {"device": "gpu", "gpus": [0, 1], "instances": 2}}
+    dep = deployment_from_dict(_with(components__llm=gpu, resources__kv_cache={"num_pages": "auto"}))
+    kv = dep.resources.kv_cache
+    assert kv.is_auto and kv.instance_share(dep.components["llm"].placement) == pytest.approx(0.45)
+    dep = deployment_from_dict(_with(components__llm=gpu,
+                                     resources__kv_cache={"num_pages": "auto", "gpu_memory_fraction": 0.5}))
+    assert dep.resources.kv_cache.instance_share(dep.components["llm"].placement) == pytest.approx(0.25)
+    _refused(_with(resources__kv_cache={"num_pages": "auto"}),
+             "resources.kv_cache.num_pages: auto sizes the pool from GPU memory, and components.llm holds it on the "
+             "cpu; give a number of pages")
+    _refused(_with(resources__kv_cache={"num_pages": 512, "gpu_memory_fraction": 0.5}),
+             "resources.kv_cache.gpu_memory_fraction: sizes a pool of num_pages: auto only")
+    for fraction in (0, 1.5):
+        _refused(_with(components__llm=gpu, resources__kv_cache={"num_pages": "auto", "gpu_memory_fraction": fraction}),
+                 "resources.kv_cache.gpu_memory_fraction: must be in (0, 1]")
+    _refused(_with(resources__kv_cache={"num_pages": "lots"}),
+             "resources.kv_cache.num_pages: expected an integer or 'auto', got 'lots'")
+    _refused(_with(resources__kv_cache={"num_pages": 0}), "resources.kv_cache.num_pages: must be >= 1")
+
+
 def test_model_kwargs_are_checked_by_the_family():
     _refused(_with(model_kwargs={"dtype": "float8"}), "model_kwargs.dtype")
     _refused(_with(model_kwargs={"temperatur": 1}), "model_kwargs: unknown key(s) ['temperatur']")

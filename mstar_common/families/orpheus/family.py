@@ -127,7 +127,8 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
     layout = TokenLayout.from_tokenizer(tokenizer, int(hf_config["vocab_size"]))
     kv = dep.resources.kv_cache
     config = EngineConfig(
-        num_kv_pages=kv.num_pages, page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
+        num_kv_pages=kv.num_pages, gpu_memory_share=kv.instance_share(dep.components["lm"].placement),
+        page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
         max_batch_tokens=dep.resources.max_batch_tokens, max_model_len=dep.resources.max_model_len,
         dtype=dtype, kv_dtype=dep.resources.kv_cache.dtype, device=device,
         prefix_caching=dep.resources.kv_cache.prefix_caching,

@@ -70,7 +70,7 @@ class Qwen3Family(Family):
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
         kv = dep.resources.kv_cache
         config = EngineConfig(
-            num_kv_pages=kv.num_pages,
+            num_kv_pages=kv.num_pages, gpu_memory_share=kv.instance_share(dep.components[component].placement),
             page_size=kv.page_size,
             max_num_seqs=dep.max_concurrent_requests,
             max_batch_tokens=dep.resources.max_batch_tokens,

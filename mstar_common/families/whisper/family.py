@@ -176,7 +176,8 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
     model.rules = TokenRules(tokens, device)
     admission = dep.admission
     engine_config = EngineConfig(
-        num_kv_pages=kv.num_pages, page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
+        num_kv_pages=kv.num_pages, gpu_memory_share=kv.instance_share(dep.components["decoder"].placement),
+        page_size=kv.page_size, max_num_seqs=dep.max_concurrent_requests,
         max_batch_tokens=dep.resources.max_batch_tokens, max_model_len=dep.resources.max_model_len,
         dtype=dtype, kv_dtype=dep.resources.kv_cache.dtype, device=device,
         prefix_caching=dep.resources.kv_cache.prefix_caching,
