@@ -29,7 +29,8 @@ GAUGES = {
     "num_free_pages": ("mstar_kv_pages_free", "paged-KV pages free"),
     "num_cached_pages": ("mstar_kv_pages_cached", "paged-KV pages no request holds, kept for the prefix cache"),
     "num_used_state_slots": ("mstar_state_slots_used", "recurrent-state pool slots held (0: no state pool)"),
-    "num_codec_streams": ("mstar_codec_streams", "speech streams open on the codec edge, queued ones included (0: no codec edge)"),
+    "num_codec_streams": ("mstar_codec_streams",
+                          "speech streams open on the codec edge, queued ones included (0: no codec edge)"),
 }
 # stats key -> (series, help): a running total, exported as a counter
 COUNTERS = {

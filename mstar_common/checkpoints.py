@@ -43,6 +43,17 @@ def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -
     raise FileNotFoundError(f"checkpoint: {spec} is not a directory, a builtin:<name> or a cached HF repo id")
 
 
+def find_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> Path | None:
+    """The checkpoint's directory where it is already on this machine, else None: nothing is built or fetched."""
+    if spec.startswith(BUILTIN_PREFIX):
+        out = cache_dir() / "builtin" / spec[len(BUILTIN_PREFIX):]
+        return out if _is_checkpoint_dir(out) else None
+    try:
+        return resolve_checkpoint(spec, builtins)
+    except FileNotFoundError:
+        return None
+
+
 def _from_hf_cache(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 

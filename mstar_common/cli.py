@@ -33,8 +33,15 @@ def resolve_target(target: str) -> Path:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from mstar_common.checkpoints import find_checkpoint
+    from mstar_common.families.registry import get_family
+    from mstar_common.memory_plan import plan_lines
+
     dep = load_deployment(resolve_target(args.deployment))
     print(f"ok: {dep.name} (family {dep.family}, components {sorted(dep.components)})")
+    family = get_family(dep.family)
+    for line in plan_lines(dep, family, find_checkpoint(dep.checkpoint, family.builtin_checkpoints)):
+        print(f"  {line}")
     return 0
 
 

@@ -36,6 +36,11 @@ class Family(ABC):
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         """Load one component's runtime (weights, resources, engine) for a Triton instance."""
 
+    def kv_shape(self, checkpoint: Path) -> tuple[int, int, int] | None:
+        """(layers, KV heads, head dim) of the paged KV pool's component, from the checkpoint's config alone
+        (`mstar check` prints the pool's size with it); None for a family without a paged pool."""
+        return None
+
     def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
         """Why this autoregressive component's engine cannot run in a process of its own (`MSTAR_ENGINE_PROCESS=1`,
         mstar_common/engine/engine_process.py), or None when it can: its requests must be token ids and sampling
@@ -58,3 +63,12 @@ def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read config.json: {exc}") from None
     if "max_position_embeddings" in config:
         check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
+
+
+def causal_lm_kv_shape(checkpoint: Path) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of an HF causal LM's config.json (Qwen3, Llama): GQA's KV heads where given, and
+    the head dim where given (Qwen3 sets it apart from hidden_size / heads)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    head_dim = config.get("head_dim") or int(config["hidden_size"]) // heads
+    return int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads), int(head_dim)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, check_position_limit
+from mstar_common.families.base import Family, causal_lm_kv_shape, check_position_limit
 from mstar_common.families.orpheus.codes import FRAME_RULES
 from mstar_common.families.orpheus.graph import GRAPH
 from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
@@ -89,6 +89,9 @@ class OrpheusFamily(Family):
         if component == "snac":
             return _build_snac(dep, checkpoint, device)
         raise KeyError(f"orpheus has no component {component!r}")
+
+    def kv_shape(self, checkpoint: Path) -> tuple[int, int, int]:
+        return causal_lm_kv_shape(checkpoint)
 
     def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
         if dep.model_kwargs.get("codec_in_process", False):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, check_position_limit
+from mstar_common.families.base import Family, causal_lm_kv_shape, check_position_limit
 from mstar_common.families.qwen3.graph import GRAPH
 from mstar_common.families.text import TextLMRuntime
 
@@ -44,6 +44,9 @@ class Qwen3Family(Family):
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
         check_position_limit(dep, checkpoint, source)
+
+    def kv_shape(self, checkpoint: Path) -> tuple[int, int, int]:
+        return causal_lm_kv_shape(checkpoint)
 
     def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
         return None  # token ids and sampling parameters in, tokens out (the llama family too)

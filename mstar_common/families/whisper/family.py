@@ -94,6 +94,12 @@ class WhisperFamily(Family):
 
         check_max_model_len(dep, read_config(checkpoint)[0].max_target_positions, "max_target_positions", source)
 
+    def kv_shape(self, checkpoint: Path) -> tuple[int, int, int]:
+        """The decoder's self-attention pool (the cross-attention slots are apart from it)."""
+        config = json.loads((checkpoint / "config.json").read_text())
+        heads = int(config["decoder_attention_heads"])
+        return int(config["decoder_layers"]), heads, int(config["d_model"]) // heads
+
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         builders = {"walk": _walk, "encoder": _encoder, "decoder": _decoder}
         if component not in builders:

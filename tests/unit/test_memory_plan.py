@@ -1,0 +1,89 @@
+"""`mstar check` prints what a deployment will hold: each paged KV pool's pages, tokens and bytes per instance (from
+the checkpoint's config alone) and the weights on disk; nothing is built or fetched for it."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from mstar_common import cli
+from mstar_common.checkpoints import find_checkpoint
+from mstar_common.config import deployment_from_dict
+from mstar_common.families.registry import get_family
+from mstar_common.memory_plan import plan_lines
+
+QWEN3_06B = {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 1024,
+             "num_hidden_layers": 28, "max_position_embeddings": 40960}
+GPU_DEPLOYMENT = {
+    "name": "q", "family": "qwen3", "checkpoint": "/to/be/set",
+    "components": {"llm": {"placement": {"device": "gpu", "gpus": [0], "instances": 2}}},
+    "resources": {"kv_cache": {"num_pages": 8192, "page_size": 16}, "max_model_len": 4096, "max_batch_tokens": 2048},
+    "max_concurrent_requests": 32, "model_kwargs": {"dtype": "bfloat16"},
+}
+
+
+@pytest.fixture()
+def qwen3_config_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    return tmp_path
+
+
+def _deployment(checkpoint, **kv):
+    raw = copy.deepcopy(GPU_DEPLOYMENT)
+    raw["checkpoint"] = str(checkpoint)
+    raw["resources"]["kv_cache"].update(kv)
+    return deployment_from_dict(raw, source="test")
+
+
+def test_a_counted_pool_is_given_in_pages_tokens_and_bytes_from_the_checkpoints_shape(qwen3_config_dir):
+    lines = plan_lines(_deployment(qwen3_config_dir), get_family("qwen3"), qwen3_config_dir)
+    assert lines[0] == "llm: gpu [0] x2"
+    assert lines[1] == ("kv pool (llm, per instance): 8192 pages x 16 tokens = 131072 tokens = 14.00 GiB (1.75 MiB a "
+                        "page: 28 layers x K and V x 8 heads x 128 x bfloat16); max_concurrent_requests=32 at "
+                        "max_model_len=4096 needs 8192 pages")
+    assert lines[2] == f"weights: 3.00 MiB of safetensors in {qwen3_config_dir}"
+    fp8 = plan_lines(_deployment(qwen3_config_dir, dtype="fp8_e4m3"), get_family("qwen3"), qwen3_config_dir)[1]
+    assert "= 7.00 GiB (896.0 KiB a page" in fp8 and "x fp8_e4m3" in fp8
+
+
+def test_an_auto_pool_is_given_with_its_fraction_and_what_the_cap_needs(qwen3_config_dir):
+    dep = _deployment(qwen3_config_dir, num_pages="auto", gpu_memory_fraction=0.8)
+    line = plan_lines(dep, get_family("qwen3"), qwen3_config_dir)[1]
+    assert line == ("kv pool (llm, per instance): auto, sized at start-up from 0.8 of each GPU shared by its 2 "
+                    "instance(s) there (1.75 MiB a page: 28 layers x K and V x 8 heads x 128 x bfloat16); "
+                    "max_concurrent_requests=32 at max_model_len=4096 needs 8192 pages = 14.00 GiB")
+
+
+def test_without_a_local_checkpoint_the_pool_is_given_without_bytes(qwen3_config_dir):
+    lines = plan_lines(_deployment(qwen3_config_dir), get_family("qwen3"), None)
+    assert lines[1].endswith("= 131072 tokens; max_concurrent_requests=32 at max_model_len=4096 needs 8192 pages")
+    assert lines[2] == f"checkpoint {qwen3_config_dir}: not on this machine yet, so no byte counts"
+
+
+def test_whisper_gives_its_decoders_self_attention_pool(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"decoder_layers": 32, "decoder_attention_heads": 20,
+                                                      "d_model": 1280, "max_target_positions": 448}))
+    assert get_family("whisper").kv_shape(tmp_path) == (32, 20, 64)
+    assert get_family("flux2_klein").kv_shape(tmp_path) is None
+
+
+def test_a_builtin_checkpoint_not_yet_built_is_not_built_for_a_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
+    assert find_checkpoint("builtin:qwen3-tiny", get_family("qwen3").builtin_checkpoints) is None
+    assert find_checkpoint("not/cached-anywhere", {}) is None
+    assert not any(tmp_path.iterdir())
+
+
+def test_mstar_check_prints_the_plan(qwen3_config_dir, tmp_path, capsys):
+    raw = copy.deepcopy(GPU_DEPLOYMENT)
+    raw["checkpoint"] = str(qwen3_config_dir)
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["check", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ok: q (family qwen3, components ['llm'])"
+    assert out[2].startswith("  kv pool (llm, per instance): 8192 pages x 16 tokens = 131072 tokens = 14.00 GiB")
