@@ -41,6 +41,7 @@ class GpuMemory:
 
 
 def cuda_memory(device: torch.device) -> GpuMemory:
+    torch.cuda.empty_cache()  # blocks cached from the load (its temporaries) go back, so they count as free
     free, total = torch.cuda.mem_get_info(device)
     return GpuMemory(free, total, torch.cuda.memory_reserved(device))
 
