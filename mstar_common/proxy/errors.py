@@ -6,8 +6,10 @@ only a scrubbed message and an error id; the original message is logged under th
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import sys
 import uuid
 from typing import Any
 
@@ -69,6 +71,18 @@ class APIError(Exception):
 
 def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
+    """`json.loads(raw)`, or a 400 naming `what` (e.g. "'model_kwargs'", "request body"): text that is not JSON or
+    not UTF-8, and a number longer than Python's 4,300-digit limit for ints (a ValueError of its own)."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_request(f"{what} is not valid JSON: {error}", param=param) from None
+    except ValueError:
+        raise invalid_request(f"{what} holds a number of more than {sys.get_int_max_str_digits()} digits",
+                              param=param) from None
 
 
 def server_error(

@@ -8,7 +8,6 @@ checkpoint's chat template applies; `model_kwargs.messages` replaces it with a w
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +17,7 @@ from starlette.datastructures import UploadFile
 
 from mstar_common import wire
 from mstar_common.proxy import protocol, serving_images, serving_speech, serving_transcriptions
-from mstar_common.proxy.errors import from_pydantic, invalid_request
+from mstar_common.proxy.errors import from_pydantic, invalid_request, parse_json
 from mstar_common.proxy.serving_common import (
     FORM_TYPES,
     Completion,
@@ -41,10 +40,7 @@ TEXT_MODALITIES = ["text"]
 
 
 def _json_object(raw: str | bytes, field: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise invalid_request(f"'{field}' is not valid JSON: {error}", param=field) from None
+    value = parse_json(raw, f"'{field}'", param=field)
     if not isinstance(value, dict):
         raise invalid_request(f"'{field}' must be a JSON object, got {type(value).__name__}", param=field)
     return value
@@ -61,10 +57,7 @@ def _form_modalities(values: list[str]) -> list[str]:
 
 
 def _json_list(value: str) -> list[Any]:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as error:
-        raise invalid_request(f"modalities are not valid JSON: {error}", param="output_modalities") from None
+    parsed = parse_json(value, "output_modalities", param="output_modalities")
     return parsed if isinstance(parsed, list) else [parsed]
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import time
 from typing import Any
 
@@ -27,7 +26,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from mstar_common import images, wire
-from mstar_common.proxy.errors import APIError, check_wire_number, from_exception, from_pydantic, invalid_request
+from mstar_common.proxy.errors import (
+    APIError,
+    check_wire_number,
+    from_exception,
+    from_pydantic,
+    invalid_request,
+    parse_json,
+)
 from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.triton_stream import GenerationRequest
 
@@ -178,10 +184,7 @@ def _fields(raw: dict[str, Any]) -> ImageFields:
 @router.post("/v1/images/generations")
 async def generations(request: Request):
     ctx: ServingContext = request.app.state.serving
-    try:
-        raw = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise invalid_request(f"request body is not valid JSON: {error}") from None
+    raw = parse_json(await request.body(), "request body")
     if not isinstance(raw, dict):
         raise invalid_request("request body must be a JSON object")
     fields = _fields(raw)
@@ -244,18 +247,14 @@ async def generate_native(request: Request, ctx: ServingContext, served) -> dict
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in FORM_TYPES:
         raw, references = await _form(request, file_fields=("files", "image", "image[]"))
-        kwargs = raw.pop("model_kwargs", "") or "{}"
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError as error:
-            raise invalid_request(f"'model_kwargs' is not valid JSON: {error}", param="model_kwargs") from None
+        kwargs = parse_json(raw.pop("model_kwargs", "") or "{}", "'model_kwargs'", param="model_kwargs")
     else:
-        raw, references = json.loads(await request.body()), []
+        raw, references = parse_json(await request.body(), "request body"), []
         if not isinstance(raw, dict):
             raise invalid_request("request body must be a JSON object")
         kwargs = raw.pop("model_kwargs", None) or {}
         if isinstance(kwargs, str):
-            kwargs = json.loads(kwargs)
+            kwargs = parse_json(kwargs, "'model_kwargs'", param="model_kwargs")
     if not isinstance(kwargs, dict):
         raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
     fields = _native_fields(raw, dict(kwargs))
@@ -303,10 +302,7 @@ def _modalities(value: Any) -> list[str] | None:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError:
-                raise invalid_request(f"modalities are not valid JSON: {value!r}", param="output_modalities") from None
+            return parse_json(text, "output_modalities", param="output_modalities")
         return [v.strip() for v in text.split(",") if v.strip()]
     raise APIError(400, f"modalities must be a list, got {value!r}", param="output_modalities")
 

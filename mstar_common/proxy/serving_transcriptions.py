@@ -12,7 +12,6 @@ caps) and transcribes the audio; its refusals come back as 400s naming the field
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
-from mstar_common.proxy.errors import check_wire_number, from_exception, invalid_request
+from mstar_common.proxy.errors import check_wire_number, from_exception, invalid_request, parse_json
 from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
@@ -373,10 +372,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
 
 
 def _native_kwargs(raw: str) -> dict[str, Any]:
-    try:
-        kwargs = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise invalid_request(f"'model_kwargs' is not valid JSON: {error}", param="model_kwargs") from None
+    kwargs = parse_json(raw, "'model_kwargs'", param="model_kwargs")
     if not isinstance(kwargs, dict):
         raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
     if unknown := sorted(set(kwargs) - _NATIVE_KWARGS):

@@ -324,3 +324,30 @@ def test_a_client_that_leaves_mid_upload_is_a_499_line_not_a_server_fault(caplog
     assert not any(m.get("status") == 500 for m in sent)
     assert "client disconnected (499)" in caplog.text and "unhandled" not in caplog.text
     assert fake.requests == []
+
+
+# numbers past Python's int digit limit (a ValueError of json.loads that is not a JSONDecodeError)
+
+HUGE = "1" * 4301
+SPEECH = ServedModel("orpheus", "orpheus_lm", kind="speech")
+
+
+@pytest.mark.parametrize("models, route, request_kwargs", [
+    ([IMAGE_MODEL], "/v1/images/generations", {"content": '{"prompt": "x", "n": %s}' % HUGE}),
+    ([IMAGE_MODEL], "/v1/images/generations", {"content": '{"prompt": "x", "unknown": %s}' % HUGE}),
+    ([IMAGE_MODEL], "/generate", {"content": '{"model": "klein", "text": "x", "model_kwargs": {"seed": %s}}' % HUGE}),
+    ([IMAGE_MODEL], "/generate", {"json": {"model": "klein", "text": "x", "model_kwargs": '{"seed": %s}' % HUGE}}),
+    ([IMAGE_MODEL], "/generate", {"data": {"model": "klein", "text": "x", "model_kwargs": '{"seed": %s}' % HUGE}}),
+    ([WHISPER], "/generate", {"data": {"model": "whisper", "model_kwargs": '{"seed": %s}' % HUGE},
+                              "files": {"audio": WAV["file"]}}),
+    (None, "/generate", {"data": {"text": "x", "model_kwargs": '{"seed": %s}' % HUGE}}),
+    (None, "/v1/chat/completions", {"content": '{"messages": [{"role": "user", "content": "x"}], "seed": %s}' % HUGE}),
+    ([SPEECH], "/v1/audio/speech", {"content": '{"input": "x", "seed": %s}' % HUGE}),
+    ([SPEECH], "/generate", {"data": {"text": "x", "model_kwargs": '{"seed": %s}' % HUGE}}),
+])
+def test_a_number_past_the_int_digit_limit_is_400_on_every_route(models, route, request_kwargs):
+    app, fake = make_app(FakeTriton(), **({"models": models} if models else {}))
+    headers = {"content-type": "application/json"} if "content" in request_kwargs else {}
+    reply = TestClient(app).post(route, headers=headers, **request_kwargs)
+    assert reply.status_code == 400, reply.text
+    assert fake.requests == []
