@@ -127,7 +127,7 @@ class TritonPythonModel:
         except ValueError as exc:
             responder.send_invalid(str(exc))
         except ComponentError as exc:
-            if hops.is_abandoned:
+            if hops.is_abandoned or responder.is_cancelled():  # (the watch may not have seen the client go yet)
                 logger.info("[%s] client cancelled; its walk stopped at %s", responder.request_id, exc.component)
                 responder.send_final()
             elif wire.error_class(exc.message) is not None:  # the client's: refused, or past its deadline there

@@ -82,15 +82,16 @@ def check_geometry(width: int, height: int, multiple: int, max_area: int, field:
     """Refuse sizes off the latent grid or over the area budget, naming the nearest valid sizes."""
     if width < multiple or height < multiple:
         raise ValueError(f"{field}: {width}x{height} is too small: width and height must be at least {multiple}")
-    if width % multiple or height % multiple:
-        lower = f"{width // multiple * multiple}x{height // multiple * multiple}"
-        upper = f"{-(-width // multiple) * multiple}x{-(-height // multiple) * multiple}"
-        raise ValueError(f"{field}: {width}x{height} is not on the latent grid: width and height must be multiples "
-                         f"of {multiple} (nearest valid: {lower} or {upper})")
-    if width * height > max_area:
+    if width * height > max_area:  # ahead of the grid, whose nearest sizes would be over the area too
         side = math.isqrt(max_area) // multiple * multiple
         raise ValueError(f"{field}: {width}x{height} = {width * height} pixels exceeds max_image_area={max_area} "
                          f"(e.g. {side}x{side} fits)")
+    if width % multiple or height % multiple:
+        lower = f"{width // multiple * multiple}x{height // multiple * multiple}"
+        upper = f"{-(-width // multiple) * multiple}x{-(-height // multiple) * multiple}"
+        fits = [size for size in (lower, upper) if math.prod(map(int, size.split("x"))) <= max_area]
+        raise ValueError(f"{field}: {width}x{height} is not on the latent grid: width and height must be multiples "
+                         f"of {multiple} (nearest valid: {' or '.join(fits)})")
 
 
 def decode_image(data: bytes, field: str):

@@ -94,10 +94,13 @@ def server_error(
     return APIError(status, f"{public} (error id {error_id})", code=error_id)
 
 
-def check_wire_number(value: int | float, np_dtype: str, param: str, minimum: int | None = None) -> None:
+def check_wire_number(value: int | float, np_dtype: str, param: str, minimum: int | None = None,
+                      wrap_only: bool = False) -> None:
     """A 400 naming `param` if `value` does not survive the tensor it travels in (int32 / int64 wrap around;
     float32 overflows to inf), so that the model never checks a value the client did not send. `minimum`: the
-    field's own lower bound, shown in the rule (the model's upper bound may be lower than the tensor's)."""
+    field's own lower bound, shown in the rule (the model's upper bound may be lower than the tensor's), and refused
+    here unless `wrap_only`: then a value under it that the tensor holds goes on to the model, whose refusal states
+    the field's whole range."""
     if np.dtype(np_dtype).kind == "f":
         with np.errstate(over="ignore"):
             held = np.float32(value)
@@ -107,7 +110,7 @@ def check_wire_number(value: int | float, np_dtype: str, param: str, minimum: in
         return
     info = np.iinfo(np_dtype)
     low = info.min if minimum is None else minimum
-    if isinstance(value, bool) or not low <= value <= info.max:
+    if isinstance(value, bool) or not (info.min if wrap_only else low) <= value <= info.max:
         raise invalid_request(f"'{param}': must be in [{low}, {info.max}], got {value!r}", param=param)
 
 

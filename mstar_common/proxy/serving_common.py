@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -32,12 +33,23 @@ async def read_utf8_form(request: Request) -> FormData:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/x-www-form-urlencoded":
         return FormData(_urlencoded_pairs(body))
+    _check_multipart_closed(body, request.headers.get("content-type", ""))
     form = await request.form()  # parsed from the body read above
     for key, value in form.multi_items():
         if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in body:
             raise invalid_request(f"'{key}' is not UTF-8 text (an upload needs a filename in its part's "
                                   f"Content-Disposition)", param=key)
     return form
+
+
+def _check_multipart_closed(body: bytes, content_type: str) -> None:
+    """A multipart body must hold its closing delimiter (`--boundary--`): Starlette reads a truncated one as the
+    parts it got so far, or none, so the route would blame a missing field for a cut-off upload."""
+    match = re.search(r';\s*boundary="?([^";]+)"?', content_type, flags=re.IGNORECASE)
+    if match is None:
+        raise invalid_request("a multipart/form-data body needs a boundary parameter in its Content-Type")
+    if b"--" + match.group(1).encode("latin-1") + b"--" not in body:
+        raise invalid_request("the multipart body is truncated or malformed: its closing boundary is missing")
 
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")

@@ -4,7 +4,8 @@ generations (JSON): `prompt`, `size` ('WxH', width first), `n`, `response_format
 hosted), `seed`, and as extra fields `num_inference_steps`, `output_format` (alias `image_output_format`),
 `png_compress_level`, `output_compression`. edits (multipart): the same fields as form values plus `image`
 (or `image[]`, repeatable: up to four references, in order); `mask` (inpainting) is refused. OpenAI fields
-the model cannot honour (`quality`, `style`, `background`, `moderation` other than auto, `guidance_scale`)
+the model cannot honour (`quality`, `style`, `background` other than auto, `moderation` other than auto or low
+(nothing is moderated), `guidance_scale`)
 are refused rather than dropped. Geometry (latent grid, `max_image_area`), step and count limits are
 checked by the entry model, whose `invalid_request` errors become 400s naming the rule.
 
@@ -29,6 +30,7 @@ from mstar_common import images, wire
 from mstar_common.proxy.errors import (
     APIError,
     check_wire_number,
+    client_field,
     from_exception,
     from_pydantic,
     invalid_request,
@@ -74,28 +76,50 @@ class ImageFields(BaseModel):
     mask: Any = None
 
 
+# the client's names of the fields
+
+# The OpenAI routes: the entry model's names (and those of its refusals) as the client sent them.
+OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size"}
+_KNOBS = ("n", "seed", "num_inference_steps", "size", "output_format", "image_output_format", "png_compress_level",
+          "output_compression", "response_format", *_REFUSED)
+
+
+def native_names(sent_width: bool) -> dict[str, str]:
+    """/generate's names: the prompt is `text`, every knob sits in `model_kwargs`, and a size sent as width/height
+    is named by its width."""
+    size = "model_kwargs.width" if sent_width else "model_kwargs.size"
+    return {**{knob: f"model_kwargs.{knob}" for knob in _KNOBS}, "prompt": "text", "num_images": "model_kwargs.n",
+            "size": size, "width": size, "height": size}
+
+
 # request -> Triton tensors
 
 
-def image_tensors(fields: ImageFields, references: list[bytes], prefix: str = ""
+def image_tensors(fields: ImageFields, references: list[bytes], names: dict[str, str] | None = None
                   ) -> tuple[list[tuple[str, str, np.ndarray]], str]:
     """The entry model's input tensors (wire.IMAGE_INPUTS) and the chosen output format; 400s on bad fields.
-    `prefix` is where the client put the knobs (/generate: `model_kwargs.`), for the 400s raised here."""
+    `names`: the client's name of each field where it differs (`OPENAI_NAMES`, `native_names`), for the 400s."""
+    names = OPENAI_NAMES if names is None else names
+
+    def named(field: str) -> str:
+        return names.get(field, field)
+
     for name, allowed in _REFUSED.items():
         if getattr(fields, name) not in allowed:
-            raise invalid_request(f"'{name}' is not supported by this model (got {getattr(fields, name)!r})",
-                                  param=name)
+            raise invalid_request(f"'{named(name)}' is not supported by this model (got {getattr(fields, name)!r})",
+                                  param=named(name))
     if fields.response_format not in (None, "b64_json"):
-        raise invalid_request(f"'response_format': only 'b64_json' is served (no image URLs are hosted), got "
-                              f"{fields.response_format!r}", param="response_format")
+        raise invalid_request(f"'{named('response_format')}': only 'b64_json' is served (no image URLs are hosted), "
+                              f"got {fields.response_format!r}", param=named("response_format"))
     if not fields.prompt.strip():
-        raise invalid_request("'prompt' must not be empty", param="prompt")
+        raise invalid_request(f"'{named('prompt')}' (the prompt) must not be empty", param=named("prompt"))
     fmt = _one_of(fields.output_format, fields.image_output_format)
     try:
         options = images.output_options(fmt, fields.png_compress_level, fields.output_compression)
         size = None if fields.size in (None, "auto") else images.parse_size(fields.size)
     except ValueError as exc:
-        raise invalid_request(str(exc), param=str(exc).split(":", 1)[0]) from None
+        message, param = client_field(str(exc), names)
+        raise invalid_request(message, param=param) from None
     if len(references) > MAX_REFERENCES:
         raise invalid_request(f"'image': at most {MAX_REFERENCES} reference images, got {len(references)}",
                               param="image")
@@ -113,9 +137,11 @@ def image_tensors(fields: ImageFields, references: list[bytes], prefix: str = ""
             continue
         dtype, np_dtype = wire.IMAGE_INPUTS[name]
         if dtype != "BYTES":
-            client_name = {"num_images": "n", "width": "size", "height": "size"}.get(name, name)
-            check_wire_number(value, np_dtype, prefix + client_name, minimum=1 if name in (
-                "num_images", "num_inference_steps") else 0)  # a 0x0 size is the model's to refuse, by its grid
+            # The model's refusal gives n's and the steps' real range ([1, its cap]); a 0x0 size is the model's to
+            # refuse, by its grid.
+            check_wire_number(value, np_dtype, named(name),
+                              minimum=1 if name in ("num_images", "num_inference_steps") else 0,
+                              wrap_only=name in ("num_images", "num_inference_steps"))
         array = np.array([value.encode("utf-8") if dtype == "BYTES" else value], dtype=np_dtype)
         tensors.append((name, dtype, array))
     if references:
@@ -132,12 +158,16 @@ def _one_of(first: Any, second: Any) -> Any:
 # running a request
 
 
-async def run_images(request: Request, ctx: ServingContext, served, tensors) -> tuple[list[bytes], int | None]:
+async def run_images(request: Request, ctx: ServingContext, served, tensors,
+                     names: dict[str, str] | None = None) -> tuple[list[bytes], int | None]:
+    """The entry model's images and seed; its refusals name the fields as the client sent them (`names`)."""
+    gen = GenerationRequest(tensors=tensors)
+    gen.field_names = OPENAI_NAMES if names is None else names
+
     async def collect() -> tuple[list[bytes], int | None]:
         found: list[bytes] = []
         seed = None
-        stream = ctx.triton.generate(served.triton_model, request.state.request_id, GenerationRequest(tensors=tensors),
-                                     ctx.settings.request_timeout_s)
+        stream = ctx.triton.generate(served.triton_model, request.state.request_id, gen, ctx.settings.request_timeout_s)
         try:
             async for response in stream:
                 found += response.images
@@ -149,7 +179,7 @@ async def run_images(request: Request, ctx: ServingContext, served, tensors) -> 
     try:
         found, seed = await until_disconnect(request, collect())
     except Exception as exc:
-        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+        raise from_exception(exc, ctx.settings.request_timeout_s, field_names=gen.field_names) from None
     if not found:
         raise from_exception(RuntimeError(f"{served.triton_model} answered without images"))
     return found, seed
@@ -199,7 +229,8 @@ async def edits(request: Request):
     ctx: ServingContext = request.app.state.serving
     raw, references = await _form(request, file_fields=_IMAGE_FIELDS)
     if not references:
-        raise invalid_request("'image' is required: upload one to four reference images", param="image")
+        raise invalid_request("'image' is required: an edit takes one to four reference images (a text-to-image "
+                              "model takes none: use /v1/images/generations)", param="image")
     fields = _fields(raw)
     served = ctx.resolve(fields.model, kinds=IMAGE_KINDS)
     tensors, fmt = image_tensors(fields, references)
@@ -257,9 +288,10 @@ async def generate_native(request: Request, ctx: ServingContext, served) -> dict
             kwargs = parse_json(kwargs, "'model_kwargs'", param="model_kwargs")
     if not isinstance(kwargs, dict):
         raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
+    names = native_names(sent_width="width" in kwargs or "height" in kwargs)
     fields = _native_fields(raw, dict(kwargs))
-    tensors, fmt = image_tensors(fields, references, prefix="model_kwargs.")
-    found, seed = await run_images(request, ctx, served, tensors)
+    tensors, fmt = image_tensors(fields, references, names)
+    found, seed = await run_images(request, ctx, served, tensors, names)
     return {"id": request.state.request_id, "model": served.name,
             "outputs": {"image": [base64.b64encode(img).decode("ascii") for img in found]},
             "seed": seed, "output_format": fmt}
@@ -287,8 +319,9 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
     if width is not None:
         if "size" in kwargs:
             raise invalid_request("model_kwargs: give 'width'/'height' or 'size', not both", param="model_kwargs.size")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (width, height)):
-            raise invalid_request("model_kwargs.width/height must be integers", param="model_kwargs.width")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (width, height)):
+            raise invalid_request(f"model_kwargs.width/height: must be integers >= 1, got {width!r} and {height!r}",
+                                  param="model_kwargs.width")
         kwargs["size"] = f"{width}x{height}"
     try:
         return ImageFields.model_validate({"prompt": raw["text"], **kwargs})

@@ -61,6 +61,19 @@ def test_bad_size_is_a_400_naming_the_rule(served_images, oai, size, rule):
     assert error.value.status_code == 400 and rule in error.value.body["message"]
 
 
+@pytest.mark.parametrize("kwargs,rule", [
+    ({"n": 0}, "n: must be in [1, "),
+    ({"extra_body": {"num_inference_steps": 0}}, "num_inference_steps: must be in [1, "),
+])
+def test_counts_out_of_range_are_refused_with_the_models_whole_range(served_images, oai, kwargs, rule):
+    """The proxy lets a count its tensor holds through, so the refusal states the range the model serves ([1, its
+    cap]), not the tensor's (it said [1, 2147483647] below the range and [1, cap] above it)."""
+    with pytest.raises(openai.BadRequestError) as error:
+        oai.images.generate(model=served_images.dep.name, prompt="x", size="64x64", **kwargs)
+    message = error.value.body["message"]
+    assert error.value.status_code == 400 and rule in message and "2147483647" not in message
+
+
 def test_edits_are_refused(served_images, oai):
     buffer = io.BytesIO()
     Image.new("RGB", (64, 64)).save(buffer, format="PNG")

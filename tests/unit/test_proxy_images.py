@@ -168,6 +168,12 @@ def test_geometry_rules_name_the_nearest_valid_sizes():
         images.check_geometry(4096, 4096, 16, 2048 * 2048)
     images.check_geometry(2048, 2048, 16, 2048 * 2048)
     assert images.parse_size("1024x768") == (1024, 768)
+    # Off the grid and over the area: the area is the rule to state (the grid's neighbours would not fit either).
+    with pytest.raises(ValueError, match=r"99999x99999 = 9999800001 pixels exceeds max_image_area=65536 .e.g. 256x256"):
+        images.check_geometry(99999, 99999, 16, 65536)
+    # Off the grid at the area's edge: only the neighbour that fits is offered.
+    with pytest.raises(ValueError, match=r"nearest valid: 240x256\)$"):
+        images.check_geometry(250, 260, 16, 65536)
 
 
 def test_unreadable_and_huge_uploads_are_refused():
@@ -184,3 +190,34 @@ def test_encode_round_trips_each_format():
         data = images.encode_image(pixels, images.output_options(fmt))
         assert Image.open(io.BytesIO(data)).format.lower() == fmt
     assert np.array_equal(np.array(Image.open(io.BytesIO(images.encode_image(pixels, images.OutputOptions())))), pixels)
+
+
+@pytest.mark.parametrize("route, body, refusal, param", [
+    ("/v1/images/generations", {"prompt": "x", "n": 9}, "n: must be in [1, 4], got 9", "n"),
+    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"n": 9}}, "n: must be in [1, 4], got 9",
+     "model_kwargs.n"),
+    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"size": "96x80"}}, "size: 96x80 is too large",
+     "model_kwargs.size"),
+    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"width": 96, "height": 80}},
+     "size: 96x80 is too large", "model_kwargs.width"),
+    ("/generate", {"model": "klein", "text": "x"}, "prompt: too long", "text"),
+])
+def test_the_models_refusals_name_the_field_as_the_client_sent_it(route, body, refusal, param):
+    http, _ = client([TritonInvalidRequest(refusal)])
+    error = http.post(route, json=body).json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+
+
+def test_native_generate_names_its_own_fields_in_the_proxys_refusals():
+    http, fake = client()
+    for kwargs, param, fragment in (
+        ({"text": " "}, "text", "'text' (the prompt) must not be empty"),
+        ({"text": "x", "model_kwargs": {"width": -64, "height": 64}}, "model_kwargs.width",
+         "model_kwargs.width/height: must be integers >= 1, got -64 and 64"),
+        ({"text": "x", "model_kwargs": {"size": "64"}}, "model_kwargs.size",
+         "model_kwargs.size: must be 'WIDTHxHEIGHT'"),
+        ({"text": "x", "model_kwargs": {"quality": "hd"}}, "model_kwargs.quality", "'model_kwargs.quality' is not"),
+    ):
+        error = http.post("/generate", json={"model": "klein", **kwargs}).json()["error"]
+        assert error["param"] == param and fragment in error["message"], error
+    assert fake.requests == []

@@ -351,3 +351,19 @@ def test_a_number_past_the_int_digit_limit_is_400_on_every_route(models, route, 
     reply = TestClient(app).post(route, headers=headers, **request_kwargs)
     assert reply.status_code == 400, reply.text
     assert fake.requests == []
+
+
+@pytest.mark.parametrize("models, route", [([IMAGE_MODEL], "/v1/images/edits"), ([WHISPER], "/v1/audio/transcriptions"),
+                                           ([IMAGE_MODEL], "/generate"), (None, "/generate")])
+def test_a_truncated_multipart_body_is_named_as_such_not_as_a_missing_field(models, route):
+    app, fake = make_app(FakeTriton(), **({"models": models} if models else {}))
+    client = TestClient(app)
+    cut = b'--XX\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n\x89PNG'
+    for body in (b"--XX\r\nbroken", cut):
+        reply = client.post(route, content=body, headers={"content-type": "multipart/form-data; boundary=XX"})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["message"] == ("the multipart body is truncated or malformed: its closing "
+                                                   "boundary is missing")
+    reply = client.post(route, content=b"x", headers={"content-type": "multipart/form-data"})
+    assert reply.status_code == 400 and "boundary parameter" in reply.json()["error"]["message"]
+    assert fake.requests == []
