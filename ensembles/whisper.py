@@ -135,6 +135,8 @@ class _Transcription:
                 task.cancel()
             if not self.language.done():
                 self.language.cancel()
+            elif not self.language.cancelled():
+                self.language.exception()  # read, so that a failure no window waited for is not logged as lost
 
     def _join(self, delta: str, is_started: bool) -> tuple[str, bool]:
         """Strip a window's leading blanks; one space between windows."""
@@ -254,11 +256,17 @@ class _Transcription:
                 pieces = split_segments(self.tokens, result.free_ids, window.offset_s, window.duration_s)
             else:
                 pieces = [(window.offset_s, window.offset_s + window.duration_s, result.free_ids)]
+            lo, hi = window.offset_s, window.offset_s + window.duration_s
             for piece in pieces:
                 start, end, ids = (piece.start, piece.end, piece.token_ids) if self.req.timestamps else piece
                 text = self.walk.tokenizer.decode(self.tokens.text_ids(ids), skip_special_tokens=True)
                 if not text.strip():
                     continue
+                # The model's timestamps count in its 30 s frame: held to the window's audio and in order, so that
+                # no cue runs past the upload or starts before the one ahead of it (srt/vtt players need both).
+                start = min(max(start, lo), hi)
+                end = min(max(end, start), hi)
+                lo = end
                 out.append({"id": len(out), "seek": window.start // 160, "start": round(start, 3),
                             "end": round(end, 3), "text": text, "tokens": ids, "temperature": result.temperature,
                             "avg_logprob": None, "compression_ratio": round(compression_ratio(text), 4),

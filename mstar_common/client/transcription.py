@@ -25,7 +25,7 @@ class TranscriptionResult:
     language: str  # ISO-639-1 code of the language transcribed (detected or forced)
     duration: float  # seconds of audio
     finish_reason: str
-    segments: list[dict[str, Any]] = field(default_factory=list)  # with timestamps=True: {start, end, text, ...}
+    segments: list[dict[str, Any]] = field(default_factory=list)  # timed with timestamps=True, else one a window
     usage: dict[str, int] = field(default_factory=dict)
 
 

@@ -349,6 +349,9 @@ async def generate_native(request: Request, ctx: ServingContext, served):
             raise invalid_request(f"'{key}': model '{served.name}' takes {sorted(allowed)}, got {one[key]!r}",
                                   param=key)
     kwargs = _native_kwargs(one.get("model_kwargs") or "{}")
+    if "prompt" in kwargs and one.get("text"):
+        raise invalid_request("give the prompt once: as 'text' or as 'model_kwargs.prompt', not both",
+                              param="model_kwargs.prompt")
     prompt = kwargs.get("prompt", one.get("text"))
     gen = transcription_generation(
         audio, kwargs.get("task", "transcribe"), language=kwargs.get("language"), prompt=prompt,
@@ -365,9 +368,8 @@ async def generate_native(request: Request, ctx: ServingContext, served):
     t = await collect(ctx, request, served, gen)
     body = {"id": request.state.request_id, "model": served.name, "outputs": {"text": [t.text]},
             "finish_reason": t.finish_reason or "stop", "language": t.language, "duration": t.duration,
-            "usage": {"completion_tokens": t.completion_tokens}}
-    if kwargs.get("timestamps"):
-        body["segments"] = t.segments
+            "usage": {"completion_tokens": t.completion_tokens},
+            "segments": t.segments}  # timed with timestamps, else one a window (as the streamed last event has)
     return body
 
 

@@ -145,3 +145,18 @@ def test_an_empty_upload_to_generate_is_named_as_sent(app):
     response = client.post("/generate", data={"model": "whisper"}, files={"audio": ("a.wav", b"", "audio/wav")})
     assert response.status_code == 400 and response.json()["error"]["param"] == "audio", response.text
     assert response.json()["error"]["message"].startswith("'audio': the upload is empty")
+
+
+def test_a_prompt_given_as_text_and_in_model_kwargs_is_refused_not_one_dropped(app):
+    client, fake = app
+    before = len(fake.requests)
+    response = client.post("/generate", data={"model": "whisper", "text": "a", "model_kwargs": '{"prompt": "b"}'},
+                           files={"audio": ("a.wav", b"RIFF", "audio/wav")})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "model_kwargs.prompt" and len(fake.requests) == before
+
+
+def test_generate_gives_the_segments_untimed_as_the_stream_does(app):
+    client, _ = app
+    body = client.post("/generate", data={"model": "whisper"}, files={"audio": ("a.wav", b"RIFF", "audio/wav")}).json()
+    assert body["segments"] == SEGMENTS

@@ -109,3 +109,23 @@ def test_long_audio_is_cut_at_quiet_moments():
     assert all(w.duration_s <= 30.0 for w in windows)
     assert 26.0 <= windows[0].end / SR <= 26.3
     assert split_windows(pcm[: SR * 30]) == [windows[0].__class__(0, SR * 30)]
+
+
+def test_a_wav_whose_recorder_never_filled_in_its_sizes_is_measured():
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(SR) / SR)).astype(np.float32)
+    whole = _encode(tone, SR, "WAV", "PCM_16")
+    want = decode_upload(whole, LIMITS)
+    for zero_riff in (False, True):
+        data = bytearray(whole)
+        at = data.index(b"data")
+        data[at + 4:at + 8] = bytes(4)  # the data chunk's size left at 0
+        if zero_riff:
+            data[4:8] = bytes(4)
+        assert np.array_equal(decode_upload(bytes(data), LIMITS), want)
+
+
+def test_a_wild_sample_rate_is_named_before_the_length_it_implies():
+    data = bytearray(_encode(np.zeros(3 * SR, np.int16), SR))
+    data[24:28] = (1).to_bytes(4, "little")  # 1 Hz: 48,000 s of audio by the header
+    with pytest.raises(ValueError, match=r"^file: sample rate 1 Hz is outside \[4000, 384000\]$"):
+        decode_upload(bytes(data), LIMITS, field="file")

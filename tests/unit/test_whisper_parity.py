@@ -113,9 +113,16 @@ def test_timestamp_segments_match_transformers(local, reference):
                             force_unique_generate_call=True)["segments"][0]
     ours = json.loads(out["segments"])
     assert theirs, "the reference closed no segment"
+    # The reference's times count in the model's 30 s frame; ours are held to the 17 s of audio and kept in order
+    # (random weights put the first segment's end at ~24 s).
+    floor = 0.0
     for want, got in zip(theirs, ours, strict=False):
         assert got["tokens"] == want["tokens"].tolist()
-        assert got["start"] == pytest.approx(float(want["start"])) and got["end"] == pytest.approx(float(want["end"]))
+        start = min(max(float(want["start"]), floor), 17.0)
+        end = min(max(float(want["end"]), start), 17.0)
+        assert got["start"] == pytest.approx(start) and got["end"] == pytest.approx(end)
+        floor = end
+    assert any(float(want["end"]) > 17.0 for want in theirs)  # (so the hold above is exercised)
 
 
 def test_long_upload_windows_each_equal_transformers(local, reference):
@@ -163,6 +170,7 @@ def test_streamed_deltas_join_to_the_final_text_and_batching_keeps_requests_apar
     ({"language": "klingon"}, "language: 'klingon' is not a language"),
     ({"task": "summarize"}, "task: must be one of"),
     ({"temperature": -0.5}, "temperature: must be in"),
+    ({"temperature": 1.5}, r"temperature: must be in \[0, 1\], got 1.5"),  # the OpenAI route's range everywhere
     ({"prompt": "word " * 200}, r"prompt: \d+ tokens; at most 63"),
     ({"prompt": "<|en|> hi"}, "prompt: must be plain text"),
     ({"audio": b"not audio" * 50}, "audio: not a readable audio file"),
@@ -337,3 +345,28 @@ def test_the_mid_gemm_timing_inputs_run_through_the_decoder(checkpoint):
         runner.graphs[key].replay()  # the stand-in re-runs the step over those inputs
     assert context == config.max_model_len == 128
     assert runner.buffers.out_tokens[: key[1]].min() >= 0
+
+
+def test_a_window_that_fails_leaves_no_failure_unread_for_the_loop_to_log(local, monkeypatch):
+    """The language every window waits for carries the first failure; with the other windows cancelled no one read
+    it, and asyncio logged 'Future exception was never retrieved' at ERROR with a traceback for each such request
+    (a client leaving a multi-window upload, seen in a QA pass)."""
+    import gc
+
+    from mstar_common.walk_api import ComponentError
+
+    async def encoder_refuses(component, inputs):
+        raise ComponentError(component, "cancelled: the client went away")
+
+    monkeypatch.setattr(local, "call", encoder_refuses)
+    lost = []
+
+    async def transcribe():
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: lost.append(context["message"]))
+        with pytest.raises(ComponentError):
+            await local.transcribe(audio=wav(clip(0, 70)))
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(transcribe())
+    assert lost == []

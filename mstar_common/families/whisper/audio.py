@@ -49,11 +49,14 @@ def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.
     if len(data) > limits.max_bytes:
         raise ValueError(f"{field}: the upload is {len(data)} bytes; this deployment accepts at most "
                          f"{limits.max_bytes} bytes")
+    data = wav_with_measured_length(data)
     try:
         info = soundfile.info(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - libsndfile raises several types for unreadable input
         raise ValueError(f"{field}: not a readable audio file (supported: WAV, FLAC, OGG/Vorbis, MP3, AIFF and the "
                          "other formats libsndfile reads)") from None
+    if info.samplerate > 0:
+        _check_rate(info.samplerate, field)  # ahead of the length, which a wild rate would make absurd
     if info.frames > 0 and info.samplerate > 0:  # the header's length, when it has one
         _check_duration(info.frames / info.samplerate, limits, field)
     if wav_data_is_short(data):
@@ -77,8 +80,7 @@ def to_model_pcm(samples: np.ndarray, rate: int, limits: AudioLimits, field: str
         raise ValueError(f"{field}: the audio holds no samples")
     if samples.shape[1] > MAX_CHANNELS:
         raise ValueError(f"{field}: {samples.shape[1]} channels; at most {MAX_CHANNELS} (mono or stereo) are accepted")
-    if not MIN_SAMPLE_RATE <= rate <= 384_000:
-        raise ValueError(f"{field}: sample rate {rate} Hz is outside [{MIN_SAMPLE_RATE}, 384000]")
+    _check_rate(rate, field)
     if not np.isfinite(samples).all():
         raise ValueError(f"{field}: the audio holds NaN or infinite samples")
     if (peak := float(np.abs(samples).max())) > MAX_SAMPLE_MAGNITUDE:
@@ -102,6 +104,32 @@ def wav_data_is_short(data: bytes) -> bool:
             return size not in (0, 0xFFFFFFFF) and offset + 8 + size > len(data)
         offset += 8 + size + (size & 1)  # chunks are padded to even sizes
     return False
+
+
+def wav_with_measured_length(data: bytes) -> bytes:
+    """A RIFF/WAVE upload whose `data` chunk (or RIFF) size is 0, as a recorder leaves it when it never finished
+    the header, with the sizes measured from the upload instead (libsndfile would read no frames); any other
+    upload as it is."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return data
+    offset = 12
+    while offset + 8 <= len(data):
+        kind, size = data[offset:offset + 4], int.from_bytes(data[offset + 4:offset + 8], "little")
+        if kind == b"data":
+            if size != 0 or offset + 8 == len(data):
+                return data
+            fixed = bytearray(data)
+            fixed[offset + 4:offset + 8] = (len(data) - offset - 8).to_bytes(4, "little")
+            if int.from_bytes(data[4:8], "little") == 0:
+                fixed[4:8] = (len(data) - 8).to_bytes(4, "little")
+            return bytes(fixed)
+        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return data
+
+
+def _check_rate(rate: int, field: str) -> None:
+    if not MIN_SAMPLE_RATE <= rate <= 384_000:
+        raise ValueError(f"{field}: sample rate {rate} Hz is outside [{MIN_SAMPLE_RATE}, 384000]")
 
 
 def _check_duration(seconds: float, limits: AudioLimits, field: str) -> None:

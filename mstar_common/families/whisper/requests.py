@@ -11,7 +11,7 @@ import numpy as np
 from mstar_common.families.whisper import graph as g
 from mstar_common.families.whisper.decoding import TASKS, WhisperTokens
 
-MAX_TEMPERATURE = 2.0
+MAX_TEMPERATURE = 1.0  # OpenAI's range for transcriptions, on every surface (the fallback ladder tops at 1.0)
 MAX_SEED = 2**63 - 1
 
 
