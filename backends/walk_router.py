@@ -38,6 +38,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
+from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
 from backends.responder import Responder, request_inputs, request_timeout_s, tensor_value, to_pb_tensor, walk_board
 from mstar_common import wire
@@ -83,8 +84,16 @@ class TritonPythonModel:
         cap = dep.max_concurrent_requests
         self.limit = WalkLimits(cap, dep.admission.resolved_max_queue(cap), dep.admission.request_timeout_s)
         self.in_flight = 0
+        self.num_refused = self.num_expired = 0  # the walk's own 429s and deadlines, for its metrics
+        labels = {"model": self.model_name, "instance": args["model_instance_name"], "device": "cpu"}
+        self.metrics = ComponentMetrics(self, None, labels)
+        self.metrics.start()
         settle_heap(self.model_name)  # start-up objects out of the collector's reach
         logger.info("[%s] ready", self.model_name)
+
+    def stats(self) -> dict:
+        """What the metrics thread samples: the walks in progress (the walk queues none itself) and its refusals."""
+        return {"num_running": self.in_flight, "num_refused": self.num_refused, "num_expired": self.num_expired}
 
     async def execute(self, requests: list) -> None:
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -92,12 +101,14 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("[%s] shutting down", self.model_name)
+        self.metrics.stop()
         release_stub_objects()
 
     async def _serve(self, request) -> None:
         # the pid keeps hop ids unique across this model's instances (the cancel board is the server's)
         responder = Responder(request, f"{request.request_id() or 'req'}#{os.getpid()}.{next(self._ids)}")
         if self.in_flight >= self.limit.cap:
+            self.num_refused += 1
             responder.send_error(wire.OVERLOADED_PREFIX + f"{self.in_flight} requests in {self.model_name} already, "
                                  f"its cap of {self.limit.running} running and {self.limit.queued} queued")
             return
@@ -122,6 +133,7 @@ class TritonPythonModel:
             if timeout_s is None or time.perf_counter() - started < timeout_s:  # the walk's own, not the deadline
                 responder.send_server_error(exc)
             else:  # the components stop its work at the same deadline (Budget); the client is told now
+                self.num_expired += 1
                 logger.info("[%s] past its deadline of %g s", responder.request_id, timeout_s)
                 responder.send_error(wire.DEADLINE_PREFIX + f"the request did not finish within {timeout_s:g} s")
         except ValueError as exc:

@@ -158,6 +158,23 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         assert expired_at - at < max(2.0, work_s / 2), (expired_at - at, work_s)
         ok = httpx.post(url, json={"model": served.dep.name, "prompt": "x", "size": "64x64"}, timeout=60)
         assert ok.status_code == 200, ok.text
+        time.sleep(0.3)  # one metrics sample after the last request
+        walk = series_of(served.metrics_url, served.entry)  # the walk's own 429 and deadline, counted at the walk
+        assert walk == {"mstar_requests_overloaded_total": 1.0, "mstar_requests_expired_total": 1.0,
+                        "mstar_requests_running": 0.0}, walk
+
+
+def series_of(url: str, model: str) -> dict[str, float]:
+    """The admission series of one model, from Triton's /metrics."""
+    import httpx
+
+    names = ("mstar_requests_overloaded_total", "mstar_requests_expired_total", "mstar_requests_running")
+    out = {}
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in names and f'model="{model}"' in line:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def denoise_metrics(url: str) -> dict[str, float]:
