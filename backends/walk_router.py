@@ -49,6 +49,7 @@ from mstar_common.walk_api import ComponentError
 logger = logging.getLogger(__name__)
 TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log each hop's and each walk's wall time (stateless_node.py)
 WALK_CANCEL_POLL_S = 0.1  # how often a walk asks whether its client is still there (one IPC round trip)
+REFUSAL_SETTLE_S = 0.005  # how long a refused request's execute() waits before it returns (see _serve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,10 @@ class TritonPythonModel:
             self.num_refused += 1
             responder.send_error(wire.OVERLOADED_PREFIX + f"{self.in_flight} requests in {self.model_name} already, "
                                  f"its cap of {self.limit.running} running and {self.limit.queued} queued")
+            # An execute() that ends before the stub has filed its future logs "Cannot remove future from
+            # background; KeyError" at ERROR (Triton's python_backend registers the done-callback first:
+            # triton-inference-server/server#8537); a refusal is that fast, so it ends a moment later.
+            await asyncio.sleep(REFUSAL_SETTLE_S)
             return
         self.in_flight += 1
         try:

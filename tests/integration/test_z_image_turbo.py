@@ -163,6 +163,20 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         assert walk == {"mstar_requests_overloaded_total": 1.0, "mstar_requests_expired_total": 1.0,
                         "mstar_requests_running": 0.0}, walk
 
+        # A burst the cap mostly refuses: each refusal's execute() ended before the stub filed its future, which
+        # Triton's stub logged as "Cannot remove future from background; KeyError" (~1 in 3 refusals).
+        burst: list[int] = []
+        light = {"model": served.dep.name, "prompt": "x", "size": "64x64", "num_inference_steps": 8}
+        threads = [threading.Thread(target=lambda: burst.append(httpx.post(url, json=light, timeout=60).status_code))
+                   for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert burst.count(429) >= 8 and set(burst) <= {200, 429}, burst
+        log = (served.log_dir / "tritonserver.log").read_text(errors="replace")
+        assert "Cannot remove future from background" not in log
+
 
 def series_of(url: str, model: str) -> dict[str, float]:
     """The admission series of one model, from Triton's /metrics."""
