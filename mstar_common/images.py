@@ -25,7 +25,7 @@ COMPRESSION = (0, 100)
 DEFAULT_PNG_LEVEL = 6
 DEFAULT_COMPRESSION = 95
 MAX_UPLOAD_PIXELS = 8192 * 8192  # decoded-size cap of one uploaded image (decompression bombs)
-_SIZE = re.compile(r"\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*")
+_SIZE = re.compile(r"\s*([0-9]{1,6})\s*[xX×]\s*([0-9]{1,6})\s*")  # ASCII digits: int() would read others too
 
 
 @dataclass(frozen=True, slots=True)

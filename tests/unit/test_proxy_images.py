@@ -168,6 +168,8 @@ def test_geometry_rules_name_the_nearest_valid_sizes():
         images.check_geometry(4096, 4096, 16, 2048 * 2048)
     images.check_geometry(2048, 2048, 16, 2048 * 2048)
     assert images.parse_size("1024x768") == (1024, 768)
+    with pytest.raises(ValueError, match="must be 'WIDTHxHEIGHT'"):
+        images.parse_size("\uff16\uff14x64")  # full-width digits
     # Off the grid and over the area: the area is the rule to state (the grid's neighbours would not fit either).
     with pytest.raises(ValueError, match=r"99999x99999 = 9999800001 pixels exceeds max_image_area=65536 .e.g. 256x256"):
         images.check_geometry(99999, 99999, 16, 65536)
