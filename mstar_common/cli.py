@@ -37,10 +37,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     from mstar_common.families.registry import get_family
     from mstar_common.memory_plan import plan_lines
 
-    dep = load_deployment(resolve_target(args.deployment))
-    print(f"ok: {dep.name} (family {dep.family}, components {sorted(dep.components)})")
+    path = resolve_target(args.deployment)
+    dep = load_deployment(path)
     family = get_family(dep.family)
-    for line in plan_lines(dep, family, find_checkpoint(dep.checkpoint, family.builtin_checkpoints)):
+    checkpoint = find_checkpoint(dep.checkpoint, family.builtin_checkpoints)
+    if checkpoint is not None:  # what `mstar serve` checks against it too (e.g. max_model_len's position limit)
+        family.check_checkpoint(dep, checkpoint, path.name)
+    print(f"ok: {dep.name} (family {dep.family}, components {sorted(dep.components)})")
+    for line in plan_lines(dep, family, checkpoint):
         print(f"  {line}")
     return 0
 
@@ -79,21 +83,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_switches()  # a misspelt MSTAR_* switch: refused here, not after tritonserver has loaded the models
     except ValueError as exc:
         raise DeploymentError(str(exc)) from None
-    print(f"[mstar] deployment {dep.name} ({path}) is valid", flush=True)
     family = get_family(dep.family)
     checkpoint = resolve_checkpoint(dep.checkpoint, family.builtin_checkpoints)
-    print(f"[mstar] checkpoint: {checkpoint}", flush=True)
     family.check_checkpoint(dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
+    print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
     check_gpus_visible(dep, path.name)
     run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{dep.name}-"))
     repo = run_dir / "model_repository"
     generate_repository(path, repo)
     s = dep.server
     ports = Ports(
-        http=args.http_port or s.http_port,
-        grpc=args.grpc_port or s.grpc_port,
-        metrics=args.metrics_port or s.metrics_port,
-        proxy=args.port or s.proxy_port,
+        http=s.http_port if args.http_port is None else args.http_port,
+        grpc=s.grpc_port if args.grpc_port is None else args.grpc_port,
+        metrics=s.metrics_port if args.metrics_port is None else args.metrics_port,
+        proxy=s.proxy_port if args.port is None else args.port,
     )
     if len({ports.http, ports.grpc, ports.metrics, ports.proxy}) < 4:
         raise DeploymentError(f"the ports must differ: Triton HTTP {ports.http}, gRPC {ports.grpc}, metrics "
@@ -199,16 +202,28 @@ def _print_urls(dep, ports, args, run_dir: Path) -> None:
     print("\n".join(line for line in lines if line), flush=True)
 
 
+def _tcp_port(value: str) -> int:
+    """An argparse type: a TCP port in [1, 65535] (the deployment's `server.*_port` rule)."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {value!r}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mstar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="validate, generate the repository, start tritonserver + the proxy")
     p.add_argument("target", nargs="?", default=str(DEFAULT_DEPLOYMENT), help="family key or deployment YAML")
     p.add_argument("--host", default="127.0.0.1", help="proxy bind address")
-    p.add_argument("--port", type=int, default=None, help="proxy port (default: server.proxy_port)")
-    p.add_argument("--http-port", type=int, default=None, help="Triton HTTP port (default: server.http_port)")
-    p.add_argument("--grpc-port", type=int, default=None, help="Triton gRPC port (default: server.grpc_port)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Triton metrics port (default: server.metrics_port)")
+    p.add_argument("--port", type=_tcp_port, default=None, help="proxy port (default: server.proxy_port)")
+    p.add_argument("--http-port", type=_tcp_port, default=None, help="Triton HTTP port (default: server.http_port)")
+    p.add_argument("--grpc-port", type=_tcp_port, default=None, help="Triton gRPC port (default: server.grpc_port)")
+    p.add_argument("--metrics-port", type=_tcp_port, default=None,
+                   help="Triton metrics port (default: server.metrics_port)")
     p.add_argument("--no-proxy", action="store_true", help="start tritonserver only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     p.set_defaults(func=cmd_serve)

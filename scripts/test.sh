@@ -9,8 +9,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Given no test paths (options only) and no GPU: the Triton kernels against their torch references too, on the
 # CPU through Triton's interpreter (their smaller sweep; the slowest cases there are marked `slow`, left to the GPU),
 # as one process a core (at most 4; KERNEL_TEST_JOBS sets it), each with its log under $TMPDIR/mstar-kernel-tests.
+# (A test path is an argument that names a file or folder, `path::test` included; the value of an option such as
+# `-k config` is not one.)
 for arg in "$@"; do
-  case $arg in -*) ;; *) exit 0 ;; esac
+  case $arg in -*) ;; *) [ -e "${arg%%::*}" ] && exit 0 ;; esac
 done
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
   jobs=${KERNEL_TEST_JOBS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}

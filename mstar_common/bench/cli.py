@@ -1,4 +1,4 @@
-"""Serving benchmark (`mstar bench`, or `scripts/bench.py` in a checkout): closed-loop and Poisson workloads
+r"""Serving benchmark (`mstar bench`, or `scripts/bench.py` in a checkout): closed-loop and Poisson workloads
 against Triton and the OpenAI proxy, with the HF `generate` baseline and the weight-streaming floor measured in
 the same run.
 
@@ -407,7 +407,8 @@ def _serve(args) -> int:
     if served is not None:
         eager = eager_tokens(args)
         same = sum(a == b for a, b in zip(served, eager, strict=True))
-        model["checks"] = {"served greedy tokens (graphs, overlap, fused kernels) == in-process eager engine":
+        served_as = "graphs, overlap, fused kernels" if args.device == "gpu" and not args.no_graphs else "the server"
+        model["checks"] = {f"served greedy tokens ({served_as}) == in-process eager engine":
                            f"{same}/{len(served)} requests identical ({args.check_len} tokens each, c=1)"}
     add_baselines(model, args)
     for line in comparisons(model):
@@ -580,6 +581,7 @@ def cmd_url(args) -> int:
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics, on_run=_saver(model, args.out))
     Path(args.out).write_text(json.dumps(model, indent=1))
+    print(f"[bench] wrote {args.out}")
     return _exit_status(model["runs"])
 
 
@@ -641,6 +643,8 @@ def meta(command: str | None) -> dict:
         if torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory / 2**30
             info["hardware"] = f"{torch.cuda.get_device_name(0)} ({memory:.0f} GiB)"
+        else:
+            info["hardware"] = f"CPU only ({os.cpu_count()} cores)"
         info["software"] = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
         import triton
 

@@ -89,11 +89,15 @@ def workload_line(workload: dict) -> str:
     return "Workload: " + "; ".join(parts) + "."
 
 
+def _pages(num_pages: int | str) -> str:
+    return "sized from GPU memory (auto) in pages" if num_pages == "auto" else f"{num_pages:,} pages"
+
+
 def serving_line(dep: dict) -> str:
     """The deployment settings that move the figures: the step budget, the pool, the cap and the captured graphs."""
     res, kv = dep["resources"], dep["resources"]["kv_cache"]
     parts = [f"`max_batch_tokens` {res['max_batch_tokens']:,}",
-             f"KV pool {kv['num_pages']:,} pages of {kv['page_size']} tokens ({kv['dtype']})",
+             f"KV pool {_pages(kv['num_pages'])} of {kv['page_size']} tokens, dtype {kv['dtype']}",
              f"`max_concurrent_requests` {dep['max_concurrent_requests']}"]
     def ladder(buckets: list[int] | None) -> str:
         return "the default ladder" if buckets is None else ", ".join(map(str, buckets))

@@ -112,7 +112,7 @@ def test_the_report_states_the_serving_settings_of_the_run(bench, monkeypatch):
                                                             "1", "2", "4", "--kv-dtype", "fp8_e4m3")), source="t")
     model = {"deployment": json.loads(json.dumps(gpu.to_dict())), "runs": []}  # as the results file stores it
     text = markdown({"meta": {}, "models": {"m": model}})
-    assert ("Serving: `max_batch_tokens` 2,048; KV pool 1,024 pages of 64 tokens (fp8_e4m3); "
+    assert ("Serving: `max_batch_tokens` 2,048; KV pool 1,024 pages of 64 tokens, dtype fp8_e4m3; "
             "`max_concurrent_requests` 64; llm: CUDA graphs for decode rows 1, 2, 4 and packed tokens the default "
             "ladder, attention `auto`.") in text
     cpu = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch, "--device", "cpu",

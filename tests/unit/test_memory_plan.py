@@ -87,3 +87,15 @@ def test_mstar_check_prints_the_plan(qwen3_config_dir, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "ok: q (family qwen3, components ['llm'])"
     assert out[2].startswith("  kv pool (llm, per instance): 8192 pages x 16 tokens = 131072 tokens = 14.00 GiB")
+
+
+def test_mstar_check_applies_the_checkpoint_rules_serve_applies(qwen3_config_dir, tmp_path, capsys):
+    raw = copy.deepcopy(GPU_DEPLOYMENT)
+    raw["checkpoint"] = str(qwen3_config_dir)
+    raw["resources"].update(max_model_len=50_000)
+    raw["resources"]["kv_cache"]["num_pages"] = 200_000
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["check", str(path)]) == 2
+    assert "resources.max_model_len: 50000 exceeds the checkpoint's max_position_embeddings=40960" in (
+        capsys.readouterr().err)
