@@ -88,9 +88,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     family.check_checkpoint(dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
     print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
     check_gpus_visible(dep, path.name)
-    run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{dep.name}-"))
-    repo = run_dir / "model_repository"
-    generate_repository(path, repo)
     s = dep.server
     ports = Ports(
         http=s.http_port if args.http_port is None else args.http_port,
@@ -109,6 +106,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         wanted.append(("proxy", ports.proxy, "--port"))
     if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
         raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{dep.name}-"))  # after the refusals: none leaves a folder
+    repo = run_dir / "model_repository"
+    generate_repository(path, repo)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -124,16 +124,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"  {line}", file=sys.stderr)
             print(f"  (the whole log: {run_dir / 'tritonserver.log'})", file=sys.stderr)
             return 1
-        if s.restart_on_fault:
-            triton.watch()  # relaunches tritonserver when it or a stub dies (docs/reliability.md)
+        triton.watch()  # relaunches tritonserver when it or a stub dies, or gives up (docs/reliability.md)
         if not args.no_proxy:
             entry = entry_model(dep)
             proxy = start_proxy(dep, entry, ports, run_dir / "proxy.log", host=args.host)
             wait_ready(ports.proxy_health_url, proxy, args.timeout, "proxy")
         _print_urls(dep, ports, args, run_dir)
         while not stop.is_set():
-            if triton.is_failed or (not s.restart_on_fault and triton.proc.poll() is not None):
-                print("[mstar] tritonserver keeps failing; shutting down", file=sys.stderr)
+            if triton.is_failed:
+                print(f"[mstar] {triton.failure}; shutting down", file=sys.stderr)
                 return 1
             if proxy is not None and proxy.poll() is not None:
                 print("[mstar] the proxy exited; shutting down", file=sys.stderr)
@@ -155,6 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 pass
         triton.stop()
         stop_process(proxy, grace=5)
+        print("[mstar] stopped", flush=True)
 
 
 def check_gpus_visible(dep, source: str) -> None:

@@ -22,6 +22,26 @@ from mstar_common.triton_env import find_triton, server_command, server_env
 
 logger = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+_prctl = None
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+
+
+def ends_with_parent(parent_pid: int):
+    """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends (Linux's parent-death signal),
+    so that a `mstar serve` killed outright (SIGKILL, the OOM killer) leaves no server running unsupervised on its
+    ports. The check after it covers a parent that died before the call."""
+    def arm() -> None:
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return arm
+
 
 @dataclass(slots=True)
 class Ports:
@@ -82,7 +102,8 @@ def start_triton(
     cmd = server_command(install, [*triton_args(repo, dep, ports), *extra_args])
     log = log_path.open("ab")
     logger.info("starting tritonserver: %s", " ".join(cmd))
-    return subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=ends_with_parent(os.getpid()))  # noqa: PLW1509 - it calls prctl alone
 
 
 def start_proxy(
@@ -97,7 +118,8 @@ def start_proxy(
         *proxy_limit_args(dep),
     ]  # fmt: skip
     log = log_path.open("ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=ends_with_parent(os.getpid()))  # noqa: PLW1509 - it calls prctl alone
 
 
 def proxy_limit_args(dep: Deployment) -> list[str]:
@@ -130,17 +152,30 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> N
 
 
 def stop_process(proc: subprocess.Popen | None, grace: float = 25.0) -> None:
-    """SIGTERM the process group we started, then SIGKILL after `grace` seconds."""
-    if proc is None or proc.poll() is not None:
+    """SIGTERM the process group we started, then SIGKILL what is left of it after `grace` seconds. The group is
+    signalled even where its leader has exited: a proxy whose main process was killed leaves its uvicorn workers
+    listening on the port."""
+    if proc is None:
         return
+    deadline = time.monotonic() + grace
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
     except ProcessLookupError:
-        pass
+        pass  # the group is gone
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def free_port() -> int:

@@ -117,6 +117,13 @@ def remove_stale_shm(shm_dir: Path = SHM_DIR) -> int:
     return removed
 
 
+def expected_stubs(dep: Deployment) -> int:
+    """The Python stubs a server of `dep` runs once ready: one per instance of each component (per listed GPU on a
+    gpu placement), as the generated instance groups ask."""
+    return sum(c.placement.instances * (len(c.placement.gpus) if c.placement.device == "gpu" else 1)
+               for c in dep.components.values())
+
+
 class TritonSupervisor:
     def __init__(self, repo: Path, dep: Deployment, ports: Ports, log_path: Path, *,
                  ready_timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
@@ -124,8 +131,10 @@ class TritonSupervisor:
         self.ready_timeout_s, self.poll_s = ready_timeout_s, poll_s
         self.proc: subprocess.Popen | None = None
         self.stubs: dict[int, Stub] = {}
+        self.num_expected = expected_stubs(dep)
         self.num_restarts = 0
         self.is_failed = False
+        self.failure = ""  # why the server was given up (a crash loop, or a fault with restart_on_fault off)
         self._restarts: deque[float] = deque()
         self._shm_prefix = ""
         self._lock = threading.Lock()
@@ -142,7 +151,8 @@ class TritonSupervisor:
             self._launch()
 
     def watch(self) -> None:
-        """Check for deaths in a background thread until `stop`."""
+        """Check for deaths in a background thread until `stop`: a death relaunches the server, or with
+        `server.restart_on_fault` off marks it failed (`is_failed`, `failure`) for `mstar serve` to stop."""
         self._thread = threading.Thread(target=self._watch, name="triton-supervisor", daemon=True)
         self._thread.start()
 
@@ -164,6 +174,13 @@ class TritonSupervisor:
             if fault is None:
                 return False
             error_id = uuid.uuid4().hex[:12]
+            if not self.dep.server.restart_on_fault:
+                self._give_up(f"{fault} (error id {error_id}); server.restart_on_fault is off")
+                return True
+            if self._restarts_left() == 0:
+                self._give_up(f"{fault} (error id {error_id}); {len(self._restarts)} relaunches within "
+                              f"{RESTART_WINDOW_S:.0f} s already (server.max_restarts): a crash loop")
+                return True
             logger.error("[supervisor] error id %s: %s; in-flight requests on it fail; relaunching tritonserver",
                          error_id, fault)
             self._restart()
@@ -184,19 +201,26 @@ class TritonSupervisor:
         alive = find_stubs(self.proc.pid)
         if dead := [stub for pid, stub in self.stubs.items() if pid not in alive]:
             return "Python stub(s) died: " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead)
+        if len(alive) < self.num_expected:  # e.g. one that died before the list after a relaunch was taken
+            return f"{len(alive)} of the deployment's {self.num_expected} Python stubs are running"
+        self.stubs = alive  # (a stub that was not up when the list was taken is watched from now on)
         return None
 
-    def _restart(self) -> None:
+    def _restarts_left(self) -> int:
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
             self._restarts.popleft()
+        return max(self.dep.server.max_restarts - len(self._restarts), 0)
+
+    def _give_up(self, why: str) -> None:
+        logger.error("[supervisor] %s: stopping tritonserver", why)
+        self.failure = why
+        self.is_failed = True
         self._kill(signal.SIGKILL, 10)
-        if len(self._restarts) >= self.dep.server.max_restarts:
-            self.is_failed = True
-            logger.error("[supervisor] %d relaunches within %.0f s: giving up (crash loop)", len(self._restarts),
-                         RESTART_WINDOW_S)
-            return
-        self._restarts.append(now)
+
+    def _restart(self) -> None:
+        self._kill(signal.SIGKILL, 10)
+        self._restarts.append(time.monotonic())
         self.num_restarts += 1
         self._launch()
 
@@ -209,8 +233,8 @@ class TritonSupervisor:
         self.proc = start_triton(self.repo, self.dep, self.ports, self.log_path, extra_args=(prefix_arg,))
         wait_ready(self.ready_url, self.proc, self.ready_timeout_s, "tritonserver")
         self.stubs = find_stubs(self.proc.pid)
-        logger.info("[supervisor] tritonserver pid %d ready with %d stub(s): %s", self.proc.pid, len(self.stubs),
-                    sorted({s.model for s in self.stubs.values()}))
+        logger.info("[supervisor] tritonserver pid %d ready with %d of %d stub(s): %s", self.proc.pid,
+                    len(self.stubs), self.num_expected, sorted({s.model for s in self.stubs.values()}))
 
     def _kill(self, sig: int, grace_s: float) -> None:
         proc = self.proc

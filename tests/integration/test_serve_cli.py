@@ -54,6 +54,34 @@ def test_serve_starts_both_and_stops_cleanly_on_sigterm(tmp_path):
             proc.wait(10)
 
 
+def test_a_serve_killed_outright_takes_its_servers_with_it(tmp_path):
+    """SIGKILL (or the OOM killer) gives `mstar serve` no chance to stop anything: tritonserver and the proxy, each in
+    a session of their own, went on serving unsupervised on its ports. They now get SIGTERM when it dies."""
+    proc, ports, _ = _start_serve("qwen3", tmp_path, 240)
+    try:
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            open_ports = [port for port in ports.values() if _listening(port)]
+            if not open_ports:
+                break
+            time.sleep(0.5)
+        assert not open_ports, f"still served on {open_ports} after its mstar serve was killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_serve_refuses_a_bad_deployment_before_starting(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nfamily: qwen3\ncheckpoint: builtin:qwen3-tiny\ncomponents: {}\n")

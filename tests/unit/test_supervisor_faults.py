@@ -1,0 +1,115 @@
+"""What the supervisor counts as a fault and what it does then, and the launcher's hold on its children: a stub
+missing after a relaunch is a fault (it went unseen), a fault with restart_on_fault off or past max_restarts stops
+the server with the reason, children end with a `mstar serve` that is killed outright, and a stopped group loses
+the members its leader left behind. From a QA pass over the server lifecycle."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from mstar_common import supervisor as sup
+from mstar_common.cli import DEFAULT_DEPLOYMENT
+from mstar_common.config import deployment_from_dict
+from mstar_common.launcher import Ports, ends_with_parent, stop_process
+
+BASE = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
+
+
+def _dep(**server):
+    raw = copy.deepcopy(BASE)
+    raw["server"] = {**raw.get("server", {}), **server}
+    return deployment_from_dict(raw, source="t")
+
+
+def test_the_expected_stubs_are_one_per_instance_per_gpu():
+    raw = copy.deepcopy(BASE)
+    raw["components"]["llm"]["placement"] = {"device": "gpu", "gpus": [0, 1], "instances": 2}
+    assert sup.expected_stubs(deployment_from_dict(raw, source="t")) == 4
+    raw = yaml.safe_load((DEFAULT_DEPLOYMENT.parent / "whisper.yaml").read_text())
+    assert sup.expected_stubs(deployment_from_dict(raw, source="t")) == 3  # walk, encoder, decoder
+
+
+class _Running:
+    pid, returncode = 4242, None
+
+    def poll(self):
+        return None
+
+
+def _supervisor(monkeypatch, dep, alive: dict):
+    watcher = sup.TritonSupervisor(None, dep, Ports(1, 2, 3, 4), None)
+    watcher.proc = _Running()
+    monkeypatch.setattr(sup, "find_stubs", lambda _pid: alive)
+    calls = []
+    monkeypatch.setattr(watcher, "_kill", lambda sig, grace: calls.append("kill"))
+    monkeypatch.setattr(watcher, "_launch", lambda: calls.append("launch"))
+    return watcher, calls
+
+
+def test_a_stub_missing_from_the_list_taken_at_ready_is_a_fault(monkeypatch):
+    watcher, calls = _supervisor(monkeypatch, _dep(), alive={})
+    watcher.stubs = {}  # the list was taken after the stub had died: nothing in it to miss
+    assert watcher.check() and calls == ["kill", "launch"] and watcher.num_restarts == 1
+    watcher, calls = _supervisor(monkeypatch, _dep(), alive={7: sup.Stub(7, "qwen3_llm")})
+    watcher.stubs = {}
+    assert not watcher.check() and watcher.stubs == {7: sup.Stub(7, "qwen3_llm")}  # watched from now on
+
+
+def test_a_fault_with_restart_off_stops_the_server_with_the_reason(monkeypatch):
+    watcher, calls = _supervisor(monkeypatch, _dep(restart_on_fault=False), alive={})
+    watcher.stubs = {7: sup.Stub(7, "qwen3_llm")}
+    assert watcher.check() and calls == ["kill"] and watcher.is_failed
+    assert "Python stub(s) died: qwen3_llm (pid 7)" in watcher.failure
+    assert "server.restart_on_fault is off" in watcher.failure
+
+
+def test_past_max_restarts_it_gives_up_without_saying_it_relaunches(monkeypatch, caplog):
+    watcher, calls = _supervisor(monkeypatch, _dep(max_restarts=0), alive={})
+    watcher.stubs = {7: sup.Stub(7, "qwen3_llm")}
+    assert watcher.check() and calls == ["kill"] and watcher.is_failed
+    assert "a crash loop" in watcher.failure and "relaunching" not in caplog.text
+
+
+def test_a_child_ends_with_the_process_that_started_it():
+    starter = ("import os, subprocess, sys, time; from mstar_common.launcher import ends_with_parent; "
+               "child = subprocess.Popen(['sleep', '60'], start_new_session=True, "
+               "preexec_fn=ends_with_parent(os.getpid())); print(child.pid, flush=True); time.sleep(60)")
+    middle = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    child = int(middle.stdout.readline())
+    assert sup.is_running(child)
+    middle.kill()  # SIGKILL: no handler of its own could stop the child
+    middle.wait()
+    deadline = time.monotonic() + 10
+    while sup.is_running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sup.is_running(child)
+
+
+def test_a_child_whose_parent_died_before_it_armed_the_signal_exits():
+    arm = ends_with_parent(os.getpid() + 10**6)  # a "parent" other than the real one
+    child = subprocess.Popen(["sleep", "60"], preexec_fn=arm)
+    assert child.wait(10) == 1
+
+
+def test_stopping_a_group_whose_leader_exited_ends_the_members_it_left():
+    group = subprocess.Popen(["sh", "-c", "sleep 60 & exit 0"], start_new_session=True)
+    group.wait(10)
+    os.killpg(group.pid, 0)  # the background sleep still holds the group
+    stop_process(group, grace=5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group.pid, 0)
+
+
+def test_stop_process_lets_a_leader_exit_on_sigterm():
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    started = time.monotonic()
+    stop_process(leader, grace=5)
+    assert leader.returncode == -signal.SIGTERM and time.monotonic() - started < 5
