@@ -42,7 +42,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     family = get_family(dep.family)
     checkpoint = find_checkpoint(dep.checkpoint, family.builtin_checkpoints)
     if checkpoint is not None:  # what `mstar serve` checks against it too (e.g. max_model_len's position limit)
-        family.check_checkpoint(dep, checkpoint, path.name)
+        check_against_checkpoint(family, dep, checkpoint, path.name)
     print(f"ok: {dep.name} (family {dep.family}, components {sorted(dep.components)})")
     for line in plan_lines(dep, family, checkpoint):
         print(f"  {line}")
@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise DeploymentError(str(exc)) from None
     family = get_family(dep.family)
     checkpoint = resolve_checkpoint(dep.checkpoint, family.builtin_checkpoints)
-    family.check_checkpoint(dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
+    check_against_checkpoint(family, dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
     print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
     check_gpus_visible(dep, path.name)
     s = dep.server
@@ -155,6 +155,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         triton.stop()
         stop_process(proxy, grace=5)
         print("[mstar] stopped", flush=True)
+
+
+def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None:
+    """The family's checks of `dep` against its checkpoint; a config it cannot read is a refusal naming the file
+    (not a traceback)."""
+    try:
+        family.check_checkpoint(dep, checkpoint, source)
+    except DeploymentError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        raise DeploymentError(f"checkpoint {checkpoint}: cannot read its config ({reason})") from None
 
 
 def check_gpus_visible(dep, source: str) -> None:

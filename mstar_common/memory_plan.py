@@ -35,7 +35,10 @@ def _kv_line(dep: Deployment, family: Family, name: str, checkpoint: Path | None
     kv, comp = dep.resources.kv_cache, dep.components[name]
     full = dep.max_concurrent_requests * math.ceil(dep.resources.max_model_len / kv.page_size)
     cap = f"max_concurrent_requests={dep.max_concurrent_requests} at max_model_len={dep.resources.max_model_len}"
-    shape = family.kv_shape(checkpoint) if checkpoint is not None else None
+    try:
+        shape = family.kv_shape(checkpoint) if checkpoint is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        shape = None  # an unreadable config: `mstar check` has refused it by now, other callers get no bytes
     if shape is None:
         per_page = None
         page_note = ""

@@ -99,3 +99,17 @@ def test_mstar_check_applies_the_checkpoint_rules_serve_applies(qwen3_config_dir
     assert cli.main(["check", str(path)]) == 2
     assert "resources.max_model_len: 50000 exceeds the checkpoint's max_position_embeddings=40960" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("config", ['{"architectures": ["Qwen3', '{"decoder_layers": 2}'])
+def test_mstar_check_refuses_an_unreadable_checkpoint_config_in_one_line(tmp_path, capsys, config):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(config)
+    raw = yaml.safe_load((cli.CONFIGS / "whisper.yaml").read_text())
+    raw["checkpoint"] = str(ckpt)
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mstar: error: checkpoint {ckpt}: cannot read its config") and "Traceback" not in err
