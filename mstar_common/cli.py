@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.families.registry import get_family
     from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
     from mstar_common.repository import entry_model, generate_repository
-    from mstar_common.supervisor import TritonSupervisor
+    from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
     from mstar_common.switches import check_switches
 
     path = resolve_target(args.target)
@@ -125,18 +125,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"  (the whole log: {run_dir / 'tritonserver.log'})", file=sys.stderr)
             return 1
         triton.watch()  # relaunches tritonserver when it or a stub dies, or gives up (docs/reliability.md)
-        if not args.no_proxy:
-            entry = entry_model(dep)
-            proxy = start_proxy(dep, entry, ports, run_dir / "proxy.log", host=args.host)
-            wait_ready(ports.proxy_health_url, proxy, args.timeout, "proxy")
+
+        def launch_proxy() -> subprocess.Popen:
+            started = start_proxy(dep, entry_model(dep), ports, run_dir / "proxy.log", host=args.host)
+            wait_ready(ports.proxy_health_url, started, args.timeout, "proxy")
+            return started
+
+        proxy = None if args.no_proxy else launch_proxy()
         _print_urls(dep, ports, args, run_dir)
+        proxy_restarts = RestartBudget(s.max_restarts if s.restart_on_fault else 0)
         while not stop.is_set():
             if triton.is_failed:
                 print(f"[mstar] {triton.failure}; shutting down", file=sys.stderr)
                 return 1
             if proxy is not None and proxy.poll() is not None:
-                print("[mstar] the proxy exited; shutting down", file=sys.stderr)
-                return 1
+                code = proxy.returncode
+                stop_process(proxy, grace=5)  # what its group left (its workers)
+                if not proxy_restarts.take():
+                    why = "server.restart_on_fault is off" if not s.restart_on_fault else \
+                        f"{s.max_restarts} relaunches within {RESTART_WINDOW_S:.0f} s already (server.max_restarts)"
+                    print(f"[mstar] the proxy exited with code {code}; {why}: shutting down", file=sys.stderr)
+                    return 1
+                print(f"[mstar] the proxy exited with code {code}; relaunching it (its streams ended with it)",
+                      file=sys.stderr, flush=True)
+                try:
+                    proxy = launch_proxy()
+                except (RuntimeError, TimeoutError) as exc:
+                    print(f"[mstar] the proxy did not come back ({exc}); shutting down", file=sys.stderr)
+                    return 1
+                print("[mstar] the proxy serves again", flush=True)
             stop.wait(0.5)
         print("\n[mstar] draining in-flight requests, then shutting down", flush=True)
         return 0

@@ -117,6 +117,27 @@ def remove_stale_shm(shm_dir: Path = SHM_DIR) -> int:
     return removed
 
 
+class RestartBudget:
+    """At most `limit` relaunches within RESTART_WINDOW_S: more is a crash loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.times: deque[float] = deque()
+
+    def left(self) -> int:
+        now = time.monotonic()
+        while self.times and now - self.times[0] > RESTART_WINDOW_S:
+            self.times.popleft()
+        return max(self.limit - len(self.times), 0)
+
+    def take(self) -> bool:
+        """Spend one relaunch; False (nothing spent) when none is left."""
+        if self.left() == 0:
+            return False
+        self.times.append(time.monotonic())
+        return True
+
+
 def expected_stubs(dep: Deployment) -> int:
     """The Python stubs a server of `dep` runs once ready: one per instance of each component (per listed GPU on a
     gpu placement), as the generated instance groups ask."""
@@ -135,7 +156,7 @@ class TritonSupervisor:
         self.num_restarts = 0
         self.is_failed = False
         self.failure = ""  # why the server was given up (a crash loop, or a fault with restart_on_fault off)
-        self._restarts: deque[float] = deque()
+        self._restarts = RestartBudget(dep.server.max_restarts)
         self._shm_prefix = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -177,8 +198,8 @@ class TritonSupervisor:
             if not self.dep.server.restart_on_fault:
                 self._give_up(f"{fault} (error id {error_id}); server.restart_on_fault is off")
                 return True
-            if self._restarts_left() == 0:
-                self._give_up(f"{fault} (error id {error_id}); {len(self._restarts)} relaunches within "
+            if not self._restarts.take():
+                self._give_up(f"{fault} (error id {error_id}); {self._restarts.limit} relaunches within "
                               f"{RESTART_WINDOW_S:.0f} s already (server.max_restarts): a crash loop")
                 return True
             logger.error("[supervisor] error id %s: %s; in-flight requests on it fail; relaunching tritonserver",
@@ -206,12 +227,6 @@ class TritonSupervisor:
         self.stubs = alive  # (a stub that was not up when the list was taken is watched from now on)
         return None
 
-    def _restarts_left(self) -> int:
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
-            self._restarts.popleft()
-        return max(self.dep.server.max_restarts - len(self._restarts), 0)
-
     def _give_up(self, why: str) -> None:
         logger.error("[supervisor] %s: stopping tritonserver", why)
         self.failure = why
@@ -220,7 +235,6 @@ class TritonSupervisor:
 
     def _restart(self) -> None:
         self._kill(signal.SIGKILL, 10)
-        self._restarts.append(time.monotonic())
         self.num_restarts += 1
         self._launch()
 

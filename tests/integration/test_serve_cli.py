@@ -74,6 +74,42 @@ def test_a_serve_killed_outright_takes_its_servers_with_it(tmp_path):
             proc.wait(10)
 
 
+def test_a_proxy_that_dies_is_relaunched_and_serving_goes_on(tmp_path):
+    proc, ports, _ = _start_serve("qwen3", tmp_path, 240)
+    base = f"http://127.0.0.1:{ports['port']}"
+    body = {"model": "qwen3-tiny", "prompt": "hi", "max_tokens": 3}
+    try:
+        proxy_pid = _proxy_of(proc.pid)
+        os.kill(proxy_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        reply = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                reply = httpx.post(base + "/v1/completions", json=body, timeout=10)
+                break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert proc.poll() is None and reply is not None and reply.status_code == 200, reply
+        assert _proxy_of(proc.pid) != proxy_pid
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _proxy_of(serve_pid: int) -> int:
+    """The proxy process `mstar serve` started (a child running `-m mstar_common.proxy`)."""
+    from mstar_common.supervisor import child_pids
+
+    for pid in child_pids({serve_pid}):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"mstar_common.proxy" in f.read():
+                return pid
+    raise AssertionError(f"no proxy under {serve_pid}")
+
+
 def _listening(port: int) -> bool:
     import socket
 
