@@ -148,6 +148,7 @@ class TritonPythonModel:
                 logger.info("[%s] client cancelled; its walk stopped at %s", responder.request_id, exc.component)
                 responder.send_final()
             elif wire.error_class(exc.message) is not None:  # the client's: refused, or past its deadline there
+                self.num_refused += wire.error_class(exc.message) == wire.OVERLOADED_PREFIX  # a 429 the walk answers
                 responder.send_error(exc.message)
             else:
                 logger.error("[%s] %s", responder.request_id, exc)

@@ -56,6 +56,9 @@ class WalkOptions:
     limits: AudioLimits
     max_parallel_windows: int = 16  # windows of one upload in flight at once (bounds the walk's memory)
     window_seconds: float = 30.0
+    # windows of all uploads in flight at once in this walk instance: its share of what the decoder runs, so that
+    # an admitted upload's windows wait here rather than being refused by the decoder's own admission (a 429)
+    max_windows_in_flight: int = 16
 
 
 class WhisperWalk:
@@ -64,6 +67,7 @@ class WhisperWalk:
     def __init__(self, tokenizer: Any, tokens: WhisperTokens, options: WalkOptions) -> None:
         self.tokenizer, self.tokens, self.options = tokenizer, tokens, options
         self.max_prompt_tokens = tokens.max_length // 2 - 1
+        self.windows = asyncio.Semaphore(options.max_windows_in_flight)  # shared by every upload of this walk
 
     async def stream(self, inputs: dict[str, np.ndarray], call: Call,
                      call_stream: CallStream) -> AsyncIterator[dict[str, np.ndarray]]:
@@ -156,20 +160,25 @@ class _Transcription:
         try:
             async with self.slots:
                 window = result.window
-                encoded = await self.call("encoder", {g.AUDIO_PCM: self.pcm[window.start: window.end]})
+                # Each component call holds one of the walk's window slots while it runs, never while it waits
+                # for another window (the language), so no upload's windows can hold every slot and wait.
+                async with self.walk.windows:
+                    encoded = await self.call("encoder", {g.AUDIO_PCM: self.pcm[window.start: window.end]})
                 source = encoded[g.ENCODER_OUTPUT]
                 detects = index == 0 and not self.language.done()
                 if detects and self.req.prompt_ids:
                     # Detection reads <|startoftranscript|> alone (as transformers' detect_language), not the
                     # prompt, so it is its own one-token decode here.
-                    await self._detect_language(source)
+                    async with self.walk.windows:
+                        await self._detect_language(source)
                     detects = False
                 language = None if detects else await self.language
                 prompt = build_prompt(self.tokens, language=language, task=self.req.task,
                                       timestamps=self.req.timestamps, prompt_ids=self.req.prompt_ids)
                 temperatures = self._temperatures()
                 for temperature in temperatures:
-                    free, finish = await self._decode(index, result, source, prompt, temperature)
+                    async with self.walk.windows:
+                        free, finish = await self._decode(index, result, source, prompt, temperature)
                     text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True)
                     if temperature == temperatures[-1] or compression_ratio(text) <= COMPRESSION_RATIO_THRESHOLD:
                         break

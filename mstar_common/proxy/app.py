@@ -111,6 +111,7 @@ class RequestContext:
 
         if not _REQUEST_ID.fullmatch(request_id):
             id_header = (REQUEST_ID_HEADER.encode(), b"invalid")
+            request_id = "invalid"  # the client's text stays out of the log line (it could forge one)
             return await reply(APIError(400, f"header '{REQUEST_ID_HEADER}' must be 1-128 characters of "
                                              "[A-Za-z0-9._:-]", param=REQUEST_ID_HEADER))
         if _content_length(headers) > self.max_body_bytes:

@@ -254,3 +254,17 @@ def test_a_client_that_leaves_stops_its_windows_decoders_and_the_server_still_st
     assert stopped_streams, "no decoder stream of the walk was cancelled"
     assert f"successfully unloaded '{asr.entry}'" in log, "the walk model was never unloaded"
     assert stopped_s < 15, f"stopping took {stopped_s:.1f} s"
+
+
+def test_an_admitted_uploads_windows_wait_for_the_decoder_rather_than_being_refused(tmp_path_factory):
+    """A decoder cap of one running and one queued: a three-window upload sent its windows at once and the third
+    came back 429 from the decoder's own admission, though the walk had admitted the upload. The walk now keeps its
+    windows within what the decoder runs."""
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    raw["max_concurrent_requests"], raw["admission"] = 1, {"max_queue": 1}
+    dep = deployment_from_dict(raw, source="whisper-cap1")
+    with serve_deployment(dep, tmp_path_factory.mktemp("whisper-cap1"), "whisper-cap1") as served:
+        pcm = np.concatenate([clip(i, 22) for i in range(3)])  # ~66 s: three windows
+        reply = httpx.post(served.proxy_url + "/v1/audio/transcriptions", data={"model": dep.name},
+                           files={"file": ("a.wav", wav(pcm), "audio/wav")}, timeout=300)
+        assert reply.status_code == 200, reply.text

@@ -255,6 +255,18 @@ def test_request_id_is_honoured_sent_to_triton_and_echoed():
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
 
 
+def test_a_refused_request_id_stays_out_of_the_log(caplog):
+    """The access line used the client's text as is: a crafted id forged a whole log line (found in a QA pass)."""
+    import logging
+
+    client, _ = client_for()
+    forged = "x] POST /v1/completions -> 200 in 1.0 ms FAKE ["
+    with caplog.at_level(logging.INFO, logger="mstar_common.proxy.app"):
+        r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x"}, headers={"x-request-id": forged})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "invalid"
+    assert "FAKE" not in caplog.text and "[invalid] POST /v1/completions -> 400" in caplog.text
+
+
 # client disconnects, driven at the ASGI level so the disconnect lands at a known point
 
 
