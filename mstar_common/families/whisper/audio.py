@@ -95,36 +95,36 @@ def wav_data_is_short(data: bytes) -> bool:
     """A RIFF/WAVE upload whose `data` chunk declares more bytes than follow it (libsndfile reads such a file
     silently, as the frames that are there). A size of 0 or 0xFFFFFFFF (a streamed WAV's "unknown") is not a
     claim."""
-    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        return False
-    offset = 12
-    while offset + 8 <= len(data):
-        kind, size = data[offset:offset + 4], int.from_bytes(data[offset + 4:offset + 8], "little")
-        if kind == b"data":
-            return size not in (0, 0xFFFFFFFF) and offset + 8 + size > len(data)
-        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
-    return False
+    found = _wav_data_chunk(data)
+    return found is not None and found[1] not in (0, 0xFFFFFFFF) and found[0] + 8 + found[1] > len(data)
 
 
 def wav_with_measured_length(data: bytes) -> bytes:
     """A RIFF/WAVE upload whose `data` chunk (or RIFF) size is 0, as a recorder leaves it when it never finished
     the header, with the sizes measured from the upload instead (libsndfile would read no frames); any other
     upload as it is."""
-    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+    found = _wav_data_chunk(data)
+    if found is None or found[1] != 0 or found[0] + 8 == len(data):
         return data
+    offset = found[0]
+    fixed = bytearray(data)
+    fixed[offset + 4:offset + 8] = (len(data) - offset - 8).to_bytes(4, "little")
+    if int.from_bytes(data[4:8], "little") == 0:
+        fixed[4:8] = (len(data) - 8).to_bytes(4, "little")
+    return bytes(fixed)
+
+
+def _wav_data_chunk(data: bytes) -> tuple[int, int] | None:
+    """(offset of its header, declared size) of a RIFF/WAVE upload's `data` chunk; None for other uploads."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
     offset = 12
     while offset + 8 <= len(data):
         kind, size = data[offset:offset + 4], int.from_bytes(data[offset + 4:offset + 8], "little")
         if kind == b"data":
-            if size != 0 or offset + 8 == len(data):
-                return data
-            fixed = bytearray(data)
-            fixed[offset + 4:offset + 8] = (len(data) - offset - 8).to_bytes(4, "little")
-            if int.from_bytes(data[4:8], "little") == 0:
-                fixed[4:8] = (len(data) - 8).to_bytes(4, "little")
-            return bytes(fixed)
+            return offset, size
         offset += 8 + size + (size & 1)  # chunks are padded to even sizes
-    return data
+    return None
 
 
 def _check_rate(rate: int, field: str) -> None:
