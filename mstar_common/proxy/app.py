@@ -30,7 +30,14 @@ from mstar_common.proxy import (
     serving_speech,
     serving_transcriptions,
 )
-from mstar_common.proxy.errors import APIError, BodyTooLarge, NotUnicodeText, install_error_handlers, server_error
+from mstar_common.proxy.errors import (
+    REQUEST_ID,
+    APIError,
+    BodyTooLarge,
+    NotUnicodeText,
+    install_error_handlers,
+    server_error,
+)
 from mstar_common.proxy.serving_common import ServingContext, TritonClient
 from mstar_common.proxy.triton_stream import TritonStreamClient
 
@@ -117,6 +124,7 @@ class RequestContext:
         if _content_length(headers) > self.max_body_bytes:
             return await reply(APIError(413, str(BodyTooLarge(self.max_body_bytes).detail)))
         scope.setdefault("state", {})["request_id"] = request_id
+        context = REQUEST_ID.set(request_id)  # the fault lines logged while this request is served carry its id
         is_json = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
         is_json = is_json == "application/json" or is_json.endswith("+json")
         try:
@@ -129,6 +137,8 @@ class RequestContext:
                 raise
             where = f"{scope.get('method')} {scope.get('path')}"
             await reply(server_error(f"unhandled {type(exc).__name__} in {where}: {exc}", exc_info=exc))
+        finally:
+            REQUEST_ID.reset(context)
 
     def _capped(self, receive: Receive, check_text: bool = False) -> Receive:
         """`receive`, refusing a body over the cap (413) and, with `check_text`, a JSON body whose strings are

@@ -6,6 +6,7 @@ only a scrubbed message and an error id; the original message is logged under th
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import re
@@ -85,12 +86,17 @@ def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
                               param=param) from None
 
 
+# The request the current task serves (set by the proxy's middleware), so that a fault's log line names it.
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("mstar_request_id", default="-")
+
+
 def server_error(
     original: str, *, status: int = 500, public: str = "internal server error", exc_info: BaseException | None = None
 ) -> APIError:
-    """A server fault: log `original` under a fresh error id and return an error that shows only the id."""
+    """A server fault: log `original` under a fresh error id (and the request's id) and return an error that shows
+    only the error id."""
     error_id = uuid.uuid4().hex[:16]
-    logger.error("[proxy] error id %s: %s", error_id, original, exc_info=exc_info)
+    logger.error("[proxy] [%s] error id %s: %s", REQUEST_ID.get(), error_id, original, exc_info=exc_info)
     return APIError(status, f"{public} (error id {error_id})", code=error_id)
 
 

@@ -205,6 +205,20 @@ def test_triton_server_error_is_500_with_logged_error_id(caplog):
     assert any(error["code"] in rec.getMessage() and "CUDA OOM" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_fault_line_names_its_request_streamed_or_not(caplog):
+    """Two requests failing together could not be told apart in the proxy's log (found in a QA pass)."""
+    script = [StreamResponse(text="partial"), TritonServerError("boom in step loop")]
+    client, _ = client_for(FakeTriton(script=script))
+    with caplog.at_level(logging.ERROR, logger="mstar_common.proxy"):
+        client.post("/v1/chat/completions", json={"model": "qwen3", "messages": MESSAGES, "stream": True},
+                    headers={"x-request-id": "req-streamed"})
+        client, _ = client_for(FakeTriton(script=[TritonServerError("boom")]))
+        client.post("/v1/completions", json={"model": "qwen3", "prompt": "x"}, headers={"x-request-id": "req-whole"})
+    lines = [rec.getMessage() for rec in caplog.records if "error id" in rec.getMessage()]
+    assert any("[req-streamed] error id" in line for line in lines), lines
+    assert any("[req-whole] error id" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("exc, status", [(TritonTimeout("deadline"), 504), (TritonUnavailable("refused"), 503),
                                          (RuntimeError("bug"), 500)])
 def test_other_triton_failures(exc, status):
