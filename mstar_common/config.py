@@ -40,6 +40,11 @@ class Placement:
     gpus: list[int] = field(default_factory=list)  # GPU ids; one instance group per GPU (gpu only)
     instances: int = 1  # instances per GPU (gpu) or in total (cpu)
 
+    @property
+    def total_instances(self) -> int:
+        """Triton instances of the component in all: `instances` on each listed GPU, or `instances` on the cpu."""
+        return self.instances * (len(self.gpus) if self.device == "gpu" else 1)
+
     def check(self, path: str) -> None:
         if self.instances < 1:
             raise DeploymentError(f"{path}.instances: must be >= 1, got {self.instances}")
@@ -88,10 +93,14 @@ class KVCacheConfig:
     def is_auto(self) -> bool:
         return self.num_pages == NUM_PAGES_AUTO
 
+    @property
+    def fraction(self) -> float:
+        """`gpu_memory_fraction`, its default where unset."""
+        return DEFAULT_GPU_MEMORY_FRACTION if self.gpu_memory_fraction is None else self.gpu_memory_fraction
+
     def instance_share(self, placement: Placement) -> float:
         """The share of its GPU's memory that one instance of a component at `placement` may hold (auto pools)."""
-        fraction = DEFAULT_GPU_MEMORY_FRACTION if self.gpu_memory_fraction is None else self.gpu_memory_fraction
-        return fraction / placement.instances
+        return self.fraction / placement.instances
 
 
 @dataclass(slots=True)
@@ -280,7 +289,7 @@ def _check_kv_pool_size(dep: Deployment, source: str) -> None:
     if fraction is not None and not 0 < fraction <= 1:
         raise DeploymentError(f"{source}: resources.kv_cache.gpu_memory_fraction: must be in (0, 1], got {fraction}")
     try:
-        holders = [c.name for c in get_family(dep.family).graph.components.values() if c.holds_kv]
+        holders = get_family(dep.family).graph.kv_holders
     except KeyError:
         return  # the unknown family is refused next, by name
     for name in holders:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from mstar_common.config import DEFAULT_GPU_MEMORY_FRACTION, Deployment
+from mstar_common.config import Deployment
 from mstar_common.families.base import Family
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
@@ -19,8 +19,7 @@ def plan_lines(dep: Deployment, family: Family, checkpoint: Path | None) -> list
     for name, comp in sorted(dep.components.items()):
         where = "cpu" if comp.placement.device == "cpu" else f"gpu {comp.placement.gpus}"
         lines.append(f"{name}: {where} x{comp.placement.instances}{', cuda graphs' if comp.cuda_graphs else ''}")
-    holders = [c.name for c in family.graph.components.values() if c.holds_kv and c.name in dep.components]
-    for name in holders:
+    for name in (n for n in family.graph.kv_holders if n in dep.components):
         lines.append(_kv_line(dep, family, name, checkpoint))
     if checkpoint is None:
         lines.append(f"checkpoint {dep.checkpoint}: not on this machine yet, so no byte counts")
@@ -48,10 +47,9 @@ def _kv_line(dep: Deployment, family: Family, name: str, checkpoint: Path | None
         per_page = layers * 2 * kv.page_size * heads * head_dim * DTYPE_BYTES[dtype]
         page_note = f" ({_size(per_page)} a page: {layers} layers x K and V x {heads} heads x {head_dim} x {dtype})"
     if kv.is_auto:
-        fraction = DEFAULT_GPU_MEMORY_FRACTION if kv.gpu_memory_fraction is None else kv.gpu_memory_fraction
         need = f"; {cap} needs {full} pages" + (f" = {_size(full * per_page)}" if per_page else "")
-        return (f"kv pool ({name}, per instance): auto, sized at start-up from {fraction:g} of each GPU shared by its "
-                f"{comp.placement.instances} instance(s) there{page_note}{need}")
+        return (f"kv pool ({name}, per instance): auto, sized at start-up from {kv.fraction:g} of each GPU shared by "
+                f"its {comp.placement.instances} instance(s) there{page_note}{need}")
     size = f" = {_size((kv.num_pages + 1) * per_page)}" if per_page else ""  # and the sink page
     return (f"kv pool ({name}, per instance): {kv.num_pages} pages x {kv.page_size} tokens = "
             f"{kv.num_pages * kv.page_size} tokens{size}{page_note}; {cap} needs {full} pages")

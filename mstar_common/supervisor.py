@@ -141,8 +141,7 @@ class RestartBudget:
 def expected_stubs(dep: Deployment) -> int:
     """The Python stubs a server of `dep` runs once ready: one per instance of each component (per listed GPU on a
     gpu placement), as the generated instance groups ask."""
-    return sum(c.placement.instances * (len(c.placement.gpus) if c.placement.device == "gpu" else 1)
-               for c in dep.components.values())
+    return sum(c.placement.total_instances for c in dep.components.values())
 
 
 class TritonSupervisor:

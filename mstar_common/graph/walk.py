@@ -87,6 +87,11 @@ class FamilyGraph:
     components: dict[str, Component]
     walks: dict[str, Walk] = field(default_factory=dict)
 
+    @property
+    def kv_holders(self) -> list[str]:
+        """The components that own a paged KV pool (sized by `resources.kv_cache`)."""
+        return [c.name for c in self.components.values() if c.holds_kv]
+
     def __post_init__(self) -> None:
         for name, comp in self.components.items():
             if comp.name != name:

@@ -135,9 +135,8 @@ def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: st
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     limits = AudioLimits(max_seconds=max_upload_seconds(dep), max_bytes=options.max_audio_bytes)
-    decoder, walk = dep.components["decoder"].placement, dep.components["walk"].placement
-    decoders = decoder.instances * (len(decoder.gpus) if decoder.device == "gpu" else 1)
-    in_flight = max(1, dep.max_concurrent_requests * decoders // walk.instances)
+    decoders, walks = (dep.components[name].placement.total_instances for name in ("decoder", "walk"))
+    in_flight = max(1, dep.max_concurrent_requests * decoders // walks)
     return WhisperWalk(tokenizer, read_tokens(checkpoint),
                        WalkOptions(limits, options.max_parallel_windows, max_windows_in_flight=in_flight))
 
