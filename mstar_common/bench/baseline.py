@@ -56,7 +56,8 @@ def hf_generate(checkpoint: str | Path, prompt_len: int, output_len: int, batch_
                 device: str = "cuda", repeats: int = 3, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """HF `generate` (greedy, exactly `output_len` tokens) per batch size, timed `repeats` times after a warm-up:
     the fastest run's wall time and output tok/s (so a ratio against it is the conservative one), and every
-    run's tok/s. HF's speed is set by the host's Python; on the lent H200s it moved 2x between machines."""
+    run's tok/s, and the mean time per decode step after the first token (`itl_ms`; None for one output token).
+    HF's speed is set by the host's Python; on the lent H200s it moved 2x between machines."""
     from transformers import AutoModelForCausalLM
 
     if repeats < 1:
@@ -79,19 +80,21 @@ def hf_generate(checkpoint: str | Path, prompt_len: int, output_len: int, batch_
 
         gen(4)
         sync()
-        t0 = time.perf_counter()
-        gen(8)
-        sync()
-        t8 = time.perf_counter() - t0
-        walls = []
+        walls, firsts = [], []
         for _ in range(repeats):
+            t0 = time.perf_counter()
+            gen(1)  # the prompt and the first token: what the whole run spends before its decode steps
+            sync()
+            firsts.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             out = gen(output_len)
             sync()
             walls.append(time.perf_counter() - t0)
             assert out.shape == (batch, prompt_len + output_len)
         wall = min(walls)
+        # the mean time per decode step: the fastest run less the fastest prompt-and-first-token, over the steps
+        # after the first token (both fastest-of-N, so a slow first run cannot make it negative unnoticed)
+        itl_ms = max(wall - min(firsts), 0.0) / (output_len - 1) * 1e3 if output_len > 1 else None
         results.append({"batch": batch, "wall_s": wall, "output_tok_per_s": batch * output_len / wall,
-                        "itl_ms": (wall - t8) / (output_len - 8) * 1e3,
-                        "runs_tok_per_s": [batch * output_len / w for w in walls]})
+                        "itl_ms": itl_ms, "runs_tok_per_s": [batch * output_len / w for w in walls]})
     return results

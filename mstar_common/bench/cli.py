@@ -34,7 +34,7 @@ from mstar_common import wire
 from mstar_common.bench import gpu_memory
 from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
 from mstar_common.bench.metrics import Slo, summarize
-from mstar_common.bench.report import comparisons, write_report
+from mstar_common.bench.report import comparisons, markdown, write_report
 from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
 from mstar_common.config import Resources
 
@@ -355,6 +355,8 @@ def cmd_serve(args) -> int:
     try:
         # a missing checkpoint is named here, not by a server that exits; builtin:<name> is built as `mstar serve`
         # builds it, and the tokenizer, the floor and the HF baseline then read the same directory
+        if problem := baseline_problem(args):
+            raise DeploymentError(problem)
         args.checkpoint = resolve_checkpoint(str(args.checkpoint), get_family(args.family).builtin_checkpoints)
         return _serve(args)
     except (DeploymentError, FileNotFoundError, RuntimeError) as exc:  # bad flags or checkpoint, a dead server
@@ -377,7 +379,7 @@ def _serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
                    "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
                    "prefix_caching": args.prefix_caching, "code": code_revision(),
-                   "switches": served_switches(os.environ)}
+                   "switches": served_switches(os.environ), "meta": meta(None)}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     memory = {"before_start": gpu_memory.used_mib()}
@@ -410,6 +412,7 @@ def _serve(args) -> int:
         served_as = "graphs, overlap, fused kernels" if args.device == "gpu" and not args.no_graphs else "the server"
         model["checks"] = {f"served greedy tokens ({served_as}) == in-process eager engine":
                            f"{same}/{len(served)} requests identical ({args.check_len} tokens each, c=1)"}
+    Path(args.out).write_text(json.dumps(model, indent=1))  # the sweep and the check, kept if a baseline fails
     add_baselines(model, args)
     for line in comparisons(model):
         print(f"[bench] {args.name}: {line}", flush=True)
@@ -434,19 +437,23 @@ def served_tokens(grpc_url: str, entry: str, args) -> list[list[int]]:
     for request in _check_requests(args):
         responses: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(grpc_url)
-        client.start_stream(callback=lambda result, error, q=responses: q.put((result, error)))
-        client.async_stream_infer(entry, _triton_inputs(request), request_id="check", enable_empty_final_response=True)
-        tokens: list[int] = []
-        while True:
-            result, error = responses.get(timeout=120)
-            if error is not None:
-                raise RuntimeError(f"check request failed: {error}")
-            ids = result.as_numpy("token_ids")
-            tokens += ids.tolist() if ids is not None else []
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-        client.close()
+        try:
+            client.start_stream(callback=lambda result, error, q=responses: q.put((result, error)))
+            client.async_stream_infer(entry, _triton_inputs(request), request_id="check",
+                                      enable_empty_final_response=True)
+            tokens: list[int] = []
+            while True:
+                result, error = responses.get(timeout=120)
+                if error is not None:
+                    raise RuntimeError(f"check request failed: {error}")
+                ids = result.as_numpy("token_ids")
+                tokens += ids.tolist() if ids is not None else []
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            # a stream left open on a failed check held the server's shutdown for its 25 s of live models
+            client.stop_stream()
+            client.close()
         out.append(tokens)
     return out
 
@@ -485,6 +492,26 @@ def eager_tokens(args) -> list[list[int]]:
     return out
 
 
+HF_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def baseline_problem(args) -> str | None:
+    """Why --floor / --hf-baseline cannot run as asked here (said before a server starts), or None."""
+    if not (args.floor or args.hf_baseline):
+        return None
+    if args.floor and args.device != "gpu":
+        return "--floor measures a GPU's read bandwidth: it needs --device gpu"
+    if args.hf_baseline and args.dtype not in HF_DTYPES:
+        return f"--hf-baseline runs HF generate in {', '.join(HF_DTYPES)}, not --dtype {args.dtype!r}"
+    if args.device == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ("--floor and --hf-baseline on --device gpu need a CUDA GPU, and torch sees none here "
+                    "(--device cpu runs the HF baseline on the CPU)")
+    return None
+
+
 def add_baselines(model: dict, args) -> None:
     if args.floor:
         from mstar_common.bench.baseline import read_bandwidth, weight_bytes
@@ -493,20 +520,46 @@ def add_baselines(model: dict, args) -> None:
         model["weight_bytes"] = weight_bytes(args.checkpoint)
         model["floor_ms"] = model["weight_bytes"] / (model["bandwidth"]["read_tb_per_s"] * 1e12) * 1e3
     if args.hf_baseline:
+        import torch
+
         from mstar_common.bench.baseline import hf_generate
 
         model["hf_generate"] = hf_generate(args.checkpoint, args.prompt_len, args.hf_output_len or args.output_len,
-                                           args.hf_batch, repeats=args.hf_repeats)
+                                           args.hf_batch, device="cuda" if args.device == "gpu" else "cpu",
+                                           repeats=args.hf_repeats, dtype=getattr(torch, args.dtype))
 
 
 def cmd_baseline(args) -> int:
     """The floor and the HF baseline alone, merged into an existing model JSON (a separate process, so it can
     run under another Python environment than the server's)."""
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.registry import get_family
+
+    problem = None if args.floor or args.hf_baseline else "nothing to measure: pass --floor and/or --hf-baseline"
+    problem = problem or baseline_problem(args)
+    if problem is None:
+        try:
+            args.checkpoint = resolve_checkpoint(str(args.checkpoint), get_family(args.family).builtin_checkpoints)
+        except (DeploymentError, FileNotFoundError) as exc:
+            problem = str(exc)
     path = Path(args.out)
-    model = json.loads(path.read_text()) if path.is_file() else {"name": args.name}
+    model = None
+    if problem is None and path.is_file():
+        try:
+            model = json.loads(path.read_text())
+            problem = None if isinstance(model, dict) else "not a JSON object"
+        except (OSError, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem:
+            problem = f"--out {path}: not a results file of `mstar bench` to add to ({problem})"
+    if problem:
+        print(f"mstar bench: error: {problem}", file=sys.stderr)
+        return 2
+    model = model or {"name": args.name}
     add_baselines(model, args)
     for line in comparisons(model):
-        print(f"[bench] {model['name']}: {line}", flush=True)
+        print(f"[bench] {model.get('name', args.name)}: {line}", flush=True)
     path.write_text(json.dumps(model, indent=1))
     return 0
 
@@ -573,7 +626,7 @@ def cmd_url(args) -> int:
         print(f"mstar bench: error: {problem}", file=sys.stderr)
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the sweep, so its figures are never lost
-    model: dict = {"name": args.name}
+    model: dict = {"name": args.name, "meta": meta(None)}
     deployment_served = served_deployment(args.grpc, args.model)
     if deployment_served is not None:
         model["deployment"] = deployment_served
@@ -595,15 +648,22 @@ def _exit_status(runs: list[dict]) -> int:
 
 
 def cmd_report(args) -> int:
-    models = {}
+    models, sources = {}, {}
     for path in args.inputs:
         try:
             model = json.loads(Path(path).read_text())
-            models[model["name"]] = model
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            name = model["name"]
+            markdown({"meta": {}, "models": {name: model}})  # every field the report reads is there and readable
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             print(f"mstar bench: error: {path}: not a results file of `mstar bench` ({type(exc).__name__}: {exc})",
                   file=sys.stderr)
             return 2
+        if name in models:
+            print(f"mstar bench: error: {sources[name]} and {path} both hold the results of {name!r}; the report "
+                  f"keeps one section per name (run them with different --name, or report them apart)",
+                  file=sys.stderr)
+            return 2
+        models[name], sources[name] = model, path
     results = {"meta": meta(args.command_line), "models": models}
     for path in write_report(results, args.out):
         print(f"[bench] wrote {path}")
@@ -704,6 +764,34 @@ def _at_least(low: int):
 
 
 
+def _run_problem(args) -> str | None:
+    """What the command line asks that cannot run (said before a server starts): proxy levels with no proxy,
+    nothing to run, an --out that cannot be written."""
+    command = args.command
+    if command == "url" and (args.proxy_concurrency or args.proxy_rates) and not args.proxy:
+        return "--proxy-concurrency and --proxy-rates need --proxy (the proxy's URL)"
+    if command in ("url", "serve"):
+        levels = args.concurrency or args.rates or args.proxy_concurrency or args.proxy_rates
+        other = command == "serve" and (args.check_eager or args.floor or args.hf_baseline)
+        if not (levels or other):
+            return ("nothing to run: every level list is empty (--concurrency, --rates, --proxy-concurrency, "
+                    "--proxy-rates)" + (" and there is no --check-eager, --floor or --hf-baseline"
+                                        if command == "serve" else ""))
+    out = Path(args.out)
+    folder = command in ("report", "perf-analyzer-data")  # --out is a folder; otherwise a JSON file
+    if folder and out.exists() and not out.is_dir():
+        return f"--out {out}: a file is there; this command writes a folder"
+    if not folder and out.is_dir():
+        return f"--out {out}: a folder is there; this command writes a JSON file"
+    try:
+        (out if folder else out.parent).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: cannot create {'it' if folder else 'its folder'} ({exc.strerror or exc})"
+    if not os.access(out if folder else out.parent, os.W_OK):
+        return f"--out {out}: not writable here"
+    return None
+
+
 def _processes(value: str) -> int | str:
     if value == "auto" or (value.isdigit() and int(value) >= 1):
         return value if value == "auto" else int(value)
@@ -765,8 +853,9 @@ def add_baseline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--floor", action="store_true", help="measure read bandwidth and the weight-streaming floor")
     p.add_argument("--hf-baseline", action="store_true", help="time HF generate on the same checkpoint")
     p.add_argument("--hf-batch", type=_at_least(1), nargs="*", default=[1, 64])
-    p.add_argument("--hf-output-len", type=int, default=None)
-    p.add_argument("--hf-repeats", type=int, default=3,
+    p.add_argument("--hf-output-len", type=_at_least(2), default=None,
+                   help="HF's output tokens per request (default: --output-len)")
+    p.add_argument("--hf-repeats", type=_at_least(1), default=3,
                    help="timed HF generate runs per batch size; the fastest is the baseline")
 
 
@@ -803,12 +892,17 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
                    help="packed tokens per engine step (resources.max_batch_tokens; default: the deployment's, "
                         "%(default)s); --token-buckets above it are refused")
     add_baseline_args(p)
-    p.add_argument("--check-eager", type=int, default=0, help="compare N served greedy requests with eager steps")
-    p.add_argument("--check-len", type=int, default=64, help="output tokens per check request")
+    p.add_argument("--check-eager", type=_at_least(0), default=0,
+                   help="compare N served greedy requests with eager steps")
+    p.add_argument("--check-len", type=_at_least(1), default=64, help="output tokens per check request")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("baseline", help="measure the floor and HF generate, merged into --out")
     p.add_argument("--name", default="model")
+    p.add_argument("--family", default="qwen3", choices=("qwen3", "llama"),
+                   help="the family whose built-in checkpoints builtin:<name> names")
     p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="where HF generate runs")
+    p.add_argument("--dtype", default="bfloat16", choices=HF_DTYPES)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--out", required=True)
@@ -831,7 +925,7 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p = sub.add_parser("perf-analyzer-data", help="write the workload as perf_analyzer --input-data JSON")
     p.add_argument("--out", required=True)
     add_length_args(p)
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=_at_least(1), default=16)
     p.set_defaults(func=cmd_perf_analyzer_data)
     args = parser.parse_args(argv)
     if hasattr(args, "output_len_max"):  # the lengths' rules, before a server starts or a level runs
@@ -840,6 +934,8 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
         except ValueError as exc:
             parser.error(re.sub(r"\b(prompt_len_max|output_len_max|prompt_len|output_len|shared_prefix_len|temperature|top_p|top_k)\b",
                                 lambda m: "--" + m.group(1).replace("_", "-"), str(exc)))
+    if problem := _run_problem(args):
+        parser.error(problem)
     args.input_requests = None
     if getattr(args, "input_data", None):  # refused before a server starts or a level runs
         try:

@@ -22,11 +22,18 @@ def _load(run: dict) -> str:
 
 
 def markdown(results: dict) -> str:
+    """The report. Each model's figures are labelled with the machine, date and command of the run that measured
+    them (its results file's `meta`), apart from the machine the report itself was made on (`results["meta"]`)."""
     meta = results["meta"]
-    lines = [f"Hardware: {meta.get('hardware')}; {meta.get('software')}; date {meta.get('date')}.", "",
-             f"Command: `{meta.get('command')}`", ""]
+    lines = [f"Report made on {meta.get('hardware')} ({meta.get('software')}), {meta.get('date')}: "
+             f"`{meta.get('command')}`.", ""]
     for name, model in results["models"].items():
         lines += [f"### {name}", ""]
+        if run := model.get("meta"):
+            lines.append(f"Measured on {run.get('hardware')} ({run.get('software')}), {run.get('date')}: "
+                         f"`{run.get('command')}`.")
+        else:
+            lines.append("Measured on: not recorded (a results file from before runs recorded their machine).")
         bw = model.get("bandwidth") or {}
         if model.get("floor_ms") is not None:
             lines.append(f"Weights {model['weight_bytes'] / 1e9:.3f} GB; read bandwidth {bw['read_tb_per_s']:.2f} TB/s "

@@ -29,3 +29,15 @@ def test_ratio_line_is_against_the_fastest_hf_run():
              "hf_generate": [{"batch": 1, "output_tok_per_s": 40.0, "runs_tok_per_s": [25.0, 40.0, 31.0]}]}
     line = next(line for line in comparisons(model) if line.startswith("c=1:"))
     assert "= 25.0x" in line and "fastest of 3 runs: 25, 40, 31" in line
+
+
+def test_hf_itl_is_the_decode_steps_mean_and_never_negative(tmp_path):
+    """Was (fastest run - one 8-token run) / (output_len - 8): a division by zero at 8 tokens, negative below, and
+    negative whenever the 8-token run was slower than the fastest whole run."""
+    checkpoint = build_tiny_checkpoint(tmp_path / "qwen3_tiny")
+    for output_len in (1, 2, 8):
+        (row,) = hf_generate(checkpoint, 6, output_len, [1], device="cpu", repeats=2, dtype=torch.float32)
+        if output_len == 1:
+            assert row["itl_ms"] is None
+        else:
+            assert 0 <= row["itl_ms"] <= row["wall_s"] * 1e3 / (output_len - 1)

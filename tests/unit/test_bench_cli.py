@@ -508,3 +508,121 @@ def test_build_checkpoint_names_an_unknown_family_in_one_line(capsys):
 
     assert main(["build-checkpoint", "nofam", "builtin:qwen3-tiny"]) == 2
     assert capsys.readouterr().err.startswith("mstar: error: unknown family 'nofam'; available: ['flux2_klein'")
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["url", "--grpc", "127.0.0.1:1", "--out", "x.json", "--proxy-concurrency", "4"],
+     "--proxy-concurrency and --proxy-rates need --proxy"),
+    (["url", "--grpc", "127.0.0.1:1", "--out", "x.json", "--concurrency"], "nothing to run: every level list is empty"),
+    (["serve", "--checkpoint", "c", "--out", "x.json", "--concurrency"],
+     "and there is no --check-eager, --floor or --hf-baseline"),
+    (["serve", "--checkpoint", "c", "--out", "x.json", "--hf-repeats", "0"], "argument --hf-repeats: must be"),
+    (["serve", "--checkpoint", "c", "--out", "x.json", "--hf-output-len", "1"], "argument --hf-output-len: must be"),
+    (["perf-analyzer-data", "--out", "pa", "--num-prompts", "0"], "argument --num-prompts: must be an integer >= 1"),
+])
+def test_runs_that_cannot_run_as_asked_are_refused_before_anything_starts(argv, rule, capsys):
+    """Each of these once ran silently short (proxy levels dropped, an empty report), wrote an empty input file, or
+    failed with a traceback after a whole sweep."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(argv)
+    assert exit_info.value.code == 2 and rule in _err(capsys)
+
+
+def test_an_out_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    a_file = tmp_path / "r.json"
+    a_file.write_text("{}")
+    for argv, rule in (
+        (["report", str(a_file), "--out", str(a_file)], "a file is there; this command writes a folder"),
+        (["perf-analyzer-data", "--out", str(a_file)], "a file is there; this command writes a folder"),
+        (["url", "--grpc", "127.0.0.1:1", "--out", str(tmp_path)], "a folder is there; this command writes a JSON"),
+        (["url", "--grpc", "127.0.0.1:1", "--out", str(a_file / "x.json")], "cannot create its folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_cli.main(argv)
+        assert exit_info.value.code == 2 and f"--out {argv[argv.index('--out') + 1]}: {rule}" in _err(capsys)
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["--checkpoint", "/nonexistent/ckpt", "--hf-baseline", "--device", "cpu"],
+     "checkpoint: /nonexistent/ckpt is not a directory"),
+    (["--checkpoint", "builtin:nope", "--hf-baseline", "--device", "cpu"], "checkpoint: unknown builtin 'nope'"),
+    (["--checkpoint", "/nonexistent/ckpt"], "nothing to measure: pass --floor and/or --hf-baseline"),
+    (["--checkpoint", "builtin:qwen3-tiny", "--floor", "--device", "cpu"], "--floor measures a GPU's read bandwidth"),
+])
+def test_the_baseline_command_refuses_in_one_line(tmp_path, argv, rule, capsys):
+    out = tmp_path / "b.json"
+    assert bench_cli.main(["baseline", *argv, "--out", str(out)]) == 2
+    assert f"mstar bench: error: {rule}" in _err(capsys) and not out.exists()
+
+
+def test_the_hf_baseline_runs_on_the_cpu_and_adds_to_the_results_file(tmp_path, capsys):
+    """`--device cpu`: HF generate on the CPU (it was hard-wired to CUDA and failed after the whole sweep), merged
+    into the results file that is already there."""
+    out = tmp_path / "b.json"
+    out.write_text(json.dumps({"name": "tiny", "runs": []}))
+    assert bench_cli.main(["baseline", "--checkpoint", "builtin:qwen3-tiny", "--hf-baseline", "--device", "cpu",
+                           "--dtype", "float32", "--prompt-len", "8", "--output-len", "4", "--hf-batch", "1",
+                           "--hf-repeats", "1", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["name"] == "tiny" and saved["runs"] == []
+    (row,) = saved["hf_generate"]
+    assert row["batch"] == 1 and row["output_tok_per_s"] > 0 and row["itl_ms"] >= 0
+
+
+def test_the_report_refuses_two_files_of_one_name_and_files_it_cannot_render(tmp_path, capsys):
+    first, second, broken = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps({"name": "model", "runs": []}))
+    second.write_text(json.dumps({"name": "model", "runs": []}))
+    broken.write_text(json.dumps({"name": "x", "runs": [{"target": "triton"}]}))
+    assert bench_cli.main(["report", str(first), str(second), "--out", str(tmp_path / "r")]) == 2
+    assert f"{first} and {second} both hold the results of 'model'" in _err(capsys)
+    assert bench_cli.main(["report", str(broken), "--out", str(tmp_path / "r")]) == 2
+    assert f"{broken}: not a results file of `mstar bench` (KeyError: 'summary')" in _err(capsys)
+
+
+def test_the_report_labels_each_model_with_the_machine_that_measured_it():
+    from mstar_common.bench.report import markdown
+
+    measured = {"hardware": "NVIDIA H200 (140 GiB)", "software": "torch 2.13", "date": "2026-12-05",
+                "command": "mstar bench serve --name a"}
+    text = markdown({"meta": {"hardware": "CPU only (2 cores)", "command": "mstar bench report"},
+                     "models": {"a": {"meta": measured, "runs": []}, "b": {"runs": []}}})
+    assert text.startswith("Report made on CPU only (2 cores)")
+    assert ("### a\n\nMeasured on NVIDIA H200 (140 GiB) (torch 2.13), 2026-12-05: `mstar bench serve --name a`."
+            in text)
+    assert "### b\n\nMeasured on: not recorded" in text
+
+
+def test_a_failed_check_request_closes_its_stream(monkeypatch):
+    """A check request that fails closed nothing, so the server's shutdown waited 25 s on the open stream."""
+    import tritonclient.grpc as grpcclient
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, url):
+            pass
+
+        def start_stream(self, callback):
+            self.callback = callback
+
+        def async_stream_infer(self, *args, **kwargs):
+            self.callback(None, "exceeds max_model_len")
+
+        def stop_stream(self):
+            calls.append("stop_stream")
+
+        def close(self):
+            calls.append("close")
+
+    monkeypatch.setattr(grpcclient, "InferenceServerClient", FakeClient)
+    args = argparse.Namespace(prompt_len=8, check_len=4, check_eager=1)
+    with pytest.raises(RuntimeError, match="check request failed: exceeds max_model_len"):
+        bench_cli.served_tokens("127.0.0.1:1", "qwen3_llm", args)
+    assert calls == ["stop_stream", "close"]
