@@ -23,7 +23,7 @@ DEFAULT_DEPLOYMENT = CONFIGS / "qwen3.yaml"
 def resolve_target(target: str) -> Path:
     """A deployment YAML path, or a family/deployment key naming configs/<key>.yaml."""
     path = Path(target)
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix in (".yaml", ".yml") or path.is_file():
         return path
     candidate = CONFIGS / f"{target}.yaml"
     if candidate.is_file():
@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DeploymentError, FileNotFoundError) as exc:
         print(f"mstar: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `mstar check ... | head -1`: the reader left; no traceback for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

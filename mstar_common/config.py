@@ -8,6 +8,7 @@ checks (which components exist, what the pools must hold) come from the family's
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 import types
@@ -170,21 +171,52 @@ def load_deployment(path: str | Path) -> Deployment:
     path = Path(path)
     if not path.is_file():
         raise DeploymentError(f"deployment file not found: {path}")
-    with path.open() as f:
-        try:
-            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-        except yaml.YAMLError as exc:
-            raise DeploymentError(f"{path.name}: not valid YAML: {exc}") from None
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise DeploymentError(f"{path.name}: not UTF-8 text (byte {data[exc.start]:#04x} on line {line}); save it "
+                              f"as UTF-8") from None
+    stream = io.StringIO(text)
+    stream.name = path.name  # the file the YAML errors' marks name
+    try:
+        raw = yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise DeploymentError(f"{path.name}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise DeploymentError(f"{path.name}: nested too deeply to read (thousands of levels)") from None
+    except ValueError as exc:  # an integer of more than 4300 digits (Python's limit on int(str))
+        what = "a number of more than 4300 digits" if "digits" in str(exc) else str(exc)
+        raise DeploymentError(f"{path.name}: a value cannot be read: {what}") from None
+    if raw is None:
+        raise DeploymentError(f"{path.name}: empty: a deployment is a mapping with at least name, family, checkpoint "
+                              f"and components (docs/deployment.md)")
     return deployment_from_dict(raw, source=path.name)
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one, silently)."""
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one, silently) and a key that
+    is not a string (every key of a deployment is a name). YAML merge keys (`<<: *base`) work as in safe_load: the
+    mapping's own keys override the merged ones."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"a key is a {key_node.id}; every key is a name",
+                    key_node.start_mark)
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"the key {key!r} is not a string (every key is a "
+                    f"name; quote it)", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"the key {key!r} is given twice", key_node.start_mark)

@@ -232,3 +232,34 @@ def test_gpus_a_placement_names_must_be_visible(monkeypatch):
         check_gpus_visible(dep, "test.yaml")
     dep.components["llm"].placement.gpus = [1]
     check_gpus_visible(dep, "test.yaml")
+
+
+@pytest.mark.parametrize("body, rule", [
+    (b"name: caf\xe9\n", r"^bad.yaml: not UTF-8 text \(byte 0xe9 on line 1\)"),
+    ("name: x\n1: foo\nbar: 2\n".encode(), r"(?s)not valid YAML: .*the key 1 is not a string.*line 2"),
+    (b"? [a, b]\n: 1\n", r"(?s)not valid YAML: .*a key is a sequence; every key is a name"),
+    (b"a: " + b"[" * 5000 + b"\n", r"^bad.yaml: nested too deeply to read"),
+    (b"max_concurrent_requests: " + b"9" * 5000 + b"\n", r"^bad.yaml: a value cannot be read: a number of more "
+                                                           r"than 4300 digits$"),
+    (b"", r"^bad.yaml: empty: a deployment is a mapping"),
+])
+def test_files_the_loader_cannot_read_are_one_line_refusals(tmp_path, body, rule):
+    """Each gave a Python traceback from `mstar check` (a QA sweep, 2026-12-05)."""
+    from mstar_common.config import load_deployment
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(body)
+    with pytest.raises(DeploymentError, match=rule):
+        load_deployment(bad)
+
+
+def test_yaml_merge_keys_work_and_own_keys_override_them(tmp_path):
+    from mstar_common.config import load_deployment
+
+    text = DEFAULT_DEPLOYMENT.read_text()
+    own = "    placement: {device: cpu, instances: 1}\n"
+    assert own in text
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(text.replace(own, "    placement: {<<: {device: gpu, instances: 3, gpus: []}, device: cpu}\n"))
+    dep = load_deployment(merged)
+    assert dep.components["llm"].placement.device == "cpu" and dep.components["llm"].placement.instances == 3
