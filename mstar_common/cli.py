@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
     from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
-    from mstar_common.repository import entry_model, generate_repository
+    from mstar_common.repository import entry_model, generate_repository, shell_unsafe
     from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
     from mstar_common.switches import check_switches
 
@@ -88,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_against_checkpoint(family, dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
     print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
     check_gpus_visible(dep, path.name)
+    if reason := shell_unsafe(tempfile.gettempdir()):
+        raise DeploymentError(f"the run folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
     s = dep.server
     ports = Ports(
         http=s.http_port if args.http_port is None else args.http_port,
@@ -106,7 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         wanted.append(("proxy", ports.proxy, "--port"))
     if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
         raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
-    run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{dep.name}-"))  # after the refusals: none leaves a folder
+    # after the refusals, so none leaves a folder; the name as far as a folder name can carry it
+    run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', dep.name)[:48]}-"))
     repo = run_dir / "model_repository"
     generate_repository(path, repo)
     stop = threading.Event()

@@ -11,6 +11,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -233,10 +234,17 @@ def deployment_from_dict(raw: Any, source: str = "<deployment>") -> Deployment:
     return dep
 
 
+# the OpenAI `model` clients send (an HF-style org/name too); it also names the run folder and the proxy's --model
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
 def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
     """Generic checks, then the family's own (components, model_kwargs, pool sizes)."""
     from mstar_common.families.registry import get_family
 
+    if not NAME_RULE.fullmatch(dep.name):
+        raise DeploymentError(f"{source}: name: must be 1-128 letters, digits and . _ : / -, starting with a letter or "
+                              f"digit (clients send it as the model), got {dep.name!r}")
     _check_positive(source, "max_concurrent_requests", dep.max_concurrent_requests)
     _check_kv_pool_size(dep, source)
     _check_positive(source, "resources.kv_cache.page_size", dep.resources.kv_cache.page_size)

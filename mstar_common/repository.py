@@ -10,11 +10,12 @@ component directly.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from mstar_common.config import Deployment, load_deployment
+from mstar_common.config import Deployment, DeploymentError, load_deployment
 from mstar_common.families.registry import get_family
 from mstar_common.graph import MODEL_DTYPE, Component, FamilyGraph, Step, TensorSpec, Walk, components_in, is_static_dag
 from mstar_common.graph.walk import Sequential
@@ -79,11 +80,28 @@ def write_repository(dep: Deployment, repo: str | Path, source: str) -> Path:
     return repo
 
 
+# tritonserver's Python backend starts each stub through a shell with the model's folder unquoted: a space splits it
+# (the stub dies parsing its arguments and the server never becomes ready) and `$(...)` in it runs
+_SHELL_SAFE = re.compile(r"[A-Za-z0-9._/+,:@%=-]")
+
+
+def shell_unsafe(path: str | Path) -> str | None:
+    """Why tritonserver's Python backend cannot start stubs from a repository at `path` (its absolute form holds a
+    character a shell splits or expands), or None."""
+    text = str(Path(path).absolute())
+    if bad := sorted({c for c in text if not _SHELL_SAFE.fullmatch(c)}):
+        return (f"{text} holds {' '.join(repr(c) for c in bad)}: tritonserver's Python backend starts its stubs "
+                f"through a shell with this path unquoted, so it must be letters, digits and . _ / + , : @ % = - only")
+    return None
+
+
 def generate_repository(deployment_path: str | Path, out_dir: str | Path) -> Deployment:
     """Validate the deployment and write its repository to out_dir, replacing what was there."""
     deployment_path = Path(deployment_path)
     dep = load_deployment(deployment_path)
     out_dir = Path(out_dir)
+    if reason := shell_unsafe(out_dir):
+        raise DeploymentError(f"--out: {reason}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = write_repository(dep, tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent),
                                source=_display_path(deployment_path))

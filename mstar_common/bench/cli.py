@@ -67,14 +67,16 @@ class Server:
     """tritonserver (+ the proxy) for one deployment on free ports, in a temporary directory."""
 
     def __init__(self, raw: dict, with_proxy: bool) -> None:
-        from mstar_common.config import deployment_from_dict
+        from mstar_common.config import DeploymentError, deployment_from_dict
         from mstar_common.launcher import Ports
-        from mstar_common.repository import entry_model
+        from mstar_common.repository import entry_model, shell_unsafe
 
         self.dep = deployment_from_dict(raw, source="bench-deployment")
         self.entry = entry_model(self.dep)
         self.with_proxy = with_proxy
         self.ports = Ports.free()
+        if reason := shell_unsafe(tempfile.gettempdir()):
+            raise DeploymentError(f"the server's folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
         self.root = Path(tempfile.mkdtemp(prefix="mstar-bench-"))
         self.triton = self.proxy = None
 

@@ -263,3 +263,34 @@ def test_yaml_merge_keys_work_and_own_keys_override_them(tmp_path):
     merged.write_text(text.replace(own, "    placement: {<<: {device: gpu, instances: 3, gpus: []}, device: cpu}\n"))
     dep = load_deployment(merged)
     assert dep.components["llm"].placement.device == "cpu" and dep.components["llm"].placement.instances == 3
+
+
+@pytest.mark.parametrize("name", ["x$(id>&2)", "my model", "a\nb", "a=b", "../../etc", "-x", "x" * 129, ""])
+def test_a_name_outside_the_rule_is_refused(name):
+    """A name reaches the run folder's path, which tritonserver's Python backend hands to a shell unquoted: `$(...)`
+    ran, a space hung `mstar serve` until its timeout, `a/b`, `../..` and 300 characters failed as OS errors."""
+    _refused(_with(name=name), "name: must be 1-128 letters, digits and . _ : / -" if name else "name: expected a "
+             "non-empty string")
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "Qwen/Qwen3-0.6B", "org/model:v1.2_b", "x" * 128])
+def test_names_clients_use_are_accepted(name):
+    assert deployment_from_dict(_with(name=name)).name == name
+
+
+def test_a_repository_path_a_shell_would_split_is_refused(tmp_path, monkeypatch, capsys):
+    from mstar_common.cli import main
+    from mstar_common.repository import shell_unsafe
+
+    assert shell_unsafe(tmp_path / "repo") is None
+    assert "' '" in shell_unsafe(tmp_path / "my repo") and "'$'" in shell_unsafe("/tmp/$(id)")
+    assert main(["gen-repo", str(DEFAULT_DEPLOYMENT), "--out", str(tmp_path / "my repo")]) == 2
+    assert "mstar: error: --out: " in capsys.readouterr().err and not (tmp_path / "my repo").exists()
+    spaced = tmp_path / "tmp dir"
+    spaced.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spaced))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    assert main(["serve", str(DEFAULT_DEPLOYMENT), "--no-proxy", "--timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "the run folder's parent ($TMPDIR): " in err and "set TMPDIR to such a folder" in err
+    assert list(spaced.iterdir()) == []
