@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_against_checkpoint(family, dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
     print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
     check_gpus_visible(dep, path.name)
+    check_shm_size(dep, path.name)
     if reason := shell_unsafe(tempfile.gettempdir()):
         raise DeploymentError(f"the run folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
     s = dep.server
@@ -187,6 +188,20 @@ def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read its config ({reason})") from None
+
+
+def check_shm_size(dep, source: str, shm: str = "/dev/shm") -> None:
+    """Each stub's shared-memory region must fit /dev/shm (tritonserver fails to load the model otherwise, with an
+    error that does not name the key)."""
+    try:
+        stats = os.statvfs(shm)
+    except OSError:
+        return  # no /dev/shm to measure; tritonserver says what it finds
+    total = stats.f_frsize * stats.f_blocks
+    size = dep.server.shm_default_byte_size
+    if size > total:
+        raise DeploymentError(f"{source}: server.shm_default_byte_size: {size:,} bytes is more than {shm} holds "
+                              f"({total:,} bytes)")
 
 
 def check_gpus_visible(dep, source: str) -> None:

@@ -48,8 +48,8 @@ class Placement:
         return self.instances * (len(self.gpus) if self.device == "gpu" else 1)
 
     def check(self, path: str) -> None:
-        if self.instances < 1:
-            raise DeploymentError(f"{path}.instances: must be >= 1, got {self.instances}")
+        if not 1 <= self.instances <= 64:
+            raise DeploymentError(f"{path}.instances: must be in [1, 64], got {self.instances}")
         if self.device == "gpu" and not self.gpus:
             raise DeploymentError(f"{path}.gpus: a gpu placement needs at least one GPU id, e.g. [0]")
         if self.device == "cpu" and self.gpus:
@@ -245,14 +245,14 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
     if not NAME_RULE.fullmatch(dep.name):
         raise DeploymentError(f"{source}: name: must be 1-128 letters, digits and . _ : / -, starting with a letter or "
                               f"digit (clients send it as the model), got {dep.name!r}")
-    _check_positive(source, "max_concurrent_requests", dep.max_concurrent_requests)
+    _check_positive(source, "max_concurrent_requests", dep.max_concurrent_requests, 2**20)
     _check_kv_pool_size(dep, source)
-    _check_positive(source, "resources.kv_cache.page_size", dep.resources.kv_cache.page_size)
+    _check_positive(source, "resources.kv_cache.page_size", dep.resources.kv_cache.page_size, 4096)
     if dep.resources.kv_cache.dtype not in KV_DTYPES:
         raise DeploymentError(f"{source}: resources.kv_cache.dtype: must be one of {list(KV_DTYPES)}, "
                               f"got {dep.resources.kv_cache.dtype!r}")
-    _check_positive(source, "resources.max_model_len", dep.resources.max_model_len)
-    _check_positive(source, "resources.max_batch_tokens", dep.resources.max_batch_tokens)
+    _check_positive(source, "resources.max_model_len", dep.resources.max_model_len, 2**24)
+    _check_positive(source, "resources.max_batch_tokens", dep.resources.max_batch_tokens, 2**24)
     _check_service_limits(dep, source)
     try:
         family = get_family(dep.family)
@@ -320,7 +320,7 @@ def _check_kv_pool_size(dep: Deployment, source: str) -> None:
 
     kv = dep.resources.kv_cache
     if not kv.is_auto:
-        _check_positive(source, "resources.kv_cache.num_pages", kv.num_pages)
+        _check_positive(source, "resources.kv_cache.num_pages", kv.num_pages, MAX_PAGES)
         if kv.gpu_memory_fraction is not None:
             raise DeploymentError(f"{source}: resources.kv_cache.gpu_memory_fraction: sizes a pool of num_pages: auto "
                                   f"only, and num_pages is {kv.num_pages}; drop one of the two")
@@ -339,9 +339,19 @@ def _check_kv_pool_size(dep: Deployment, source: str) -> None:
                                   f"components.{name} holds it on the cpu; give a number of pages")
 
 
-def _check_positive(source: str, key: str, value: int) -> None:
+def _check_positive(source: str, key: str, value: int, high: int | None = None) -> None:
+    """`value` >= 1, and <= `high` where given (a bound far past any real setting, below what would overflow a
+    32-bit field in tritonserver, the kernels' page ids or a microsecond count)."""
     if value < 1:
         raise DeploymentError(f"{source}: {key}: must be >= 1, got {value}")
+    if high is not None and value > high:
+        raise DeploymentError(f"{source}: {key}: must be at most {high:,}, got {value:,}")
+
+
+# upper bounds (see _check_positive)
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week
+MAX_PAGES = 2**31 - 1  # page ids are int32 in the kernels' block tables
+MAX_SHM_BYTES = 2**36  # 64 GiB; serve also checks a region against /dev/shm's size
 
 
 def _check_service_limits(dep: Deployment, source: str) -> None:
@@ -349,17 +359,22 @@ def _check_service_limits(dep: Deployment, source: str) -> None:
     if adm.max_queue is not None and adm.max_queue < 0:
         raise DeploymentError(f"{source}: admission.max_queue: must be >= 0 (0: refuse past the cap), got "
                               f"{adm.max_queue}")
+    if adm.max_queue is not None and adm.max_queue > 2**24:
+        raise DeploymentError(f"{source}: admission.max_queue: must be at most {2**24:,}, got {adm.max_queue:,}")
     for key in ("queue_timeout_s", "request_timeout_s"):
         value = getattr(adm, key)
-        if value is not None and not 0 < value < math.inf:
-            raise DeploymentError(f"{source}: admission.{key}: must be a finite number > 0, or null for no "
-                                  f"limit, got {value}")
-    _check_positive(source, "admission.retry_after_s", adm.retry_after_s)
-    _check_positive(source, "limits.max_body_bytes", lim.max_body_bytes)
-    if not 0 < lim.max_upload_s < math.inf:
-        raise DeploymentError(f"{source}: limits.max_upload_s: must be a finite number > 0, got {lim.max_upload_s}")
-    for key in ("shm_default_byte_size", "shm_growth_byte_size", "stub_timeout_seconds", "drain_timeout_s"):
-        _check_positive(source, f"server.{key}", getattr(srv, key))
+        if value is not None and not 0 < value <= MAX_TIMEOUT_S:
+            raise DeploymentError(f"{source}: admission.{key}: must be a number of seconds in (0, {MAX_TIMEOUT_S:,}] "
+                                  f"(a week), or null for no limit, got {value}")
+    _check_positive(source, "admission.retry_after_s", adm.retry_after_s, MAX_TIMEOUT_S)
+    _check_positive(source, "limits.max_body_bytes", lim.max_body_bytes, 2**34)
+    if not 0 < lim.max_upload_s <= MAX_TIMEOUT_S:
+        raise DeploymentError(f"{source}: limits.max_upload_s: must be a number of seconds in (0, {MAX_TIMEOUT_S:,}], "
+                              f"got {lim.max_upload_s}")
+    for key in ("shm_default_byte_size", "shm_growth_byte_size"):
+        _check_positive(source, f"server.{key}", getattr(srv, key), MAX_SHM_BYTES)
+    for key in ("stub_timeout_seconds", "drain_timeout_s"):
+        _check_positive(source, f"server.{key}", getattr(srv, key), MAX_TIMEOUT_S)
     if srv.shm_default_byte_size < 1024 * 1024:
         raise DeploymentError(f"{source}: server.shm_default_byte_size: must be >= 1 MiB (1048576), got "
                               f"{srv.shm_default_byte_size}")
@@ -373,8 +388,8 @@ def _check_service_limits(dep: Deployment, source: str) -> None:
                                   f"of its own")
     if not 1 <= srv.proxy_workers <= 64:
         raise DeploymentError(f"{source}: server.proxy_workers: must be in [1, 64], got {srv.proxy_workers}")
-    if srv.max_restarts < 0:
-        raise DeploymentError(f"{source}: server.max_restarts: must be >= 0, got {srv.max_restarts}")
+    if not 0 <= srv.max_restarts <= 1000:
+        raise DeploymentError(f"{source}: server.max_restarts: must be in [0, 1000], got {srv.max_restarts}")
 
 
 # --- strict mapping -> dataclass conversion -------------------------------------------------------

@@ -78,7 +78,7 @@ def test_placement_rules():
     _refused(_with(components__llm={"placement": {"device": "gpu"}}), "components.llm.placement.gpus")
     _refused(_with(components__llm={"placement": {"device": "tpu"}}), "must be one of ['cpu', 'gpu']")
     _refused(_with(components__llm={"placement": {"device": "gpu", "gpus": [0, 0]}}), "distinct")
-    _refused(_with(components__llm={"placement": {"device": "cpu", "instances": 0}}), "instances: must be >= 1")
+    _refused(_with(components__llm={"placement": {"device": "cpu", "instances": 0}}), "instances: must be in [1, 64], got 0")
 
 
 def test_pool_too_small_for_the_cap_is_refused():
@@ -137,15 +137,15 @@ def test_admission_limits_and_server_keys_load_and_resolve():
 
 @pytest.mark.parametrize("changes, fragments", [
     ({"admission__max_queue": -1}, ("admission.max_queue", ">= 0")),
-    ({"admission__queue_timeout_s": 0}, ("admission.queue_timeout_s", "> 0")),
+    ({"admission__queue_timeout_s": 0}, ("admission.queue_timeout_s", "in (0, 604,800]", "got 0.0")),
     ({"admission__request_timeout_s": "soon"}, ("admission.request_timeout_s", "number")),
     ({"admission__retry_after_s": 0}, ("admission.retry_after_s", ">= 1")),
     ({"admission__queue": 3}, ("admission", "unknown key(s) ['queue']")),
     ({"limits__max_body_bytes": 0}, ("limits.max_body_bytes", ">= 1")),
-    ({"limits__max_upload_s": -1}, ("limits.max_upload_s", "> 0")),
+    ({"limits__max_upload_s": -1}, ("limits.max_upload_s", "in (0, 604,800]", "got -1.0")),
     ({"server__shm_default_byte_size": 1000}, ("server.shm_default_byte_size", "1 MiB")),
     ({"server__stub_timeout_seconds": 0}, ("server.stub_timeout_seconds", ">= 1")),
-    ({"server__max_restarts": -1}, ("server.max_restarts", ">= 0")),
+    ({"server__max_restarts": -1}, ("server.max_restarts", "in [0, 1000]", "got -1")),
     ({"server__proxy_workers": 0}, ("server.proxy_workers", "[1, 64]")),
     ({"server__proxy_workers": 65}, ("server.proxy_workers", "[1, 64]")),
 ])
@@ -294,3 +294,33 @@ def test_a_repository_path_a_shell_would_split_is_refused(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert "the run folder's parent ($TMPDIR): " in err and "set TMPDIR to such a folder" in err
     assert list(spaced.iterdir()) == []
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"admission__request_timeout_s": 1e300}, "admission.request_timeout_s: must be a number of seconds in (0, "
+                                              "604,800]"),  # served: every request a 500 (int64 overflow)
+    ({"admission__queue_timeout_s": 1e7}, "admission.queue_timeout_s: must be a number of seconds"),
+    ({"server__drain_timeout_s": 10**12}, "server.drain_timeout_s: must be at most 604,800"),  # tritonserver exit 1
+    ({"server__shm_default_byte_size": 2**70}, "server.shm_default_byte_size: must be at most"),  # abort in stol
+    ({"resources__kv_cache__num_pages": 10**30}, "resources.kv_cache.num_pages: must be at most 2,147,483,647"),
+    ({"resources__kv_cache__page_size": 10**9}, "resources.kv_cache.page_size: must be at most 4,096"),
+    ({"components__llm__placement__instances": 10**6}, "instances: must be in [1, 64]"),
+    ({"limits__max_upload_s": 1e9}, "limits.max_upload_s: must be a number of seconds"),
+    ({"server__max_restarts": 10**9}, "server.max_restarts: must be in [0, 1000]"),
+])
+def test_numbers_past_any_real_setting_are_refused_before_they_overflow(changes, fragment):
+    _refused(_with(**changes), fragment)
+
+
+def test_a_shared_memory_region_larger_than_dev_shm_is_refused_by_serve(monkeypatch):
+    """Served, tritonserver failed to load the model with an error that named no key."""
+    import os
+    from types import SimpleNamespace
+
+    from mstar_common.cli import check_shm_size
+
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_frsize=4096, f_blocks=2**18))  # 1 GiB
+    with pytest.raises(DeploymentError, match=r"^t.yaml: server.shm_default_byte_size: 2,147,483,648 bytes is more "
+                                              r"than /dev/shm holds \(1,073,741,824 bytes\)"):
+        check_shm_size(deployment_from_dict(_with(server__shm_default_byte_size=2**31)), "t.yaml")
+    check_shm_size(deployment_from_dict(copy.deepcopy(BASE)), "t.yaml")
