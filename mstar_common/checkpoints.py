@@ -44,10 +44,17 @@ def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -
 
 
 def find_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> Path | None:
-    """The checkpoint's directory where it is already on this machine, else None: nothing is built or fetched."""
+    """The checkpoint's directory where it is already on this machine, else None: nothing is built or fetched.
+    What can be refused here is refused as `resolve_checkpoint` refuses it (FileNotFoundError): a builtin name the
+    family does not have, a path that is a file or a folder with no config."""
     if spec.startswith(BUILTIN_PREFIX):
-        out = cache_dir() / "builtin" / spec[len(BUILTIN_PREFIX):]
+        name = spec[len(BUILTIN_PREFIX):]
+        if name not in builtins:
+            raise FileNotFoundError(f"checkpoint: unknown builtin {name!r}; available: {sorted(builtins)}")
+        out = cache_dir() / "builtin" / name
         return out if _is_checkpoint_dir(out) else None
+    if Path(spec).expanduser().exists():
+        return resolve_checkpoint(spec, builtins)
     try:
         return resolve_checkpoint(spec, builtins)
     except FileNotFoundError:

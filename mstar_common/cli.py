@@ -181,6 +181,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None:
     """The family's checks of `dep` against its checkpoint; a config it cannot read is a refusal naming the file
     (not a traceback)."""
+    from mstar_common.memory_plan import check_cpu_pools_fit
+
     try:
         family.check_checkpoint(dep, checkpoint, source)
     except DeploymentError:
@@ -188,6 +190,10 @@ def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read its config ({reason})") from None
+    if not any(checkpoint.rglob("*.safetensors")):
+        raise DeploymentError(f"checkpoint {checkpoint}: no *.safetensors weights in it (the loaders read "
+                              f"safetensors only)")
+    check_cpu_pools_fit(dep, family, checkpoint, source)
 
 
 def check_shm_size(dep, source: str, shm: str = "/dev/shm") -> None:

@@ -286,6 +286,24 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
         if comp.attention_backend not in backends:
             raise DeploymentError(f"{source}: components.{name}.attention_backend: must be one of {list(backends)}, "
                                   f"got {comp.attention_backend!r}")
+        if name not in family.graph.kv_holders:
+            ignored = [key for key, unset in (("attention_backend", "auto"), ("decode_buckets", None),
+                                              ("prefill_token_buckets", None)) if getattr(comp, key) != unset]
+            if ignored:
+                raise DeploymentError(f"{source}: components.{name}.{ignored[0]}: {name} is not an autoregressive "
+                                      f"component (those of {dep.family} are {family.graph.kv_holders}); it has no "
+                                      f"paged attention or step buckets to set")
+        elif comp.placement.device == "cpu" and comp.attention_backend in ("triton", "triton_unfused", "flashinfer"):
+            raise DeploymentError(f"{source}: components.{name}.attention_backend: {comp.attention_backend!r} runs on "
+                                  f"a GPU; a cpu placement takes 'auto', 'torch' or 'torch_static'")
+        elif comp.cuda_graphs and comp.attention_backend == "torch":
+            raise DeploymentError(f"{source}: components.{name}.attention_backend: 'torch' cannot be captured in a "
+                                  f"CUDA graph (cuda_graphs: true); use 'auto', 'triton', 'torch_static' or "
+                                  f"'flashinfer'")
+        elif not comp.cuda_graphs and (comp.decode_buckets is not None or comp.prefill_token_buckets is not None):
+            key = "decode_buckets" if comp.decode_buckets is not None else "prefill_token_buckets"
+            raise DeploymentError(f"{source}: components.{name}.{key}: buckets are the captured CUDA graphs' sizes, "
+                                  f"and cuda_graphs is off")
         if comp.attention_backend == "flashinfer" and dep.resources.kv_cache.dtype != "auto":
             raise DeploymentError(f"{source}: components.{name}.attention_backend: 'flashinfer' reads bf16/fp16 KV "
                                   f"pools only; resources.kv_cache.dtype {dep.resources.kv_cache.dtype!r} needs "

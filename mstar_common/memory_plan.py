@@ -5,9 +5,10 @@ without a local checkpoint the pool is given in pages and tokens alone. Nothing 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
-from mstar_common.config import Deployment
+from mstar_common.config import Deployment, DeploymentError
 from mstar_common.families.base import Family
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
@@ -30,22 +31,45 @@ def plan_lines(dep: Deployment, family: Family, checkpoint: Path | None) -> list
     return lines
 
 
+def _page_bytes(dep: Deployment, family: Family, name: str, checkpoint: Path | None) -> tuple[int, str] | None:
+    """Bytes of one KV page of component `name`'s pool, and how they are made; None without the checkpoint's
+    config (or with one that cannot be read: `mstar check` has refused it by then)."""
+    try:
+        shape = family.kv_shape(checkpoint) if checkpoint is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        shape = None
+    if shape is None:
+        return None
+    layers, heads, head_dim = shape
+    dtype = _kv_dtype(dep, dep.components[name].placement.device)
+    per_page = layers * 2 * dep.resources.kv_cache.page_size * heads * head_dim * DTYPE_BYTES[dtype]
+    return per_page, f"{layers} layers x K and V x {heads} heads x {head_dim} x {dtype}"
+
+
+def check_cpu_pools_fit(dep: Deployment, family: Family, checkpoint: Path, source: str,
+                        memory: int | None = None) -> None:
+    """The counted KV pools of cpu placements, all instances together, must fit the machine's memory (`memory`
+    bytes; default the physical memory): a larger one failed as the model loaded, in the allocator."""
+    memory = memory if memory is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    kv = dep.resources.kv_cache
+    total, count = 0, 0
+    for name in family.graph.kv_holders:
+        comp = dep.components.get(name)
+        page = _page_bytes(dep, family, name, checkpoint) if comp and comp.placement.device == "cpu" else None
+        if page is not None and not kv.is_auto:
+            total += (kv.num_pages + 1) * page[0] * comp.placement.total_instances  # and each pool's sink page
+            count += comp.placement.total_instances
+    if total > memory:
+        raise DeploymentError(f"{source}: resources.kv_cache.num_pages: {count} cpu pool(s) of {kv.num_pages} pages "
+                              f"need {_size(total)}, more than this machine's {_size(memory)} of memory")
+
+
 def _kv_line(dep: Deployment, family: Family, name: str, checkpoint: Path | None) -> str:
     kv, comp = dep.resources.kv_cache, dep.components[name]
     full = dep.max_concurrent_requests * math.ceil(dep.resources.max_model_len / kv.page_size)
     cap = f"max_concurrent_requests={dep.max_concurrent_requests} at max_model_len={dep.resources.max_model_len}"
-    try:
-        shape = family.kv_shape(checkpoint) if checkpoint is not None else None
-    except (OSError, ValueError, KeyError, TypeError):
-        shape = None  # an unreadable config: `mstar check` has refused it by now, other callers get no bytes
-    if shape is None:
-        per_page = None
-        page_note = ""
-    else:
-        layers, heads, head_dim = shape
-        dtype = _kv_dtype(dep, comp.placement.device)
-        per_page = layers * 2 * kv.page_size * heads * head_dim * DTYPE_BYTES[dtype]
-        page_note = f" ({_size(per_page)} a page: {layers} layers x K and V x {heads} heads x {head_dim} x {dtype})"
+    page = _page_bytes(dep, family, name, checkpoint)
+    per_page, page_note = (None, "") if page is None else (page[0], f" ({_size(page[0])} a page: {page[1]})")
     if kv.is_auto:
         need = f"; {cap} needs {full} pages" + (f" = {_size(full * per_page)}" if per_page else "")
         return (f"kv pool ({name}, per instance): auto, sized at start-up from {kv.fraction:g} of each GPU shared by "

@@ -42,15 +42,17 @@ logger = logging.getLogger("bench")
 
 
 def deployment(args) -> dict:
+    captured = args.device == "gpu" and not args.no_graphs
     return {
         "name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
         "components": {"llm": {
             "placement": {"device": args.device, **({"gpus": [0]} if args.device == "gpu" else {}), "instances": 1},
-            "cuda_graphs": args.device == "gpu" and not args.no_graphs,
+            "cuda_graphs": captured,
             "attention_backend": args.attention_backend, "fused_ops": not args.no_fused_ops,
             "capture_sampling": not args.no_capture_sampling,
-            **({"decode_buckets": args.decode_buckets} if args.decode_buckets else {}),
-            **({"prefill_token_buckets": args.token_buckets} if args.token_buckets else {}),
+            # the captured graphs' sizes: none without graphs
+            **({"decode_buckets": args.decode_buckets} if args.decode_buckets and captured else {}),
+            **({"prefill_token_buckets": args.token_buckets} if args.token_buckets and captured else {}),
         }},
         "resources": {"kv_cache": {"num_pages": args.num_pages, "page_size": args.page_size, "dtype": args.kv_dtype,
                                    "prefix_caching": args.prefix_caching},

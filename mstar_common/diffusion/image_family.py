@@ -42,6 +42,10 @@ class ImageFamily(Family):
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
         """default_size, and the captured sizes where the denoise step is captured, on this checkpoint's grid and
         within max_image_area (a request without a size takes the default: off the grid, every one is a 400)."""
+        try:
+            self.check_pipeline(checkpoint)
+        except ValueError as exc:  # a pipeline this family does not serve
+            raise DeploymentError(f"{source}: checkpoint {checkpoint}: {exc}") from None
         options = self.options_from_kwargs(dep.model_kwargs, source)
         multiple = self.grid_multiple(checkpoint)
         sizes = {"default_size": [options.default_size]}
@@ -81,8 +85,7 @@ class ImageFamily(Family):
         builders = self.builders()
         if component not in builders:
             raise KeyError(f"{self.name} has no component {component!r}; it has {sorted(builders)}")
-        self.check_pipeline(checkpoint)
-        self.check_checkpoint(dep, checkpoint, dep.name)
+        self.check_checkpoint(dep, checkpoint, dep.name)  # the pipeline's class first
         runtime = builders[component](dep, options, checkpoint, device)
         logger.info("[%s/%s] loaded %s on %s (%s)", self.name, component, checkpoint.name, device,
                     options.dtype_for(device))

@@ -116,10 +116,14 @@ def test_model_kwargs_are_checked_by_the_family():
     _refused(_with(model_kwargs={"temperatur": 1}), "model_kwargs: unknown key(s) ['temperatur']")
 
 
+CAPTURED_LLM = {"placement": {"device": "gpu", "gpus": [0]}, "cuda_graphs": True}
+
+
 def test_prefill_buckets_beyond_the_step_budget_are_refused():
-    raw = _with(resources__max_batch_tokens=1024, components__llm={"prefill_token_buckets": [512, 1024, 4096]})
+    raw = _with(resources__max_batch_tokens=1024, components__llm={**CAPTURED_LLM,
+                                                                   "prefill_token_buckets": [512, 1024, 4096]})
     _refused(raw, "components.llm.prefill_token_buckets: [4096] exceed resources.max_batch_tokens (1024)")
-    ok = _with(resources__max_batch_tokens=1024, components__llm={"prefill_token_buckets": [512, 1024]})
+    ok = _with(resources__max_batch_tokens=1024, components__llm={**CAPTURED_LLM, "prefill_token_buckets": [512, 1024]})
     assert deployment_from_dict(ok).components["llm"].prefill_token_buckets == [512, 1024]
 
 
@@ -324,3 +328,39 @@ def test_a_shared_memory_region_larger_than_dev_shm_is_refused_by_serve(monkeypa
                                               r"than /dev/shm holds \(1,073,741,824 bytes\)"):
         check_shm_size(deployment_from_dict(_with(server__shm_default_byte_size=2**31)), "t.yaml")
     check_shm_size(deployment_from_dict(copy.deepcopy(BASE)), "t.yaml")
+
+
+@pytest.mark.parametrize("family, component, setting, fragment", [
+    ("qwen3", "llm", {"attention_backend": "triton"}, "attention_backend: 'triton' runs on a GPU"),
+    ("qwen3", "llm", {"attention_backend": "flashinfer"}, "attention_backend: 'flashinfer' runs on a GPU"),
+    ("qwen3", "llm", {**CAPTURED_LLM, "attention_backend": "torch"}, "'torch' cannot be captured in a CUDA graph"),
+    ("qwen3", "llm", {"decode_buckets": [1, 2]}, "decode_buckets: buckets are the captured CUDA graphs' sizes, and "
+                                                 "cuda_graphs is off"),
+    ("orpheus", "snac", {"attention_backend": "flashinfer"}, "components.snac.attention_backend: snac is not an "
+                                                             "autoregressive component (those of orpheus are ['lm'])"),
+    ("whisper", "encoder", {"decode_buckets": [1]}, "components.encoder.decode_buckets: encoder is not an "
+                                                   "autoregressive"),
+])
+def test_settings_a_component_would_fail_on_or_ignore_are_refused(family, component, setting, fragment):
+    """Each was accepted by `mstar check`, then failed as the model loaded or did nothing (a QA sweep, 2026-12-05)."""
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / f"{family}.yaml").read_text())
+    raw["components"][component] = {**raw["components"][component], **setting}
+    _refused(raw, f"components.{component}.", fragment)
+
+
+def test_orpheus_codec_checkpoint_is_a_name_that_must_resolve(tmp_path):
+    """A number failed as the model loaded with an AttributeError, a missing folder with an error naming no key."""
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / "orpheus.yaml").read_text())
+    raw.setdefault("model_kwargs", {})["codec_checkpoint"] = 5
+    _refused(raw, "model_kwargs.codec_checkpoint: must be a checkpoint folder, a cached HF repo id or builtin:<name>, "
+                  "got 5")
+    raw["model_kwargs"]["codec_checkpoint"] = str(tmp_path / "no-snac")
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
+    with pytest.raises(DeploymentError, match=rf"^t.yaml: model_kwargs.codec_checkpoint: checkpoint: {tmp_path}/no-snac "
+                                              rf"is not a directory"):
+        get_family("orpheus").check_checkpoint(deployment_from_dict(raw), tmp_path, "t.yaml")

@@ -3,6 +3,7 @@ nodes), and the walk's own refusals (prompt too long for the 512-token encoder, 
 
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -156,3 +157,19 @@ def test_kernel_switches_name_the_variable_and_the_rule(monkeypatch):
     monkeypatch.setenv("MSTAR_DIT_ATTENTION", "fa3")
     with pytest.raises(ValueError, match="MSTAR_DIT_ATTENTION='fa3': expected one of auto, cudnn, flash, efficient"):
         attention.sdpa_backends()
+
+
+def test_taps_the_checkpoints_text_encoder_lacks_are_refused_before_serving(tmp_path):
+    """Accepted by `mstar check`, then the text encoder failed to load inside tritonserver."""
+    from mstar_common.cli import check_against_checkpoint
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.flux2_klein.tiny import build_tiny_checkpoint
+    from mstar_common.families.registry import get_family
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "flux2-klein-tiny")
+    raw = copy.deepcopy(BASE)
+    raw["model_kwargs"]["text_encoder_out_layers"] = [100, 200, 300]
+    with pytest.raises(DeploymentError, match=r"^t.yaml: model_kwargs.text_encoder_out_layers: taps must be distinct "
+                                              r"layer numbers in \[1, "):
+        check_against_checkpoint(get_family("flux2_klein"), deployment_from_dict(raw), checkpoint, "t.yaml")
+    check_against_checkpoint(get_family("flux2_klein"), deployment_from_dict(copy.deepcopy(BASE)), checkpoint, "t.yaml")

@@ -113,3 +113,52 @@ def test_mstar_check_refuses_an_unreadable_checkpoint_config_in_one_line(tmp_pat
     assert cli.main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mstar: error: checkpoint {ckpt}: cannot read its config") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec, family, rule", [
+    ("builtin:nope", "qwen3", "checkpoint: unknown builtin 'nope'; available: ['qwen3-tiny']"),
+    ("builtin:orpheus-tiny", "qwen3", "checkpoint: unknown builtin 'orpheus-tiny'"),
+    ("/etc/hostname", "qwen3", "checkpoint: /etc/hostname is not a directory"),
+    ("EMPTY", "qwen3", "has no config.json (transformers layout) or model_index.json"),
+])
+def test_check_refuses_the_checkpoints_serve_refuses(tmp_path, capsys, spec, family, rule):
+    """`mstar check` said ok (\"not on this machine yet\") for each, and `mstar serve` refused it."""
+    if spec == "EMPTY":
+        spec = str(tmp_path / "empty")
+        (tmp_path / "empty").mkdir()
+        rule = f"checkpoint: {spec} {rule}"
+    raw = yaml.safe_load((cli.CONFIGS / f"{family}.yaml").read_text())
+    raw["checkpoint"] = spec
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mstar: error: {rule}") and "Traceback" not in err
+
+
+def test_check_and_serve_refuse_a_checkpoint_without_weights(tmp_path, capsys):
+    ckpt = tmp_path / "cfgonly"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(QWEN3_06B))
+    raw = yaml.safe_load((cli.CONFIGS / "qwen3.yaml").read_text())
+    raw["checkpoint"] = str(ckpt)
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    for command in (["check", str(path)], ["serve", str(path), "--no-proxy", "--timeout", "5"]):
+        assert cli.main(command) == 2
+        assert f"mstar: error: checkpoint {ckpt}: no *.safetensors weights in it" in capsys.readouterr().err
+
+
+def test_cpu_pools_larger_than_the_machines_memory_are_refused(qwen3_config_dir):
+    from mstar_common.config import DeploymentError
+    from mstar_common.memory_plan import check_cpu_pools_fit
+
+    raw = copy.deepcopy(GPU_DEPLOYMENT)
+    raw["checkpoint"] = str(qwen3_config_dir)
+    raw["components"]["llm"]["placement"] = {"device": "cpu", "instances": 2}
+    raw["model_kwargs"] = {"dtype": "float32"}
+    dep = deployment_from_dict(raw, source="test")  # 2 pools of 8193 pages of 3.5 MiB (fp32): 56.01 GiB
+    with pytest.raises(DeploymentError, match=r"^t.yaml: resources.kv_cache.num_pages: 2 cpu pool\(s\) of 8192 pages "
+                                              r"need 56.01 GiB, more than this machine's 32.00 GiB of memory"):
+        check_cpu_pools_fit(dep, get_family("qwen3"), qwen3_config_dir, "t.yaml", memory=32 * 2**30)
+    check_cpu_pools_fit(dep, get_family("qwen3"), qwen3_config_dir, "t.yaml", memory=64 * 2**30)

@@ -22,6 +22,24 @@ class Flux2KleinFamily(ImageFamily):
     def grid_multiple(self, checkpoint: Path) -> int:
         return _multiple(checkpoint)
 
+    def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        """The image rules, and the text encoder's taps: layers the checkpoint's text encoder has, as many as make
+        the transformer's joint attention width."""
+        from mstar_common.families.flux2_klein.loader import text_encoder_config, transformer_config
+        from mstar_common.families.flux2_klein.text_encoder import check_taps
+
+        super().check_checkpoint(dep, checkpoint, source)
+        config = text_encoder_config(checkpoint)
+        taps = self.options_from_kwargs(dep.model_kwargs, source).text_encoder_out_layers
+        try:
+            check_taps(taps, config.num_hidden_layers)
+        except ValueError as exc:
+            raise DeploymentError(f"{source}: model_kwargs.{exc}") from None
+        joint = transformer_config(checkpoint).joint_attention_dim
+        if len(taps) * config.hidden_size != joint:
+            raise DeploymentError(f"{source}: model_kwargs.text_encoder_out_layers: {len(taps)} taps of width "
+                                  f"{config.hidden_size} do not make the transformer's joint_attention_dim={joint}")
+
     def builders(self) -> dict[str, Builder]:
         return {"walk": _walk, "text_encoder": _text_encoder, "vae_encode": _vae_encode, "denoise": _denoise,
                 "vae_decode": _vae_decode}
@@ -43,18 +61,9 @@ def _walk(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device:
 
 def _text_encoder(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, device: str):
     from mstar_common.families.flux2_klein.components import TextEncoderComponent
-    from mstar_common.families.flux2_klein.loader import load_text_encoder, text_encoder_config, transformer_config
-    from mstar_common.families.flux2_klein.text_encoder import check_taps
+    from mstar_common.families.flux2_klein.loader import load_text_encoder
 
-    config, taps = text_encoder_config(checkpoint), options.text_encoder_out_layers
-    try:
-        check_taps(taps, config.num_hidden_layers)
-    except ValueError as exc:
-        raise DeploymentError(f"model_kwargs.{exc}") from None
-    joint = transformer_config(checkpoint).joint_attention_dim
-    if len(taps) * config.hidden_size != joint:
-        raise DeploymentError(f"model_kwargs.text_encoder_out_layers: {len(taps)} taps of width "
-                              f"{config.hidden_size} do not make the transformer's joint_attention_dim={joint}")
+    taps = options.text_encoder_out_layers  # checked against the checkpoint by check_checkpoint, before this
     model = load_text_encoder(checkpoint, taps, options.dtype_for(device), device)
     runtime = TextEncoderComponent(model, device, options.text_encoder_max_batch)
     if image_family.captures(dep, "text_encoder", device):

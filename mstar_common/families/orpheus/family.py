@@ -68,6 +68,9 @@ class OrpheusFamily(Family):
         if frames != "auto" and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
             raise DeploymentError(f"{source}: model_kwargs.first_chunk_frames: must be an integer >= 1 or 'auto', "
                                   f"got {frames!r}")
+        if "codec_checkpoint" in kw and not (isinstance(kw["codec_checkpoint"], str) and kw["codec_checkpoint"]):
+            raise DeploymentError(f"{source}: model_kwargs.codec_checkpoint: must be a checkpoint folder, a cached HF "
+                                  f"repo id or builtin:<name>, got {kw['codec_checkpoint']!r}")
         for key in ("codec_noise", "codec_in_process"):
             if key in kw and not isinstance(kw[key], bool):
                 raise DeploymentError(f"{source}: model_kwargs.{key}: must be true or false")
@@ -81,6 +84,10 @@ class OrpheusFamily(Family):
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
         check_position_limit(dep, checkpoint, source)
+        try:
+            codec_checkpoint(dep, checkpoint)
+        except DeploymentError as exc:
+            raise DeploymentError(f"{source}: {exc}") from None
 
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         if component == "lm":
@@ -109,7 +116,10 @@ def codec_checkpoint(dep: Deployment, checkpoint: Path) -> Path:
             raise DeploymentError(f"model_kwargs.codec_checkpoint: not set, and {checkpoint.name} has no snac/ "
                                   "directory (e.g. set it to hubertsiuzdak/snac_24khz)")
         return path
-    return resolve_checkpoint(spec, OrpheusFamily.builtin_checkpoints)
+    try:
+        return resolve_checkpoint(spec, OrpheusFamily.builtin_checkpoints)
+    except FileNotFoundError as exc:
+        raise DeploymentError(f"model_kwargs.codec_checkpoint: {exc}") from None
 
 
 def _build_lm(dep: Deployment, checkpoint: Path, device: str):
