@@ -78,7 +78,8 @@ def test_placement_rules():
     _refused(_with(components__llm={"placement": {"device": "gpu"}}), "components.llm.placement.gpus")
     _refused(_with(components__llm={"placement": {"device": "tpu"}}), "must be one of ['cpu', 'gpu']")
     _refused(_with(components__llm={"placement": {"device": "gpu", "gpus": [0, 0]}}), "distinct")
-    _refused(_with(components__llm={"placement": {"device": "cpu", "instances": 0}}), "instances: must be in [1, 64], got 0")
+    _refused(_with(components__llm={"placement": {"device": "cpu", "instances": 0}}),
+             "instances: must be in [1, 64], got 0")
 
 
 def test_pool_too_small_for_the_cap_is_refused():
@@ -361,6 +362,7 @@ def test_orpheus_codec_checkpoint_is_a_name_that_must_resolve(tmp_path):
                   "got 5")
     raw["model_kwargs"]["codec_checkpoint"] = str(tmp_path / "no-snac")
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
-    with pytest.raises(DeploymentError, match=rf"^t.yaml: model_kwargs.codec_checkpoint: checkpoint: {tmp_path}/no-snac "
-                                              rf"is not a directory"):
+    missing = tmp_path / "no-snac"
+    with pytest.raises(DeploymentError, match=rf"^t.yaml: model_kwargs.codec_checkpoint: checkpoint: {missing} is not "
+                                              rf"a directory"):
         get_family("orpheus").check_checkpoint(deployment_from_dict(raw), tmp_path, "t.yaml")
