@@ -459,6 +459,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise DeploymentError(f"{path}: expected a list, got {value!r}")
         return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
+        if value is None:  # as a null section (server: null) takes its defaults
+            return {}
         if not isinstance(value, dict):
             raise DeploymentError(f"{path}: expected a mapping, got {value!r}")
         return {k: _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}

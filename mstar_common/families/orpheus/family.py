@@ -57,7 +57,8 @@ class OrpheusFamily(Family):
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         kw = dep.model_kwargs
         if unknown := sorted(set(kw) - set(MODEL_KWARGS)):
-            raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {MODEL_KWARGS}")
+            raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: "
+                                  f"{sorted(MODEL_KWARGS)} (docs/deployment.md)")
         for key, allowed in (("dtype", DTYPES), ("codec_dtype", DTYPES[:2]), ("frame_rule", FRAME_RULES)):
             if key in kw and kw[key] not in allowed:
                 raise DeploymentError(f"{source}: model_kwargs.{key}: must be one of {list(allowed)}, got {kw[key]!r}")

@@ -33,13 +33,15 @@ class Qwen3Family(Family):
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         if unknown := sorted(set(dep.model_kwargs) - set(MODEL_KWARGS)):
-            raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: {MODEL_KWARGS}")
+            raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: "
+                                  f"{sorted(MODEL_KWARGS)} (docs/deployment.md)")
         dtype = dep.model_kwargs.get("dtype")
         if dtype is not None and dtype not in DTYPES:
             raise DeploymentError(f"{source}: model_kwargs.dtype: must be one of {list(DTYPES)}, got {dtype!r}")
         default_max = dep.model_kwargs.get("default_max_tokens", 256)
         if isinstance(default_max, bool) or not isinstance(default_max, int) or default_max < 1:
-            raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1")
+            raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1, got "
+                                  f"{default_max!r}")
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
