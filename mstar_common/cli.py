@@ -70,6 +70,7 @@ def cmd_build_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from mstar_common import run_folders
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
     from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
@@ -110,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
         raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
     # after the refusals, so none leaves a folder; the name as far as a folder name can carry it
-    run_dir = Path(tempfile.mkdtemp(prefix=f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', dep.name)[:48]}-"))
+    run_dir = run_folders.make(f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', dep.name)[:48]}-", s.keep_run_folders)
     repo = run_dir / "model_repository"
     generate_repository(path, repo)
     stop = threading.Event()

@@ -149,6 +149,7 @@ class ServerConfig:
     drain_timeout_s: int = 30  # on shutdown, in-flight requests get this long to finish
     restart_on_fault: bool = True  # relaunch tritonserver when it or one of its stubs dies
     max_restarts: int = 5  # crash loop guard: give up after this many restarts within 10 minutes
+    keep_run_folders: int = 10  # run folders of stopped servers of this name kept (the newest); older ones deleted
 
 
 @dataclass(slots=True)
@@ -406,6 +407,8 @@ def _check_service_limits(dep: Deployment, source: str) -> None:
                                   f"of its own")
     if not 1 <= srv.proxy_workers <= 64:
         raise DeploymentError(f"{source}: server.proxy_workers: must be in [1, 64], got {srv.proxy_workers}")
+    if not 0 <= srv.keep_run_folders <= 10000:
+        raise DeploymentError(f"{source}: server.keep_run_folders: must be in [0, 10000], got {srv.keep_run_folders}")
     if not 0 <= srv.max_restarts <= 1000:
         raise DeploymentError(f"{source}: server.max_restarts: must be in [0, 1000], got {srv.max_restarts}")
 

@@ -65,10 +65,14 @@ def deployment(args) -> dict:
     }
 
 
+BENCH_FOLDERS_KEPT = 10  # the newest scratch folders of stopped benchmark servers kept, for their logs
+
+
 class Server:
     """tritonserver (+ the proxy) for one deployment on free ports, in a temporary directory."""
 
     def __init__(self, raw: dict, with_proxy: bool) -> None:
+        from mstar_common import run_folders
         from mstar_common.config import DeploymentError, deployment_from_dict
         from mstar_common.launcher import Ports
         from mstar_common.repository import entry_model, shell_unsafe
@@ -79,7 +83,7 @@ class Server:
         self.ports = Ports.free()
         if reason := shell_unsafe(tempfile.gettempdir()):
             raise DeploymentError(f"the server's folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
-        self.root = Path(tempfile.mkdtemp(prefix="mstar-bench-"))
+        self.root = run_folders.make("mstar-bench-", BENCH_FOLDERS_KEPT)
         self.triton = self.proxy = None
 
     def __enter__(self) -> Server:

@@ -312,6 +312,7 @@ def test_a_repository_path_a_shell_would_split_is_refused(tmp_path, monkeypatch,
     ({"components__llm__placement__instances": 10**6}, "instances: must be in [1, 64]"),
     ({"limits__max_upload_s": 1e9}, "limits.max_upload_s: must be a number of seconds"),
     ({"server__max_restarts": 10**9}, "server.max_restarts: must be in [0, 1000]"),
+    ({"server__keep_run_folders": -1}, "server.keep_run_folders: must be in [0, 10000], got -1"),
 ])
 def test_numbers_past_any_real_setting_are_refused_before_they_overflow(changes, fragment):
     _refused(_with(**changes), fragment)

@@ -1,0 +1,52 @@
+"""The scratch folders `mstar serve` and `mstar bench serve` start their servers from (the generated repository and
+the logs), under the system's temporary directory. A folder is kept after its server stops, for its logs; each new
+start deletes the oldest folders of stopped servers beyond a number kept (`server.keep_run_folders` for `mstar
+serve`). A folder is known as ours, and as stopped, by the `owner.pid` file its starting process writes there:
+folders without one, and folders whose process still runs, are never touched."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+OWNER = "owner.pid"
+_SUFFIX = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkdtemp adds to the prefix
+
+
+def make(prefix: str, keep: int) -> Path:
+    """A new folder `<tmp>/<prefix>XXXXXXXX` owned by this process, after deleting the `<prefix>*` folders of
+    stopped servers beyond the newest `keep`. `prefix` ends with the name part that makes a family of folders
+    (e.g. `mstar-qwen3-tiny-`), so one deployment's starts never delete another's folders."""
+    root = Path(tempfile.gettempdir())
+    prune(root, prefix, keep)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    (folder / OWNER).write_text(f"{os.getpid()}\n")
+    return folder
+
+
+def prune(root: Path, prefix: str, keep: int) -> list[Path]:
+    """Delete the folders `root/<prefix>*` of stopped servers beyond the newest `keep` (by modification time);
+    returns the deleted ones."""
+    stopped = [folder for folder in root.glob(f"{prefix}*") if folder.is_dir() and _SUFFIX.fullmatch(
+        folder.name[len(prefix):]) and _stopped(folder)]  # `mstar-a-` is not `mstar-a-b-`'s prefix here
+    stopped.sort(key=lambda folder: folder.stat().st_mtime, reverse=True)
+    for folder in stopped[keep:]:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stopped[keep:]
+
+
+def _stopped(folder: Path) -> bool:
+    try:
+        pid = int((folder / OWNER).read_text().strip())
+    except (OSError, ValueError):
+        return False  # not one of ours (or not readable): left alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's live process
+    return False
