@@ -141,12 +141,21 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
                 raise ValueError(f"messages[{i}].{key}: {wire.NOT_UNICODE_RULE}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
-        # The checkpoint's template rejected this conversation or these variables (its raise_exception, a bad
-        # operand from a client value): the request's fault, said in the template's own words.
-        raise ValueError(f"messages: the checkpoint's chat template refused this request: {exc}") from None
+    def render(conversation: list[dict]) -> str:
+        try:
+            return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                 **template_kwargs)
+        except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
+            # The checkpoint's template rejected this conversation or these variables (its raise_exception, a bad
+            # operand from a client value): the request's fault, said in the template's own words.
+            raise ValueError(f"messages: the checkpoint's chat template refused this request: {exc}") from None
+
+    text = render(messages)
+    named = [i for i, msg in enumerate(messages) if msg.get("name") is not None]
+    if named and render([{k: v for k, v in msg.items() if k != "name"} for msg in messages]) == text:
+        # a participant's name the template drops would be ignored without a word
+        raise ValueError(f"messages[{named[0]}].name: this checkpoint's chat template does not use participant "
+                         f"names (the prompt is the same without them); leave the field out")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -132,6 +132,10 @@ class ChatMessage(BaseModel):
     tool_calls: Any = None
     tool_call_id: Any = None
     function_call: Any = None
+    # fields of an assistant reply that a client sends back as it got it (the SDK's model_dump keeps their nulls)
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -228,6 +232,8 @@ def _refuse_common(req: OpenAIFields) -> None:
         _refuse("frequency_penalty", f"only 0 is served (use repetition_penalty), got {req.frequency_penalty}")
     if req.logit_bias not in (None, {}):
         _refuse("logit_bias", "logit biasing is not available")
+    if req.service_tier not in (None, "auto", "default"):
+        _refuse("service_tier", f"one tier is served ('auto' or 'default'), got {req.service_tier!r}")
 
 
 def refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
@@ -283,17 +289,28 @@ def text_messages(messages: list[ChatMessage], model: str, field: str = "message
         for name in ("tool_calls", "tool_call_id", "function_call"):
             if getattr(msg, name) is not None:
                 _refuse(f"{where}.{name}", "tool calling is not available")
-        if msg.content is None:
+        if msg.audio is not None:
+            _refuse(f"{where}.audio", "audio replies are not available")
+        if msg.annotations not in (None, []):
+            _refuse(f"{where}.annotations", "annotations (citations) are not part of a prompt")
+        content = msg.content
+        if msg.refusal is not None:  # an assistant's refusal, sent back: its text is what the assistant said
+            if msg.role != "assistant" or not isinstance(msg.refusal, str) or content not in (None, ""):
+                raise invalid_request(f"'{where}.refusal' must be a string on an assistant message without content",
+                                      param=f"{where}.refusal")
+            content = msg.refusal
+        if content is None:
             raise invalid_request(f"'{where}.content' is required", param=f"{where}.content")
         entry = {"role": "system" if msg.role == "developer" else msg.role,
-                 "content": _text_content(msg.content, model, f"{where}.content")}
+                 "content": _text_content(content, model, f"{where}.content", msg.role)}
         if msg.name is not None:
             entry["name"] = msg.name
         out.append(entry)
     return out
 
 
-def _text_content(content: str | list[dict[str, Any]], model: str, where: str) -> str:
+def _text_content(content: str | list[dict[str, Any]], model: str, where: str, role: str = "user") -> str:
+    """The message's text: a string, or its text parts joined (an assistant's `refusal` parts are its text too)."""
     if isinstance(content, str):
         return content
     texts = []
@@ -302,14 +319,15 @@ def _text_content(content: str | list[dict[str, Any]], model: str, where: str) -
         if kind in MEDIA_PART_TYPES:
             raise invalid_request(f"'{where}[{j}]': {kind} parts are not supported: model '{model}' is text-only",
                                   param=f"{where}[{j}]")
-        if kind != "text":
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        if kind != key:
             raise invalid_request(f"'{where}[{j}].type': unknown content part type '{kind}'", param=f"{where}[{j}]")
-        if set(part) - {"type", "text"}:
-            extra = sorted(set(part) - {"type", "text"})[0]
+        if set(part) - {"type", key}:
+            extra = sorted(set(part) - {"type", key})[0]
             raise invalid_request(f"unknown field '{where}[{j}].{extra}'", param=f"{where}[{j}].{extra}")
-        if not isinstance(part.get("text"), str):
-            raise invalid_request(f"'{where}[{j}].text' must be a string", param=f"{where}[{j}].text")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise invalid_request(f"'{where}[{j}].{key}' must be a string", param=f"{where}[{j}].{key}")
+        texts.append(part[key])
     return "\n".join(texts)
 
 

@@ -47,14 +47,14 @@ async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, c
     finish chunks also carry the usage so far."""
     done = Completion()
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
+    def chunk(delta: dict, finish: str | None = None, counted: bool = True) -> dict:
         body = protocol.chat_chunk(rid, model, created, delta, finish)
-        if continuous_usage:
-            body["usage"] = done.usage
+        if include_usage:  # OpenAI: with include_usage every other chunk has "usage": null
+            body["usage"] = done.usage if continuous_usage and counted else None
         return body
 
     try:
-        yield protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": ""}, counted=False)  # before anything is counted
         async for response in stream:
             done.add(response)
             if response.text:

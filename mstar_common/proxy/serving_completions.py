@@ -51,13 +51,19 @@ async def _chunks(stream: AsyncIterator[StreamResponse], rid: str, model: str, c
     """text chunks -> finish chunk [-> usage chunk]. With `continuous_usage` the text and finish chunks also carry
     the usage so far."""
     done = Completion()
+
+    def chunk(text: str, finish: str | None = None) -> dict:
+        body = protocol.text_completion(rid, model, created, text, finish)
+        if include_usage:  # OpenAI: with include_usage every other chunk has "usage": null
+            body["usage"] = done.usage if continuous_usage else None
+        return body
+
     try:
         async for response in stream:
             done.add(response)
             if response.text:
-                yield protocol.text_completion(rid, model, created, response.text, None,
-                                               done.usage if continuous_usage else None)
-        yield protocol.text_completion(rid, model, created, "", done.finish, done.usage if continuous_usage else None)
+                yield chunk(response.text)
+        yield chunk("", done.finish)
         if include_usage:
             yield protocol.usage_chunk(rid, model, created, "text_completion", done.usage)
     finally:

@@ -58,6 +58,8 @@ def test_stream_chat_framing_and_usage(served):
     assert finish["choices"][0]["finish_reason"] == "stop" and finish["choices"][0]["delta"] == {}
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["total_tokens"] == 8
     assert len({e["id"] for e in events[:-1]}) == 1
+    # OpenAI: with include_usage every other chunk carries "usage": null (clients test for the key)
+    assert all("usage" in e and e["usage"] is None for e in [first, *content, finish])
 
 
 def test_stream_without_include_usage_has_no_usage_chunk(served):
@@ -94,7 +96,8 @@ def test_text_parts_and_developer_role(served):
     ("n", 2), ("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"1": 5}), ("presence_penalty", 0.5),
     ("frequency_penalty", 1), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
-    ("store", True), ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
+    ("store", True), ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("service_tier", "flex"),
+    ("service_tier", "garbage"),
 ])
 def test_unsupported_fields_are_400_naming_the_field(served, field, value):
     client, fake = served
@@ -172,3 +175,24 @@ def test_unknown_model_is_404(served):
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found" and "gpt-9" in r.json()["error"]["message"]
     assert fake.requests == []
+
+
+def test_an_assistant_reply_sent_back_as_the_sdk_dumps_it_is_accepted(served):
+    """`message.model_dump()` of a reply carries refusal/audio/annotations as nulls: they were 400s as unknown
+    fields. A refusal (a string, or refusal parts) is the assistant's text; a real audio reply is refused."""
+    client, fake = served
+    reply = {"role": "assistant", "content": "Hi there", "refusal": None, "audio": None, "annotations": None,
+             "function_call": None, "tool_calls": None}
+    refused = {"role": "assistant", "content": None, "refusal": "I can't"}
+    parts = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No"}]}
+    r = chat(client, messages=[*MESSAGES, reply, refused, parts, {"role": "user", "content": "again"}],
+             service_tier="auto")
+    assert r.status_code == 200, r.text
+    sent = json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])
+    assert [m["content"] for m in sent] == ["Hi", "Hi there", "I can't", "No", "again"]
+    for message, field in (({**reply, "audio": {"id": "a1"}}, "messages[1].audio"),
+                           ({**reply, "refusal": "x"}, "messages[1].refusal"),
+                           ({"role": "user", "content": [{"type": "refusal", "refusal": "x"}]},
+                            "messages[1].content[0]")):
+        r = chat(client, messages=[*MESSAGES, message])
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

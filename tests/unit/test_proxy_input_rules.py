@@ -81,6 +81,20 @@ def test_the_component_applies_the_same_rule_and_turns_template_errors_into_its_
     assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"width": 50})) == "HiHi"
 
 
+def test_a_participant_name_the_template_drops_is_refused_and_one_it_uses_is_served():
+    """`messages[i].name` reached the template, which (Qwen3's) drops it: the name was ignored without a word."""
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import chat_prompt_ids
+
+    tokenizer = build_tokenizer()
+    named = [{"role": "user", "content": "Hi", "name": "alice"}]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.name: this checkpoint's chat template does not use "
+                                         r"participant names"):
+        chat_prompt_ids(tokenizer, named, {})
+    tokenizer.chat_template = "{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }};{% endfor %}"
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, named, {})) == "alice: Hi;"
+
+
 # lone UTF-16 surrogates: valid JSON, not text
 
 

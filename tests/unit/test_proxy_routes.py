@@ -50,6 +50,7 @@ def test_completions_non_stream_and_stream():
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "Hello, world"
     assert events[-3]["choices"][0]["finish_reason"] == "stop" and events[-2]["usage"]["total_tokens"] == 8
+    assert all("usage" in e and e["usage"] is None for e in events[:-2])  # OpenAI: null on the other chunks
 
 
 @pytest.mark.parametrize("body, field", [
