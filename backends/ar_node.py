@@ -24,7 +24,7 @@ import time
 from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
-from backends.responder import Responder, request_inputs, request_timeout_s
+from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
 from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.output_pump import TextStream, make_output_pump
@@ -63,7 +63,7 @@ class TritonPythonModel:
 
     def _submit(self, request) -> None:
         arrival = time.monotonic()  # the TTFT histogram's start: before the parse (chat template, tokenization)
-        request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
+        request_id = f"{client_request_id(request) or 'req'}#{next(self._ids)}"
         responder = Responder(request, request_id)
         try:
             text_request = self.runtime.parse_request(request_inputs(request, self.input_names))

@@ -160,22 +160,47 @@ def request_inputs(request, names) -> dict[str, np.ndarray | torch.Tensor]:
     return inputs
 
 
-def check_no_parameters(request) -> None:
-    """ValueError naming the first request parameter that is not Triton's own (`triton_...`)."""
+# request parameters that are Triton's own, not the model's: its reserved names (the parameters extension) and the
+# `id` of its HTTP generate body, which reach the model as parameters
+TRITON_PARAMETERS = frozenset({"id", "priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
+                               "headers"})
+
+
+def request_parameters(request) -> dict:
+    """The request's parameters ({} where the stub has none or they cannot be read)."""
     try:
         text = request.parameters()
-    except Exception:  # noqa: BLE001 - a stub without parameters(): nothing to check
-        return
-    params = json.loads(text) if text else {}
-    if unknown := sorted(key for key in params if not key.startswith("triton_")):
+        params = json.loads(text) if text else {}
+    except Exception:  # noqa: BLE001 - a stub without parameters(): none
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
+def check_no_parameters(request) -> None:
+    """ValueError naming the first request parameter that is not Triton's own (`TRITON_PARAMETERS`, `triton_...`)."""
+    params = request_parameters(request)
+    if unknown := sorted(key for key in params if not key.startswith("triton_") and key not in TRITON_PARAMETERS):
         raise ValueError(f"parameters.{unknown[0]}: unknown request parameter; the knobs are input tensors "
                          f"(docs/api.md lists them)")
 
 
+def client_request_id(request) -> str:
+    """The client's id of the request: Triton's request id, or the `id` of an HTTP generate body ('' if none)."""
+    rid = request.request_id()
+    if not rid:
+        given = request_parameters(request).get("id")
+        rid = given if isinstance(given, str) else ""
+    return rid
+
+
 def request_timeout_s(request) -> float | None:
-    """The request's Triton timeout (microseconds; 0 = none) in seconds."""
+    """The request's Triton timeout (microseconds; 0 = none) in seconds: gRPC's and tritonclient's `timeout`, or the
+    `timeout` field of an HTTP generate body, which arrives as a parameter."""
     try:
         timeout_us = int(request.timeout())
-    except Exception:  # noqa: BLE001 - an older stub without timeout(): no client deadline
-        return None
+    except Exception:  # noqa: BLE001 - an older stub without timeout(): none there
+        timeout_us = 0
+    if timeout_us <= 0:
+        given = request_parameters(request).get("timeout")
+        timeout_us = given if isinstance(given, int) and not isinstance(given, bool) else 0
     return timeout_us / 1e6 if timeout_us > 0 else None

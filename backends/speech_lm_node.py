@@ -23,7 +23,7 @@ from backends.ar_node import enqueue
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
-from backends.responder import Responder, request_inputs, request_timeout_s
+from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
 from mstar_common import wire
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
 from mstar_common.families.orpheus.codes import SpeechChunker
@@ -66,7 +66,7 @@ class TritonPythonModel:
                 "num_codec_calls": self.pump.num_codec_calls}
 
     def _submit(self, request) -> None:
-        request_id = f"{request.request_id() or 'tts'}#{next(self._ids)}"
+        request_id = f"{client_request_id(request) or 'tts'}#{next(self._ids)}"
         responder = Responder(request, request_id)
         try:
             speech = self.runtime.parse_request(request_inputs(request, self.input_names))

@@ -24,7 +24,7 @@ import torch
 from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
-from backends.responder import Responder, request_inputs, request_timeout_s
+from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
 from mstar_common import wire
 from mstar_common.diffusion.batcher import Cancelled, Expired, StopCheck
 from mstar_common.gc_policy import settle_heap
@@ -65,7 +65,7 @@ class ComponentNode:
         release_stub_objects()
 
     def _submit(self, request) -> None:
-        responder = Responder(request, f"{request.request_id() or 'req'}#{next(self._ids)}")
+        responder = Responder(request, f"{client_request_id(request) or 'req'}#{next(self._ids)}")
         try:
             inputs = {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
                       for name, value in request_inputs(request, self.input_names).items()}

@@ -40,7 +40,15 @@ import triton_python_backend_utils as pb_utils
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
-from backends.responder import Responder, request_inputs, request_timeout_s, tensor_value, to_pb_tensor, walk_board
+from backends.responder import (
+    Responder,
+    client_request_id,
+    request_inputs,
+    request_timeout_s,
+    tensor_value,
+    to_pb_tensor,
+    walk_board,
+)
 from mstar_common import wire
 from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
@@ -107,7 +115,7 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         # the pid keeps hop ids unique across this model's instances (the cancel board is the server's)
-        responder = Responder(request, f"{request.request_id() or 'req'}#{os.getpid()}.{next(self._ids)}")
+        responder = Responder(request, f"{client_request_id(request) or 'req'}#{os.getpid()}.{next(self._ids)}")
         if self.in_flight >= self.limit.cap:
             self.num_refused += 1
             responder.send_error(wire.OVERLOADED_PREFIX + f"{self.in_flight} requests in {self.model_name} already, "

@@ -134,6 +134,10 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
             raise ValueError(f"messages[{i}]: must be an object with a string 'role'")
         if msg["role"] not in ("system", "user", "assistant", "developer"):
             raise ValueError(f"messages[{i}].role: must be system, user, assistant or developer, got {msg['role']!r}")
+        if extra := sorted(set(msg) - {"role", "content", "name"}):
+            rule = "tool calling is not available" if extra[0] in ("tool_calls", "tool_call_id") else \
+                "a message is its role, content and name only"
+            raise ValueError(f"messages[{i}].{extra[0]}: not accepted ({rule})")
         if not isinstance(msg.get("content"), str):
             raise ValueError(f"messages[{i}].content: must be a string for a text-only model")
         for key in ("content", "name"):

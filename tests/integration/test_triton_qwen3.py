@@ -151,3 +151,25 @@ def test_request_parameters_are_refused_not_dropped(served, reference):
     _, expected = reference
     ids, want = expected[PROMPTS[0]]
     assert run_stream(served.grpc_url, served.entry, {"ok": _request(ids)})["ok"].token_ids == want
+
+
+def test_tritons_own_fields_of_an_http_generate_body_pass_and_its_timeout_is_the_deadline(served, reference):
+    """`id`, `priority` and `timeout` of Triton's HTTP generate body reach the model as request parameters: they were
+    refused as unknown, so an HTTP client could set neither its request's id nor its deadline."""
+    import json
+
+    url = f"http://127.0.0.1:{served.ports.http}/v2/models/{served.entry}/generate_stream"
+
+    def post(**body) -> str:
+        request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.read().decode()
+
+    ok = post(id="http-1", priority=0, timeout=60_000_000, text_input="hi", max_tokens=2, temperature=0.0)
+    assert '"finish_reason":"length"' in ok.replace(" ", ""), ok
+    expired = post(timeout=1, text_input="hi", max_tokens=64, ignore_eos=True)
+    assert "deadline" in expired.lower() and '"finish_reason":"length"' not in expired.replace(" ", ""), expired

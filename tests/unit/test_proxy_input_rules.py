@@ -93,6 +93,9 @@ def test_a_participant_name_the_template_drops_is_refused_and_one_it_uses_is_ser
         chat_prompt_ids(tokenizer, named, {})
     tokenizer.chat_template = "{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }};{% endfor %}"
     assert tokenizer.decode(chat_prompt_ids(tokenizer, named, {})) == "alice: Hi;"
+    for key, rule in (("tool_calls", "tool calling is not available"), ("reasoning_content", "a message is its role")):
+        with pytest.raises(ValueError, match=rf"^messages\[0\]\.{key}: not accepted \({rule}"):
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": "Hi", key: []}], {})
 
 
 # lone UTF-16 surrogates: valid JSON, not text
