@@ -1,6 +1,7 @@
 """Speech: POST /v1/audio/speech (OpenAI), GET /v1/audio/voices, and /generate with output_modalities=["audio"].
 
-/v1/audio/speech body: `model`, `input`, `voice`, `response_format` (wav (default) | pcm | flac | mp3 | opus),
+/v1/audio/speech body: `model`, `input`, `voice`, `response_format` (mp3 (default; wav when `stream`) | wav | pcm |
+flac | opus),
 `stream` (extra field: audio bytes sent as they are decoded; wav and pcm only), `stream_format` ("audio" or
 "sse": `speech.audio.delta` events with base64 PCM16, then `speech.audio.done`), and the sampling knobs as
 extra fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, ignore_eos). `speed`
@@ -49,7 +50,7 @@ class SpeechRequest(protocol.SamplingFields):
     model: str | None = None
     input: str
     voice: str | None = None
-    response_format: str = "wav"
+    response_format: str | None = None  # None: mp3 as OpenAI's default, or wav when `stream` asks for audio
     speed: float | None = None
     instructions: str | None = None
     stream_format: Literal["audio", "sse"] = "audio"
@@ -85,12 +86,23 @@ class Speech:
     def usage(self) -> dict[str, int]:
         return protocol.usage(self.prompt_tokens, self.completion_tokens)
 
+    @property
+    def speech_usage(self) -> dict[str, int]:
+        """Usage in the shape of OpenAI's `speech.audio.done` event (input/output tokens)."""
+        return {"input_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
 
 def encode_audio(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     container, subtype, _ = FORMATS[fmt]
     if container is None:
         return pcm.astype("<i2").tobytes()
     import soundfile
+
+    if not pcm.size and container in ("FLAC", "MP3", "OGG"):
+        # libsndfile writes no file a decoder opens for no frames in these (mp3 and flac: nothing at all): a clip
+        # that made no audio (e.g. max_tokens below one codec frame) is one silent sample instead
+        pcm = np.zeros(1, np.int16)
 
     out = io.BytesIO()
     soundfile.write(out, pcm, sample_rate, format=container, subtype=subtype)
@@ -105,6 +117,10 @@ def streaming_wav_header(sample_rate: int) -> bytes:
 
 
 def _speech_generation(body: SpeechRequest) -> GenerationRequest:
+    sent = set(body.model_fields_set)
+    if body.response_format is None:  # OpenAI's default, mp3; a stream of audio takes wav (mp3 cannot stream), sse pcm
+        body.response_format = "pcm" if body.stream_format == "sse" else "wav" if body.stream else "mp3"
+        sent.discard("response_format")
     if not body.input.strip():
         raise invalid_request("'input' must not be empty", param="input")
     if len(body.input) > MAX_INPUT_CHARS:
@@ -123,7 +139,6 @@ def _speech_generation(body: SpeechRequest) -> GenerationRequest:
     if body.stream and body.stream_format == "audio" and body.response_format not in STREAM_FORMATS:
         raise invalid_request(f"'stream': response_format must be one of {list(STREAM_FORMATS)} to stream, got "
                               f"{body.response_format!r}", param="response_format")
-    sent = body.model_fields_set
     if body.stream_format == "sse":  # its events carry base64 PCM16: a format or `stream: false` beside it is refused
         if "stream" in sent and body.stream is False:
             raise invalid_request("'stream_format': 'sse' streams; it cannot go with \"stream\": false",
@@ -214,7 +229,7 @@ async def _speech_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator
             if response.audio is not None and response.audio.size:
                 pcm = response.audio.astype("<i2").tobytes()
                 yield {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
-        yield {"type": "speech.audio.done", "usage": speech.usage}
+        yield {"type": "speech.audio.done", "usage": speech.speech_usage}
     finally:
         await stream.aclose()
 

@@ -35,6 +35,7 @@ RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 TIMED_FORMATS = ("srt", "verbose_json", "vtt")
 STREAM_FORMATS = ("json", "text")
 MAX_TEMPERATURE = 1.0  # OpenAI's range
+CHUNKING_RULE = "'chunking_strategy': only 'auto' (uploads over 30 s are cut at quiet moments)"
 _FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]",
            "timestamp_granularities", "stream", "seed", "max_tokens", "include[]", "include", "chunking_strategy"}
 _REFUSED = {  # OpenAI fields this server cannot honour -> the rule
@@ -97,6 +98,8 @@ async def read_form(request: Request, task: str) -> TranscriptionForm:
     for key in values:
         if key in _REFUSED:
             raise invalid_request(f"'{key.rstrip('[]')}' is not supported: {_REFUSED[key]}", param=key.rstrip("[]"))
+        if key.startswith("chunking_strategy["):  # the openai SDK's form of an object ({"type": "server_vad", ...})
+            raise invalid_request(CHUNKING_RULE, param="chunking_strategy")
         if key not in _FIELDS or (key == "language" and task == "translate"):
             raise invalid_request(f"unknown field '{key}'", param=key)
     audio = await _upload(values.get("file"))
@@ -158,8 +161,7 @@ def _check(form: TranscriptionForm, values: dict[str, list[Any]], one: dict[str,
         raise invalid_request(f"'include' is not supported: log-probabilities are not returned (got {includes})",
                               param="include")
     if one.get("chunking_strategy", "auto").strip() not in ("auto", ""):
-        raise invalid_request("'chunking_strategy': only 'auto' (uploads over 30 s are cut at quiet moments)",
-                              param="chunking_strategy")
+        raise invalid_request(CHUNKING_RULE, param="chunking_strategy")
     if form.temperature is not None and not 0.0 <= form.temperature <= MAX_TEMPERATURE:
         raise invalid_request(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {form.temperature}",
                               param="temperature")
@@ -301,8 +303,10 @@ def format_transcript(t: Transcript, response_format: str, task: str):
     if response_format == "text":
         return PlainTextResponse(t.text)
     if response_format == "verbose_json":
+        # a translation's language is its output's, always english (OpenAI's TranslationVerbose)
+        language = "english" if task == "translate" else CODE_TO_NAME.get(t.language, t.language)
         return {"task": "translate" if task == "translate" else "transcribe",
-                "language": CODE_TO_NAME.get(t.language, t.language), "duration": round(t.duration, 3),
+                "language": language, "duration": round(t.duration, 3),
                 "text": t.text, "segments": t.segments, "usage": usage}
     cues = [(s["start"], s["end"], s["text"].strip()) for s in t.segments]
     if response_format == "srt":

@@ -2,6 +2,7 @@
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def client():
 def test_whole_wav_and_the_fields_sent():
     http, fake = client()
     reply = http.post("/v1/audio/speech", json={"model": "orpheus", "input": "hi", "voice": "leo", "seed": 3,
-                                                "temperature": 0.5, "max_tokens": 99})
+                                                "temperature": 0.5, "max_tokens": 99, "response_format": "wav"})
     assert reply.status_code == 200 and reply.headers["content-type"] == "audio/wav"
     audio, rate = soundfile.read(io.BytesIO(reply.content), dtype="int16")
     assert rate == 24000 and audio.tolist() == list(range(10))
@@ -55,6 +56,29 @@ def test_streamed_pcm_and_sse():
     reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse"})
     events = [line for line in reply.text.splitlines() if line.startswith("data:")]
     assert '"speech.audio.delta"' in events[0] and '"speech.audio.done"' in events[-2] and events[-1] == "data: [DONE]"
+    # OpenAI's SpeechAudioDoneEvent: usage in input/output tokens
+    assert json.loads(events[-2][len("data: "):])["usage"] == {"input_tokens": 7, "output_tokens": 3,
+                                                              "total_tokens": 10}
+
+
+def test_the_default_format_is_mp3_as_openais_and_wav_when_streamed():
+    http, _ = client()
+    reply = http.post("/v1/audio/speech", json={"input": "hi"})
+    assert reply.status_code == 200 and reply.headers["content-type"] == "audio/mpeg"
+    audio, rate = soundfile.read(io.BytesIO(reply.content), dtype="int16")
+    assert rate == 24000 and len(audio) >= 10
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "stream": True})
+    assert reply.status_code == 200 and reply.headers["content-type"] == "audio/wav"
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "flac", "opus", "wav"])
+def test_a_clip_with_no_audio_is_still_a_file_of_its_format(fmt):
+    """max_tokens below one codec frame makes no audio: mp3 and flac bodies were empty, the opus one unreadable."""
+    from mstar_common.proxy.serving_speech import encode_audio
+
+    data = encode_audio(np.zeros(0, np.int16), 24000, fmt)
+    audio, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+    assert rate in (24000, 48000) and len(audio) <= 2000 and not audio.any()
 
 
 @pytest.mark.parametrize(("body", "message"), [

@@ -80,6 +80,7 @@ def test_stream_events_add_up(app):
     ({"timestamp_granularities[]": "segment"}, None, "timestamp_granularities"),
     ({"include[]": "logprobs"}, None, "include"),
     ({"chunking_strategy": "server_vad"}, None, "chunking_strategy"),
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "0.5"}, None, "chunking_strategy"),
     ({"temperature": "1.5"}, None, "temperature"),
     ({"temperature": "hot"}, None, "temperature"),
     ({"stream": "true", "response_format": "vtt"}, None, "stream"),
@@ -160,3 +161,14 @@ def test_generate_gives_the_segments_untimed_as_the_stream_does(app):
     client, _ = app
     body = client.post("/generate", data={"model": "whisper"}, files={"audio": ("a.wav", b"RIFF", "audio/wav")}).json()
     assert body["segments"] == SEGMENTS
+
+
+def test_a_translations_verbose_language_is_english_as_openais():
+    """OpenAI's TranslationVerbose: the language of the output, always english (it gave the source language)."""
+    fake = FakeTriton(script=script(language="nl"))
+    app, _ = make_app(fake, models=[ServedModel("whisper", "whisper_walk", "transcription")])
+    client = TestClient(app)
+    verbose = post(client, route="/v1/audio/translations", data={"response_format": "verbose_json"}).json()
+    assert verbose["task"] == "translate" and verbose["language"] == "english"
+    fake.script = script(language="nl")
+    assert post(client, data={"response_format": "verbose_json"}).json()["language"] == "dutch"
