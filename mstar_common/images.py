@@ -4,9 +4,9 @@ No torch here (the proxy imports it). Every refusal is a `ValueError` whose mess
 rule; the proxy answers it with a 400 and a walk with an `invalid_request` error.
 
 Output knobs: `output_format` (alias `image_output_format`): png | jpeg | webp (default png); `png_compress_level`
-0-9 for png; `output_compression` 0-100 for jpeg/webp (100 = best quality). Only the knob of the chosen format
-is checked; null means the default. A knob accepts any whole number that `int()` reads ("6", 6.0); bools,
-fractions (50.9), infinities, NaN and out-of-range values are refused.
+0-9 for png; `output_compression` 0-100 for jpeg/webp (100 = best quality, the default as OpenAI's). A knob of
+the other format is refused (it would do nothing); null means the default. A knob accepts any whole number that
+`int()` reads ("6", 6.0); bools, fractions (50.9), infinities, NaN and out-of-range values are refused.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ FORMATS = ("png", "jpeg", "webp")
 PNG_LEVELS = (0, 9)
 COMPRESSION = (0, 100)
 DEFAULT_PNG_LEVEL = 6
-DEFAULT_COMPRESSION = 95
+DEFAULT_COMPRESSION = 100  # OpenAI's default output_compression
 MAX_UPLOAD_PIXELS = 8192 * 8192  # decoded-size cap of one uploaded image (decompression bombs)
 _SIZE = re.compile(r"\s*([0-9]{1,6})\s*[xX×]\s*([0-9]{1,6})\s*")  # ASCII digits: int() would read others too
 
@@ -63,10 +63,15 @@ def output_options(output_format: Any = None, png_compress_level: Any = None,
         raise ValueError(f"output_format: must be one of {list(FORMATS)}, got {output_format!r}")
     fmt = "jpeg" if fmt.lower() == "jpg" else fmt.lower()
     level, quality = DEFAULT_PNG_LEVEL, DEFAULT_COMPRESSION
-    if fmt == "png" and png_compress_level is not None:
+    if png_compress_level is not None:
         level = whole_number(png_compress_level, "png_compress_level", *PNG_LEVELS)
-    if fmt != "png" and output_compression is not None:
+        if fmt != "png":  # a knob of another format would be dropped without a word
+            raise ValueError(f"png_compress_level: applies to png output, and output_format is {fmt!r}")
+    if output_compression is not None:
         quality = whole_number(output_compression, "output_compression", *COMPRESSION)
+        if fmt == "png":
+            raise ValueError("output_compression: applies to jpeg and webp output, and output_format is 'png' "
+                             "(png_compress_level sets png's)")
     return OutputOptions(fmt, level, quality)
 
 
@@ -96,7 +101,7 @@ def check_geometry(width: int, height: int, multiple: int, max_area: int, field:
 
 def decode_image(data: bytes, field: str):
     """Uploaded bytes -> an RGB-convertible PIL image, fully decoded; unreadable data is a ValueError."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
         raise ValueError(f"{field}: the upload is empty")
@@ -107,9 +112,12 @@ def decode_image(data: bytes, field: str):
             raise ValueError(f"{field}: {width}x{height} exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit")
         image = Image.open(io.BytesIO(data))
         image.load()
+        # upright, as it displays: a phone photo stores its pixels sideways and says so in EXIF Orientation
+        image = ImageOps.exif_transpose(image)
     except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{field}: not a readable image ({type(exc).__name__})") from None
     return image
+
 
 
 def encode_image(pixels: np.ndarray, options: OutputOptions) -> bytes:

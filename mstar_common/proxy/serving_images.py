@@ -45,8 +45,10 @@ IMAGE_KINDS = ("image",)
 MAX_REFERENCES = 4  # the entry model enforces its own (deployment) limit as well
 _IMAGE_FIELDS = ("image", "image[]")
 _REFUSED = {  # OpenAI field -> values that may pass (the harmless ones)
-    "quality": (None, "auto"), "style": (None,), "background": (None, "auto"), "moderation": (None, "auto", "low"),
-    "guidance_scale": (None,), "negative_prompt": (None,), "mask": (None,),
+    "quality": (None, "auto"), "style": (None,), "background": (None, "auto", "opaque"),  # every output is opaque
+    "moderation": (None, "auto", "low"), "guidance_scale": (None,), "negative_prompt": (None,), "mask": (None,),
+    # images arrive whole: no stream of partial images (a form value is the string)
+    "stream": (None, False, "false"), "partial_images": (None, 0, "0"),
 }
 
 
@@ -67,6 +69,9 @@ class ImageFields(BaseModel):
     png_compress_level: Any = None
     output_compression: Any = None
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of `user`: nothing is moderated or tracked here
+    stream: Any = None
+    partial_images: Any = None
     quality: Any = None
     style: Any = None
     background: Any = None

@@ -86,15 +86,44 @@ def test_generation_refusals_name_the_field(body, field):
     assert not fake.requests
 
 
-def test_only_the_chosen_formats_knob_is_checked_and_whole_numbers_pass():
+def test_the_other_formats_knob_is_refused_and_whole_numbers_pass():
+    """A knob of the format not chosen did nothing (an out-of-range one too): now a 400 naming it."""
     http, fake = client()
-    reply = http.post("/v1/images/generations",
-                      json={"prompt": "x", "output_format": "png", "png_compress_level": "9",
-                            "output_compression": 500})
+    reply = http.post("/v1/images/generations", json={"prompt": "x", "output_format": "png", "png_compress_level": "9"})
     assert reply.status_code == 200 and sent(fake)["png_compress_level"] == [9]
     reply = http.post("/v1/images/generations",
                       json={"prompt": "x", "output_format": "webp", "output_compression": 50.0})
     assert reply.status_code == 200 and sent(fake)["output_compression"] == [50]
+    for body, field in (({"output_format": "png", "output_compression": 50}, "output_compression"),
+                        ({"output_compression": 500}, "output_compression"),
+                        ({"output_format": "jpeg", "png_compress_level": 6}, "png_compress_level")):
+        reply = http.post("/v1/images/generations", json={"prompt": "x", **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
+def test_harmless_openai_values_pass_and_streaming_is_refused():
+    http, fake = client()
+    reply = http.post("/v1/images/generations", json={"prompt": "x", "background": "opaque", "stream": False,
+                                                      "partial_images": 0, "safety_identifier": "u1", "user": "u1"})
+    assert reply.status_code == 200, reply.text
+    for body, field in (({"stream": True}, "stream"), ({"partial_images": 2}, "partial_images"),
+                        ({"background": "transparent"}, "background")):
+        reply = http.post("/v1/images/generations", json={"prompt": "x", **body})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
+def test_a_reference_is_used_upright_as_its_exif_orientation_says():
+    """A phone photo stores its pixels sideways with EXIF Orientation 6: it was used (and sized) sideways."""
+    from PIL import Image
+
+    from mstar_common.images import decode_image
+
+    stored = Image.new("RGB", (128, 64))
+    exif = stored.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buffer = io.BytesIO()
+    stored.save(buffer, format="JPEG", exif=exif)
+    assert decode_image(buffer.getvalue(), "image[0]").size == (64, 128)
 
 
 def test_edit_refusals():
