@@ -362,7 +362,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str, use: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    # `refusal` as OpenAI's message has it (null: the model does not refuse through it here)
+    choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
               "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": use}

@@ -37,7 +37,7 @@ def test_non_stream_chat(served):
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "chat.completion" and body["model"] == "qwen3"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world"}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world", "refusal": None}
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     rec = fake.requests[-1]
