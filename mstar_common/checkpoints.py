@@ -53,11 +53,11 @@ def find_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> P
             raise FileNotFoundError(f"checkpoint: unknown builtin {name!r}; available: {sorted(builtins)}")
         out = cache_dir() / "builtin" / name
         return out if _is_checkpoint_dir(out) else None
-    if Path(spec).expanduser().exists():
-        return resolve_checkpoint(spec, builtins)
     try:
         return resolve_checkpoint(spec, builtins)
     except FileNotFoundError:
+        if Path(spec).expanduser().exists():
+            raise  # here, and not a checkpoint
         return None
 
 

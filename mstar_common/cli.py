@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
     from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
-    from mstar_common.repository import entry_model, generate_repository, shell_unsafe
+    from mstar_common.repository import entry_model, generate_repository
     from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
     from mstar_common.switches import check_switches
 
@@ -90,8 +89,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
     check_gpus_visible(dep, path.name)
     check_shm_size(dep, path.name)
-    if reason := shell_unsafe(tempfile.gettempdir()):
-        raise DeploymentError(f"the run folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
     s = dep.server
     ports = Ports(
         http=s.http_port if args.http_port is None else args.http_port,

@@ -50,13 +50,15 @@ def check_cpu_pools_fit(dep: Deployment, family: Family, checkpoint: Path, sourc
                         memory: int | None = None) -> None:
     """The counted KV pools of cpu placements, all instances together, must fit the machine's memory (`memory`
     bytes; default the physical memory): a larger one failed as the model loaded, in the allocator."""
-    memory = memory if memory is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     kv = dep.resources.kv_cache
+    if kv.is_auto:
+        return  # sized on a GPU, from its memory
+    memory = memory if memory is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     total, count = 0, 0
     for name in family.graph.kv_holders:
         comp = dep.components.get(name)
         page = _page_bytes(dep, family, name, checkpoint) if comp and comp.placement.device == "cpu" else None
-        if page is not None and not kv.is_auto:
+        if page is not None:
             total += (kv.num_pages + 1) * page[0] * comp.placement.total_instances  # and each pool's sink page
             count += comp.placement.total_instances
     if total > memory:

@@ -25,7 +25,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,7 +35,7 @@ from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
 from mstar_common.bench.metrics import Slo, summarize
 from mstar_common.bench.report import comparisons, markdown, write_report
 from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
-from mstar_common.config import Resources
+from mstar_common.config import DeploymentError, Resources
 
 logger = logging.getLogger("bench")
 
@@ -73,16 +72,14 @@ class Server:
 
     def __init__(self, raw: dict, with_proxy: bool) -> None:
         from mstar_common import run_folders
-        from mstar_common.config import DeploymentError, deployment_from_dict
+        from mstar_common.config import deployment_from_dict
         from mstar_common.launcher import Ports
-        from mstar_common.repository import entry_model, shell_unsafe
+        from mstar_common.repository import entry_model
 
         self.dep = deployment_from_dict(raw, source="bench-deployment")
         self.entry = entry_model(self.dep)
         self.with_proxy = with_proxy
         self.ports = Ports.free()
-        if reason := shell_unsafe(tempfile.gettempdir()):
-            raise DeploymentError(f"the server's folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
         self.root = run_folders.make("mstar-bench-", BENCH_FOLDERS_KEPT)
         self.triton = self.proxy = None
 
@@ -357,7 +354,6 @@ def _ms(value: float | None) -> str:
 
 def cmd_serve(args) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
-    from mstar_common.config import DeploymentError
     from mstar_common.families.registry import get_family
 
     try:
@@ -389,7 +385,6 @@ def _serve(args) -> int:
                    "prefix_caching": args.prefix_caching, "code": code_revision(),
                    "switches": served_switches(os.environ), "meta": meta(None)}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     memory = {"before_start": gpu_memory.used_mib()}
     with Server(deployment(args), with_proxy) as server:
         print(f"[bench] {args.name}: tritonserver ready in {server.startup_s:.0f} s", flush=True)
@@ -541,35 +536,35 @@ def cmd_baseline(args) -> int:
     """The floor and the HF baseline alone, merged into an existing model JSON (a separate process, so it can
     run under another Python environment than the server's)."""
     from mstar_common.checkpoints import resolve_checkpoint
-    from mstar_common.config import DeploymentError
     from mstar_common.families.registry import get_family
 
-    problem = None if args.floor or args.hf_baseline else "nothing to measure: pass --floor and/or --hf-baseline"
-    problem = problem or baseline_problem(args)
-    if problem is None:
-        try:
-            args.checkpoint = resolve_checkpoint(str(args.checkpoint), get_family(args.family).builtin_checkpoints)
-        except (DeploymentError, FileNotFoundError) as exc:
-            problem = str(exc)
     path = Path(args.out)
-    model = None
-    if problem is None and path.is_file():
-        try:
-            model = json.loads(path.read_text())
-            problem = None if isinstance(model, dict) else "not a JSON object"
-        except (OSError, ValueError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem:
-            problem = f"--out {path}: not a results file of `mstar bench` to add to ({problem})"
-    if problem:
-        print(f"mstar bench: error: {problem}", file=sys.stderr)
+    try:
+        if problem := baseline_problem(args) or (None if args.floor or args.hf_baseline else
+                                                 "nothing to measure: pass --floor and/or --hf-baseline"):
+            raise DeploymentError(problem)
+        args.checkpoint = resolve_checkpoint(str(args.checkpoint), get_family(args.family).builtin_checkpoints)
+        model = _results_to_add_to(path) if path.is_file() else {"name": args.name}
+    except (DeploymentError, FileNotFoundError) as exc:
+        print(f"mstar bench: error: {exc}", file=sys.stderr)
         return 2
-    model = model or {"name": args.name}
     add_baselines(model, args)
     for line in comparisons(model):
         print(f"[bench] {model.get('name', args.name)}: {line}", flush=True)
     path.write_text(json.dumps(model, indent=1))
     return 0
+
+
+def _results_to_add_to(path: Path) -> dict:
+    """An existing results file that the baselines are merged into (DeploymentError if it is not one)."""
+    try:
+        model = json.loads(path.read_text())
+        why = None if isinstance(model, dict) else "not a JSON object"
+    except (OSError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        raise DeploymentError(f"--out {path}: not a results file of `mstar bench` to add to ({why})")
+    return model
 
 
 def served_deployment(grpc_url: str, model: str) -> dict | None:
@@ -633,8 +628,7 @@ def cmd_url(args) -> int:
     if problem:
         print(f"mstar bench: error: {problem}", file=sys.stderr)
         return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the sweep, so its figures are never lost
-    model: dict = {"name": args.name, "meta": meta(None)}
+    model: dict = {"name": args.name, "meta": meta(None)}  # --out's folder exists (main), so nothing measured is lost
     deployment_served = served_deployment(args.grpc, args.model)
     if deployment_served is not None:
         model["deployment"] = deployment_served
