@@ -268,7 +268,8 @@ class AREngine:
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             logger.exception("collecting step tokens failed (error id %s)", error_id)
-            for seq in pending.seqs:
+            # as `_fail_step`: the KV of every row the step ran is unknown, its prefill-only chunks' too
+            for seq, _ in pending.written:
                 self._finish(seq, FinishReason.ERROR, error=f"engine step failed (error id {error_id})")
             return
         if times is not None:

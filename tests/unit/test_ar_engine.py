@@ -458,3 +458,38 @@ def test_an_auto_pool_needs_a_gpu_and_an_engine_reports_its_pages_as_a_count(loa
         make_engine(loaded, num_kv_pages="auto")
     engine = make_engine(loaded, num_kv_pages=96)
     assert engine.config.num_kv_pages == 96 and engine.kv_cache.num_pages == 96
+
+
+def test_a_step_whose_tokens_cannot_be_read_fails_its_prefill_rows_too(loaded, prompts, reference):
+    """Overlapped: when reading a step's tokens fails, its KV is unknown for every row it ran, so a prompt whose
+    prefill chunk was in it (a row that samples nothing) fails with the decode rows instead of carrying on over
+    that KV, which the prefix cache would then also key for later prompts."""
+    engine = make_engine(loaded, max_batch_tokens=8, page_size=2)
+    engine.is_overlapped = True
+    collector = Collector()
+    engine.add_request("decode", prompts[0], greedy(max_tokens=40, ignore_eos=True), collector)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("prefill", prompts[4], greedy(), collector)  # 30+ tokens: chunks of 7 beside the decode
+    launch = engine.runner.launch
+
+    def unreadable(plan):
+        pending = launch(plan)
+        assert any(not chunk.is_sampling for chunk in plan.chunks)  # the long prompt's chunk samples nothing
+
+        def tokens():
+            raise RuntimeError("device fault")
+
+        pending.tokens = tokens
+        return pending
+
+    engine.runner.launch = unreadable
+    engine.step()  # launches the failing step
+    engine.runner.launch = launch
+    run_until_idle(engine)
+    for rid in ("decode", "prefill"):
+        (reason, error), = collector.streams[rid].finals
+        assert reason is FinishReason.ERROR and "error id" in error, rid
+    engine.add_request("after", prompts[4], greedy(), collector)  # and the engine serves on
+    run_until_idle(engine)
+    assert collector.streams["after"].tokens == reference[4]
