@@ -380,9 +380,13 @@ class WhisperDecoderLM(nn.Module):
         weight = self.proj_out.weight
         source = source.to(device=weight.device, dtype=weight.dtype)
         slot = self.cross_kv.allocate()
-        for index, layer in enumerate(self.model.decoder.layers):
-            key, value = layer.encoder_attn.project_source(source)
-            self.cross_kv.write(slot, index, key, value)
+        try:
+            for index, layer in enumerate(self.model.decoder.layers):
+                key, value = layer.encoder_attn.project_source(source)
+                self.cross_kv.write(slot, index, key, value)
+        except BaseException:
+            self.cross_kv.free(slot)  # the engine refuses the request and never sees this slot
+            raise
         return slot
 
     def release_request(self, slot: int) -> None:
