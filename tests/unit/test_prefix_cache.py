@@ -173,3 +173,25 @@ def test_the_engine_serves_the_same_tokens_with_the_prefix_cache(loaded, prompts
     assert stats["prefix_cache_hit_tokens"] >= (len(system) // P) * P * (3 if sequential else 1)
     assert stats["prefix_cache_evicted_pages"] > 0  # the small pool took idle pages back, and tokens held
     assert stats["num_used_pages"] == 0 and stats["num_free_pages"] == 40
+
+
+def test_a_request_that_fills_the_pool_exactly_reuses_its_cached_start_and_evicts_only_idle_pages(loaded):  # noqa: F811
+    """A pool of 8 pages, every one of them cached from an earlier request, and a request whose footprint is the
+    whole pool: it holds the pages of its matched start, and growing takes only the other idle pages."""
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # 17 tokens: 4 full pages + 1
+    params = greedy(max_tokens=15, ignore_eos=True)  # 32 tokens: 8 pages of 4
+    engine = AREngine(loaded[0], EngineConfig(num_kv_pages=8, page_size=P, max_num_seqs=2, max_batch_tokens=32),
+                      eos_token_ids=loaded[1], vocab_size=loaded[2])
+    collector = Collector()
+    engine.add_request("first", prompt, params, collector)
+    while engine.step():
+        pass
+    assert engine.stats()["num_cached_pages"] == 7  # the prompt's 4 full pages and 3 of output (the 8th never fills)
+    engine.add_request("again", prompt, params, collector)
+    engine.step()
+    assert engine.stats()["num_reserved_pages"] == 8 and engine.stats()["prefix_cache_hit_tokens"] == 16
+    while engine.step():
+        pass
+    assert collector.streams["again"].tokens == collector.streams["first"].tokens
+    assert engine.stats()["prefix_cache_evicted_pages"] == 3  # the first output pages, for the second's
+    assert engine.stats()["num_used_pages"] == engine.stats()["num_reserved_pages"] == 0
