@@ -98,3 +98,19 @@ def test_the_steps_reserve_counts_the_widest_projection_and_the_logits_not_the_v
     reserve = step_reserve_bytes(model, max_batch_tokens=2048, max_num_seqs=8, vocab_size=vocab,
                                  dtype=torch.bfloat16)
     assert reserve == 2 * (2048 * 6 * 384 * 2 + 8 * vocab * (2 + 8)) + GIB
+
+
+def test_auto_at_the_edge_counts_the_sink_page_and_rounds_down():
+    """The cap needs 32 x 256 = 8192 pages; with the sink page the pool is 8193 pages of bytes. Exactly that much
+    left after the reserve starts with 8192 pages, one byte less refuses, and a page's worth more than the cap is
+    cut back to it when no prefix cache can use the rest."""
+    needed = 32 * pages_for(4096, PAGE)
+    edge = (needed + 1) * PER_PAGE + GIB  # the pool and the sink page, and the 1 GiB reserve
+    assert _pages(free=edge, held=0) == needed
+    with pytest.raises(ValueError, match=f"auto leaves {needed - 1} pages"):
+        _pages(free=edge - 1, held=0)
+    assert _pages(free=edge + PER_PAGE, held=0) == needed + 1
+    assert _pages(free=edge + PER_PAGE, held=0, prefixes=False) == needed
+    # the share binds the same way: 0.9 of the total, less what the instance holds, is the budget
+    total = int((edge + 2 * GIB) / 0.9) + 1
+    assert _pages(free=140 * GIB, total=total, held=2 * GIB) == needed
