@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar_common.engine.kv_cache import KVSpec, pages_for
+from mstar_common.engine.types import INT32_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ def pool_pages(requested: int | str, *, spec: KVSpec, page_size: int, kv_dtype: 
         logger.info("KV pool auto: %d pages would fit; %d hold every request at full length, and without a prefix "
                     "cache no more are used", pages, needed)
         pages = needed
+    if pages > INT32_MAX:  # page ids are int32 in the block tables (an explicit count has the same bound)
+        logger.info("KV pool auto: %d pages would fit; page ids are int32, so the pool stops at %d", pages, INT32_MAX)
+        pages = INT32_MAX
     logger.info("KV pool auto on %s: %d pages of %d tokens (%s; %s free, this instance holds %s, %s kept for its "
                 "steps, share %.3g of %s)", device, pages, page_size, _gib((pages + 1) * per_page), _gib(mem.free),
                 _gib(mem.held), _gib(reserve), share, _gib(mem.total))

@@ -114,3 +114,13 @@ def test_auto_at_the_edge_counts_the_sink_page_and_rounds_down():
     # the share binds the same way: 0.9 of the total, less what the instance holds, is the budget
     total = int((edge + 2 * GIB) / 0.9) + 1
     assert _pages(free=140 * GIB, total=total, held=2 * GIB) == needed
+
+
+def test_auto_stops_at_the_int32_page_ids_an_explicit_count_is_held_to():
+    """A toy model on a large GPU: 1-layer, 1-head, 1-dim pages of 1 token are 4 bytes, so 140 GiB would be ~37e9
+    pages, past the block tables' int32 ids."""
+    tiny = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1)
+    pages = pool_pages("auto", spec=tiny, page_size=1, kv_dtype=torch.bfloat16, reserve=GIB, max_num_seqs=1,
+                       max_model_len=16, caches_prefixes=True, share=0.9, device=CUDA,
+                       memory=lambda _device: GpuMemory(135 * GIB, 140 * GIB, 0))
+    assert pages == 2**31 - 1
