@@ -89,18 +89,20 @@ class TextStream:
         self.last_output = now
 
     def update(self, new_ids: list[int], finish: FinishReason | None) -> tuple[dict[str, np.ndarray], str | None]:
-        """Outputs for the new tokens, and the finish reason if this is the stream's last response."""
-        self.num_completion_tokens += len(new_ids)
-        text = self.detokenizer.push(new_ids)
-        if finish is not None:
-            text += self.detokenizer.flush()
+        """Outputs for the new tokens, and the finish reason if this is the stream's last response.
+
+        A stop string ends the stream at the token that completes it: the tokens after it in the same response
+        (several per response when the stream falls behind) are neither sent nor counted."""
         reason = finish.value if finish is not None else None
-        if self.stops is not None:
-            text, is_hit = self.stops.feed(text)
-            if is_hit:
-                reason = FinishReason.STOP.value
-            elif finish is not None:
-                text += self.stops.flush()
+        if self.stops is None:
+            text = self.detokenizer.push(new_ids)
+            if finish is not None:
+                text += self.detokenizer.flush()
+        else:
+            text, num_kept = self._feed_stops(new_ids, finish)
+            if num_kept is not None:
+                new_ids, reason = new_ids[:num_kept], FinishReason.STOP.value
+        self.num_completion_tokens += len(new_ids)
         outputs = {
             wire.TEXT_OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_),
             wire.TOKEN_IDS: np.asarray(new_ids, dtype=np.int32),
@@ -109,6 +111,23 @@ class TextStream:
             wire.COMPLETION_TOKENS: np.array([self.num_completion_tokens], dtype=np.int32),
         }
         return outputs, reason
+
+    def _feed_stops(self, new_ids: list[int], finish: FinishReason | None) -> tuple[str, int | None]:
+        """(text to send, how many of `new_ids` a stop string kept: None when none matched). One token at a time,
+        so a match is known to the token."""
+        pieces = []
+        for num_fed, token_id in enumerate(new_ids, start=1):
+            text, is_hit = self.stops.feed(self.detokenizer.push([token_id]))
+            pieces.append(text)
+            if is_hit:
+                return "".join(pieces), num_fed
+        if finish is not None:  # the text held back for a character that never completed, then any held tail
+            text, is_hit = self.stops.feed(self.detokenizer.flush())
+            pieces.append(text)
+            if is_hit:
+                return "".join(pieces), len(new_ids)
+            pieces.append(self.stops.flush())
+        return "".join(pieces), None
 
 
 def pump_shards() -> int:

@@ -106,6 +106,36 @@ def test_limit_errors_keep_their_prefix_and_faults_are_scrubbed():
     assert len(pump.latency.ttft) == 1 and len(pump.latency.itl) == 0
 
 
+def _stop_stream(*stops):
+    from mstar_common.engine.detokenizer import IncrementalDetokenizer
+    from mstar_common.engine.stop_strings import StopStringMatcher
+
+    return TextStream("r", FakeSink(), IncrementalDetokenizer(FakeTokenizer()), StopStringMatcher(list(stops)), 3)
+
+
+def _sent(outputs):
+    return (outputs[wire.TEXT_OUTPUT][0].decode(), outputs[wire.TOKEN_IDS].tolist(),
+            outputs[wire.FINISH_REASON][0].decode(), int(outputs[wire.COMPLETION_TOKENS][0]))
+
+
+def test_a_stop_string_inside_a_coalesced_response_ends_its_tokens_and_count_there():
+    """A stream that fell behind gets several tokens a response; a stop string among them ends the token ids and
+    the completion count at the token that completes it, as when each token came alone (usage depended on load)."""
+    whole = _stop_stream("cd")
+    outputs, reason = whole.update([0, 1, 2, 3, 4, 5], None)  # "abcdef"
+    assert reason == "stop" and _sent(outputs) == ("ab", [0, 1, 2, 3], "stop", 4)
+    alone = _stop_stream("cd")
+    sent = [_sent(alone.update([t], None)[0]) for t in range(4)]
+    assert "".join(text for text, *_ in sent) == "ab" and sent[-1][1:] == ([3], "stop", 4)
+    spanning = _stop_stream("bcd")  # a match across responses, the last one also the engine's last token
+    assert _sent(spanning.update([0, 1], None)[0]) == ("a", [0, 1], "", 2)
+    outputs, reason = spanning.update([2, 3, 4], FinishReason.LENGTH)
+    assert reason == "stop" and _sent(outputs) == ("", [2, 3], "stop", 4)
+    unmatched = _stop_stream("zz")
+    outputs, reason = unmatched.update([0, 1, 25], FinishReason.LENGTH)  # "abz": the held "z" goes out at the end
+    assert reason == "length" and _sent(outputs) == ("abz", [0, 1, 25], "length", 3)
+
+
 def test_cancellation_polls_ask_a_bounded_slice_of_the_streams_in_turn():
     """Each poll asks at most CANCEL_POLL_STREAMS streams (an IPC round trip each on Triton), the next poll the
     next ones, so every stream is asked within ceil(N / 32) polls and a cancelled one among 100 is found."""
