@@ -18,8 +18,9 @@ POOL_BYTES = 4 * kv_sizing.GIB
 
 
 def _engine(model, vocab: int, **config) -> AREngine:
+    # the device as the Triton node names it (backends/node_setup.py); its refusals name it so
     base = {"page_size": 16, "max_num_seqs": 4, "max_batch_tokens": 512, "max_model_len": 1024, "dtype": "bfloat16",
-            "device": "cuda", "prefix_caching": True}
+            "device": "cuda:0", "prefix_caching": True}
     return AREngine(model, EngineConfig(**{**base, **config}), eos_token_ids=[], vocab_size=vocab)
 
 
