@@ -66,6 +66,50 @@ def test_greedy_tokens_equal_transformers_eight_at_once(served, reference):
         assert got[f"batch-{i}"].finish_reason == want_reason
 
 
+def test_a_batch_of_other_lengths_and_a_long_output_match_transformers(served, reference):
+    """Prompts of 1 to ~200 tokens with max_tokens from 1 to 300 in one batch (rows joining and leaving the steps
+    while others decode): each equals transformers' greedy tokens and ends after exactly max_tokens."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _ = reference
+    model = AutoModelForCausalLM.from_pretrained(str(served.checkpoint), dtype=torch.float32).eval()
+    cases = {"one": ("a", 300), "short": (PROMPTS[1], 1), "mid": (PROMPTS[3] * 2, 37), "long": (" ".join(PROMPTS), 90)}
+    requests, want = {}, {}
+    for name, (prompt, max_tokens) in cases.items():
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None)
+        want[name] = out[0, len(ids):].tolist()
+        requests[name] = {**_request(ids), "max_tokens": max_tokens, "ignore_eos": True}
+    got = run_stream(served.grpc_url, served.entry, requests, timeout=300)
+    for name, (_, max_tokens) in cases.items():
+        assert got[name].error is None and got[name].finish_reason == "length", name
+        assert len(got[name].token_ids) == max_tokens and got[name].token_ids == want[name], name
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_and_among_other_batch_mates(served, reference):
+    """A seed fixes a request's tokens whatever runs beside it (other seeds, knobs, greedy rows, no seed); other
+    seeds draw other tokens."""
+    _, expected = reference
+    ids = expected[PROMPTS[1]][0]
+
+    def sampled(seed, **knobs):
+        return {"input_ids": ids, "max_tokens": 20, "temperature": 1.0, "seed": seed, "ignore_eos": True, **knobs}
+
+    knobs = {"top_k": 20, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 1.2}
+    alone = run_stream(served.grpc_url, served.entry, {"s": sampled(7, **knobs)})["s"].token_ids
+    mates = {"s": sampled(7, **knobs), "greedy": _request(expected[PROMPTS[3]][0]), "other": sampled(8),
+             "topk": sampled(9, top_k=2, temperature=0.5)}
+    unseeded = sampled(0)
+    del unseeded["seed"]
+    mates["unseeded"] = {**unseeded, "input_ids": expected[PROMPTS[0]][0]}
+    got = run_stream(served.grpc_url, served.entry, mates)
+    assert all(c.error is None for c in got.values())
+    assert got["s"].token_ids == alone and len(alone) == 20
+    others = run_stream(served.grpc_url, served.entry, {f"o{seed}": sampled(seed, **knobs) for seed in range(4)})
+    assert len({tuple(c.token_ids) for c in others.values()} | {tuple(alone)}) == 5
+
+
 def test_prompts_sharing_a_long_start_match_transformers_through_the_prefix_cache(served, reference):
     """The deployment's prefix cache is on (the default): prompts that start with the same 70+ tokens, sent one
     after another, take the earlier prompts' pages and prefill only their ends. Greedy tokens still equal
