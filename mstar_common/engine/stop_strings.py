@@ -1,11 +1,15 @@
 """Stop strings over a stream of text deltas (OpenAI `stop` semantics: the stop string is not emitted).
 
 A stop string can span deltas, so the matcher holds back the longest tail of the text that could still
-grow into a stop string, and emits everything before it. Any earlier position cannot start a match, so the
-first match found is the earliest one in the stream.
+grow into a stop string, and emits everything before it. The stream stops where a stop string first ends, as
+it would were the text fed a character at a time, so the outcome never depends on how the text was split into
+deltas (a stream that falls behind gets several tokens a delta): of stops "abcd" and "bc", text "abcd" stops
+at "bc", which ends first, keeping "a".
 """
 
 from __future__ import annotations
+
+import copy
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
@@ -64,9 +68,14 @@ class StopStringMatcher:
         text, self._held = self._held, ""
         return text
 
+    def fork(self) -> StopStringMatcher:
+        """An independent copy of the matcher's state (its stop strings shared: they never change)."""
+        return copy.copy(self)
+
     def _earliest_match(self, text: str) -> int | None:
-        positions = [at for at in (text.find(stop) for stop in self._stops) if at >= 0]
-        return min(positions, default=None)
+        """Where the stop string that ends first in `text` starts (of two that end together, the longer one)."""
+        matches = [(at + len(stop), at) for stop in self._stops if (at := text.find(stop)) >= 0]
+        return min(matches)[1] if matches else None
 
     def _num_partial_tail(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""

@@ -21,8 +21,12 @@ def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
 
 
 def _reference(stops: list[str], text: str) -> tuple[str, bool]:
-    positions = [at for at in (text.find(stop) for stop in stops) if at >= 0]
-    return (text[: min(positions)], True) if positions else (text, False)
+    """The text fed a character at a time: it stops at the first character that completes a stop string."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(stop) for stop in stops if text[:end].endswith(stop)]
+        if starts:
+            return text[: min(starts)], True
+    return text, False
 
 
 def test_stop_spanning_deltas():
@@ -41,11 +45,17 @@ def test_self_overlapping_stop():
     assert _run(["aab"], list("xaaab")) == ("xa", True)
 
 
-def test_overlapping_stops_earliest_wins():
-    assert _run(["abcd", "bc"], ["xab", "cd"]) == ("x", True)  # "abcd" starts first
+def test_overlapping_stops_the_first_to_end_wins_however_the_text_is_split():
+    """The stop that ends first wins ("bc" inside "abcd"), as when the text comes a character at a time; before, a
+    longer stop that started earlier won when one delta held both, so the outcome depended on the split."""
+    for deltas in (["xab", "cd"], ["xab", "c", "d"], ["xabcd"], list("xabcd")):
+        assert _run(["abcd", "bc"], deltas) == ("xa", True), deltas
     assert _run(["abcd", "bc"], ["xab", "ce"]) == ("xa", True)
     assert _run(["world", "lo"], ["hel", "lo world"]) == ("hel", True)
-    assert _run(["lo w", "o"], ["hello world"]) == ("hel", True)
+    for deltas in (["hello world"], list("hello world")):
+        assert _run(["lo w", "o"], deltas) == ("hell", True), deltas
+    assert _run(["b", "abc"], ["abc"]) == _run(["b", "abc"], list("abc")) == ("a", True)
+    assert _run(["bc", "abc"], ["xabc"]) == ("x", True)  # two ending together: the longer one
 
 
 def test_stopped_matcher_stays_stopped():
