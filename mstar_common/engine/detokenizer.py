@@ -2,9 +2,10 @@
 
 Byte-level BPE can split one UTF-8 character across tokens, so decoding a token on its own may end in
 U+FFFD. Each push decodes a short window: a few already-emitted tokens for context plus the unread ones,
-and emits the text past what the context alone decodes to. A window whose text ends in U+FFFD is held back
-until the character completes. Decoding the context too (rather than only the new tokens) keeps
-start-of-text effects, such as a decoder stripping a leading space, out of mid-stream deltas.
+and emits the text past what the context alone decodes to. A window whose text ends in U+FFFD holds back
+the tokens of that incomplete character until it completes; the text before it goes out. Decoding the
+context too (rather than only the new tokens) keeps start-of-text effects, such as a decoder stripping a
+leading space, out of mid-stream deltas.
 """
 
 from __future__ import annotations
@@ -32,24 +33,42 @@ class IncrementalDetokenizer:
         self._window.extend(token_ids)
         prefix_text, text = self._decode_window()
         if text.endswith(_REPLACEMENT):
-            return ""  # an incomplete character: wait for the bytes that finish it
+            return self._push_complete_head(prefix_text)
         # Advance even when nothing new decoded (e.g. skipped special tokens), so such runs never pile up.
-        self._advance()
+        self._advance(len(self._window))
         return text[len(prefix_text) :]
+
+    def _push_complete_head(self, prefix_text: str) -> str:
+        """The window ends in an incomplete character: emit the text of the unread tokens before it and wait for
+        the bytes that finish it. (A push of several tokens, as a stream that fell behind gets, would otherwise
+        hold back all of their text, a stop string in it too, for one character.)"""
+        for end in range(len(self._window) - 1, self._num_read, -1):
+            head = self._decode(self._window[:end])
+            if not head.endswith(_REPLACEMENT):
+                self._advance(end)
+                return head[len(prefix_text) :]
+        return ""
 
     def flush(self) -> str:
         prefix_text, text = self._decode_window()
         self._window, self._num_read = [], 0
         return text[len(prefix_text) :]
 
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy of the stream's state: pushes to it leave this one as it is."""
+        twin = IncrementalDetokenizer(self._tokenizer, self._skip_special_tokens)
+        twin._window, twin._num_read = list(self._window), self._num_read
+        return twin
+
     def _decode_window(self) -> tuple[str, str]:
         prefix_text = self._decode(self._window[: self._num_read])
         return prefix_text, self._decode(self._window)
 
-    def _advance(self) -> None:
-        """Everything in the window is emitted; keep its tail as context for the next push."""
-        self._window = self._window[-_NUM_CONTEXT_TOKENS:]
-        self._num_read = len(self._window)
+    def _advance(self, end: int) -> None:
+        """The window's first `end` tokens are emitted; keep the last few of them as context for the next push."""
+        start = max(0, end - _NUM_CONTEXT_TOKENS)
+        self._window = self._window[start:]
+        self._num_read = end - start
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:

@@ -94,14 +94,19 @@ class TextStream:
         A stop string ends the stream at the token that completes it: the tokens after it in the same response
         (several per response when the stream falls behind) are neither sent nor counted."""
         reason = finish.value if finish is not None else None
-        if self.stops is None:
-            text = self.detokenizer.push(new_ids)
-            if finish is not None:
-                text += self.detokenizer.flush()
-        else:
-            text, num_kept = self._feed_stops(new_ids, finish)
-            if num_kept is not None:
-                new_ids, reason = new_ids[:num_kept], FinishReason.STOP.value
+        # a response of several tokens: the state before it, to find the token that completes a stop string
+        before = (self.detokenizer.fork(), self.stops.fork()) if self.stops is not None and len(new_ids) > 1 else None
+        text = self.detokenizer.push(new_ids)
+        if finish is not None:
+            text += self.detokenizer.flush()
+        if self.stops is not None:
+            text, is_hit = self.stops.feed(text)
+            if is_hit:
+                reason = FinishReason.STOP.value
+                if before is not None:
+                    new_ids = new_ids[: _num_through_stop(*before, new_ids)]
+            elif finish is not None:
+                text += self.stops.flush()
         self.num_completion_tokens += len(new_ids)
         outputs = {
             wire.TEXT_OUTPUT: np.array([text.encode("utf-8")], dtype=np.object_),
@@ -112,22 +117,13 @@ class TextStream:
         }
         return outputs, reason
 
-    def _feed_stops(self, new_ids: list[int], finish: FinishReason | None) -> tuple[str, int | None]:
-        """(text to send, how many of `new_ids` a stop string kept: None when none matched). One token at a time,
-        so a match is known to the token."""
-        pieces = []
-        for num_fed, token_id in enumerate(new_ids, start=1):
-            text, is_hit = self.stops.feed(self.detokenizer.push([token_id]))
-            pieces.append(text)
-            if is_hit:
-                return "".join(pieces), num_fed
-        if finish is not None:  # the text held back for a character that never completed, then any held tail
-            text, is_hit = self.stops.feed(self.detokenizer.flush())
-            pieces.append(text)
-            if is_hit:
-                return "".join(pieces), len(new_ids)
-            pieces.append(self.stops.flush())
-        return "".join(pieces), None
+
+def _num_through_stop(detokenizer: IncrementalDetokenizer, stops: StopStringMatcher, new_ids: list[int]) -> int:
+    """How many of `new_ids`, fed one at a time from the state before them, complete a stop string."""
+    for num_fed, token_id in enumerate(new_ids, start=1):
+        if stops.feed(detokenizer.push([token_id]))[1]:
+            return num_fed
+    return len(new_ids)  # completed by the end of the stream's flush (a character that never finished)
 
 
 def pump_shards() -> int:

@@ -65,6 +65,18 @@ def test_flush_releases_incomplete_tail(tokenizer):
     assert emitted + detok.flush() == tokenizer.decode(ids[:-1])
 
 
+def test_a_push_ending_mid_character_emits_the_text_before_it(tokenizer):
+    """Several tokens in one push (a stream that fell behind) whose last character is not complete yet: the text
+    before that character goes out now (it was all held back for it, a stop string in it too)."""
+    head = tokenizer.encode("Bonjour café! ok ")
+    emoji = tokenizer.encode("😀")
+    assert len(emoji) > 1  # the emoji is split over tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.push(head + emoji[:-1]) == "Bonjour café! ok "
+    assert detok.push(emoji[-1:]) == "😀"
+    assert detok.push(tokenizer.encode(" fin")) == " fin"
+
+
 def test_reloaded_tokenizer(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
