@@ -130,13 +130,9 @@ class CodecPump(OutputPump):
         for request_id, (new_ids, finish, error) in merged.items():
             stream = self._streams.get(request_id)
             if stream is None:
-                continue
-            if error is not None:  # the text pump's rule: a client-facing limit or a server fault
-                super()._deliver({request_id: (new_ids, finish, error)})
-                continue
-            if finish is FinishReason.CANCELLED:  # dropped without decoding what it still held
-                self.unregister(request_id)
-                stream.sink.send_final()
+                continue  # ended already: a client's cancel is dropped without decoding what it still held
+            if error is not None or finish is FinishReason.CANCELLED:  # the text pump's rule: a client-facing
+                super()._deliver({request_id: (new_ids, finish, error)})  # limit, a server fault, or a shutdown
                 continue
             stream.num_completion_tokens += len(new_ids)
             stream.pending_ids += new_ids

@@ -102,6 +102,14 @@ def test_cancelled_stream_is_dropped_without_decoding():
     assert codec.calls == []
 
 
+def test_a_stream_the_engine_ends_at_shutdown_gets_a_retryable_error_not_a_short_clip():
+    pump, engine, codec, sinks = make()
+    pump._deliver({"a": (frame_tokens(1, 2), None, None)})
+    pump._deliver({"a": (frame_tokens(3, 1), FinishReason.CANCELLED, None)})  # shutdown: its client still reads
+    assert wire.UNAVAILABLE_PREFIX in sinks["a"].error and sinks["a"].final is None
+    assert codec.calls == [] and engine.cancelled == [] and pump.num_streams == 1
+
+
 def test_codec_fault_ends_its_streams_and_cancels_them_in_the_engine():
     pump, engine, _, sinks = make(FakeCodec(fail=True))
     pump._deliver({"a": (frame_tokens(1, 3), None, None)})

@@ -93,6 +93,20 @@ def test_a_cancelled_stream_gets_only_a_flags_only_final_then_nothing():
         assert [kind for kind, _ in sink.sent] == ["chunk", "final"]
 
 
+def test_a_stream_the_engine_ends_at_shutdown_gets_a_retryable_error_not_a_cancelled_finish():
+    """The engine's shutdown ends every live request CANCELLED; a client still reading must not see a normal end
+    with finish reason 'cancelled' (no OpenAI client knows it), but the 503 class a retry is right for."""
+    engine, sink = FakeEngine(), FakeSink()
+    with _running(engine, r=sink) as pump:
+        pump.on_output("r", [1], None, None)
+        _run(pump, lambda: len(sink.sent) == 1)
+        pump.on_output("r", [2], FinishReason.CANCELLED, None)
+        _run(pump, lambda: sink.is_closed)
+    kind, message = sink.sent[-1]
+    assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
+    assert "stopped before the request finished" in message and pump.num_streams == 0
+
+
 def test_limit_errors_keep_their_prefix_and_faults_are_scrubbed():
     engine, limited, faulty = FakeEngine(), FakeSink(), FakeSink()
     with _running(engine, limited=limited, faulty=faulty) as pump:
