@@ -32,7 +32,7 @@ class SamplingParams:
 
     max_tokens: int = 256
     temperature: float = 1.0  # < GREEDY_TEMPERATURE means greedy
-    top_k: int = 0  # 0, or >= vocab: no filter
+    top_k: int = 0  # 0, -1 or >= vocab: no filter
     top_p: float = 1.0  # (0, 1]
     min_p: float = 0.0  # [0, 1)
     repetition_penalty: float = 1.0  # > 0; 1.0 is off; HF semantics over prompt + output tokens
@@ -48,7 +48,7 @@ class SamplingParams:
         """Raise ValueError naming the field and the rule; call before scheduling."""
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_float("temperature", self.temperature, 0.0, None)
-        _check_int("top_k", self.top_k, 0, INT32_MAX)
+        _check_int("top_k", self.top_k, -1, INT32_MAX)  # -1 (vLLM's "off") and 0 both leave the filter off
         # one message per rule, whichever side the value misses it on
         _check_float("top_p", self.top_p, None, None)
         if not 0.0 < self.top_p <= 1.0:

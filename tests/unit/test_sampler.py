@@ -108,9 +108,10 @@ def test_mixed_per_row_params_match_hf():
         _assert_same_distribution(ours[row], _hf_filter(logits[row], row_params))
 
 
-@pytest.mark.parametrize("top_k", [0, VOCAB, VOCAB + 5])
+@pytest.mark.parametrize("top_k", [0, -1, VOCAB, VOCAB + 5])
 def test_top_k_off(top_k):
     logits = _logits(2)
+    SamplingParams(top_k=top_k).validate(VOCAB)  # -1 is vLLM's "off": accepted as 0 is
     ours = Sampler().filter(logits, [SamplingParams(top_k=top_k)] * 2)
     assert torch.equal(ours, logits)
 
