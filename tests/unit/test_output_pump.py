@@ -66,6 +66,14 @@ def _run(pump, until, timeout=5.0):
         time.sleep(0.01)
 
 
+def _one_token_then(pump, sink, finish):
+    """Stream "r" gets one token, then a last one with `finish`; returns once its sink is closed."""
+    pump.on_output("r", [1], None, None)
+    _run(pump, lambda: len(sink.sent) == 1)
+    pump.on_output("r", [2], finish, None)
+    _run(pump, lambda: sink.is_closed)
+
+
 @contextlib.contextmanager
 def _running(engine, **sinks):
     """A started pump with a stream per sink (keyed by request id), stopped on exit."""
@@ -98,10 +106,7 @@ def test_a_stream_the_engine_ends_at_shutdown_gets_a_retryable_error_not_a_cance
     with finish reason 'cancelled' (no OpenAI client knows it), but the 503 class a retry is right for."""
     engine, sink = FakeEngine(), FakeSink()
     with _running(engine, r=sink) as pump:
-        pump.on_output("r", [1], None, None)
-        _run(pump, lambda: len(sink.sent) == 1)
-        pump.on_output("r", [2], FinishReason.CANCELLED, None)
-        _run(pump, lambda: sink.is_closed)
+        _one_token_then(pump, sink, FinishReason.CANCELLED)
     kind, message = sink.sent[-1]
     assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
     assert "stopped before the request finished" in message and pump.num_streams == 0
@@ -189,10 +194,7 @@ def test_the_time_in_sends_is_counted_for_text_streams():
 
     engine, sink = FakeEngine(), SlowSink()
     with _running(engine, r=sink) as pump:
-        pump.on_output("r", [1], None, None)
-        _run(pump, lambda: len(sink.sent) == 1)
-        pump.on_output("r", [2], FinishReason.LENGTH, None)
-        _run(pump, lambda: sink.is_closed)
+        _one_token_then(pump, sink, FinishReason.LENGTH)
         times = pump.times
     assert times.responses == 2
     assert 0.02 <= times.send_s <= times.deliver_s
