@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pytest
 import soundfile
 import torch
 
+from mstar_common.families.whisper import audio
 from mstar_common.families.whisper.audio import AudioLimits, decode_upload, resample, split_windows, to_model_pcm
 from mstar_common.families.whisper.frontend import FrontEndConfig, LogMelFrontEnd, mel_filters, pad_or_trim
 
@@ -129,3 +131,26 @@ def test_a_wild_sample_rate_is_named_before_the_length_it_implies():
     data[24:28] = (1).to_bytes(4, "little")  # 1 Hz: 48,000 s of audio by the header
     with pytest.raises(ValueError, match=r"^file: sample rate 1 Hz is outside \[4000, 384000\]$"):
         decode_upload(bytes(data), LIMITS, field="file")
+
+
+@pytest.mark.parametrize("rate", [4_001, 8_191, 16_001, 383_999])
+def test_an_odd_sample_rate_resamples_in_bounded_time_and_memory(rate):
+    # Such a rate reduces to a ratio like 16000/16001, whose polyphase table had up x down entries: a 0.1 s WAV at
+    # 8,191 Hz took 26 s and 6.5 GB, and one at 383,999 Hz asked for ~49 GB (the walk stub killed for memory).
+    t = np.arange(rate // 4) / rate
+    data = _encode((0.4 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, "WAV", "FLOAT")
+    start = time.monotonic()
+    pcm = decode_upload(data, LIMITS)
+    assert time.monotonic() - start < 10.0
+    want = 0.4 * np.sin(2 * np.pi * 440 * np.arange(pcm.shape[0]) / SR)
+    assert pcm.shape == (int(np.ceil(SR * (rate // 4) / rate)),)
+    assert np.abs(pcm[400:-400] - want[400:-400]).max() < 2e-3
+
+
+@pytest.mark.parametrize("rate", [8_000, 11_025, 44_100, 48_000, 384_000])
+def test_the_sparse_resampler_matches_the_polyphase_one(rate, monkeypatch):
+    x = np.random.default_rng(rate).standard_normal(rate).astype(np.float32)
+    want = resample(x, rate, SR)
+    monkeypatch.setattr(audio, "MAX_POLYPHASE_TABLE", 0)  # every ratio through the sparse path
+    got = resample(x, rate, SR)
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5

@@ -141,8 +141,11 @@ def _check_duration(seconds: float, limits: AudioLimits, field: str) -> None:
 def resample(pcm: np.ndarray, rate: int, target: int, zero_crossings: int = 6, rolloff: float = 0.99) -> np.ndarray:
     """Band-limited (windowed-sinc, Hann window) resampling of mono float32 PCM by the exact ratio target/rate.
 
-    The ratio is reduced to `up/down`; output sample `j` of each phase sums the input under a sinc low-pass
-    at `rolloff` times the lower Nyquist, `zero_crossings` lobes each side. Runs as one strided conv1d.
+    The ratio is reduced to `up/down`; output sample `j` sits at input position `j * down / up` and sums the input
+    under a sinc low-pass at `rolloff` times the lower Nyquist, `zero_crossings` lobes each side. A ratio with a
+    small table (`up` phases of `down + 2 * width` taps: every common rate) runs as one strided conv1d; any other
+    (a rate such as 16,001 Hz reduces to 16000/16001, whose table would hold 2.6e8 entries, 4.6e9 at 383,999 Hz)
+    sums only each output's own taps, whose weights depend on its phase alone (`_resample_sparse`).
     """
     if rate == target:
         return np.ascontiguousarray(pcm, dtype=np.float32)
@@ -150,18 +153,47 @@ def resample(pcm: np.ndarray, rate: int, target: int, zero_crossings: int = 6, r
     down, up = rate // g, target // g
     cutoff = min(down, up) * rolloff
     width = math.ceil(zero_crossings * down / cutoff)
+    if up * (down + 2 * width) > MAX_POLYPHASE_TABLE:
+        return _resample_sparse(pcm, down, up, cutoff / down, width, zero_crossings)
     taps = torch.arange(-width, width + down, dtype=torch.float64) / down
     phases = -torch.arange(up, dtype=torch.float64)[:, None] / up
-    t = ((phases + taps[None, :]) * cutoff).clamp(-zero_crossings, zero_crossings)
-    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
-    t = t * math.pi
-    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
-    kernels = (sinc * window * (cutoff / down)).to(torch.float32)  # [up, taps]
+    kernels = _sinc_weights((phases + taps[None, :]) * cutoff, zero_crossings, cutoff / down)  # [up, taps]
     x = torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32))
     x = F.pad(x[None, None], (width, width + down))
     y = F.conv1d(x, kernels[:, None, :], stride=down)  # [1, up, frames]
     num_out = math.ceil(up * pcm.shape[0] / down)
     return y[0].transpose(0, 1).reshape(-1)[:num_out].numpy().copy()
+
+
+MAX_POLYPHASE_TABLE = 1 << 20  # entries of the conv1d path's kernel table; 11,025 Hz, the largest common one: 290k
+
+
+def _sinc_weights(t: torch.Tensor, zero_crossings: int, gain: float) -> torch.Tensor:
+    """Hann-windowed sinc at `t` (in units of the low-pass's period, float64), clamped to the window -> float32."""
+    t = t.clamp(-zero_crossings, zero_crossings)
+    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
+    t = t * math.pi
+    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
+    return (sinc * window * gain).to(torch.float32)
+
+
+def _resample_sparse(pcm: np.ndarray, down: int, up: int, scale: float, width: int,
+                     zero_crossings: int) -> np.ndarray:
+    """The same filter as the conv1d path, summed over each output's `2 * width + 2` nearest inputs only: time and
+    memory grow with the output's length times the filter's reach, not with `up * down`. Output `p + m * up` (phase
+    `p`) reads its taps from input `floor(p * down / up) + m * down` on, so each phase is one strided view of the
+    input times that phase's taps. `scale`: the filter's `t` per input sample (cutoff / down)."""
+    num_out = math.ceil(up * pcm.shape[0] / down)
+    offsets = torch.arange(-width, width + 2, dtype=torch.float64)  # inputs around floor(j * down / up)
+    fractions = torch.arange(up, dtype=torch.float64)[:, None] * down % up / up  # each phase's position past it
+    table = _sinc_weights((offsets[None, :] - fractions) * scale, zero_crossings, scale)  # [up, taps]
+    x = F.pad(torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)), (width + 1, down + width + 2))
+    out = torch.empty(num_out, dtype=torch.float32)
+    for p in range(min(up, num_out)):
+        count = len(range(p, num_out, up))
+        rows = x.as_strided((count, table.shape[1]), (down, 1), p * down // up + 1)  # padded index of floor - width
+        out[p::up] = rows @ table[p]
+    return out.numpy()
 
 
 def split_windows(pcm: np.ndarray, max_seconds: float = 30.0, search_seconds: float = 8.0,
