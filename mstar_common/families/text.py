@@ -202,3 +202,5 @@ def _json(inputs: dict[str, np.ndarray], name: str) -> Any:
         return json.loads(_scalar_text(inputs, name))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None
+    except RecursionError:  # `[[[[...` past the parser's depth
+        raise ValueError(f"{name}: nests arrays or objects too deeply to parse") from None

@@ -45,6 +45,7 @@ _TYPES = {
 }
 _MAX_ERRORS_SHOWN = 3
 _MAX_INPUT_REPR = 60
+MAX_JSON_DEPTH = sys.getrecursionlimit()  # what json.loads' C scanner nests to before a RecursionError
 
 
 class APIError(Exception):
@@ -76,13 +77,17 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
 
 def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
     """`json.loads(raw)`, or a 400 naming `what` (e.g. "'model_kwargs'", "request body"): text that is not JSON or
-    not UTF-8, and a number longer than Python's 4,300-digit limit for ints (a ValueError of its own)."""
+    not UTF-8, a number longer than Python's 4,300-digit limit for ints (a ValueError of its own), and arrays or
+    objects nested past the parser's recursion limit (`[[[[...`: a RecursionError, once a 500)."""
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_request(f"{what} is not valid JSON: {error}", param=param) from None
     except ValueError:
         raise invalid_request(f"{what} holds a number of more than {sys.get_int_max_str_digits()} digits",
+                              param=param) from None
+    except RecursionError:
+        raise invalid_request(f"{what} nests arrays or objects too deeply (at most about {MAX_JSON_DEPTH} levels)",
                               param=param) from None
 
 

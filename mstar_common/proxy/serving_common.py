@@ -63,7 +63,8 @@ async def requested_model(request: Request) -> Any:
         return (await read_utf8_form(request)).get("model")
     try:
         body = json.loads(await request.body())
-    except ValueError:  # not JSON, not UTF-8, or a number past the int digit limit: the route's parse says which
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, a number past the int digit limit, or nested past
+        # the parser's depth: the route's parse says which
         return None
     return body.get("model") if isinstance(body, dict) else None
 

@@ -384,3 +384,37 @@ def test_a_truncated_multipart_body_is_named_as_such_not_as_a_missing_field(mode
     reply = client.post(route, content=b"x", headers={"content-type": "multipart/form-data"})
     assert reply.status_code == 400 and "boundary parameter" in reply.json()["error"]["message"]
     assert fake.requests == []
+
+
+# arrays nested past json.loads' recursion limit (a RecursionError, neither a JSONDecodeError nor a ValueError)
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("models, route, request_kwargs", [
+    ([IMAGE_MODEL], "/v1/images/generations", {"content": '{"prompt": %s}' % DEEP}),
+    ([IMAGE_MODEL], "/generate", {"content": '{"model": "klein", "text": "x", "model_kwargs": %s}' % DEEP}),
+    ([IMAGE_MODEL], "/generate", {"json": {"model": "klein", "text": "x", "model_kwargs": DEEP}}),
+    ([IMAGE_MODEL], "/generate", {"data": {"model": "klein", "text": "x", "model_kwargs": DEEP}}),
+    ([WHISPER], "/generate", {"data": {"model": "whisper", "model_kwargs": DEEP}, "files": {"audio": WAV["file"]}}),
+    (None, "/generate", {"content": '{"text": "x", "model_kwargs": %s}' % DEEP}),
+    (None, "/generate", {"data": {"text": "x", "model_kwargs": DEEP}}),
+    (None, "/v1/chat/completions", {"content": '{"model": "qwen3", "messages": %s}' % DEEP}),
+    ([SPEECH], "/v1/audio/speech", {"content": '{"input": %s}' % DEEP}),
+    ([SPEECH], "/generate", {"data": {"text": "x", "model_kwargs": DEEP}}),
+])
+def test_json_nested_past_the_parsers_depth_is_400_on_every_route(models, route, request_kwargs):
+    app, fake = make_app(FakeTriton(), **({"models": models} if models else {}))
+    headers = {"content-type": "application/json"} if "content" in request_kwargs else {}
+    reply = TestClient(app, raise_server_exceptions=False).post(route, headers=headers, **request_kwargs)
+    assert reply.status_code == 400, reply.text
+    assert fake.requests == []
+
+
+def test_the_text_component_refuses_a_messages_tensor_nested_too_deeply():
+    import numpy as np
+
+    from mstar_common.families.text import _json
+
+    with pytest.raises(ValueError, match=r"^messages: nests arrays or objects too deeply"):
+        _json({wire.MESSAGES: np.array([DEEP.encode()], dtype=np.object_)}, wire.MESSAGES)
