@@ -47,7 +47,7 @@ class DenseLMConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, float] | None  # Llama-3 scaling, or None for plain RoPE
+    rope_scaling: dict[str, Any] | None  # Llama-3 or linear scaling (rotary.rope_from_config), or None for plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -55,13 +55,13 @@ class DenseLMConfig:
     qk_norm: bool  # per-head q/k RMSNorm (Qwen3)
 
     @classmethod
-    def read_hf(cls, config: Mapping[str, Any], *, qk_norm: bool, llama3_rope: bool) -> DenseLMConfig:
+    def read_hf(cls, config: Mapping[str, Any], *, qk_norm: bool, scaled_rope: bool) -> DenseLMConfig:
         """Read an HF config dict, refusing features this implementation would silently get wrong.
-        `llama3_rope`: accept Llama-3 RoPE scaling (else only unscaled RoPE)."""
+        `scaled_rope`: accept the RoPE scalings `rotary.rope_from_config` reads (else only unscaled RoPE)."""
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported: only 'silu' is")
         heads = config["num_attention_heads"]
-        theta, scaling = rope_from_config(config) if llama3_rope else (rope_theta_from_config(config), None)
+        theta, scaling = rope_from_config(config) if scaled_rope else (rope_theta_from_config(config), None)
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -97,7 +97,7 @@ class DenseLMConfig:
 
 class DecoderModel(nn.Module):
     def __init__(self, layer: DecoderLayerConfig, num_layers: int, vocab_size: int, rope_theta: float,
-                 rope_scaling: dict[str, float] | None = None) -> None:
+                 rope_scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.embed_tokens = TokenEmbedding(vocab_size, layer.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(layer) for _ in range(num_layers))
@@ -121,7 +121,7 @@ class DecoderOnlyLM(nn.Module):
 
     def __init__(self, layer: DecoderLayerConfig, num_layers: int, vocab_size: int, rope_theta: float,
                  max_position_embeddings: int, tie_word_embeddings: bool,
-                 attn_backend: AttentionBackend | None = None, rope_scaling: dict[str, float] | None = None) -> None:
+                 attn_backend: AttentionBackend | None = None, rope_scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.kv_spec = KVSpec(num_layers, layer.num_kv_heads, layer.head_dim)
         self.max_position_embeddings = max_position_embeddings

@@ -1,8 +1,9 @@
-"""Rotary position embedding (RoPE), rotate-half layout: default frequencies, and Llama-3 frequency scaling.
+"""Rotary position embedding (RoPE), rotate-half layout: default frequencies, and the scalings that change only
+the frequencies: Llama-3's bands and linear (position interpolation).
 
-Other scaled variants (linear, dynamic, yarn, longrope, ...) change the frequencies or the attention scale;
-serving such a checkpoint with plain RoPE would give silently wrong answers, so the config readers refuse
-them by name (`rope_theta_from_config` refuses every scaling, `rope_from_config` all but `llama3`).
+Other scaled variants (dynamic, yarn, longrope, ...) change the frequencies with the sequence's length or scale
+the attention; serving such a checkpoint with these frequencies would give silently wrong answers, so the config
+readers refuse them by name (`rope_theta_from_config` refuses every scaling, `rope_from_config` all but these).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import torch
 from torch import nn
 
 _UNSCALED_ROPE_TYPES = ("default", None)
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SCALING_KEYS = {  # rope_type -> the keys its frequencies need
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+}
 
 
 def rope_theta_from_config(config: Mapping[str, Any]) -> float:
@@ -26,27 +30,42 @@ def rope_theta_from_config(config: Mapping[str, Any]) -> float:
         rope_type = section.get("rope_type", section.get("type"))
         if rope_type not in _UNSCALED_ROPE_TYPES:
             raise ValueError(f"{key}.rope_type={rope_type!r} is not supported: only unscaled ('default') RoPE is")
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return _full_width_theta(config, params)
+
+
+def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from an HF config dict; the scaling is `{"rope_type": ..., <its keys>}` for the
+    types in `SCALING_KEYS`, and any other scaled type is refused, naming the key it came from."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    section = config.get(key) or {}
+    rope_type = section.get("rope_type", section.get("type"))
+    if rope_type in _UNSCALED_ROPE_TYPES:
+        return rope_theta_from_config(config), None
+    if rope_type not in SCALING_KEYS:
+        raise ValueError(f"{key}.rope_type={rope_type!r} is not supported: only 'default', "
+                         f"{', '.join(repr(t) for t in SCALING_KEYS)} RoPE are")
+    if missing := [k for k in SCALING_KEYS[rope_type] if k not in section]:
+        raise ValueError(f"{key}: rope_type={rope_type!r} needs {missing}")
+    theta = _full_width_theta(config, section)
+    return theta, {"rope_type": rope_type, **{k: float(section[k]) for k in SCALING_KEYS[rope_type]}}
+
+
+def _full_width_theta(config: Mapping[str, Any], section: Mapping[str, Any]) -> float:
+    """The base from the RoPE section (v5) or the top level (v4), refusing a rotation of part of each head."""
+    partial = section.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported: only full-width RoPE is")
-    theta = params.get("rope_theta", config.get("rope_theta"))
+    theta = section.get("rope_theta", config.get("rope_theta"))
     if theta is None:
         raise ValueError("config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
     return float(theta)
 
 
-def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
-    """(theta, llama3 scaling or None) from an HF config dict; any scaling but `llama3` is refused."""
-    section = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = section.get("rope_type", section.get("type"))
-    if rope_type == "llama3":
-        if missing := [k for k in _LLAMA3_KEYS if k not in section]:
-            raise ValueError(f"rope_type='llama3' needs {missing}")
-        theta = section.get("rope_theta", config.get("rope_theta"))
-        if theta is None:
-            raise ValueError("config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
-        return float(theta), {k: float(section[k]) for k in _LLAMA3_KEYS}
-    return rope_theta_from_config(config), None
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """The frequencies of a scaling from `rope_from_config`."""
+    if scaling["rope_type"] == "linear":  # position interpolation: every frequency slows down by `factor`
+        return inv_freq / scaling["factor"]
+    return llama3_inv_freq(inv_freq, scaling)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, float]) -> torch.Tensor:
@@ -69,13 +88,13 @@ class RotaryEmbedding(nn.Module):
     from a table: it is as cheap, needs no max length, and matches the reference's fp32 arithmetic exactly.
     """
 
-    def __init__(self, head_dim: int, theta: float, llama3_scaling: Mapping[str, float] | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         self.head_dim = head_dim
         self.theta = theta
-        self.llama3_scaling = llama3_scaling
+        self.scaling = scaling  # from rope_from_config, or None
         # Not a buffer: it is derived from the config, so it must survive meta-device construction and
         # never appears in (or is expected from) a checkpoint.
         self._inv_freq: torch.Tensor | None = None
@@ -84,8 +103,8 @@ class RotaryEmbedding(nn.Module):
         if self._inv_freq is None or self._inv_freq.device != device:
             exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
             inv_freq = 1.0 / (self.theta**exponent)
-            if self.llama3_scaling is not None:
-                inv_freq = llama3_inv_freq(inv_freq, self.llama3_scaling)
+            if self.scaling is not None:
+                inv_freq = scaled_inv_freq(inv_freq, self.scaling)
             self._inv_freq = inv_freq.to(device)
         return self._inv_freq
 
@@ -95,7 +114,7 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def extra_repr(self) -> str:
-        scaled = ", llama3 scaling" if self.llama3_scaling is not None else ""
+        scaled = f", {self.scaling['rope_type']} scaling" if self.scaling is not None else ""
         return f"head_dim={self.head_dim}, theta={self.theta}{scaled}"
 
 

@@ -15,8 +15,10 @@ from mstar_common.config import deployment_from_dict
 from mstar_common.families.registry import get_family
 from mstar_common.memory_plan import plan_lines
 
-QWEN3_06B = {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 1024,
-             "num_hidden_layers": 28, "max_position_embeddings": 40960}
+QWEN3_06B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 1024,
+             "intermediate_size": 3072, "num_hidden_layers": 28, "max_position_embeddings": 40960,
+             "rope_theta": 1000000, "rope_scaling": None, "tie_word_embeddings": True}
 GPU_DEPLOYMENT = {
     "name": "q", "family": "qwen3", "checkpoint": "/to/be/set",
     "components": {"llm": {"placement": {"device": "gpu", "gpus": [0], "instances": 2}}},

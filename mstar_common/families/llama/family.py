@@ -24,3 +24,8 @@ class LlamaFamily(Qwen3Family):
         from mstar_common.families.llama.loader import load_llama
 
         return load_llama(checkpoint, dtype=dtype, device=device)
+
+    def read_config(self, hf_config: dict) -> Any:
+        from mstar_common.families.llama.loader import read_llama_config
+
+        return read_llama_config(hf_config)

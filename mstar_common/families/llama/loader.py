@@ -13,7 +13,7 @@ import torch
 
 from mstar_common.engine.attention import AttentionBackend
 from mstar_common.families.llama.modeling import LlamaConfig, LlamaForCausalLM
-from mstar_common.families.qwen3.loader import load_dense_lm
+from mstar_common.families.qwen3.loader import load_dense_lm, read_dense_config
 
 MODEL_TYPES = ("llama",)
 
@@ -28,3 +28,7 @@ def load_llama(
     """Build the model on `device` in `dtype` from the checkpoint; returns it (in eval mode) and config.json."""
     return load_dense_lm(checkpoint_dir, LlamaConfig, LlamaForCausalLM, MODEL_TYPES, dtype, device, attn_backend,
                          fuse_projections)
+
+
+def read_llama_config(hf_config: dict[str, Any]) -> LlamaConfig:
+    return read_dense_config(hf_config, LlamaConfig, MODEL_TYPES)

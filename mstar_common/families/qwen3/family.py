@@ -45,7 +45,22 @@ class Qwen3Family(Family):
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        """The checkpoint's config.json as the loader reads it (a model it does not build, scaled RoPE, sliding
+        windows, ... are refused here, before anything starts), then max_model_len against its positions."""
+        import json
+
+        hf_config = json.loads((checkpoint / "config.json").read_text())  # unreadable: cli's refusal, naming it
+        try:
+            self.read_config(hf_config)
+        except ValueError as exc:
+            raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
         check_position_limit(dep, checkpoint, source)
+
+    def read_config(self, hf_config: dict) -> Any:
+        """config.json as this family's loader reads it (ValueError naming the key it refuses)."""
+        from mstar_common.families.qwen3.loader import read_qwen3_config
+
+        return read_qwen3_config(hf_config)
 
     def kv_shape(self, checkpoint: Path) -> tuple[int, int, int]:
         return causal_lm_kv_shape(checkpoint)

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_TYPES = ("qwen3",)
 _TIED_HEAD = "lm_head.weight"
+# RoPE tables that checkpoints saved by older transformers (and some trainers) carry as buffers; they are derived
+# from config.json, which the model computes them from, so they are skipped as transformers skips them.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
 
 
 def load_qwen3(
@@ -39,6 +42,10 @@ def load_qwen3(
                          fuse_projections)
 
 
+def read_qwen3_config(hf_config: dict[str, Any]) -> Qwen3Config:
+    return read_dense_config(hf_config, Qwen3Config, _MODEL_TYPES)
+
+
 def load_dense_lm(checkpoint_dir: str | Path, config_cls: type, model_cls: type, model_types: tuple[str, ...],
                   dtype: str | torch.dtype, device: str | torch.device, attn_backend: AttentionBackend | None,
                   fuse_projections: bool) -> tuple[Any, dict[str, Any]]:
@@ -46,15 +53,33 @@ def load_dense_lm(checkpoint_dir: str | Path, config_cls: type, model_cls: type,
     `model_cls` on meta, fill it (`materialize_and_fill`)."""
     path = Path(checkpoint_dir)
     hf_config = json.loads((path / "config.json").read_text())
-    if hf_config.get("model_type") not in model_types:
-        raise ValueError(f"config.json model_type must be one of {model_types}, got {hf_config.get('model_type')!r}")
-    config = config_cls.from_hf(hf_config)
+    config = read_dense_config(hf_config, config_cls, model_types)
     with torch.device("meta"):
         model = model_cls(config, attn_backend)
     materialize_and_fill(model, path, dtype, device, fuse_projections)
+    rope = f", {config.rope_scaling['rope_type']} RoPE" if config.rope_scaling else ""
     logger.info("loaded %s (%d layers, hidden %d, vocab %d%s) from %s", model_cls.__name__, config.num_hidden_layers,
-                config.hidden_size, config.vocab_size, ", llama3 RoPE" if config.rope_scaling else "", path.name)
+                config.hidden_size, config.vocab_size, rope, path.name)
     return model.eval(), hf_config
+
+
+def read_dense_config(hf_config: dict[str, Any], config_cls: type, model_types: tuple[str, ...]) -> Any:
+    """`config.json` as `config_cls.from_hf` reads it, after refusing what no dense loader builds: another
+    `model_type` (a MoE such as qwen3_moe, another architecture), a head other than a causal LM's (a classifier),
+    quantized weights. Each refusal is a ValueError naming the config key; `mstar check` runs this too."""
+    model_type = hf_config.get("model_type")
+    architectures = hf_config.get("architectures") or []
+    if model_type not in model_types:
+        raise ValueError(f"model_type={model_type!r} (architectures {architectures}) is not supported: only "
+                         f"{list(model_types)}, the dense *ForCausalLM checkpoints")
+    if architectures and not any(str(name).endswith("ForCausalLM") for name in architectures):
+        raise ValueError(f"architectures={architectures} is not supported: only a causal LM's head "
+                         f"(*ForCausalLM) generates text")
+    if quantization := hf_config.get("quantization_config"):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quantization_config (quant_method={method!r}) is not supported: only unquantized "
+                         f"float32/bfloat16/float16 weights are")
+    return config_cls.from_hf(hf_config)
 
 
 def read_eos_token_ids(checkpoint_dir: str | Path, hf_config: dict[str, Any] | None = None) -> list[int]:
@@ -103,6 +128,8 @@ def _fill(model: torch.nn.Module, path: Path) -> None:
             filled.add(name)
         elif is_tied and name == _TIED_HEAD:
             tied_copy = tensor
+        elif name.endswith(_DERIVED_SUFFIXES):
+            continue
         else:
             unused.append(name)
     missing = sorted(set(params) - filled)

@@ -1,0 +1,247 @@
+"""Real-world variants of Qwen3 and Llama checkpoints, built tiny with transformers' own classes: each is either
+served with transformers' logits and greedy tokens, or refused by `mstar check` (and so by `mstar serve` before it
+starts anything) with one line naming the config key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from mstar_common import cli, wire
+from mstar_common.config import load_deployment
+from mstar_common.engine.ar_engine import AREngine
+from mstar_common.engine.types import EngineConfig, FinishReason, SamplingParams
+from mstar_common.families.llama.family import LlamaFamily
+from mstar_common.families.llama.loader import load_llama
+from mstar_common.families.qwen3.family import Qwen3Family
+from mstar_common.families.qwen3.loader import load_qwen3
+from mstar_common.families.qwen3.tiny import VOCAB_MULTIPLE, build_tokenizer
+from tests.unit.test_qwen3_parity import PagedRunner
+
+transformers = pytest.importorskip("transformers")
+
+TOKENIZER = build_tokenizer()
+VOCAB = -(-len(TOKENIZER) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+BASE = {"vocab_size": VOCAB, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+        "initializer_range": 0.2, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": None}
+FAMILIES = {  # family -> (HF model class, HF config class, loader)
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, load_llama),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, load_qwen3),
+}
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}  # small, so the tiny prompts cross every band
+
+
+def build(path: Path, family: str, model_cls: type | None = None, config_cls: type | None = None, **overrides) -> Path:
+    hf_model, hf_config, _ = FAMILIES[family]
+    config = (config_cls or hf_config)(**{**BASE, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = (model_cls or hf_model)(config).eval()
+    model.save_pretrained(path)
+    TOKENIZER.save_pretrained(path)
+    return path
+
+
+def as_transformers_v4(path: Path) -> Path:
+    """Rewrite config.json as checkpoints on the Hub still have it (transformers v4): `rope_theta` at the top,
+    `rope_scaling` with `type`, `torch_dtype`."""
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope["rope_type"] == "default" else {"type": rope.pop("rope_type"), **rope}
+    config["torch_dtype"] = config.pop("dtype", "bfloat16")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _prompt(length: int) -> list[int]:
+    return torch.randint(3, 400, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+def _greedy(engine: AREngine, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], str]:
+    tokens, finish = [], []
+    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+                       lambda rid, toks, fin, err: (tokens.extend(toks), fin and finish.append(fin)))
+    while engine.step() or engine.scheduler.num_running:
+        pass
+    return tokens, finish[0] if finish else ""
+
+
+def assert_matches_transformers(path: Path, family: str) -> None:
+    hf_model, _, loader = FAMILIES[family]
+    hf = hf_model.from_pretrained(path, dtype=torch.float32).eval()
+    model, config = loader(path)
+    ids = _prompt(70)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    runner = PagedRunner(model)
+    table = runner.new_table(len(ids))
+    got = torch.cat([runner.forward([(table, ids[:45], 0)]), runner.forward([(table, ids[45:], 45)])])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    engine = AREngine(model, EngineConfig(num_kv_pages=64, page_size=8, max_num_seqs=4, max_batch_tokens=64),
+                      eos_token_ids=[], vocab_size=config["vocab_size"])
+    out = hf.generate(torch.tensor([ids[:20]]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert _greedy(engine, ids[:20], 12)[0] == out[0, 20:].tolist()
+
+
+SERVED = {
+    "llama-head_dim-apart-from-hidden/heads": ("llama", {"head_dim": 32}),
+    "llama-gqa-1": ("llama", {"num_key_value_heads": 6}),
+    "llama-gqa-8": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 12}),
+    "llama-attention_bias-mlp_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-untied": ("llama", {"tie_word_embeddings": False}),
+    "llama3.1-rope": ("llama", {"rope_parameters": {"rope_theta": 500_000.0, **LLAMA31_ROPE}}),
+    "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}),
+    "qwen3-untied": ("qwen3", {"tie_word_embeddings": False}),
+    "qwen3-head_dim-apart-from-hidden/heads": ("qwen3", {"head_dim": 32}),
+    "qwen3-attention_bias": ("qwen3", {"attention_bias": True}),
+}
+
+
+@pytest.mark.parametrize("variant", SERVED)
+def test_a_variant_is_served_as_transformers_runs_it(variant, tmp_path):
+    family, overrides = SERVED[variant]
+    assert_matches_transformers(build(tmp_path / "ckpt", family, **overrides), family)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {"rope_parameters": {"rope_theta": 500_000.0, **LLAMA31_ROPE}}),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}),
+    ("qwen3", {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 28}),
+], ids=["llama3.1", "linear", "qwen3"])
+def test_a_config_json_in_the_transformers_v4_layout_is_read_the_same(family, overrides, tmp_path):
+    assert_matches_transformers(as_transformers_v4(build(tmp_path / "ckpt", family, **overrides)), family)
+
+
+def _check(tmp_path: Path, family: str, checkpoint: Path, capsys) -> tuple[int, str]:
+    raw = yaml.safe_load((cli.CONFIGS / "qwen3.yaml").read_text())
+    raw.update(family=family, checkpoint=str(checkpoint))
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()  # the build's progress bars
+    code = cli.main(["check", str(path)])
+    return code, capsys.readouterr().err
+
+
+def _edit_config(path: Path, **changes) -> Path:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+REFUSED = {
+    "qwen3-moe": ("qwen3", dict(model_cls=transformers.Qwen3MoeForCausalLM, config_cls=transformers.Qwen3MoeConfig,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), {},
+                  r"model_type='qwen3_moe' \(architectures \['Qwen3MoeForCausalLM'\]\) is not supported: only "
+                  r"\['qwen3'\]"),
+    "qwen3-yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                 "original_max_position_embeddings": 128}}, {},
+                   r"rope_parameters.rope_type='yarn' is not supported"),
+    "qwen3-sliding-window": ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {},
+                             r"use_sliding_window=true is not supported"),
+    "llama-dynamic-rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+                           {}, r"rope_parameters.rope_type='dynamic' is not supported: only 'default', 'llama3', "
+                               r"'linear' RoPE are"),
+    "llama-under-family-qwen3": ("llama", {}, {"family": "qwen3"}, r"model_type='llama' .* only \['qwen3'\]"),
+    "a-classifier-head": ("llama", {}, {"architectures": ["LlamaForSequenceClassification"]},
+                          r"architectures=\['LlamaForSequenceClassification'\] is not supported"),
+    "quantized": ("llama", {}, {"quantization_config": {"quant_method": "fp8"}},
+                  r"quantization_config \(quant_method='fp8'\) is not supported"),
+}
+
+
+@pytest.mark.parametrize("variant", REFUSED)
+def test_an_unsupported_variant_is_refused_by_mstar_check_naming_the_key(variant, tmp_path, capsys):
+    """`mstar check` said ok to each; the component then failed at load, inside tritonserver."""
+    family, build_args, edits, rule = REFUSED[variant]
+    checkpoint = build(tmp_path / "ckpt", family, **build_args)
+    served_as = edits.get("family", family)
+    _edit_config(checkpoint, **{k: v for k, v in edits.items() if k != "family"})
+    code, err = _check(tmp_path, served_as, checkpoint, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"mstar: error: dep.yaml: checkpoint {checkpoint}: config.json: ")
+    assert re.search(rule, err), err
+
+
+def test_rope_tables_an_older_checkpoint_carries_are_skipped_and_other_extra_tensors_refused(tmp_path):
+    """transformers before 4.31 saved each layer's `rotary_emb.inv_freq` (some trainers cos/sin caches too):
+    derived from config.json, transformers skips them on load, and so does the loader; any other extra tensor is
+    still refused by name."""
+    path = build(tmp_path / "ckpt", "llama", rope_parameters={"rope_theta": 500_000.0, **LLAMA31_ROPE})
+    tensors = load_file(path / "model.safetensors")
+    for layer in range(BASE["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert_matches_transformers(path, "llama")
+    tensors["model.layers.0.self_attn.rotary_emb.scale"] = torch.ones(1)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unused checkpoint tensors model.layers.0.self_attn.rotary_emb.scale$"):
+        load_llama(path)
+
+
+FAMILIES_RUNTIME = {"llama": LlamaFamily, "qwen3": Qwen3Family}
+
+
+def _runtime(path: Path, family: str = "llama"):
+    dep = load_deployment(cli.CONFIGS / "qwen3.yaml")
+    return FAMILIES_RUNTIME[family]().build_component("llm", dataclasses.replace(dep, family=family), path, "cpu")
+
+
+
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_an_eos_token_id_list_stops_generation_at_any_of_its_ids(where, tmp_path):
+    """Llama 3 instruct lists [128001, 128008, 128009] in both files; generation stops at any of them, where
+    transformers' generate stops."""
+    path = build(tmp_path / "ckpt", "llama")
+    prompt = _prompt(20)
+    free_run, _ = _greedy(_runtime(path).engine, prompt, 12)
+    stop_at = next(i for i in range(2, 12) if free_run[i] not in free_run[:i])
+    eos = [VOCAB - 1, free_run[stop_at], VOCAB - 2]
+    if where == "config.json":
+        _edit_config(path, eos_token_id=eos)
+        (path / "generation_config.json").unlink()
+    else:
+        _edit_config(path, eos_token_id=VOCAB - 3)
+        generation = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
+    runtime = _runtime(path)
+    assert sorted(runtime.engine.eos_token_ids) == sorted(eos)
+    tokens, finish = _greedy(runtime.engine, prompt, 12, ignore_eos=False)
+    assert tokens == free_run[:stop_at + 1] and finish == FinishReason.STOP
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 20:].tolist() == tokens
+
+
+def _messages_prompt(runtime, messages: list[dict]) -> list[int]:
+    return runtime.parse_request({wire.MESSAGES: np.array([json.dumps(messages).encode()], dtype=object)}).prompt_ids
+
+
+def test_the_chat_template_is_found_in_chat_template_jinja_or_tokenizer_config(tmp_path):
+    """transformers 5 writes the template to chat_template.jinja; most Hub checkpoints keep it inside
+    tokenizer_config.json; without either the chat route refuses messages (a 400 naming `messages`)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    path = build(tmp_path / "ckpt", "qwen3")
+    assert (path / "chat_template.jinja").is_file()
+    runtime = _runtime(path, "qwen3")
+    assert _messages_prompt(runtime, messages) == TOKENIZER.encode(want, add_special_tokens=False)
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
+    assert _messages_prompt(_runtime(path, "qwen3"), messages) == _messages_prompt(runtime, messages)
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match=r"^messages: this checkpoint has no chat template; send text_input instead"):
+        _messages_prompt(_runtime(path, "qwen3"), messages)
