@@ -31,6 +31,7 @@ GPU_DEPLOYMENT = {
 def qwen3_config_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    (tmp_path / "tokenizer.json").write_text("{}")
     return tmp_path
 
 

@@ -245,3 +245,26 @@ def test_the_chat_template_is_found_in_chat_template_jinja_or_tokenizer_config(t
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     with pytest.raises(ValueError, match=r"^messages: this checkpoint has no chat template; send text_input instead"):
         _messages_prompt(_runtime(path, "qwen3"), messages)
+
+
+def test_sharded_weights_load_and_a_shard_missing_or_no_tokenizer_is_refused_by_mstar_check(tmp_path, capsys):
+    """Shards listed in model.safetensors.index.json load as one file does; a download cut short (the index and
+    some shards) or a folder without tokenizer files said ok at `mstar check` and failed at load."""
+    single = build(tmp_path / "single", "qwen3", tie_word_embeddings=False)
+    path = tmp_path / "sharded"
+    transformers.Qwen3ForCausalLM.from_pretrained(single, dtype=torch.float32).save_pretrained(
+        path, max_shard_size="100KB")
+    TOKENIZER.save_pretrained(path)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (path / "model.safetensors.index.json").is_file()
+    assert_matches_transformers(path, "qwen3")
+    assert _check(tmp_path, "qwen3", path, capsys)[0] == 0
+    shards[-1].rename(tmp_path / "elsewhere")
+    code, err = _check(tmp_path, "qwen3", path, capsys)
+    assert code == 2 and err == (f"mstar: error: dep.yaml: checkpoint {path}: model.safetensors.index.json names "
+                                 f"shard(s) ['{shards[-1].name}'] that are not in the folder (an unfinished "
+                                 f"download?)\n")
+    (tmp_path / "elsewhere").rename(shards[-1])
+    (path / "tokenizer.json").unlink()
+    code, err = _check(tmp_path, "qwen3", path, capsys)
+    assert code == 2 and err.startswith(f"mstar: error: dep.yaml: checkpoint {path}: no tokenizer (tokenizer.json, ")
