@@ -16,6 +16,7 @@ import numpy as np
 
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.png import DEFLATE, encode_png, encode_png_rows
+from mstar_common.families.text import check_text_fits, max_token_bytes
 from mstar_common.images import OutputOptions, check_geometry, encode_image, output_options, parse_size
 from mstar_common.walk_api import Call
 
@@ -56,6 +57,7 @@ class ImageWalk:
         self.tokenizer = tokenizer
         self.options = options
         self.multiple = multiple  # pixels per token side
+        self.max_prompt_bytes = self.text_tokens * max_token_bytes(tokenizer)  # a longer prompt cannot fit
         if DEFLATE != "isal":  # what a missing dependency costs, said once (the PNG deflate, png.py)
             logger.warning("[walk] PNG deflate on zlib: `isal` is not importable here (6-15x slower per image)")
 
@@ -64,6 +66,7 @@ class ImageWalk:
         prompt = text(inputs, g.PROMPT)
         if prompt is None or not prompt.strip():
             raise ValueError("prompt: required and must not be empty")
+        check_text_fits(prompt, "prompt", self.text_tokens, self.max_prompt_bytes)  # before the tokenizer sees it
         width, height = integer(inputs, g.WIDTH), integer(inputs, g.HEIGHT)
         if (width is None) != (height is None):
             raise ValueError("size: give both width and height, or neither")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
+from mstar_common.families.text import max_token_bytes
 from mstar_common.families.whisper import graph as g
 from mstar_common.families.whisper.audio import (
     TARGET_RATE,
@@ -67,12 +68,13 @@ class WhisperWalk:
     def __init__(self, tokenizer: Any, tokens: WhisperTokens, options: WalkOptions) -> None:
         self.tokenizer, self.tokens, self.options = tokenizer, tokens, options
         self.max_prompt_tokens = tokens.max_length // 2 - 1
+        self.max_prompt_bytes = self.max_prompt_tokens * max_token_bytes(tokenizer)  # a longer prompt cannot fit
         self.windows = asyncio.Semaphore(options.max_windows_in_flight)  # shared by every upload of this walk
 
     async def stream(self, inputs: dict[str, np.ndarray], call: Call,
                      call_stream: CallStream) -> AsyncIterator[dict[str, np.ndarray]]:
         """Responses for one request: text deltas, then a last one with the metadata (and any remaining text)."""
-        req = parse_request(inputs, self.tokenizer, self.tokens, self.max_prompt_tokens)
+        req = parse_request(inputs, self.tokenizer, self.tokens, self.max_prompt_tokens, self.max_prompt_bytes)
         pcm = await asyncio.to_thread(self._load_audio, req)
         windows = split_windows(pcm, self.options.window_seconds)
         job = _Transcription(self, req, pcm, windows, call, call_stream)

@@ -59,7 +59,7 @@ class TextLMRuntime:
 
     def __post_init__(self) -> None:
         if not self.max_text_bytes:
-            self.max_text_bytes = self.max_model_len * _max_token_bytes(self.tokenizer)
+            self.max_text_bytes = self.max_model_len * max_token_bytes(self.tokenizer)
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> TextRequest:
         prompt_ids = self._prompt_ids(inputs)
@@ -118,12 +118,20 @@ class TextLMRuntime:
                                      f"(at most {limit} bytes)")
 
 
-def _max_token_bytes(tokenizer: Any) -> int:
+def max_token_bytes(tokenizer: Any) -> int:
     """An upper bound on the UTF-8 bytes one token stands for (byte-level BPE maps each byte to one char)."""
     try:
         return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
     except (AttributeError, TypeError, ValueError):
         return 1024
+
+
+def check_text_fits(text: str, field: str, max_tokens: int, max_bytes: int) -> None:
+    """Refuse a text that cannot tokenize to `max_tokens` tokens or fewer (more than `max_bytes`, i.e. `max_tokens x
+    max_token_bytes`, UTF-8 bytes) before tokenizing it: a tokenizer reads ~1 MB a second, so a 16 MB text held the
+    thread (a walk's event loop, a component's intake) for ~20 s only to be refused by its token count."""
+    if (size := len(text.encode("utf-8"))) > max_bytes:
+        raise ValueError(f"{field}: {size} bytes cannot fit {max_tokens} tokens (at most {max_bytes} bytes)")
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:

@@ -173,3 +173,10 @@ def test_taps_the_checkpoints_text_encoder_lacks_are_refused_before_serving(tmp_
                                               r"layer numbers in \[1, "):
         check_against_checkpoint(get_family("flux2_klein"), deployment_from_dict(raw), checkpoint, "t.yaml")
     check_against_checkpoint(get_family("flux2_klein"), deployment_from_dict(copy.deepcopy(BASE)), checkpoint, "t.yaml")
+
+
+def test_a_prompt_too_long_for_the_text_encoder_is_refused_before_tokenizing(walk):
+    # it was tokenized first, on the walk's event loop: ~20 s for 16 MB, every request of the walk waiting
+    with pytest.raises(ValueError, match=r"^prompt: 4000000 bytes cannot fit 512 tokens \(at most \d+ bytes\)"):
+        walk.parse({"prompt": np.array([b"a" * 4_000_000], dtype=object)})
+    assert walk.parse({"prompt": np.array([b"a cat " * 50], dtype=object)}).prompt.startswith("a cat")

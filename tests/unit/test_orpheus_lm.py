@@ -199,3 +199,14 @@ def test_first_chunk_frames_reaches_the_runtime_and_is_validated(tmp_path):
         bad = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "first_chunk_frames": value})
         with pytest.raises(Exception, match="first_chunk_frames: must be an integer >= 1 or 'auto'"):
             OrpheusFamily().validate_deployment(bad, "test")
+
+
+def test_a_text_too_long_for_the_input_cap_is_refused_before_tokenizing(runtime, monkeypatch):
+    rt, _ = runtime
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("tokenized a text that cannot fit")
+
+    monkeypatch.setattr(rt.tokenizer, "encode", not_called)
+    with pytest.raises(ValueError, match=r"^text_input: 4000000 bytes cannot fit 256 tokens \(at most \d+ bytes\)"):
+        rt.parse_request(_inputs("a" * 4_000_000))

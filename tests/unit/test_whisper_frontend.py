@@ -154,3 +154,20 @@ def test_the_sparse_resampler_matches_the_polyphase_one(rate, monkeypatch):
     monkeypatch.setattr(audio, "MAX_POLYPHASE_TABLE", 0)  # every ratio through the sparse path
     got = resample(x, rate, SR)
     assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
+
+
+def test_a_prompt_too_long_for_the_decoders_window_is_refused_before_tokenizing():
+    from types import SimpleNamespace
+
+    from mstar_common.families.whisper.requests import prompt_ids
+
+    class Tokenizer:
+        def get_vocab(self):
+            return {"a": 0, "hello": 1}
+
+        def encode(self, *args, **kwargs):
+            raise AssertionError("tokenized a prompt that cannot fit")
+
+    tokens = SimpleNamespace(prev=2, eot=3)
+    with pytest.raises(ValueError, match=r"^prompt: 4000001 bytes cannot fit 63 tokens \(at most 315 bytes\)"):
+        prompt_ids("a" * 4_000_000, Tokenizer(), tokens, 63)

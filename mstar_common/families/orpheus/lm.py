@@ -19,7 +19,7 @@ from mstar_common import wire
 from mstar_common.engine.types import SamplingParams
 from mstar_common.families.orpheus.codes import FrameRule
 from mstar_common.families.orpheus.tokens import TokenLayout
-from mstar_common.families.text import _scalar_text, sampling_params_from_inputs
+from mstar_common.families.text import _scalar_text, check_text_fits, max_token_bytes, sampling_params_from_inputs
 from mstar_common.graph import TensorSpec
 
 # The reference's generation defaults (orpheus-tts `generate_speech`).
@@ -98,6 +98,11 @@ class OrpheusLMRuntime:
     sample_rate: int
     first_chunk_frames: int | None = 1  # frames in each stream's first audio response (None: auto; AudioStream)
     local_codec: Any = None  # a SnacCodec when `codec_in_process` (no BLS hop), else None
+    max_input_bytes: int = 0  # a text longer than this cannot fit max_input_tokens; 0: from the tokenizer
+
+    def __post_init__(self) -> None:
+        if not self.max_input_bytes:
+            self.max_input_bytes = self.max_input_tokens * max_token_bytes(self.tokenizer)
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> SpeechRequest:
         if wire.TEXT_INPUT not in inputs:
@@ -108,6 +113,7 @@ class OrpheusLMRuntime:
         voice = _scalar_text(inputs, wire.VOICE) if wire.VOICE in inputs else self.default_voice
         if voice not in self.voices:
             raise ValueError(f"voice: unknown voice {voice!r}; available voices: {list(self.voices)}")
+        check_text_fits(text, wire.TEXT_INPUT, self.max_input_tokens, self.max_input_bytes)
         num_words = len(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
         if num_words > self.max_input_tokens:
             raise ValueError(f"text_input: {num_words} tokens exceeds the limit of {self.max_input_tokens} tokens")

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from mstar_common.families.text import check_text_fits, max_token_bytes
 from mstar_common.families.whisper import graph as g
 from mstar_common.families.whisper.decoding import TASKS, WhisperTokens
 
@@ -30,7 +31,9 @@ class TranscriptionRequest:
 
 
 def parse_request(inputs: dict[str, np.ndarray], tokenizer: Any, tokens: WhisperTokens,
-                  max_prompt_tokens: int) -> TranscriptionRequest:
+                  max_prompt_tokens: int, max_prompt_bytes: int | None = None) -> TranscriptionRequest:
+    """`max_prompt_bytes`: a prompt longer than this cannot fit `max_prompt_tokens` (`max_token_bytes` times it);
+    None: computed here from the tokenizer's vocabulary."""
     audio, pcm, rate = _audio(inputs)
     language = _text(inputs, g.LANGUAGE)
     language = tokens.language_code(language) if language else None
@@ -51,18 +54,21 @@ def parse_request(inputs: dict[str, np.ndarray], tokenizer: Any, tokens: Whisper
     timestamps = _scalar(inputs, g.TIMESTAMPS)
     return TranscriptionRequest(
         audio=audio, pcm=pcm, sample_rate=rate, language=language, task=task,
-        prompt_ids=prompt_ids(_text(inputs, g.PROMPT) or "", tokenizer, tokens, max_prompt_tokens),
+        prompt_ids=prompt_ids(_text(inputs, g.PROMPT) or "", tokenizer, tokens, max_prompt_tokens, max_prompt_bytes),
         temperature=temperature, timestamps=bool(timestamps) if timestamps is not None else False,
         max_tokens=max_tokens, seed=seed,
     )
 
 
-def prompt_ids(text: str, tokenizer: Any, tokens: WhisperTokens, max_tokens: int) -> list[int]:
+def prompt_ids(text: str, tokenizer: Any, tokens: WhisperTokens, max_tokens: int,
+               max_bytes: int | None = None) -> list[int]:
     """The initial prompt as Whisper reads it: a leading space, then the text (no special tokens allowed)."""
     if not text.strip():
         return []
     if tokens.prev is None:
         raise ValueError(f"{g.PROMPT}: this checkpoint declares no <|startofprev|> token, so it takes no prompt")
+    max_bytes = max_tokens * max_token_bytes(tokenizer) if max_bytes is None else max_bytes
+    check_text_fits(" " + text.strip(), g.PROMPT, max_tokens, max_bytes)  # before the tokenizer sees it
     ids = list(tokenizer.encode(" " + text.strip(), add_special_tokens=False))
     if special := [i for i in ids if i >= tokens.eot]:
         raise ValueError(f"{g.PROMPT}: must be plain text; it spells the special token "
