@@ -268,3 +268,14 @@ def test_sharded_weights_load_and_a_shard_missing_or_no_tokenizer_is_refused_by_
     (path / "tokenizer.json").unlink()
     code, err = _check(tmp_path, "qwen3", path, capsys)
     assert code == 2 and err.startswith(f"mstar: error: dep.yaml: checkpoint {path}: no tokenizer (tokenizer.json, ")
+
+
+@pytest.mark.parametrize("stored, says", [(torch.bfloat16, "float32"), (torch.float16, "bfloat16"),
+                                          (torch.float32, "bfloat16")])
+def test_weights_stored_in_another_dtype_than_torch_dtype_says_load_as_transformers_loads_them(stored, says,
+                                                                                                tmp_path):
+    path = build(tmp_path / "ckpt", "qwen3", tie_word_embeddings=False)
+    tensors = {name: t.to(stored) for name, t in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(path, dtype=says, torch_dtype=says)
+    assert_matches_transformers(path, "qwen3")
