@@ -95,7 +95,9 @@ class TextLMRuntime:
                 raise ValueError(f"input_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
             return ids
         if wire.TEXT_INPUT in inputs:
-            return list(self.tokenizer.encode(_scalar_text(inputs, wire.TEXT_INPUT), add_special_tokens=False))
+            # As the tokenizer's own call frames a text (transformers' `tokenizer(text)`, vLLM's completions): with
+            # the BOS a Llama tokenizer adds (<|begin_of_text|>); Qwen3's adds none. A chat template writes its own.
+            return list(self.tokenizer.encode(_scalar_text(inputs, wire.TEXT_INPUT), add_special_tokens=True))
         messages = _json(inputs, wire.MESSAGES)
         template_kwargs = _json(inputs, wire.CHAT_TEMPLATE_KWARGS) if wire.CHAT_TEMPLATE_KWARGS in inputs else {}
         wire.check_chat_template_kwargs(template_kwargs)

@@ -279,3 +279,24 @@ def test_weights_stored_in_another_dtype_than_torch_dtype_says_load_as_transform
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     _edit_config(path, dtype=says, torch_dtype=says)
     assert_matches_transformers(path, "qwen3")
+
+
+def test_a_raw_prompt_gets_the_bos_a_llama_tokenizer_adds(tmp_path):
+    """Llama 3's tokenizer.json frames every text as `<|begin_of_text|> $A`: transformers' `tokenizer(text)` and
+    vLLM's completions start the prompt with it, and a Llama base model's output depends on it. text_input (and so
+    /v1/completions) was encoded without it; a chat prompt takes the BOS its template writes, not a second one."""
+    from tokenizers import processors
+
+    bos = "<|endoftext|>"
+    backend = build_tokenizer().backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, TOKENIZER.convert_tokens_to_ids(bos))])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="<|im_end|>")
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = build(tmp_path / "ckpt", "llama")
+    tokenizer.save_pretrained(path)
+    runtime = _runtime(path)
+    text = "Hello world"
+    ids = runtime.parse_request({wire.TEXT_INPUT: np.array([text.encode()], dtype=object)}).prompt_ids
+    assert ids == tokenizer(text).input_ids and ids[0] == tokenizer.bos_token_id
+    assert _messages_prompt(runtime, [{"role": "user", "content": text}]) == ids
