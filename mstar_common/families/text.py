@@ -46,6 +46,23 @@ class TextRequest:
     stops: list[str] = field(default_factory=list)
 
 
+# generation_config.json's sampling fields a request that sets none takes (model_kwargs.generation_config: auto)
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_sampling_defaults(gen_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a checkpoint recommends: the `SAMPLING_DEFAULT_FIELDS` its generation_config.json
+    sets, as vLLM's `--generation-config auto` reads them (`do_sample` is not read, as vLLM does not). ValueError
+    naming the field where a value breaks the request rules (top_p 0, a temperature that is not a number, ...)."""
+    found = {name: gen_config[name] for name in SAMPLING_DEFAULT_FIELDS if gen_config.get(name) is not None}
+    for name, value in found.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name}: must be a number, got {value!r}")
+    defaults = {name: int(value) if name == "top_k" else float(value) for name, value in found.items()}
+    SamplingParams(**defaults).validate()
+    return defaults
+
+
 @dataclass(slots=True)
 class TextLMRuntime:
     """What a text LM Triton instance runs: the engine and the tokenizer that frames its requests."""
@@ -56,6 +73,7 @@ class TextLMRuntime:
     max_model_len: int
     default_max_tokens: int
     max_text_bytes: int = 0  # a prompt text longer than this cannot fit max_model_len; 0: from the tokenizer
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for knobs a request leaves unset
 
     def __post_init__(self) -> None:
         if not self.max_text_bytes:
@@ -70,7 +88,8 @@ class TextLMRuntime:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len={self.max_model_len}"
             )
-        params = sampling_params_from_inputs(inputs, default_max_tokens=min(self.default_max_tokens, room))
+        params = sampling_params_from_inputs(inputs, default_max_tokens=min(self.default_max_tokens, room),
+                                             defaults=self.sampling_defaults)
         if params.max_tokens > room:
             raise ValueError(
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
@@ -173,8 +192,10 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def sampling_params_from_inputs(inputs: dict[str, np.ndarray], default_max_tokens: int) -> SamplingParams:
-    values: dict[str, Any] = {"max_tokens": default_max_tokens}
+def sampling_params_from_inputs(inputs: dict[str, np.ndarray], default_max_tokens: int,
+                                defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling knobs; one it leaves unset takes `defaults` (the checkpoint's), else the engine's."""
+    values: dict[str, Any] = {"max_tokens": default_max_tokens, **(defaults or {})}
     for name in wire.SAMPLING_INPUTS:
         if name in inputs:
             arr = inputs[name].reshape(-1)

@@ -300,3 +300,43 @@ def test_a_raw_prompt_gets_the_bos_a_llama_tokenizer_adds(tmp_path):
     ids = runtime.parse_request({wire.TEXT_INPUT: np.array([text.encode()], dtype=object)}).prompt_ids
     assert ids == tokenizer(text).input_ids and ids[0] == tokenizer.bos_token_id
     assert _messages_prompt(runtime, [{"role": "user", "content": text}]) == ids
+
+
+def _gen_config(path: Path, **fields) -> Path:
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, **fields}))
+    return path
+
+
+def test_a_request_that_leaves_a_knob_unset_samples_with_the_checkpoints_generation_config(tmp_path):
+    """Qwen3's and Llama 3's checkpoints recommend sampling values in generation_config.json (Qwen3: temperature 0.6,
+    top_p 0.95, top_k 20); vLLM applies them to requests that leave those knobs unset, and so does the server now.
+    A knob the request sets wins; `model_kwargs.generation_config: ignore` keeps the API's own defaults."""
+    path = _gen_config(build(tmp_path / "ckpt", "qwen3"), do_sample=True, temperature=0.6, top_p=0.95, top_k=20,
+                       repetition_penalty=1.05)
+    prompt = {wire.TEXT_INPUT: np.array([b"Hello"], dtype=object)}
+    params = _runtime(path, "qwen3").parse_request(prompt).params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+        (0.6, 0.95, 20, 0.0, 1.05)
+    sent = {**prompt, "temperature": np.array([0.0], np.float32), "top_k": np.array([0], np.int32)}
+    params = _runtime(path, "qwen3").parse_request(sent).params
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 0, 0.95)
+    dep = load_deployment(cli.CONFIGS / "qwen3.yaml")
+    dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "generation_config": "ignore"})
+    params = Qwen3Family().build_component("llm", dep, path, "cpu").parse_request(prompt).params
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"top_p": 0.0}, "generation_config.json: top_p: must be in (0, 1], got 0.0"),
+    ({"temperature": "hot"}, "generation_config.json: temperature: must be a number, got 'hot'"),
+])
+def test_a_generation_config_whose_sampling_values_break_the_rules_is_refused_by_mstar_check(fields, message,
+                                                                                             tmp_path, capsys):
+    path = _gen_config(build(tmp_path / "ckpt", "qwen3"), **fields)
+    code, err = _check(tmp_path, "qwen3", path, capsys)
+    assert code != 0 and message in err and "model_kwargs.generation_config: ignore" in err
+    raw = yaml.safe_load((cli.CONFIGS / "qwen3.yaml").read_text())
+    raw.update(checkpoint=str(path), model_kwargs={**raw["model_kwargs"], "generation_config": "ignore"})
+    (tmp_path / "ignored.yaml").write_text(yaml.safe_dump(raw))
+    assert cli.main(["check", str(tmp_path / "ignored.yaml")]) == 0

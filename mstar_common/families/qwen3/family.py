@@ -16,7 +16,10 @@ logger = logging.getLogger(__name__)
 MODEL_KWARGS = {
     "dtype": "weights and activations: float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on gpu)",
     "default_max_tokens": "output cap for requests that set no max_tokens (default 256)",
+    "generation_config": "auto (default): a request's unset temperature/top_p/top_k/min_p/repetition_penalty take "
+                         "the checkpoint's generation_config.json values, as vLLM's; ignore: the API's defaults",
 }
+GENERATION_CONFIG_MODES = ("auto", "ignore")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -42,6 +45,10 @@ class Qwen3Family(Family):
         if isinstance(default_max, bool) or not isinstance(default_max, int) or default_max < 1:
             raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1, got "
                                   f"{default_max!r}")
+        mode = dep.model_kwargs.get("generation_config", "auto")
+        if mode not in GENERATION_CONFIG_MODES:
+            raise DeploymentError(f"{source}: model_kwargs.generation_config: must be one of "
+                                  f"{list(GENERATION_CONFIG_MODES)}, got {mode!r}")
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
@@ -57,6 +64,7 @@ class Qwen3Family(Family):
             raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
         check_position_limit(dep, checkpoint, source)
         check_checkpoint_files(checkpoint, source)
+        sampling_defaults(dep, checkpoint, source)
 
     def read_config(self, hf_config: dict) -> Any:
         """config.json as this family's loader reads it (ValueError naming the key it refuses)."""
@@ -107,12 +115,16 @@ class Qwen3Family(Family):
         engine = AREngine(model, config, eos_token_ids=eos_ids, vocab_size=int(hf_config["vocab_size"]), graphs=graphs)
         logger.info("[%s/llm] loaded %s on %s (%s, attention %s), eos=%s", self.name, checkpoint.name, device, dtype,
                     model.attn_backend.name, eos_ids)
+        if defaults := sampling_defaults(dep, checkpoint, dep.name):
+            logger.info("[%s/llm] requests that leave them unset sample with the checkpoint's generation_config.json "
+                        "%s (model_kwargs.generation_config: ignore turns this off)", self.name, defaults)
         return TextLMRuntime(
             engine=engine,
             tokenizer=tokenizer,
             vocab_size=int(hf_config["vocab_size"]),
             max_model_len=dep.resources.max_model_len,
             default_max_tokens=int(dep.model_kwargs.get("default_max_tokens", 256)),
+            sampling_defaults=defaults,
         )
 
 
@@ -135,6 +147,25 @@ def check_checkpoint_files(checkpoint: Path, source: str) -> None:
     if not any((checkpoint / name).is_file() for name in TOKENIZER_FILES) and not any(checkpoint.glob("*.tiktoken")):
         raise DeploymentError(f"{source}: checkpoint {checkpoint}: no tokenizer ({', '.join(TOKENIZER_FILES)} or "
                               f"*.tiktoken); the text families tokenize with the checkpoint's own")
+
+
+def sampling_defaults(dep: Deployment, checkpoint: Path, source: str) -> dict[str, Any]:
+    """The checkpoint's recommended sampling knobs (generation_config.json), unless the deployment ignores them."""
+    import json
+
+    from mstar_common.families.text import read_sampling_defaults
+
+    path = checkpoint / "generation_config.json"
+    if dep.model_kwargs.get("generation_config", "auto") == "ignore" or not path.is_file():
+        return {}
+    try:
+        gen_config = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(gen_config, dict):
+            raise ValueError(f"must be a JSON object, got {type(gen_config).__name__}")
+        return read_sampling_defaults(gen_config)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DeploymentError(f"{source}: checkpoint {checkpoint}: generation_config.json: {exc} (or set "
+                              f"model_kwargs.generation_config: ignore)") from None
 
 
 def _eos_ids(checkpoint: Path, hf_config: dict, tokenizer: Any) -> list[int]:
