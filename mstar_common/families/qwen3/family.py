@@ -170,15 +170,7 @@ def sampling_defaults(dep: Deployment, checkpoint: Path, source: str) -> dict[st
 
 def _eos_ids(checkpoint: Path, hf_config: dict, tokenizer: Any) -> list[int]:
     """EOS ids from generation_config.json (what `generate` stops on), else config.json, else the tokenizer."""
-    import json
+    from mstar_common.families.qwen3.loader import read_eos_token_ids
 
-    gen_path = checkpoint / "generation_config.json"
-    eos = None
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = hf_config.get("eos_token_id")
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos]
+    ids = read_eos_token_ids(checkpoint, hf_config) or [tokenizer.eos_token_id]
     return [int(i) for i in ids if i is not None]
