@@ -1,6 +1,8 @@
 """The Orpheus LM component: greedy audio tokens equal transformers on a tiny random Llama (custom-token
 restriction applied to the reference logits too), the head's text rows are -inf, and request refusals."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -210,3 +212,22 @@ def test_a_text_too_long_for_the_input_cap_is_refused_before_tokenizing(runtime,
     monkeypatch.setattr(rt.tokenizer, "encode", not_called)
     with pytest.raises(ValueError, match=r"^text_input: 4000000 bytes cannot fit 256 tokens \(at most \d+ bytes\)"):
         rt.parse_request(_inputs("a" * 4_000_000))
+
+
+def test_an_lm_config_the_llama_loader_does_not_build_is_refused_before_anything_starts(runtime, tmp_path):
+    """Orpheus's LM is a Llama: a config.json the Llama loader refuses (here another model_type) passed `mstar
+    check` and failed as the LM loaded inside tritonserver."""
+    import json
+    import shutil
+
+    from mstar_common.config import DeploymentError
+
+    _, checkpoint = runtime
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    OrpheusFamily().check_checkpoint(dep, copy, "t.yaml")
+    config = json.loads((copy / "config.json").read_text())
+    config["model_type"] = "qwen3_moe"  # the Llama loader builds model_type llama alone
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DeploymentError, match=r"^t.yaml: checkpoint .*: config.json: .*qwen3_moe"):
+        OrpheusFamily().check_checkpoint(dep, copy, "t.yaml")

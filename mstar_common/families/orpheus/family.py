@@ -84,11 +84,22 @@ class OrpheusFamily(Family):
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        """max_model_len against the LM's positions, the codec checkpoint, and the LM's config.json as the Llama
+        loader reads it (what it does not build is refused here, before anything starts)."""
+        import json
+
+        from mstar_common.families.llama.loader import read_llama_config
+
         check_position_limit(dep, checkpoint, source)
         try:
             codec_checkpoint(dep, checkpoint)
         except DeploymentError as exc:
             raise DeploymentError(f"{source}: {exc}") from None
+        hf_config = json.loads((checkpoint / "config.json").read_text())  # unreadable: cli's refusal, naming it
+        try:
+            read_llama_config(hf_config)
+        except ValueError as exc:
+            raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
 
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         if component == "lm":
