@@ -225,7 +225,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code >= 500:
             return server_error(str(exc.detail), status=exc.status_code).response()
+        if exc.status_code == 400 and exc.detail == _FASTAPI_BODY_ERROR:
+            return invalid_request(_BODY_UNPARSED).response()
         return APIError(exc.status_code, str(exc.detail), param=getattr(exc, "param", None)).response()
+
+
+# FastAPI's words when json.loads raises what is not a JSONDecodeError, as parse_json names them
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+_BODY_UNPARSED = (f"request body could not be parsed: it nests arrays or objects too deeply (at most about "
+                  f"{MAX_JSON_DEPTH} levels) or holds a number of more than {sys.get_int_max_str_digits()} digits")
 
 
 def from_exception(exc: BaseException, timeout_s: float | None = None, retry_after_s: int = 1,

@@ -408,6 +408,7 @@ def test_json_nested_past_the_parsers_depth_is_400_on_every_route(models, route,
     headers = {"content-type": "application/json"} if "content" in request_kwargs else {}
     reply = TestClient(app, raise_server_exceptions=False).post(route, headers=headers, **request_kwargs)
     assert reply.status_code == 400, reply.text
+    assert "nests arrays or objects too deeply" in reply.json()["error"]["message"]  # not "an error parsing"
     assert fake.requests == []
 
 
