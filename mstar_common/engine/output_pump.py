@@ -251,6 +251,17 @@ class OutputPump:
             if self._watch is not None and self._is_running:
                 self._watch.beat()
             self._log_times()
+        self._deliver_the_rest()
+
+    def _deliver_the_rest(self) -> None:
+        """At stop, once: what was queued before it still goes out. A component's `finalize` shuts the engine down
+        (every live request CANCELLED, each a retryable error to its client) right before it stops the pump; a
+        round cut short by the stop, or a queue not yet drained, would leave those streams without a final."""
+        self._drain()
+        try:
+            self._send_all()
+        except Exception:
+            logger.exception("output pump's last delivery failed")
 
     def _take(self, item: tuple) -> None:
         """Merge one queued output into the stream's pending one (a stream keeps its place in the order)."""

@@ -4,6 +4,7 @@ server faults are scrubbed to an error id, and latency samples are recorded."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 from mstar_common import wire
@@ -110,6 +111,38 @@ def test_a_stream_the_engine_ends_at_shutdown_gets_a_retryable_error_not_a_cance
     kind, message = sink.sent[-1]
     assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
     assert "stopped before the request finished" in message and pump.num_streams == 0
+
+
+def test_the_finals_the_engine_queues_right_before_the_pump_stops_still_go_out():
+    """A component's finalize shuts the engine down (every live request CANCELLED) and then stops the pump at once:
+    a round the stop cut short, here while it sent to another stream, still delivers them (it dropped them, so
+    the client got no final and not the retryable error either)."""
+
+    class BlockingSink(FakeSink):
+        def __init__(self):
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def send_chunk(self, outputs):
+            self.entered.set()
+            assert self.release.wait(5)
+            super().send_chunk(outputs)
+
+    engine, busy, stopped = FakeEngine(), BlockingSink(), FakeSink()
+    pump = OutputPump(engine)
+    for request_id, sink in {"busy": busy, "stopped": stopped}.items():
+        pump.register(_stream(request_id, sink))
+    pump.start()
+    pump.on_output("busy", [1], None, None)
+    assert busy.entered.wait(5)  # the pump is inside a send
+    pump.on_output("stopped", [], FinishReason.CANCELLED, None)  # the engine's shutdown
+    stopping = threading.Thread(target=pump.stop)
+    stopping.start()
+    _run(pump, lambda: not pump._is_running)
+    busy.release.set()
+    stopping.join(5)
+    kind, message = stopped.sent[-1]
+    assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
 
 
 def test_limit_errors_keep_their_prefix_and_faults_are_scrubbed():
