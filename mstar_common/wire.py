@@ -11,7 +11,7 @@ Inputs (all optional, shape [1] unless noted; give exactly one of `text_input`, 
   max_tokens          INT32   default: the room the prompt leaves, capped by the deployment's default
   temperature         FP32    0 = greedy
   top_p               FP32
-  top_k               INT32   0 = off
+  top_k               INT32   0 or -1 = off
   min_p               FP32
   repetition_penalty  FP32
   seed                INT64
@@ -23,7 +23,7 @@ Outputs, per streamed response (several tokens per response when a stream falls 
 
   text_output         BYTES   [1] new text since the previous response
   token_ids           INT32   [-1] new token ids since the previous response
-  finish_reason       BYTES   [1] "" until the last response; then "stop" | "length" | "cancelled"
+  finish_reason       BYTES   [1] "" until the last response; then "stop" | "length"
   prompt_tokens       INT32   [1]
   completion_tokens   INT32   [1] tokens generated so far
 
