@@ -26,7 +26,7 @@ class Workload:
     prompt_len: int = 512
     output_len: int = 256
     temperature: float = 0.0
-    top_p: float = 1.0  # nucleus sampling (1: off); sent only when set, as the sampling parameters are optional
+    top_p: float = 1.0  # nucleus sampling (1: off); a greedy request sends it only when set, a sampled one always
     top_k: int = 0  # 0: off
     seed: int = 0
     shared_prefix_len: int = 0  # leading tokens every prompt has in common
@@ -64,9 +64,11 @@ class Workload:
             ids = shared + _tokens(rng, prompt_len - self.shared_prefix_len)
             req = {"input_ids": ids, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
                    "temperature": self.temperature}
-            if self.top_p != 1.0:
+            # A sampled request pins both filters, "off" too: one it left unset would take the served checkpoint's
+            # generation_config.json value (Qwen3: top_p 0.95, top_k 20), not the workload's.
+            if self.temperature > 0 or self.top_p != 1.0:
                 req["top_p"] = self.top_p
-            if self.top_k:
+            if self.temperature > 0 or self.top_k:
                 req["top_k"] = self.top_k
             out.append(req)
         return out

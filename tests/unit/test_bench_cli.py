@@ -228,7 +228,9 @@ def test_bad_input_data_is_refused_before_anything_runs(tmp_path, capsys, data, 
     assert not (tmp_path / "o.json").exists()
 
 
-def test_sampled_workloads_send_top_p_and_top_k_only_when_set(tmp_path):
+def test_greedy_workloads_send_top_p_and_top_k_only_when_set_and_sampled_ones_always(tmp_path):
+    """A sampled request that left a filter unset would sample with the served checkpoint's generation_config.json
+    value for it (Qwen3: top_p 0.95, top_k 20), not the "off" the workload states."""
     from mstar_common.bench.drivers import OpenAIDriver, _triton_inputs
     from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
 
@@ -236,6 +238,8 @@ def test_sampled_workloads_send_top_p_and_top_k_only_when_set(tmp_path):
     assert all(set(r) == {"input_ids", "max_tokens", "ignore_eos", "temperature"} for r in greedy)
     sampled = Workload("w", 12, 5, temperature=0.7, top_p=0.9, top_k=50).requests(2)
     assert [(r["temperature"], r["top_p"], r["top_k"]) for r in sampled] == [(0.7, 0.9, 50)] * 2
+    temperature_alone = Workload("w", 12, 5, temperature=1.0).requests(1)[0]
+    assert (temperature_alone["top_p"], temperature_alone["top_k"]) == (1.0, 0)
     assert [r["input_ids"] for r in sampled] == [r["input_ids"] for r in greedy]  # the same prompts
     path = tmp_path / "sampled.json"
     path.write_text(json.dumps(perf_analyzer_data(sampled)))
@@ -626,3 +630,4 @@ def test_a_failed_check_request_closes_its_stream(monkeypatch):
     with pytest.raises(RuntimeError, match="check request failed: exceeds max_model_len"):
         bench_cli.served_tokens("127.0.0.1:1", "qwen3_llm", args)
     assert calls == ["stop_stream", "close"]
+
