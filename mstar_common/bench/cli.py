@@ -240,17 +240,19 @@ class ServerLatency:
 
 
 def prompt_text_for(checkpoint: Path | None):
-    """Text prompts of an exact token length for the proxy (' the' is one token in the tiny tokenizer)."""
-    tokenizer = None
+    """Text prompts of an exact token length for the proxy (' the' is one token in the tiny tokenizer), counting the
+    tokens the tokenizer frames a text with (a Llama's BOS), as the component encodes `text_input`."""
+    tokenizer, num_framing = None, 0
     if checkpoint is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        num_framing = len(tokenizer.encode("", add_special_tokens=True))
 
     def text(num_tokens: int) -> str:
-        prompt = " the" * num_tokens
+        prompt = " the" * (num_tokens - num_framing)
         if tokenizer is not None:
-            assert len(tokenizer.encode(prompt, add_special_tokens=False)) == num_tokens
+            assert len(tokenizer.encode(prompt, add_special_tokens=True)) == num_tokens
         return prompt
 
     return text

@@ -631,3 +631,22 @@ def test_a_failed_check_request_closes_its_stream(monkeypatch):
         bench_cli.served_tokens("127.0.0.1:1", "qwen3_llm", args)
     assert calls == ["stop_stream", "close"]
 
+
+def test_the_proxys_text_prompts_count_the_bos_a_llama_tokenizer_adds(tmp_path):
+    """The component encodes `text_input` (the proxy's completions prompt) as `tokenizer(text)` does, with a Llama
+    tokenizer's BOS, so a proxy level's prompt is as long as the Triton level's token-id prompt only if the text is
+    one token shorter."""
+    from tokenizers import processors
+
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+
+    plain = build_tokenizer()
+    plain.save_pretrained(tmp_path / "plain")
+    with_bos = build_tokenizer()
+    bos = "<|endoftext|>"
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, with_bos.convert_tokens_to_ids(bos))])
+    with_bos.save_pretrained(tmp_path / "bos")
+    assert bench_cli.prompt_text_for(tmp_path / "plain")(32) == " the" * 32
+    assert bench_cli.prompt_text_for(tmp_path / "bos")(32) == " the" * 31
+    assert bench_cli.prompt_text_for(None)(32) == " the" * 32
