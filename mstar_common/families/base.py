@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -72,3 +73,30 @@ def causal_lm_kv_shape(checkpoint: Path) -> tuple[int, int, int]:
     heads = int(config["num_attention_heads"])
     head_dim = config.get("head_dim") or int(config["hidden_size"]) // heads
     return int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads), int(head_dim)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one, or a *.tiktoken
+
+
+def check_lm_checkpoint(checkpoint: Path, source: str, read_config: Callable[[dict], Any]) -> None:
+    """An HF causal LM checkpoint as its family's loader will open it, before anything starts: `config.json` through
+    `read_config` (a model the loader does not build, scaled RoPE, sliding windows, ... are refused naming the key),
+    each shard its safetensors index names (a download cut short leaves the index and some shards), and a tokenizer
+    (a folder of weights alone would fail inside transformers, in words about sentencepiece)."""
+    from mstar_common.safetensors_io import safetensors_files
+
+    hf_config = json.loads((checkpoint / "config.json").read_text())  # unreadable: cli's refusal, naming it
+    try:
+        read_config(hf_config)
+    except ValueError as exc:
+        raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
+    try:
+        files = safetensors_files(checkpoint)
+    except (FileNotFoundError, ValueError, KeyError):
+        return  # no weights, or an unreadable index: cli.check_against_checkpoint's refusal
+    if missing := [file.name for file in files if not file.is_file()]:
+        raise DeploymentError(f"{source}: checkpoint {checkpoint}: model.safetensors.index.json names shard(s) "
+                              f"{missing} that are not in the folder (an unfinished download?)")
+    if not any((checkpoint / name).is_file() for name in TOKENIZER_FILES) and not any(checkpoint.glob("*.tiktoken")):
+        raise DeploymentError(f"{source}: checkpoint {checkpoint}: no tokenizer ({', '.join(TOKENIZER_FILES)} or "
+                              f"*.tiktoken); the model is served with the checkpoint's own")

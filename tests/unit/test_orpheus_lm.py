@@ -231,3 +231,26 @@ def test_an_lm_config_the_llama_loader_does_not_build_is_refused_before_anything
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(DeploymentError, match=r"^t.yaml: checkpoint .*: config.json: .*qwen3_moe"):
         OrpheusFamily().check_checkpoint(dep, copy, "t.yaml")
+
+
+def test_an_lm_checkpoint_without_its_tokenizer_or_a_shard_is_refused_before_anything_starts(runtime, tmp_path):
+    """The LM loads through the Llama loader: a folder missing its tokenizer, or a shard its index names, passed
+    `mstar check` and failed as the component loaded inside tritonserver."""
+    import json
+    import shutil
+
+    from mstar_common.config import DeploymentError
+
+    _, checkpoint = runtime
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    no_tokenizer = Path(shutil.copytree(checkpoint, tmp_path / "no_tokenizer"))
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(DeploymentError, match=r"^t.yaml: checkpoint .*: no tokenizer \(tokenizer.json, "):
+        OrpheusFamily().check_checkpoint(dep, no_tokenizer, "t.yaml")
+    sharded = Path(shutil.copytree(checkpoint, tmp_path / "sharded"))
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors",
+                                            "model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(DeploymentError, match=r"names shard\(s\) \['model-00002-of-00002.safetensors'\]"):
+        OrpheusFamily().check_checkpoint(dep, sharded, "t.yaml")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, causal_lm_kv_shape, check_position_limit
+from mstar_common.families.base import Family, causal_lm_kv_shape, check_lm_checkpoint, check_position_limit
 from mstar_common.families.orpheus.codes import FRAME_RULES
 from mstar_common.families.orpheus.graph import GRAPH
 from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
@@ -84,10 +84,9 @@ class OrpheusFamily(Family):
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
-        """max_model_len against the LM's positions, the codec checkpoint, and the LM's config.json as the Llama
-        loader reads it (what it does not build is refused here, before anything starts)."""
-        import json
-
+        """max_model_len against the LM's positions, the codec checkpoint, and the LM as the Llama loader opens it
+        (its config.json, shards and tokenizer: what it does not build or cannot find is refused here, before
+        anything starts)."""
         from mstar_common.families.llama.loader import read_llama_config
 
         check_position_limit(dep, checkpoint, source)
@@ -95,11 +94,7 @@ class OrpheusFamily(Family):
             codec_checkpoint(dep, checkpoint)
         except DeploymentError as exc:
             raise DeploymentError(f"{source}: {exc}") from None
-        hf_config = json.loads((checkpoint / "config.json").read_text())  # unreadable: cli's refusal, naming it
-        try:
-            read_llama_config(hf_config)
-        except ValueError as exc:
-            raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
+        check_lm_checkpoint(checkpoint, source, read_llama_config)
 
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         if component == "lm":

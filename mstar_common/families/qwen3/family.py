@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, causal_lm_kv_shape, check_position_limit
+from mstar_common.families.base import Family, causal_lm_kv_shape, check_lm_checkpoint, check_position_limit
 from mstar_common.families.qwen3.graph import GRAPH
 from mstar_common.families.text import TextLMRuntime
 
@@ -52,18 +52,10 @@ class Qwen3Family(Family):
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
-        """The checkpoint's config.json as the loader reads it (a model it does not build, scaled RoPE, sliding
-        windows, ... are refused here, before anything starts), max_model_len against its positions, and the
-        files the load opens."""
-        import json
-
-        hf_config = json.loads((checkpoint / "config.json").read_text())  # unreadable: cli's refusal, naming it
-        try:
-            self.read_config(hf_config)
-        except ValueError as exc:
-            raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
+        """The checkpoint as the loader opens it (`check_lm_checkpoint`), max_model_len against its positions, and
+        its generation_config.json sampling values."""
+        check_lm_checkpoint(checkpoint, source, self.read_config)
         check_position_limit(dep, checkpoint, source)
-        check_checkpoint_files(checkpoint, source)
         sampling_defaults(dep, checkpoint, source)
 
     def read_config(self, hf_config: dict) -> Any:
@@ -126,27 +118,6 @@ class Qwen3Family(Family):
             default_max_tokens=int(dep.model_kwargs.get("default_max_tokens", 256)),
             sampling_defaults=defaults,
         )
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one, or a *.tiktoken
-
-
-def check_checkpoint_files(checkpoint: Path, source: str) -> None:
-    """The files the load opens, present: each shard its safetensors index names (a download cut short leaves the
-    index and some shards), and a tokenizer (a folder of weights alone would fail inside transformers, in words
-    about sentencepiece)."""
-    from mstar_common.safetensors_io import safetensors_files
-
-    try:
-        files = safetensors_files(checkpoint)
-    except (FileNotFoundError, ValueError, KeyError):
-        return  # no weights, or an unreadable index: cli.check_against_checkpoint's refusal
-    if missing := [file.name for file in files if not file.is_file()]:
-        raise DeploymentError(f"{source}: checkpoint {checkpoint}: model.safetensors.index.json names shard(s) "
-                              f"{missing} that are not in the folder (an unfinished download?)")
-    if not any((checkpoint / name).is_file() for name in TOKENIZER_FILES) and not any(checkpoint.glob("*.tiktoken")):
-        raise DeploymentError(f"{source}: checkpoint {checkpoint}: no tokenizer ({', '.join(TOKENIZER_FILES)} or "
-                              f"*.tiktoken); the text families tokenize with the checkpoint's own")
 
 
 def sampling_defaults(dep: Deployment, checkpoint: Path, source: str) -> dict[str, Any]:
