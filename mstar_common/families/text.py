@@ -8,6 +8,7 @@ engine with the checkpoint's tokenizer for the Triton node.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,5 +234,7 @@ def _json(inputs: dict[str, np.ndarray], name: str) -> Any:
         return json.loads(_scalar_text(inputs, name))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None
+    except ValueError:  # an int past Python's digit limit (proxy.errors.parse_json says the same)
+        raise ValueError(f"{name}: holds a number of more than {sys.get_int_max_str_digits()} digits") from None
     except RecursionError:  # `[[[[...` past the parser's depth
         raise ValueError(f"{name}: nests arrays or objects too deeply to parse") from None

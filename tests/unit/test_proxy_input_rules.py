@@ -419,3 +419,14 @@ def test_the_text_component_refuses_a_messages_tensor_nested_too_deeply():
 
     with pytest.raises(ValueError, match=r"^messages: nests arrays or objects too deeply"):
         _json({wire.MESSAGES: np.array([DEEP.encode()], dtype=np.object_)}, wire.MESSAGES)
+
+
+def test_the_text_component_names_a_messages_tensor_with_a_number_past_the_digit_limit():
+    """json.loads raises a plain ValueError (not a JSONDecodeError) for an int of more than 4,300 digits: it reached
+    the client in Python's words, naming neither the tensor nor the rule."""
+    import numpy as np
+
+    from mstar_common.families.text import _json
+
+    with pytest.raises(ValueError, match=r"^messages: holds a number of more than \d+ digits"):
+        _json({wire.MESSAGES: np.array([("[" + "9" * 5000 + "]").encode()], dtype=np.object_)}, wire.MESSAGES)
