@@ -59,7 +59,10 @@ def read_sampling_defaults(gen_config: dict[str, Any]) -> dict[str, Any]:
     for name, value in found.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{name}: must be a number, got {value!r}")
-    defaults = {name: int(value) if name == "top_k" else float(value) for name, value in found.items()}
+    defaults = {name: float(value) for name, value in found.items() if name != "top_k"}
+    if "top_k" in found:  # a count: 20.0 reads as 20; 20.5 is left for validate() to refuse, not truncated
+        top_k = found["top_k"]
+        defaults["top_k"] = int(top_k) if isinstance(top_k, float) and top_k.is_integer() else top_k
     SamplingParams(**defaults).validate()
     return defaults
 
@@ -122,7 +125,6 @@ class TextLMRuntime:
         template_kwargs = _json(inputs, wire.CHAT_TEMPLATE_KWARGS) if wire.CHAT_TEMPLATE_KWARGS in inputs else {}
         wire.check_chat_template_kwargs(template_kwargs)
         return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
-
 
     def _check_prompt_size(self, inputs: dict[str, np.ndarray]) -> None:
         """Refuse a prompt that cannot fit max_model_len before spending time on it (tokenizing 16 MB of text

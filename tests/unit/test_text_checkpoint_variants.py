@@ -330,6 +330,7 @@ def test_a_request_that_leaves_a_knob_unset_samples_with_the_checkpoints_generat
 @pytest.mark.parametrize("fields, message", [
     ({"top_p": 0.0}, "generation_config.json: top_p: must be in (0, 1], got 0.0"),
     ({"temperature": "hot"}, "generation_config.json: temperature: must be a number, got 'hot'"),
+    ({"top_k": 20.5}, "generation_config.json: top_k: must be an integer, got 20.5"),
 ])
 def test_a_generation_config_whose_sampling_values_break_the_rules_is_refused_by_mstar_check(fields, message,
                                                                                              tmp_path, capsys):
