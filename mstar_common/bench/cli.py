@@ -58,7 +58,9 @@ def deployment(args) -> dict:
                       "max_model_len": args.max_model_len, "max_batch_tokens": args.max_batch_tokens},
         "max_concurrent_requests": args.max_concurrent,
         "admission": {"queue_timeout_s": None, "request_timeout_s": None},
-        "model_kwargs": {"dtype": args.dtype, "default_max_tokens": args.output_len},
+        # the workload's knobs alone: a knob it leaves unset (repetition_penalty, min_p) would otherwise take the
+        # checkpoint's generation_config.json value, which neither the report nor --check-eager's engine applies
+        "model_kwargs": {"dtype": args.dtype, "default_max_tokens": args.output_len, "generation_config": "ignore"},
         "server": {"shm_default_byte_size": 64 * 2**20, "stub_timeout_seconds": 900,
                    "proxy_workers": args.proxy_workers},
     }

@@ -80,6 +80,13 @@ def test_num_pages_takes_a_count_or_auto(bench, monkeypatch, capsys):
     assert "argument --num-pages: must be an integer >= 1, not '0'" in capsys.readouterr().err
 
 
+def test_the_benchmark_serves_its_workloads_knobs_not_the_checkpoints_generation_config(bench, monkeypatch):
+    """A checkpoint's recommended repetition_penalty would reach the served rows (the workload never sends one) but
+    not --check-eager's engine nor the report."""
+    dep = deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch)), source="test")
+    assert dep.model_kwargs["generation_config"] == "ignore"
+
+
 def test_the_benchmark_serves_without_the_prefix_cache_unless_asked(bench, monkeypatch):
     """Its figures are full prefills unless asked: the proxy's prompts are all alike, which a cache would skip."""
     for extra, expected in (((), False), (("--prefix-caching",), True)):
