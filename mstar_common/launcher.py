@@ -55,7 +55,8 @@ class Ports:
     @classmethod
     def free(cls, proxy: bool = True) -> Ports:
         """Free 127.0.0.1 ports for Triton's three endpoints, and for the proxy unless `proxy` is false (then 0)."""
-        return cls(http=free_port(), grpc=free_port(), metrics=free_port(), proxy=free_port() if proxy else 0)
+        http, grpc, metrics, proxy_port = free_ports(4)
+        return cls(http=http, grpc=grpc, metrics=metrics, proxy=proxy_port if proxy else 0)
 
     @property
     def triton_ready_url(self) -> str:
@@ -179,9 +180,17 @@ def _group_alive(pgid: int) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free 127.0.0.1 ports. The sockets stay bound until all are picked: one closed before the next
+    bind may be handed out again, and two servers told the same port fail to start."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def port_in_use(port: int, host: str = "") -> bool:
@@ -200,7 +209,7 @@ def port_in_use(port: int, host: str = "") -> bool:
 def bare_triton(repo: Path, log_path: Path, extra_args: tuple[str, ...] = (), timeout: float = 120.0) -> Iterator[str]:
     """A tritonserver on a throwaway model repository (the platform probes in scripts/): yields its gRPC address,
     prints the tail of its log should it fail to start, and always stops it."""
-    http, grpc = free_port(), free_port()
+    http, grpc = free_ports(2)
     install = find_triton()
     cmd = server_command(install, [f"--model-repository={repo}", f"--http-port={http}", f"--grpc-port={grpc}",
                                    "--allow-metrics=false", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from mstar_common.launcher import free_port
+from mstar_common.launcher import free_ports
 
 PROBE = Path(__file__).resolve().parent / "proxy_memory_probe.py"
 
@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--profile", type=Path, help="py-spy's raw samples of the proxy during the load")
     args = parser.parse_args()
 
-    triton_port, proxy_port = free_port(), free_port()
+    triton_port, proxy_port = free_ports(2)
     triton = subprocess.Popen([sys.executable, str(PROBE), "--serve", "triton", "--port", str(triton_port)])
     proxy = subprocess.Popen([sys.executable, str(PROBE), "--serve", "proxy", "--port", str(proxy_port),
                               "--triton-url", f"127.0.0.1:{triton_port}"])

@@ -33,7 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from soak import client_loop  # noqa: E402
 
-from mstar_common.launcher import free_port  # noqa: E402
+from mstar_common.launcher import free_ports  # noqa: E402
 
 TOKEN_S = 0.002  # fake decode step
 
@@ -163,11 +163,10 @@ def main() -> None:
         return asyncio.run(serve_triton(args.port))
     if args.serve == "proxy":
         return serve_proxy(args.port, args.triton_url)
-    procs, proxy_port = [], free_port()
+    procs, (proxy_port, triton_port) = [], free_ports(2)
     proxy_cmd = [sys.executable, __file__, "--serve", "proxy", "--port", str(proxy_port)]
     try:
         if not args.http_only:
-            triton_port = free_port()
             procs.append(subprocess.Popen([sys.executable, __file__, "--serve", "triton", "--port", str(triton_port)]))
             proxy_cmd += ["--triton-url", f"127.0.0.1:{triton_port}"]
         procs.append(subprocess.Popen(proxy_cmd))

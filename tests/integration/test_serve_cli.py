@@ -11,14 +11,15 @@ import time
 import httpx
 import pytest
 
-from mstar_common.launcher import free_port
+from mstar_common.launcher import free_ports
 
 pytestmark = pytest.mark.server
 
 
 def _start_serve(target: str, tmp_path, timeout: float) -> tuple[subprocess.Popen, dict[str, int], list[str]]:
     """`mstar serve TARGET` on free ports, read until it says it is serving: (process, ports, its lines)."""
-    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     cmd = [sys.executable, "-m", "mstar_common.cli", "serve", target, "--timeout", str(int(timeout))]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
@@ -149,7 +150,8 @@ def _deployment(tmp_path, **replace: str):
 
 
 def _serve(path, tmp_path, timeout: float = 180) -> subprocess.CompletedProcess:
-    ports = [f"--{name}={free_port()}" for name in ("port", "http-port", "grpc-port", "metrics-port")]
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    ports = [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)), strict=True)]
     env = {**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, "-m", "mstar_common.cli", "serve", str(path), "--timeout", "120", *ports],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -221,8 +223,9 @@ def test_serve_refuses_ports_already_in_use_before_starting(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        names = ("http-port", "grpc-port", "metrics-port")
         cmd = [sys.executable, "-m", "mstar_common.cli", "serve", "qwen3", f"--port={port}",
-               *(f"--{name}={free_port()}" for name in ("http-port", "grpc-port", "metrics-port"))]
+               *(f"--{name}={p}" for name, p in zip(names, free_ports(3), strict=True))]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                              env={**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")})
     assert out.returncode == 2, out.stdout + out.stderr

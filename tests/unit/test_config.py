@@ -295,9 +295,10 @@ def test_a_repository_path_a_shell_would_split_is_refused(tmp_path, monkeypatch,
     spaced.mkdir()
     monkeypatch.setenv("TMPDIR", str(spaced))
     monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
-    from mstar_common.launcher import free_port
+    from mstar_common.launcher import free_ports
 
-    ports = [flag for name in ("--http-port", "--grpc-port", "--metrics-port") for flag in (name, str(free_port()))]
+    names = ("--http-port", "--grpc-port", "--metrics-port")
+    ports = [flag for name, port in zip(names, free_ports(3), strict=True) for flag in (name, str(port))]
     assert main(["serve", str(DEFAULT_DEPLOYMENT), "--no-proxy", "--timeout", "5", *ports]) == 2
     err = capsys.readouterr().err
     assert "the run folder's parent ($TMPDIR): " in err and "set TMPDIR to such a folder" in err

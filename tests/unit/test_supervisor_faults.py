@@ -113,3 +113,32 @@ def test_stop_process_lets_a_leader_exit_on_sigterm():
     started = time.monotonic()
     stop_process(leader, grace=5)
     assert leader.returncode == -signal.SIGTERM and time.monotonic() - started < 5
+
+
+def test_free_ports_are_distinct_even_where_the_kernel_hands_a_closed_port_out_again(monkeypatch):
+    """A kernel may give the port of a socket just closed to the next bind (CI once started tritonserver with one port
+    for HTTP and gRPC). Here every bind gets the lowest port no open socket holds: only ports picked while all the
+    sockets stay bound come out distinct."""
+    from mstar_common import launcher
+
+    held: set[int] = set()
+
+    class ReusingSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            held.discard(self.port)
+
+        def bind(self, address):
+            self.port = min(set(range(40000, 40100)) - held)
+            held.add(self.port)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher.socket, "socket", ReusingSocket)
+    assert sorted(launcher.free_ports(4)) == [40000, 40001, 40002, 40003]
+    ports = Ports.free()
+    assert len({ports.http, ports.grpc, ports.metrics, ports.proxy}) == 4
+    assert not held
