@@ -330,6 +330,8 @@ class OutputPump:
             if stream is None:
                 continue  # already ended (e.g. a stop string matched before the engine saw the cancel)
             if finish is FinishReason.CANCELLED and error is None:  # the engine stopped (SERVER_STOPPED)
+                if self._ends_at_a_stop(stream, new_ids):
+                    continue
                 error = SERVER_STOPPED
             if error is not None:
                 self.unregister(request_id)
@@ -353,6 +355,19 @@ class OutputPump:
             sending = time.perf_counter()
             stream.sink.send_final(outputs)
             self.times.send_s += time.perf_counter() - sending
+
+    def _ends_at_a_stop(self, stream: TextStream, new_ids: list[int]) -> bool:
+        """Tokens the engine made before it stopped, delivered with its stop: where they complete a stop string, the
+        stream ends as it would have, and its client gets the whole answer rather than the retryable error."""
+        if stream.stops is None or not new_ids:
+            return False
+        outputs, reason = stream.update(new_ids, None)
+        if reason is None:
+            return False
+        self.unregister(stream.request_id)
+        stream.record_latency(self.latency, len(new_ids))
+        stream.sink.send_final(outputs)
+        return True
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()

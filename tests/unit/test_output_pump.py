@@ -396,3 +396,29 @@ def test_sharded_watch_beats_only_when_every_pump_has_beaten():
     assert watch.beats == 2
     shard[0].stop()
     assert watch.stops == 1
+
+
+def test_tokens_queued_with_the_shutdown_that_complete_a_stop_end_the_stream_normally():
+    """The engine's shutdown ends a request CANCELLED; tokens it made before that, still queued for a stream that
+    fell behind, may complete a stop string: that stream was done, and its client gets the answer, not a 503.
+    Tokens that complete nothing still end in the retryable error."""
+    engine, done, cut = FakeEngine(), FakeSink(), FakeSink()
+    pump = OutputPump(engine)
+    for request_id, sink in {"done": done, "cut": cut}.items():
+        stream = _stop_stream("cd")
+        stream.request_id, stream.sink = request_id, sink
+        pump.register(stream)
+    pump.on_output("done", [0, 1, 2, 3, 4], None, None)  # "abcde": "cd" completes at the fourth
+    pump.on_output("done", [], FinishReason.CANCELLED, None)
+    pump.on_output("cut", [0, 1, 4], None, None)  # "abe"
+    pump.on_output("cut", [], FinishReason.CANCELLED, None)
+    pump.start()
+    try:
+        _run(pump, lambda: done.is_closed and cut.is_closed)
+    finally:
+        pump.stop()
+    assert [kind for kind, _ in done.sent] == ["final"]
+    assert _sent(done.sent[0][1]) == ("ab", [0, 1, 2, 3], "stop", 4)
+    kind, message = cut.sent[-1]
+    assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
+    assert pump.num_streams == 0 and engine.cancelled == []
