@@ -4,11 +4,12 @@ every refusal or expiry names its limit and leaves no pages behind."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from mstar_common import wire
-from mstar_common.engine import admission
+from mstar_common.engine import admission, ar_engine
 from mstar_common.engine.admission import Admission, EngineOverloaded, EngineUnavailable
 from mstar_common.engine.types import EngineConfig, FinishReason
 from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
@@ -58,13 +59,17 @@ def test_max_queue_zero_refuses_past_the_running_cap(tiny):
 
 
 def test_queue_timeout_ends_a_waiting_request_with_unavailable(tiny, monkeypatch):
+    # The engine's clock is the test's: only the 0.06 s below passes between the steps. On the real clock a pause of
+    # the test process before the first step (a loaded 2-core CI box) expired "runs" too, before its admission.
+    now = [0.0]
+    monkeypatch.setattr(ar_engine, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
     monkeypatch.setattr(admission, "EXPIRY_CHECK_S", 0.0)
     engine = make_engine(tiny, max_num_seqs=1, queue_timeout_s=0.05)
     collector = Collector()
     _add(engine, collector, "runs", max_tokens=200)
     _add(engine, collector, "waits")
     engine.step()
-    time.sleep(0.06)
+    now[0] += 0.06
     engine.step()
     reason, error = collector.streams["waits"].finals[0]
     assert reason is FinishReason.ERROR and error.startswith(wire.UNAVAILABLE_PREFIX) and "queue_timeout_s" in error

@@ -107,7 +107,6 @@ def test_a_job_past_its_deadline_leaves_the_batch_as_expired_and_is_counted():
     stepper = RecordingStepper(gated=True)
     engine = DenoiseEngine("test", stepper, max_rows=4)
     late, late_result = job("a", "64x64", steps=50)
-    late.is_cancelled = StopCheck(lambda: False, 0.05)
     gone, gone_result = job("b", "64x64", steps=50)
     client_gone = threading.Event()
     gone.is_cancelled = StopCheck(client_gone.is_set, 60.0)
@@ -117,6 +116,8 @@ def test_a_job_past_its_deadline_leaves_the_batch_as_expired_and_is_counted():
         engine.submit(j)
     engine.start()
     assert stepper.entered.wait(5)
+    # its deadline starts while step 0 runs: one started before the loop thread could pass first on a loaded machine
+    late.is_cancelled = StopCheck(lambda: False, 0.05)
     time.sleep(0.1)  # step 0 outlasts the first job's deadline
     client_gone.set()
     stepper.release.set()
