@@ -120,6 +120,7 @@ def test_prompts_sharing_a_long_start_match_transformers_through_the_prefix_cach
     model = AutoModelForCausalLM.from_pretrained(str(served.checkpoint), dtype=torch.float32).eval()
     system = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
     assert len(system) >= 64  # four pages of 16 or more, shared by every prompt below
+    before = _prefix_hit_tokens(served)  # the session's server: earlier tests' repeated prompts hit the cache too
     for i, prompt in enumerate(PROMPTS[:3] + PROMPTS[:1]):  # the last repeats the first exactly
         ids = system + tokenizer.encode(prompt, add_special_tokens=False)
         with torch.no_grad():
@@ -127,10 +128,16 @@ def test_prompts_sharing_a_long_start_match_transformers_through_the_prefix_cach
         got = run_stream(served.grpc_url, served.entry, {f"shared-{i}": _request(ids)})[f"shared-{i}"]
         assert got.error is None
         assert got.token_ids == want.tolist(), prompt
-    time.sleep(0.3)  # one metrics period
+    expected = 3 * (len(system) // 16) * 16  # the three prompts after the first matched the shared pages
+    deadline = time.monotonic() + 30  # the counter is sampled (every 0.1 s), not read at the request
+    while (hits := _prefix_hit_tokens(served) - before) < expected:
+        assert time.monotonic() < deadline, f"{hits:.0f} prompt tokens hit the prefix cache, expected {expected}"
+        time.sleep(0.05)
+
+
+def _prefix_hit_tokens(served) -> float:
     text = urllib.request.urlopen(served.metrics_url, timeout=5).read().decode()
-    hits = sum(float(v) for v in re.findall(r"^mstar_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)$", text, re.M))
-    assert hits >= 3 * (len(system) // 16) * 16  # the three prompts after the first matched the shared pages
+    return sum(float(v) for v in re.findall(r"^mstar_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)$", text, re.M))
 
 
 def test_text_input_streams_decoded_text(served, reference):
