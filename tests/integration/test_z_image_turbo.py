@@ -158,10 +158,13 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         assert expired_at - at < max(2.0, work_s / 2), (expired_at - at, work_s)
         ok = httpx.post(url, json={"model": served.dep.name, "prompt": "x", "size": "64x64"}, timeout=60)
         assert ok.status_code == 200, ok.text
-        time.sleep(0.3)  # one metrics sample after the last request
-        walk = series_of(served.metrics_url, served.entry)  # the walk's own 429 and deadline, counted at the walk
-        assert walk == {"mstar_requests_overloaded_total": 1.0, "mstar_requests_expired_total": 1.0,
-                        "mstar_requests_running": 0.0}, walk
+        # the walk's own 429 and deadline, counted at the walk; its gauges are sampled (every 0.1 s) after the request
+        expected = {"mstar_requests_overloaded_total": 1.0, "mstar_requests_expired_total": 1.0,
+                    "mstar_requests_running": 0.0}
+        deadline = time.monotonic() + 10
+        while (walk := series_of(served.metrics_url, served.entry)) != expected:
+            assert time.monotonic() < deadline, walk
+            time.sleep(0.05)
 
         # A burst the cap mostly refuses: each refusal's execute() ended before the stub filed its future, which
         # Triton's stub logged as "Cannot remove future from background; KeyError" (~1 in 3 refusals).
