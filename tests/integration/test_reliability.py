@@ -41,7 +41,8 @@ cancel_fuzz = load_script("cancel_fuzz")
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory):
     root = tmp_path_factory.mktemp("capped")
-    os.environ.setdefault("MSTAR_CACHE_DIR", str(root / "cache"))
+    saved_cache = os.environ.get("MSTAR_CACHE_DIR")
+    os.environ.setdefault("MSTAR_CACHE_DIR", str(root / "cache"))  # the stubs inherit it (builtin checkpoints)
     raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
     raw.update(max_concurrent_requests=CAP,
                admission={"max_queue": QUEUE, "queue_timeout_s": 30, "request_timeout_s": 60},
@@ -67,12 +68,13 @@ def capped(tmp_path_factory):
         print_logs(root)
         raise
     finally:
-        if saved_stall is None:
-            os.environ.pop("MSTAR_STALL_EXIT_S", None)
-        else:
-            os.environ["MSTAR_STALL_EXIT_S"] = saved_stall
         stop_process(proxy)
         supervisor.stop(drain_s=5)
+        for name, saved in (("MSTAR_STALL_EXIT_S", saved_stall), ("MSTAR_CACHE_DIR", saved_cache)):
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
 
 
 def _held(served) -> dict[str, float]:
