@@ -373,15 +373,23 @@ class FakeServer:
 
 
 def _fake_nvidia_smi(tmp_path, monkeypatch, mib: int) -> Path:
-    """An `nvidia-smi` first on PATH that answers the memory query with the number in `mem.txt` (one GPU)."""
+    """An `nvidia-smi` first on PATH that answers the memory query with the number in `mem.txt` (one GPU), and then
+    adds a line to `reads.txt` (`_reads`)."""
     state = tmp_path / "mem.txt"
     state.write_text(str(mib))
     script = tmp_path / "bin" / "nvidia-smi"
     script.parent.mkdir()
-    script.write_text(f'#!/bin/sh\n[ "$1" = "--query-gpu=memory.used" ] || exit 9\ncat {state}\n')
+    script.write_text(f'#!/bin/sh\n[ "$1" = "--query-gpu=memory.used" ] || exit 9\ncat {state}\n'
+                      f'echo >> {tmp_path / "reads.txt"}\n')
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
     return state
+
+
+def _reads(state: Path) -> int:
+    """How many memory queries the fake `nvidia-smi` of `state` has answered."""
+    reads = state.parent / "reads.txt"
+    return len(reads.read_text().splitlines()) if reads.exists() else 0
 
 
 def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak(bench, monkeypatch, tmp_path):
@@ -409,7 +417,12 @@ def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak
 
         def run(self, batch, concurrency=None, rate=None):
             state.write_text("9250")
-            time.sleep(0.7)  # the sampler reads every 0.2 s here
+            # The sampler reads every 0.2 s here. Two reads ended after the write: the second one began after it
+            # (one read at a time), so it saw 9250, however late a loaded machine ran the sampler's thread.
+            seen, deadline = _reads(state), time.monotonic() + 30
+            while _reads(state) < seen + 2:
+                assert time.monotonic() < deadline, "the sampler did not read the memory during the sweep"
+                time.sleep(0.05)
             state.write_text("6000")
             return [RequestRecord(start=0.0, chunks=[(0.004, 1)], end=0.004) for _ in batch]
 
