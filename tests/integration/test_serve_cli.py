@@ -199,14 +199,20 @@ def test_sigterm_lets_a_walks_in_flight_request_finish(tmp_path):
                 "num_inference_steps": 40}
         url = f"http://127.0.0.1:{ports['port']}/v1/images/generations"
         replies = []
-        started = time.monotonic()
         thread = threading.Thread(target=lambda: replies.append(httpx.post(url, json=body, timeout=120)))
         thread.start()
-        time.sleep(0.5)
+        # SIGTERM once the request is in flight (a fixed 0.5 s could pass before a loaded machine sent it): the
+        # walk's gauge counts it, sampled every 0.1 s
+        metrics = f"http://127.0.0.1:{ports['metrics-port']}/metrics"
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("mstar_requests_running{") and float(line.rsplit(" ", 1)[1]) > 0
+                      for line in httpx.get(metrics, timeout=5).text.splitlines()):
+            assert time.monotonic() < deadline and thread.is_alive(), "the request never ran"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         thread.join(120)
         assert replies and replies[0].status_code == 200, replies and replies[0].text
-        assert len(replies[0].json()["data"]) == 4 and time.monotonic() - started > 0.5
+        assert len(replies[0].json()["data"]) == 4
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
