@@ -67,7 +67,14 @@ def test_a_server_stops_promptly_after_many_refusals(tmp_path):
     raw.update(max_concurrent_requests=CAP, admission={"max_queue": QUEUE})
     dep = deployment_from_dict(raw, source="refusals-deployment")
     with serve_deployment(dep, tmp_path, dep.name) as served:
-        counts = asyncio.run(_burst(served))
+        # How the refusals split between the two doors depends on the machine's load (a loaded 2-core box once
+        # refused 19 through the proxy and 6 through gRPC in one burst): another burst, up to 4, until both have 10.
+        counts: dict[str, int] = {}
+        for _ in range(4):
+            for outcome, n in asyncio.run(_burst(served)).items():
+                counts[outcome] = counts.get(outcome, 0) + n
+            if counts.get("grpc_refused", 0) >= 10 and counts.get("proxy_refused", 0) >= 10:
+                break
         assert counts.get("grpc_refused", 0) >= 10 and counts.get("proxy_refused", 0) >= 10, counts
         assert "grpc_no_final" not in counts, counts
         time.sleep(1)
