@@ -356,10 +356,10 @@ class OutputPump:
             stream.sink.send_final(outputs)
             self.times.send_s += time.perf_counter() - sending
 
-    def _ends_at_a_stop(self, stream: TextStream, new_ids: list[int]) -> bool:
+    def _ends_at_a_stop(self, stream: Any, new_ids: list[int]) -> bool:
         """Tokens the engine made before it stopped, delivered with its stop: where they complete a stop string, the
         stream ends as it would have, and its client gets the whole answer rather than the retryable error."""
-        if stream.stops is None or not new_ids:
+        if getattr(stream, "stops", None) is None or not new_ids:  # only text streams have stop strings
             return False
         outputs, reason = stream.update(new_ids, None)
         if reason is None:
