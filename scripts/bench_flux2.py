@@ -799,7 +799,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vae-max-batch", type=int, default=4)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--dit-fp8", action="store_true",
-                        help="model_kwargs.dit_fp8 (flux2_klein): the transformer blocks' GEMMs as scaled e4m3")
+                        help="model_kwargs.dit_fp8: the transformer blocks' GEMMs as scaled e4m3")
     parser.add_argument("--vae-in-denoise", action="store_true",
                         help="model_kwargs.vae_in_denoise: decode inside the denoise component (no vae_decode hop)")
     parser.add_argument("--skip-diffusers", action="store_true")
