@@ -8,9 +8,9 @@ attend one sink token and their samples are dropped. Anything larger runs eager.
 Variants. Each bucket is captured greedy (argmax) and, with `capture_sampling`, sampling (temperature,
 top-k, top-p, min-p and seeded draws on the device from parameter buffers) and sampling by temperature alone
 (the same draws without the filters' launches, for steps where no row asks for top-k, top-p or min-p): the
-whole step, sampling included, is one replay. Steps that need the host-side token history (repetition penalty)
-run eager. A model with its own logits rules (`process_logits`) is captured up to the logits; its rules and the
-sampler run on the replay's logits.
+whole step, sampling included, is one replay. A repetition penalty is applied inside the graphs too, from a
+device-side token history (engine/penalty.py, `penalty_slots`). A model with its own logits rules
+(`process_logits`) is captured up to the logits; its rules and the sampler run on the replay's logits.
 
 Buffers. Every input of every graph is a typed view into one static flat device buffer with one named layout
 (`StepBuffers`); the host fills a page-locked mirror (two, alternating, so a fill never races the previous
