@@ -26,6 +26,8 @@ from mstar_common.orphan_watch import kill_when_orphaned
 
 logger = logging.getLogger(__name__)
 
+END_STUB_GRACE_S = 1.0  # a stub whose engine process died waits this long for its error responses to go out
+
 
 @dataclass(slots=True)
 class NodeSetup:
@@ -55,7 +57,16 @@ class NodeSetup:
             return self.build()
         spec = engine_process.EngineSpec(self.model_name, self.family.name, self.component.name, self.deployment,
                                          self.checkpoint, self.device)
-        return engine_process.start_engine_process(spec)
+        return engine_process.start_engine_process(spec, on_exit=self.end_stub)
+
+    def end_stub(self, reason: str) -> None:
+        """The engine process died: end this stub too. A stub left up would answer every request it is given
+        `unavailable` while its model reports ready (with several instances, Triton goes on sending it its share);
+        a dead stub is what `mstar serve`'s supervisor relaunches the server for (docs/reliability.md)."""
+        logger.error("[%s] the engine process is gone (%s); ending this stub so that the server is relaunched",
+                     self.model_name, reason)
+        time.sleep(END_STUB_GRACE_S)
+        os._exit(1)
 
 
 def install_stack_dumps(stats=None) -> None:

@@ -201,7 +201,7 @@ class TritonSupervisor:
                 self._give_up(f"{fault} (error id {error_id}); {self._restarts.limit} relaunches within "
                               f"{RESTART_WINDOW_S:.0f} s already (server.max_restarts): a crash loop")
                 return True
-            logger.error("[supervisor] error id %s: %s; in-flight requests on it fail; relaunching tritonserver",
+            logger.error("[supervisor] error id %s: %s; every in-flight request fails; relaunching tritonserver",
                          error_id, fault)
             self._restart()
             return True

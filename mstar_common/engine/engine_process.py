@@ -29,9 +29,11 @@ knows every live request), so `RemoteEngine.add_request` raises what `AREngine.a
 no round trip. Deadlines and queue limits run in the engine, as in the stub.
 
 Failure. An engine process that dies ends every live request with a server error and refuses new ones as
-unavailable; the stub stays up, its log holds the child's last words. The child exits when the stub closes its
-end of the socket, also when the stub dies, so a GPU is never held by an orphan. It ignores SIGTERM and SIGINT,
-which a stopping server's process group gets: it stops when the stub stops it, after tritonserver's drain.
+unavailable, then calls the stub's `on_exit`: the Triton node ends its stub (backends/node_setup.py), so that `mstar
+serve`'s supervisor relaunches the server as for any dead stub. The log holds the child's last words. The child
+exits when the stub closes its end of the socket, also when the stub dies, so a GPU is never held by an orphan. It
+ignores SIGTERM and SIGINT, which a stopping server's process group gets: it stops when the stub stops it, after
+tritonserver's drain.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -119,9 +122,11 @@ def child_python() -> str:
     return found
 
 
-def start_engine_process(spec: EngineSpec, ready_timeout_s: float | None = None):
+def start_engine_process(spec: EngineSpec, ready_timeout_s: float | None = None,
+                         on_exit: Callable[[str], None] | None = None):
     """Start the child, wait until its engine is built, and return the runtime with a `RemoteEngine` as its engine.
-    A child that fails to build raises RuntimeError with its traceback (the model then fails to load)."""
+    A child that fails to build raises RuntimeError with its traceback (the model then fails to load). `on_exit` is
+    called with the reason if the child exits without being stopped, after its live requests have been ended."""
     ours, theirs = socket.socketpair()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -144,7 +149,7 @@ def start_engine_process(spec: EngineSpec, ready_timeout_s: float | None = None)
         raise RuntimeError(f"{spec.model_name}: the engine process failed to build the component:\n{message[1]}")
     info: EngineInfo = message[1]
     runtime = info.runtime
-    runtime.engine = RemoteEngine(conn, process, info, spec.model_name)
+    runtime.engine = RemoteEngine(conn, process, info, spec.model_name, on_exit)
     return runtime
 
 
@@ -177,8 +182,10 @@ class RemoteEngine:
     """The stub's handle on an engine in its own process, with the calls the node, the output pump, the metrics
     and the stall watch make of an `AREngine`: add_request, cancel, start, shutdown, stats, num_live, num_steps."""
 
-    def __init__(self, conn: Connection, process: subprocess.Popen, info: EngineInfo, name: str = "engine") -> None:
+    def __init__(self, conn: Connection, process: subprocess.Popen, info: EngineInfo, name: str = "engine",
+                 on_exit: Callable[[str], None] | None = None) -> None:
         self._conn, self._process, self.info, self._name = conn, process, info, name
+        self._on_exit = on_exit
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
         self.admission = Admission(info.max_num_seqs, info.max_queue, None, None)  # capacity only
         self._lock = threading.Lock()  # guards _live, _is_closed, _exit and the sends
@@ -284,6 +291,8 @@ class RemoteEngine:
             logger.error("[%s] the engine process %d exited (code %s); failing its %d live requests", self._name,
                          self._process.pid, code, len(self._live))
             self._end_all(FinishReason.ERROR, f"the component's engine process exited (code {code})")
+            if self._on_exit is not None:
+                self._on_exit(self._exit)
 
     def _end_all(self, reason: FinishReason, error: str | None) -> None:
         with self._lock:

@@ -151,8 +151,14 @@ def test_shutdown_cancels_what_is_live_and_the_process_exits(remote):
     assert not streams.late
 
 
-def test_a_killed_engine_process_fails_its_requests_and_refuses_new_ones(remote):
-    engine, streams = remote.engine, Streams()
+def test_a_killed_engine_process_fails_its_requests_refuses_new_ones_and_tells_the_stub(setup):
+    """`on_exit` (the Triton node ends its stub there, so that the supervisor relaunches the server) is called
+    once the live requests have been ended; a stopped engine does not call it."""
+    exits: list[tuple[str, dict]] = []
+    streams = Streams()
+    runtime = engine_process.start_engine_process(setup[2], ready_timeout_s=120,
+                                                  on_exit=lambda why: exits.append((why, dict(streams.finals))))
+    engine = runtime.engine
     engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True), streams)
     streams.wait_tokens("long")
     os.kill(engine.pid, signal.SIGKILL)
@@ -162,6 +168,16 @@ def test_a_killed_engine_process_fails_its_requests_and_refuses_new_ones(remote)
     with pytest.raises(EngineUnavailable, match="engine process has stopped"):
         engine.add_request("next", [1, 2, 3], SamplingParams(max_tokens=3), streams)
     assert engine.num_live == 0
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(why, sorted(ended)) for why, ended in exits] == [("exit code -9", ["long"])]
+    engine.shutdown()
+
+    stopped = []
+    runtime = engine_process.start_engine_process(setup[2], ready_timeout_s=120, on_exit=stopped.append)
+    runtime.engine.shutdown()
+    assert stopped == []
 
 
 def test_a_build_that_fails_raises_with_the_engine_process_traceback(setup, tmp_path):
