@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import KeepAliveOptions, service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import (
     InferenceServerException,
@@ -36,6 +36,22 @@ _EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
 _TIMEOUT_PARAM = "timeout"  # microseconds, as tritonclient's `timeout=` sets it
 END_AFTER_FINAL_S = 2.0  # how long a stream whose final response came may take to end before it is cancelled
 DEADLINE_GRACE_S = 5.0  # the gRPC deadline trails the server-side one, so the server's clean 504 comes first
+# gRPC waits 1 s, then 1.6x longer after each failed connection attempt, up to 120 s by default: after a relaunch of
+# a minute or two (a GPU server compiling its kernels) the proxy would answer 503 for up to two minutes more. With
+# this ceiling it reconnects within about a second of Triton's return.
+MAX_RECONNECT_BACKOFF_MS = 1000
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's own channel options (message sizes unbounded, its keepalive defaults) and the ceiling above."""
+    keepalive = KeepAliveOptions()
+    unbounded = 2**31 - 1  # tritonclient's MAX_GRPC_MESSAGE_SIZE
+    return [("grpc.max_send_message_length", unbounded), ("grpc.max_receive_message_length", unbounded),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
 @dataclass(slots=True)
@@ -339,7 +355,7 @@ class TritonStreamClient:
 
     def _connection(self) -> InferenceServerClient:
         if self._client is None:  # grpc.aio binds a channel to the running loop, so open it from inside one
-            self._client = InferenceServerClient(self.url)
+            self._client = InferenceServerClient(self.url, channel_args=channel_args())
         return self._client
 
     async def generate(
