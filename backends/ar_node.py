@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <stub pid>` dumps every thread
         node = load_node(args, kind="autoregressive")
         self.model_name, device = node.model_name, node.device

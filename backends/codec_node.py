@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         setup = load_node(args, kind="codec")
         self.model_name = setup.model_name
         self.codec = setup.build()  # decode(np [N, ...]) -> np [N, S]; check(np) raises ValueError

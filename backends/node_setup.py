@@ -27,6 +27,13 @@ from mstar_common.orphan_watch import kill_when_orphaned
 logger = logging.getLogger(__name__)
 
 END_STUB_GRACE_S = 1.0  # a stub whose engine process died waits this long for its error responses to go out
+# Stub log lines name the Triton instance (`qwen3_llm_0_1`): the instances of a component share the server's log.
+LOG_FORMAT = "%(asctime)s %(levelname)s [{instance}] %(name)s: %(message)s"
+
+
+def configure_logging(instance: str) -> None:
+    """INFO logging to stderr (the server's log) with each line naming this stub's instance."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.format(instance=instance.replace("%", "%%")))
 
 
 @dataclass(slots=True)
@@ -37,6 +44,7 @@ class NodeSetup:
     component: Component
     checkpoint: Path
     device: str
+    instance: str = ""  # Triton's instance name (model_instance_name)
 
     def build(self):
         """The family's runtime for this component on this instance's device."""
@@ -56,7 +64,7 @@ class NodeSetup:
                         engine_process.SWITCH, refusal)
             return self.build()
         spec = engine_process.EngineSpec(self.model_name, self.family.name, self.component.name, self.deployment,
-                                         self.checkpoint, self.device)
+                                         self.checkpoint, self.device, self.instance)
         return engine_process.start_engine_process(spec, on_exit=self.end_stub)
 
     def end_stub(self, reason: str) -> None:
@@ -93,9 +101,11 @@ def install_stack_dumps(stats=None) -> None:
 
 def load_node(args: dict, *, kind: str) -> NodeSetup:
     """Check the Triton contract (decoupled, parameters, component kind) and resolve the checkpoint."""
+    model_name = args["model_name"]
+    instance = args.get("model_instance_name") or model_name
+    configure_logging(instance)
     load_native_backtrace()  # MSTAR_NATIVE_BACKTRACE: native frames too; loaded first, faulthandler chains to it
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # a fatal signal leaves every stack in the log
-    model_name = args["model_name"]
     kill_when_orphaned()  # a stub outlives a dead server by a few seconds at most, wedged or not
     try:
         interval = apply_switch_interval()
@@ -117,4 +127,4 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
                                             f"component, not {kind!r}")
     checkpoint = resolve_checkpoint(deployment.checkpoint, family.builtin_checkpoints)
     device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
-    return NodeSetup(model_name, deployment, family, component, checkpoint, device)
+    return NodeSetup(model_name, deployment, family, component, checkpoint, device, instance)

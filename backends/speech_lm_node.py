@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         setup = load_node(args, kind="speech_lm")
         self.model_name = setup.model_name
         self.input_names = [spec.name for spec in setup.component.inputs]

@@ -39,7 +39,6 @@ class ComponentNode:
     KIND = "stateless"
 
     def initialize(self, args: dict) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         setup = load_node(args, kind=self.KIND)
         self.model_name = setup.model_name
         self.input_names = [spec.name for spec in setup.component.inputs]

@@ -78,7 +78,6 @@ def deadline_s(request, ceiling_s: float | None) -> float | None:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         setup = load_node(args, kind="walk_router")
         self.model_name = setup.model_name
         self.family = setup.deployment.family

@@ -73,6 +73,9 @@ def enabled() -> bool:
     return env_switch("MSTAR_ENGINE_PROCESS", False)
 
 
+_LOG_NAME_ENV = "MSTAR_ENGINE_LOG_NAME"  # set for the child by start_engine_process
+
+
 @dataclass(slots=True)
 class EngineSpec:
     """What the child builds: one component of a deployment, as `backends.node_setup.NodeSetup.build` does."""
@@ -83,6 +86,7 @@ class EngineSpec:
     deployment: Any  # mstar_common.config.Deployment
     checkpoint: Path
     device: str
+    instance: str = ""  # the stub's Triton instance, named in the child's log lines
 
 
 @dataclass(slots=True)
@@ -130,6 +134,7 @@ def start_engine_process(spec: EngineSpec, ready_timeout_s: float | None = None,
     ours, theirs = socket.socketpair()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env[_LOG_NAME_ENV] = f"{spec.instance or spec.model_name} engine"
     command = [child_python(), "-m", "mstar_common.engine.engine_process", str(theirs.fileno())]
     process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
     theirs.close()
@@ -414,7 +419,8 @@ def main(argv: list[str]) -> int:
     from mstar_common.gc_policy import settle_heap
     from mstar_common.gil import apply_switch_interval
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = os.environ.get(_LOG_NAME_ENV, "engine").replace("%", "%%")  # its lines go to the server's log too
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The server's stop signals reach its whole process group, this process too: the stub decides when the engine

@@ -67,3 +67,6 @@ def test_two_instances_give_transformers_greedy_tokens_and_share_the_requests(tw
 
     steps = _steps_by_instance(two)  # sampled every 0.1 s; 16 requests alternate between the two instances
     assert sorted(steps) == ["qwen3_llm_0_0", "qwen3_llm_0_1"] and all(v > 0 for v in steps.values()), steps
+
+    log = (two.log_dir / "tritonserver.log").read_text(errors="replace")  # each stub's lines name its instance
+    assert all(f"INFO [{name}] " in log for name in steps), "the server log does not name both instances"

@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE_DIRS = ("mstar", "mstar_common", "mstar_kernels", "backends", "ensembles", "scripts")
 
-# Names the code uses that are not switches for a user: a placeholder in a usage message, and the variable a
-# multi-worker proxy hands its own settings to its workers in.
-INTERNAL = {"MSTAR_KEY", "MSTAR_PROXY_SETTINGS"}
+# Names the code uses that are not switches for a user: a placeholder in a usage message, the variable a
+# multi-worker proxy hands its own settings to its workers in, and the one a stub names its engine process's log in.
+INTERNAL = {"MSTAR_KEY", "MSTAR_PROXY_SETTINGS", "MSTAR_ENGINE_LOG_NAME"}
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
