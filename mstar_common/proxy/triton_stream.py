@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,6 +353,7 @@ class TritonStreamClient:
         self.health_timeout_s = health_timeout_s
         self._client: InferenceServerClient | None = None
         self._ending: set[asyncio.Task] = set()  # streams past their final response, until Triton ends them
+        self._instance_counts: dict[str, int] = {}  # Triton instances per model, read at its first request
 
     def _connection(self) -> InferenceServerClient:
         if self._client is None:  # grpc.aio binds a channel to the running loop, so open it from inside one
@@ -363,7 +365,43 @@ class TritonStreamClient:
     ) -> AsyncIterator[StreamResponse]:
         """Send one request and yield its responses up to and including the final one. `timeout_s` is the
         request's deadline: the component enforces it (a clean `deadline_exceeded` error), and the gRPC call
-        is abandoned DEADLINE_GRACE_S later should the server not answer at all."""
+        is abandoned DEADLINE_GRACE_S later should the server not answer at all.
+
+        A model served by several Triton instances is sent a request its instance refused as overloaded (a full
+        queue, answered at once) again, up to once per other instance: Triton hands requests to the instances in
+        turn, not by load, so the next one may have room while this one is full (docs/deployment.md)."""
+        tries = await self._instances(model)
+        for attempt in range(tries):
+            is_answered = False
+            try:
+                async with aclosing(self._stream(model, request_id, gen, timeout_s)) as stream:  # a consumer that
+                    async for response in stream:  # leaves closes it at once, so Triton cancels the request
+                        is_answered = True
+                        yield response
+                return
+            except TritonOverloaded:
+                if is_answered or attempt == tries - 1:
+                    raise
+                logger.info("[proxy] request %s: %s's instance was full; sending it again (try %d of %d)",
+                            request_id, model, attempt + 2, tries)
+
+    async def _instances(self, model: str) -> int:
+        """How many Triton instances serve `model` (its config's instance groups; 1 if it cannot be read)."""
+        if model not in self._instance_counts:
+            try:
+                config = await self._connection().get_model_config(model, as_json=True,
+                                                                   client_timeout=self.health_timeout_s)
+                groups = config.get("config", {}).get("instance_group", [])
+                count = sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups)
+            except (InferenceServerException, grpc.aio.AioRpcError, ValueError) as error:
+                logger.warning("[proxy] the instance count of %s could not be read (%s); no retries", model, error)
+                return 1  # not cached: the next request asks again
+            self._instance_counts[model] = max(1, count)
+        return self._instance_counts[model]
+
+    async def _stream(
+        self, model: str, request_id: str, gen: GenerationRequest, timeout_s: float | None
+    ) -> AsyncIterator[StreamResponse]:
         request = build_request(model, request_id, gen, timeout_s)
         is_done = asyncio.Event()
 

@@ -9,7 +9,7 @@ import json
 import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor
 
 from mstar_common import wire
@@ -280,3 +280,56 @@ async def test_the_proxy_reconnects_within_a_second_or_so_of_tritons_return():
         await client.close()
         if server is not None:
             await server.stop(None)
+
+
+class FullOnceServicer(FakeTritonServicer):
+    """Model "two" has two instances and "one" a single one (their configs' instance groups); the first request to
+    either is refused as overloaded, as a full instance refuses it, and the next is served."""
+
+    def __init__(self):
+        super().__init__()
+        self.refusals = 0
+
+    async def ModelConfig(self, request, context):
+        instances = {"two": [model_config_pb2.ModelInstanceGroup(count=1, gpus=[0, 1])],
+                     "one": [model_config_pb2.ModelInstanceGroup(count=1)]}[request.name]
+        return service_pb2.ModelConfigResponse(config=model_config_pb2.ModelConfig(name=request.name,
+                                                                                   instance_group=instances))
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for request in request_iterator:
+            self.received.append(request)
+            if self.refusals == 0:
+                self.refusals += 1
+                infer_response = service_pb2.ModelInferResponse()
+                infer_response.parameters["triton_final_response"].bool_param = True
+                yield service_pb2.ModelStreamInferResponse(error_message="overloaded: 2 requests running",
+                                                           infer_response=infer_response)
+            else:
+                yield data_response("a", [1], finish="stop", completion=1)
+                yield empty_final()
+        self.half_closed.set()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("model, served", [("two", True), ("one", False)])
+async def test_a_full_instance_refusal_is_sent_again_while_other_instances_serve(model, served):
+    """Triton gives a model's instances requests in turn, not by load: with two instances a request refused by the
+    full one is sent once more (and the other instance serves it); with one, the 429 goes to the client."""
+    server, servicer = grpc.aio.server(), FullOnceServicer()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = TritonStreamClient(f"127.0.0.1:{port}")
+    try:
+        stream = client.generate(model, "rid-12", GenerationRequest(text="hi"), timeout_s=10)
+        if served:
+            assert [r.text for r in [r async for r in stream]] == ["a", ""]
+        else:
+            with pytest.raises(TritonOverloaded, match="2 requests running"):
+                async for _ in stream:
+                    pass
+        assert [r.id for r in servicer.received] == ["rid-12"] * (2 if served else 1)
+    finally:
+        await client.close()
+        await server.stop(None)
