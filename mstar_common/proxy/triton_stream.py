@@ -393,8 +393,8 @@ class TritonStreamClient:
                                                                    client_timeout=self.health_timeout_s)
                 groups = config.get("config", {}).get("instance_group", [])
                 count = sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups)
-            except (InferenceServerException, grpc.aio.AioRpcError, ValueError) as error:
-                logger.warning("[proxy] the instance count of %s could not be read (%s); no retries", model, error)
+            except Exception as error:  # noqa: BLE001 - a best-effort count must never fail the request itself
+                logger.warning("[proxy] the instance count of %s could not be read (%r); no retries", model, error)
                 return 1  # not cached: the next request asks again
             self._instance_counts[model] = max(1, count)
         return self._instance_counts[model]
