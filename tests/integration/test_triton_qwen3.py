@@ -27,12 +27,12 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def reference(served):
+def transformers_greedy(checkpoint):
+    """(tokenizer, {prompt: (prompt ids, transformers' greedy MAX_TOKENS)}) for PROMPTS on `checkpoint`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(served.checkpoint))
-    model = AutoModelForCausalLM.from_pretrained(str(served.checkpoint), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     expected = {}
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -40,6 +40,11 @@ def reference(served):
             out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
         expected[prompt] = (ids, out[0, len(ids):].tolist())
     return tokenizer, expected
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    return transformers_greedy(served.checkpoint)
 
 
 def _request(ids):

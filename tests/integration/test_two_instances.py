@@ -11,13 +11,12 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 import yaml
 
 from mstar_common.cli import DEFAULT_DEPLOYMENT
 from mstar_common.config import deployment_from_dict
 from tests.integration.conftest import serve_deployment
-from tests.integration.test_triton_qwen3 import MAX_TOKENS, PROMPTS
+from tests.integration.test_triton_qwen3 import MAX_TOKENS, PROMPTS, transformers_greedy
 from tests.integration.triton_stream import run_stream
 
 pytestmark = pytest.mark.server
@@ -39,16 +38,7 @@ def _steps_by_instance(served) -> dict[str, float]:
 
 
 def test_two_instances_give_transformers_greedy_tokens_and_share_the_requests(two):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(two.checkpoint))
-    model = AutoModelForCausalLM.from_pretrained(str(two.checkpoint), dtype=torch.float32).eval()
-    want = {}
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        with torch.no_grad():
-            want[prompt] = (ids, model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
-                                                do_sample=False)[0, len(ids):].tolist())
+    tokenizer, want = transformers_greedy(two.checkpoint)
     requests = {f"r{i}": {"input_ids": want[p][0], "max_tokens": MAX_TOKENS, "temperature": 0.0}
                 for i, p in enumerate(PROMPTS)}
     got = run_stream(two.grpc_url, two.entry, requests)
