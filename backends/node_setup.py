@@ -23,17 +23,11 @@ from mstar_common.gil import apply_switch_interval
 from mstar_common.graph import Component
 from mstar_common.native_backtrace import load_from_env as load_native_backtrace
 from mstar_common.orphan_watch import kill_when_orphaned
+from mstar_common.process_log import configure_logging
 
 logger = logging.getLogger(__name__)
 
 END_STUB_GRACE_S = 1.0  # a stub whose engine process died waits this long for its error responses to go out
-# Stub log lines name the Triton instance (`qwen3_llm_0_1`): the instances of a component share the server's log.
-LOG_FORMAT = "%(asctime)s %(levelname)s [{instance}] %(name)s: %(message)s"
-
-
-def configure_logging(instance: str) -> None:
-    """INFO logging to stderr (the server's log) with each line naming this stub's instance."""
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.format(instance=instance.replace("%", "%%")))
 
 
 @dataclass(slots=True)

@@ -418,9 +418,9 @@ def main(argv: list[str]) -> int:
 
     from mstar_common.gc_policy import settle_heap
     from mstar_common.gil import apply_switch_interval
+    from mstar_common.process_log import configure_logging
 
-    name = os.environ.get(_LOG_NAME_ENV, "engine").replace("%", "%%")  # its lines go to the server's log too
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+    configure_logging(os.environ.get(_LOG_NAME_ENV, "engine"))  # its lines go to the server's log too
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The server's stop signals reach its whole process group, this process too: the stub decides when the engine

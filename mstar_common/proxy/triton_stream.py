@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import KeepAliveOptions, service_pb2
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions, service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import (
     InferenceServerException,
@@ -46,8 +46,8 @@ MAX_RECONNECT_BACKOFF_MS = 1000
 def channel_args() -> list[tuple[str, int]]:
     """tritonclient's own channel options (message sizes unbounded, its keepalive defaults) and the ceiling above."""
     keepalive = KeepAliveOptions()
-    unbounded = 2**31 - 1  # tritonclient's MAX_GRPC_MESSAGE_SIZE
-    return [("grpc.max_send_message_length", unbounded), ("grpc.max_receive_message_length", unbounded),
+    return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
             ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
