@@ -28,7 +28,19 @@ def plan_lines(dep: Deployment, family: Family, checkpoint: Path | None) -> list
         weights = sum(f.stat().st_size for f in checkpoint.rglob("*.safetensors"))
         if weights:
             lines.append(f"weights: {_size(weights)} of safetensors in {checkpoint}")
+    lines.extend(_shared_gpu_notes(dep, family))
     return lines
+
+
+def _shared_gpu_notes(dep: Deployment, family: Family) -> list[str]:
+    """A step-loop component with several instances on one GPU: their engines time-share the GPU (no MPS), which
+    served less than one instance did, so the deployment is allowed but told so."""
+    return [f"note: {name}: {comp.placement.instances} instances on each of gpu {comp.placement.gpus} take turns on "
+            f"it, each with its own step loop; on an H100 two Qwen3-0.6B instances served 62% of one instance's "
+            f"tok/s at 64 streams and 49% at 8 (docs/deployment.md). One instance with a larger "
+            f"max_concurrent_requests batches the same streams in one step"
+            for name, comp in sorted(dep.components.items())
+            if name in family.graph.kv_holders and comp.placement.device == "gpu" and comp.placement.instances > 1]
 
 
 def _page_bytes(dep: Deployment, family: Family, name: str, checkpoint: Path | None) -> tuple[int, str] | None:

@@ -45,7 +45,8 @@ def deployment(args) -> dict:
     return {
         "name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
         "components": {"llm": {
-            "placement": {"device": args.device, **({"gpus": [0]} if args.device == "gpu" else {}), "instances": 1},
+            "placement": {"device": args.device, **({"gpus": [0]} if args.device == "gpu" else {}),
+                          "instances": args.instances},
             "cuda_graphs": captured,
             "attention_backend": args.attention_backend, "fused_ops": not args.no_fused_ops,
             "capture_sampling": not args.no_capture_sampling,
@@ -386,7 +387,7 @@ def _saver(model: dict, out: str):
 def _serve(args) -> int:
     model: dict = {"name": args.name, "family": args.family, "checkpoint": str(args.checkpoint),
                    "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
-                   "prefix_caching": args.prefix_caching, "code": code_revision(),
+                   "prefix_caching": args.prefix_caching, "instances": args.instances, "code": code_revision(),
                    "switches": served_switches(os.environ), "meta": meta(None)}
     with_proxy = bool(args.proxy_concurrency or args.proxy_rates)
     memory = {"before_start": gpu_memory.used_mib()}
@@ -882,7 +883,9 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--decode-buckets", type=int, nargs="*")
     p.add_argument("--token-buckets", type=int, nargs="*")
-    p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--max-concurrent", type=int, default=64, help="requests an instance runs at once")
+    p.add_argument("--instances", type=_at_least(1), default=1,
+                   help="the LLM's Triton instances on GPU 0 (placement.instances); each has its own engine and pool")
     p.add_argument("--num-pages", type=_pages, default=1024,
                    help="KV pages per instance, or auto (sized from the GPU's memory; resources.kv_cache.num_pages)")
     p.add_argument("--page-size", type=int, default=64)

@@ -80,6 +80,18 @@ def test_num_pages_takes_a_count_or_auto(bench, monkeypatch, capsys):
     assert "argument --num-pages: must be an integer >= 1, not '0'" in capsys.readouterr().err
 
 
+def test_instances_reach_the_placement(bench, monkeypatch, capsys):
+    """`--instances 2` serves two engines of the LLM on GPU 0 (each with its own pool); 0 is refused by name."""
+    assert deployment_from_dict(bench.deployment(_serve_args(bench, monkeypatch)),
+                                source="test").components["llm"].placement.instances == 1
+    args = _serve_args(bench, monkeypatch, "--device", "gpu", "--instances", "2")
+    placement = deployment_from_dict(bench.deployment(args), source="test").components["llm"].placement
+    assert (placement.instances, placement.gpus, placement.total_instances) == (2, [0], 2)
+    with pytest.raises(SystemExit):
+        _serve_args(bench, monkeypatch, "--instances", "0")
+    assert "argument --instances: must be an integer >= 1, not '0'" in capsys.readouterr().err
+
+
 def test_the_benchmark_serves_its_workloads_knobs_not_the_checkpoints_generation_config(bench, monkeypatch):
     """A checkpoint's recommended repetition_penalty would reach the served rows (the workload never sends one) but
     not --check-eager's engine nor the report."""

@@ -53,6 +53,21 @@ def test_a_counted_pool_is_given_in_pages_tokens_and_bytes_from_the_checkpoints_
     assert "= 7.00 GiB (896.0 KiB a page" in fp8 and "x fp8_e4m3" in fp8
 
 
+def test_several_step_loop_instances_on_one_gpu_get_a_note_and_one_instance_none(qwen3_config_dir):
+    """Two engines on one GPU take turns on it (measured below one instance's tok/s): check says so, not refuses."""
+    lines = plan_lines(_deployment(qwen3_config_dir), get_family("qwen3"), qwen3_config_dir)
+    assert lines[-1].startswith("note: llm: 2 instances on each of gpu [0] take turns on it")
+    assert "62% of one instance's tok/s at 64 streams" in lines[-1]
+    raw = copy.deepcopy(GPU_DEPLOYMENT)
+    raw["checkpoint"] = str(qwen3_config_dir)
+    raw["components"]["llm"]["placement"]["instances"] = 1
+    one = plan_lines(deployment_from_dict(raw, source="test"), get_family("qwen3"), qwen3_config_dir)
+    assert not any(line.startswith("note:") for line in one)
+    raw["components"]["llm"]["placement"] = {"device": "cpu", "instances": 2}
+    cpu = plan_lines(deployment_from_dict(raw, source="test"), get_family("qwen3"), qwen3_config_dir)
+    assert not any(line.startswith("note:") for line in cpu)
+
+
 def test_an_auto_pool_is_given_with_its_fraction_and_what_the_cap_needs(qwen3_config_dir):
     dep = _deployment(qwen3_config_dir, num_pages="auto", gpu_memory_fraction=0.8)
     line = plan_lines(dep, get_family("qwen3"), qwen3_config_dir)[1]
