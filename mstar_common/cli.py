@@ -73,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
     from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
+    from mstar_common.memory_plan import shared_gpu_notes
     from mstar_common.repository import entry_model, generate_repository
     from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
     from mstar_common.switches import check_switches
@@ -87,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     checkpoint = resolve_checkpoint(dep.checkpoint, family.builtin_checkpoints)
     check_against_checkpoint(family, dep, checkpoint, path.name)  # e.g. max_model_len against its position limit
     print(f"[mstar] deployment {dep.name} ({path}) is valid for its checkpoint {checkpoint}", flush=True)
+    for note in shared_gpu_notes(dep, family):  # allowed, but slower than one instance: said before the load
+        print(f"[mstar] {note}", flush=True)
     check_gpus_visible(dep, path.name)
     check_shm_size(dep, path.name)
     s = dep.server

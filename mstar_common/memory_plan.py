@@ -28,11 +28,11 @@ def plan_lines(dep: Deployment, family: Family, checkpoint: Path | None) -> list
         weights = sum(f.stat().st_size for f in checkpoint.rglob("*.safetensors"))
         if weights:
             lines.append(f"weights: {_size(weights)} of safetensors in {checkpoint}")
-    lines.extend(_shared_gpu_notes(dep, family))
+    lines.extend(shared_gpu_notes(dep, family))
     return lines
 
 
-def _shared_gpu_notes(dep: Deployment, family: Family) -> list[str]:
+def shared_gpu_notes(dep: Deployment, family: Family) -> list[str]:
     """A step-loop component with several instances on one GPU: their engines time-share the GPU (no MPS), which
     served less than one instance did, so the deployment is allowed but told so."""
     return [f"note: {name}: {comp.placement.instances} instances on each of gpu {comp.placement.gpus} take turns on "

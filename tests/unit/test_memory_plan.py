@@ -180,3 +180,22 @@ def test_cpu_pools_larger_than_the_machines_memory_are_refused(qwen3_config_dir)
                                               r"need 56.01 GiB, more than this machine's 32.00 GiB of memory"):
         check_cpu_pools_fit(dep, get_family("qwen3"), qwen3_config_dir, "t.yaml", memory=32 * 2**30)
     check_cpu_pools_fit(dep, get_family("qwen3"), qwen3_config_dir, "t.yaml", memory=64 * 2**30)
+
+
+def test_mstar_serve_prints_the_shared_gpu_note_before_it_looks_for_the_gpus(tmp_path, capsys, monkeypatch):
+    """`mstar serve` says it too (before the load, where users look), then goes on to its GPU check (stopped there
+    here, so no server starts on a machine with a GPU either)."""
+    from mstar_common.config import DeploymentError
+
+    def stop(dep, source):
+        raise DeploymentError("stopped at the GPU check")
+
+    monkeypatch.setattr(cli, "check_gpus_visible", stop)
+    raw = yaml.safe_load((cli.PROJECT_ROOT / "configs" / "qwen3.yaml").read_text())
+    raw["components"]["llm"]["placement"] = {"device": "gpu", "gpus": [0], "instances": 2}
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["serve", str(path), "--no-proxy", "--timeout", "5"]) == 2
+    out = capsys.readouterr()
+    assert "[mstar] note: llm: 2 instances on each of gpu [0] take turns on it" in out.out
+    assert "stopped at the GPU check" in out.err
