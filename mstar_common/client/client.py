@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,9 +16,14 @@ import httpx
 from mstar_common.client.images import ImageMethods
 from mstar_common.client.speech import SpeechMethods
 from mstar_common.client.transcription import TranscriptionMethods
-from mstar_common.client.types import ChatEvent, ChatResult, EventStream, MStarConnectionError, MStarError
-
-_STATUS_BY_TYPE = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
+from mstar_common.client.types import (
+    ChatEvent,
+    ChatResult,
+    EventStream,
+    MStarConnectionError,
+    MStarError,
+    sse_events,
+)
 
 
 class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
@@ -116,8 +120,13 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         """POST /generate and return the response once its status says it streams (else its MStarError)."""
         response = self._call(self._build(content), stream=True)
         if response.status_code != 200:
-            response.read()
-            response.close()
+            try:
+                response.read()
+            except httpx.TransportError as exc:
+                raise MStarConnectionError(f"{response.request.url}: [{response.status_code}] the connection was lost "
+                                           f"before the error's message ({exc!r})") from None
+            finally:
+                response.close()
             raise _error(response)
         return response
 
@@ -146,26 +155,9 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
 
 
 def _events(response: httpx.Response) -> Iterator[ChatEvent]:
-    try:
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if "error" in event:
-                error = event["error"]
-                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
-            yield ChatEvent(
-                text=event.get("text", ""),
-                finish_reason=event.get("finish_reason"),
-                token_ids=event.get("token_ids"),
-                usage=event.get("usage"),
-            )
-        raise MStarError(502, "the stream ended without [DONE]")
-    finally:
-        response.close()  # also when the caller stops early: the server then cancels the request
+    for event in sse_events(response):
+        yield ChatEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
+                        token_ids=event.get("token_ids"), usage=event.get("usage"))
 
 
 def _error(response: httpx.Response) -> MStarError:

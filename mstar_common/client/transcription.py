@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from mstar_common.client.types import EventStream
+from mstar_common.client.types import EventStream, sse_events
 
 
 @dataclass(slots=True)
@@ -67,23 +67,7 @@ class TranscriptionMethods:
 
 
 def _events(response: httpx.Response) -> Iterator[TranscriptionEvent]:
-    from mstar_common.client.client import _STATUS_BY_TYPE
-    from mstar_common.client.types import MStarError
-
-    try:
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if "error" in event:
-                error = event["error"]
-                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
-            yield TranscriptionEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
-                                     language=event.get("language"), duration=event.get("duration"),
-                                     segments=event.get("segments"))
-        raise MStarError(502, "the stream ended without [DONE]")
-    finally:
-        response.close()
+    for event in sse_events(response):
+        yield TranscriptionEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
+                                 language=event.get("language"), duration=event.get("duration"),
+                                 segments=event.get("segments"))

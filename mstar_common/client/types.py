@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 
 E = TypeVar("E")
+
+# The `type` of a proxy error (mstar_common/proxy/errors.py) -> its HTTP status, for an error sent as a stream's event.
+_STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "service_unavailable": 503,
+                   "timeout": 504}
 
 
 class MStarError(Exception):
@@ -56,6 +61,35 @@ class EventStream(Generic[E]):
             self.close()
         except Exception:  # noqa: BLE001 - at interpreter exit the transport may be gone already
             pass
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON events of an SSE response up to `[DONE]`; an error event, a lost connection or a read past the
+    client's timeout raises its MStarError. Closes the response when done, also when the caller stops early (the
+    server then cancels the request)."""
+    try:
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            try:
+                event = json.loads(data)
+            except ValueError:
+                raise MStarError(502, f"the stream sent an event that is not JSON: {data[:80]!r}") from None
+            if "error" in event:
+                error = event["error"]
+                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
+            yield event
+        raise MStarError(502, "the stream ended without [DONE]")
+    except httpx.TimeoutException as exc:
+        raise MStarConnectionError(f"{response.request.url}: the stream stalled past the client's timeout "
+                                   f"({exc!r})") from None
+    except httpx.TransportError as exc:
+        raise MStarConnectionError(f"{response.request.url}: the connection was lost mid-stream ({exc!r})") from None
+    finally:
+        response.close()
 
 
 @dataclass(slots=True)

@@ -121,3 +121,55 @@ def test_an_empty_model_name_is_refused_not_taken_as_none():
         client.chat("hi", model="")
     assert fake.requests == []
     assert client.chat("hi", model="qwen3").text == "Hello, world"
+
+
+def _sse_client(*chunks: bytes | Exception, status: int = 200) -> MStarClient:
+    """A client whose server answers every request with a `status` SSE stream of `chunks`; an exception in `chunks`
+    is raised where the stream reaches it, as httpx raises a lost connection or a stalled read."""
+    import httpx
+
+    class Body(httpx.SyncByteStream):
+        def __iter__(self):
+            for chunk in chunks:
+                if isinstance(chunk, Exception):
+                    raise chunk
+                yield chunk
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, headers={"content-type": "text/event-stream"}, stream=Body())
+
+    return MStarClient(http_client=httpx.Client(base_url="http://mstar", transport=httpx.MockTransport(answer)))
+
+
+@pytest.mark.parametrize("method", ["chat", "transcribe"])
+def test_a_stream_that_stalls_or_drops_mid_way_is_an_sdk_error(method):
+    """A read past the client's timeout, or a connection lost after the first event, used to escape the stream as
+    httpx's own ReadTimeout / ReadError; the docs promise an MStarConnectionError for both."""
+    import httpx
+
+    from mstar_common.client import MStarConnectionError
+
+    for failure, words in ((httpx.ReadTimeout("timed out"), "stalled past the client's timeout"),
+                           (httpx.ReadError("connection reset by peer"), "lost mid-stream")):
+        client = _sse_client(b'data: {"text": "a"}\n\n', failure)
+        stream = client.chat("hi", stream=True) if method == "chat" else client.transcribe(b"wav", stream=True)
+        assert next(stream).text == "a"
+        with pytest.raises(MStarConnectionError) as info:
+            next(stream)
+        assert info.value.status == 0 and words in info.value.message
+    client = _sse_client(b'{"error": ', httpx.ReadError("connection reset by peer"), status=503)
+    with pytest.raises(MStarConnectionError, match=r"\[503\] the connection was lost"):
+        client.chat("hi", stream=True)
+
+
+def test_stream_error_events_keep_their_status_and_a_garbled_event_is_an_sdk_error():
+    """A 429 sent as a stream's error event used to surface as a 500; an event that is not JSON as a bare
+    JSONDecodeError."""
+    client = _sse_client(b'data: {"error": {"message": "overloaded", "type": "rate_limit_exceeded"}}\n\n')
+    with pytest.raises(MStarError) as info:
+        list(client.chat("hi", stream=True))
+    assert info.value.status == 429 and info.value.message == "overloaded"
+    client = _sse_client(b"data: <html>bad gateway</html>\n\n")
+    with pytest.raises(MStarError) as info:
+        list(client.chat("hi", stream=True))
+    assert info.value.status == 502 and "not JSON" in info.value.message
