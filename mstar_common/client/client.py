@@ -22,6 +22,7 @@ from mstar_common.client.types import (
     EventStream,
     MStarConnectionError,
     MStarError,
+    set_knobs,
     sse_events,
 )
 
@@ -55,14 +56,14 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
             messages = [{"role": "user", "content": prompt_or_messages}]
         else:
             messages = list(prompt_or_messages)
-        return self._generate({"model_kwargs": {**knobs, "messages": messages}}, stream, model)
+        return self._generate({"model_kwargs": {**set_knobs(knobs), "messages": messages}}, stream, model)
 
     def generate(
         self, text: str, stream: bool = False, *, model: str | None = None, **model_kwargs: Any
     ) -> ChatResult | EventStream[ChatEvent]:
         """Native /generate with `text` and `model_kwargs`. On a text model `text` is the user's message: the chat
         template applies as in `chat` (so do `enable_thinking` and `chat_template_kwargs`)."""
-        return self._generate({"text": text, "model_kwargs": model_kwargs}, stream, model)
+        return self._generate({"text": text, "model_kwargs": set_knobs(model_kwargs)}, stream, model)
 
     def models(self) -> list[str]:
         return [card["id"] for card in self._json(self._call(self._http.build_request("GET", "/v1/models")))["data"]]

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mstar_common.client.types import set_knobs
+
 ImageInput = str | Path | bytes
 
 
@@ -48,7 +50,7 @@ class ImageMethods:
 
 
 def _knobs(width: int | None, height: int | None, seed: int | None, n: int, extra: dict[str, Any]) -> dict[str, Any]:
-    kwargs = dict(extra)
+    kwargs = set_knobs(extra)
     if width is not None or height is not None:
         kwargs["width"], kwargs["height"] = width, height
     if seed is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mstar_common.client.types import set_knobs
+
 
 @dataclass(slots=True)
 class SpeechResult:
@@ -44,9 +46,7 @@ class SpeechMethods:
     def tts(self, text: str, voice: str | None = None, *, model: str | None = None, **knobs: Any) -> SpeechResult:
         """Text to speech. `knobs`: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed,
         return_token_ids."""
-        kwargs = dict(knobs)
-        if voice is not None:
-            kwargs["voice"] = voice
+        kwargs = set_knobs({**knobs, "voice": voice})
         body: dict[str, Any] = {"text": text, "output_modalities": ["audio"], "model_kwargs": kwargs}
         if (name := self._model(model)) is not None:
             body["model"] = name

@@ -63,6 +63,12 @@ class EventStream(Generic[E]):
             pass
 
 
+def set_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """The knobs the caller set: one given as None is left out (the server's default), never sent as null, which a
+    field such as `return_token_ids` refuses."""
+    return {name: value for name, value in knobs.items() if value is not None}
+
+
 def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
     """The JSON events of an SSE response up to `[DONE]`; an error event, a lost connection or a read past the
     client's timeout raises its MStarError. Closes the response when done, also when the caller stops early (the

@@ -173,3 +173,29 @@ def test_stream_error_events_keep_their_status_and_a_garbled_event_is_an_sdk_err
     with pytest.raises(MStarError) as info:
         list(client.chat("hi", stream=True))
     assert info.value.status == 502 and "not JSON" in info.value.message
+
+
+def test_a_knob_given_as_none_is_left_out_not_sent_as_null():
+    """`return_token_ids=None` used to reach the server as null, which it refuses (a 400: not a valid boolean);
+    None now means the server's default on every method, as it already did for transcribe()."""
+    client, fake = sdk()
+    result = client.chat("hi", return_token_ids=None, max_tokens=None, seed=None)
+    assert result.text == "Hello, world" and result.token_ids is None
+    assert "max_tokens" not in fake.requests[-1].tensors and "seed" not in fake.requests[-1].tensors
+    assert client.generate("hi", return_token_ids=None).text == "Hello, world"
+    import httpx
+
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["model_kwargs"])
+        if "audio" in request.content.decode():
+            wav = "UklGRiQAAABXQVZFZm10IBAAAAABAAEAwF0AAIC7AAACABAAZGF0YQAAAAA="  # 24 kHz PCM16 mono, no frames
+            audio = {"format": "wav", "sample_rate": 24000, "data": wav}
+            return httpx.Response(200, json={"outputs": {"audio": [audio]}, "finish_reason": "stop"})
+        return httpx.Response(200, json={"outputs": {"image": ["iVBORw0KGgo="]}})
+
+    client = MStarClient(http_client=httpx.Client(base_url="http://mstar", transport=httpx.MockTransport(answer)))
+    assert client.tts("hi", voice=None, temperature=None, return_token_ids=None).duration_s == 0.0
+    assert client.generate_image("a cat", seed=None, num_inference_steps=None, output_format=None)
+    assert sent == [{}, {}]
