@@ -24,12 +24,20 @@ class MStarError(Exception):
         self.status = status
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        """Pickle by the constructor's arguments (Exception's default passes `str(self)` alone, which cannot make
+        one again): a worker of a process pool that raises it would break the whole pool."""
+        return type(self), (self.status, self.message)
+
 
 class MStarConnectionError(MStarError):
     """No answer: the server could not be reached, or did not answer within the client's timeout (`status` 0)."""
 
     def __init__(self, message: str):
         super().__init__(0, message)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.message,)
 
 
 class EventStream(Generic[E]):

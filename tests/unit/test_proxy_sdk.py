@@ -199,3 +199,16 @@ def test_a_knob_given_as_none_is_left_out_not_sent_as_null():
     assert client.tts("hi", voice=None, temperature=None, return_token_ids=None).duration_s == 0.0
     assert client.generate_image("a cat", seed=None, num_inference_steps=None, output_format=None)
     assert sent == [{}, {}]
+
+
+def test_sdk_errors_survive_pickling():
+    """MStarError could not be unpickled (its message alone was passed back to a two-argument constructor), so a
+    process-pool worker that raised one broke the whole pool (BrokenProcessPool) instead of raising it."""
+    import pickle
+
+    from mstar_common.client import MStarConnectionError
+
+    for error in (MStarError(429, "the server is at capacity"), MStarConnectionError("could not reach the server")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and (copy.status, copy.message, str(copy)) == (
+            error.status, error.message, str(error))
