@@ -38,6 +38,7 @@ class TranscriptionEvent:
     language: str | None = None
     duration: float | None = None
     segments: list[dict[str, Any]] | None = None
+    usage: dict[str, int] | None = None
 
 
 class TranscriptionMethods:
@@ -70,4 +71,4 @@ def _events(response: httpx.Response) -> Iterator[TranscriptionEvent]:
     for event in sse_events(response):
         yield TranscriptionEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
                                  language=event.get("language"), duration=event.get("duration"),
-                                 segments=event.get("segments"))
+                                 segments=event.get("segments"), usage=event.get("usage"))

@@ -212,3 +212,18 @@ def test_sdk_errors_survive_pickling():
         copy = pickle.loads(pickle.dumps(error))
         assert type(copy) is type(error) and (copy.status, copy.message, str(copy)) == (
             error.status, error.message, str(error))
+
+
+def test_a_streamed_transcription_ends_with_the_same_metadata_as_the_whole_one():
+    """The stream's last event carries `usage` as the non-streamed result does; TranscriptionEvent used to drop it."""
+    from mstar_common.proxy.app import ServedModel
+    from tests.unit.test_proxy_transcriptions import script
+
+    app, _ = make_app(FakeTriton(script=script()), models=[ServedModel("whisper", "whisper_walk", "transcription")])
+    client = MStarClient(http_client=TestClient(app))
+    whole = client.transcribe(b"RIFF....")
+    events = list(client.transcribe(b"RIFF....", stream=True))
+    assert "".join(e.text for e in events) == whole.text == "Hello there. General Kenobi."
+    last = events[-1]
+    assert (last.finish_reason, last.language, last.duration) == (whole.finish_reason, whole.language, whole.duration)
+    assert last.usage == whole.usage == {"completion_tokens": 3}
