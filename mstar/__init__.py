@@ -7,10 +7,11 @@ from mstar_common.client import (
     MStarClient,
     MStarConnectionError,
     MStarError,
+    SpeechChunk,
     SpeechResult,
     TranscriptionEvent,
     TranscriptionResult,
 )
 
 __all__ = ["ChatEvent", "ChatResult", "EventStream", "MStarClient", "MStarConnectionError", "MStarError",
-           "SpeechResult", "TranscriptionEvent", "TranscriptionResult"]
+           "SpeechChunk", "SpeechResult", "TranscriptionEvent", "TranscriptionResult"]

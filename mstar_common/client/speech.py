@@ -2,6 +2,8 @@
 
     client.tts("Hello there", voice="tara").to_wav("out.wav")
     result = client.tts("Hi", voice="leo", temperature=0.6, max_tokens=600, seed=1)   # result.pcm: int16 samples
+    for chunk in client.tts("Hello there", voice="tara", stream=True):                # as each chunk is decoded
+        play(chunk.pcm, chunk.sample_rate)
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import base64
 import io
 import wave
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mstar_common.client.types import set_knobs
+import httpx
+
+from mstar_common.client.types import EventStream, set_knobs, sse_events
 
 
 @dataclass(slots=True)
@@ -40,18 +45,47 @@ class SpeechResult:
         return path
 
 
-class SpeechMethods:
-    """Mixed into MStarClient: uses its `_model`, `_post` and `_json`."""
+@dataclass(slots=True)
+class SpeechChunk:
+    """One streamed event: PCM16 samples as they are decoded (and their tokens with return_token_ids=True), or the
+    last event with no samples, the finish reason and the usage."""
 
-    def tts(self, text: str, voice: str | None = None, *, model: str | None = None, **knobs: Any) -> SpeechResult:
+    pcm: bytes = b""  # raw PCM16 little-endian mono samples
+    sample_rate: int | None = None  # of `pcm`; on the last event, that of the chunks before it (None if none came)
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+class SpeechMethods:
+    """Mixed into MStarClient: uses its `_model`, `_post`, `_open_stream` and `_json`."""
+
+    def tts(self, text: str, voice: str | None = None, *, stream: bool = False, model: str | None = None,
+            **knobs: Any) -> SpeechResult | EventStream[SpeechChunk]:
         """Text to speech. `knobs`: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed,
-        return_token_ids."""
+        ignore_eos, return_token_ids. `stream=True`: the audio as it is decoded (the first chunk comes long before
+        the whole clip would), as `SpeechChunk`s whose PCM joined is the whole clip's."""
         kwargs = set_knobs({**knobs, "voice": voice})
-        body: dict[str, Any] = {"text": text, "output_modalities": ["audio"], "model_kwargs": kwargs}
+        body: dict[str, Any] = {"text": text, "output_modalities": ["audio"], "model_kwargs": kwargs,
+                                "streaming": stream}
         if (name := self._model(model)) is not None:
             body["model"] = name
+        if stream:
+            response = self._open_stream(json=body)
+            return EventStream(response, _chunks(response))
         data = self._json(self._post(json=body))
         audio = data["outputs"]["audio"][0]
         return SpeechResult(wav=base64.b64decode(audio["data"]), sample_rate=int(audio["sample_rate"]),
                             finish_reason=data["finish_reason"], usage=data.get("usage", {}),
                             token_ids=data.get("token_ids"))
+
+
+def _chunks(response: httpx.Response) -> Iterator[SpeechChunk]:
+    """/generate's audio events: {"audio": base64 PCM16, "sample_rate"[, "token_ids"]} per chunk, then
+    {"finish_reason", "usage"}."""
+    sample_rate = None
+    for event in sse_events(response):
+        sample_rate = event.get("sample_rate", sample_rate)
+        yield SpeechChunk(pcm=base64.b64decode(event.get("audio", "")), sample_rate=sample_rate,
+                          token_ids=event.get("token_ids"), finish_reason=event.get("finish_reason"),
+                          usage=event.get("usage"))

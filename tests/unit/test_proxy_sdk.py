@@ -227,3 +227,87 @@ def test_a_streamed_transcription_ends_with_the_same_metadata_as_the_whole_one()
     last = events[-1]
     assert (last.finish_reason, last.language, last.duration) == (whole.finish_reason, whole.language, whole.duration)
     assert last.usage == whole.usage == {"completion_tokens": 3}
+
+
+def _speech_app(script: list):
+    from mstar_common.proxy.app import ServedModel
+
+    return make_app(FakeTriton(script=script), models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+
+
+def test_streamed_speech_joins_to_the_whole_clip():
+    """tts(stream=True) yields each chunk's PCM as /generate streams it; joined, it is the non-streamed clip, and the
+    last event ends it as the whole result does."""
+    from mstar_common.client import SpeechChunk, SpeechResult
+    from tests.unit.test_proxy_speech import speech_script
+
+    app, fake = _speech_app(speech_script())
+    client = MStarClient(http_client=TestClient(app))
+    whole = client.tts("Hello there", voice="leo", seed=5, return_token_ids=True)
+    assert isinstance(whole, SpeechResult)
+    chunks = list(client.tts("Hello there", voice="leo", stream=True, seed=5, return_token_ids=True))
+    assert all(isinstance(c, SpeechChunk) for c in chunks) and len(chunks) == 3  # two audio chunks, then the end
+    assert [len(c.pcm) // 2 for c in chunks] == [4, 6, 0] and all(c.sample_rate == 24000 for c in chunks)
+    assert b"".join(c.pcm for c in chunks) == whole.pcm and len(whole.pcm) == 20
+    assert [t for c in chunks for t in c.token_ids or []] == whole.token_ids == [1, 2, 3]
+    assert (chunks[-1].finish_reason, chunks[-1].usage) == (whole.finish_reason, whole.usage) == (
+        "length", {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
+    sent = [r.tensors for r in fake.requests]
+    assert [t["voice"][2][0] for t in sent] == [b"leo", b"leo"] and [t["seed"][2][0] for t in sent] == [5, 5]
+
+
+def test_streamed_speech_errors_are_sdk_errors():
+    from mstar_common.proxy.triton_stream import TritonServerError
+    from tests.unit.test_proxy_speech import speech_script
+
+    app, _ = _speech_app(speech_script())
+    client = MStarClient(http_client=TestClient(app))
+    with pytest.raises(MStarError) as info:
+        client.tts(" ", stream=True)  # refused when the stream is made
+    assert info.value.status == 400 and "'text'" in info.value.message
+    app, _ = _speech_app([speech_script()[0], TritonServerError("codec died")])
+    stream = MStarClient(http_client=TestClient(app)).tts("Hi", stream=True)
+    assert len(next(stream).pcm) == 8
+    with pytest.raises(MStarError) as info:
+        next(stream)
+    assert info.value.status == 500 and "error id" in info.value.message
+
+
+def test_breaking_out_of_streamed_speech_closes_it_and_the_server_cancels():
+    """Over real HTTP (uvicorn): leaving the stream after its first chunk closes the connection, and the proxy then
+    cancels the Triton request that would otherwise go on decoding audio nobody reads."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests.unit.proxy_fake_triton import HANG
+    from tests.unit.test_proxy_speech import speech_script
+
+    app, fake = _speech_app([speech_script()[0], HANG])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        with MStarClient(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10) as client:
+            with client.tts("Hi", stream=True) as stream:
+                first = next(stream)
+            assert len(first.pcm) == 8 and stream._response.is_closed
+            with pytest.raises(StopIteration):
+                next(stream)
+            deadline = time.monotonic() + 5
+            while not fake.cancelled:
+                assert time.monotonic() < deadline, "the server never cancelled the abandoned speech"
+                time.sleep(0.01)
+            assert fake.cancelled == [fake.requests[0].request_id]
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()
