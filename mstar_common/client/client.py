@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import email.utils
+import math
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import httpx
@@ -166,4 +169,20 @@ def _error(response: httpx.Response) -> MStarError:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text or response.reason_phrase
-    return MStarError(response.status_code, message)
+    return MStarError(response.status_code, message, _retry_after(response.headers.get("retry-after")))
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds: delay-seconds (what the proxy sends) or an HTTP date; None if absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+        return max(0.0, seconds) if math.isfinite(seconds) else None
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds()) if when.tzinfo else None

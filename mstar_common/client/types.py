@@ -17,17 +17,20 @@ _STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "se
 
 
 class MStarError(Exception):
-    """An error response from the server: `status` is the HTTP status (400 client fault, 500 server fault)."""
+    """An error response from the server: `status` is the HTTP status (400 client fault, 500 server fault).
+    `retry_after`: the seconds the server asked the client to wait before retrying (its `Retry-After`, sent with a
+    429 or 503), else None."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
         super().__init__(f"[{status}] {message}")
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
     def __reduce__(self) -> tuple:
         """Pickle by the constructor's arguments (Exception's default passes `str(self)` alone, which cannot make
         one again): a worker of a process pool that raises it would break the whole pool."""
-        return type(self), (self.status, self.message)
+        return type(self), (self.status, self.message, self.retry_after)
 
 
 class MStarConnectionError(MStarError):

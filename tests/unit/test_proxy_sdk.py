@@ -311,3 +311,37 @@ def test_breaking_out_of_streamed_speech_closes_it_and_the_server_cancels():
         server.should_exit = True
         thread.join(5)
         sock.close()
+
+
+def test_an_error_keeps_the_servers_retry_after():
+    """A 429 or 503 comes with Retry-After (the proxy's admission.retry_after_s); the SDK dropped it, so a caller
+    that backs off had to guess. It is `MStarError.retry_after` (seconds), and survives pickling."""
+    import pickle
+    from email.utils import format_datetime
+
+    import httpx
+
+    from mstar_common.proxy.triton_stream import TritonOverloaded, TritonUnavailable
+
+    for failure, status in ((TritonOverloaded("queue full"), 429), (TritonUnavailable("draining"), 503)):
+        app, _ = make_app(FakeTriton(script=[failure]), retry_after_s=7)
+        client = MStarClient(http_client=TestClient(app))
+        for stream in (False, True):
+            with pytest.raises(MStarError) as info:
+                client.chat("x", stream=stream)
+            assert info.value.status == status and info.value.retry_after == 7.0
+            assert pickle.loads(pickle.dumps(info.value)).retry_after == 7.0
+    with pytest.raises(MStarError) as info:
+        client.chat("x", top_p=0)
+    assert info.value.status == 400 and info.value.retry_after is None
+    import datetime
+
+    later = format_datetime(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60), usegmt=True)
+    for header, want in ((later, (50, 61)), ("soon", None), ("nan", None), ("-3", (0, 0))):
+        answer = httpx.Response(503, headers={"retry-after": header}, json={"error": {"message": "busy"}})
+        client = MStarClient(http_client=httpx.Client(base_url="http://mstar",
+                                                      transport=httpx.MockTransport(lambda _, a=answer: a)))
+        with pytest.raises(MStarError) as info:
+            client.chat("x")
+        got = info.value.retry_after
+        assert got is None if want is None else want[0] <= got <= want[1], (header, got)
