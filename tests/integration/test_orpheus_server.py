@@ -230,6 +230,13 @@ def test_sdk_tts_and_native_generate(tts, tmp_path):
     path = result.to_wav(tmp_path / "out.wav")
     audio, rate = soundfile.read(path, dtype="int16")
     assert rate == 24000 and len(audio) == 5 * SAMPLES_PER_FRAME and len(result.token_ids) == 35
+    with client.tts("Hello there", voice="dan", max_tokens=35, ignore_eos=True, seed=5, stream=True) as stream:
+        chunks = list(stream)
+    pcm = b"".join(chunk.pcm for chunk in chunks)
+    assert len(chunks) >= 2 and all(chunk.pcm and chunk.sample_rate == 24000 for chunk in chunks[:-1])
+    assert not chunks[-1].pcm and chunks[-1].finish_reason == "length" and chunks[-1].usage == result.usage
+    streamed = np.frombuffer(pcm, "<i2").astype(np.int32)  # the codec batches differ between runs: 1 LSB
+    assert len(pcm) == len(result.pcm) and np.abs(streamed - np.frombuffer(result.pcm, "<i2")).max() <= 1
     body = {"text": "Hi", "output_modalities": ["audio"], "streaming": True,
             "model_kwargs": {"max_tokens": 21, "ignore_eos": True, "voice": "mia"}}
     with httpx.stream("POST", tts.proxy_url + "/generate", json=body, timeout=60) as response:
