@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import email.utils
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -28,6 +28,8 @@ from mstar_common.client.types import (
     set_knobs,
     sse_events,
 )
+
+R = TypeVar("R")
 
 
 class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
@@ -69,7 +71,8 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         return self._generate({"text": text, "model_kwargs": set_knobs(model_kwargs)}, stream, model)
 
     def models(self) -> list[str]:
-        return [card["id"] for card in self._json(self._call(self._http.build_request("GET", "/v1/models")))["data"]]
+        response = self._call(self._http.build_request("GET", "/v1/models"))
+        return self._json(response, lambda data: [card["id"] for card in data["data"]])
 
     def health(self) -> bool:
         """True when the proxy reports Triton live and every served model ready."""
@@ -97,13 +100,7 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
             body["model"] = name
         if stream:
             return self._stream(body)
-        data = self._json(self._post(json=body))
-        return ChatResult(
-            text="".join(data["outputs"]["text"]),
-            finish_reason=data["finish_reason"],
-            usage=data.get("usage", {}),
-            token_ids=data.get("token_ids"),
-        )
+        return self._json(self._post(json=body), _chat_result)
 
     def _stream(self, body: dict[str, Any]) -> EventStream[ChatEvent]:
         response = self._open_stream(json=body)
@@ -149,13 +146,28 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
             raise MStarConnectionError(f"{request.url}: could not reach the server ({exc})") from None
 
     @staticmethod
-    def _json(response: httpx.Response) -> dict[str, Any]:
+    def _json(response: httpx.Response, parse: Callable[[Any], R]) -> R:
+        """`parse` of a 200 JSON answer (else its MStarError): the one place an answer is read, so one that lacks
+        what `parse` reads is a 502 MStarError naming it, never a bare KeyError from deep inside a method."""
         if response.status_code != 200:
             raise _error(response)
         try:
-            return response.json()
+            data = response.json()
         except ValueError:
             raise MStarError(502, f"{response.request.url}: the answer is not JSON (is this an M* proxy?)") from None
+        try:
+            return parse(data)
+        except KeyError as exc:
+            raise MStarError(502, f"{response.request.url}: the answer has no {exc.args[0]!r} "
+                                  f"(is this an M* proxy of the same version?)") from None
+        except (IndexError, TypeError, ValueError) as exc:  # an empty list, a list for an object, a bad base64
+            raise MStarError(502, f"{response.request.url}: the answer is not in the shape the SDK reads "
+                                  f"({type(exc).__name__}: {exc})") from None
+
+
+def _chat_result(data: dict[str, Any]) -> ChatResult:
+    return ChatResult(text="".join(data["outputs"]["text"]), finish_reason=data["finish_reason"],
+                      usage=data.get("usage", {}), token_ids=data.get("token_ids"))
 
 
 def _events(response: httpx.Response) -> Iterator[ChatEvent]:

@@ -17,7 +17,7 @@ ImageInput = str | Path | bytes
 
 
 class ImageMethods:
-    """Mixed into MStarClient: uses its `_model`, `_post` and `_json`."""
+    """Mixed into MStarClient: uses its `_model`, `_post` and `_json` (which turns a missing key into a 502)."""
 
     def generate_image(self, prompt: str, width: int | None = None, height: int | None = None,
                        seed: int | None = None, *, model: str | None = None, **model_kwargs: Any) -> bytes:
@@ -32,7 +32,7 @@ class ImageMethods:
         body: dict[str, Any] = {"text": prompt, "output_modalities": ["image"], "model_kwargs": kwargs}
         if (name := self._model(model)) is not None:
             body["model"] = name
-        return _images(self._json(self._post(json=body)))
+        return self._json(self._post(json=body), _images)
 
     def edit_image(self, prompt: str, image: ImageInput | list[ImageInput] | tuple[ImageInput, ...],
                    seed: int | None = None, *,
@@ -46,7 +46,7 @@ class ImageMethods:
                 "model_kwargs": json.dumps(_knobs(width, height, seed, 1, model_kwargs))}
         if (name := self._model(model)) is not None:
             data["model"] = name
-        return _images(self._json(self._post(data=data, files=files)))[0]
+        return self._json(self._post(data=data, files=files), _images)[0]
 
 
 def _knobs(width: int | None, height: int | None, seed: int | None, n: int, extra: dict[str, Any]) -> dict[str, Any]:

@@ -73,11 +73,14 @@ class SpeechMethods:
         if stream:
             response = self._open_stream(json=body)
             return EventStream(response, _chunks(response))
-        data = self._json(self._post(json=body))
-        audio = data["outputs"]["audio"][0]
-        return SpeechResult(wav=base64.b64decode(audio["data"]), sample_rate=int(audio["sample_rate"]),
-                            finish_reason=data["finish_reason"], usage=data.get("usage", {}),
-                            token_ids=data.get("token_ids"))
+        return self._json(self._post(json=body), _result)
+
+
+def _result(data: dict[str, Any]) -> SpeechResult:
+    audio = data["outputs"]["audio"][0]
+    return SpeechResult(wav=base64.b64decode(audio["data"], validate=True), sample_rate=int(audio["sample_rate"]),
+                        finish_reason=data["finish_reason"], usage=data.get("usage", {}),
+                        token_ids=data.get("token_ids"))
 
 
 def _chunks(response: httpx.Response) -> Iterator[SpeechChunk]:

@@ -61,10 +61,13 @@ class TranscriptionMethods:
         if stream:
             response = self._open_stream(data=form, files=files)
             return EventStream(response, _events(response))
-        body = self._json(self._post(data=form, files=files))
-        return TranscriptionResult(text="".join(body["outputs"]["text"]), language=body.get("language", ""),
-                                   duration=float(body.get("duration", 0.0)), finish_reason=body["finish_reason"],
-                                   segments=body.get("segments", []), usage=body.get("usage", {}))
+        return self._json(self._post(data=form, files=files), _result)
+
+
+def _result(body: dict[str, Any]) -> TranscriptionResult:
+    return TranscriptionResult(text="".join(body["outputs"]["text"]), language=body.get("language", ""),
+                               duration=float(body.get("duration", 0.0)), finish_reason=body["finish_reason"],
+                               segments=body.get("segments", []), usage=body.get("usage", {}))
 
 
 def _events(response: httpx.Response) -> Iterator[TranscriptionEvent]:

@@ -345,3 +345,28 @@ def test_an_error_keeps_the_servers_retry_after():
             client.chat("x")
         got = info.value.retry_after
         assert got is None if want is None else want[0] <= got <= want[1], (header, got)
+
+
+def test_an_answer_without_what_the_sdk_reads_is_a_502_naming_it():
+    """A 200 JSON answer missing a key (another server on the port, an older proxy) raised a bare KeyError from
+    inside the method; it is a 502 MStarError that names the key."""
+    import httpx
+
+    def client(reply: object) -> MStarClient:
+        return MStarClient(http_client=httpx.Client(base_url="http://mstar", transport=httpx.MockTransport(
+            lambda _: httpx.Response(200, json=reply))))
+
+    calls = {"chat": lambda c: c.chat("x"), "tts": lambda c: c.tts("x"), "image": lambda c: c.generate_image("x"),
+             "transcribe": lambda c: c.transcribe(b"RIFF"), "models": lambda c: c.models()}
+    for name, call in calls.items():
+        with pytest.raises(MStarError) as info:
+            call(client({"id": "r1"}))
+        assert info.value.status == 502, name
+        assert ("'outputs'" if name != "models" else "'data'") in info.value.message, (name, info.value.message)
+    with pytest.raises(MStarError, match="no 'finish_reason'"):
+        client({"outputs": {"text": ["a"]}}).chat("x")
+    for reply in ({"outputs": {"audio": []}, "finish_reason": "stop"}, [1, 2],
+                  {"outputs": {"audio": [{"data": "not base64!", "sample_rate": 24000}]}, "finish_reason": "stop"}):
+        with pytest.raises(MStarError) as info:
+            client(reply).tts("x")
+        assert info.value.status == 502 and "not in the shape the SDK reads" in info.value.message, reply
