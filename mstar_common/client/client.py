@@ -76,12 +76,15 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
 
     def health(self) -> bool:
         """True when the proxy reports Triton live and every served model ready."""
+        self._check_open()
         try:
             return self._http.get("/health").status_code == 200
         except httpx.TransportError:
             return False
 
     def close(self) -> None:
+        """Close the connections this client opened (an `http_client` given to it stays open: its owner closes it);
+        a call on a closed client is an MStarConnectionError."""
         if self._is_owner:
             self._http.close()
 
@@ -138,12 +141,19 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
             raise MStarError(400, f"the request cannot be encoded: {exc}") from None
 
     def _call(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        self._check_open()
         try:
             return self._http.send(request, stream=stream)
         except httpx.TimeoutException as exc:
             raise MStarConnectionError(f"{request.url}: no answer within the client's timeout ({exc!r})") from None
         except httpx.TransportError as exc:
             raise MStarConnectionError(f"{request.url}: could not reach the server ({exc})") from None
+
+    def _check_open(self) -> None:
+        """httpx raises a bare RuntimeError for a request on a closed client: say which client, and what to do."""
+        if self._http.is_closed:
+            raise MStarConnectionError("the client is closed (by close(), the end of its `with` block, or its "
+                                       "http_client's owner): make a new MStarClient")
 
     @staticmethod
     def _json(response: httpx.Response, parse: Callable[[Any], R]) -> R:

@@ -370,3 +370,25 @@ def test_an_answer_without_what_the_sdk_reads_is_a_502_naming_it():
         with pytest.raises(MStarError) as info:
             client(reply).tts("x")
         assert info.value.status == 502 and "not in the shape the SDK reads" in info.value.message, reply
+
+
+def test_a_call_on_a_closed_client_is_an_sdk_error():
+    """After close() (or its `with` block), a call raised httpx's bare RuntimeError; it is an MStarConnectionError
+    that says the client is closed, for every method that sends, streams included."""
+    import httpx
+
+    from mstar_common.client import MStarConnectionError
+
+    with MStarClient("http://127.0.0.1:1", timeout=1) as client:
+        pass
+    for call in (lambda: client.chat("x"), lambda: client.chat("x", stream=True), lambda: client.tts("x", stream=True),
+                 client.models, client.health):
+        with pytest.raises(MStarConnectionError, match="the client is closed"):
+            call()
+    http = httpx.Client(base_url="http://mstar", transport=httpx.MockTransport(lambda _: httpx.Response(200)))
+    shared = MStarClient(http_client=http)
+    shared.close()  # not its own: the caller's http_client stays open, and so does this client
+    assert shared.health() is True
+    http.close()
+    with pytest.raises(MStarConnectionError, match="the client is closed"):
+        shared.chat("x")
