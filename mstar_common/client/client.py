@@ -30,22 +30,42 @@ from mstar_common.client.types import (
 )
 
 R = TypeVar("R")
+DEFAULT_TIMEOUT_S = 600.0  # a whole image or a long clip can take minutes at full load
+
+
+class _Unset:
+    """The default of `timeout`: 600 s on a client of the SDK's own, an http_client's own timeout on that one."""
+
+    def __repr__(self) -> str:
+        return "600 s, or the http_client's own"
+
+
+UNSET = _Unset()
 
 
 class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
     def __init__(
         self,
         base_url: str = "http://localhost:8000",
-        timeout: float | None = 600.0,
+        timeout: float | None | _Unset = UNSET,
         *,
         model: str | None = None,
         http_client: httpx.Client | None = None,
     ):
-        """`model`: default model name (optional when the server serves one). `http_client`: use this
-        httpx.Client (e.g. a Starlette TestClient) instead of opening one to `base_url`."""
+        """`timeout`: seconds to wait for an answer, and between two reads of a stream (None: no limit; unset:
+        600 s). `model`: default model name (optional when the server serves one). `http_client`: use this
+        httpx.Client (e.g. a Starlette TestClient) instead of opening one to `base_url`; it keeps its own timeout
+        unless `timeout` is given, which then applies to this client's requests on it (the http_client itself is
+        left as it is, for its other users)."""
         self.model = model
         self._is_owner = http_client is None
-        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout)
+        # per request, and only when given: an http_client may be another httpx-like client (Starlette's TestClient
+        # is httpx2's), which takes a number or None but not httpx's own "use the client's default" marker
+        self._timeout: dict[str, float | None] = {} if isinstance(timeout, _Unset) else {"timeout": timeout}
+        if http_client is None:
+            own = DEFAULT_TIMEOUT_S if isinstance(timeout, _Unset) else timeout
+            http_client = httpx.Client(base_url=base_url, timeout=own)
+        self._http = http_client
 
     def chat(
         self, prompt_or_messages: str | list[dict[str, Any]], stream: bool = False, *, model: str | None = None,
@@ -71,14 +91,14 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         return self._generate({"text": text, "model_kwargs": set_knobs(model_kwargs)}, stream, model)
 
     def models(self) -> list[str]:
-        response = self._call(self._http.build_request("GET", "/v1/models"))
+        response = self._call(self._http.build_request("GET", "/v1/models", **self._timeout))
         return self._json(response, lambda data: [card["id"] for card in data["data"]])
 
     def health(self) -> bool:
         """True when the proxy reports Triton live and every served model ready."""
         self._check_open()
         try:
-            return self._http.get("/health").status_code == 200
+            return self._http.get("/health", **self._timeout).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -136,7 +156,7 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
 
     def _build(self, content: dict[str, Any]) -> httpx.Request:
         try:
-            return self._http.build_request("POST", "/generate", **content)
+            return self._http.build_request("POST", "/generate", **self._timeout, **content)
         except (ValueError, TypeError) as exc:  # e.g. a NaN knob (not JSON), a lone surrogate, an odd file object
             raise MStarError(400, f"the request cannot be encoded: {exc}") from None
 

@@ -392,3 +392,31 @@ def test_a_call_on_a_closed_client_is_an_sdk_error():
     http.close()
     with pytest.raises(MStarConnectionError, match="the client is closed"):
         shared.chat("x")
+
+
+def test_timeout_applies_to_a_given_http_client_too():
+    """`timeout=` was silently ignored beside `http_client=`; it now applies to every request the SDK sends on it
+    (the http_client keeps its own timeout for its other users, and for the SDK when `timeout` is not given)."""
+    import httpx
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"]["read"])
+        if request.url.path == "/generate" and json.loads(request.content).get("streaming"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=b'data: {"text": "a"}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, json={"outputs": {"text": ["a"]}, "finish_reason": "stop", "data": []})
+
+    http = httpx.Client(base_url="http://mstar", timeout=30, transport=httpx.MockTransport(answer))
+    client = MStarClient(timeout=5, http_client=http)
+    client.chat("x")
+    list(client.chat("x", stream=True))
+    client.models()
+    client.health()
+    assert seen == [5, 5, 5, 5] and http.timeout.read == 30
+    seen.clear()
+    MStarClient(timeout=None, http_client=http).chat("x")
+    MStarClient(http_client=http).chat("x")
+    assert seen == [None, 30]
+    assert MStarClient()._http.timeout.read == 600 and MStarClient(timeout=None)._http.timeout.read is None
