@@ -58,9 +58,11 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 @torch.no_grad()
 def load_module(build: Callable[[], nn.Module], folder: Path, stem: str, skipped: Callable[[str], bool],
-                dtype: str, device: str, rename: Callable[[str], str] | None = None) -> Any:
+                dtype: str, device: str, rename: Callable[[str], str] | None = None,
+                adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Any:
     """Build a module and fill it from a diffusers/HF safetensors folder (checkpoint names, after `rename`,
-    are module names), checking coverage both ways."""
+    are module names), checking coverage both ways. `adjust(name, tensor)` may replace a checkpoint tensor before
+    it is cast to `dtype` (the LoRA fold: its fp32 sum is rounded once, here)."""
     # Build on meta and materialise uninitialised: random init of a multi-billion-parameter model costs seconds.
     with torch.device("meta"):
         module = build()
@@ -75,7 +77,7 @@ def load_module(build: Callable[[], nn.Module], folder: Path, stem: str, skipped
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{folder.name}/{name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
-            target.data.copy_(tensor)
+            target.data.copy_(adjust(name, tensor) if adjust is not None else tensor)
             filled.add(name)
         elif not skipped(name):
             unused.append(name)

@@ -4,7 +4,10 @@ family's options dataclass is filled from YAML here, unknown keys refused, and e
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from mstar_common.config import DeploymentError
@@ -26,9 +29,18 @@ def options_from_kwargs(cls: type[Options], kwargs: dict[str, Any], source: str,
     return options
 
 
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """One entry of `model_kwargs.lora`: an adapter folded into the DiT's weights at load
+    (`mstar_common/diffusion/dit_lora.py`)."""
+
+    path: str  # a .safetensors file, or a folder holding exactly one
+    scale: float = 1.0  # multiplies the adapter's own alpha/r (PEFT's scaling)
+
+
 def check_value(key: str, value: Any, where: str) -> Any:
-    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes, vae_in_denoise, dit_fp8; any other
-    is an integer >= 1."""
+    """The shared keys: dtype, default_size, capture_sizes, capture_batch_sizes, vae_in_denoise, dit_fp8, lora; any
+    other is an integer >= 1."""
     if key == "dtype":
         if value is not None and value not in DTYPES:
             raise DeploymentError(f"{where}: must be one of {list(DTYPES)}, got {value!r}")
@@ -45,9 +57,34 @@ def check_value(key: str, value: Any, where: str) -> Any:
         if not isinstance(value, list) or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a list of batch sizes >= 1, got {value!r}")
         return value
+    if key == "lora":
+        return check_lora(value, where)
     if not is_int(value) or value < 1:
         raise DeploymentError(f"{where}: must be an integer >= 1, got {value!r}")
     return value
+
+
+def check_lora(value: Any, where: str) -> tuple[LoraAdapter, ...]:
+    """`[{path, scale}]`: each path an existing adapter file (refused here, before any weights load), each scale
+    a finite number (default 1.0)."""
+    if not isinstance(value, list):
+        raise DeploymentError(f"{where}: must be a list of {{path, scale}} mappings, got {value!r}")
+    adapters = []
+    for i, entry in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict):
+            raise DeploymentError(f"{at}: must be a mapping with path (and scale), got {entry!r}")
+        if unknown := sorted(set(entry) - {"path", "scale"}):
+            raise DeploymentError(f"{at}: unknown key(s) {unknown}; allowed: ['path', 'scale']")
+        path, scale = entry.get("path"), entry.get("scale", 1.0)
+        if not isinstance(path, str) or not path:
+            raise DeploymentError(f"{at}.path: must be the path of a LoRA .safetensors file, got {path!r}")
+        if not Path(path).expanduser().exists():
+            raise DeploymentError(f"{at}.path: {path} does not exist")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise DeploymentError(f"{at}.scale: must be a finite number, got {scale!r}")
+        adapters.append(LoraAdapter(path, float(scale)))
+    return tuple(adapters)
 
 
 def check_relations(options: Any, where: str) -> None:

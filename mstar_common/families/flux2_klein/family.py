@@ -92,7 +92,7 @@ def _denoise(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, devi
     from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config
 
     limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
-    model = load_transformer(checkpoint, options.dtype_for(device), device)
+    model = load_transformer(checkpoint, options.dtype_for(device), device, options.lora)  # folded before fp8
     if options.dit_fp8:  # the blocks' linears; the embedders, modulations and output projection stay
         image_family.quantize_dit_fp8([*model.transformer_blocks, *model.single_transformer_blocks], device)
     runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)

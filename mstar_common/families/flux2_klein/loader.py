@@ -16,11 +16,13 @@ component does not serve).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mstar_common.diffusion import diffusers_checkpoint
+from mstar_common.diffusion import diffusers_checkpoint, dit_lora
 from mstar_common.diffusion.diffusers_checkpoint import check_pipeline_class, load_module, read_json
+from mstar_common.diffusion.image_options import LoraAdapter
 from mstar_common.families.flux2_klein.scheduler import FlowSchedulerConfig
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
 from mstar_common.families.flux2_klein.transformer import Flux2Transformer, Flux2TransformerConfig
@@ -69,10 +71,14 @@ def load_text_encoder(root: Path, taps: tuple[int, ...], dtype: str, device: str
     return load_module(lambda: Qwen3TapEncoder(config, taps), root / "text_encoder", "model", skipped, dtype, device)
 
 
-def load_transformer(root: Path, dtype: str, device: str) -> Flux2Transformer:
+def load_transformer(root: Path, dtype: str, device: str, lora: Sequence[LoraAdapter] = ()) -> Flux2Transformer:
+    """The DiT, with the `lora` adapters folded into its weights (fp32 sums, rounded once to `dtype`)."""
     config = transformer_config(root)
+    fold = dit_lora.lora_fold(lora, lambda: Flux2Transformer(config))
     model = load_module(lambda: Flux2Transformer(config), root / "transformer", "diffusion_pytorch_model",
-                        lambda _: False, dtype, device)
+                        lambda _: False, dtype, device, adjust=fold)
+    if fold is not None:
+        fold.check_all_folded()
     model.use_fused_kernels(diffusers_checkpoint.kernels_enabled(device))
     return model
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from mstar_common.config import DeploymentError
 from mstar_common.diffusion import image_options
-from mstar_common.diffusion.image_options import DTYPES, default_dtype, is_int
+from mstar_common.diffusion.image_options import DTYPES, LoraAdapter, default_dtype, is_int
 
 __all__ = ["DTYPES", "TEXT_TOKENS", "Flux2KleinOptions", "options_from_kwargs"]
 
@@ -37,6 +37,9 @@ class Flux2KleinOptions:
     # the transformer blocks' linears as row-wise scaled fp8 (e4m3) GEMMs (mstar_common/layers/fp8_linear.py):
     # faster on fp8 tensor cores, images close to but not equal to bf16's
     dit_fp8: bool = False
+    # LoRA adapters folded into the DiT's weights at load (fp32, one rounding), so a styled deployment runs at base
+    # speed: diffusers/PEFT-layout safetensors; DoRA and BFL-layout files are refused (docs/flux2_klein.md)
+    lora: tuple[LoraAdapter, ...] = ()
 
     @property
     def edit_sizes(self) -> list[str]:

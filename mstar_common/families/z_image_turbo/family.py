@@ -67,7 +67,7 @@ def _denoise(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, dev
     from mstar_common.families.z_image_turbo.loader import load_transformer, scheduler_config
 
     limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
-    model = load_transformer(checkpoint, options.dtype_for(device), device)
+    model = load_transformer(checkpoint, options.dtype_for(device), device, options.lora)  # folded before fp8
     if options.dit_fp8:  # attention and MLP linears; the adaLN modulations and the embedders stay
         blocks = [*model.noise_refiner, *model.context_refiner, *model.layers]
         image_family.quantize_dit_fp8([part for block in blocks for part in (block.attention, block.feed_forward)],

@@ -16,11 +16,13 @@ second-to-last hidden state) and the VAE encoder. The text encoder may be saved 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mstar_common.diffusion import diffusers_checkpoint
+from mstar_common.diffusion import diffusers_checkpoint, dit_lora
 from mstar_common.diffusion.diffusers_checkpoint import check_pipeline_class, load_module, read_json
+from mstar_common.diffusion.image_options import LoraAdapter
 from mstar_common.families.flux2_klein.text_encoder import Qwen3TapEncoder
 from mstar_common.families.flux2_klein.vae import use_fused_group_norm
 from mstar_common.families.qwen3.modeling import Qwen3Config
@@ -76,10 +78,14 @@ def load_text_encoder(root: Path, dtype: str, device: str) -> Qwen3TapEncoder:
                        device, rename=rename)
 
 
-def load_transformer(root: Path, dtype: str, device: str) -> ZImageTransformer:
+def load_transformer(root: Path, dtype: str, device: str, lora: Sequence[LoraAdapter] = ()) -> ZImageTransformer:
+    """The DiT, with the `lora` adapters folded into its weights (fp32 sums, rounded once to `dtype`)."""
     config = transformer_config(root)
+    fold = dit_lora.lora_fold(lora, lambda: ZImageTransformer(config))
     model = load_module(lambda: ZImageTransformer(config), root / "transformer", "diffusion_pytorch_model",
-                        lambda _: False, dtype, device)
+                        lambda _: False, dtype, device, adjust=fold)
+    if fold is not None:
+        fold.check_all_folded()
     model.use_fused_kernels(diffusers_checkpoint.kernels_enabled(device))
     return model
 

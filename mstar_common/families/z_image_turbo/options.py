@@ -7,7 +7,7 @@ from typing import Any
 
 from mstar_common.config import DeploymentError
 from mstar_common.diffusion import image_options
-from mstar_common.diffusion.image_options import DTYPES, default_dtype, is_int
+from mstar_common.diffusion.image_options import DTYPES, LoraAdapter, default_dtype, is_int
 
 __all__ = ["CAPTION_BUCKET", "DTYPES", "TEXT_TOKENS", "ZImageTurboOptions", "options_from_kwargs"]
 
@@ -33,6 +33,9 @@ class ZImageTurboOptions:
     vae_in_denoise: bool = False
     # the blocks' attention and MLP linears as row-wise scaled fp8 (e4m3) GEMMs (mstar_common/layers/fp8_linear.py)
     dit_fp8: bool = False
+    # LoRA adapters folded into the DiT's weights at load (fp32, one rounding), so a styled deployment runs at base
+    # speed: diffusers/PEFT-layout safetensors; DoRA and BFL-layout files are refused (docs/z_image_turbo.md)
+    lora: tuple[LoraAdapter, ...] = ()
     capture_caption_tokens: list[int] = field(default_factory=lambda: [64, 128])  # padded caption lengths
 
     def dtype_for(self, device: str) -> str:

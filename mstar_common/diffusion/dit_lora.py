@@ -1,0 +1,185 @@
+"""`model_kwargs.lora`: LoRA adapters folded into a diffusion transformer's weights at load, so a styled deployment
+runs at base speed.
+
+An adapter is a diffusers/PEFT-layout safetensors file: `<module>.lora_A.weight` [r, in] and `<module>.lora_B.weight`
+[out, r] (Kohya-style `lora_down`/`lora_up` name the same pair), the module named as in our transformer, which are
+diffusers' names, bare or behind `transformer.` (diffusers' `save_lora_weights`) or `base_model.model.` (PEFT).
+Scaling follows PEFT: alpha is the module's `<module>.alpha` tensor if the file has one, else `lora_alpha` from the
+file's `lora_adapter_metadata` header (diffusers writes it), else from `adapter_config.json` (or `config.json`)
+beside the file, else r; the factor is alpha/r, or alpha/sqrt(r) with `use_rslora`, times the entry's `scale`.
+
+Each weight's deltas, `scale * factor * (B @ A)` of every adapter, are summed onto its fp32 copy and rounded to the
+serving dtype once (`Fold`, applied by `load_module` before the cast, and so before `dit_fp8` quantizes).
+
+Refused, naming the adapter and the rule: DoRA (`lora_magnitude_vector`, `dora_scale`: its magnitudes would be
+dropped by a plain merge), text-encoder keys, BFL-layout (`diffusion_model.double_blocks…`) and Kohya
+(`lora_unet_…`) files (diffusers' `lora_state_dict` converts them), modules the transformer does not have (a LoRA
+for another model), shapes that do not match, an A without its B, PEFT's per-module `alpha_pattern`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from mstar_common.diffusion.image_options import LoraAdapter
+from mstar_common.safetensors_io import format_names
+
+logger = logging.getLogger(__name__)
+
+_PREFIXES = ("transformer.", "base_model.model.")
+_PAIRS = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B"}
+_DORA = ("lora_magnitude_vector", "dora_scale")
+_CONFIGS = ("adapter_config.json", "config.json")
+
+
+@dataclass(frozen=True, slots=True)
+class _Term:
+    down: torch.Tensor  # A [r, in], fp32
+    up: torch.Tensor  # B [out, r], fp32
+    factor: float  # scale * alpha / r (or / sqrt(r))
+
+
+class Fold:
+    """`load_module`'s `adjust`: a checkpoint tensor plus its LoRA deltas, summed in fp32 (the cast that follows is
+    the one rounding). `terms` maps a weight name to its adapters' low-rank pairs."""
+
+    def __init__(self, terms: dict[str, list[_Term]]) -> None:
+        self.terms = terms
+        self.folded: set[str] = set()
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        terms = self.terms.get(name)
+        if not terms:
+            return tensor
+        merged = tensor.to(torch.float32, copy=True)
+        for term in terms:
+            merged.addmm_(term.up, term.down, alpha=term.factor)
+        self.folded.add(name)
+        return merged
+
+    def check_all_folded(self) -> None:
+        if missing := sorted(set(self.terms) - self.folded):
+            raise ValueError(f"model_kwargs.lora: weights never loaded, so not folded: {format_names(missing)}")
+
+
+def lora_fold(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module]) -> Fold | None:
+    """The fold of `adapters` onto the transformer `build` makes (its names and shapes); None without adapters."""
+    if not adapters:
+        return None
+    weights = weight_shapes(build)
+    terms: dict[str, list[_Term]] = {}
+    for adapter in adapters:
+        for name, term in read_adapter(adapter, weights).items():
+            terms.setdefault(name, []).append(term)
+    logger.info("lora: %d adapter(s) fold into %d weights", len(adapters), len(terms))
+    return Fold(terms)
+
+
+def weight_shapes(build: Callable[[], nn.Module]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every state_dict tensor of the module `build` makes (built on meta: no memory, no init)."""
+    with torch.device("meta"):
+        module = build()
+    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+def adapter_file(path: str) -> Path:
+    """The adapter's safetensors: `path` itself, or the one .safetensors file in the folder `path`."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        found = sorted(file.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ValueError(f"LoRA {path}: a folder must hold exactly one .safetensors file, found {len(found)}")
+        return found[0]
+    if file.suffix != ".safetensors":
+        raise ValueError(f"LoRA {path}: not a .safetensors file (diffusers/PEFT adapters are saved as safetensors)")
+    return file
+
+
+def read_adapter(adapter: LoraAdapter, weights: dict[str, tuple[int, ...]]) -> dict[str, _Term]:
+    """One adapter's low-rank pairs per weight name of the transformer, each with its scaling factor."""
+    file = adapter_file(adapter.path)
+    with safe_open(str(file), framework="pt") as reader:
+        tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
+        header = reader.metadata() or {}
+    where = f"LoRA {adapter.path}"
+    pairs, alphas = _split_keys(tensors, where)
+    unknown = sorted(f"{module}.weight" for module in pairs if f"{module}.weight" not in weights)
+    if unknown:
+        raise ValueError(f"{where}: {len(unknown)} module(s) this transformer does not have, e.g. "
+                         f"{format_names(unknown)}: a LoRA for another model?")
+    config = _scaling_config(file, header, where)
+    terms = {}
+    for module, pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: {module} has only lora_{next(iter(pair))}; a LoRA module needs both lora_A "
+                             f"and lora_B")
+        down, up = pair["A"].float(), pair["B"].float()
+        shape = weights[f"{module}.weight"]
+        if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != shape:
+            raise ValueError(f"{where}: {module}: lora_B {tuple(up.shape)} @ lora_A {tuple(down.shape)} does not "
+                             f"make the weight's shape {tuple(shape)}")
+        rank = down.shape[0]
+        alpha = float(alphas[module]) if module in alphas else config.get("lora_alpha", rank)
+        factor = alpha / (math.sqrt(rank) if config.get("use_rslora", False) else rank)
+        terms[f"{module}.weight"] = _Term(down, up, adapter.scale * factor)
+    if not terms:
+        raise ValueError(f"{where}: no lora_A/lora_B weights for the transformer in it")
+    return terms
+
+
+def _split_keys(tensors: dict[str, torch.Tensor], where: str) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                                       dict[str, float]]:
+    """Keys -> ({module: {"A": A, "B": B}}, {module: alpha}), refusing every key that is not one of those."""
+    if dora := sorted(key for key in tensors if any(mark in key for mark in _DORA)):
+        raise ValueError(f"{where}: a DoRA adapter ({format_names(dora)}): its magnitudes cannot be folded as a "
+                         f"plain LoRA merge; only LoRA adapters are served")
+    if text := sorted(key for key in tensors if key.startswith(("text_encoder", "lora_te"))):
+        raise ValueError(f"{where}: text-encoder LoRA keys ({format_names(text)}): only the transformer's are "
+                         f"folded; save the adapter without them")
+    if foreign := sorted(key for key in tensors if key.startswith(("diffusion_model.", "lora_unet_"))):
+        raise ValueError(f"{where}: BFL/Kohya-layout keys ({format_names(foreign)}) are not supported yet; convert "
+                         f"the file to diffusers keys with diffusers' `<Pipeline>.lora_state_dict(path)` and save "
+                         f"that dict with safetensors (docs/flux2_klein.md, LoRA)")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    alphas: dict[str, float] = {}
+    odd = []
+    for key, tensor in tensors.items():
+        name = next((key.removeprefix(p) for p in _PREFIXES if key.startswith(p)), key)
+        suffix = next((s for s in _PAIRS if name.endswith(s)), None)
+        if suffix is not None:
+            pairs.setdefault(name.removesuffix(suffix), {})[_PAIRS[suffix]] = tensor
+        elif name.endswith(".alpha") and tensor.numel() == 1:
+            alphas[name.removesuffix(".alpha")] = tensor.item()
+        else:
+            odd.append(key)
+    if odd:
+        raise ValueError(f"{where}: keys that are not LoRA lora_A/lora_B/alpha weights: {format_names(sorted(odd))}")
+    if stray := sorted(set(alphas) - set(pairs)):
+        raise ValueError(f"{where}: alpha for modules without lora_A/lora_B: {format_names(stray)}")
+    return pairs, alphas
+
+
+def _scaling_config(file: Path, header: dict[str, str], where: str) -> dict:
+    """`lora_alpha`/`use_rslora`: from the file's `lora_adapter_metadata` header, else the first config beside it."""
+    config: dict = {}
+    if raw := header.get("lora_adapter_metadata"):
+        meta = json.loads(raw)  # diffusers' pipeline save prefixes the keys with the component: transformer.lora_alpha
+        config = {key.removeprefix("transformer."): value for key, value in meta.items()}
+    else:
+        for name in _CONFIGS:
+            if (file.parent / name).is_file():
+                config = json.loads((file.parent / name).read_text())
+                break
+    if config.get("alpha_pattern"):
+        raise ValueError(f"{where}: per-module alpha_pattern {config['alpha_pattern']} is not supported; merge it "
+                         f"into per-module `<module>.alpha` tensors")
+    return config
