@@ -18,11 +18,13 @@ from pathlib import Path
 
 from mstar_common.config import Deployment
 from mstar_common.families.registry import get_family
+from mstar_common.orphan_watch import kill_group_when_orphaned
 from mstar_common.triton_env import find_triton, server_command, server_env
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+ORPHAN_GRACE_S = 15  # past the server's drain: how long a server outliving its launcher may take before SIGKILL
 _prctl = None
 if sys.platform.startswith("linux"):
     import ctypes
@@ -103,8 +105,10 @@ def start_triton(
     cmd = server_command(install, [*triton_args(repo, dep, ports), *extra_args])
     log = log_path.open("ab")
     logger.info("starting tritonserver: %s", " ".join(cmd))
-    return subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, env=server_env(install), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=ends_with_parent(os.getpid()))  # noqa: PLW1509 - it calls prctl alone
+    kill_group_when_orphaned(proc.pid, dep.server.drain_timeout_s + ORPHAN_GRACE_S)
+    return proc
 
 
 def start_proxy(
@@ -119,8 +123,10 @@ def start_proxy(
         *proxy_limit_args(dep),
     ]  # fmt: skip
     log = log_path.open("ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=ends_with_parent(os.getpid()))  # noqa: PLW1509 - it calls prctl alone
+    kill_group_when_orphaned(proc.pid, dep.server.drain_timeout_s + ORPHAN_GRACE_S)
+    return proc
 
 
 def proxy_limit_args(dep: Deployment) -> list[str]:

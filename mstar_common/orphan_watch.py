@@ -42,6 +42,24 @@ exit 0
 """
 _REGION = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
+# A server (tritonserver, the proxy) whose launcher is gone gets the launcher's parent-death SIGTERM; this kills
+# its process group if it is still there `grace` s later. Seen in CI (2026-12-06): a `mstar serve` killed 1 s after
+# tritonserver's start; tritonserver logged "Signal (15) received." four times and served on, reparented, for good.
+# The process is known by its start time too, so a pid reused after it ended is never signalled.
+_GROUP_WATCH = """
+pid=$1 parent=$2 grace=$3
+field() { n=$2; s=$(cat /proc/"$1"/stat 2>/dev/null) || { echo; return; }; set -- $s; shift "$n"; echo "$1"; }
+start=$(field "$pid" 21)
+[ -n "$start" ] || exit 0
+alive() { [ "$(field "$pid" 21)" = "$start" ] && [ "$(field "$pid" 2)" != Z ]; }
+while alive && [ "$(field "$pid" 3)" = "$parent" ]; do sleep 1; done
+alive || exit 0
+echo "[orphan-watch] $pid outlived its launcher $parent; SIGKILL to its process group in $grace s unless it ends" >&2
+sleep "$grace"
+alive && kill -9 -"$pid"
+exit 0
+"""
+
 
 def kill_when_orphaned(grace_s: float = GRACE_S) -> subprocess.Popen | None:
     """Watch this process (a stub) from outside; returns the watcher, or None where /proc is missing."""
@@ -65,3 +83,15 @@ def stub_shm_region() -> str:
         return ""
     is_stub = argv[0].endswith("triton_python_backend_stub") and len(argv) > 2
     return argv[2] if is_stub and _REGION.fullmatch(argv[2]) else ""
+
+
+def kill_group_when_orphaned(pid: int, grace_s: float) -> subprocess.Popen | None:
+    """Watch `pid`, a child of this process that leads its own process group (a server started with
+    `start_new_session`): once this process is gone and the child is still there `grace_s` later, SIGKILL its
+    group. The watcher exits as soon as the child ends. None where /proc is missing."""
+    if not os.path.isdir(f"/proc/{pid}"):
+        return None
+    args = ["/bin/sh", "-c", _GROUP_WATCH, "orphan-watch", str(pid), str(os.getpid()), f"{grace_s:g}"]
+    # A session of its own, as the stubs' watchers: a stop that kills the launcher's group leaves it running.
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
+                            start_new_session=True)

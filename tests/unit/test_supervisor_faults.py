@@ -93,6 +93,43 @@ def test_a_child_ends_with_the_process_that_started_it():
     assert not sup.is_running(child)
 
 
+def test_a_child_that_ignores_the_parent_death_signal_is_killed_with_its_group_after_the_grace():
+    """tritonserver logged SIGTERM four times and served on after its `mstar serve` was killed (CI, 2026-12-06):
+    the launcher's watcher SIGKILLs the server's process group (its stubs with it) once the grace is past."""
+    deaf = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+           "subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    starter = ("import os, subprocess, sys, time; from mstar_common.launcher import ends_with_parent; "
+               "from mstar_common.orphan_watch import kill_group_when_orphaned; "
+               f"child = subprocess.Popen([sys.executable, '-c', {deaf!r}], start_new_session=True, "
+               "preexec_fn=ends_with_parent(os.getpid())); kill_group_when_orphaned(child.pid, 1); "
+               "print(child.pid, flush=True); time.sleep(60)")
+    middle = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    child = int(middle.stdout.readline())
+    time.sleep(1)  # the deaf child has set its handler and started its own child
+    middle.kill()
+    middle.wait()
+    time.sleep(0.5)
+    assert sup.is_running(child)  # it ignored the parent-death SIGTERM: only the watcher ends it
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(child, 0)  # the whole group: the child and the process it started
+
+
+def test_the_group_watcher_leaves_with_a_child_that_ends_normally():
+    from mstar_common.orphan_watch import kill_group_when_orphaned
+
+    child = subprocess.Popen(["sleep", "0.5"], start_new_session=True)
+    watcher = kill_group_when_orphaned(child.pid, 30)
+    assert child.wait(10) == 0
+    assert watcher.wait(10) == 0  # it saw its child end (reaped here): nothing left to watch, nothing signalled
+
+
 def test_a_child_whose_parent_died_before_it_armed_the_signal_exits():
     arm = ends_with_parent(os.getpid() + 10**6)  # a "parent" other than the real one
     child = subprocess.Popen(["sleep", "60"], preexec_fn=arm)
