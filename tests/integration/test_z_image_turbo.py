@@ -148,7 +148,7 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         assert error is not None and "deadline_exceeded" in str(error) and "0.3 s" in str(error)
         assert at - started < 1.2  # the work itself takes several seconds on this machine
         expired_at = None
-        while time.monotonic() - at < work_s:
+        while time.monotonic() - at < max(work_s, 5.0):  # how soon: asserted below, not by this bound
             denoise = denoise_metrics(served.metrics_url)
             if denoise == {"mstar_requests_expired_total": 1.0, "mstar_requests_running": 0.0}:
                 expired_at = time.monotonic()
