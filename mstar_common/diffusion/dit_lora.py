@@ -25,11 +25,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled, load_module
 from mstar_common.diffusion.image_options import LoraAdapter
 from mstar_common.safetensors_io import format_names
 
@@ -54,7 +56,6 @@ class Fold:
 
     def __init__(self, terms: dict[str, list[_Term]]) -> None:
         self.terms = terms
-        self.folded: set[str] = set()
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         terms = self.terms.get(name)
@@ -63,12 +64,17 @@ class Fold:
         merged = tensor.to(torch.float32, copy=True)
         for term in terms:
             merged.addmm_(term.up, term.down, alpha=term.factor)
-        self.folded.add(name)
         return merged
 
-    def check_all_folded(self) -> None:
-        if missing := sorted(set(self.terms) - self.folded):
-            raise ValueError(f"model_kwargs.lora: weights never loaded, so not folded: {format_names(missing)}")
+
+def load_dit(build: Callable[[], nn.Module], root: Path, dtype: str, device: str,
+             lora: Sequence[LoraAdapter] = ()) -> Any:
+    """A family's DiT from `root/transformer`, with the `lora` adapters folded into its weights (fp32 sums, rounded
+    once to `dtype`). Every folded name is a weight of the module, which load_module's coverage check fills."""
+    model = load_module(build, root / "transformer", "diffusion_pytorch_model", lambda _: False, dtype, device,
+                        adjust=lora_fold(lora, build))
+    model.use_fused_kernels(kernels_enabled(device))
+    return model
 
 
 def lora_fold(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module]) -> Fold | None:

@@ -74,13 +74,7 @@ def load_text_encoder(root: Path, taps: tuple[int, ...], dtype: str, device: str
 def load_transformer(root: Path, dtype: str, device: str, lora: Sequence[LoraAdapter] = ()) -> Flux2Transformer:
     """The DiT, with the `lora` adapters folded into its weights (fp32 sums, rounded once to `dtype`)."""
     config = transformer_config(root)
-    fold = dit_lora.lora_fold(lora, lambda: Flux2Transformer(config))
-    model = load_module(lambda: Flux2Transformer(config), root / "transformer", "diffusion_pytorch_model",
-                        lambda _: False, dtype, device, adjust=fold)
-    if fold is not None:
-        fold.check_all_folded()
-    model.use_fused_kernels(diffusers_checkpoint.kernels_enabled(device))
-    return model
+    return dit_lora.load_dit(lambda: Flux2Transformer(config), root, dtype, device, lora)
 
 
 def load_vae_encoder(root: Path, dtype: str, device: str) -> VaeEncoder:
