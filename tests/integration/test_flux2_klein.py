@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import queue
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -67,6 +68,19 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
+def describe_difference(first: str, again: str) -> str:
+    """Two base64 PNGs of one seeded request: whether their pixels differ, and if so how much and where."""
+    a, b = (pixels(x).astype(np.int16) for x in (first, again))
+    if a.shape != b.shape:
+        return f"shapes {a.shape} and {b.shape}"
+    diff = np.abs(a - b)
+    if not diff.any():
+        return f"the same pixels, different PNG bytes ({len(first)} and {len(again)} base64 chars)"
+    rows = np.nonzero(diff.any(axis=(1, 2)))[0]
+    return (f"{int((diff > 0).sum())} of {diff.size} values differ (max {int(diff.max())}) in rows {int(rows[0])}"
+            f"-{int(rows[-1])} of {a.shape[0]}; PSNR {psnr(a, b):.1f} dB")
+
+
 def png(width: int, height: int, seed: int = 0) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8)).save(
@@ -81,9 +95,13 @@ def test_openai_generate_equals_the_diffusers_pipeline_and_is_seeded(served_imag
                   response_format="b64_json", extra_body={"seed": 21, "num_inference_steps": 3})
     first = oai.images.generate(**kwargs)
     again = oai.images.generate(**kwargs)
-    # The same seed gives the same images. In 2 of 4 CI runs on 2026-12-06 the repeat's second image (n=2) was not
-    # bit-identical to the first request's (the first request's bytes were the same in both failures), cause not
-    # found; so the repeat is held to MIN_BATCHED_PSNR and the first request to diffusers' pipeline exactly, below.
+    # The same seed gives the same images. In 2 of 4 CI runs on 2026-12-06 the second image (n=2) of the two requests
+    # was not the same PNG, cause not found (docs/flux2_klein.md, "Known issue"); so the repeat is held to
+    # MIN_BATCHED_PSNR and the first request to diffusers' pipeline exactly, below. A repeat that is not bit-identical
+    # is reported as a warning (in the run's warnings summary) saying what differed, pixels or only the deflate.
+    for index, (a, b) in enumerate(zip(first.data, again.data, strict=True)):
+        if a.b64_json != b.b64_json:
+            warnings.warn(f"seeded repeat, image {index}: {describe_difference(a.b64_json, b.b64_json)}", stacklevel=1)
     repeat = [psnr(pixels(a.b64_json), pixels(b.b64_json)) for a, b in zip(first.data, again.data, strict=True)]
     assert min(repeat) >= MIN_BATCHED_PSNR, repeat
     assert first.model_extra["seed"] == 21
