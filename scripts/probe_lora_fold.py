@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mstar_common.diffusion.dit_lora import weight_shapes  # noqa: E402
+from mstar_common.diffusion.dit_lora import Layout  # noqa: E402
 from mstar_common.diffusion.image_options import LoraAdapter  # noqa: E402
 from mstar_common.families.flux2_klein.loader import load_transformer, transformer_config  # noqa: E402
 from mstar_common.families.flux2_klein.transformer import Flux2Transformer  # noqa: E402
@@ -30,7 +30,7 @@ RANK = 16
 
 def write_adapter(root: Path, folder: Path) -> tuple[Path, dict[str, torch.Tensor], list[str]]:
     """A random bf16 adapter on every 2-D weight of the blocks, with alpha = r beside it (a factor of 1)."""
-    shapes = weight_shapes(lambda: Flux2Transformer(transformer_config(root)))
+    shapes = Layout.of(lambda: Flux2Transformer(transformer_config(root))).shapes
     targets = [name for name, shape in shapes.items() if name.endswith(".weight") and len(shape) == 2
                and "blocks" in name]
     generator = torch.Generator().manual_seed(0)

@@ -1,9 +1,18 @@
 """`model_kwargs.lora`: LoRA adapters folded into a diffusion transformer's weights at load, so a styled deployment
 runs at base speed.
 
-An adapter is a diffusers/PEFT-layout safetensors file: `<module>.lora_A.weight` [r, in] and `<module>.lora_B.weight`
-[out, r] (Kohya-style `lora_down`/`lora_up` name the same pair), the module named as in our transformer, which are
-diffusers' names, bare or behind `transformer.` (diffusers' `save_lora_weights`) or `base_model.model.` (PEFT).
+An adapter is a safetensors file of low-rank pairs, `<module>.lora_A.weight` [r, in] and `<module>.lora_B.weight`
+[out, r] (Kohya's `lora_down`/`lora_up` name the same pair; PEFT's `lora_A.default.weight` too), in any of the
+layouts trainers write:
+
+- diffusers/PEFT: the module named as in our transformer (diffusers' names), bare or behind `transformer.`
+  (diffusers' `save_lora_weights`) or `base_model.model.` (PEFT);
+- the model's original layout behind `diffusion_model.` (ai-toolkit, BFL): the family's transformer lists those
+  names (`lora_aliases()`), each with the weights it covers; a fused projection (FLUX.2's `img_attn.qkv`) covers
+  several, one chunk of lora_B's rows each, and a chunk order can be swapped (FLUX.2's final `adaLN_modulation`,
+  whose scale and shift diffusers' checkpoint conversion swaps);
+- Kohya's `lora_unet_<module>` with `_` for `.`, resolved against both name sets.
+
 Scaling follows PEFT: alpha is the module's `<module>.alpha` tensor if the file has one, else `lora_alpha` from the
 file's `lora_adapter_metadata` header (diffusers writes it), else from `adapter_config.json` (or `config.json`)
 beside the file, else r; the factor is alpha/r, or alpha/sqrt(r) with `use_rslora`, times the entry's `scale`.
@@ -12,9 +21,9 @@ Each weight's deltas, `scale * factor * (B @ A)` of every adapter, are summed on
 serving dtype once (`Fold`, applied by `load_module` before the cast, and so before `dit_fp8` quantizes).
 
 Refused, naming the adapter and the rule: DoRA (`lora_magnitude_vector`, `dora_scale`: its magnitudes would be
-dropped by a plain merge), text-encoder keys, BFL-layout (`diffusion_model.double_blocks…`) and Kohya
-(`lora_unet_…`) files (diffusers' `lora_state_dict` converts them), modules the transformer does not have (a LoRA
-for another model), shapes that do not match, an A without its B, PEFT's per-module `alpha_pattern`.
+dropped by a plain merge), LyCORIS LoKr/LoHa (`lokr_`, `hada_`), text-encoder keys, modules the transformer does
+not have (a LoRA for another model), shapes that do not match, an A without its B, PEFT's per-module
+`alpha_pattern`.
 """
 
 from __future__ import annotations
@@ -37,10 +46,15 @@ from mstar_common.safetensors_io import format_names
 
 logger = logging.getLogger(__name__)
 
-_PREFIXES = ("transformer.", "base_model.model.")
-_PAIRS = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B"}
+_PREFIXES = ("transformer.", "base_model.model.", "diffusion_model.")
+_KOHYA = "lora_unet_"
+_PAIRS = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B",
+          ".lora_A.default.weight": "A", ".lora_B.default.weight": "B"}
 _DORA = ("lora_magnitude_vector", "dora_scale")
+_LYCORIS = (".lokr_", ".hada_")
 _CONFIGS = ("adapter_config.json", "config.json")
+
+Target = tuple[str, int, tuple[int, ...]]  # (weight name, chunks of lora_B's rows, the chunks it takes, in order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,20 +95,42 @@ def lora_fold(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module]) -
     """The fold of `adapters` onto the transformer `build` makes (its names and shapes); None without adapters."""
     if not adapters:
         return None
-    weights = weight_shapes(build)
+    layout = Layout.of(build)
     terms: dict[str, list[_Term]] = {}
     for adapter in adapters:
-        for name, term in read_adapter(adapter, weights).items():
-            terms.setdefault(name, []).append(term)
+        for name, adapter_terms in read_adapter(adapter, layout).items():
+            terms.setdefault(name, []).extend(adapter_terms)
     logger.info("lora: %d adapter(s) fold into %d weights", len(adapters), len(terms))
     return Fold(terms)
 
 
-def weight_shapes(build: Callable[[], nn.Module]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every state_dict tensor of the module `build` makes (built on meta: no memory, no init)."""
-    with torch.device("meta"):
-        module = build()
-    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+class Layout:
+    """The names a LoRA file may give the transformer's modules -> the weights each covers: our (diffusers') names,
+    the family's original-layout aliases (`lora_aliases()` of the transformer), and Kohya's spelling of both."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], aliases: dict[str, tuple[Target, ...]]) -> None:
+        self.shapes = shapes
+        self.targets: dict[str, tuple[Target, ...]] = dict(aliases)
+        self.targets.update({name.removesuffix(".weight"): ((name, 1, (0,)),) for name in shapes
+                             if name.endswith(".weight")})
+        kohya: dict[str, str | None] = {}
+        for module in self.targets:
+            spelled = module.replace(".", "_")
+            kohya[spelled] = module if kohya.get(spelled, module) == module else None  # None: ambiguous
+        self.kohya = kohya
+
+    @classmethod
+    def of(cls, build: Callable[[], nn.Module]) -> Layout:
+        with torch.device("meta"):  # no memory, no init
+            module = build()
+        aliases = module.lora_aliases() if hasattr(module, "lora_aliases") else {}
+        return cls({name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}, aliases)
+
+    def module(self, key: str) -> str:
+        """A file's module name (prefixes stripped) -> the name `targets` knows it by (unchanged if unknown)."""
+        if key.startswith(_KOHYA):
+            return self.kohya.get(key.removeprefix(_KOHYA)) or key
+        return key
 
 
 def adapter_file(path: str) -> Path:
@@ -110,61 +146,68 @@ def adapter_file(path: str) -> Path:
     return file
 
 
-def read_adapter(adapter: LoraAdapter, weights: dict[str, tuple[int, ...]]) -> dict[str, _Term]:
+def read_adapter(adapter: LoraAdapter, layout: Layout) -> dict[str, list[_Term]]:
     """One adapter's low-rank pairs per weight name of the transformer, each with its scaling factor."""
     file = adapter_file(adapter.path)
     with safe_open(str(file), framework="pt") as reader:
         tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
         header = reader.metadata() or {}
     where = f"LoRA {adapter.path}"
-    pairs, alphas = _split_keys(tensors, where)
-    unknown = sorted(f"{module}.weight" for module in pairs if f"{module}.weight" not in weights)
+    pairs, alphas = _split_keys(tensors, layout, where)
+    unknown = sorted(module for module in pairs if module not in layout.targets)
     if unknown:
         raise ValueError(f"{where}: {len(unknown)} module(s) this transformer does not have, e.g. "
                          f"{format_names(unknown)}: a LoRA for another model?")
     config = _scaling_config(file, header, where)
-    terms = {}
+    terms: dict[str, list[_Term]] = {}
     for module, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{where}: {module} has only lora_{next(iter(pair))}; a LoRA module needs both lora_A "
                              f"and lora_B")
         down, up = pair["A"].float(), pair["B"].float()
-        shape = weights[f"{module}.weight"]
-        if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != shape:
-            raise ValueError(f"{where}: {module}: lora_B {tuple(up.shape)} @ lora_A {tuple(down.shape)} does not "
-                             f"make the weight's shape {tuple(shape)}")
         rank = down.shape[0]
         alpha = float(alphas[module]) if module in alphas else config.get("lora_alpha", rank)
-        factor = alpha / (math.sqrt(rank) if config.get("use_rslora", False) else rank)
-        terms[f"{module}.weight"] = _Term(down, up, adapter.scale * factor)
+        factor = adapter.scale * alpha / (math.sqrt(rank) if config.get("use_rslora", False) else rank)
+        for name, chunks, order in layout.targets[module]:
+            shape = layout.shapes[name]
+            if down.ndim != 2 or up.ndim != 2 or up.shape[1] != rank or up.shape[0] % chunks:
+                raise ValueError(f"{where}: {module}: lora_B {tuple(up.shape)} @ lora_A {tuple(down.shape)} is not a "
+                                 f"low-rank pair of {chunks} equal row chunk(s)")
+            part = torch.cat([up.chunk(chunks)[i] for i in order]) if chunks > 1 else up
+            if (part.shape[0], down.shape[1]) != shape:
+                raise ValueError(f"{where}: {module}: lora_B {tuple(part.shape)} @ lora_A {tuple(down.shape)} does "
+                                 f"not make the weight's shape {tuple(shape)}")
+            terms.setdefault(name, []).append(_Term(down, part.contiguous(), factor))
     if not terms:
         raise ValueError(f"{where}: no lora_A/lora_B weights for the transformer in it")
     return terms
 
 
-def _split_keys(tensors: dict[str, torch.Tensor], where: str) -> tuple[dict[str, dict[str, torch.Tensor]],
-                                                                       dict[str, float]]:
-    """Keys -> ({module: {"A": A, "B": B}}, {module: alpha}), refusing every key that is not one of those."""
+def _split_keys(tensors: dict[str, torch.Tensor], layout: Layout, where: str) -> tuple[
+        dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+    """Keys -> ({module: {"A": A, "B": B}}, {module: alpha}), modules named as `layout.targets` knows them, refusing
+    every key that is not one of those."""
     if dora := sorted(key for key in tensors if any(mark in key for mark in _DORA)):
         raise ValueError(f"{where}: a DoRA adapter ({format_names(dora)}): its magnitudes cannot be folded as a "
                          f"plain LoRA merge; only LoRA adapters are served")
+    if lycoris := sorted(key for key in tensors if any(mark in key for mark in _LYCORIS)):
+        raise ValueError(f"{where}: a LyCORIS LoKr/LoHa adapter ({format_names(lycoris)}): only LoRA's lora_A/lora_B "
+                         f"pairs are folded")
     if text := sorted(key for key in tensors if key.startswith(("text_encoder", "lora_te"))):
         raise ValueError(f"{where}: text-encoder LoRA keys ({format_names(text)}): only the transformer's are "
                          f"folded; save the adapter without them")
-    if foreign := sorted(key for key in tensors if key.startswith(("diffusion_model.", "lora_unet_"))):
-        raise ValueError(f"{where}: BFL/Kohya-layout keys ({format_names(foreign)}) are not supported yet; convert "
-                         f"the file to diffusers keys with diffusers' `<Pipeline>.lora_state_dict(path)` and save "
-                         f"that dict with safetensors (docs/flux2_klein.md, LoRA)")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     alphas: dict[str, float] = {}
     odd = []
     for key, tensor in tensors.items():
-        name = next((key.removeprefix(p) for p in _PREFIXES if key.startswith(p)), key)
+        name = key
+        while prefix := next((p for p in _PREFIXES if name.startswith(p)), None):
+            name = name.removeprefix(prefix)
         suffix = next((s for s in _PAIRS if name.endswith(s)), None)
         if suffix is not None:
-            pairs.setdefault(name.removesuffix(suffix), {})[_PAIRS[suffix]] = tensor
+            pairs.setdefault(layout.module(name.removesuffix(suffix)), {})[_PAIRS[suffix]] = tensor
         elif name.endswith(".alpha") and tensor.numel() == 1:
-            alphas[name.removesuffix(".alpha")] = tensor.item()
+            alphas[layout.module(name.removesuffix(".alpha"))] = tensor.item()
         else:
             odd.append(key)
     if odd:

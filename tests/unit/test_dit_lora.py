@@ -4,7 +4,9 @@ transformer running the same adapter through PEFT (unfused, fp32, CPU, the tiny 
 Our transformer with the fold matches diffusers' forward with the adapter active within atol 2e-5 (fp32; the
 fold reorders the sums W x + s B (A x) into (W + s B A) x; measured 1.4e-6, and 5.9e-6 with rsLoRA, on outputs
 up to 8 and 13), while the adapter moves the output by far more than that (asserted, so the comparison can
-fail). PEFT scaling rules, several adapters, the single rounding to bf16 and every refusal are checked too."""
+fail). PEFT scaling rules, several adapters, the single rounding to bf16 and every refusal are checked too, and
+the same adapters re-spelled in the original (ai-toolkit/BFL) and Kohya layouts, which diffusers' own converters
+read the same way."""
 
 from __future__ import annotations
 
@@ -185,19 +187,25 @@ def test_dora_is_refused(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("spoil,message", [
-    (lambda s: {**s, "transformer.double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(4, 64)},
-     r"1 module\(s\) this transformer does not have, e.g. double_blocks.0.img_attn.qkv.weight: a LoRA for another"),
+    (lambda s: {**s, "transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 64)},
+     r"1 module\(s\) this transformer does not have, e.g. blocks.0.attn1.to_q: a LoRA for another"),
+    (lambda s: {**s, "lora_unet_double_blocks_0_img_attn_qkvx.lora_down.weight": torch.zeros(4, 64)},
+     r"1 module\(s\) this transformer does not have, e.g. lora_unet_double_blocks_0_img_attn_qkvx: a LoRA"),
     (lambda s: {**s, "text_encoder.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 16)},
      r"text-encoder LoRA keys \(text_encoder.model.layers.0"),
-    (lambda s: {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(4, 64)},
-     r"BFL/Kohya-layout keys .* not supported yet; convert .*lora_state_dict"),
+    (lambda s: {"diffusion_model.double_blocks.0.img_attn.qkv.lokr_w1": torch.zeros(4, 4)},
+     r"a LyCORIS LoKr/LoHa adapter \(diffusion_model.double_blocks.0.img_attn.qkv.lokr_w1\)"),
+    (lambda s: {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(4, 64),
+                "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": torch.zeros(190, 4)},
+     r"double_blocks.0.img_attn.qkv: lora_B \(190, 4\) @ lora_A \(4, 64\) is not a low-rank pair of 3 equal row"),
     (lambda s: {**s, "transformer.proj_out.lora_A.weight": torch.zeros(4, 65)},
      r"proj_out: lora_B \(16, 4\) @ lora_A \(4, 65\) does not make the weight's shape \(16, 32\)"),
     (lambda s: {k: v for k, v in s.items() if not k.endswith("proj_out.lora_B.weight")},
      r"proj_out has only lora_A"),
     (lambda s: {**s, "transformer.proj_out.lora_B.bias": torch.zeros(64)},
      r"keys that are not LoRA lora_A/lora_B/alpha weights: transformer.proj_out.lora_B.bias"),
-], ids=["other-model", "text-encoder", "bfl-layout", "shape", "a-without-b", "lora-bias"])
+], ids=["other-model", "kohya-other-model", "text-encoder", "lokr", "fused-rows", "shape", "a-without-b",
+        "lora-bias"])
 def test_adapters_for_something_else_are_refused_naming_the_file(checkpoint, tmp_path, good, spoil, message):
     path = write(tmp_path / "bad", spoil(good))
     with pytest.raises(ValueError, match=f"LoRA {path}: {message}"):
@@ -231,10 +239,134 @@ def test_options_read_lora_entries_and_refuse_bad_ones(tmp_path):
             deployment(lora=entries)
 
 
+# Other layouts: the adapter re-spelled as ai-toolkit/BFL and Kohya files write FLUX.2's modules. The tables below
+# are the test's own, from the BFL model's module names; diffusers' converters (`lora_state_dict`) read the same
+# files as a second opinion.
+
+BFL_SINGLE = {  # diffusers module -> the BFL module, {i} the block
+    "transformer_blocks.{i}.attn.to_out.0": "double_blocks.{i}.img_attn.proj",
+    "transformer_blocks.{i}.attn.to_add_out": "double_blocks.{i}.txt_attn.proj",
+    "transformer_blocks.{i}.ff.linear_in": "double_blocks.{i}.img_mlp.0",
+    "transformer_blocks.{i}.ff.linear_out": "double_blocks.{i}.img_mlp.2",
+    "transformer_blocks.{i}.ff_context.linear_in": "double_blocks.{i}.txt_mlp.0",
+    "transformer_blocks.{i}.ff_context.linear_out": "double_blocks.{i}.txt_mlp.2",
+    "single_transformer_blocks.{i}.attn.to_qkv_mlp_proj": "single_blocks.{i}.linear1",
+    "single_transformer_blocks.{i}.attn.to_out": "single_blocks.{i}.linear2",
+    "x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+    "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+}
+BFL_FUSED = {  # BFL's fused projection -> the diffusers modules it holds, in its row order
+    "double_blocks.{i}.img_attn.qkv": [f"transformer_blocks.{{i}}.attn.to_{x}" for x in "qkv"],
+    "double_blocks.{i}.txt_attn.qkv": [f"transformer_blocks.{{i}}.attn.add_{x}_proj" for x in "qkv"],
+}
+LAYOUT_TARGETS = (r".*\.(to_q|to_k|add_v_proj|to_out\.0|to_add_out|ff\.linear_in|ff_context\.linear_out|"
+                  r"to_qkv_mlp_proj|timestep_embedder\.linear_1)|single_transformer_blocks\.\d+\.attn\.to_out|"
+                  r"x_embedder|proj_out")
+
+
+def pairs_of(state, factor):
+    """A diffusers-layout file's tensors -> {module: (A, B * factor)} (the PEFT scaling baked into B)."""
+    modules = {key.removeprefix("transformer.").removesuffix(".lora_A.weight") for key in state if "lora_A" in key}
+    return {m: (state[f"transformer.{m}.lora_A.weight"], state[f"transformer.{m}.lora_B.weight"] * factor)
+            for m in modules}
+
+
+def to_bfl(pairs, num_double, num_single):
+    """{diffusers module: (A, B)} -> {BFL module: (A, B)}: a fused qkv stacks its members' A [sum r, in] over a
+    block-diagonal B [3 out, sum r] (a member without an adapter has zero rows)."""
+    out = {}
+    for pattern, bfl in BFL_SINGLE.items():
+        for i in range(num_double if pattern.startswith("transformer_blocks") else num_single):
+            if (module := pattern.format(i=i)) in pairs:
+                out[bfl.format(i=i)] = pairs[module]
+    for bfl, members in BFL_FUSED.items():
+        for i in range(num_double):
+            present = [(k, pairs[m.format(i=i)]) for k, m in enumerate(members) if m.format(i=i) in pairs]
+            if not present:
+                continue
+            rows = next(up.shape[0] for _, (_, up) in present)
+            down = torch.cat([down for _, (down, _) in present])
+            up = torch.zeros(3 * rows, down.shape[0])
+            col = 0
+            for k, (member_down, member_up) in present:
+                up[k * rows:(k + 1) * rows, col:col + member_down.shape[0]] = member_up
+                col += member_down.shape[0]
+            out[bfl.format(i=i)] = (down, up)
+    return out
+
+
+def ai_toolkit_file(folder, pairs):
+    """`diffusion_model.<BFL module>.lora_A/B.weight`, no alpha (a factor of 1: the scaling is baked into B)."""
+    tensors = {}
+    for module, (down, up) in pairs.items():
+        tensors[f"diffusion_model.{module}.lora_A.weight"] = down.contiguous()
+        tensors[f"diffusion_model.{module}.lora_B.weight"] = up.contiguous()
+    return write(folder, tensors)
+
+
+def kohya_file(folder, pairs, alpha_over_r=0.5):
+    """`lora_unet_<module with _>.lora_down/lora_up.weight` and `.alpha`: B divided by alpha/r, which the alpha
+    tensor then restores."""
+    tensors = {}
+    for module, (down, up) in pairs.items():
+        name = "lora_unet_" + module.replace(".", "_")
+        tensors[f"{name}.lora_down.weight"] = down.contiguous()
+        tensors[f"{name}.lora_up.weight"] = (up / alpha_over_r).contiguous()
+        tensors[f"{name}.alpha"] = torch.tensor(alpha_over_r * down.shape[0])
+    return write(folder, tensors)
+
+
+def diffusers_converted(pipeline, path, folder):
+    """diffusers' own reading of a foreign-layout file (`lora_state_dict`), saved as a diffusers-layout file."""
+    return write(folder, {k: v.clone() for k, v in pipeline.lora_state_dict(path).items()})
+
+
+@pytest.fixture(scope="module")
+def layout_case(checkpoint, inputs):
+    """An adapter on most kinds of FLUX.2 linear (PEFT, r=4, alpha=8) with diffusers' output under it, and its
+    pairs with the scaling baked in."""
+    model = reference(checkpoint, {"style": (LoraConfig(r=4, lora_alpha=8, target_modules=LAYOUT_TARGETS), 5)})
+    state = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(model, adapter_name="style").items()}
+    config = model.config
+    return run_reference(model, inputs), pairs_of(state, 2.0), config.num_layers, config.num_single_layers
+
+
+@pytest.mark.parametrize("layout", ["ai-toolkit", "kohya"])
+def test_bfl_and_kohya_layouts_fold_as_diffusers_runs_the_adapter(checkpoint, inputs, base, layout_case, tmp_path,
+                                                                    layout):
+    want, pairs, num_double, num_single = layout_case
+    bfl = to_bfl(pairs, num_double, num_single)
+    assert any(".qkv" in module for module in bfl) and any("single_blocks" in module for module in bfl)
+    path = (ai_toolkit_file if layout == "ai-toolkit" else kohya_file)(tmp_path / layout, bfl)
+    got = run_ours(checkpoint, inputs, [LoraAdapter(path)])
+    assert (want - base).abs().max() > 100 * ATOL
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # diffusers' converter reads the same file the same way
+    converted = diffusers_converted(Flux2KleinPipeline, path, tmp_path / "converted")
+    torch.testing.assert_close(run_ours(checkpoint, inputs, [LoraAdapter(converted)]), got, atol=ATOL, rtol=0)
+
+
 @torch.no_grad()
-def test_z_image_turbo_folds_the_same_adapters(tmp_path):
-    """Z-Image-Turbo's DiT loads diffusers keys the same way: its fold matches diffusers' forward with the adapter
-    active too."""
+def test_the_bfl_final_modulation_lands_with_its_halves_swapped(checkpoint, tmp_path):
+    """BFL's final adaLN modulation puts shift before scale; diffusers' checkpoint conversion swaps the two halves
+    of its weight into norm_out.linear (scale first), so a BFL LoRA's B rows are swapped the same way."""
+    generator = torch.Generator().manual_seed(7)
+    down, up = torch.randn(2, 32, generator=generator), torch.randn(64, 2, generator=generator)
+    path = ai_toolkit_file(tmp_path, {"final_layer.adaLN_modulation.1": (down, up)})
+    base_weight = loader.load_transformer(checkpoint, "float32", "cpu").state_dict()["norm_out.linear.weight"]
+    folded = loader.load_transformer(checkpoint, "float32", "cpu", [LoraAdapter(path)])
+    shift, scale = (up @ down).chunk(2)
+    torch.testing.assert_close(folded.state_dict()["norm_out.linear.weight"], base_weight + torch.cat([scale, shift]),
+                               atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["diffusers", "original", "kohya"])
+def test_z_image_turbo_folds_the_same_adapters(tmp_path, layout):
+    """Z-Image-Turbo's DiT loads adapters the same way: its fold matches diffusers' forward with the adapter active,
+    from diffusers' file, from the original layout (`diffusion_model.`, each attention's output as `attention.out`)
+    and from Kohya's (`lora_unet_`, `_` for `.`, alpha tensors); diffusers' own converter reads the latter two the
+    same way."""
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
 
     from mstar_common.families.z_image_turbo import loader as z_loader
@@ -248,8 +380,19 @@ def test_z_image_turbo_folds_the_same_adapters(tmp_path):
     for key, param in model.named_parameters():
         if "lora_" in key:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    ZImagePipeline.save_lora_weights(tmp_path / "lora", transformer_lora_layers=get_peft_model_state_dict(model))
-    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"lora_alpha": 8}))
+    state = get_peft_model_state_dict(model)
+    if layout == "diffusers":
+        ZImagePipeline.save_lora_weights(tmp_path / "lora", transformer_lora_layers=state)
+        (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"lora_alpha": 8}))
+        path = str(tmp_path / "lora")
+    else:
+        pairs = pairs_of({f"transformer.{k}": v for k, v in state.items()}, 2.0)
+        assert any(module.endswith("attention.to_out.0") for module in pairs)
+        pairs = {module.replace("attention.to_out.0", "attention.out"): pair for module, pair in pairs.items()}
+        if layout == "original":
+            path = ai_toolkit_file(tmp_path / layout, pairs)
+        else:
+            path = kohya_file(tmp_path / layout, pairs)
     torch.manual_seed(0)
     height, width, batch = 4, 6, 2
     latents, feats, t = torch.randn(batch, 16, 2 * height, 2 * width), torch.randn(20, 24), torch.rand(batch)
@@ -262,4 +405,8 @@ def test_z_image_turbo_folds_the_same_adapters(tmp_path):
         return unpatchify(got, height, width, 2)
 
     assert (ours(()) - want).abs().max() > 100 * ATOL
-    torch.testing.assert_close(ours([LoraAdapter(str(tmp_path / "lora"))]), want, atol=ATOL, rtol=0)
+    got = ours([LoraAdapter(path)])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    if layout != "diffusers":
+        converted = diffusers_converted(ZImagePipeline, path, tmp_path / "converted")
+        torch.testing.assert_close(ours([LoraAdapter(converted)]), got, atol=ATOL, rtol=0)

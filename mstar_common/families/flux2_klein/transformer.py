@@ -375,6 +375,42 @@ class Flux2Transformer(nn.Module):
                                    SingleStreamBlock, AdaNormOut)):
                 module.fused = enabled
 
+    def lora_aliases(self) -> dict[str, tuple[tuple[str, int, tuple[int, ...]], ...]]:
+        """The original (BFL) module names a LoRA file may use (ai-toolkit and Kohya write them) -> the weights each
+        covers, as (weight, chunks of lora_B's rows, the chunks it takes in order; `dit_lora.Layout`). A fused qkv
+        covers our three projections, a third of the rows each; the final adaLN modulation's two halves are swapped,
+        as diffusers' checkpoint conversion swaps its shift and scale rows."""
+
+        def one(module: str) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+            return ((f"{module}.weight", 1, (0,)),)
+
+        def thirds(*modules: str) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+            return tuple((f"{module}.weight", 3, (i,)) for i, module in enumerate(modules))
+
+        aliases = {
+            "img_in": one("x_embedder"), "txt_in": one("context_embedder"),
+            "time_in.in_layer": one("time_guidance_embed.timestep_embedder.linear_1"),
+            "time_in.out_layer": one("time_guidance_embed.timestep_embedder.linear_2"),
+            "double_stream_modulation_img.lin": one("double_stream_modulation_img.linear"),
+            "double_stream_modulation_txt.lin": one("double_stream_modulation_txt.linear"),
+            "single_stream_modulation.lin": one("single_stream_modulation.linear"),
+            "final_layer.linear": one("proj_out"),
+            "final_layer.adaLN_modulation.1": (("norm_out.linear.weight", 2, (1, 0)),),
+        }
+        for i in range(len(self.transformer_blocks)):
+            bfl, ours = f"double_blocks.{i}", f"transformer_blocks.{i}"
+            aliases[f"{bfl}.img_attn.qkv"] = thirds(*(f"{ours}.attn.to_{x}" for x in "qkv"))
+            aliases[f"{bfl}.txt_attn.qkv"] = thirds(*(f"{ours}.attn.add_{x}_proj" for x in "qkv"))
+            aliases[f"{bfl}.img_attn.proj"] = one(f"{ours}.attn.to_out.0")
+            aliases[f"{bfl}.txt_attn.proj"] = one(f"{ours}.attn.to_add_out")
+            for stream, ff in (("img", "ff"), ("txt", "ff_context")):
+                aliases[f"{bfl}.{stream}_mlp.0"] = one(f"{ours}.{ff}.linear_in")
+                aliases[f"{bfl}.{stream}_mlp.2"] = one(f"{ours}.{ff}.linear_out")
+        for i in range(len(self.single_transformer_blocks)):
+            aliases[f"single_blocks.{i}.linear1"] = one(f"single_transformer_blocks.{i}.attn.to_qkv_mlp_proj")
+            aliases[f"single_blocks.{i}.linear2"] = one(f"single_transformer_blocks.{i}.attn.to_out")
+        return aliases
+
     def rope(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for the joint [txt, img] sequence (depends only on the token layout: cache per shape)."""
         txt_cos, txt_sin = rope_tables(txt_ids, self.config.axes_dims_rope, self.config.rope_theta)

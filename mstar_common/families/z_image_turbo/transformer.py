@@ -260,6 +260,13 @@ class ZImageTransformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.cap_pad_token.dtype
 
+    def lora_aliases(self) -> dict[str, tuple[tuple[str, int, tuple[int, ...]], ...]]:
+        """The original module names a LoRA file may use besides diffusers' (the same but for each attention's output
+        projection, `attention.out` there) -> the weight each covers (`dit_lora.Layout`)."""
+        return {f"{name}.attention.out": ((f"{name}.attention.to_out.0.weight", 1, (0,)),)
+                for stack in ("noise_refiner", "context_refiner", "layers")
+                for name in (f"{stack}.{i}" for i in range(len(getattr(self, stack))))}
+
     fused = False
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
