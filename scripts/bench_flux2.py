@@ -227,6 +227,8 @@ def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
         kwargs["vae_in_denoise"] = True
     if args.dit_fp8:
         kwargs["dit_fp8"] = True
+    if args.lora:
+        kwargs["lora"] = [{"path": args.lora}]
     return deployment_from_dict({"name": "bench", "family": args.family, "checkpoint": str(checkpoint),
                                  "components": components, "model_kwargs": kwargs,
                                  "server": {"shm_default_byte_size": 1 << 27, "stub_timeout_seconds": 600}})
@@ -802,6 +804,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="model_kwargs.dit_fp8: the transformer blocks' GEMMs as scaled e4m3")
     parser.add_argument("--vae-in-denoise", action="store_true",
                         help="model_kwargs.vae_in_denoise: decode inside the denoise component (no vae_decode hop)")
+    parser.add_argument("--lora", metavar="PATH", help="model_kwargs.lora: this adapter folded into the DiT (scale 1)")
     parser.add_argument("--skip-diffusers", action="store_true")
     parser.add_argument("--fp8-quality", type=int, default=0, metavar="N",
                         help="after the rest: N seeded images in bf16 and with dit_fp8, in process; PSNR of each pair")
@@ -845,7 +848,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "torch": torch.__version__,
         "mode": args.mode, "size": f"{args.width}x{args.height}", "steps": args.steps, "dtype": args.dtype,
         "cuda_graphs": device != "cpu" and not args.no_cuda_graphs, "vae_in_denoise": args.vae_in_denoise,
-        "dit_fp8": args.dit_fp8,
+        "dit_fp8": args.dit_fp8, "lora": args.lora,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     if not args.skip_ours:

@@ -1,8 +1,10 @@
 """The LoRA fold (`model_kwargs.lora`) at FLUX.2 klein's real shapes on the GPU: a random rank-16 adapter on every
 linear of the transformer blocks, the DiT loaded with and without it (load seconds, peak GPU memory), and one folded
-weight checked against its fp32 sum rounded once to bf16.
+weight checked against its fp32 sum rounded once to bf16. The same adapter is also written as a Kohya file
+(`lora_unet_double_blocks_N_img_attn_qkv`: q/k/v as one fused pair, a block-diagonal lora_B over the three A
+stacked) and loaded: every weight it folds is compared with the diffusers-layout fold.
 
-Usage (device): python scripts/probe_lora_fold.py CHECKPOINT OUT.json
+Usage (device): python scripts/probe_lora_fold.py CHECKPOINT OUT.json [KOHYA_COPY.safetensors]
 (CHECKPOINT: a diffusers-layout klein folder, e.g. the /tmp/flux2-klein-4b-random that
 `scripts/bench_flux2.py --skip-ours --skip-diffusers` writes.)
 """
@@ -26,6 +28,7 @@ from mstar_common.families.flux2_klein.loader import load_transformer, transform
 from mstar_common.families.flux2_klein.transformer import Flux2Transformer  # noqa: E402
 
 RANK = 16
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"  # the CPU: a check of this script on a tiny checkpoint
 
 
 def write_adapter(root: Path, folder: Path) -> tuple[Path, dict[str, torch.Tensor], list[str]]:
@@ -48,31 +51,73 @@ def write_adapter(root: Path, folder: Path) -> tuple[Path, dict[str, torch.Tenso
     return path, tensors, targets
 
 
+def write_kohya(root: Path, tensors: dict[str, torch.Tensor], path: Path) -> int:
+    """The diffusers-layout adapter `tensors` re-spelled as a Kohya file through the transformer's BFL names
+    (`lora_aliases`), alpha = rank (a factor of 1, as the diffusers file's): a fused qkv stacks its three A over a
+    block-diagonal B. -> the number of Kohya modules written."""
+    with torch.device("meta"):
+        aliases = Flux2Transformer(transformer_config(root)).lora_aliases()
+    pair = {key.removeprefix("transformer.").removesuffix(f".{side}.weight"): None
+            for key in tensors for side in ("lora_A", "lora_B") if key.endswith(f".{side}.weight")}
+    out: dict[str, torch.Tensor] = {}
+    for alias, targets in aliases.items():
+        modules = [name.removesuffix(".weight") for name, _, _ in targets]
+        swapped = any(chunks != len(targets) or order != (i,) for i, (_, chunks, order) in enumerate(targets))
+        if swapped or not all(m in pair for m in modules):  # (the final modulation's swap: not a block linear)
+            continue
+        downs = [tensors[f"transformer.{m}.lora_A.weight"] for m in modules]
+        ups = [tensors[f"transformer.{m}.lora_B.weight"] for m in modules]
+        down = torch.cat(downs)
+        up = torch.block_diag(*ups) if len(ups) > 1 else ups[0]
+        name = "lora_unet_" + alias.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = down.contiguous()
+        out[f"{name}.lora_up.weight"] = up.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]))
+    save_file(out, str(path))
+    return len(out) // 3
+
+
 def main() -> int:
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     adapter, tensors, targets = write_adapter(root, Path(tempfile.mkdtemp(prefix="lora-fold-")))
     checked = targets[len(targets) // 2]
     report: dict = {"adapted_weights": len(targets), "rank": RANK,
                     "adapter_mib": round(sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20, 1)}
-    weights = {}
-    for label, lora in (("base", ()), ("lora", (LoraAdapter(str(adapter), 1.0),))):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    kohya = Path(sys.argv[3]) if len(sys.argv) > 3 else adapter.with_name("kohya.safetensors")
+    report["kohya_modules"] = write_kohya(root, tensors, kohya)
+    weights: dict[str, torch.Tensor] = {}
+    folded: dict[str, torch.Tensor] = {}
+    diffs: list[float] = []
+    for label, lora in (("base", ()), ("lora", (LoraAdapter(str(adapter), 1.0),)),
+                        ("kohya", (LoraAdapter(str(kohya), 1.0),))):
+        cuda = DEVICE != "cpu"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        model = load_transformer(root, "bfloat16", "cuda:0", lora)
-        torch.cuda.synchronize()
+        model = load_transformer(root, "bfloat16", DEVICE, lora)
+        if cuda:
+            torch.cuda.synchronize()
         report[label] = {"load_s": round(time.perf_counter() - start, 2),
-                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
         weights[label] = dict(model.named_parameters())[checked].detach()
-        del model
-        torch.cuda.empty_cache()
+        params = dict(model.named_parameters())
+        if label == "lora":  # kept on the host, out of the next load's peak
+            folded = {name: params[name].detach().cpu() for name in targets}
+        elif label == "kohya":
+            diffs = [(params[n].detach().cpu().float() - folded[n].float()).abs().max().item() for n in targets]
+        del model, params
+        if cuda:
+            torch.cuda.empty_cache()
     module = checked.removesuffix(".weight")
-    down = tensors[f"transformer.{module}.lora_A.weight"].float().cuda()
-    up = tensors[f"transformer.{module}.lora_B.weight"].float().cuda()
+    down = tensors[f"transformer.{module}.lora_A.weight"].float().to(DEVICE)
+    up = tensors[f"transformer.{module}.lora_B.weight"].float().to(DEVICE)
     want = (weights["base"].float() + up @ down).to(torch.bfloat16)
     report["check"] = {"weight": checked, "equals_fp32_sum_rounded_once": bool(torch.equal(weights["lora"], want)),
                        "max_abs_diff": (weights["lora"].float() - want.float()).abs().max().item(),
                        "delta_rms": (weights["lora"].float() - weights["base"].float()).pow(2).mean().sqrt().item()}
+    report["kohya_vs_diffusers_file"] = {"weights": len(targets), "bit_identical": sum(d == 0 for d in diffs),
+                                         "max_abs_diff": max(diffs)}
     text = json.dumps(report, indent=1)
     print(text)
     out.write_text(text)
