@@ -95,12 +95,20 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         return self._json(response, lambda data: [card["id"] for card in data["data"]])
 
     def health(self) -> bool:
-        """True when the proxy reports Triton live and every served model ready."""
+        """True when the proxy reports Triton live and every served model ready: a 200 whose JSON body says
+        `{"status": "ok"}` (another server's 200 at that address is False, as is no answer)."""
         self._check_open()
         try:
-            return self._http.get("/health", **self._timeout).status_code == 200
+            response = self._http.get("/health", **self._timeout)
         except httpx.TransportError:
             return False
+        if response.status_code != 200:
+            return False
+        try:
+            body = response.json()
+        except ValueError:
+            return False
+        return isinstance(body, dict) and body.get("status") == "ok"
 
     def close(self) -> None:
         """Close the connections this client opened (an `http_client` given to it stays open: its owner closes it);

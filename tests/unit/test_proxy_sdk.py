@@ -50,6 +50,21 @@ def test_generate_models_health():
     assert MStarClient("http://127.0.0.1:1", timeout=1).health() is False
 
 
+@pytest.mark.parametrize("status,body,healthy", [
+    (200, b'{"status": "ok"}', True),
+    (200, b"<html>it works</html>", False),  # some other server on the port
+    (200, b'["ok"]', False),
+    (200, b'{"status": "starting"}', False),
+    (503, b'{"status": "unavailable"}', False),
+])
+def test_health_is_true_only_for_the_proxy_saying_ok(status, body, healthy):
+    import httpx
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    client = MStarClient(http_client=httpx.Client(transport=transport, base_url="http://proxy"))
+    assert client.health() is healthy
+
+
 def test_errors_raise_mstar_error():
     client, _ = sdk()
     with pytest.raises(MStarError) as info:
@@ -385,7 +400,8 @@ def test_a_call_on_a_closed_client_is_an_sdk_error():
                  client.models, client.health):
         with pytest.raises(MStarConnectionError, match="the client is closed"):
             call()
-    http = httpx.Client(base_url="http://mstar", transport=httpx.MockTransport(lambda _: httpx.Response(200)))
+    http = httpx.Client(base_url="http://mstar",
+                        transport=httpx.MockTransport(lambda _: httpx.Response(200, json={"status": "ok"})))
     shared = MStarClient(http_client=http)
     shared.close()  # not its own: the caller's http_client stays open, and so does this client
     assert shared.health() is True
