@@ -20,6 +20,8 @@ from mstar_common.client.images import ImageMethods
 from mstar_common.client.speech import SpeechMethods
 from mstar_common.client.transcription import TranscriptionMethods
 from mstar_common.client.types import (
+    TIMEOUT_ERRORS,
+    TRANSPORT_ERRORS,
     ChatEvent,
     ChatResult,
     EventStream,
@@ -100,7 +102,7 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         self._check_open()
         try:
             response = self._http.get("/health", **self._timeout)
-        except httpx.TransportError:
+        except TRANSPORT_ERRORS:
             return False
         if response.status_code != 200:
             return False
@@ -154,7 +156,7 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         if response.status_code != 200:
             try:
                 response.read()
-            except httpx.TransportError as exc:
+            except TRANSPORT_ERRORS as exc:
                 raise MStarConnectionError(f"{response.request.url}: [{response.status_code}] the connection was lost "
                                            f"before the error's message ({exc!r})") from None
             finally:
@@ -172,9 +174,9 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         self._check_open()
         try:
             return self._http.send(request, stream=stream)
-        except httpx.TimeoutException as exc:
+        except TIMEOUT_ERRORS as exc:
             raise MStarConnectionError(f"{request.url}: no answer within the client's timeout ({exc!r})") from None
-        except httpx.TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise MStarConnectionError(f"{request.url}: could not reach the server ({exc})") from None
 
     def _check_open(self) -> None:

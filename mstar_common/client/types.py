@@ -12,6 +12,21 @@ import httpx
 E = TypeVar("E")
 
 # The `type` of a proxy error (mstar_common/proxy/errors.py) -> its HTTP status, for an error sent as a stream's event.
+
+def _httpx_errors(name: str) -> tuple[type[Exception], ...]:
+    """httpx's exception class `name`, and httpx2's if that is installed: an `http_client` may be either (Starlette's
+    TestClient is an httpx2.Client), and its transport raises its own library's errors."""
+    classes: list[type[Exception]] = [getattr(httpx, name)]
+    try:
+        import httpx2
+    except ImportError:
+        return tuple(classes)
+    return (*classes, getattr(httpx2, name))
+
+
+TIMEOUT_ERRORS = _httpx_errors("TimeoutException")  # catch before TRANSPORT_ERRORS, whose subclass it is
+TRANSPORT_ERRORS = _httpx_errors("TransportError")
+
 _STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "service_unavailable": 503,
                    "timeout": 504}
 
@@ -100,10 +115,10 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
                 raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
             yield event
         raise MStarError(502, "the stream ended without [DONE]")
-    except httpx.TimeoutException as exc:
+    except TIMEOUT_ERRORS as exc:
         raise MStarConnectionError(f"{response.request.url}: the stream stalled past the client's timeout "
                                    f"({exc!r})") from None
-    except httpx.TransportError as exc:
+    except TRANSPORT_ERRORS as exc:
         raise MStarConnectionError(f"{response.request.url}: the connection was lost mid-stream ({exc!r})") from None
     finally:
         response.close()

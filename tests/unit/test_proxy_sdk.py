@@ -436,3 +436,24 @@ def test_timeout_applies_to_a_given_http_client_too():
     MStarClient(http_client=http).chat("x")
     assert seen == [None, 30]
     assert MStarClient()._http.timeout.read == 600 and MStarClient(timeout=None)._http.timeout.read is None
+
+
+def test_an_httpx2_client_s_transport_errors_are_sdk_errors_too():
+    """Starlette's TestClient is an httpx2.Client: an `http_client` of that library raises its own exceptions, which
+    are MStarConnectionErrors as httpx's are."""
+    httpx2 = pytest.importorskip("httpx2")
+    from mstar_common.client import MStarConnectionError
+
+    def refuse(request):
+        raise httpx2.ConnectError("connection refused", request=request)
+
+    def stall(request):
+        raise httpx2.ReadTimeout("timed out", request=request)
+
+    refused = MStarClient(http_client=httpx2.Client(transport=httpx2.MockTransport(refuse), base_url="http://p"))
+    assert refused.health() is False
+    with pytest.raises(MStarConnectionError, match="could not reach the server"):
+        refused.chat("x")
+    stalled = MStarClient(http_client=httpx2.Client(transport=httpx2.MockTransport(stall), base_url="http://p"))
+    with pytest.raises(MStarConnectionError, match="no answer within the client's timeout"):
+        stalled.chat("x", stream=True)
