@@ -91,16 +91,20 @@ def load_dit(build: Callable[[], nn.Module], root: Path, dtype: str, device: str
     return model
 
 
-def lora_fold(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module]) -> Fold | None:
-    """The fold of `adapters` onto the transformer `build` makes (its names and shapes); None without adapters."""
+def lora_fold(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module], *, check_only: bool = False
+              ) -> Fold | None:
+    """The fold of `adapters` onto the transformer `build` makes (its names and shapes); None without adapters.
+    `check_only`: every rule checked from the files' headers and alpha scalars, no other tensor read (the fold's
+    factors are then meta tensors: for `mstar check` and start-up, before any weights load)."""
     if not adapters:
         return None
     layout = Layout.of(build)
     terms: dict[str, list[_Term]] = {}
     for adapter in adapters:
-        for name, adapter_terms in read_adapter(adapter, layout).items():
+        for name, adapter_terms in read_adapter(adapter, layout, check_only=check_only).items():
             terms.setdefault(name, []).extend(adapter_terms)
-    logger.info("lora: %d adapter(s) fold into %d weights", len(adapters), len(terms))
+    if not check_only:
+        logger.info("lora: %d adapter(s) fold into %d weights", len(adapters), len(terms))
     return Fold(terms)
 
 
@@ -146,11 +150,13 @@ def adapter_file(path: str) -> Path:
     return file
 
 
-def read_adapter(adapter: LoraAdapter, layout: Layout) -> dict[str, list[_Term]]:
-    """One adapter's low-rank pairs per weight name of the transformer, each with its scaling factor."""
+def read_adapter(adapter: LoraAdapter, layout: Layout, *, check_only: bool = False) -> dict[str, list[_Term]]:
+    """One adapter's low-rank pairs per weight name of the transformer, each with its scaling factor (`check_only`:
+    the pairs as meta tensors of the file's shapes)."""
     file = adapter_file(adapter.path)
     with safe_open(str(file), framework="pt") as reader:
-        tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
+        tensors = {key: _meta(reader, key) if check_only and not key.endswith(".alpha") else reader.get_tensor(key)
+                   for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
         header = reader.metadata() or {}
     where = f"LoRA {adapter.path}"
     pairs, alphas = _split_keys(tensors, layout, where)
@@ -181,6 +187,16 @@ def read_adapter(adapter: LoraAdapter, layout: Layout) -> dict[str, list[_Term]]
     if not terms:
         raise ValueError(f"{where}: no lora_A/lora_B weights for the transformer in it")
     return terms
+
+
+def _meta(reader: Any, key: str) -> torch.Tensor:
+    """A tensor of the file's shape for `key`, read from its header alone."""
+    return torch.empty(reader.get_slice(key).get_shape(), device="meta")
+
+
+def check_adapters(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module]) -> None:
+    """Every rule `lora_fold` applies, from the adapters' headers: a bad adapter is refused before weights load."""
+    lora_fold(adapters, build, check_only=True)
 
 
 def _split_keys(tensors: dict[str, torch.Tensor], layout: Layout, where: str) -> tuple[

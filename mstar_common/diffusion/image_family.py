@@ -41,12 +41,18 @@ class ImageFamily(Family):
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
         """default_size, and the captured sizes where the denoise step is captured, on this checkpoint's grid and
-        within max_image_area (a request without a size takes the default: off the grid, every one is a 400)."""
+        within max_image_area (a request without a size takes the default: off the grid, every one is a 400); the
+        LoRA adapters against the checkpoint's DiT."""
         try:
             self.check_pipeline(checkpoint)
         except ValueError as exc:  # a pipeline this family does not serve
             raise DeploymentError(f"{source}: checkpoint {checkpoint}: {exc}") from None
         options = self.options_from_kwargs(dep.model_kwargs, source)
+        if options.lora:  # every adapter against this DiT, from the files' headers, before any weights load
+            try:
+                family_module(self.name, "loader").check_lora(checkpoint, options.lora)
+            except ValueError as exc:
+                raise DeploymentError(f"{source}: model_kwargs.lora: {exc}") from None
         multiple = self.grid_multiple(checkpoint)
         sizes = {"default_size": [options.default_size]}
         if dep.components["denoise"].cuda_graphs:

@@ -210,6 +210,20 @@ def test_adapters_for_something_else_are_refused_naming_the_file(checkpoint, tmp
     path = write(tmp_path / "bad", spoil(good))
     with pytest.raises(ValueError, match=f"LoRA {path}: {message}"):
         loader.load_transformer(checkpoint, "float32", "cpu", [LoraAdapter(path)])
+    with pytest.raises(ValueError, match=f"LoRA {path}: {message}"):  # the same, from the file's header alone
+        loader.check_lora(checkpoint, [LoraAdapter(path)])
+
+
+def test_mstar_check_refuses_a_bad_adapter_before_any_weights_load(checkpoint, tmp_path, good):
+    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+
+    family = Flux2KleinFamily()
+    fine = write(tmp_path / "fine", good)
+    family.check_checkpoint(deployment(lora=[{"path": fine}]), checkpoint, "t.yaml")
+    bad = write(tmp_path / "bad", {k.replace(".to_q.", ".to_z."): v for k, v in good.items()})
+    with pytest.raises(DeploymentError, match=r"^t.yaml: model_kwargs.lora: LoRA .*bad/a.safetensors: 1 module\(s\) "
+                                              r"this transformer does not have, e.g. transformer_blocks.0.attn.to_z:"):
+        family.check_checkpoint(deployment(lora=[{"path": fine}, {"path": bad}]), checkpoint, "t.yaml")
 
 
 def deployment(**model_kwargs):

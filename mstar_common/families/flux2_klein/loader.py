@@ -77,6 +77,12 @@ def load_transformer(root: Path, dtype: str, device: str, lora: Sequence[LoraAda
     return dit_lora.load_dit(lambda: Flux2Transformer(config), root, dtype, device, lora)
 
 
+def check_lora(root: Path, lora: Sequence[LoraAdapter]) -> None:
+    """The `lora` adapters against this checkpoint's DiT, from their headers (a ValueError names the file and rule)."""
+    config = transformer_config(root)
+    dit_lora.check_adapters(lora, lambda: Flux2Transformer(config))
+
+
 def load_vae_encoder(root: Path, dtype: str, device: str) -> VaeEncoder:
     config = vae_config(root)
     model = load_module(lambda: VaeEncoder(config), root / "vae", "diffusion_pytorch_model",

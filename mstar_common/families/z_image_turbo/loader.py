@@ -84,6 +84,12 @@ def load_transformer(root: Path, dtype: str, device: str, lora: Sequence[LoraAda
     return dit_lora.load_dit(lambda: ZImageTransformer(config), root, dtype, device, lora)
 
 
+def check_lora(root: Path, lora: Sequence[LoraAdapter]) -> None:
+    """The `lora` adapters against this checkpoint's DiT, from their headers (a ValueError names the file and rule)."""
+    config = transformer_config(root)
+    dit_lora.check_adapters(lora, lambda: ZImageTransformer(config))
+
+
 def load_vae_decoder(root: Path, dtype: str, device: str) -> VaeDecoder:
     config = vae_config(root)
     model = diffusers_checkpoint.load_vae_decoder(lambda: VaeDecoder(config), root, dtype, device)
