@@ -95,7 +95,7 @@ def lora_fold(adapters: Sequence[LoraAdapter], build: Callable[[], nn.Module], *
               ) -> Fold | None:
     """The fold of `adapters` onto the transformer `build` makes (its names and shapes); None without adapters.
     `check_only`: every rule checked from the files' headers and alpha scalars, no other tensor read (the fold's
-    factors are then meta tensors: for `mstar check` and start-up, before any weights load)."""
+    low-rank pairs are then meta tensors: for `mstar check` and start-up, before any weights load)."""
     if not adapters:
         return None
     layout = Layout.of(build)
