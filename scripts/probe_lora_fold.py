@@ -57,13 +57,13 @@ def write_kohya(root: Path, tensors: dict[str, torch.Tensor], path: Path) -> int
     block-diagonal B. -> the number of Kohya modules written."""
     with torch.device("meta"):
         aliases = Flux2Transformer(transformer_config(root)).lora_aliases()
-    pair = {key.removeprefix("transformer.").removesuffix(f".{side}.weight"): None
-            for key in tensors for side in ("lora_A", "lora_B") if key.endswith(f".{side}.weight")}
+    adapted = {key.removeprefix("transformer.").removesuffix(".lora_A.weight") for key in tensors
+               if key.endswith(".lora_A.weight")}
     out: dict[str, torch.Tensor] = {}
     for alias, targets in aliases.items():
         modules = [name.removesuffix(".weight") for name, _, _ in targets]
         swapped = any(chunks != len(targets) or order != (i,) for i, (_, chunks, order) in enumerate(targets))
-        if swapped or not all(m in pair for m in modules):  # (the final modulation's swap: not a block linear)
+        if swapped or not all(m in adapted for m in modules):  # (the final modulation's swap: not a block linear)
             continue
         downs = [tensors[f"transformer.{m}.lora_A.weight"] for m in modules]
         ups = [tensors[f"transformer.{m}.lora_B.weight"] for m in modules]

@@ -11,7 +11,6 @@ import httpx
 
 E = TypeVar("E")
 
-# The `type` of a proxy error (mstar_common/proxy/errors.py) -> its HTTP status, for an error sent as a stream's event.
 
 def _httpx_errors(name: str) -> tuple[type[Exception], ...]:
     """httpx's exception class `name`, and httpx2's if that is installed: an `http_client` may be either (Starlette's
@@ -27,6 +26,7 @@ def _httpx_errors(name: str) -> tuple[type[Exception], ...]:
 TIMEOUT_ERRORS = _httpx_errors("TimeoutException")  # catch before TRANSPORT_ERRORS, whose subclass it is
 TRANSPORT_ERRORS = _httpx_errors("TransportError")
 
+# The `type` of a proxy error (mstar_common/proxy/errors.py) -> its HTTP status, for an error sent as a stream's event.
 _STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "service_unavailable": 503,
                    "timeout": 504}
 

@@ -214,6 +214,16 @@ def test_adapters_for_something_else_are_refused_naming_the_file(checkpoint, tmp
         loader.check_lora(checkpoint, [LoraAdapter(path)])
 
 
+@torch.no_grad()
+def test_peft_s_adapter_named_keys_fold_as_diffusers_keys(checkpoint, tmp_path, good):
+    """A PEFT model's raw state dict names the adapter (`lora_A.default.weight`): the same fold."""
+    plain = write(tmp_path / "plain", good)
+    named = write(tmp_path / "named", {k.replace(".weight", ".default.weight"): v for k, v in good.items()})
+    want = loader.load_transformer(checkpoint, "float32", "cpu", [LoraAdapter(plain)]).state_dict()
+    got = loader.load_transformer(checkpoint, "float32", "cpu", [LoraAdapter(named)]).state_dict()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
 def test_mstar_check_refuses_a_bad_adapter_before_any_weights_load(checkpoint, tmp_path, good):
     from mstar_common.families.flux2_klein.family import Flux2KleinFamily
 
