@@ -80,10 +80,14 @@ class TritonPythonModel:
             num_prompt_tokens=len(text_request.prompt_ids),
             arrival=arrival,
         )
-        self.pump.register(stream)
-        # A model with per-request state (whisper's decoder: its cross-attention input) gets it from the parse.
+        # A model with per-request state (whisper's decoder: its cross-attention input) gets it from the parse,
+        # and a runtime may add tensors read from it to the last response (whisper's window scores).
         state = getattr(text_request, "request_state", None)
         extra = {} if state is None else {"request_state": state}
+        final_outputs = getattr(self.runtime, "final_outputs", None)
+        if state is not None and final_outputs is not None:
+            stream.final_outputs = lambda: final_outputs(state)
+        self.pump.register(stream)
         enqueue(self.engine, self.pump, responder, text_request.prompt_ids, text_request.params,
                 timeout_s=request_timeout_s(request), **extra)
 

@@ -102,6 +102,15 @@ class _WindowResult:
     free_ids: list[int] = field(default_factory=list)  # everything after the forced tokens, EOT excluded
     finish_reason: str = "stop"
     temperature: float = 0.0
+    scores: _Scores | None = None  # the kept decode's avg_logprob and no_speech_prob
+
+
+@dataclass(frozen=True, slots=True)
+class _Scores:
+    """OpenAI Whisper's per-window scores, as the decoder reports them on its last response (None: not computed)."""
+
+    avg_logprob: float | None = None
+    no_speech_prob: float | None = None
 
 
 class _Transcription:
@@ -180,11 +189,12 @@ class _Transcription:
                 temperatures = self._temperatures()
                 for temperature in temperatures:
                     async with self.walk.windows:
-                        free, finish = await self._decode(index, result, source, prompt, temperature)
+                        free, finish, scores = await self._decode(index, result, source, prompt, temperature)
                     text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True)
                     if temperature == temperatures[-1] or compression_ratio(text) <= COMPRESSION_RATIO_THRESHOLD:
                         break
                 result.free_ids, result.finish_reason, result.temperature = free, finish, temperature
+                result.scores = scores
                 if not self.is_live:
                     result.events.put_nowait(self.tokens.text_ids(free))
                 self.num_tokens += len(free)
@@ -202,7 +212,7 @@ class _Transcription:
         return FALLBACK_TEMPERATURES if self.req.timestamps else (0.0,)
 
     async def _decode(self, index: int, result: _WindowResult, source: np.ndarray, prompt: DecoderPrompt,
-                      temperature: float) -> tuple[list[int], str]:
+                      temperature: float) -> tuple[list[int], str, _Scores]:
         inputs = {
             g.ENCODER_OUTPUT: source,
             g.INPUT_IDS: np.asarray(prompt.prompt, np.int32),
@@ -217,6 +227,7 @@ class _Transcription:
             inputs[g.SEED] = np.array([(self.req.seed + index) % 2**63], np.int64)
         tokens: list[int] = []
         finish = "stop"
+        scores = _Scores()
         async for response in self.call_stream("decoder", inputs):
             new = [int(t) for t in np.asarray(response.get("token_ids", [])).reshape(-1)]
             before = len(tokens)
@@ -229,8 +240,9 @@ class _Transcription:
             reason = _text(response.get("finish_reason"))
             if reason:
                 finish = reason
+                scores = _Scores(_float(response.get(g.AVG_LOGPROB)), _float(response.get(g.NO_SPEECH_PROB)))
         free = [t for t in tokens[len(prompt.forced):] if t != self.tokens.eot]
-        return free, finish
+        return free, finish, scores
 
     async def _detect_language(self, source: np.ndarray) -> None:
         inputs = {g.ENCODER_OUTPUT: source, g.INPUT_IDS: np.asarray([self.tokens.sot], np.int32),
@@ -268,6 +280,7 @@ class _Transcription:
             else:
                 pieces = [(window.offset_s, window.offset_s + window.duration_s, result.free_ids)]
             lo, hi = window.offset_s, window.offset_s + window.duration_s
+            scores = result.scores or _Scores()  # every segment of a window carries the window's (as OpenAI's)
             for piece in pieces:
                 start, end, ids = (piece.start, piece.end, piece.token_ids) if self.req.timestamps else piece
                 text = self.walk.tokenizer.decode(self.tokens.text_ids(ids), skip_special_tokens=True)
@@ -280,13 +293,22 @@ class _Transcription:
                 lo = end
                 out.append({"id": len(out), "seek": window.start // 160, "start": round(start, 3),
                             "end": round(end, 3), "text": text, "tokens": ids, "temperature": result.temperature,
-                            "avg_logprob": None, "compression_ratio": round(compression_ratio(text), 4),
-                            "no_speech_prob": None})
+                            "avg_logprob": scores.avg_logprob,
+                            "compression_ratio": round(compression_ratio(text), 4),
+                            "no_speech_prob": scores.no_speech_prob})
         return out
 
 
 def _bytes(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def _float(value: Any) -> float | None:
+    """A decoder score tensor -> a float to 6 significant digits, or None (absent, or NaN: not computed)."""
+    if value is None:
+        return None
+    arr = np.asarray(value, dtype=np.float64).reshape(-1)
+    return float(f"{arr[0]:.6g}") if arr.size and np.isfinite(arr[0]) else None
 
 
 def _text(value: Any) -> str:

@@ -101,6 +101,7 @@ class LocalWhisper:
             if finish is not None:
                 record["finish"] = finish.value
                 out["finish_reason"] = np.array([finish.value.encode()], dtype=object)
+                out.update(self.decoder.final_outputs(request.request_state))  # as the node's last response
             yield out
             if finish is not None:
                 return

@@ -80,6 +80,10 @@ class AREngine:
         self.kv_cache = KVCache(model.kv_spec, config.num_kv_pages, config.page_size, kv_dtype, self.device)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_batch_tokens, hooks)
         self._needs_history = getattr(model, "logits_need_history", None)
+        # a model's per-token scores (model_runner's docstring): handed over as each step is collected
+        self._note_sampled = getattr(model, "note_sampled", None)
+        self._note_probe = getattr(model, "note_probe", None)
+        self._scores: PendingStep | None = None  # the non-overlapped step's, from `_run` to `_postprocess`
         offset, width = logits_window(model, vocab_size)
         if device_penalty is None:
             device_penalty = self.device.type == "cuda"
@@ -275,10 +279,13 @@ class AREngine:
         if times is not None:
             times.tokens_ready(pending.event, delivered - waited, pending.kind, pending.num_tokens)
         self._commit(pending.written)  # the step has run: its KV is written
-        for seq, index, token in zip(pending.seqs, pending.indices, tokens, strict=True):
+        logprobs = self._note_scores(pending)
+        for row, (seq, index, token) in enumerate(zip(pending.seqs, pending.indices, tokens, strict=True)):
             if seq.is_finished:
                 continue  # stopped (or cancelled) while this step was in flight: its row was wasted
             seq.token_ids[index] = token
+            if logprobs is not None:
+                self._note_sampled(seq, index, token, logprobs[row])
             reason = self._finish_reason(seq, token, index + 1 - seq.num_prompt_tokens)
             if reason is None:
                 self._deliver(seq, [token], None, None)
@@ -313,11 +320,26 @@ class AREngine:
         return seq is not None and seq.status is SequenceStatus.WAITING
 
     def _run(self, plan: StepPlan) -> list[int] | None:
+        self.runner.last_step = None
         try:
-            return self.runner.run(plan)
+            tokens = self.runner.run(plan)
         except Exception:
             self._fail_step(plan)
             return None
+        self._scores = self.runner.last_step
+        return tokens
+
+    def _note_scores(self, pending: PendingStep) -> list[float] | None:
+        """Hand a collected step's probes to the model (before any of its rows is delivered or finished), and
+        return its rows' log-probabilities when the model takes them (`note_sampled`), else None."""
+        if pending.num_logprobs == 0 and not pending.probe_seqs:
+            return None
+        logprobs, probes = pending.scores()
+        if self._note_probe is not None:
+            for seq, value in zip(pending.probe_seqs, probes, strict=True):
+                if not seq.is_finished:
+                    self._note_probe(seq, value)
+        return logprobs if self._note_sampled is not None else None
 
     def _fail_step(self, plan: StepPlan) -> None:
         # The batch's KV and outputs are unknown now: fail exactly the rows of this step, keep the rest.
@@ -332,7 +354,11 @@ class AREngine:
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         self._commit([(chunk.seq, chunk.seq.num_computed_tokens) for chunk in plan.chunks])
-        for seq, token in zip(sampling, tokens, strict=True):
+        pending, self._scores = self._scores, None
+        logprobs = None if pending is None else self._note_scores(pending)
+        for row, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
+            if logprobs is not None:
+                self._note_sampled(seq, len(seq.token_ids), token, logprobs[row])
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token, seq.num_output_tokens)
             if reason is None:

@@ -12,6 +12,12 @@ inside the graph when one is replayed; the draw is keyed by (request seed, outpu
 `Sampler` (torch generators) is used. On CUDA a repetition penalty reads the token history from the device
 (`penalty.py`), so penalised steps replay graphs and overlap too; on the CPU the Sampler reads host lists.
 
+Per-token scores (optional model hooks). A model with `token_logprobs = True` gets, for every token it samples, the
+token's log-probability under its processed logits (after `process_logits`, before any penalty or temperature),
+and one with a `probe_token_id` gets `probe(hidden)` evaluated at every prompt position holding that id (whisper:
+the no-speech probability at <|startoftranscript|>). Both cross the bus with the step's tokens, in the same
+pinned copy behind the same event, and the engine hands them to the model's `note_sampled` / `note_probe`.
+
 Logits window. A model may compute logits for the ids `[logits_offset, vocab_size)` only (a speech LM whose
 head covers its audio tokens): sampling runs over that window and the offset is added to the sampled index.
 """
@@ -73,6 +79,8 @@ class HostBatch:
     penalty_slots: list[int] = field(default_factory=list)  # per sampling row (PenaltyState; device history)
     penalties: list[float] = field(default_factory=list)  # per sampling row, 1.0 = off
     history_on_device: bool = False
+    probe_indices: list[int] = field(default_factory=list)  # packed index of each prompt position to probe ...
+    probe_seqs: list[Sequence] = field(default_factory=list)  # ... and its sequence (model.probe_token_id)
 
     @property
     def num_tokens(self) -> int:
@@ -154,20 +162,32 @@ class StepCounts:
 
 
 class PendingStep:
-    """A launched step: `tokens()` waits for it and returns one token per sampling row, in plan order."""
+    """A launched step: `tokens()` waits for it and returns one token per sampling row, in plan order.
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, event=None) -> None:
+    With a model's per-token scores (module docstring) `floats` holds the sampled tokens' log-probabilities
+    (`num_logprobs`, one per sampling row) followed by one probe value per `probe_seqs` entry."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, event=None, floats: torch.Tensor | None = None,
+                 num_logprobs: int = 0, probe_seqs: list[Sequence] | None = None) -> None:
         self.seqs = seqs
         self.kind = ("eager", 0)  # what ran: a graph's (kind, size), or eager (MSTAR_STEP_TIMES' breakdown)
         self.num_tokens = 0  # the step's packed tokens (a graph's size counts the padding too)
         self.indices: list[int] = []  # where each row's token goes in its token list (set by the engine)
         self.written: list[tuple[Sequence, int]] = []  # each chunk's sequence, and its tokens with KV after this step
         self._tokens, self.event = tokens, event
+        self._floats, self.num_logprobs, self.probe_seqs = floats, num_logprobs, probe_seqs or []
 
     def tokens(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
         return self._tokens.tolist()
+
+    def scores(self) -> tuple[list[float] | None, list[float]]:
+        """(each sampling row's log-probability, or None; each probe's value), once `tokens()` has returned."""
+        if self._floats is None:
+            return None, []
+        values = self._floats.tolist()
+        return (values[: self.num_logprobs] if self.num_logprobs else None), values[self.num_logprobs:]
 
 
 class TokenReadback:
@@ -190,22 +210,30 @@ class TokenReadback:
         self.timing = timing  # events that can be timed (MSTAR_STEP_TIMES)
 
     def _pair(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        dtype = dtype if self._native else torch.int64
+        dtype = dtype if self._native or dtype.is_floating_point else torch.int64
         if dtype not in self._buffers:
             self._buffers[dtype] = [torch.empty(self._max_rows, dtype=dtype, pin_memory=True) for _ in range(2)]
         return self._buffers[dtype]
 
-    def start(self, seqs: list[Sequence], tokens: torch.Tensor, published: torch.Tensor | None = None) -> PendingStep:
+    def start(self, seqs: list[Sequence], tokens: torch.Tensor, published: torch.Tensor | None = None,
+              floats: torch.Tensor | None = None, num_logprobs: int = 0,
+              probe_seqs: list[Sequence] | None = None) -> PendingStep:
         """The step's tokens behind an event: copied from `tokens` (device), or, where a replayed graph wrote them
-        into page-locked memory itself (`published`, mstar_kernels/step_io.py), read there with nothing copied."""
+        into page-locked memory itself (`published`, mstar_kernels/step_io.py), read there with nothing copied.
+        A model's per-token scores (`floats`, float32 on the device) are copied beside them, behind the same event."""
         buffer = published
+        parity = self._parity
         if buffer is None:
-            buffer = self._pair(tokens.dtype)[self._parity][: len(seqs)]
-            self._parity ^= 1
+            buffer = self._pair(tokens.dtype)[parity][: len(seqs)]
             buffer.copy_(tokens[: len(seqs)], non_blocking=True)
+        host_floats = None
+        if floats is not None:
+            host_floats = self._pair(torch.float32)[parity][: floats.numel()]
+            host_floats.copy_(floats, non_blocking=True)
+        self._parity ^= 1
         event = torch.cuda.Event(enable_timing=self.timing)
         event.record()
-        return PendingStep(seqs, buffer, event)
+        return PendingStep(seqs, buffer, event, host_floats, num_logprobs, probe_seqs)
 
 
 def logits_window(model, vocab_size: int) -> tuple[int, int]:
@@ -228,15 +256,23 @@ class ModelRunner:
         self.is_device_sampling = device.type == "cuda" or (graphs is not None and graphs.is_device_sampling)
         self.has_request_slots = hasattr(model, "admit_request")
         self._process_logits = getattr(model, "process_logits", None)  # a model's own logits rules, if any
+        # per-token scores (module docstring): the sampled tokens' log-probabilities, and a prompt-position probe
+        self._wants_logprobs = bool(getattr(model, "token_logprobs", False))
+        self._probe_token = getattr(model, "probe_token_id", None)
+        self._step_logprobs: torch.Tensor | None = None  # set by `sample`, taken by `launch`
+        self._step_probes: torch.Tensor | None = None  # set by `_run_eager`, taken by `launch`
         self._last_tokens: torch.Tensor | None = None  # device tokens of the last launched step
         self._readback = TokenReadback(4096, device, timing_events) if device.type == "cuda" else None
         self.counts = StepCounts()
+        self.last_step: PendingStep | None = None  # the step `run` last ran
         # the last launch's seconds in `prepare` and inside a graph's replay (MSTAR_STEP_TIMES' launch split)
         self.last_prepare_s = self.last_replay_s = 0.0
 
     def run(self, plan: StepPlan) -> list[int]:
-        """One token per sampling row of `plan`, in plan order (rows that only prefill produce nothing)."""
-        return self.launch(plan).tokens()
+        """One token per sampling row of `plan`, in plan order (rows that only prefill produce nothing); the step
+        stays in `last_step` (its per-token scores)."""
+        self.last_step = self.launch(plan)
+        return self.last_step.tokens()
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
@@ -244,7 +280,8 @@ class ModelRunner:
         batch = self.prepare(plan)
         self.last_prepare_s, self.last_replay_s = time.perf_counter() - started, 0.0
         tokens = published = key = None
-        if self.graphs is not None:
+        self._step_logprobs = self._step_probes = None
+        if self.graphs is not None and not batch.probe_indices:  # a probed prompt runs eager (its hidden states)
             tokens = self.graphs.try_replay(batch, self._last_tokens, self.sample)
             published = self.graphs.last_host_tokens  # None unless a graph published its tokens
             key = self.graphs.last_key
@@ -252,14 +289,29 @@ class ModelRunner:
         if tokens is None:
             tokens = self._run_eager(batch)
         self._last_tokens = tokens
+        floats, num_logprobs = self._step_scores(len(batch.sampling_seqs))
         if self._readback is not None:
-            pending = self._readback.start(batch.sampling_seqs, tokens, published)
+            pending = self._readback.start(batch.sampling_seqs, tokens, published, floats, num_logprobs,
+                                           batch.probe_seqs)
         else:  # a replay's tokens live in a static buffer the next replay overwrites
-            pending = PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens)
+            pending = PendingStep(batch.sampling_seqs, tokens.clone() if self.graphs is not None else tokens,
+                                  floats=floats, num_logprobs=num_logprobs, probe_seqs=batch.probe_seqs)
         pending.kind = ("eager", 0) if key is None else (key[0], key[1])
         pending.num_tokens = batch.num_tokens
         self.counts.add(pending.kind, batch.num_rows, batch.num_tokens)
         return pending
+
+    def _step_scores(self, num_sampling: int) -> tuple[torch.Tensor | None, int]:
+        """The step's per-token scores as one float32 tensor (log-probabilities, then probes), and how many of
+        them are log-probabilities."""
+        logprobs, probes = self._step_logprobs, self._step_probes
+        self._step_logprobs = self._step_probes = None
+        if logprobs is None and probes is None:
+            return None, 0
+        if logprobs is None and num_sampling:  # sampled without them (cannot happen with token_logprobs): no scores
+            logprobs = torch.full((num_sampling,), float("nan"), device=probes.device)
+        parts = [t.float().reshape(-1) for t in (logprobs, probes) if t is not None]
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), (num_sampling if logprobs is not None else 0)
 
     def release(self, seq: Sequence) -> None:
         """Give back what a finished sequence holds here (its penalty slot)."""
@@ -278,6 +330,11 @@ class ModelRunner:
                 batch.gather_dst.append(len(batch.input_ids) + len(ids) - 1)
                 batch.gather_src.append(seq.pending_row)
                 ids[-1] = 0
+            if self._probe_token is not None and start < seq.num_prompt_tokens:
+                for offset, token in enumerate(ids[: seq.num_prompt_tokens - start]):
+                    if token == self._probe_token:
+                        batch.probe_indices.append(len(batch.input_ids) + offset)
+                        batch.probe_seqs.append(seq)
             batch.input_ids += ids
             batch.positions += range(start, end)
             pages = seq.page_table.pages
@@ -320,6 +377,8 @@ class ModelRunner:
         self.model.attn_backend.prepare(metadata)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=device)
         hidden = self.model(input_ids, positions, metadata, self.kv_cache)
+        if batch.probe_indices:
+            self._step_probes = self.model.probe(hidden[torch.tensor(batch.probe_indices, device=device)])
         if not batch.sampling_seqs:
             return torch.empty(0, dtype=torch.int64, device=device)
         sample_indices = torch.tensor(batch.sample_indices, dtype=torch.int64, device=device)
@@ -331,6 +390,16 @@ class ModelRunner:
         rules (ids: the window's offset added)."""
         if self._process_logits is not None:
             logits = self._process_logits(logits, seqs)
+        # the scores before any penalty or temperature, in a tensor of their own (a sampler may scale in place)
+        logprobs = torch.log_softmax(logits, dim=-1) if self._wants_logprobs else None
+        tokens = self._draw(logits, seqs)
+        if logprobs is not None:
+            self._step_logprobs = logprobs.gather(1, tokens.reshape(-1, 1).to(torch.int64)).reshape(-1)
+        offset = self.logits_offset
+        return tokens + offset if offset else tokens
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One id per row of the logits window (`logits_offset` not added)."""
         offset = self.logits_offset
 
         def column(values, dtype):
@@ -343,8 +412,7 @@ class ModelRunner:
             slots = column([slot for slot, _ in rows], torch.int64)
             factors = column([f for _, f in rows], torch.float32)
             if cols is not None and all(cols.is_greedy):
-                tokens = self.penalty.greedy(logits, slots, factors)  # as the captured greedy step does it
-                return tokens + offset if offset else tokens
+                return self.penalty.greedy(logits, slots, factors)  # as the captured greedy step does it
             logits = self.penalty.apply(logits, slots, factors)
             history = [[] for _ in seqs]
         else:
@@ -370,4 +438,4 @@ class ModelRunner:
                 )
         if slots is not None:
             self.penalty.record(slots, tokens)
-        return tokens + offset if offset else tokens
+        return tokens

@@ -35,6 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,6 +84,8 @@ class TextStream:
     token_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     last_output: float | None = None  # when the previous tokens were sent
+    # extra tensors for the last response, read when it is built (whisper's decoder: its window scores)
+    final_outputs: Callable[[], dict[str, np.ndarray]] | None = None
 
     def record_latency(self, latency: LatencySamples, num_tokens: int) -> None:
         if num_tokens == 0:
@@ -121,6 +124,8 @@ class TextStream:
             wire.PROMPT_TOKENS: np.array([self.num_prompt_tokens], dtype=np.int32),
             wire.COMPLETION_TOKENS: np.array([self.num_completion_tokens], dtype=np.int32),
         }
+        if reason is not None and self.final_outputs is not None:
+            outputs.update(self.final_outputs())
         return outputs, reason
 
 

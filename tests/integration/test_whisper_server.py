@@ -66,6 +66,8 @@ def test_every_response_format_through_the_openai_client(asr, oai):
                          timestamp_granularities=["segment"])
     assert verbose.duration == pytest.approx(6.0) and verbose.language  # a language name, detected
     assert verbose.segments and all(s.start <= s.end for s in verbose.segments)
+    # the decoder node's window scores, through its last response, the walk and the proxy
+    assert all(s.avg_logprob < 0 and 0 < s.no_speech_prob < 1 for s in verbose.segments)
     srt = transcribe(oai, asr, data, temperature=0.0, response_format="srt")
     assert srt.startswith("1\n") and " --> " in srt and srt.split("\n")[1].count(",") == 2
     vtt = transcribe(oai, asr, data, temperature=0.0, response_format="vtt")
@@ -131,6 +133,7 @@ def test_long_upload_is_windowed_over_tritonclient(asr):
     segments = json.loads(last.as_numpy("segments")[0])
     assert last.as_numpy("language")[0] == b"de" and last.as_numpy("duration")[0] == pytest.approx(67.0)
     assert [round(s["start"]) for s in segments] == [0, 27, 52][: len(segments)] and len(segments) >= 2
+    assert len({(s["avg_logprob"], s["no_speech_prob"]) for s in segments}) == len(segments)  # each window's own
     assert text == " ".join(s["text"].strip() for s in segments)
 
 

@@ -143,6 +143,59 @@ def test_long_upload_windows_each_equal_transformers(local, reference):
     assert out["duration"] == pytest.approx(pcm.shape[0] / SR)
 
 
+SCORE_CASES = {  # (audio, our inputs, transformers' generate kwargs)
+    "detect language, untimed (overlapped steps)": CASES["detect language, 5 s"],
+    "forced language, timed (steps collected one by one)": (clip(3, 17), {"language": "fr", "timestamps": True,
+                                                                            "temperature": 0.0},
+                                                            {"language": "fr", "return_timestamps": True}),
+    "an initial prompt before <|startoftranscript|>": (clip(1, 9), {"prompt": "hello world", "language": "en"},
+                                                       {"language": "en"}),
+}
+
+
+def reference_scores(reference, tokens, pcm: np.ndarray, **theirs) -> tuple[list[int], float, float]:
+    """transformers' decoder sequence for the window, its `avg_logprob` (OpenAI Whisper's definition, from
+    `generate`'s processed scores) and `no_speech_prob` (a teacher-forced forward's raw logits at
+    <|startoftranscript|>)."""
+    model, extractor, _ = reference
+    features = extractor(pcm, sampling_rate=SR, return_tensors="pt").input_features
+    with torch.no_grad():
+        generated = model.generate(features, force_unique_generate_call=True, return_dict_in_generate=True,
+                                   output_scores=True, **theirs)
+        sequence = generated.sequences[0].tolist()
+        free = sequence[len(sequence) - len(generated.scores):]  # generate's own steps: the forced prefix is not
+        logprobs = [torch.log_softmax(score[0].float(), -1)[token].item()
+                    for score, token in zip(generated.scores, free, strict=True)]
+        logits = model(input_features=features, decoder_input_ids=torch.tensor([sequence])).logits[0]
+    avg = sum(logprobs) / (sum(t != tokens.eot for t in free) + 1)  # ended by <|endoftext|> or by length
+    no_speech = torch.softmax(logits[sequence.index(tokens.sot)].float(), -1)[tokens.no_speech].item()
+    return sequence, avg, no_speech
+
+
+def assert_window_scores(segments: list[dict], avg: float, no_speech: float) -> None:
+    assert segments, "no text to attach the scores to"
+    for segment in segments:  # every segment of the window carries the window's scores
+        assert segment["avg_logprob"] == pytest.approx(avg, rel=1e-5)
+        assert segment["no_speech_prob"] == pytest.approx(no_speech, rel=1e-5)
+    assert avg < 0 and 0 < no_speech < 1
+
+
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_window_scores_equal_transformers(local, reference, name):
+    """Each segment's `avg_logprob` and `no_speech_prob` (OpenAI Whisper's definitions) against transformers on the
+    same window: the mean log-probability of `generate`'s free tokens under its own processed scores (the token
+    rules; <|endoftext|> counted, divided by the other tokens + 1), and P(<|nospeech|>) from the model's raw logits
+    at <|startoftranscript|> on the decoded sequence."""
+    pcm, ours, theirs = SCORE_CASES[name]
+    if "prompt" in ours:
+        theirs = {**theirs, "prompt_ids": torch.tensor(reference[2].get_prompt_ids(ours["prompt"]))}
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(pcm), **ours))
+    sequence, avg, no_speech = reference_scores(reference, local.walk.tokens, pcm, **theirs)
+    assert our_sequences(local) == [sequence]
+    assert_window_scores(json.loads(out["segments"]), avg, no_speech)
+
+
 def test_a_max_tokens_past_the_windows_room_is_that_room(local):
     """A client cannot know how many decoder positions a window's prompt leaves: a larger `max_tokens` caps at
     them (it used to reach the decoder and come back as `max_tokens: must be in [0, 124]`)."""
@@ -216,8 +269,10 @@ def test_captured_decode_steps_equal_transformers(checkpoint, reference):
     with harness:
         for pcm, ours, theirs in (CASES["detect language, 5 s"], CASES["timestamps, detect"]):
             harness.decoder_calls.clear()
-            asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
-            assert our_sequences(harness) == [hf_sequence(reference, pcm, **theirs)]
+            out = asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
+            sequence, avg, no_speech = reference_scores(reference, harness.walk.tokens, pcm, **theirs)
+            assert our_sequences(harness) == [sequence]
+            assert_window_scores(json.loads(out["segments"]), avg, no_speech)  # scored after each replay
         assert harness.decoder.engine.runner.graphs.num_replays > 100
 
 
@@ -230,7 +285,7 @@ def test_gpu_decoder_fused_ops_keep_the_tokens(checkpoint):
         pytest.skip("needs a CUDA GPU")
     from mstar_common.layers.norm import ResidualLayerNorm
 
-    sequences = []
+    sequences, scores = [], []
     for fused in (True, False):
         raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
         for name in ("encoder", "decoder"):
@@ -241,12 +296,17 @@ def test_gpu_decoder_fused_ops_keep_the_tokens(checkpoint):
         assert (model.model.decoder.layers[0].self_attn.qkv_proj is not None) == fused
         assert all(m.use_kernel == fused for m in model.modules() if isinstance(m, ResidualLayerNorm))
         with harness:
+            segments = []
             for pcm, ours, _ in (CASES["detect language, 5 s"], CASES["translate"], CASES["timestamps, detect"]):
-                asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
+                segments += json.loads(asyncio.run(harness.transcribe(audio=wav(pcm), **ours))["segments"])
             sequences.append(our_sequences(harness))
+            scores.append([(s["avg_logprob"], s["no_speech_prob"]) for s in segments])
             assert harness.decoder.engine.runner.graphs.num_replays > 50
     assert sequences[0] == sequences[1]
     assert sum(len(s) for s in sequences[0]) > 100
+    # the window scores, read back beside the tokens from the device, agree between the two op orders
+    assert scores[0] and all(avg < 0 and 0 < no_speech < 1 for avg, no_speech in scores[0])
+    assert np.asarray(scores[0]) == pytest.approx(np.asarray(scores[1]), rel=1e-3)
 
 
 class _Seq:

@@ -124,6 +124,14 @@ class DecoderRuntime:
         )
         return DecoderRequest(prompt, params, state)
 
+    def final_outputs(self, state: WhisperDecodeState) -> dict[str, np.ndarray]:
+        """The last response's window scores (read after the engine's last call for the request)."""
+        return {g.AVG_LOGPROB: _score(state.avg_logprob), g.NO_SPEECH_PROB: _score(state.no_speech_prob)}
+
+
+def _score(value: float | None) -> np.ndarray:
+    return np.array([np.nan if value is None else value], np.float32)
+
 
 def _encoder_output(inputs: dict[str, np.ndarray], shape: tuple[int, int]) -> torch.Tensor:
     value = inputs.get(g.ENCODER_OUTPUT)

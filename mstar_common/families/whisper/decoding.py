@@ -56,6 +56,11 @@ class WhisperTokens:
         return self.no_timestamps + 1
 
     @property
+    def no_speech(self) -> int:
+        """<|nospeech|> (<|nocaptions|> before large-v3): the token just below <|notimestamps|>, in every checkpoint."""
+        return self.no_timestamps - 1
+
+    @property
     def is_multilingual(self) -> bool:
         return bool(self.lang_to_id)
 
@@ -156,6 +161,25 @@ class WhisperDecodeState:
     timestamp_last: int | None = None  # scan state of the timestamp rule (see TokenRules._timestamp_floor)
     num_scanned: int = 0
     last_timestamps: list[bool] = field(default_factory=list)
+    # OpenAI Whisper's window scores, filled by the engine as it collects steps (WhisperDecoderLM's note_* hooks)
+    sum_logprob: float = 0.0  # log-probabilities of the free tokens, <|endoftext|> included, under the token rules
+    num_free_text: int = 0  # free tokens other than <|endoftext|> that were scored
+    is_scored: bool = False  # any free token scored
+    no_speech_prob: float | None = None  # softmax of the raw logits at <|startoftranscript|>, at <|nospeech|>
+
+    def note_sampled(self, index: int, token: int, logprob: float, eot: int) -> None:
+        """A sampled token at position `index` of the sequence; forced positions do not count."""
+        if index - self.num_prompt_tokens < len(self.forced):
+            return
+        self.sum_logprob += logprob
+        self.num_free_text += token != eot
+        self.is_scored = True
+
+    @property
+    def avg_logprob(self) -> float | None:
+        """OpenAI Whisper's `avg_logprob`: the free tokens' summed log-probability over their count plus one (the
+        <|endoftext|> a finished window ends with; a window cut at its length is divided the same way)."""
+        return self.sum_logprob / (self.num_free_text + 1) if self.is_scored else None
 
     def take_encoder_output(self) -> torch.Tensor:
         if self.encoder_output is None:

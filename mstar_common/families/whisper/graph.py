@@ -45,6 +45,9 @@ COMPLETION_TOKENS = "completion_tokens"  # INT32 [1]: text tokens so far
 ENCODER_OUTPUT = "encoder_output"  # FP32 [1500, d_model]
 INPUT_IDS = "input_ids"  # INT32 [-1]: decoder prompt
 FORCED_IDS = "forced_ids"  # INT32 [-1]: tokens forced after the prompt; -1 = the model's language choice
+# decoder outputs beside the text LM's (last response): OpenAI Whisper's window scores, NaN where not computed
+AVG_LOGPROB = "avg_logprob"  # FP32 [1]: the free tokens' mean log-probability (their sum over their count + 1)
+NO_SPEECH_PROB = "no_speech_prob"  # FP32 [1]: P(<|nospeech|>) at <|startoftranscript|>
 
 WALK = Component(
     "walk", "walk_router",
@@ -66,7 +69,7 @@ DECODER = Component(
     inputs=(TensorSpec(ENCODER_OUTPUT, "FP32", (-1, -1)), TensorSpec(INPUT_IDS, "INT32", (-1,)),
             TensorSpec(FORCED_IDS, "INT32", (-1,)), TensorSpec(TIMESTAMPS, "BOOL"),
             TensorSpec(MAX_TOKENS, "INT32"), TensorSpec(TEMPERATURE, "FP32"), TensorSpec(SEED, "INT64")),
-    outputs=TEXT_LM_OUTPUTS,
+    outputs=(*TEXT_LM_OUTPUTS, TensorSpec(AVG_LOGPROB, "FP32"), TensorSpec(NO_SPEECH_PROB, "FP32")),
     holds_kv=True,
 )
 

@@ -395,6 +395,28 @@ class WhisperDecoderLM(nn.Module):
     def process_logits(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         return logits if self.rules is None else self.rules.process(logits, seqs)
 
+    # ---- per-token scores (engine/model_runner.py): each window's avg_logprob and no_speech_prob -------------
+
+    token_logprobs = True  # the engine scores every sampled token under the token rules
+
+    @property
+    def probe_token_id(self) -> int | None:
+        return None if self.rules is None else self.rules.tokens.sot
+
+    def probe(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[k, d_model]` final hidden states at <|startoftranscript|> -> `[k]` the probability of <|nospeech|>
+        there, from the raw logits (OpenAI Whisper's `no_speech_prob`, before any token rule)."""
+        logits = self.compute_logits(hidden).float()
+        return torch.softmax(logits, dim=-1)[:, self.rules.tokens.no_speech]
+
+    def note_probe(self, seq, value: float) -> None:
+        if seq.request_state is not None:
+            seq.request_state.no_speech_prob = value
+
+    def note_sampled(self, seq, index: int, token: int, logprob: float) -> None:
+        if seq.request_state is not None:
+            seq.request_state.note_sampled(index, token, logprob, self.rules.tokens.eot)
+
     def logits_need_history(self, seq) -> bool:
         """Only the timestamp rules read the previous tokens' values (the others count them)."""
         return seq.request_state is not None and seq.request_state.timestamps
