@@ -8,10 +8,11 @@
 
 Language: without one, window 0's decoder detects it (its first token) and the other windows start forced to
 it. Joining: each window's text is stripped of leading blanks and windows are joined with one space, so the
-streamed deltas add up exactly to the final text. Temperature fallback (OpenAI Whisper's: re-decode a window
-at 0.2, 0.4, … 1.0 while its compression ratio exceeds 2.4) runs only for timestamped requests that set no
-temperature; untimed requests decode once (the spec disables the retry for untimed decoding), and so can stream
-each window's text as it is decoded.
+streamed deltas add up exactly to the final text. Temperature fallback (OpenAI Whisper's `transcribe` rules:
+re-decode a window at 0.2, 0.4, … 1.0 while its compression ratio exceeds 2.4 or its avg_logprob is below -1,
+unless it looks like silence: no_speech_prob above 0.6 with that low avg_logprob; a window that still looks like
+silence at the end is dropped) runs only for timestamped requests that set no temperature; untimed requests decode
+once (the spec disables the retry for untimed decoding), and so can stream each window's text as it is decoded.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ from mstar_common.walk_api import Call
 
 CallStream = Callable[[str, dict[str, Any]], AsyncIterator[dict[str, Any]]]
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
-COMPRESSION_RATIO_THRESHOLD = 2.4
+COMPRESSION_RATIO_THRESHOLD = 2.4  # OpenAI Whisper's transcribe() defaults
+LOGPROB_THRESHOLD = -1.0
+NO_SPEECH_THRESHOLD = 0.6
 _DONE = object()
 
 
@@ -191,8 +194,10 @@ class _Transcription:
                     async with self.walk.windows:
                         free, finish, scores = await self._decode(index, result, source, prompt, temperature)
                     text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True)
-                    if temperature == temperatures[-1] or compression_ratio(text) <= COMPRESSION_RATIO_THRESHOLD:
+                    if temperature == temperatures[-1] or not needs_fallback(text, scores):
                         break
+                if len(temperatures) > 1 and is_silence(scores):
+                    free = []  # OpenAI Whisper skips such a window: its text would be a hallucination
                 result.free_ids, result.finish_reason, result.temperature = free, finish, temperature
                 result.scores = scores
                 if not self.is_live:
@@ -301,6 +306,21 @@ class _Transcription:
 
 def _bytes(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def needs_fallback(text: str, scores: _Scores) -> bool:
+    """OpenAI Whisper's retry rule for a window decoded at one temperature: too repetitive (compression ratio over
+    2.4) or too unsure (avg_logprob under -1), but never a window that looks like silence."""
+    if is_silence(scores):
+        return False
+    is_unsure = scores.avg_logprob is not None and scores.avg_logprob < LOGPROB_THRESHOLD
+    return is_unsure or compression_ratio(text) > COMPRESSION_RATIO_THRESHOLD
+
+
+def is_silence(scores: _Scores) -> bool:
+    """OpenAI Whisper's no-speech rule: P(<|nospeech|>) over 0.6 and an avg_logprob under -1."""
+    return (scores.no_speech_prob is not None and scores.no_speech_prob > NO_SPEECH_THRESHOLD
+            and scores.avg_logprob is not None and scores.avg_logprob < LOGPROB_THRESHOLD)
 
 
 def _float(value: Any) -> float | None:

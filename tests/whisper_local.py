@@ -102,6 +102,7 @@ class LocalWhisper:
                 record["finish"] = finish.value
                 out["finish_reason"] = np.array([finish.value.encode()], dtype=object)
                 out.update(self.decoder.final_outputs(request.request_state))  # as the node's last response
+                record["scores"] = {name: float(out[name][0]) for name in ("avg_logprob", "no_speech_prob")}
             yield out
             if finish is not None:
                 return

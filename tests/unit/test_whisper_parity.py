@@ -196,6 +196,50 @@ def test_window_scores_equal_transformers(local, reference, name):
     assert_window_scores(json.loads(out["segments"]), avg, no_speech)
 
 
+def test_the_fallback_retries_an_unsure_window_at_higher_temperatures(local):
+    """A timestamped request without a temperature: the tiny random model is unsure of every token (avg_logprob
+    far under -1) without repeating itself, so only OpenAI Whisper's log-probability rule sends the window back,
+    through every temperature; the last decode's tokens and scores are the ones kept."""
+    from ensembles.whisper import FALLBACK_TEMPERATURES
+    from mstar_common.families.whisper.decoding import compression_ratio
+
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(clip(3, 17)), timestamps=True, seed=11))
+    calls = local.decoder_calls
+    assert [float(c["inputs"]["temperature"][0]) for c in calls] == pytest.approx(list(FALLBACK_TEMPERATURES))
+    first = local.walk.tokenizer.decode(local.walk.tokens.text_ids(calls[0]["tokens"]), skip_special_tokens=True)
+    assert compression_ratio(first) <= 2.4 and calls[0]["scores"]["avg_logprob"] < -1  # the old rule kept it
+    segments = json.loads(out["segments"])
+    assert segments and {s["temperature"] for s in segments} == {1.0}
+    assert [s["avg_logprob"] for s in segments] == pytest.approx([calls[-1]["scores"]["avg_logprob"]] * len(segments),
+                                                                rel=1e-5)
+
+
+def test_the_fallback_rules_and_the_no_speech_skip(local, monkeypatch):
+    from ensembles import whisper as walk
+
+    unsure, sure = walk._Scores(-1.5, 0.1), walk._Scores(-0.5, 0.9)
+    assert walk.needs_fallback("a short text", unsure) and not walk.needs_fallback("a short text", sure)
+    assert walk.needs_fallback("ab" * 200, sure)  # repetitive: compresses over 2.4
+    assert not walk.needs_fallback("ab" * 200, walk._Scores(-1.5, 0.9))  # silence is not retried
+    assert walk.is_silence(walk._Scores(-1.5, 0.9)) and not walk.is_silence(sure) and not walk.is_silence(unsure)
+    assert not walk.needs_fallback("a short text", walk._Scores(None, None))  # nothing decoded: nothing to judge
+
+    decode = walk._Transcription._decode
+    texts = {}
+    for name, scores in {"silence": walk._Scores(-1.5, 0.9), "speech": walk._Scores(-0.5, 0.9)}.items():
+        async def scored(self, *args, scores=scores):
+            free, finish, _ = await decode(self, *args)
+            return free, finish, scores
+
+        monkeypatch.setattr(walk._Transcription, "_decode", scored)
+        local.decoder_calls.clear()
+        out = asyncio.run(local.transcribe(audio=wav(clip(2, 6)), timestamps=True))
+        texts[name] = (out["text_output"], json.loads(out["segments"]), len(local.decoder_calls))
+    assert texts["silence"] == ("", [], 1)  # dropped after one decode: not retried, no text, no segment
+    assert texts["speech"][0] and texts["speech"][1] and texts["speech"][2] == 1  # sure: kept at once
+
+
 def test_a_max_tokens_past_the_windows_room_is_that_room(local):
     """A client cannot know how many decoder positions a window's prompt leaves: a larger `max_tokens` caps at
     them (it used to reach the decoder and come back as `max_tokens: must be in [0, 124]`)."""
