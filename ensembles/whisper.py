@@ -49,9 +49,37 @@ from mstar_common.walk_api import Call
 
 CallStream = Callable[[str, dict[str, Any]], AsyncIterator[dict[str, Any]]]
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
-COMPRESSION_RATIO_THRESHOLD = 2.4  # OpenAI Whisper's transcribe() defaults
-LOGPROB_THRESHOLD = -1.0
-NO_SPEECH_THRESHOLD = 0.6
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackRules:
+    """The temperature fallback's thresholds (OpenAI Whisper's `transcribe` defaults; `model_kwargs` of the same
+    names); None turns a rule off, as in OpenAI Whisper and transformers."""
+
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+
+    def needs_fallback(self, text: str, scores: _Scores) -> bool:
+        """Whether a window decoded at one temperature is decoded again at the next: too repetitive (its compression
+        ratio over the threshold) or too unsure (its avg_logprob under it), but not when it looks like silence
+        (no_speech_prob over its threshold with that low avg_logprob)."""
+        avg, no_speech = scores.avg_logprob, scores.no_speech_prob
+        is_unsure = self.logprob_threshold is not None and avg is not None and avg < self.logprob_threshold
+        if is_unsure and self.no_speech_threshold is not None and no_speech is not None \
+                and no_speech > self.no_speech_threshold:
+            return False
+        is_repetitive = (self.compression_ratio_threshold is not None
+                         and compression_ratio(text) > self.compression_ratio_threshold)
+        return is_unsure or is_repetitive
+
+    def should_skip(self, scores: _Scores) -> bool:
+        """Whether the kept decode of a window is dropped as silence: no_speech_prob over its threshold, unless the
+        avg_logprob is over its own (the model was sure of what it heard)."""
+        avg, no_speech = scores.avg_logprob, scores.no_speech_prob
+        if self.no_speech_threshold is None or no_speech is None or no_speech <= self.no_speech_threshold:
+            return False
+        return not (self.logprob_threshold is not None and avg is not None and avg > self.logprob_threshold)
 _DONE = object()
 
 
@@ -63,6 +91,7 @@ class WalkOptions:
     # windows of all uploads in flight at once in this walk instance: its share of what the decoder runs, so that
     # an admitted upload's windows wait here rather than being refused by the decoder's own admission (a 429)
     max_windows_in_flight: int = 16
+    fallback: FallbackRules = FallbackRules()  # timestamped requests without a temperature
 
 
 class WhisperWalk:
@@ -190,13 +219,14 @@ class _Transcription:
                 prompt = build_prompt(self.tokens, language=language, task=self.req.task,
                                       timestamps=self.req.timestamps, prompt_ids=self.req.prompt_ids)
                 temperatures = self._temperatures()
+                rules = self.walk.options.fallback
                 for temperature in temperatures:
                     async with self.walk.windows:
                         free, finish, scores = await self._decode(index, result, source, prompt, temperature)
                     text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True)
-                    if temperature == temperatures[-1] or not needs_fallback(text, scores):
+                    if temperature == temperatures[-1] or not rules.needs_fallback(text, scores):
                         break
-                if len(temperatures) > 1 and is_silence(scores):
+                if len(temperatures) > 1 and rules.should_skip(scores):
                     free = []  # OpenAI Whisper skips such a window: its text would be a hallucination
                 result.free_ids, result.finish_reason, result.temperature = free, finish, temperature
                 result.scores = scores
@@ -306,21 +336,6 @@ class _Transcription:
 
 def _bytes(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
-
-
-def needs_fallback(text: str, scores: _Scores) -> bool:
-    """OpenAI Whisper's retry rule for a window decoded at one temperature: too repetitive (compression ratio over
-    2.4) or too unsure (avg_logprob under -1), but never a window that looks like silence."""
-    if is_silence(scores):
-        return False
-    is_unsure = scores.avg_logprob is not None and scores.avg_logprob < LOGPROB_THRESHOLD
-    return is_unsure or compression_ratio(text) > COMPRESSION_RATIO_THRESHOLD
-
-
-def is_silence(scores: _Scores) -> bool:
-    """OpenAI Whisper's no-speech rule: P(<|nospeech|>) over 0.6 and an avg_logprob under -1."""
-    return (scores.no_speech_prob is not None and scores.no_speech_prob > NO_SPEECH_THRESHOLD
-            and scores.avg_logprob is not None and scores.avg_logprob < LOGPROB_THRESHOLD)
 
 
 def _float(value: Any) -> float | None:

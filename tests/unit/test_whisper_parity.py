@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -218,19 +219,26 @@ def test_the_fallback_retries_an_unsure_window_at_higher_temperatures(local):
 def test_the_fallback_rules_and_the_no_speech_skip(local, monkeypatch):
     from ensembles import whisper as walk
 
-    unsure, sure = walk._Scores(-1.5, 0.1), walk._Scores(-0.5, 0.9)
-    assert walk.needs_fallback("a short text", unsure) and not walk.needs_fallback("a short text", sure)
-    assert walk.needs_fallback("ab" * 200, sure)  # repetitive: compresses over 2.4
-    assert not walk.needs_fallback("ab" * 200, walk._Scores(-1.5, 0.9))  # silence is not retried
-    assert walk.is_silence(walk._Scores(-1.5, 0.9)) and not walk.is_silence(sure) and not walk.is_silence(unsure)
-    assert not walk.needs_fallback("a short text", walk._Scores(None, None))  # nothing decoded: nothing to judge
+    rules, scores = walk.FallbackRules(), walk._Scores
+    unsure, sure, silent = scores(-1.5, 0.1), scores(-0.5, 0.9), scores(-1.5, 0.9)
+    assert rules.needs_fallback("a short text", unsure) and not rules.needs_fallback("a short text", sure)
+    assert rules.needs_fallback("ab" * 200, sure)  # repetitive: compresses over 2.4
+    assert not rules.needs_fallback("ab" * 200, silent)  # silence is not retried
+    assert not rules.needs_fallback("a short text", scores(None, None))  # nothing decoded: nothing to judge
+    assert rules.should_skip(silent) and not rules.should_skip(sure) and not rules.should_skip(unsure)
+    # a rule set to None is off (OpenAI Whisper's and transformers' convention)
+    assert not walk.FallbackRules(logprob_threshold=None).needs_fallback("a short text", unsure)
+    assert not walk.FallbackRules(compression_ratio_threshold=None).needs_fallback("ab" * 200, sure)
+    assert walk.FallbackRules(logprob_threshold=None).should_skip(sure)  # no log-probability to overrule it
+    assert not walk.FallbackRules(no_speech_threshold=None).should_skip(silent)
+    assert walk.FallbackRules(no_speech_threshold=None).needs_fallback("a short text", silent)
 
     decode = walk._Transcription._decode
     texts = {}
-    for name, scores in {"silence": walk._Scores(-1.5, 0.9), "speech": walk._Scores(-0.5, 0.9)}.items():
-        async def scored(self, *args, scores=scores):
+    for name, given in {"silence": silent, "speech": sure}.items():
+        async def scored(self, *args, given=given):
             free, finish, _ = await decode(self, *args)
-            return free, finish, scores
+            return free, finish, given
 
         monkeypatch.setattr(walk._Transcription, "_decode", scored)
         local.decoder_calls.clear()
@@ -238,6 +246,23 @@ def test_the_fallback_rules_and_the_no_speech_skip(local, monkeypatch):
         texts[name] = (out["text_output"], json.loads(out["segments"]), len(local.decoder_calls))
     assert texts["silence"] == ("", [], 1)  # dropped after one decode: not retried, no text, no segment
     assert texts["speech"][0] and texts["speech"][1] and texts["speech"][2] == 1  # sure: kept at once
+
+
+def test_the_fallback_thresholds_from_the_deployment(checkpoint):
+    """`model_kwargs` sets the thresholds; all three null: a timestamped request decodes once."""
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.whisper.family import options_from_kwargs
+
+    off = {"compression_ratio_threshold": None, "logprob_threshold": None, "no_speech_threshold": None}
+    with LocalWhisper(checkpoint, tiny_deployment(model_kwargs=off)) as harness:
+        assert harness.walk.options.fallback == harness.walk.options.fallback.__class__(None, None, None)
+        asyncio.run(harness.transcribe(audio=wav(clip(3, 17)), timestamps=True, seed=11))
+        assert len(harness.decoder_calls) == 1
+    for key, value, rule in (("logprob_threshold", 0.5, "<= 0.0"), ("no_speech_threshold", 1.5, "in [0.0, 1.0]"),
+                             ("compression_ratio_threshold", "2.4", ">= 0.0"), ("logprob_threshold", True, "<= 0.0")):
+        with pytest.raises(DeploymentError, match=rf"model_kwargs.{key}: must be null \(the rule off\) or a "
+                                                  rf"number {re.escape(rule)}"):
+            options_from_kwargs({key: value}, "test")
 
 
 def test_a_max_tokens_past_the_windows_room_is_that_room(local):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,6 +28,10 @@ class WhisperOptions:
     max_audio_bytes: int = 25 * 1024 * 1024  # encoded upload size (a larger upload is a 400)
     encoder_max_batch: int = 16  # windows per encoder forward (and the largest CUDA-graph bucket)
     max_parallel_windows: int = 16  # windows of one upload in flight at once
+    # the temperature fallback of timestamped requests without a temperature (OpenAI Whisper's defaults; null: off)
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
 
     def dtype_for(self, device: str) -> str:
         return self.dtype or ("float32" if device == "cpu" else "bfloat16")
@@ -43,6 +48,17 @@ def options_from_kwargs(kwargs: dict[str, Any], source: str) -> WhisperOptions:
         value = getattr(options, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DeploymentError(f"{source}: model_kwargs.{name}: must be an integer >= 1, got {value!r}")
+    for name, low, high in (("compression_ratio_threshold", 0.0, None), ("logprob_threshold", None, 0.0),
+                            ("no_speech_threshold", 0.0, 1.0)):
+        value = getattr(options, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"in [{low}, {high}]" if low is not None and high is not None else (
+                f">= {low}" if low is not None else f"<= {high}")
+            raise DeploymentError(f"{source}: model_kwargs.{name}: must be null (the rule off) or a number {bounds}, "
+                                  f"got {value!r}")
     return options
 
 
@@ -130,7 +146,7 @@ def read_tokens(checkpoint: Path):
 def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
     from transformers import AutoTokenizer
 
-    from ensembles.whisper import WalkOptions, WhisperWalk
+    from ensembles.whisper import FallbackRules, WalkOptions, WhisperWalk
     from mstar_common.families.whisper.audio import AudioLimits
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
@@ -138,7 +154,9 @@ def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: st
     decoders, walks = (dep.components[name].placement.total_instances for name in ("decoder", "walk"))
     in_flight = max(1, dep.max_concurrent_requests * decoders // walks)
     return WhisperWalk(tokenizer, read_tokens(checkpoint),
-                       WalkOptions(limits, options.max_parallel_windows, max_windows_in_flight=in_flight))
+                       WalkOptions(limits, options.max_parallel_windows, max_windows_in_flight=in_flight,
+                                   fallback=FallbackRules(options.compression_ratio_threshold,
+                                                          options.logprob_threshold, options.no_speech_threshold)))
 
 
 def _encoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
