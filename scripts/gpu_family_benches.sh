@@ -39,9 +39,18 @@ T0=$(date +%s)
 stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
 ARGS=("$@")
 has() { [ ${#ARGS[@]} -eq 0 ] || [[ " ${ARGS[*]} " == *" $1 "* ]]; }
+# soundfile (whisper's tests and its baseline write WAV uploads with it) is missing from the image's Python: take the
+# server's wheels from .device/ (without it tests/unit/test_whisper_parity.py fails to collect and stops the run)
+ensure_soundfile() {
+  if ! $IMAGE_PY -c "import soundfile" 2>/dev/null && ls .device/soundfile-*.whl >/dev/null 2>&1; then
+    $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/soundfile-*.whl \
+      .device/cffi-*.whl .device/pycparser-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
+  fi
+}
 
 if has gpu-tests; then
   stage "GPU tests: kernels (incl. fp8 KV, SNAC) and the GPU-marked unit tests, under the image's Python"
+  ensure_soundfile
   timeout ${GPU_TESTS_TIMEOUT:-360} $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu tests/unit/test_orpheus_snac.py tests/unit/test_flux2_parity.py \
     tests/unit/test_whisper_parity.py tests/unit/test_diffusion_engines.py tests/unit/test_png.py \
     tests/unit/test_fp8_linear.py tests/unit/test_capture_policy.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1 || echo "STAGE FAILED: gpu tests"
@@ -206,12 +215,9 @@ print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper'
   MSTAR_BENCH_LOG_DIR=$OUT timeout 240 $PY scripts/bench_whisper.py --baseline-concurrency "" \
     --out "$OUT/whisper_served.json" || echo "STAGE FAILED: whisper served"
   stage "whisper: transformers pipeline baseline"
-  # It writes its WAV uploads with soundfile, which the image's Python lacks: take the server's wheels from .device/
-  # (batch 64 of large-v3 needs more than an H100's 80 GB: WHISPER_BASELINE_C=1,16 there).
-  if ! $IMAGE_PY -c "import soundfile" 2>/dev/null && ls .device/soundfile-*.whl >/dev/null 2>&1; then
-    $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/soundfile-*.whl \
-      .device/cffi-*.whl .device/pycparser-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
-  fi
+  # It writes its WAV uploads with soundfile (batch 64 of large-v3 needs more than an H100's 80 GB:
+  # WHISPER_BASELINE_C=1,16 there).
+  ensure_soundfile
   timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 --baseline-concurrency ${WHISPER_BASELINE_C:-1,16,64} \
     --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
 fi
