@@ -1,4 +1,5 @@
-"""POST /v1/completions: raw-prompt completion (no chat template) over a text family's entry model."""
+"""POST /v1/completions: raw-prompt completion (no chat template) over a text family's entry model; the prompt is a
+string or token ids."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from mstar_common import wire
+from mstar_common.engine.types import INT32_MAX
 from mstar_common.proxy import protocol
 from mstar_common.proxy.errors import invalid_request
 from mstar_common.proxy.serving_common import Completion, ServingContext
@@ -16,19 +18,27 @@ from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 router = APIRouter()
 
 
-def _prompt_text(prompt: object) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+def _prompt(prompt: object) -> dict[str, str | list[int]]:
+    """One prompt: a string, or token ids (as vLLM takes them), either alone or as a list's only item.
+    Returns the `GenerationRequest` field it fills."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise invalid_request("'prompt' must be a string (or a list holding one string); batched and token-id "
-                              "prompts are not served", param="prompt")
-    return prompt
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        if not all(0 <= i <= INT32_MAX for i in prompt):  # the entry model holds the vocabulary's own bound
+            raise invalid_request(f"prompt: token ids must be in [0, {INT32_MAX}]", param="prompt")
+        return {"input_ids": list(prompt)}
+    if isinstance(prompt, list) and not prompt:
+        raise invalid_request("prompt: must not be empty", param="prompt")
+    raise invalid_request("'prompt' must be one prompt: a string or a list of token ids (or a list holding one of "
+                          "them); batched prompts are not served", param="prompt")
 
 
 def completion_generation(body: protocol.CompletionRequest) -> GenerationRequest:
     protocol.refuse_unsupported_completion(body)
-    gen = body.to_generation(text=_prompt_text(body.prompt))
-    gen.field_names = {wire.TEXT_INPUT: "prompt"}
+    gen = body.to_generation(**_prompt(body.prompt))
+    gen.field_names = {wire.TEXT_INPUT: "prompt", wire.INPUT_IDS: "prompt"}
     return gen
 
 

@@ -68,6 +68,24 @@ def test_completions_max_tokens_and_length(served, oai):
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 7
 
 
+def test_completions_take_a_prompt_as_token_ids(served, oai):
+    """A token-id prompt (as vLLM takes it: the ids, or a list holding them) decodes as its text does; a batch, an
+    empty list, an id past int32 or past the vocabulary is a 400 naming `prompt`."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(served.checkpoint)("Once upon a time").input_ids
+    kwargs = dict(model=served.dep.name, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    text = oai.completions.create(prompt="Once upon a time", **kwargs)
+    for prompt in (ids, [ids]):
+        out = oai.completions.create(prompt=prompt, **kwargs)
+        assert out.choices[0].text == text.choices[0].text and out.usage.prompt_tokens == len(ids)
+    for prompt, rule in (([ids, ids], "batched prompts are not served"), ([], "must not be empty"),
+                         ([1, 2**31], "token ids must be in [0, 2147483647]"), ([1, 10**6], "ids must be in [0, ")):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(prompt=prompt, **kwargs)
+        assert info.value.body["param"] == "prompt" and rule in info.value.body["message"], info.value.body
+
+
 def test_bad_fields_are_400s_naming_the_field(served, oai):
     base = dict(model=served.dep.name, messages=[{"role": "user", "content": "hi"}])
     cases = [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n"),

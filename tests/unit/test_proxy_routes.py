@@ -53,8 +53,19 @@ def test_completions_non_stream_and_stream():
     assert all("usage" in e and e["usage"] is None for e in events[:-2])  # OpenAI: null on the other chunks
 
 
+def test_completions_send_a_token_id_prompt_as_input_ids():
+    client, fake = client_for()
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        r = client.post("/v1/completions", json={"model": "qwen3", "prompt": prompt, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello, world"
+        sent = fake.requests[-1].tensors
+        assert sent[wire.INPUT_IDS][2].tolist() == [5, 6, 7] and wire.TEXT_INPUT not in sent
+
+
 @pytest.mark.parametrize("body, field", [
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2, 3]}, "prompt"), ({"echo": True}, "echo"),
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [[1, 2], [3]]}, "prompt"), ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"), ({"prompt": [[]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+    ({"echo": True}, "echo"),
     ({"best_of": 2}, "best_of"), ({"logprobs": 1}, "logprobs"), ({"suffix": "x"}, "suffix"), ({"n": 3}, "n"),
     ({"logit_bias": {"5": 1}}, "logit_bias"), ({"frequency_penalty": 0.2}, "frequency_penalty"),
 ])
