@@ -113,6 +113,7 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
     root = tmp_path_factory.mktemp("zimage-limits")
     raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
     raw["max_concurrent_requests"], raw["admission"] = 1, {"max_queue": 1}
+    raw["model_kwargs"]["max_image_area"] = 496 * 496  # for the deadline's request below
     heavy = {"prompt": "a cat", "size": "256x256", "n": 4, "num_inference_steps": 40}
     with serve_deployment(deployment_from_dict(raw, source="zimage-limits"), root, "zimage-limits") as served:
         url = served.proxy_url + "/v1/images/generations"
@@ -129,8 +130,10 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         work_s = min(r.elapsed.total_seconds() for r in replies if r.status_code == 200)
         assert "cap of 1 running and 1 queued" in next(r for r in replies if r.status_code == 429).text
 
+        # The deadline's request does ~3.75x the work of those (496x496, the tiny checkpoint's RoPE range): at
+        # 256x256 a fast CI box once answered it inside the 0.3 s (the work outran the deadline; 2026-12-06).
         inputs = []
-        for name, value in (("prompt", "a cat"), ("width", 256), ("height", 256), ("num_images", 4),
+        for name, value in (("prompt", "a cat"), ("width", 496), ("height", 496), ("num_images", 4),
                             ("num_inference_steps", 40)):
             dtype, np_dtype = wire.IMAGE_INPUTS[name]
             array = np.array([value.encode() if dtype == "BYTES" else value], dtype=np_dtype)
