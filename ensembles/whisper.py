@@ -80,6 +80,8 @@ class FallbackRules:
         if self.no_speech_threshold is None or no_speech is None or no_speech <= self.no_speech_threshold:
             return False
         return not (self.logprob_threshold is not None and avg is not None and avg > self.logprob_threshold)
+
+
 _DONE = object()
 
 
@@ -227,7 +229,7 @@ class _Transcription:
                     if temperature == temperatures[-1] or not rules.needs_fallback(text, scores):
                         break
                 if len(temperatures) > 1 and rules.should_skip(scores):
-                    free = []  # OpenAI Whisper skips such a window: its text would be a hallucination
+                    free = []  # dropped as silence, as OpenAI Whisper drops it (no text, no segment)
                 result.free_ids, result.finish_reason, result.temperature = free, finish, temperature
                 result.scores = scores
                 if not self.is_live:
