@@ -83,7 +83,6 @@ class AREngine:
         # a model's per-token scores (model_runner's docstring): handed over as each step is collected
         self._note_sampled = getattr(model, "note_sampled", None)
         self._note_probe = getattr(model, "note_probe", None)
-        self._scores: PendingStep | None = None  # the non-overlapped step's, from `_run` to `_postprocess`
         offset, width = logits_window(model, vocab_size)
         if device_penalty is None:
             device_penalty = self.device.type == "cuda"
@@ -320,14 +319,12 @@ class AREngine:
         return seq is not None and seq.status is SequenceStatus.WAITING
 
     def _run(self, plan: StepPlan) -> list[int] | None:
-        self.runner.last_step = None
+        self.runner.last_step = None  # set by `run`: its per-token scores, read in `_postprocess`
         try:
-            tokens = self.runner.run(plan)
+            return self.runner.run(plan)
         except Exception:
             self._fail_step(plan)
             return None
-        self._scores = self.runner.last_step
-        return tokens
 
     def _note_scores(self, pending: PendingStep) -> list[float] | None:
         """Hand a collected step's probes to the model (before any of its rows is delivered or finished), and
@@ -354,7 +351,7 @@ class AREngine:
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         self._commit([(chunk.seq, chunk.seq.num_computed_tokens) for chunk in plan.chunks])
-        pending, self._scores = self._scores, None
+        pending = self.runner.last_step
         logprobs = None if pending is None else self._note_scores(pending)
         for row, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
             if logprobs is not None:

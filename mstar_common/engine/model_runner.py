@@ -289,7 +289,7 @@ class ModelRunner:
         if tokens is None:
             tokens = self._run_eager(batch)
         self._last_tokens = tokens
-        floats, num_logprobs = self._step_scores(len(batch.sampling_seqs))
+        floats, num_logprobs = self._step_scores()
         if self._readback is not None:
             pending = self._readback.start(batch.sampling_seqs, tokens, published, floats, num_logprobs,
                                            batch.probe_seqs)
@@ -301,17 +301,15 @@ class ModelRunner:
         self.counts.add(pending.kind, batch.num_rows, batch.num_tokens)
         return pending
 
-    def _step_scores(self, num_sampling: int) -> tuple[torch.Tensor | None, int]:
+    def _step_scores(self) -> tuple[torch.Tensor | None, int]:
         """The step's per-token scores as one float32 tensor (log-probabilities, then probes), and how many of
         them are log-probabilities."""
         logprobs, probes = self._step_logprobs, self._step_probes
         self._step_logprobs = self._step_probes = None
-        if logprobs is None and probes is None:
-            return None, 0
-        if logprobs is None and num_sampling:  # sampled without them (cannot happen with token_logprobs): no scores
-            logprobs = torch.full((num_sampling,), float("nan"), device=probes.device)
         parts = [t.float().reshape(-1) for t in (logprobs, probes) if t is not None]
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), (num_sampling if logprobs is not None else 0)
+        if not parts:
+            return None, 0
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), (0 if logprobs is None else logprobs.numel())
 
     def release(self, seq: Sequence) -> None:
         """Give back what a finished sequence holds here (its penalty slot)."""
