@@ -39,15 +39,22 @@ def graph_time_us(fn: Callable[[], object] | Sequence[Callable[[], object]], cal
 
 
 COLD_BYTES = 256 << 20  # several times an H100/H200's 50 MB L2
+MAX_COLD_COPIES = 128  # fewer than COLD_BYTES needs for a weight under 2 MiB (see cold_copies)
 
 
-def cold_copies(tensor, min_bytes: int = COLD_BYTES) -> list:
-    """`tensor` and enough copies of it to hold `min_bytes` together: a decode step streams each layer's weights
-    from HBM once, and a kernel timed back to back on one small weight would read it from L2 instead (an 18 MB
-    projection fits an H200's L2 whole)."""
+def cold_copies(tensor, min_bytes: int = COLD_BYTES, max_copies: int = MAX_COLD_COPIES) -> list:
+    """`tensor` and enough copies of it to hold `min_bytes` together, at most `max_copies` in all: a decode step
+    streams each layer's weights from HBM once, and a kernel timed back to back on one small weight would read it
+    from L2 instead (an 18 MB projection fits an H200's L2 whole).
+
+    The cap: a weight so small that `max_copies` of it fit in L2 belongs to a model whose whole step reads its
+    weights from L2 too, so timing it warm is what its steps see; and `graph_time_us` captures one call per copy,
+    so the bytes alone would ask for thousands of launches per timing (8,192 for a 32 KiB fp32 projection of the
+    tiny Whisper checkpoint, whose decoder's GEMV tuning took ~156 s of its GPU test's 172 s on an H100 without the
+    cap; the whole test took 25 s with it, 2026-12-06)."""
     import torch
 
-    count = max(1, -(-min_bytes // (tensor.numel() * tensor.element_size())))
+    count = max(1, min(max_copies, -(-min_bytes // (tensor.numel() * tensor.element_size()))))
     copies = [tensor]
     for _ in range(count - 1):
         try:

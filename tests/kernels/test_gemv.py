@@ -435,13 +435,17 @@ def test_pipelined_settings_give_the_reference(setting):
 
 
 def test_cold_copies_hold_enough_bytes():
-    from mstar_common.bench.gpu_timing import cold_copies
+    from mstar_common.bench.gpu_timing import MAX_COLD_COPIES, cold_copies
 
     weight = torch.ones(256, 1024, dtype=torch.bfloat16)  # 512 KiB
     copies = cold_copies(weight, min_bytes=3 << 20)
     assert len(copies) == 6 and copies[0] is weight
     assert len({c.data_ptr() for c in copies}) == 6 and all(torch.equal(c, weight) for c in copies)
     assert cold_copies(weight, min_bytes=1) == [weight]
+    # a weight this small is timed on at most MAX_COLD_COPIES (one captured launch per copy)
+    assert len(cold_copies(weight, min_bytes=1 << 30, max_copies=9)) == 9
+    tiny = torch.ones(128, 64)  # 32 KiB: the bytes alone would ask for 8,192 copies
+    assert len(cold_copies(tiny)) == MAX_COLD_COPIES
 
 
 def test_forced_settings_replace_the_tuned_plan(monkeypatch):
