@@ -6,13 +6,16 @@
         encoder ─▶ encoder_output ─▶ decoder stream (token ids)
     stream text deltas in window order; the last response carries language, duration and segments
 
-Language: without one, window 0's decoder detects it (its first token) and the other windows start forced to
+Language: without one, window 0's decoder detects it (its first token, greedy; a one-token decode of its own where
+the window's first decode samples or has a prompt) and the other windows, and window 0's retries, start forced to
 it. Joining: each window's text is stripped of leading blanks and windows are joined with one space, so the
 streamed deltas add up exactly to the final text. Temperature fallback (OpenAI Whisper's `transcribe` rules:
 re-decode a window at 0.2, 0.4, … 1.0 while its compression ratio exceeds 2.4 or its avg_logprob is below -1,
 unless it looks like silence: no_speech_prob above 0.6 with that low avg_logprob; a window that still looks like
-silence at the end is dropped) runs only for timestamped requests that set no temperature; untimed requests decode
-once (the spec disables the retry for untimed decoding), and so can stream each window's text as it is decoded.
+silence at the end is dropped) runs only for timestamped requests that set no temperature. A timestamped request
+with a temperature decodes each window once, and a window that looks like silence is dropped all the same;
+timestamped requests stream a window's text once it is kept. Untimed requests decode once and keep every window
+(the spec disables the retry for untimed decoding), and so stream each window's text as it is decoded.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ class _WindowResult:
     finish_reason: str = "stop"
     temperature: float = 0.0
     scores: _Scores | None = None  # the kept decode's avg_logprob and no_speech_prob
+    compression_ratio: float = 0.0  # the kept decode's text's (every segment of the window carries it, as OpenAI's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +163,9 @@ class _Transcription:
         if req.language is not None or not self.tokens.is_multilingual:
             self.language.set_result(req.language or "en")
         self.slots = asyncio.Semaphore(walk.options.max_parallel_windows)
-        self.is_live = not (req.timestamps and req.temperature is None)  # no fallback: stream as decoded
+        # untimed: stream each window's text as it decodes; timestamped: a window's text once it is kept (it may be
+        # decoded again at a higher temperature, or dropped as silence)
+        self.is_live = not req.timestamps
         self.any_text = False
         self.num_tokens = 0
 
@@ -210,28 +216,31 @@ class _Transcription:
                 async with self.walk.windows:
                     encoded = await self.call("encoder", {g.AUDIO_PCM: self.pcm[window.start: window.end]})
                 source = encoded[g.ENCODER_OUTPUT]
+                temperatures = self._temperatures()
                 detects = index == 0 and not self.language.done()
-                if detects and self.req.prompt_ids:
+                if detects and (self.req.prompt_ids or temperatures[0] > 0):
                     # Detection reads <|startoftranscript|> alone (as transformers' detect_language), not the
-                    # prompt, so it is its own one-token decode here.
+                    # prompt, and takes the most likely language (argmax, as OpenAI Whisper and transformers do),
+                    # never a draw at the request's temperature: so it is its own one-token greedy decode here.
                     async with self.walk.windows:
                         await self._detect_language(source)
                     detects = False
                 language = None if detects else await self.language
-                prompt = build_prompt(self.tokens, language=language, task=self.req.task,
-                                      timestamps=self.req.timestamps, prompt_ids=self.req.prompt_ids)
-                temperatures = self._temperatures()
                 rules = self.walk.options.fallback
                 for temperature in temperatures:
+                    if language is None and self.language.done():  # detected by this window's first (greedy) decode:
+                        language = self.language.result()  # a retry keeps it instead of drawing it again
+                    prompt = build_prompt(self.tokens, language=language, task=self.req.task,
+                                          timestamps=self.req.timestamps, prompt_ids=self.req.prompt_ids)
                     async with self.walk.windows:
                         free, finish, scores = await self._decode(index, result, source, prompt, temperature)
-                    text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True)
+                    text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True).strip()
                     if temperature == temperatures[-1] or not rules.needs_fallback(text, scores):
                         break
-                if len(temperatures) > 1 and rules.should_skip(scores):
-                    free = []  # dropped as silence, as OpenAI Whisper drops it (no text, no segment)
+                if self.req.timestamps and rules.should_skip(scores):
+                    free, text = [], ""  # dropped as silence, as OpenAI Whisper drops it (no text, no segment)
                 result.free_ids, result.finish_reason, result.temperature = free, finish, temperature
-                result.scores = scores
+                result.scores, result.compression_ratio = scores, compression_ratio(text)
                 if not self.is_live:
                     result.events.put_nowait(self.tokens.text_ids(free))
                 self.num_tokens += len(free)
@@ -331,7 +340,7 @@ class _Transcription:
                 out.append({"id": len(out), "seek": window.start // 160, "start": round(start, 3),
                             "end": round(end, 3), "text": text, "tokens": ids, "temperature": result.temperature,
                             "avg_logprob": scores.avg_logprob,
-                            "compression_ratio": round(compression_ratio(text), 4),
+                            "compression_ratio": round(result.compression_ratio, 4),
                             "no_speech_prob": scores.no_speech_prob})
         return out
 

@@ -212,6 +212,10 @@ def test_the_fallback_retries_an_unsure_window_at_higher_temperatures(local):
     assert compression_ratio(first) <= 2.4 and calls[0]["scores"]["avg_logprob"] < -1  # the old rule kept it
     segments = json.loads(out["segments"])
     assert segments and {s["temperature"] for s in segments} == {1.0}
+    # every segment carries its window's compression ratio (OpenAI Whisper's), that of the kept decode's whole text
+    kept = local.walk.tokenizer.decode(local.walk.tokens.text_ids(calls[-1]["tokens"]), skip_special_tokens=True)
+    ratio = round(compression_ratio(kept.strip()), 4)
+    assert len(segments) > 1 and {s["compression_ratio"] for s in segments} == {ratio}
     assert [s["avg_logprob"] for s in segments] == pytest.approx([calls[-1]["scores"]["avg_logprob"]] * len(segments),
                                                                 rel=1e-5)
 
@@ -246,6 +250,68 @@ def test_the_fallback_rules_and_the_no_speech_skip(local, monkeypatch):
         texts[name] = (out["text_output"], json.loads(out["segments"]), len(local.decoder_calls))
     assert texts["silence"] == ("", [], 1)  # dropped after one decode: not retried, no text, no segment
     assert texts["speech"][0] and texts["speech"][1] and texts["speech"][2] == 1  # sure: kept at once
+
+    # A timestamped request with its own temperature is never retried, but silence is dropped all the same (OpenAI
+    # Whisper's no-speech check runs whatever the temperatures); an untimed one streams as it decodes and keeps it.
+    async def silence(self, *args):
+        free, finish, _ = await decode(self, *args)
+        return free, finish, silent
+
+    monkeypatch.setattr(walk._Transcription, "_decode", silence)
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(clip(2, 6)), timestamps=True, temperature=0.4, seed=3, language="en"))
+    assert (out["text_output"], json.loads(out["segments"]), len(local.decoder_calls)) == ("", [], 1)
+    assert local.decoder_calls[0]["tokens"]  # it decoded text, and dropped it
+    out = asyncio.run(local.transcribe(audio=wav(clip(2, 6)), temperature=0.4, seed=3, language="en"))
+    assert out["text_output"]
+
+
+def test_the_language_is_detected_greedily_and_kept_by_the_retries(local):
+    """Without a language, window 0 detects it by argmax, as OpenAI Whisper and transformers do, and never draws it at
+    a temperature: in the fallback, the retries (0.2 ... 1.0) carry the language the greedy first decode found; with
+    a temperature over 0, detection is a greedy one-token decode of its own before the window's."""
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(clip(3, 17)), timestamps=True, seed=11))
+    calls = local.decoder_calls
+    assert len(calls) == 6 and [int(t) for t in calls[0]["inputs"]["forced_ids"]][0] == LANGUAGE
+    language = local.walk.tokens.lang_to_id[out["language"]]
+    assert calls[0]["tokens"][0] == language  # the first decode (at 0) detected it
+    for call in calls[1:]:  # every retry's prompt carries it: no LANGUAGE placeholder left to sample
+        assert LANGUAGE not in [int(t) for t in call["inputs"]["forced_ids"]]
+        assert language in [int(t) for t in call["inputs"]["input_ids"]]
+
+    local.decoder_calls.clear()
+    out = asyncio.run(local.transcribe(audio=wav(clip(3, 17)), temperature=1.0, seed=5))
+    detect, decode = local.decoder_calls
+    assert [int(t) for t in detect["inputs"]["forced_ids"]] == [LANGUAGE] and "temperature" not in detect["inputs"]
+    assert detect["tokens"] == [language]  # greedy: the same language as above
+    assert LANGUAGE not in [int(t) for t in decode["inputs"]["forced_ids"]]
+    assert language in [int(t) for t in decode["inputs"]["input_ids"]]
+    assert float(decode["inputs"]["temperature"][0]) == 1.0 and out["language"]
+
+
+def test_segments_split_as_transformers_cuts_them(checkpoint):
+    """`split_segments`, as transformers' `_retrieve_segment`: consecutive timestamps close a segment, a window that
+    ends in a pair gives the last segment both, a single trailing timestamp closes it, and without a pair the window
+    is one segment. Where the token cap cut a window after a pair, transformers still gives the last segment both
+    timestamps (`slices[-1] += 1`) and decodes the rest again from there; windows here are decoded once, so that
+    rest is a tail segment, from the segment's end to the window's."""
+    from mstar_common.families.whisper.decoding import split_segments
+    from mstar_common.families.whisper.family import read_tokens
+
+    tokens = read_tokens(checkpoint)
+    ts = lambda seconds: tokens.timestamp_begin + round(seconds / 0.02)  # noqa: E731
+    a, b, c = 300, 301, 302  # text tokens
+
+    def cut(free):
+        return [(round(s.start, 2), round(s.end, 2), s.token_ids) for s in split_segments(tokens, free, 10.0, 20.0)]
+
+    assert cut([ts(0), a, b, ts(5), ts(5), c, ts(9), ts(9)]) == [
+        (10.0, 15.0, [ts(0), a, b, ts(5)]), (15.0, 19.0, [ts(5), c, ts(9), ts(9)])]
+    assert cut([ts(0), a, ts(5), ts(6), c, ts(9)]) == [(10.0, 15.0, [ts(0), a, ts(5)]), (16.0, 19.0, [ts(6), c, ts(9)])]
+    assert cut([ts(0), a, ts(5), ts(6), c]) == [(10.0, 15.0, [ts(0), a, ts(5), ts(6)]), (15.0, 30.0, [c])]
+    assert cut([ts(0), a, b, ts(4)]) == [(10.0, 14.0, [ts(0), a, b, ts(4)])]
+    assert cut([ts(0), a, b]) == [(10.0, 30.0, [ts(0), a, b])]
 
 
 def test_the_fallback_thresholds_from_the_deployment(checkpoint):
