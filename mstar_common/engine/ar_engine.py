@@ -512,8 +512,16 @@ def _check_config(config: EngineConfig) -> None:
 def _prefix_caching(model: CausalLM, config: EngineConfig, hooks: Any) -> bool:
     """Whether the prefix cache may key this model's pages: its KV must be a function of the token ids alone
     (`supports_prefix_caching`), and a model with per-request state beside the pages (request hooks, e.g.
-    Whisper's cross-attention to its audio) never is. Asked for (`True`) on such a model: a ValueError."""
+    Whisper's cross-attention to its audio) never is; nor is one that probes prompt positions (`probe_token_id`:
+    a position inside a reused prefix never runs, so its probe would never reach the model). Asked for (`True`) on
+    such a model: a ValueError."""
     if config.prefix_caching is False:
+        return False
+    if getattr(model, "probe_token_id", None) is not None:
+        if config.prefix_caching:
+            raise ValueError("prefix_caching: true, but this model probes prompt positions (probe_token_id), and a "
+                             "position inside a reused prefix would never be probed")
+        logger.info("prefix caching off: this model probes prompt positions")
         return False
     if not getattr(model, "supports_prefix_caching", False) or hooks is not None:
         if config.prefix_caching:

@@ -193,7 +193,9 @@ class CudaGraphRunner:
         self._parity = 0
         self.sink_slot = kv_cache.sink_page * kv_cache.page_size
         self.num_replays = 0
-        self.samples_in_graph = not hasattr(model, "process_logits")
+        # A model with its own logits rules, or one that takes each sampled token's log-probability
+        # (`token_logprobs`, model_runner.py), samples on the host after the replay, from the graph's logits.
+        self.samples_in_graph = not (hasattr(model, "process_logits") or getattr(model, "token_logprobs", False))
         self.logits_out = None if self.samples_in_graph else torch.zeros(max_rows, self.logits_width, device=device)
         self.has_request_slots = hasattr(model, "admit_request")
         self.uncaptured: list[tuple[str, int, int]] = []  # buckets capture() had to drop (capture_policy.py)

@@ -17,6 +17,9 @@ token's log-probability under its processed logits (after `process_logits`, befo
 and one with a `probe_token_id` gets `probe(hidden)` evaluated at every prompt position holding that id (whisper:
 the no-speech probability at <|startoftranscript|>). Both cross the bus with the step's tokens, in the same
 pinned copy behind the same event, and the engine hands them to the model's `note_sampled` / `note_probe`.
+Such a model samples on the host after a replay (as one with `process_logits` does: the graphs then stop at the
+logits), a step that probes runs eager, and its engine keeps no prefix cache (a probed position inside a reused
+prefix would never run).
 
 Logits window. A model may compute logits for the ids `[logits_offset, vocab_size)` only (a speech LM whose
 head covers its audio tokens): sampling runs over that window and the offset is added to the sampled index.
