@@ -17,7 +17,14 @@ import numpy as np
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.png import DEFLATE, encode_png, encode_png_rows
 from mstar_common.families.text import check_text_fits, max_token_bytes
-from mstar_common.images import OutputOptions, check_geometry, encode_image, output_options, parse_size
+from mstar_common.images import (
+    OutputOptions,
+    check_format_size,
+    check_geometry,
+    encode_image,
+    output_options,
+    parse_size,
+)
 from mstar_common.walk_api import Call
 
 MAX_SEED = 2**63 - 1
@@ -78,8 +85,14 @@ class ImageWalk:
         seed = ranged(inputs, g.SEED, "seed", 0, MAX_SEED, None)
         output = output_options(text(inputs, g.OUTPUT_FORMAT), integer(inputs, g.PNG_LEVEL),
                                 integer(inputs, g.COMPRESSION))
+        if width is not None:
+            self.check_size(width, height)
+            check_format_size(width, height, output.format)
         return ImageRequest(prompt, width, height, num_images, secrets.randbelow(MAX_SEED) if seed is None else seed,
                             steps, output)
+
+    def check_size(self, width: int, height: int) -> None:
+        """A family's own size rule beyond the grid and the area (none here)."""
 
     def default_size(self) -> tuple[int, int]:
         width, height = parse_size(self.options.default_size)

@@ -23,6 +23,17 @@ class ZImageTurboWalk(ImageWalk):
     text_tokens = TEXT_TOKENS
     enable_thinking = True  # as the reference pipeline
 
+    def __init__(self, tokenizer, options, multiple: int, max_sides: tuple[int, int] | None = None):
+        super().__init__(tokenizer, options, multiple)
+        self.max_sides = max_sides  # (width, height): the checkpoint's RoPE range (`axes_lens`), in pixels
+
+    def check_size(self, width: int, height: int) -> None:
+        """Sizes past the DiT's RoPE tables were never trained: refused here, before the text encoder runs (the
+        denoise component refuses them too)."""
+        if self.max_sides is not None and (width > self.max_sides[0] or height > self.max_sides[1]):
+            raise ValueError(f"size: {width}x{height} exceeds this checkpoint's RoPE range of "
+                             f"{self.max_sides[0]}x{self.max_sides[1]}")
+
     async def run(self, inputs: dict[str, np.ndarray], call: Call) -> dict[str, np.ndarray]:
         req = self.parse(inputs)
         input_ids, text_len = self.tokenize(req.prompt)

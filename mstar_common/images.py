@@ -4,9 +4,11 @@ No torch here (the proxy imports it). Every refusal is a `ValueError` whose mess
 rule; the proxy answers it with a 400 and a walk with an `invalid_request` error.
 
 Output knobs: `output_format` (alias `image_output_format`): png | jpeg | webp (default png); `png_compress_level`
-0-9 for png; `output_compression` 0-100 for jpeg/webp (100 = best quality, the default as OpenAI's). A knob of
-the other format is refused (it would do nothing); null means the default. A knob accepts any whole number that
-`int()` reads ("6", 6.0); bools, fractions (50.9), infinities, NaN and out-of-range values are refused.
+0-9 for png; `output_compression` 0-100 for jpeg/webp (100 = best quality, the default as OpenAI's). Only the
+knob of the chosen format is checked (the spec's rule): the other format's is ignored, whatever it holds; null
+means the default. A knob accepts any whole number that `int()` reads ("6", 6.0); bools, fractions (50.9),
+infinities, NaN and out-of-range values are refused. JPEG and WebP cap a side (65,500 and 16,383 px, the
+formats' own limits), refused before any work (`check_format_size`).
 """
 
 from __future__ import annotations
@@ -63,16 +65,22 @@ def output_options(output_format: Any = None, png_compress_level: Any = None,
         raise ValueError(f"output_format: must be one of {list(FORMATS)}, got {output_format!r}")
     fmt = "jpeg" if fmt.lower() == "jpg" else fmt.lower()
     level, quality = DEFAULT_PNG_LEVEL, DEFAULT_COMPRESSION
-    if png_compress_level is not None:
+    if png_compress_level is not None and fmt == "png":
         level = whole_number(png_compress_level, "png_compress_level", *PNG_LEVELS)
-        if fmt != "png":  # a knob of another format would be dropped without a word
-            raise ValueError(f"png_compress_level: applies to png output, and output_format is {fmt!r}")
-    if output_compression is not None:
+    if output_compression is not None and fmt != "png":
         quality = whole_number(output_compression, "output_compression", *COMPRESSION)
-        if fmt == "png":
-            raise ValueError("output_compression: applies to jpeg and webp output, and output_format is 'png' "
-                             "(png_compress_level sets png's)")
     return OutputOptions(fmt, level, quality)
+
+
+MAX_FORMAT_SIDE = {"jpeg": 65_500, "webp": 16_383}  # libjpeg's and libwebp's largest side; png's is past our areas
+
+
+def check_format_size(width: int, height: int, fmt: str, field: str = "size") -> None:
+    """Refuse a size the output format cannot hold, before any image is made (the encoder would fail after)."""
+    limit = MAX_FORMAT_SIDE.get(fmt)
+    if limit is not None and max(width, height) > limit:
+        raise ValueError(f"{field}: {width}x{height} is too large for output_format {fmt!r}: {fmt} images are at "
+                         f"most {limit} px a side")
 
 
 def parse_size(size: Any, field: str = "size") -> tuple[int, int]:

@@ -288,8 +288,10 @@ async def generate_native(request: Request, ctx: ServingContext, served) -> dict
         raw, references = parse_json(await request.body(), "request body"), []
         if not isinstance(raw, dict):
             raise invalid_request("request body must be a JSON object")
-        kwargs = raw.pop("model_kwargs", None) or {}
-        if isinstance(kwargs, str):
+        kwargs = raw.pop("model_kwargs", None)
+        if kwargs is None:
+            kwargs = {}
+        elif isinstance(kwargs, str):
             kwargs = parse_json(kwargs, "'model_kwargs'", param="model_kwargs")
     if not isinstance(kwargs, dict):
         raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
@@ -308,7 +310,7 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
         raise invalid_request("'streaming' is not supported for image output: images arrive whole",
                               param="streaming")
     for key in ("input_modalities", "output_modalities"):
-        values = _modalities(raw.pop(key, None))
+        values = _modalities(raw.pop(key, None), key)
         allowed = {"text", "image"} if key == "input_modalities" else {"image"}
         if values is not None and (not values or set(values) - allowed):
             raise invalid_request(f"'{key}': this image model supports {sorted(allowed)}, got {values}", param=key)
@@ -316,8 +318,17 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
         raise invalid_request(f"unknown field '{unknown[0]}'", param=unknown[0])
     if raw.get("text") is None:
         raise invalid_request("'text' (the prompt) is required", param="text")
+    if not isinstance(raw["text"], str):
+        raise invalid_request(f"'text' (the prompt) must be a string, got {type(raw['text']).__name__}", param="text")
+    for key, where in (("prompt", "the prompt goes in 'text'"), ("model", "the model is the request's 'model'")):
+        if key in kwargs:
+            raise invalid_request(f"model_kwargs.{key}: not a model_kwargs field ({where})",
+                                  param=f"model_kwargs.{key}")
     if "num_images" in kwargs:
-        kwargs.setdefault("n", kwargs.pop("num_images"))
+        if "n" in kwargs:
+            raise invalid_request("model_kwargs: give 'n' or 'num_images' (the same knob), not both",
+                                  param="model_kwargs.num_images")
+        kwargs["n"] = kwargs.pop("num_images")
     width, height = kwargs.pop("width", None), kwargs.pop("height", None)
     if (width is None) != (height is None):
         raise invalid_request("model_kwargs: give both 'width' and 'height', or 'size'", param="model_kwargs.width")
@@ -334,16 +345,22 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
         raise from_pydantic(error, prefix=("model_kwargs",)) from None
 
 
-def _modalities(value: Any) -> list[str] | None:
-    if value is None or isinstance(value, list):
-        return value
+def _modalities(value: Any, key: str) -> list[str] | None:
+    """A modalities field: a list of strings, a JSON list in a string, or comma-separated names."""
+    if value is None:
+        return None
     if isinstance(value, str):
         text = value.strip()
-        if text.startswith("["):
-            return parse_json(text, "output_modalities", param="output_modalities")
-        return [v.strip() for v in text.split(",") if v.strip()]
-    raise APIError(400, f"modalities must be a list, got {value!r}", param="output_modalities")
+        value = parse_json(text, f"'{key}'", param=key) if text.startswith("[") else \
+            [v.strip() for v in text.split(",") if v.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise APIError(400, f"'{key}': must be a list of modality names, got {value!r}", param=key)
+    return value
 
 
 def _truthy(value: Any) -> bool:
-    return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"))
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value == 1
+    return isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on")

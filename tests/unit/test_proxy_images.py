@@ -86,19 +86,27 @@ def test_generation_refusals_name_the_field(body, field):
     assert not fake.requests
 
 
-def test_the_other_formats_knob_is_refused_and_whole_numbers_pass():
-    """A knob of the format not chosen did nothing (an out-of-range one too): now a 400 naming it."""
+def test_only_the_chosen_formats_knob_is_checked_and_whole_numbers_pass():
+    """The spec's rule (MODELS.md E1): only the knob of the chosen format is checked; the other's is ignored, and the
+    walk gets the chosen format's knob alone (its default where none was given)."""
     http, fake = client()
     reply = http.post("/v1/images/generations", json={"prompt": "x", "output_format": "png", "png_compress_level": "9"})
     assert reply.status_code == 200 and sent(fake)["png_compress_level"] == [9]
     reply = http.post("/v1/images/generations",
                       json={"prompt": "x", "output_format": "webp", "output_compression": 50.0})
     assert reply.status_code == 200 and sent(fake)["output_compression"] == [50]
-    for body, field in (({"output_format": "png", "output_compression": 50}, "output_compression"),
-                        ({"output_compression": 500}, "output_compression"),
-                        ({"output_format": "jpeg", "png_compress_level": 6}, "png_compress_level")):
+    reply = http.post("/v1/images/generations",
+                      json={"prompt": "x", "output_format": "webp", "output_compression": 500})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "output_compression", reply.text
+    # the spec's rule: only the chosen format's knob is checked; the other's is ignored, whatever it holds
+    for body in ({"output_format": "png", "output_compression": 500}, {"output_compression": "high"},
+                 {"output_format": "jpeg", "png_compress_level": 60},
+                 {"output_format": "webp", "png_compress_level": 6}):
         reply = http.post("/v1/images/generations", json={"prompt": "x", **body})
-        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+        assert reply.status_code == 200, (body, reply.text)
+        knobs = {k: v for k, v in sent(fake).items() if k in ("png_compress_level", "output_compression")}
+        assert knobs == ({"png_compress_level": [6]} if body.get("output_format", "png") == "png"
+                         else {"output_compression": [100]}), body
 
 
 def test_harmless_openai_values_pass_and_streaming_is_refused():
@@ -248,7 +256,21 @@ def test_native_generate_names_its_own_fields_in_the_proxys_refusals():
         ({"text": "x", "model_kwargs": {"size": "64"}}, "model_kwargs.size",
          "model_kwargs.size: must be 'WIDTHxHEIGHT'"),
         ({"text": "x", "model_kwargs": {"quality": "hd"}}, "model_kwargs.quality", "'model_kwargs.quality' is not"),
+        # a modalities list of anything but names (once a 500: unhashable), named as the field it came in
+        ({"text": "x", "output_modalities": [["image"]]}, "output_modalities", "must be a list of modality names"),
+        ({"text": "x", "input_modalities": "[{\"a\": 1}]"}, "input_modalities", "must be a list of modality names"),
+        ({"text": "x", "input_modalities": 3}, "input_modalities", "must be a list of modality names"),
+        # the prompt is `text`, and only `text`; a knob given twice under its two names is refused
+        ({"text": 5}, "text", "'text' (the prompt) must be a string, got int"),
+        ({"text": "x", "model_kwargs": {"prompt": "y"}}, "model_kwargs.prompt", "the prompt goes in 'text'"),
+        ({"text": "x", "model_kwargs": {"model": "other"}}, "model_kwargs.model", "not a model_kwargs field"),
+        ({"text": "x", "model_kwargs": {"n": 1, "num_images": 2}}, "model_kwargs.num_images", "not both"),
+        ({"text": "x", "model_kwargs": []}, "model_kwargs", "must be a JSON object"),
+        ({"text": "x", "model_kwargs": 0}, "model_kwargs", "must be a JSON object"),
+        ({"text": "x", "streaming": 1}, "streaming", "not supported for image output"),
     ):
         error = http.post("/generate", json={"model": "klein", **kwargs}).json()["error"]
         assert error["param"] == param and fragment in error["message"], error
     assert fake.requests == []
+    reply = http.post("/generate", json={"model": "klein", "text": "x", "model_kwargs": {"num_images": 2}})
+    assert reply.status_code == 200 and sent(fake)["num_images"] == [2]

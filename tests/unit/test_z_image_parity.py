@@ -216,6 +216,22 @@ def test_walk_refusals_name_the_rule(checkpoint, inputs, rule):
     assert rule in str(error.value)
 
 
+def test_the_walk_refuses_sizes_past_the_rope_range_and_the_formats_sides(checkpoint):
+    """Before the text encoder runs: a size past the DiT's RoPE tables (the tiny checkpoint's 496 px a side; 8,176
+    for the real model, reachable under the default area as 8192x512), and a side the output format cannot hold."""
+    walk = ZImageTurboFamily().build_component("walk", tiny_deployment(checkpoint, max_image_area=2**22),
+                                               checkpoint, "cpu")
+    size = lambda w, h: {"width": np.array([w], np.int32), "height": np.array([h], np.int32)}  # noqa: E731
+    assert walk.parse({**request("a cat"), **size(496, 64)}).width == 496
+    with pytest.raises(ValueError, match=r"size: 512x64 exceeds this checkpoint's RoPE range of 496x496"):
+        walk.parse({**request("a cat"), **size(512, 64)})
+    walk.max_sides = None  # the format's own limit, past any RoPE range
+    with pytest.raises(ValueError, match=r"size: 16384x16 is too large for output_format 'webp': webp images are "
+                                         r"at most 16383 px a side"):
+        walk.parse({**request("a cat"), **size(16384, 16), "output_format": np.array([b"webp"], dtype=object)})
+    assert walk.parse({**request("a cat"), **size(16384, 16)}).width == 16384  # png has no such limit
+
+
 def test_denoise_refuses_sizes_past_the_rope_range(checkpoint):
     runtime = ZImageTurboFamily().build_component("denoise", tiny_deployment(checkpoint, max_image_area=2**20),
                                                   checkpoint, "cpu")
