@@ -10,6 +10,7 @@ other than 1 and `instructions` are refused (Orpheus takes emotion tags inline i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import model_validator
 
 from mstar_common import wire
 from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
@@ -55,6 +57,14 @@ class SpeechRequest(protocol.SamplingFields):
     instructions: str | None = None
     stream_format: Literal["audio", "sse"] = "audio"
     stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """`null` means unset (protocol.py): these two have defaults, so a null one is dropped before validation."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in ("stream", "stream_format") and v is None)}
+        return data
 
 
 @dataclass(slots=True)
@@ -164,8 +174,9 @@ async def create_speech(body: SpeechRequest, request: Request):
         stream = await ctx.stream(request, served, gen)
         return AudioStreamResponse(_audio_bytes(stream, body.response_format), FORMATS[body.response_format][2])
     speech = await collect(ctx, request, served, gen)
-    return Response(encode_audio(speech.pcm, speech.sample_rate, body.response_format),
-                    media_type=FORMATS[body.response_format][2])
+    # in a thread: an mp3 or opus encode of a long clip takes 0.1-0.7 s, which would stall every other stream here
+    data = await asyncio.to_thread(encode_audio, speech.pcm, speech.sample_rate, body.response_format)
+    return Response(data, media_type=FORMATS[body.response_format][2])
 
 
 @router.get("/v1/audio/voices")
@@ -215,8 +226,12 @@ async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> Async
             is_started = True
             if response.audio is not None and response.audio.size:
                 yield response.audio.astype("<i2").tobytes()
-    except Exception as exc:  # noqa: BLE001 - mid-stream there is no status left to send: end the body
-        from_exception(exc)  # logs a server fault under an error id
+    except Exception as exc:
+        # Mid-stream there is no status left to send. Logged (a server fault under an error id), then raised: the
+        # connection closes without the body's last chunk, so the client reads an incomplete response instead of
+        # a clip that looks whole.
+        from_exception(exc)
+        raise
     finally:
         await stream.aclose()
 
@@ -264,8 +279,8 @@ async def generate_speech(request: Request, ctx: ServingContext, served, req: pr
         stream = await ctx.stream(request, served, gen)
         return SSEResponse(sse_body(_generate_events(stream, with_ids), ctx.settings.request_timeout_s))
     speech = await collect(ctx, request, served, gen)
-    audio = {"format": "wav", "sample_rate": speech.sample_rate,
-             "data": base64.b64encode(encode_audio(speech.pcm, speech.sample_rate, "wav")).decode()}
+    wav = await asyncio.to_thread(encode_audio, speech.pcm, speech.sample_rate, "wav")
+    audio = {"format": "wav", "sample_rate": speech.sample_rate, "data": base64.b64encode(wav).decode()}
     body = {"id": request.state.request_id, "model": served.name, "outputs": {"audio": [audio]},
             "finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
     if with_ids:
@@ -276,15 +291,21 @@ async def generate_speech(request: Request, ctx: ServingContext, served, req: pr
 async def _generate_events(stream: AsyncIterator[StreamResponse], with_ids: bool):
     """{"audio": base64 PCM16, "sample_rate"[, "token_ids"]} per chunk -> {"finish_reason", "usage"}."""
     speech = Speech()
+    unsent: list[int] = []  # ids of responses that carried no audio, sent with the next event that does (or last)
     try:
         async for response in stream:
             speech.add(response)
+            if with_ids and response.token_ids:
+                unsent += list(response.token_ids)
             if response.audio is not None and response.audio.size:
                 event: dict[str, Any] = {"audio": base64.b64encode(response.audio.astype("<i2").tobytes()).decode(),
                                          "sample_rate": speech.sample_rate}
                 if with_ids:
-                    event["token_ids"] = response.token_ids
+                    event["token_ids"], unsent = unsent, []
                 yield event
-        yield {"finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
+        last: dict[str, Any] = {"finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
+        if with_ids and unsent:
+            last["token_ids"] = unsent
+        yield last
     finally:
         await stream.aclose()

@@ -152,3 +152,37 @@ def test_sse_takes_pcm_named_or_not_and_generate_caps_the_text():
     reply = http.post("/generate", json={"text": "x" * 5000, "output_modalities": ["audio"]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "text" and "the limit is 4096" in reply.text
     assert len(fake.requests) == sent
+
+
+def test_a_stream_that_fails_midway_does_not_end_like_a_whole_clip():
+    """An error after the first chunk of a raw audio stream: no status is left to send, so the connection closes
+    without the body's last chunk (the client sees an incomplete response), not a 200 body that looks whole."""
+    from tritonclient.utils import InferenceServerException
+
+    fake = FakeTriton(script=[speech_script()[0], InferenceServerException("the stub died")])
+    app, fake = make_app(fake, models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+    for fmt in ("pcm", "wav"):
+        with pytest.raises(BaseExceptionGroup) as aborted:  # the test client re-raises what aborted the body
+            TestClient(app).post("/v1/audio/speech", json={"input": "hi", "response_format": fmt, "stream": True})
+        assert aborted.group_contains(InferenceServerException, match="the stub died", depth=None)
+
+
+def test_streamed_generate_sends_every_token_id_and_null_stream_fields_are_unset():
+    """Ids of a response without audio (a clip that ends before a whole frame) ride the next event, or the last."""
+    script = [StreamResponse(audio=PCM[0], sample_rate=24000, token_ids=[1, 2]),
+              StreamResponse(token_ids=[3]),
+              StreamResponse(audio=PCM[1], sample_rate=24000, token_ids=[4]),
+              StreamResponse(token_ids=[5, 6], finish_reason="length", prompt_tokens=7, completion_tokens=6),
+              StreamResponse(is_final=True)]
+    app, _ = make_app(FakeTriton(script=script), models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+    reply = TestClient(app).post("/generate", json={"text": "hi", "streaming": True,
+                                                    "model_kwargs": {"return_token_ids": True}})
+    events = [json.loads(line[len("data: "):]) for line in reply.text.splitlines()
+              if line.startswith("data: {")]
+    assert [e.get("token_ids") for e in events] == [[1, 2], [3, 4], [5, 6]] and "finish_reason" in events[-1]
+    http, _ = client()
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "stream": None, "stream_format": None,
+                                                "response_format": "wav"})
+    assert reply.status_code == 200 and reply.headers["content-type"] == "audio/wav"
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse", "stream": None})
+    assert reply.status_code == 200 and '"speech.audio.done"' in reply.text
