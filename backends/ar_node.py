@@ -75,7 +75,7 @@ class TritonPythonModel:
         stream = TextStream(
             request_id=request_id,
             sink=responder,
-            detokenizer=IncrementalDetokenizer(self.runtime.tokenizer),
+            detokenizer=IncrementalDetokenizer(self.runtime.tokenizer, context=text_request.prompt_ids),
             stops=StopStringMatcher(text_request.stops) if text_request.stops else None,
             num_prompt_tokens=len(text_request.prompt_ids),
             arrival=arrival,

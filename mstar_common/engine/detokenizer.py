@@ -23,11 +23,18 @@ class IncrementalDetokenizer:
     tokens not yet emitted.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, context: list[int] | None = None):
+        """`context`: the ids before the stream (the prompt's), whose last few prime the window as already emitted,
+        so that the first tokens decode as they do after the prompt: a SentencePiece decoder (Llama 2, Mistral)
+        strips one leading space from a text's start, which would take the space off the first word. A context
+        that ends inside a character is not used (its text would not be a prefix of the text after it)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._window: list[int] = []
         self._num_read = 0  # leading window tokens whose text was already emitted
+        tail = list(context[-_NUM_CONTEXT_TOKENS:]) if context else []
+        if tail and not self._decode(tail).endswith(_REPLACEMENT):
+            self._window, self._num_read = tail, len(tail)
 
     def push(self, token_ids: list[int]) -> str:
         self._window.extend(token_ids)

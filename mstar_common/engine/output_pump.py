@@ -98,14 +98,19 @@ class TextStream:
         self.last_output = now
 
     def update(self, new_ids: list[int], finish: FinishReason | None) -> tuple[dict[str, np.ndarray], str | None]:
-        """Outputs for the new tokens, and the finish reason if this is the stream's last response.
+        """Outputs for the new tokens, and the finish reason if this is the stream's last response (the text of a
+        stop token that ended it left out).
 
         A stop string ends the stream at the token that completes it: the tokens after it in the same response
         (several per response when the stream falls behind) are neither sent nor counted."""
         reason = finish.value if finish is not None else None
         # a response of several tokens: the state before it, to find the token that completes a stop string
         before = (self.detokenizer.fork(), self.stops.fork()) if self.stops is not None and len(new_ids) > 1 else None
-        text = self.detokenizer.push(new_ids)
+        # The engine's STOP is a stop token (an EOS or one of stop_token_ids), the last id here: its text is not
+        # output, as vLLM leaves it out (an EOS is special and decodes to nothing anyway; a `stop_token_ids` entry
+        # may be "\n" or "."). Its id stays in the ids and the count.
+        shown = new_ids[:-1] if finish is FinishReason.STOP and new_ids else new_ids
+        text = self.detokenizer.push(shown)
         if finish is not None:
             text += self.detokenizer.flush()
         if self.stops is not None:

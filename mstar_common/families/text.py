@@ -75,7 +75,7 @@ class TextLMRuntime:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
-    default_max_tokens: int
+    default_max_tokens: int | None  # None: a request that sets no max_tokens runs to the room its prompt leaves
     max_text_bytes: int = 0  # a prompt text longer than this cannot fit max_model_len; 0: from the tokenizer
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for knobs a request leaves unset
 
@@ -92,7 +92,8 @@ class TextLMRuntime:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len={self.max_model_len}"
             )
-        params = sampling_params_from_inputs(inputs, default_max_tokens=min(self.default_max_tokens, room),
+        cap = room if self.default_max_tokens is None else min(self.default_max_tokens, room)
+        params = sampling_params_from_inputs(inputs, default_max_tokens=cap,
                                              defaults=self.sampling_defaults)
         if params.max_tokens > room:
             raise ValueError(

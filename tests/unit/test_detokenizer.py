@@ -101,3 +101,37 @@ def test_window_stays_bounded(tokenizer):
     spy = _SpyTokenizer(tokenizer)
     assert "".join(_stream(IncrementalDetokenizer(spy), ids, 1)) == TEXT * 50
     assert spy.max_decoded <= 12
+
+
+def test_the_prompt_primes_the_window_so_a_sentencepiece_first_word_keeps_its_space(tokenizer):
+    """A SentencePiece decoder (Llama 2, Mistral) strips one leading space from a text's start: decoded alone, the
+    first generated "▁Paris" lost its space, and a completion joined its prompt as "isParis". With the prompt's last
+    ids as context the stream decodes as the whole sequence does after the prompt (as vLLM primes it)."""
+    from tokenizers import normalizers
+
+    model = Tokenizer(models.BPE(byte_fallback=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    corpus = ["The capital of France is Paris .", "Paris is nice", "hello world"] * 50
+    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    sp = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>")
+    prompt = sp.encode("The capital of France is", add_special_tokens=False)
+    output = sp.encode("Paris .", add_special_tokens=False)
+    assert sp.convert_ids_to_tokens(output)[0].startswith("▁")
+    want = sp.decode(prompt + output)[len(sp.decode(prompt)):]
+    assert want == " Paris ."
+    for chunk in (1, 2, len(output)):
+        assert "".join(_stream(IncrementalDetokenizer(sp, context=prompt), output, chunk)) == want
+    assert "".join(_stream(IncrementalDetokenizer(sp), output, 1)) == "Paris ."  # without the prompt: no space
+    # byte-level BPE: the same text with or without a context
+    ids = tokenizer.encode(TEXT)
+    assert "".join(_stream(IncrementalDetokenizer(tokenizer, context=ids[:5]), ids[5:], 1)) == tokenizer.decode(ids[5:])
+
+
+def test_a_context_that_ends_inside_a_character_is_not_used(tokenizer):
+    ids = tokenizer.encode("😀 ok")
+    split = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, context=ids[:split])
+    assert detok._window == []  # not primed: the text after the split would not start where the context's ends
+    assert "".join(_stream(detok, ids[split:], 1)) == tokenizer.decode(ids[split:])

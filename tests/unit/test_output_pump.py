@@ -188,6 +188,21 @@ def test_a_stop_string_inside_a_coalesced_response_ends_its_tokens_and_count_the
     assert reason == "length" and _sent(outputs) == ("abz", [0, 1, 25], "length", 3)
 
 
+def test_the_stop_tokens_text_is_not_output_but_its_id_is_counted():
+    """A stream the engine ends with STOP ends at a stop token (an EOS or a `stop_token_ids` entry such as "." or a
+    newline): as vLLM, its text is left out; its id stays in the ids and in the count. A LENGTH end keeps it."""
+    from mstar_common.engine.detokenizer import IncrementalDetokenizer
+
+    for new_ids, finish, want in (([0, 1, 2], FinishReason.STOP, ("ab", [0, 1, 2], "stop", 3)),
+                                  ([2], FinishReason.STOP, ("", [2], "stop", 1)),
+                                  ([0, 1, 2], FinishReason.LENGTH, ("abc", [0, 1, 2], "length", 3))):
+        stream = TextStream("r", FakeSink(), IncrementalDetokenizer(FakeTokenizer()), None, 3)
+        assert _sent(stream.update(new_ids, finish)[0]) == want
+    stream = _stop_stream("zz")  # with stop strings: the held text still goes out, the stop token's does not
+    assert _sent(stream.update([0, 25], None)[0]) == ("a", [0, 25], "", 2)
+    assert _sent(stream.update([3], FinishReason.STOP)[0]) == ("z", [3], "stop", 3)
+
+
 def test_cancellation_polls_ask_a_bounded_slice_of_the_streams_in_turn():
     """Each poll asks at most CANCEL_POLL_STREAMS streams (an IPC round trip each on Triton), the next poll the
     next ones, so every stream is asked within ceil(N / 32) polls and a cancelled one among 100 is found."""

@@ -430,3 +430,23 @@ def test_the_text_component_names_a_messages_tensor_with_a_number_past_the_digit
 
     with pytest.raises(ValueError, match=r"^messages: holds a number of more than \d+ digits"):
         _json({wire.MESSAGES: np.array([("[" + "9" * 5000 + "]").encode()], dtype=np.object_)}, wire.MESSAGES)
+
+
+def test_a_request_without_max_tokens_runs_to_the_room_its_prompt_leaves(runtime):
+    """ENGINE.md: a request that names no max_tokens is fitted to the room its prompt leaves (as vLLM runs a reply to
+    the window); a deployment's `default_max_tokens` caps it where set, and a null one is the room."""
+    from dataclasses import replace
+
+    from mstar_common.config import DeploymentError, deployment_from_dict
+
+    prompt = [5, 6, 7, 8]
+    uncapped = replace(runtime, default_max_tokens=None)
+    assert uncapped.parse_request(_inputs(input_ids=prompt)).params.max_tokens == 64 - len(prompt)
+    assert runtime.parse_request(_inputs(input_ids=prompt)).params.max_tokens == 8
+    assert uncapped.parse_request(_inputs(input_ids=prompt, max_tokens=3)).params.max_tokens == 3
+    base = {"name": "q", "family": "qwen3", "checkpoint": "builtin:qwen3-tiny-random", "components": {"llm": {}},
+            "resources": {"max_model_len": 128}}
+    for value in (None, 16):  # deployment_from_dict runs the family's checks
+        deployment_from_dict({**base, "model_kwargs": {"default_max_tokens": value}})
+    with pytest.raises(DeploymentError, match="default_max_tokens: must be an integer >= 1 or null"):
+        deployment_from_dict({**base, "model_kwargs": {"default_max_tokens": 0}})

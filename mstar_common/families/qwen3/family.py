@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_KWARGS = {
     "dtype": "weights and activations: float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on gpu)",
-    "default_max_tokens": "output cap for requests that set no max_tokens (default 256)",
+    "default_max_tokens": "output cap for requests that set no max_tokens (default: none, the room the prompt leaves)",
     "generation_config": "auto (default): a request's unset temperature/top_p/top_k/min_p/repetition_penalty take "
                          "the checkpoint's generation_config.json values, as vLLM's; ignore: the API's defaults",
 }
@@ -41,10 +41,11 @@ class Qwen3Family(Family):
         dtype = dep.model_kwargs.get("dtype")
         if dtype is not None and dtype not in DTYPES:
             raise DeploymentError(f"{source}: model_kwargs.dtype: must be one of {list(DTYPES)}, got {dtype!r}")
-        default_max = dep.model_kwargs.get("default_max_tokens", 256)
-        if isinstance(default_max, bool) or not isinstance(default_max, int) or default_max < 1:
-            raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1, got "
-                                  f"{default_max!r}")
+        default_max = dep.model_kwargs.get("default_max_tokens")
+        if default_max is not None and (isinstance(default_max, bool) or not isinstance(default_max, int)
+                                        or default_max < 1):
+            raise DeploymentError(f"{source}: model_kwargs.default_max_tokens: must be an integer >= 1 or null (the "
+                                  f"room the prompt leaves), got {default_max!r}")
         mode = dep.model_kwargs.get("generation_config", "auto")
         if mode not in GENERATION_CONFIG_MODES:
             raise DeploymentError(f"{source}: model_kwargs.generation_config: must be one of "
@@ -115,7 +116,7 @@ class Qwen3Family(Family):
             tokenizer=tokenizer,
             vocab_size=int(hf_config["vocab_size"]),
             max_model_len=dep.resources.max_model_len,
-            default_max_tokens=int(dep.model_kwargs.get("default_max_tokens", 256)),
+            default_max_tokens=dep.model_kwargs.get("default_max_tokens"),
             sampling_defaults=defaults,
         )
 
