@@ -254,3 +254,16 @@ def test_an_lm_checkpoint_without_its_tokenizer_or_a_shard_is_refused_before_any
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(DeploymentError, match=r"names shard\(s\) \['model-00002-of-00002.safetensors'\]"):
         OrpheusFamily().check_checkpoint(dep, sharded, "t.yaml")
+
+
+def test_a_prompt_that_leaves_no_room_names_the_text_and_a_default_cap_is_fitted_to_the_room(runtime, monkeypatch):
+    """A text whose prompt fills max_model_len is refused naming the text, not a max_tokens the client never sent
+    (that was `max_tokens: must be in [1, ...], got -6`); a prompt that leaves less room than `default_max_tokens`
+    gets that room (ENGINE.md: fitted to the room its prompt leaves)."""
+    rt, _ = runtime
+    prompt = len(rt.layout.prompt_ids(rt.tokenizer, "Hello there", rt.default_voice))
+    monkeypatch.setattr(rt.engine, "max_model_len", prompt)
+    with pytest.raises(ValueError, match=rf"^text_input: its {prompt}-token prompt .* leaves no room for audio"):
+        rt.parse_request(_inputs("Hello there"))
+    monkeypatch.setattr(rt.engine, "max_model_len", prompt + 5)
+    assert rt.parse_request(_inputs("Hello there")).params.max_tokens == 5 < rt.default_max_tokens

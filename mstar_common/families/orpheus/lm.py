@@ -119,6 +119,9 @@ class OrpheusLMRuntime:
             raise ValueError(f"text_input: {num_words} tokens exceeds the limit of {self.max_input_tokens} tokens")
         prompt = self.layout.prompt_ids(self.tokenizer, text, voice)
         room = self.engine.max_model_len - len(prompt)
+        if room < 1:  # the text's own field, not a max_tokens the client may never have sent
+            raise ValueError(f"text_input: its {len(prompt)}-token prompt (the text, the voice and the framing) "
+                             f"leaves no room for audio within max_model_len={self.engine.max_model_len}")
         values = {name: inputs[name] for name in wire.SAMPLING_INPUTS if name in inputs}
         for name, default in DEFAULT_SAMPLING.items():
             values.setdefault(name, np.asarray([default], dtype=np.float32))
