@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+MAX_TEXT_FIELD_BYTES = 1 << 20  # a multipart text field (not a file), as Starlette's default part cap
+
+
 async def read_utf8_form(request: Request) -> FormData:
     """The request's form, refused (400 naming the field) where a text field is not UTF-8. Starlette decodes such
     a multipart field as latin-1, and a urlencoded body as latin-1 before its %XX escapes (so raw UTF-8 there
@@ -34,8 +37,15 @@ async def read_utf8_form(request: Request) -> FormData:
     if content_type == "application/x-www-form-urlencoded":
         return FormData(_urlencoded_pairs(body))
     _check_multipart_closed(body, request.headers.get("content-type", ""))
-    form = await request.form()  # parsed from the body read above
+    # parsed from the body read above (which the proxy's middleware capped); a text field's size is checked here,
+    # where its name is known (Starlette's own part cap answers with a message that names no field)
+    form = await request.form(max_part_size=max(len(body), 1))
     for key, value in form.multi_items():
+        if isinstance(value, str) and len(value) > MAX_TEXT_FIELD_BYTES // 4 \
+                and len(value.encode("utf-8")) > MAX_TEXT_FIELD_BYTES:
+            raise invalid_request(f"'{key}' is a text field of {len(value.encode('utf-8'))} bytes; the limit is "
+                                  f"{MAX_TEXT_FIELD_BYTES} (an upload needs a filename in its part's "
+                                  f"Content-Disposition)", param=key)
         if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in body:
             raise invalid_request(f"'{key}' is not UTF-8 text (an upload needs a filename in its part's "
                                   f"Content-Disposition)", param=key)

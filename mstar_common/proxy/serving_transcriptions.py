@@ -100,7 +100,10 @@ async def read_form(request: Request, task: str) -> TranscriptionForm:
             raise invalid_request(f"'{key.rstrip('[]')}' is not supported: {_REFUSED[key]}", param=key.rstrip("[]"))
         if key.startswith("chunking_strategy["):  # the openai SDK's form of an object ({"type": "server_vad", ...})
             raise invalid_request(CHUNKING_RULE, param="chunking_strategy")
-        if key not in _FIELDS or (key == "language" and task == "translate"):
+        if key == "language" and task == "translate":
+            raise invalid_request("'language' is not a field of translations: the output is English, and the "
+                                  "spoken language is detected", param=key)
+        if key not in _FIELDS:
             raise invalid_request(f"unknown field '{key}'", param=key)
     audio = await _upload(values.get("file"))
     one = {key: _one(key, vals) for key, vals in values.items() if key != "file"}
@@ -256,7 +259,9 @@ async def _serve(request: Request, task: str):
     gen = transcription_generation(form.audio, task, language=form.language, prompt=form.prompt,
                                    temperature=form.temperature, timestamps=form.is_timed, seed=form.seed,
                                    max_tokens=form.max_tokens)
-    gen.field_names = {"audio": "file"}  # the walk names the upload after its tensor; the OpenAI routes, `file`
+    # the walk names the upload after its tensor, the OpenAI routes `file`; a task the model cannot do (translation
+    # on an English-only checkpoint) is the model's, on a route that has no `task` field
+    gen.field_names = {"audio": "file", "task": "model"}
     if form.stream:
         stream = await ctx.stream(request, served, gen)
         return SSEResponse(sse_body(_openai_events(stream), ctx.settings.request_timeout_s))
@@ -312,7 +317,7 @@ def format_transcript(t: Transcript, response_format: str, task: str):
     if response_format == "srt":
         body = "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{text}\n\n" for i, (a, b, text) in
                        enumerate(cues, 1))
-        return PlainTextResponse(body, media_type="application/x-subrip")
+        return PlainTextResponse(body, media_type="application/x-subrip; charset=utf-8")
     body = "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{text}\n\n" for a, b, text in cues)
     return PlainTextResponse(body, media_type="text/vtt")
 
@@ -371,7 +376,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
         return SSEResponse(sse_body(_native_events(stream), ctx.settings.request_timeout_s))
     t = await collect(ctx, request, served, gen)
     body = {"id": request.state.request_id, "model": served.name, "outputs": {"text": [t.text]},
-            "finish_reason": t.finish_reason or "stop", "language": t.language, "duration": t.duration,
+            "finish_reason": t.finish_reason or "stop", "language": t.language, "duration": round(t.duration, 3),
             "usage": {"completion_tokens": t.completion_tokens},
             "segments": t.segments}  # timed with timestamps, else one a window (as the streamed last event has)
     return body
@@ -400,7 +405,7 @@ async def _native_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator
             t.add(response)
             if response.text:
                 yield {"text": response.text}
-        yield {"finish_reason": t.finish_reason or "stop", "language": t.language, "duration": t.duration,
+        yield {"finish_reason": t.finish_reason or "stop", "language": t.language, "duration": round(t.duration, 3),
                "segments": t.segments, "usage": {"completion_tokens": t.completion_tokens}}
     finally:
         await stream.aclose()

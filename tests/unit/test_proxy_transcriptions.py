@@ -107,6 +107,35 @@ def test_the_walk_naming_audio_is_reported_as_file(app):
     assert error["param"] == "language" and error["message"].startswith("language:")
 
 
+def test_the_translation_routes_own_names_and_the_srt_charset(app):
+    """On /translations a task the model cannot do is the model's fault (the route has no `task`), and a `language`
+    is refused as a field translations lacks; an srt response says its charset (non-ASCII captions)."""
+    client, fake = app
+    fake.script = [TritonInvalidRequest("task: this checkpoint is English-only and cannot translate")]
+    error = post(client, route="/v1/audio/translations").json()["error"]
+    assert error["param"] == "model" and error["message"].startswith("model: this checkpoint is English-only")
+    fake.script = script()
+    error = post(client, route="/v1/audio/translations", data={"language": "fr"}).json()["error"]
+    assert error["param"] == "language" and "not a field of translations" in error["message"]
+    assert post(client, data={"response_format": "srt"}).headers["content-type"] == \
+        "application/x-subrip; charset=utf-8"
+
+
+def test_a_text_field_over_the_part_cap_is_named(app):
+    """A text field past 1 MiB (a long prompt, or an upload sent without a filename) is a 400 naming it; Starlette's
+    own cap answered without a field."""
+    client, fake = app
+    before = len(fake.requests)
+    response = post(client, data={"prompt": "a" * (1_100_000)})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt", error
+    assert "1100000 bytes; the limit is 1048576" in error["message"]
+    response = client.post("/v1/audio/transcriptions", data={"model": "whisper"},
+                           files={"file": (None, b"R" * 1_100_000)})  # no filename: a text part
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    assert len(fake.requests) == before
+
+
 def test_native_generate_with_an_audio_upload(app):
     client, fake = app
     data = {"model": "whisper", "text": "names: Kenobi", "model_kwargs": json.dumps({"timestamps": True,

@@ -565,3 +565,21 @@ def test_a_window_that_fails_leaves_no_failure_unread_for_the_loop_to_log(local,
 
     asyncio.run(transcribe())
     assert lost == []
+
+
+def test_a_deployment_without_limits_starts_with_the_upload_cap_under_the_body_cap():
+    """Left out, `max_audio_bytes` is OpenAI's 25 MiB or the proxy's body cap where that is smaller (16 MiB unless
+    `limits.max_body_bytes` is set): a deployment with neither set was refused at startup."""
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.whisper.family import WhisperOptions, max_audio_bytes
+
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    raw.pop("limits", None)
+    raw["model_kwargs"].pop("max_audio_bytes", None)
+    dep = deployment_from_dict(raw, source="test")
+    assert max_audio_bytes(dep, WhisperOptions()) == dep.limits.max_body_bytes == 16 * 1024 * 1024
+    raw["limits"] = {"max_body_bytes": 64 * 1024 * 1024}
+    assert max_audio_bytes(deployment_from_dict(raw, source="test"), WhisperOptions()) == 25 * 1024 * 1024
+    raw["limits"], raw["model_kwargs"]["max_audio_bytes"] = {}, 20 * 1024 * 1024  # set, over the cap: refused
+    with pytest.raises(DeploymentError, match="max_audio_bytes: 20971520 exceeds limits.max_body_bytes"):
+        deployment_from_dict(raw, source="test")

@@ -37,6 +37,15 @@ class WhisperOptions:
         return self.dtype or ("float32" if device == "cpu" else "bfloat16")
 
 
+def max_audio_bytes(dep: Deployment, options: WhisperOptions) -> int:
+    """The encoded upload cap: `model_kwargs.max_audio_bytes` where set, else OpenAI's 25 MiB or the proxy's body
+    cap (`limits.max_body_bytes`, 16 MiB unless set) where that is smaller, so a deployment without either starts."""
+    if "max_audio_bytes" in dep.model_kwargs:
+        return options.max_audio_bytes
+    body_cap = getattr(getattr(dep, "limits", None), "max_body_bytes", None)
+    return options.max_audio_bytes if body_cap is None else min(options.max_audio_bytes, body_cap)
+
+
 def options_from_kwargs(kwargs: dict[str, Any], source: str) -> WhisperOptions:
     allowed = {f.name for f in fields(WhisperOptions)}
     if unknown := sorted(set(kwargs) - allowed):
@@ -96,7 +105,8 @@ class WhisperFamily(Family):
             raise DeploymentError(f"{source}: components.decoder.prefill_token_buckets: only the decoder's decode "
                                   "steps are captured (its prefill steps attend per row and run eager)")
         body_cap = getattr(getattr(dep, "limits", None), "max_body_bytes", None)
-        if body_cap is not None and options.max_audio_bytes > body_cap:
+        # set by the deployment: at most the body cap; left out: the smaller of the two (`max_audio_bytes` below)
+        if body_cap is not None and "max_audio_bytes" in dep.model_kwargs and options.max_audio_bytes > body_cap:
             raise DeploymentError(f"{source}: model_kwargs.max_audio_bytes: {options.max_audio_bytes} exceeds "
                                   f"limits.max_body_bytes ({body_cap}); the proxy would refuse such uploads first")
         if dep.resources.kv_cache.prefix_caching:
@@ -150,7 +160,7 @@ def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: st
     from mstar_common.families.whisper.audio import AudioLimits
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    limits = AudioLimits(max_seconds=max_upload_seconds(dep), max_bytes=options.max_audio_bytes)
+    limits = AudioLimits(max_seconds=max_upload_seconds(dep), max_bytes=max_audio_bytes(dep, options))
     decoders, walks = (dep.components[name].placement.total_instances for name in ("decoder", "walk"))
     in_flight = max(1, dep.max_concurrent_requests * decoders // walks)
     return WhisperWalk(tokenizer, read_tokens(checkpoint),
