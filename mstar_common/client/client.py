@@ -218,10 +218,12 @@ def _events(response: httpx.Response) -> Iterator[ChatEvent]:
 
 def _error(response: httpx.Response) -> MStarError:
     try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text or response.reason_phrase
-    return MStarError(response.status_code, message, _retry_after(response.headers.get("retry-after")))
+        error = response.json()["error"]
+        message, param, code = error["message"], error.get("param"), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param, code = response.text or response.reason_phrase, None, None
+    return MStarError(response.status_code, message, _retry_after(response.headers.get("retry-after")),
+                      param=param if isinstance(param, str) else None, code=code if isinstance(code, str) else None)
 
 
 def _retry_after(value: str | None) -> float | None:

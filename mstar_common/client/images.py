@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
-from typing import Any
+import os
+from typing import Any, BinaryIO
 
-from mstar_common.client.types import set_knobs
+from mstar_common.client.types import read_file_input, set_knobs
 
-ImageInput = str | Path | bytes
+ImageInput = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO
 
 
 class ImageMethods:
@@ -38,10 +38,11 @@ class ImageMethods:
                    seed: int | None = None, *,
                    width: int | None = None, height: int | None = None, model: str | None = None,
                    **model_kwargs: Any) -> bytes:
-        """Edit with one to four reference images (paths or bytes), in order. The output size defaults to the
-        first reference's (cropped to the latent grid)."""
+        """Edit with one to four reference images (paths, open binary files or bytes), in order. The output size
+        defaults to the first reference's (cropped to the latent grid)."""
         images = list(image) if isinstance(image, (list, tuple)) else [image]
-        files = [("files", (f"image{i}.png", _read(img), "application/octet-stream")) for i, img in enumerate(images)]
+        files = [("files", (f"image{i}.png", _read(img, f"image[{i}]"), "application/octet-stream"))
+                 for i, img in enumerate(images)]
         data = {"text": prompt, "output_modalities": "image",
                 "model_kwargs": json.dumps(_knobs(width, height, seed, 1, model_kwargs))}
         if (name := self._model(model)) is not None:
@@ -60,8 +61,8 @@ def _knobs(width: int | None, height: int | None, seed: int | None, n: int, extr
     return kwargs
 
 
-def _read(image: ImageInput) -> bytes:
-    return image if isinstance(image, bytes) else Path(image).read_bytes()
+def _read(image: ImageInput, name: str) -> bytes:
+    return read_file_input(image, name)
 
 
 def _images(data: dict[str, Any]) -> list[bytes]:

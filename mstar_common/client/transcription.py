@@ -9,14 +9,14 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
-from mstar_common.client.types import EventStream, sse_events
+from mstar_common.client.types import EventStream, read_file_input, sse_events
 
 
 @dataclass(slots=True)
@@ -44,13 +44,13 @@ class TranscriptionEvent:
 class TranscriptionMethods:
     """Mixed into MStarClient: uses its `_model`, `_post`, `_open_stream` and `_json`."""
 
-    def transcribe(self, audio: str | Path | bytes, *, stream: bool = False, model: str | None = None,
+    def transcribe(self, audio: str | os.PathLike | bytes | BinaryIO, *, stream: bool = False, model: str | None = None,
                    language: str | None = None, task: str = "transcribe", prompt: str | None = None,
                    temperature: float | None = None, timestamps: bool = False, max_tokens: int | None = None,
                    seed: int | None = None) -> TranscriptionResult | EventStream[TranscriptionEvent]:
-        """Speech to text (`task="translate"`: to English). `audio`: a file path or the file's bytes (WAV,
-        FLAC, OGG, MP3, ...). Uploads over 30 s are cut at quiet moments and transcribed in parallel."""
-        data = Path(audio).read_bytes() if isinstance(audio, (str, Path)) else bytes(audio)
+        """Speech to text (`task="translate"`: to English). `audio`: a file path, an open binary file or the file's
+        bytes (WAV, FLAC, OGG, MP3, ...). Uploads over 30 s are cut at quiet moments and transcribed in parallel."""
+        data = read_file_input(audio, "audio")
         kwargs = {"language": language, "task": task, "prompt": prompt, "temperature": temperature,
                   "timestamps": timestamps, "max_tokens": max_tokens, "seed": seed}
         form = {"model_kwargs": json.dumps({k: v for k, v in kwargs.items() if v is not None}),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -31,21 +33,41 @@ _STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "se
                    "timeout": 504}
 
 
+def read_file_input(value: Any, name: str) -> bytes:
+    """A file argument as its bytes: bytes-like data, a path (`str` or any `os.PathLike`) to read, or an open binary
+    file (anything with `read()`); anything else is a TypeError naming the argument (a stray value was sent as
+    data: `bytes(8)` is eight zero bytes, and a `PurePath` is not a `Path`)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value).read_bytes()
+    if callable(getattr(value, "read", None)):
+        data = value.read()
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return bytes(data)
+        raise TypeError(f"{name}: the file must be opened in binary mode ('rb'), got {type(data).__name__} from it")
+    raise TypeError(f"{name}: expected bytes, a file path or a binary file, got {type(value).__name__}")
+
+
 class MStarError(Exception):
     """An error response from the server: `status` is the HTTP status (400 client fault, 500 server fault).
     `retry_after`: the seconds the server asked the client to wait before retrying (its `Retry-After`, sent with a
-    429 or 503), else None."""
+    429 or 503), else None. `param`: the request field a refusal names (e.g. "top_p"), and `code` the error's code
+    (e.g. "overloaded"), as the server's error body gives them, else None."""
 
-    def __init__(self, status: int, message: str, retry_after: float | None = None):
+    def __init__(self, status: int, message: str, retry_after: float | None = None, param: str | None = None,
+                 code: str | None = None):
         super().__init__(f"[{status}] {message}")
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.param = param
+        self.code = code
 
     def __reduce__(self) -> tuple:
         """Pickle by the constructor's arguments (Exception's default passes `str(self)` alone, which cannot make
         one again): a worker of a process pool that raises it would break the whole pool."""
-        return type(self), (self.status, self.message, self.retry_after)
+        return type(self), (self.status, self.message, self.retry_after, self.param, self.code)
 
 
 class MStarConnectionError(MStarError):
@@ -112,7 +134,8 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
                 raise MStarError(502, f"the stream sent an event that is not JSON: {data[:80]!r}") from None
             if "error" in event:
                 error = event["error"]
-                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""))
+                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""),
+                                 param=error.get("param"), code=error.get("code"))
             yield event
         raise MStarError(502, "the stream ended without [DONE]")
     except TIMEOUT_ERRORS as exc:

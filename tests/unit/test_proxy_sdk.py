@@ -70,6 +70,7 @@ def test_errors_raise_mstar_error():
     with pytest.raises(MStarError) as info:
         client.chat("x", top_p=0)
     assert info.value.status == 400 and "top_p" in info.value.message
+    assert info.value.param == "model_kwargs.top_p"  # the field the server's refusal names (/generate)
     with pytest.raises(MStarError) as info:
         client.chat("x", model="nope")
     assert info.value.status == 404
@@ -180,10 +181,12 @@ def test_a_stream_that_stalls_or_drops_mid_way_is_an_sdk_error(method):
 def test_stream_error_events_keep_their_status_and_a_garbled_event_is_an_sdk_error():
     """A 429 sent as a stream's error event used to surface as a 500; an event that is not JSON as a bare
     JSONDecodeError."""
-    client = _sse_client(b'data: {"error": {"message": "overloaded", "type": "rate_limit_exceeded"}}\n\n')
+    client = _sse_client(b'data: {"error": {"message": "overloaded", "type": "rate_limit_exceeded", '
+                         b'"param": null, "code": "overloaded"}}\n\n')
     with pytest.raises(MStarError) as info:
         list(client.chat("hi", stream=True))
     assert info.value.status == 429 and info.value.message == "overloaded"
+    assert (info.value.param, info.value.code) == (None, "overloaded")
     client = _sse_client(b"data: <html>bad gateway</html>\n\n")
     with pytest.raises(MStarError) as info:
         list(client.chat("hi", stream=True))
@@ -223,10 +226,37 @@ def test_sdk_errors_survive_pickling():
 
     from mstar_common.client import MStarConnectionError
 
-    for error in (MStarError(429, "the server is at capacity"), MStarConnectionError("could not reach the server")):
+    for error in (MStarError(429, "the server is at capacity", 1.0, "model", "overloaded"),
+                  MStarConnectionError("could not reach the server")):
         copy = pickle.loads(pickle.dumps(error))
-        assert type(copy) is type(error) and (copy.status, copy.message, str(copy)) == (
-            error.status, error.message, str(error))
+        assert type(copy) is type(error) and (copy.status, copy.message, str(copy), copy.param, copy.code) == (
+            error.status, error.message, str(error), error.param, error.code)
+
+
+def test_file_arguments_are_bytes_paths_or_binary_files_and_nothing_else(tmp_path):
+    """`transcribe` sent `bytes(8)` (eight zero bytes) and a PurePath's text as the audio, and `edit_image` refused a
+    bytearray or an open file: both now take bytes-like data, any os.PathLike, or a binary file, and refuse the rest
+    naming the argument."""
+    from pathlib import PurePosixPath
+
+    from mstar_common.client.types import read_file_input
+
+    path = tmp_path / "a.wav"
+    path.write_bytes(b"RIFFdata")
+    for value in (b"RIFFdata", bytearray(b"RIFFdata"), memoryview(b"RIFFdata"), str(path), path,
+                  PurePosixPath(str(path))):
+        assert read_file_input(value, "audio") == b"RIFFdata", value
+    with open(path, "rb") as handle:
+        assert read_file_input(handle, "audio") == b"RIFFdata"
+    with open(path) as handle, pytest.raises(TypeError, match="audio: the file must be opened in binary mode"):
+        read_file_input(handle, "audio")
+    for value in (8, None, 2.5, ["a"]):
+        with pytest.raises(TypeError, match=r"image\[1\]: expected bytes, a file path or a binary file"):
+            read_file_input(value, "image[1]")
+    client, fake = sdk(FakeTriton(script=[TritonInvalidRequest("stop")]))
+    with pytest.raises(TypeError, match="audio: expected bytes"):
+        client.transcribe(8)
+    assert fake.requests == []  # refused before anything was sent
 
 
 def test_a_streamed_transcription_ends_with_the_same_metadata_as_the_whole_one():
