@@ -188,7 +188,7 @@ def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None
         family.check_checkpoint(dep, checkpoint, source)
     except DeploymentError:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # AttributeError: JSON not an object
         reason = f"{type(exc).__name__}: {exc}"
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read its config ({reason})") from None
     if not any(checkpoint.rglob("*.safetensors")):

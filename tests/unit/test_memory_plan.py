@@ -119,7 +119,7 @@ def test_mstar_check_applies_the_checkpoint_rules_serve_applies(qwen3_config_dir
         capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("config", ['{"architectures": ["Qwen3', '{"decoder_layers": 2}'])
+@pytest.mark.parametrize("config", ['{"architectures": ["Qwen3', '{"decoder_layers": 2}', '[]', '"x"'])
 def test_mstar_check_refuses_an_unreadable_checkpoint_config_in_one_line(tmp_path, capsys, config):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -267,3 +267,19 @@ def test_a_prompt_that_leaves_no_room_names_the_text_and_a_default_cap_is_fitted
         rt.parse_request(_inputs("Hello there"))
     monkeypatch.setattr(rt.engine, "max_model_len", prompt + 5)
     assert rt.parse_request(_inputs("Hello there")).params.max_tokens == 5 < rt.default_max_tokens
+
+
+def test_a_max_input_tokens_that_leaves_no_room_for_a_frame_is_refused_at_startup():
+    """A text at the input cap must leave room for one 7-token SNAC frame within max_model_len; a cap of 5000 under
+    max_model_len 1536 was accepted and every long text then failed at request time."""
+    import dataclasses
+
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    OrpheusFamily().validate_deployment(dep, "test")
+    for kwargs in ({"max_input_tokens": 5000}, {"max_input_tokens": 1530}):
+        bad = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, **kwargs})
+        with pytest.raises(Exception, match=r"max_input_tokens: \d+ text tokens and one 7-token audio frame exceed "
+                                            r"resources.max_model_len=1536"):
+            OrpheusFamily().validate_deployment(bad, "test")
+    unset = {k: v for k, v in dep.model_kwargs.items() if k != "max_input_tokens"}  # the default, 1024, fits 1536
+    OrpheusFamily().validate_deployment(dataclasses.replace(dep, model_kwargs=unset), "test")

@@ -81,6 +81,12 @@ class OrpheusFamily(Family):
         if kw.get("default_voice", DEFAULT_VOICE) not in voices:
             raise DeploymentError(f"{source}: model_kwargs.default_voice: {kw.get('default_voice', DEFAULT_VOICE)!r} "
                                   f"is not one of voices {voices}")
+        max_input = kw.get("max_input_tokens", 1024)
+        frame = 7  # audio tokens in one SNAC frame: the least a clip needs
+        if max_input + frame > dep.resources.max_model_len:  # a text at the cap could never make a frame of audio
+            raise DeploymentError(f"{source}: model_kwargs.max_input_tokens: {max_input} text tokens and one "
+                                  f"{frame}-token audio frame exceed resources.max_model_len="
+                                  f"{dep.resources.max_model_len}; lower it or raise max_model_len")
         check_kv_pool_holds_cap(dep, source)
 
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
