@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mstar_common.config import Deployment, DeploymentError
+from mstar_common.config import Deployment, DeploymentError, Resources
 from mstar_common.families.base import Family
 from mstar_common.images import check_geometry, parse_size
 
@@ -71,6 +71,12 @@ class ImageFamily(Family):
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
         self.options_from_kwargs(dep.model_kwargs, source)
+        default = Resources()
+        for key in ("kv_cache", "max_model_len", "max_batch_tokens"):  # what nothing here reads is refused (§16.3)
+            if getattr(dep.resources, key) != getattr(default, key):
+                raise DeploymentError(f"{source}: resources.{key}: an image family has no KV pool, token budget or "
+                                      f"sequence length to set (its components batch whole images); remove it "
+                                      f"(model_kwargs sets sizes and batches, docs/{self.name}.md)")
         for name, comp in dep.components.items():
             if comp.cuda_graphs and name not in CAPTURED:
                 raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step and the text "

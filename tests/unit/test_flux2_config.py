@@ -49,6 +49,22 @@ def test_cuda_graphs_only_on_the_denoise_step_and_the_walk_on_the_cpu():
         deployment_from_dict(raw)
 
 
+@pytest.mark.parametrize("family_config", ["flux2_klein_4b_gpu.yaml", "z_image_turbo.yaml"])
+@pytest.mark.parametrize("resources,key", [
+    ({"kv_cache": {"num_pages": "auto", "gpu_memory_fraction": 0.3}}, "kv_cache"),
+    ({"max_model_len": 1}, "max_model_len"),
+    ({"max_batch_tokens": 4096}, "max_batch_tokens"),
+])
+def test_an_image_deployment_refuses_resources_nothing_reads(family_config, resources, key):
+    """ENGINE.md 16.3: settings nothing reads are refused. An image family has no KV pool or token budget, so a
+    `resources` block (e.g. a GPU memory fraction meant to share the GPU) did nothing, silently."""
+    raw = yaml.safe_load((CONFIGS / family_config).read_text())
+    deployment_from_dict(copy.deepcopy(raw))
+    raw["resources"] = resources
+    with pytest.raises(DeploymentError, match=rf"resources.{key}: an image family has no KV pool"):
+        deployment_from_dict(raw)
+
+
 @pytest.mark.parametrize("config", ["flux2_klein.yaml", "flux2_klein_4b_gpu.yaml"])
 def test_repository_has_the_walk_router_entry_and_four_decoupled_components(config):
     dep = load_deployment(CONFIGS / config)
