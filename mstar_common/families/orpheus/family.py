@@ -11,7 +11,7 @@ from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds
 from mstar_common.families.base import Family, causal_lm_kv_shape, check_lm_checkpoint, check_position_limit
 from mstar_common.families.orpheus.codes import FRAME_RULES
 from mstar_common.families.orpheus.graph import GRAPH
-from mstar_common.families.orpheus.tokens import DEFAULT_VOICE, VOICES
+from mstar_common.families.orpheus.tokens import CODES_PER_FRAME, DEFAULT_VOICE, VOICES
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # with 1, for 35 ms more first audio at c=1 (93 ms).
 DEFAULT_FIRST_CHUNK_FRAMES = 3
 _POSITIVE_INTS = ("codec_max_batch", "default_max_tokens", "max_input_tokens")
+DEFAULT_MAX_INPUT_TOKENS = 1024  # text tokens of one request
 
 
 def _builtin(preset: str):
@@ -81,11 +82,10 @@ class OrpheusFamily(Family):
         if kw.get("default_voice", DEFAULT_VOICE) not in voices:
             raise DeploymentError(f"{source}: model_kwargs.default_voice: {kw.get('default_voice', DEFAULT_VOICE)!r} "
                                   f"is not one of voices {voices}")
-        max_input = kw.get("max_input_tokens", 1024)
-        frame = 7  # audio tokens in one SNAC frame: the least a clip needs
-        if max_input + frame > dep.resources.max_model_len:  # a text at the cap could never make a frame of audio
+        max_input = kw.get("max_input_tokens", DEFAULT_MAX_INPUT_TOKENS)
+        if max_input + CODES_PER_FRAME > dep.resources.max_model_len:  # a text at the cap could never make audio
             raise DeploymentError(f"{source}: model_kwargs.max_input_tokens: {max_input} text tokens and one "
-                                  f"{frame}-token audio frame exceed resources.max_model_len="
+                                  f"{CODES_PER_FRAME}-token audio frame exceed resources.max_model_len="
                                   f"{dep.resources.max_model_len}; lower it or raise max_model_len")
         check_kv_pool_holds_cap(dep, source)
 
@@ -172,7 +172,8 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
     return OrpheusLMRuntime(
         engine=engine, tokenizer=tokenizer, layout=layout,
         voices=tuple(kw.get("voices", VOICES)), default_voice=kw.get("default_voice", DEFAULT_VOICE),
-        max_input_tokens=kw.get("max_input_tokens", 1024), default_max_tokens=kw.get("default_max_tokens", 1200),
+        max_input_tokens=kw.get("max_input_tokens", DEFAULT_MAX_INPUT_TOKENS),
+        default_max_tokens=kw.get("default_max_tokens", 1200),
         frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
         sample_rate=int(snac_config.get("sampling_rate", 24000)),
         first_chunk_frames=_first_chunk_frames(kw.get("first_chunk_frames", DEFAULT_FIRST_CHUNK_FRAMES)),

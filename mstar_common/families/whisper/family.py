@@ -105,8 +105,7 @@ class WhisperFamily(Family):
             raise DeploymentError(f"{source}: components.decoder.prefill_token_buckets: only the decoder's decode "
                                   "steps are captured (its prefill steps attend per row and run eager)")
         body_cap = getattr(getattr(dep, "limits", None), "max_body_bytes", None)
-        # set by the deployment: at most the body cap; left out: the smaller of the two (`max_audio_bytes` below)
-        if body_cap is not None and "max_audio_bytes" in dep.model_kwargs and options.max_audio_bytes > body_cap:
+        if body_cap is not None and max_audio_bytes(dep, options) > body_cap:  # only a cap the deployment set can be
             raise DeploymentError(f"{source}: model_kwargs.max_audio_bytes: {options.max_audio_bytes} exceeds "
                                   f"limits.max_body_bytes ({body_cap}); the proxy would refuse such uploads first")
         if dep.resources.kv_cache.prefix_caching:
