@@ -172,7 +172,9 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         # A burst the cap mostly refuses: each refusal's execute() ended before the stub filed its future, which
         # Triton's stub logged as "Cannot remove future from background; KeyError" (~1 in 3 refusals).
         burst: list[int] = []
-        light = {"model": served.dep.name, "prompt": "x", "size": "64x64", "num_inference_steps": 8}
+        # 128x128, 4x the pixels of 64x64: each runs long enough for the 16 to overlap on a fast box too (a CI run of
+        # 809ae1e got 7 refusals with 64x64)
+        light = {"model": served.dep.name, "prompt": "x", "size": "128x128", "num_inference_steps": 8}
         threads = [threading.Thread(target=lambda: burst.append(httpx.post(url, json=light, timeout=60).status_code))
                    for _ in range(16)]
         for thread in threads:
