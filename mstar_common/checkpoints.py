@@ -23,6 +23,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MSTAR_CACHE_DIR", Path.home() / ".cache" / "mstar"))
 
 
+def expand_home(spec: str) -> Path:
+    """Path(spec) with a leading ~ or ~user expanded; FileNotFoundError naming the user a home is unknown for."""
+    try:
+        return Path(spec).expanduser()
+    except RuntimeError:  # pathlib's answer for ~user without such a user (or ~ without HOME)
+        raise FileNotFoundError(f"{spec}: no home folder is known for {spec.split('/')[0]!r}") from None
+
+
 def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> Path:
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
@@ -32,7 +40,10 @@ def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -
         if _is_checkpoint_dir(out):  # builders rename a finished build into place, so present means complete
             return out
         return builtins[name](out)
-    path = Path(spec).expanduser()
+    try:
+        path = expand_home(spec)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"checkpoint: {exc}") from None
     if path.is_dir():
         if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
             raise FileNotFoundError(f"checkpoint: {spec} has no config.json (transformers layout) or model_index.json "
@@ -55,8 +66,12 @@ def find_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> P
         return out if _is_checkpoint_dir(out) else None
     try:
         return resolve_checkpoint(spec, builtins)
-    except FileNotFoundError:
-        if Path(spec).expanduser().exists():
+    except FileNotFoundError as exc:
+        try:
+            here = expand_home(spec).exists()
+        except FileNotFoundError:  # ~user with no such user: resolve_checkpoint's refusal names the key
+            raise exc from None
+        if here:
             raise  # here, and not a checkpoint
         return None
 

@@ -273,6 +273,10 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             buckets = getattr(comp, key)
             if buckets is not None and (not buckets or min(buckets) < 1):
                 raise DeploymentError(f"{source}: components.{name}.{key}: must be a non-empty list of integers >= 1")
+            if buckets is not None and len(set(buckets)) < len(buckets):
+                twice = sorted({b for b in buckets if buckets.count(b) > 1})
+                raise DeploymentError(f"{source}: components.{name}.{key}: {twice} given more than once; each size "
+                                      f"is one captured graph, so list it once")
         too_many = [b for b in comp.decode_buckets or () if b > dep.max_concurrent_requests]
         if too_many:
             raise DeploymentError(f"{source}: components.{name}.decode_buckets: {too_many} exceed "
@@ -289,11 +293,12 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
                                   f"got {comp.attention_backend!r}")
         if name not in family.graph.kv_holders:
             ignored = [key for key, unset in (("attention_backend", "auto"), ("decode_buckets", None),
-                                              ("prefill_token_buckets", None)) if getattr(comp, key) != unset]
+                                              ("prefill_token_buckets", None), ("fused_ops", True),
+                                              ("capture_sampling", True)) if getattr(comp, key) != unset]
             if ignored:
                 raise DeploymentError(f"{source}: components.{name}.{ignored[0]}: {name} is not an autoregressive "
                                       f"component (those of {dep.family} are {family.graph.kv_holders}); it has no "
-                                      f"paged attention or step buckets to set")
+                                      f"paged attention, step buckets, fused decoder ops or sampling to set")
         elif comp.placement.device == "cpu" and comp.attention_backend in ("triton", "triton_unfused", "flashinfer"):
             raise DeploymentError(f"{source}: components.{name}.attention_backend: {comp.attention_backend!r} runs on "
                                   f"a GPU; a cpu placement takes 'auto', 'torch' or 'torch_static'")
@@ -480,12 +485,25 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise DeploymentError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past any float (~1.8e308)
+            raise DeploymentError(f"{path}: expected a number, got an integer too large for one") from None
     if tp is str:
         if not isinstance(value, str) or not value:
             raise DeploymentError(f"{path}: expected a non-empty string, got {value!r}")
         return value
     raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or float that a float holds finitely: no bool, NaN, infinity or integer past ~1.8e308."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # math.isfinite converts an int to a float first
+        return False
 
 
 def _describe(tp: Any) -> str:

@@ -96,11 +96,11 @@ def shell_unsafe(path: str | Path) -> str | None:
 
 
 def generate_repository(deployment_path: str | Path, out_dir: str | Path) -> Deployment:
-    """Validate the deployment and write its repository to out_dir, replacing what was there."""
+    """Validate the deployment and write its repository to out_dir, replacing a repository written there before."""
     deployment_path = Path(deployment_path)
     dep = load_deployment(deployment_path)
     out_dir = Path(out_dir)
-    if reason := shell_unsafe(out_dir):
+    if reason := shell_unsafe(out_dir) or not_replaceable(out_dir):
         raise DeploymentError(f"--out: {reason}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = write_repository(dep, tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent),
@@ -112,6 +112,34 @@ def generate_repository(deployment_path: str | Path, out_dir: str | Path) -> Dep
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     return dep
+
+
+def not_replaceable(out_dir: Path) -> str | None:
+    """Why generating into out_dir would destroy something that is not a generated repository, or None.
+
+    The folder is replaced whole, so it must be missing, empty, or hold only what gen-repo writes: model folders
+    whose config.pbtxt starts with our header, and a README.md (kept across regenerations).
+    """
+    if not out_dir.exists():
+        return None
+    if not out_dir.is_dir():
+        return f"{out_dir} exists and is not a folder"
+    here = out_dir.resolve()
+    if here == Path.home().resolve() or here in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+        return f"{out_dir} is the working folder, one above it or the home folder; name a folder of its own"
+    header = HEADER.split("{source}")[0]
+    for entry in sorted(here.iterdir()):
+        if entry.name == "README.md" and entry.is_file():
+            continue
+        config = entry / "config.pbtxt"
+        try:
+            generated = entry.is_dir() and config.read_text(errors="replace").startswith(header)
+        except OSError:
+            generated = False
+        if not generated:
+            return (f"{out_dir} holds {entry.name!r}, which gen-repo did not write; the folder is replaced whole, "
+                    f"so name an empty or new folder, or one that holds a generated repository")
+    return None
 
 
 def _display_path(path: Path) -> str:

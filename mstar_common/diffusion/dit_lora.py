@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mstar_common.checkpoints import expand_home
 from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled, load_module
 from mstar_common.diffusion.image_options import LoraAdapter
 from mstar_common.safetensors_io import format_names
@@ -139,7 +140,7 @@ class Layout:
 
 def adapter_file(path: str) -> Path:
     """The adapter's safetensors: `path` itself, or the one .safetensors file in the folder `path`."""
-    file = Path(path).expanduser()
+    file = expand_home(path)
     if file.is_dir():
         found = sorted(file.glob("*.safetensors"))
         if len(found) != 1:

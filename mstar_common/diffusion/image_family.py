@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mstar_common.config import Deployment, DeploymentError, Resources
+from mstar_common.config import AdmissionConfig, Deployment, DeploymentError, Resources
 from mstar_common.families.base import Family
 from mstar_common.images import check_geometry, parse_size
 
@@ -77,6 +77,11 @@ class ImageFamily(Family):
                 raise DeploymentError(f"{source}: resources.{key}: an image family has no KV pool, token budget or "
                                       f"sequence length to set (its components batch whole images); remove it "
                                       f"(model_kwargs sets sizes and batches, docs/{self.name}.md)")
+        if dep.admission.queue_timeout_s != AdmissionConfig().queue_timeout_s:
+            raise DeploymentError(f"{source}: admission.queue_timeout_s: an image walk does not wait for admission: "
+                                  f"past max_concurrent_requests + admission.max_queue walks a request is refused at "
+                                  f"once (429), and an admitted one ends at admission.request_timeout_s (504); remove "
+                                  f"it")
         for name, comp in dep.components.items():
             if comp.cuda_graphs and name not in CAPTURED:
                 raise DeploymentError(f"{source}: components.{name}.cuda_graphs: only the denoise step and the text "

@@ -4,13 +4,12 @@ family's options dataclass is filled from YAML here, unknown keys refused, and e
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
-from mstar_common.config import DeploymentError
+from mstar_common.checkpoints import expand_home
+from mstar_common.config import DeploymentError, is_finite_number
 from mstar_common.images import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,6 +55,9 @@ def check_value(key: str, value: Any, where: str) -> Any:
     if key == "capture_batch_sizes":
         if not isinstance(value, list) or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a list of batch sizes >= 1, got {value!r}")
+        if len(set(value)) < len(value):
+            raise DeploymentError(f"{where}: {sorted({v for v in value if value.count(v) > 1})} given more than "
+                                  f"once; each batch size is one captured graph, so list it once")
         return value
     if key == "lora":
         return check_lora(value, where)
@@ -79,9 +81,13 @@ def check_lora(value: Any, where: str) -> tuple[LoraAdapter, ...]:
         path, scale = entry.get("path"), entry.get("scale", 1.0)
         if not isinstance(path, str) or not path:
             raise DeploymentError(f"{at}.path: must be the path of a LoRA .safetensors file, got {path!r}")
-        if not Path(path).expanduser().exists():
+        try:
+            exists = expand_home(path).exists()
+        except FileNotFoundError as exc:
+            raise DeploymentError(f"{at}.path: {exc}") from None
+        if not exists:
             raise DeploymentError(f"{at}.path: {path} does not exist")
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        if not is_finite_number(scale):
             raise DeploymentError(f"{at}.scale: must be a finite number, got {scale!r}")
         adapters.append(LoraAdapter(path, float(scale)))
     return tuple(adapters)
@@ -115,7 +121,11 @@ def default_dtype(dtype: str | None, device: str) -> str:
 def check_sizes(value: Any, where: str) -> list[str]:
     if not isinstance(value, list):
         raise DeploymentError(f"{where}: must be a list of 'WxH' sizes, got {value!r}")
-    return [check_size(v, where) for v in value]
+    sizes = [check_size(v, where) for v in value]
+    if len(set(sizes)) < len(sizes):
+        raise DeploymentError(f"{where}: {sorted({v for v in sizes if sizes.count(v) > 1})} given more than once; "
+                              f"each size is one captured graph, so list it once")
+    return sizes
 
 
 def check_size(value: Any, where: str) -> str:

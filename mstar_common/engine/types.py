@@ -77,7 +77,11 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
 def _check_float(name: str, value, lo: float | None, hi: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past any float
+        finite = False
+    if not finite:
         raise ValueError(f"{name}: must be finite, got {value}")
     if lo is not None and value < lo:
         raise ValueError(f"{name}: must be >= {lo}, got {value}")

@@ -371,3 +371,81 @@ def test_orpheus_codec_checkpoint_is_a_name_that_must_resolve(tmp_path):
     with pytest.raises(DeploymentError, match=rf"^t.yaml: model_kwargs.codec_checkpoint: checkpoint: {missing} is not "
                                               rf"a directory"):
         get_family("orpheus").check_checkpoint(deployment_from_dict(raw), tmp_path, "t.yaml")
+
+
+@pytest.mark.parametrize("family, component, setting, fragment", [
+    ("orpheus", "snac", {"fused_ops": False}, "components.snac.fused_ops: snac is not an autoregressive component"),
+    ("flux2_klein", "denoise", {"capture_sampling": False}, "components.denoise.capture_sampling: denoise is not an "
+                                                            "autoregressive component"),
+    ("whisper", "walk", {"fused_ops": False}, "components.walk.fused_ops: walk is not an autoregressive"),
+])
+def test_decoder_knobs_on_a_component_without_a_decoder_are_refused(family, component, setting, fragment):
+    """fused_ops and capture_sampling are read by the autoregressive engine alone; elsewhere they did nothing."""
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / f"{family}.yaml").read_text())
+    raw["components"][component] = {**(raw["components"].get(component) or {}), **setting}
+    _refused(raw, fragment)
+
+
+def test_an_image_walk_refuses_a_queue_timeout_it_has_no_queue_for():
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text())
+    raw["admission"] = {"queue_timeout_s": 5}
+    _refused(raw, "admission.queue_timeout_s: an image walk does not wait for admission")
+    raw["admission"] = {"max_queue": 2, "request_timeout_s": 30}  # what its walk does read
+    deployment_from_dict(raw, source="test.yaml")
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"components__llm__cuda_graphs": True, "components__llm__placement": {"device": "gpu", "gpus": [0]},
+      "components__llm__decode_buckets": [1, 2, 2, 4]}, "components.llm.decode_buckets: [2] given more than once"),
+    ({"components__llm__cuda_graphs": True, "components__llm__placement": {"device": "gpu", "gpus": [0]},
+      "components__llm__prefill_token_buckets": [64, 64]}, "prefill_token_buckets: [64] given more than once"),
+    ({"admission__queue_timeout_s": 10**400}, "admission.queue_timeout_s: expected a number, got an integer too large"),
+    ({"limits__max_upload_s": -10**400}, "limits.max_upload_s: expected a number, got an integer too large"),
+])
+def test_repeated_buckets_and_integers_past_a_float_are_refused(changes, fragment):
+    """A repeated ladder was deduplicated without a word (ENGINE.md 16.3 refuses it); an integer past ~1.8e308 where
+    a number is wanted ended `mstar check` in an OverflowError traceback."""
+    _refused(_with(**changes), fragment)
+
+
+def test_image_capture_lists_and_lora_scales_are_checked_without_tracebacks(tmp_path):
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text())
+    kwargs = raw.setdefault("model_kwargs", {})
+    _refused({**raw, "model_kwargs": {**kwargs, "capture_batch_sizes": [1, 1]}},
+             "model_kwargs.capture_batch_sizes: [1] given more than once")
+    _refused({**raw, "model_kwargs": {**kwargs, "capture_sizes": ["64x64", "64X64"]}},
+             "model_kwargs.capture_sizes: ['64x64'] given more than once")
+    adapter = tmp_path / "a.safetensors"
+    adapter.write_bytes(b"")
+    _refused({**raw, "model_kwargs": {**kwargs, "lora": [{"path": str(adapter), "scale": 10**400}]}},
+             "lora[0].scale: must be a finite number")
+    _refused({**raw, "model_kwargs": {**kwargs, "lora": [{"path": "~no_such_user_mstar/a.safetensors"}]}},
+             "lora[0].path: ~no_such_user_mstar/a.safetensors: no home folder is known for '~no_such_user_mstar'")
+
+
+def test_a_checkpoint_under_an_unknown_users_home_is_a_one_line_refusal(tmp_path, capsys):
+    """pathlib's RuntimeError ('Could not determine home directory') ended `mstar check` in a traceback."""
+    from mstar_common.cli import main
+
+    raw = copy.deepcopy(BASE)
+    raw["checkpoint"] = "~no_such_user_mstar/qwen3"
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint: ~no_such_user_mstar/qwen3: no home folder is known for '~no_such_user_mstar'" in err, err
+    assert "Traceback" not in err
+
+
+def test_whisper_thresholds_past_a_float_are_refused():
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    raw.setdefault("model_kwargs", {})["no_speech_threshold"] = 10**400
+    _refused(raw, "model_kwargs.no_speech_threshold: must be null (the rule off) or a number in [0.0, 1.0]")

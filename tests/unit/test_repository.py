@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mstar_common.cli import DEFAULT_DEPLOYMENT, PROJECT_ROOT
-from mstar_common.config import load_deployment
+from mstar_common.config import DeploymentError, load_deployment
 from mstar_common.graph import Component, FamilyGraph, Loop, Sequential, Step, TensorSpec, Walk
 from mstar_common.repository import _ensemble_pbtxt, entry_model, generate_repository, render_repository
 
@@ -65,3 +65,35 @@ def test_graph_refuses_inconsistent_declarations():
         FamilyGraph({"llm": llm}, {"w": Walk("w", Loop(Step("other"), "eos"), entry="other")})
     with pytest.raises(ValueError, match="on no walk"):
         FamilyGraph({"llm": llm, "x": Component("x", "stateless")}, {"w": Walk("w", Step("llm"), entry="llm")})
+
+
+def test_gen_repo_replaces_only_a_generated_repository(tmp_path, monkeypatch):
+    """The output folder is replaced whole: a folder holding anything gen-repo did not write is refused, untouched."""
+    monkeypatch.chdir(PROJECT_ROOT)
+    deployment = Path("configs") / DEFAULT_DEPLOYMENT.name
+    out = tmp_path / "repo"
+    generate_repository(deployment, out)
+    (out / "README.md").write_text("kept\n")
+    generate_repository(deployment, out)  # a generated repository (and its README) is replaced as before
+    assert (out / "README.md").read_text() == "kept\n" and (out / "qwen3_llm" / "config.pbtxt").is_file()
+
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(DeploymentError, match=r"--out: .*holds 'notes.txt', which gen-repo did not write"):
+        generate_repository(deployment, out)
+    assert (out / "notes.txt").read_text() == "mine\n"
+
+    work = tmp_path / "work"
+    (work / "src").mkdir(parents=True)
+    (work / "src" / "a.py").write_text("x = 1\n")
+    monkeypatch.chdir(work)
+    for target in (".", str(work / "src" / "..")):
+        with pytest.raises(DeploymentError, match="the working folder, one above it or the home folder"):
+            generate_repository(PROJECT_ROOT / deployment, target)
+    assert (work / "src" / "a.py").is_file() and not list(work.glob(".repo-*"))
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(DeploymentError, match="exists and is not a folder"):
+        generate_repository(PROJECT_ROOT / deployment, a_file)
+    (tmp_path / "empty").mkdir()
+    generate_repository(PROJECT_ROOT / deployment, tmp_path / "empty")

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
+from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap, is_finite_number
 from mstar_common.families.base import Family, check_max_model_len
 from mstar_common.families.whisper.graph import GRAPH
 
@@ -62,8 +61,7 @@ def options_from_kwargs(kwargs: dict[str, Any], source: str) -> WhisperOptions:
         value = getattr(options, name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or (low is not None and value < low) or (high is not None and value > high):
+        if not is_finite_number(value) or (low is not None and value < low) or (high is not None and value > high):
             bounds = f"in [{low}, {high}]" if low is not None and high is not None else (
                 f">= {low}" if low is not None else f"<= {high}")
             raise DeploymentError(f"{source}: model_kwargs.{name}: must be null (the rule off) or a number {bounds}, "

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from mstar_common.config import is_finite_number
 from mstar_common.families.text import check_text_fits, max_token_bytes
 from mstar_common.families.whisper import graph as g
 from mstar_common.families.whisper.decoding import TASKS, WhisperTokens
@@ -120,7 +120,7 @@ def _number(inputs: dict[str, np.ndarray], name: str) -> float | None:
     value = _scalar(inputs, name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise ValueError(f"{name}: must be a finite number, got {value!r}")
     return float(value)
 
