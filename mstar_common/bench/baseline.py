@@ -95,6 +95,7 @@ def hf_generate(checkpoint: str | Path, prompt_len: int, output_len: int, batch_
         # the mean time per decode step: the fastest run less the fastest prompt-and-first-token, over the steps
         # after the first token (both fastest-of-N, so a slow first run cannot make it negative unnoticed)
         itl_ms = max(wall - min(firsts), 0.0) / (output_len - 1) * 1e3 if output_len > 1 else None
-        results.append({"batch": batch, "wall_s": wall, "output_tok_per_s": batch * output_len / wall,
+        results.append({"batch": batch, "prompt_len": prompt_len, "output_len": output_len, "wall_s": wall,
+                        "output_tok_per_s": batch * output_len / wall,
                         "itl_ms": itl_ms, "runs_tok_per_s": [batch * output_len / w for w in walls]})
     return results

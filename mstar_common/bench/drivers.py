@@ -1,13 +1,14 @@
 """Load generators: closed-loop concurrency and Poisson open-loop arrivals.
 
-`TritonDriver` streams to the entry model over tritonclient gRPC (one bidirectional stream per client,
-`max_streams` clients round-robin); `OpenAIDriver` posts streaming `/v1/completions` to the proxy. Both
+`TritonDriver` streams to the entry model over tritonclient gRPC (a bidirectional stream for each request in
+flight); `OpenAIDriver` posts streaming `/v1/completions` to the proxy. Both
 record, per request, the send time and each response's arrival time and token count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -41,10 +42,15 @@ def _triton_inputs(request: dict):
 
 
 class TritonDriver:
-    """`outputs`: the output names every request asks for (None: none named, so Triton returns them all)."""
+    """`outputs`: the output names every request asks for (None: none named, so Triton returns them all).
 
-    def __init__(self, url: str, model: str, max_streams: int = 4, outputs: list[str] | None = None) -> None:
-        self.url, self.model, self.max_streams, self.outputs = url, model, max_streams, outputs
+    Each request in flight has a gRPC stream of its own, reused by the next request once it ends (a closed loop at
+    c opens c streams; a Poisson load as many as it ever has in flight): tritonclient's stream callback gives an
+    error without the id of the request it ends, so a stream carrying one request is the only way to tell whose
+    error it was."""
+
+    def __init__(self, url: str, model: str, outputs: list[str] | None = None) -> None:
+        self.url, self.model, self.outputs = url, model, outputs
 
     def run(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
             seed: int = 0, timeout_s: float = 600.0) -> list[RequestRecord]:
@@ -54,38 +60,60 @@ class TritonDriver:
         records: dict[str, RequestRecord] = {}
         done: queue.Queue = queue.Queue()
         lock = threading.Lock()
+        clients: list = []
+        carrying: list[str | None] = []  # the request each stream carries now (None: free)
 
-        def on_response(result, error) -> None:
+        def on_response(k: int, result, error) -> None:
             now = time.perf_counter()
-            if error is not None:  # tritonclient gives no request id with a stream error
-                with lock:
-                    rid = next((r for r, rec in records.items() if rec.end is None), None)
-                    if rid is not None:
-                        records[rid].error, records[rid].end = str(error), now
-                if rid is not None:
-                    done.put(rid)
+            with lock:
+                rid = carrying[k]
+            if rid is None:  # nothing of ours on this stream (a response after its request's final)
                 return
-            response = result.get_response()
-            ids = result.as_numpy(wire.TOKEN_IDS)
-            rec = records[response.id]
-            if ids is not None:
-                rec.chunks.append((now, int(ids.size)))
-            if response.parameters["triton_final_response"].bool_param:
+            rec = records[rid]
+            if error is not None:
+                rec.error, is_final = str(error), True
+            else:
+                response = result.get_response()
+                ids = result.as_numpy(wire.TOKEN_IDS)
+                if ids is not None:
+                    rec.chunks.append((now, int(ids.size)))
+                is_final = response.parameters["triton_final_response"].bool_param
+            if is_final:
                 rec.end = now
-                done.put(response.id)
+                with lock:
+                    carrying[k] = None  # free before the driver hears, so its next send can take it
+                done.put(rid)
+
+        def open_stream(rid: str | None) -> int:
+            client = grpcclient.InferenceServerClient(self.url)
+            with lock:
+                k = len(clients)
+                clients.append(client)
+                carrying.append(rid)
+            client.start_stream(callback=functools.partial(on_response, k))
+            return k
+
+        def stream_for(rid: str) -> int:
+            with lock:
+                k = next((i for i, r in enumerate(carrying) if r is None), None)
+                if k is not None:
+                    carrying[k] = rid
+                    return k
+            return open_stream(rid)
 
         outputs = [grpcclient.InferRequestedOutput(name) for name in self.outputs] if self.outputs else None
-        clients = [grpcclient.InferenceServerClient(self.url) for _ in range(self.max_streams)]
-        for client in clients:
-            client.start_stream(callback=on_response)
         try:
+            for _ in range(min(concurrency or 1, len(requests))):  # connected before the clock starts
+                open_stream(None)
+
             def send(index: int) -> None:
                 rid = f"r{index}"
+                inputs = _triton_inputs(requests[index])
+                k = stream_for(rid)
                 with lock:
                     records[rid] = RequestRecord(start=time.perf_counter())
-                clients[index % len(clients)].async_stream_infer(
-                    self.model, _triton_inputs(requests[index]), request_id=rid, outputs=outputs,
-                    enable_empty_final_response=True)
+                clients[k].async_stream_infer(self.model, inputs, request_id=rid, outputs=outputs,
+                                              enable_empty_final_response=True)
 
             _drive(len(requests), send, done, concurrency, rate, seed, timeout_s)
         finally:
@@ -151,8 +179,8 @@ class OpenAIDriver:
         return _run_in_processes(self.base_url, bodies, num, concurrency, rate, seed, timeout_s)
 
     def num_processes(self, count: int, concurrency: int | None, rate: float | None) -> int:
-        if self.processes != "auto":
-            return max(1, min(int(self.processes), count))
+        if self.processes != "auto":  # each process drives at least one stream: no more than the concurrency
+            return max(1, min(int(self.processes), count, concurrency or count if rate is None else count))
         if rate is not None or not concurrency:
             return 1
         cap = max(1, (os.cpu_count() or 2) // 2)
@@ -161,7 +189,9 @@ class OpenAIDriver:
     def body(self, request: dict) -> dict:
         return {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
                 "max_tokens": request["max_tokens"], "ignore_eos": request["ignore_eos"],
-                "temperature": request["temperature"], "stream_options": {"include_usage": True},
+                "temperature": request["temperature"],
+                # the tokens so far on every chunk, so each chunk's count is exact (as the Triton driver's)
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                 **{name: request[name] for name in ("top_p", "top_k") if name in request}}
 
 
@@ -230,12 +260,14 @@ async def _run_bodies(base_url: str, bodies: list[dict], concurrency: int | None
     records = [RequestRecord(start=0.0) for _ in bodies]
     limits = httpx.Limits(max_connections=max(concurrency or 1, 64))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        if rate is not None:
-            rng = random.Random(seed)
+        if rate is not None:  # arrivals on an absolute schedule: a late wake-up sends at once and does not shift
+            rng = random.Random(seed)  # the arrivals after it (the event loop also parses every stream's events)
             tasks = []
+            next_at = time.perf_counter()
             for index in range(len(bodies)):
                 tasks.append(asyncio.create_task(_one(client, base_url, bodies[index], records[index])))
-                await asyncio.sleep(rng.expovariate(rate))
+                next_at += rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             await asyncio.gather(*tasks)
         else:
             cursor = iter(range(len(bodies)))
@@ -255,30 +287,42 @@ async def _one(client, base_url: str, body: dict, rec: RequestRecord) -> None:
             if response.status_code != 200:
                 rec.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
-            usage = None
+            counted, finished, final = 0, False, None
+            untimed: list[float] = []  # content chunks without usage (a server with no continuous_usage_stats)
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if not line.startswith("data: "):
                     continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if chunk.get("choices"):
-                    rec.chunks.append((time.perf_counter(), 1))
-            if usage and rec.chunks:  # spread the counted tokens over the chunks that carried them
-                per = usage["completion_tokens"] / len(rec.chunks)
-                rec.chunks = [(t, 0) for t, _ in rec.chunks]
-                rec.chunks = _spread(rec.chunks, per, usage["completion_tokens"])
+                if line == "data: [DONE]":
+                    finished = True
+                    break
+                now, chunk = time.perf_counter(), json.loads(line[6:])
+                if "error" in chunk:  # the proxy's way to fail a stream after its 200
+                    rec.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return
+                usage = chunk.get("usage")
+                if not chunk.get("choices"):
+                    final = usage["completion_tokens"] if usage else final
+                elif usage:  # a chunk's tokens: what the usage so far grew by (a finish chunk may add none)
+                    if usage["completion_tokens"] > counted:
+                        rec.chunks.append((now, usage["completion_tokens"] - counted))
+                        counted = usage["completion_tokens"]
+                elif any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk["choices"]):
+                    untimed.append(now)
+            if not finished:
+                rec.error = "stream ended without data: [DONE]"
+            elif untimed and not rec.chunks and final:  # spread the final count over the chunks with text
+                rec.chunks = _spread(untimed, final)
     except Exception as exc:  # noqa: BLE001 - recorded per request
         rec.error = f"{type(exc).__name__}: {exc}"
     finally:
         rec.end = time.perf_counter()
 
 
-def _spread(chunks: list[tuple[float, int]], per: float, total: int) -> list[tuple[float, int]]:
+def _spread(times: list[float], total: int) -> list[tuple[float, int]]:
+    """`total` tokens over chunks at `times`, as evenly as whole numbers allow (the last takes the remainder)."""
     out, given = [], 0
-    for i, (t, _) in enumerate(chunks):
-        n = round(per * (i + 1)) - given
+    for i, t in enumerate(times):
+        n = round(total * (i + 1) / len(times)) - given
         out.append((t, n))
         given += n
-    out[-1] = (out[-1][0], out[-1][1] + total - given)
     return out

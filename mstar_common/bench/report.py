@@ -135,8 +135,9 @@ def slo_lines(model: dict) -> list[str]:
 def comparisons(model: dict) -> list[str]:
     """The headline ratios: ITL at c=1 against the floor, output tok/s against HF at the same batch."""
     out = []
-    closed = {r["concurrency"]: r["summary"] for r in model.get("runs", [])
-              if r["target"] == "triton" and r.get("concurrency") is not None}
+    triton = [r for r in model.get("runs", []) if r["target"] == "triton" and r.get("concurrency") is not None]
+    closed = {r["concurrency"]: r["summary"] for r in triton}
+    workloads = {r["concurrency"]: r.get("workload") for r in triton}
     hf = {h["batch"]: h for h in model.get("hf_generate", [])}
     if 1 in closed and closed[1]["itl_ms"]["p50"] is not None:
         itl = closed[1]["itl_ms"]["p50"]
@@ -144,7 +145,9 @@ def comparisons(model: dict) -> list[str]:
         ratio = f" = {itl / floor:.2f}x the floor" if floor else ""
         out.append(f"c=1 decode ITL p50 through Triton: {itl:.3f} ms{ratio}")
     for conc in sorted(closed):
-        if conc in hf:
+        if conc in hf and (why := _not_hf_like(workloads[conc], hf[conc])):
+            out.append(f"c={conc}: not compared with HF generate batch {conc}: {why}")
+        elif conc in hf:
             ours, theirs = closed[conc]["output_tok_per_s"], hf[conc]["output_tok_per_s"]
             runs = hf[conc].get("runs_tok_per_s") or []
             spread = f" (fastest of {len(runs)} runs: {', '.join(f'{r:,.0f}' for r in runs)})" if len(runs) > 1 else ""
@@ -153,6 +156,23 @@ def comparisons(model: dict) -> list[str]:
     for check, value in (model.get("checks") or {}).items():
         out.append(f"{check}: {value}")
     return out
+
+
+def _not_hf_like(workload: dict | None, hf: dict) -> str | None:
+    """Why a served level's workload is not the fixed lengths HF generate ran (None: it is, or either side's
+    record predates the lengths it needs)."""
+    if not workload or "prompt_len" not in hf:
+        return None
+    fixed = f"HF ran {hf['prompt_len']}-token prompts and exactly {hf['output_len']} output tokens"
+    if "input_data" in workload:
+        return f"the served prompts came from {workload['input_data']}; {fixed}"
+    served = (workload.get("prompt_len"), workload.get("prompt_len_max") or workload.get("prompt_len"),
+              workload.get("output_len"), workload.get("output_len_max") or workload.get("output_len"))
+    if served != (hf["prompt_len"], hf["prompt_len"], hf["output_len"], hf["output_len"]):
+        return f"the served lengths were {served[0]}-{served[1]} in, {served[2]}-{served[3]} out; {fixed}"
+    if not workload.get("ignore_eos", True):
+        return f"the served requests could stop at an EOS (no ignore_eos); {fixed}"
+    return None
 
 
 def server_lines(model: dict) -> list[str]:

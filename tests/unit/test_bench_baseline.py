@@ -41,3 +41,23 @@ def test_hf_itl_is_the_decode_steps_mean_and_never_negative(tmp_path):
             assert row["itl_ms"] is None
         else:
             assert 0 <= row["itl_ms"] <= row["wall_s"] * 1e3 / (output_len - 1)
+
+
+def test_a_level_is_compared_with_hf_only_at_the_lengths_hf_ran():
+    """The HF rows always ran --prompt-len/--output-len, and were compared with any served workload (a file's
+    prompts, ranged lengths, EOS-stopped requests) as if it were the same work."""
+    summary = {"output_tok_per_s": 1000.0, "itl_ms": {"p50": 1.0}}
+    hf = [{"batch": 1, "prompt_len": 512, "output_len": 256, "output_tok_per_s": 40.0}]
+    fixed = {"prompt_len": 512, "prompt_len_max": None, "output_len": 256, "output_len_max": None, "ignore_eos": True}
+
+    def line(workload):
+        model = {"runs": [{"target": "triton", "concurrency": 1, "summary": summary, "workload": workload}],
+                 "hf_generate": hf}
+        return next(line for line in comparisons(model) if line.startswith("c=1:"))
+
+    assert line(fixed).endswith("= 25.0x")
+    assert "not compared" in line({**fixed, "output_len": 128}) and "128-128 out" in line({**fixed, "output_len": 128})
+    assert "not compared" in line({**fixed, "prompt_len_max": 1024})
+    assert "could stop at an EOS" in line({**fixed, "ignore_eos": False})
+    assert "came from f.json" in line({"input_data": "f.json", "prompt_len": [512, 512], "output_len": [256, 256]})
+    assert line(None).endswith("= 25.0x")  # a results file from before the lengths were recorded

@@ -15,7 +15,8 @@ from mstar_common.bench.metrics import summarize
 class SSEServer:
     """A bare HTTP/1.1 server on 127.0.0.1 that streams `max_tokens` completion chunks per POST, then usage."""
 
-    def __init__(self):
+    def __init__(self, tokens_per_chunk: int = 1, fail_after: int | None = None):
+        self.tokens_per_chunk, self.fail_after = tokens_per_chunk, fail_after
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -61,10 +62,27 @@ class SSEServer:
                 body = json.loads(await reader.readexactly(length))
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
-                for _ in range(body["max_tokens"]):
+                continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
+                sent = 0
+                while sent < body["max_tokens"]:
+                    if self.fail_after is not None and sent >= self.fail_after:  # as the proxy fails a stream
+                        writer.write(self._frame(b'data: {"error": {"message": "boom", "code": "x"}}\n\n')
+                                     + b"0\r\n\r\n")
+                        await writer.drain()
+                        break
+                    sent += min(self.tokens_per_chunk, body["max_tokens"] - sent)
                     chunk = {"choices": [{"index": 0, "text": " w", "finish_reason": None}]}
+                    if continuous:
+                        chunk["usage"] = {"completion_tokens": sent}
                     writer.write(self._frame(b"data: " + json.dumps(chunk).encode() + b"\n\n"))
                     await writer.drain()
+                else:
+                    finish = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+                    if continuous:
+                        finish["usage"] = {"completion_tokens": sent}
+                    writer.write(self._frame(b"data: " + json.dumps(finish).encode() + b"\n\n"))
+                if sent < body["max_tokens"]:
+                    continue
                 usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
                 writer.write(self._frame(b"data: " + json.dumps(usage).encode() + b"\n\n")
                              + self._frame(b"data: [DONE]\n\n") + b"0\r\n\r\n")
@@ -118,3 +136,58 @@ def test_requests_failing_in_client_processes_come_back_as_errors():
     driver = OpenAIDriver("http://127.0.0.1:9", "m", lambda n: " the" * n, processes=2)
     records = driver.run(_requests(2), concurrency=2, timeout_s=5)  # nothing listens: each request errs
     assert all(r.error for r in records)
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 3])
+def test_each_chunk_counts_the_tokens_the_usage_says_it_carried(tokens_per_chunk):
+    """The driver asks for continuous usage, so a chunk of k tokens counts k (they were spread evenly over every
+    chunk, the empty finish chunk included) and the finish chunk counts none."""
+    requests = _requests(5)
+    with SSEServer(tokens_per_chunk=tokens_per_chunk) as server:
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+            requests, concurrency=2)
+    for record, request in zip(records, requests, strict=True):
+        n = request["max_tokens"]
+        want = [tokens_per_chunk] * (n // tokens_per_chunk) + ([n % tokens_per_chunk] if n % tokens_per_chunk else [])
+        assert record.error is None and [k for _, k in record.chunks] == want
+
+
+def test_a_stream_failing_after_its_200_is_an_error():
+    """The proxy fails a started stream with a data: {"error": ...} event; that request was counted a success."""
+    with SSEServer(fail_after=2) as server:
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+            _requests(3), concurrency=1)
+    assert all(r.error and r.error.startswith("stream error: ") and "boom" in r.error for r in records)
+    assert summarize(records)["num_errors"] == 3
+
+
+def test_asked_processes_never_exceed_the_concurrency():
+    """--client-processes 4 at c=1 ran four requests at once, reported as c=1."""
+    driver = OpenAIDriver("http://x", "m", None, processes=4)
+    assert [driver.num_processes(1000, c, None) for c in (1, 2, 3, 4, 64)] == [1, 2, 3, 4, 4]
+    assert driver.num_processes(1000, None, 50.0) == 4 and driver.num_processes(2, None, 50.0) == 2
+
+
+def test_poisson_arrivals_keep_their_schedule_when_the_client_lags(monkeypatch):
+    """Each arrival slept its interval after the previous wake-up, so a busy event loop (it also parses every
+    stream) pushed every later arrival back: 4 ms of work a request made 40 arrivals at 100 req/s ~0.16 s late."""
+    import random
+    import time
+
+    from mstar_common.bench import drivers
+
+    real = drivers._one
+
+    async def busy(client, base_url, body, rec):
+        time.sleep(0.004)  # the event loop held, as by parsing other streams' events
+        await real(client, base_url, body, rec)
+
+    monkeypatch.setattr(drivers, "_one", busy)
+    count, rate = 40, 100.0
+    with SSEServer() as server:
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+            _requests(count), rate=rate, seed=7)
+    rng = random.Random(7)
+    scheduled = sum(rng.expovariate(rate) for _ in range(count - 1))
+    starts = sorted(r.start for r in records)
+    assert starts[-1] - starts[0] < scheduled + 0.08, (starts[-1] - starts[0], scheduled)  # late by 0.156 s before
