@@ -95,12 +95,17 @@ def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("mstar_request_id", default="-")
 
 
+_COMPONENT_ERROR_ID = re.compile(re.escape(wire.SERVER_ERROR_PREFIX) + r"([0-9A-Za-z]{1,64})\)")
+
+
 def server_error(
     original: str, *, status: int = 500, public: str = "internal server error", exc_info: BaseException | None = None
 ) -> APIError:
-    """A server fault: log `original` under a fresh error id (and the request's id) and return an error that shows
-    only the error id."""
-    error_id = uuid.uuid4().hex[:16]
+    """A server fault: log `original` under an error id (and the request's id) and return an error that shows
+    only the error id: the component's own where `original` carries one (its log holds the cause under it), else a
+    fresh one."""
+    found = _COMPONENT_ERROR_ID.search(original)
+    error_id = found.group(1) if found else uuid.uuid4().hex[:16]
     logger.error("[proxy] [%s] error id %s: %s", REQUEST_ID.get(), error_id, original, exc_info=exc_info)
     return APIError(status, f"{public} (error id {error_id})", code=error_id)
 

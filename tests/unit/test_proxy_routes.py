@@ -217,6 +217,24 @@ def test_triton_server_error_is_500_with_logged_error_id(caplog):
     assert any(error["code"] in rec.getMessage() and "CUDA OOM" in rec.getMessage() for rec in caplog.records)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_components_error_id_is_the_one_the_client_gets(caplog, stream):
+    """The component logs the cause under its id; the proxy answered with an id of its own, so the id a client
+    quoted was in the proxy's log only (docs/metrics.md: the id leads to the component's log line)."""
+    script = [StreamResponse(text="partial")] if stream else []  # streamed: failing after the 200
+    client, _ = client_for(FakeTriton(script=[*script, TritonServerError("internal error (error id 3fa9c0d2e1b4)")]))
+    with caplog.at_level(logging.ERROR, logger="mstar_common.proxy"):
+        r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x", "stream": stream})
+    if stream:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        error = events[-1]["error"]
+    else:
+        assert r.status_code == 500
+        error = r.json()["error"]
+    assert error["code"] == "3fa9c0d2e1b4" and "error id 3fa9c0d2e1b4" in error["message"]
+
+
 def test_a_fault_line_names_its_request_streamed_or_not(caplog):
     """Two requests failing together could not be told apart in the proxy's log (found in a QA pass)."""
     script = [StreamResponse(text="partial"), TritonServerError("boom in step loop")]
