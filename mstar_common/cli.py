@@ -31,6 +31,59 @@ def resolve_target(target: str) -> Path:
     raise DeploymentError(f"unknown model {target!r}: no configs/{target}.yaml; available: {known}")
 
 
+def serve_target(target: str | None, config: str | None) -> Path:
+    """The deployment `mstar serve` starts: `--config`'s file, else the target's (a key or a YAML); a key given
+    with `--config` must be of the config's family."""
+    if config is None:
+        return resolve_target(target or str(DEFAULT_DEPLOYMENT))
+    path = Path(config)
+    if not path.is_file():
+        raise DeploymentError(f"--config: {config} is not a file")
+    if target is not None:
+        keyed = load_deployment(resolve_target(target)).family
+        if (family := load_deployment(path).family) != keyed:
+            raise DeploymentError(f"--config: {config} deploys family {family!r}, and {target!r} is a {keyed!r} "
+                                  f"deployment; name one of them")
+    return path
+
+
+def parse_gpus(value: str) -> list[int]:
+    """`--gpus 0,1,2,3`: distinct GPU ids >= 0."""
+    try:
+        gpus = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated GPU ids such as 0,1, got {value!r}") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) < len(gpus):
+        raise argparse.ArgumentTypeError(f"must be distinct GPU ids >= 0, got {value!r}")
+    return gpus
+
+
+def place_on_gpus(dep, gpus: list[int], source: str):
+    """The deployment with every GPU-placed component on `gpus` (instances per GPU unchanged), checked again as a
+    whole (KV pools are per instance); components on the cpu (a walk router, a demo's model) stay there."""
+    from mstar_common.config import deployment_from_dict
+
+    raw = dep.to_dict()
+    on_gpu = [name for name, comp in raw["components"].items() if comp["placement"]["device"] == "gpu"]
+    if not on_gpu:
+        gpu_configs = sorted(p.name for p in CONFIGS.glob("*.yaml") if p.resolve() != Path(source).resolve()
+                             and _gpu_deployment_of(p, dep.family))
+        where = f"; its family's GPU deployments: {', '.join(f'configs/{n}' for n in gpu_configs)}" if gpu_configs \
+            else ""
+        raise DeploymentError(f"--gpus: {source} places no component on a GPU (a cpu demo){where}")
+    for name in on_gpu:
+        raw["components"][name]["placement"]["gpus"] = list(gpus)
+    return deployment_from_dict(raw, source=f"{source} with --gpus {','.join(map(str, gpus))}")
+
+
+def _gpu_deployment_of(path: Path, family: str) -> bool:
+    try:
+        dep = load_deployment(path)
+    except DeploymentError:
+        return False
+    return dep.family == family and any(c.placement.device == "gpu" for c in dep.components.values())
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from mstar_common.checkpoints import find_checkpoint
     from mstar_common.families.registry import get_family
@@ -78,8 +131,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
     from mstar_common.switches import check_switches
 
-    path = resolve_target(args.target)
+    path = serve_target(args.target, args.config)
     dep = load_deployment(path)
+    if args.gpus is not None:
+        dep = place_on_gpus(dep, args.gpus, path.name)
     try:
         check_switches()  # a misspelt MSTAR_* switch: refused here, not after tritonserver has loaded the models
     except ValueError as exc:
@@ -113,7 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # after the refusals, so none leaves a folder; the name as far as a folder name can carry it
     run_dir = run_folders.make(f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', dep.name)[:48]}-", s.keep_run_folders)
     repo = run_dir / "model_repository"
-    generate_repository(path, repo)
+    generate_repository(path, repo, dep=dep)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -271,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mstar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="validate, generate the repository, start tritonserver + the proxy")
-    p.add_argument("target", nargs="?", default=str(DEFAULT_DEPLOYMENT), help="family key or deployment YAML")
+    p.add_argument("target", nargs="?", default=None,
+                   help="deployment key (configs/<key>.yaml) or deployment YAML (default: the qwen3 demo)")
+    p.add_argument("--config", default=None, help="deployment YAML to serve (a key given too must be its family's)")
+    p.add_argument("--gpus", type=parse_gpus, default=None, metavar="0,1,...",
+                   help="place every GPU component of the deployment on these GPUs (instances per GPU kept)")
     p.add_argument("--host", default="127.0.0.1", help="proxy bind address")
     p.add_argument("--port", type=_tcp_port, default=None, help="proxy port (default: server.proxy_port)")
     p.add_argument("--http-port", type=_tcp_port, default=None, help="Triton HTTP port (default: server.http_port)")

@@ -95,10 +95,11 @@ def shell_unsafe(path: str | Path) -> str | None:
     return None
 
 
-def generate_repository(deployment_path: str | Path, out_dir: str | Path) -> Deployment:
-    """Validate the deployment and write its repository to out_dir, replacing a repository written there before."""
+def generate_repository(deployment_path: str | Path, out_dir: str | Path, dep: Deployment | None = None) -> Deployment:
+    """Validate the deployment and write its repository to out_dir, replacing a repository written there before.
+    `dep`: the file's deployment as already loaded (and changed, e.g. by `mstar serve --gpus`)."""
     deployment_path = Path(deployment_path)
-    dep = load_deployment(deployment_path)
+    dep = load_deployment(deployment_path) if dep is None else dep
     out_dir = Path(out_dir)
     if reason := shell_unsafe(out_dir) or not_replaceable(out_dir):
         raise DeploymentError(f"--out: {reason}")

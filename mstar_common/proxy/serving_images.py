@@ -155,7 +155,11 @@ def image_tensors(fields: ImageFields, references: list[bytes], names: dict[str,
 
 
 def _one_of(first: Any, second: Any) -> Any:
-    if first is not None and second is not None and first != second:
+    """output_format and its alias: the one sent, or both if they name the same format (any case, jpg = jpeg)."""
+    def same(value: Any) -> Any:
+        return {"jpg": "jpeg"}.get(value.lower(), value.lower()) if isinstance(value, str) else value
+
+    if first is not None and second is not None and same(first) != same(second):
         raise invalid_request("'output_format' and 'image_output_format' disagree; send one", param="output_format")
     return first if first is not None else second
 
@@ -251,14 +255,15 @@ async def _form(request: Request, file_fields: tuple[str, ...]) -> tuple[dict[st
     form = await read_utf8_form(request)
     raw: dict[str, Any] = {}
     uploads: list[bytes] = []
-    for key in dict.fromkeys(form.keys()):
-        values = form.getlist(key)
+    for key, value in form.multi_items():  # files in the order sent: the order sets each reference's position
         if key in file_fields:
-            for value in values:
-                if not isinstance(value, UploadFile):
-                    raise invalid_request(f"'{key}' must be an uploaded file", param=key)
-                uploads.append(await value.read())
+            if not isinstance(value, UploadFile):
+                raise invalid_request(f"'{key}' must be an uploaded file", param=key)
+            uploads.append(await value.read())
+    for key in dict.fromkeys(form.keys()):
+        if key in file_fields:
             continue
+        values = form.getlist(key)
         if any(isinstance(v, UploadFile) for v in values):
             raise invalid_request(f"'{key}': unexpected file upload", param=key)
         if len(values) > 1:

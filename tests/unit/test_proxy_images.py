@@ -61,6 +61,26 @@ def test_edits_send_references_in_order():
     assert sent(fake)["reference_images"] == [png(), png(64, 64)] and sent(fake)["seed"] == [5]
 
 
+def test_edits_keep_the_upload_order_across_image_and_image_brackets():
+    """Uploads were grouped by form key, so A (image), B (image[]), C (image) reached the model as A, C, B; the
+    order sets each reference's position ids, so the result changed."""
+    http, fake = client()
+    a, b, c = png(16, 16), png(32, 32), png(48, 48)
+    files = [("image", ("a.png", a, "image/png")), ("image[]", ("b.png", b, "image/png")),
+             ("image", ("c.png", c, "image/png"))]
+    reply = http.post("/v1/images/edits", data={"prompt": "blue"}, files=files)
+    assert reply.status_code == 200, reply.text
+    assert sent(fake)["reference_images"] == [a, b, c]
+
+
+@pytest.mark.parametrize("first, second", [("PNG", "png"), ("jpg", "jpeg"), ("Jpeg", "JPG")])
+def test_a_format_and_its_alias_naming_one_format_agree(first, second):
+    http, fake = client()
+    reply = http.post("/v1/images/generations", json={"model": "klein", "prompt": "x", "output_format": first,
+                                                      "image_output_format": second})
+    assert reply.status_code == 200, reply.text
+
+
 @pytest.mark.parametrize("body,field", [
     ({"size": "1024"}, "size"),
     ({"response_format": "url"}, "response_format"),
