@@ -70,10 +70,10 @@ def place_on_gpus(dep, gpus: list[int], source: str):
                              and _gpu_deployment_of(p, dep.family))
         where = f"; its family's GPU deployments: {', '.join(f'configs/{n}' for n in gpu_configs)}" if gpu_configs \
             else ""
-        raise DeploymentError(f"--gpus: {source} places no component on a GPU (a cpu demo){where}")
+        raise DeploymentError(f"--gpus: {Path(source).name} places no component on a GPU (a cpu demo){where}")
     for name in on_gpu:
         raw["components"][name]["placement"]["gpus"] = list(gpus)
-    return deployment_from_dict(raw, source=f"{source} with --gpus {','.join(map(str, gpus))}")
+    return deployment_from_dict(raw, source=f"{Path(source).name} with --gpus {','.join(map(str, gpus))}")
 
 
 def _gpu_deployment_of(path: Path, family: str) -> bool:
@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = serve_target(args.target, args.config)
     dep = load_deployment(path)
     if args.gpus is not None:
-        dep = place_on_gpus(dep, args.gpus, path.name)
+        dep = place_on_gpus(dep, args.gpus, str(path))
     try:
         check_switches()  # a misspelt MSTAR_* switch: refused here, not after tritonserver has loaded the models
     except ValueError as exc:

@@ -71,7 +71,7 @@ def serve_sse(port: int, tokens: int) -> None:
     asyncio.run(main())
 
 
-def serve_grpc(port: int, tokens: int, per_response: int) -> None:
+def serve_grpc(port: int, tokens: int, per_response: int, streams: int) -> None:
     """Triton's ModelStreamInfer: `per_response` token ids per response, round-robin over the live requests."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -121,7 +121,8 @@ def serve_grpc(port: int, tokens: int, per_response: int) -> None:
                     if final:
                         del live[request_id]
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    # a stream holds a worker for its life, and the driver opens one per request in flight
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=streams + 4))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -140,7 +141,10 @@ def main() -> int:
     args = p.parse_args()
     if args.serve:
         port, per_response = args.serve
-        serve_sse(port, args.tokens) if args.driver == "openai" else serve_grpc(port, args.tokens, per_response)
+        if args.driver == "openai":
+            serve_sse(port, args.tokens)
+        else:
+            serve_grpc(port, args.tokens, per_response, args.concurrency)
         return 0
     from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
     from mstar_common.bench.metrics import summarize

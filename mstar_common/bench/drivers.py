@@ -61,17 +61,18 @@ class TritonDriver:
         done: queue.Queue = queue.Queue()
         lock = threading.Lock()
         clients: list = []
-        carrying: list[str | None] = []  # the request each stream carries now (None: free)
+        carrying: list[str | None | bool] = []  # the request each stream carries now (None: free; False: dead)
 
         def on_response(k: int, result, error) -> None:
             now = time.perf_counter()
             with lock:
                 rid = carrying[k]
-            if rid is None:  # nothing of ours on this stream (a response after its request's final)
+            if not rid:  # nothing of ours on this stream (a response after its request's final, a dead stream)
                 return
             rec = records[rid]
-            if error is not None:
-                rec.error, is_final = str(error), True
+            broken = False
+            if error is not None:  # in-band (the request's own error) or the whole gRPC stream failing (a status)
+                rec.error, is_final, broken = str(error), True, getattr(error, "status", lambda: None)() is not None
             else:
                 response = result.get_response()
                 ids = result.as_numpy(wire.TOKEN_IDS)
@@ -80,8 +81,8 @@ class TritonDriver:
                 is_final = response.parameters["triton_final_response"].bool_param
             if is_final:
                 rec.end = now
-                with lock:
-                    carrying[k] = None  # free before the driver hears, so its next send can take it
+                with lock:  # free before the driver hears, so its next send can take it; a broken one never again
+                    carrying[k] = False if broken else None
                 done.put(rid)
 
         def open_stream(rid: str | None) -> int:
@@ -102,6 +103,7 @@ class TritonDriver:
             return open_stream(rid)
 
         outputs = [grpcclient.InferRequestedOutput(name) for name in self.outputs] if self.outputs else None
+        finished = False
         try:
             for _ in range(min(concurrency or 1, len(requests))):  # connected before the clock starts
                 open_stream(None)
@@ -116,9 +118,10 @@ class TritonDriver:
                                               enable_empty_final_response=True)
 
             _drive(len(requests), send, done, concurrency, rate, seed, timeout_s)
+            finished = True
         finally:
             for client in clients:
-                client.stop_stream()
+                client.stop_stream(cancel_requests=not finished)  # leaving on an error: nothing left to wait for
                 client.close()
         return [records[f"r{i}"] for i in range(len(requests)) if f"r{i}" in records]
 

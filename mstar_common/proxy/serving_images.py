@@ -5,7 +5,7 @@ hosted), `seed`, and as extra fields `num_inference_steps`, `output_format` (ali
 `png_compress_level`, `output_compression`. edits (multipart): the same fields as form values plus `image`
 (or `image[]`, repeatable: up to four references, in order); `mask` (inpainting) is refused. OpenAI fields
 the model cannot honour (`quality`, `style`, `background` other than auto, `moderation` other than auto or low
-(nothing is moderated), `guidance_scale`)
+(nothing is moderated), `guidance_scale` other than 0: no model here runs classifier-free guidance)
 are refused rather than dropped. Geometry (latent grid, `max_image_area`), step and count limits are
 checked by the entry model, whose `invalid_request` errors become 400s naming the rule.
 
@@ -46,7 +46,9 @@ MAX_REFERENCES = 4  # the entry model enforces its own (deployment) limit as wel
 _IMAGE_FIELDS = ("image", "image[]")
 _REFUSED = {  # OpenAI field -> values that may pass (the harmless ones)
     "quality": (None, "auto"), "style": (None,), "background": (None, "auto", "opaque"),  # every output is opaque
-    "moderation": (None, "auto", "low"), "guidance_scale": (None,), "negative_prompt": (None,), "mask": (None,),
+    "moderation": (None, "auto", "low"), "negative_prompt": (None,), "mask": (None,),
+    # no classifier-free guidance in these distilled models: 0 (diffusers' "off", Z-Image-Turbo's card) is what runs
+    "guidance_scale": (None, 0, "0", "0.0"),
     # images arrive whole: no stream of partial images (a form value is the string)
     "stream": (None, False, "false"), "partial_images": (None, 0, "0"),
 }
@@ -110,7 +112,8 @@ def image_tensors(fields: ImageFields, references: list[bytes], names: dict[str,
         return names.get(field, field)
 
     for name, allowed in _REFUSED.items():
-        if getattr(fields, name) not in allowed:
+        value = getattr(fields, name)
+        if not any(value is ok if isinstance(ok, bool) or isinstance(value, bool) else value == ok for ok in allowed):
             raise invalid_request(f"'{named(name)}' is not supported by this model (got {getattr(fields, name)!r})",
                                   param=named(name))
     if fields.response_format not in (None, "b64_json"):

@@ -130,7 +130,7 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         work_s = min(r.elapsed.total_seconds() for r in replies if r.status_code == 200)
         assert "cap of 1 running and 1 queued" in next(r for r in replies if r.status_code == 429).text
 
-        # The deadline's request does ~3.75x the work of those (496x496, the tiny checkpoint's RoPE range): at
+        # The deadline's request does ~3.75x the work of those (496x496, inside the tiny checkpoint's RoPE range): at
         # 256x256 a fast CI box once answered it inside the 0.3 s (the work outran the deadline; 2026-12-06).
         inputs = []
         for name, value in (("prompt", "a cat"), ("width", 496), ("height", 496), ("num_images", 4),

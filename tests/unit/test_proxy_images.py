@@ -86,6 +86,8 @@ def test_a_format_and_its_alias_naming_one_format_agree(first, second):
     ({"response_format": "url"}, "response_format"),
     ({"quality": "hd"}, "quality"),
     ({"guidance_scale": 3.5}, "guidance_scale"),
+    ({"guidance_scale": False}, "guidance_scale"),
+    ({"partial_images": False}, "partial_images"),
     ({"output_format": "gif"}, "output_format"),
     ({"png_compress_level": 50.9}, "png_compress_level"),
     ({"png_compress_level": True}, "png_compress_level"),
@@ -294,3 +296,18 @@ def test_native_generate_names_its_own_fields_in_the_proxys_refusals():
     assert fake.requests == []
     reply = http.post("/generate", json={"model": "klein", "text": "x", "model_kwargs": {"num_images": 2}})
     assert reply.status_code == 200 and sent(fake)["num_images"] == [2]
+
+
+@pytest.mark.parametrize("value", [0, 0.0])
+def test_guidance_scale_zero_is_what_runs_and_passes(value):
+    """Z-Image-Turbo's card calls its pipeline with guidance_scale=0.0 (diffusers' 'no CFG', what these distilled
+    models do); it was a 400. Anything above 0 is still refused."""
+    http, fake = client()
+    reply = http.post("/v1/images/generations", json={"model": "klein", "prompt": "x", "guidance_scale": value})
+    assert reply.status_code == 200, reply.text
+    assert "guidance_scale" not in sent(fake)
+    form = http.post("/v1/images/edits", data={"prompt": "x", "guidance_scale": "0"},
+                     files=[("image", ("a.png", png(), "image/png"))])
+    assert form.status_code == 200, form.text
+    stream = http.post("/v1/images/generations", json={"model": "klein", "prompt": "x", "stream": False})
+    assert stream.status_code == 200, stream.text

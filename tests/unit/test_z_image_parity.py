@@ -217,14 +217,15 @@ def test_walk_refusals_name_the_rule(checkpoint, inputs, rule):
 
 
 def test_the_walk_refuses_sizes_past_the_rope_range_and_the_formats_sides(checkpoint):
-    """Before the text encoder runs: a size past the DiT's RoPE tables (the tiny checkpoint's 496 px a side; 8,176
-    for the real model, reachable under the default area as 8192x512), and a side the output format cannot hold."""
+    """Before the text encoder runs: a size past the DiT's RoPE tables (the tiny checkpoint's 512 px a side, 32
+    rows of 16 px; 8,192 for the real model, passed under the default area by 8208x496), and a side the output
+    format cannot hold. The last row of the tables was refused (496 px), which diffusers renders."""
     walk = ZImageTurboFamily().build_component("walk", tiny_deployment(checkpoint, max_image_area=2**22),
                                                checkpoint, "cpu")
     size = lambda w, h: {"width": np.array([w], np.int32), "height": np.array([h], np.int32)}  # noqa: E731
-    assert walk.parse({**request("a cat"), **size(496, 64)}).width == 496
-    with pytest.raises(ValueError, match=r"size: 512x64 exceeds this checkpoint's RoPE range of 496x496"):
-        walk.parse({**request("a cat"), **size(512, 64)})
+    assert walk.parse({**request("a cat"), **size(512, 64)}).width == 512
+    with pytest.raises(ValueError, match=r"size: 528x64 exceeds this checkpoint's RoPE range of 512x512"):
+        walk.parse({**request("a cat"), **size(528, 64)})
     walk.max_sides = None  # the format's own limit, past any RoPE range
     with pytest.raises(ValueError, match=r"size: 16384x16 is too large for output_format 'webp': webp images are "
                                          r"at most 16383 px a side"):
@@ -235,10 +236,11 @@ def test_the_walk_refuses_sizes_past_the_rope_range_and_the_formats_sides(checkp
 def test_denoise_refuses_sizes_past_the_rope_range(checkpoint):
     runtime = ZImageTurboFamily().build_component("denoise", tiny_deployment(checkpoint, max_image_area=2**20),
                                                   checkpoint, "cpu")
-    inputs = {"prompt_embeds": torch.randn(5, 24), "width": torch.tensor([512]), "height": torch.tensor([64]),
+    inputs = {"prompt_embeds": torch.randn(5, 24), "width": torch.tensor([528]), "height": torch.tensor([64]),
               "seed": torch.tensor([0])}
-    with pytest.raises(ValueError, match="RoPE range of 496x496"):
+    with pytest.raises(ValueError, match="RoPE range of 512x512"):
         runtime.parse(inputs)
+    runtime.parse({**inputs, "width": torch.tensor([512])})  # the tables' last column: rendered, as by diffusers
     with pytest.raises(ValueError, match="prompt_embeds: expected shape"):
         runtime.parse({**inputs, "width": torch.tensor([64]), "prompt_embeds": torch.randn(5, 23)})
 

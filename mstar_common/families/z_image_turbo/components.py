@@ -132,9 +132,9 @@ class DenoiseComponent(image_components.DenoiseComponent):
         if layout.caption_tokens + 1 >= frames:
             raise ValueError(f"prompt: {layout.caption_tokens} caption tokens exceed this checkpoint's RoPE range "
                              f"({frames - 2}); shorten the prompt")
-        if layout.height >= rows or layout.width >= cols:
+        if layout.height > rows or layout.width > cols:  # an image token's row and column index the tables from 0
             raise ValueError(f"size: {width}x{height} exceeds this checkpoint's RoPE range of "
-                             f"{(cols - 1) * self.limits.multiple}x{(rows - 1) * self.limits.multiple}")
+                             f"{cols * self.limits.multiple}x{rows * self.limits.multiple}")
 
     def _noise(self, seed: int, num_images: int, layout: Layout) -> torch.Tensor:
         """The reference's initial noise: one CPU generator per request, float32, then patchified."""

@@ -38,9 +38,9 @@ def _walk(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device
     from mstar_common.families.z_image_turbo.loader import transformer_config
 
     multiple = _multiple(checkpoint)
-    _, rows, cols = transformer_config(checkpoint).axes_lens  # as the denoise component's rule: < rows and < cols
+    _, rows, cols = transformer_config(checkpoint).axes_lens  # as the denoise component's rule: <= rows and cols
     return ZImageTurboWalk(image_family.load_walk_tokenizer(checkpoint), options, multiple=multiple,
-                           max_sides=((cols - 1) * multiple, (rows - 1) * multiple))
+                           max_sides=(cols * multiple, rows * multiple))
 
 
 def _text_encoder(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):

@@ -53,5 +53,8 @@ def _check(key: str, value: Any, where: str) -> Any:
         if any(v % CAPTION_BUCKET or v > TEXT_TOKENS for v in value):
             raise DeploymentError(f"{where}: padded caption lengths are multiples of {CAPTION_BUCKET} up to "
                                   f"{TEXT_TOKENS}, got {value!r}")
+        if len(set(value)) < len(value):
+            raise DeploymentError(f"{where}: {sorted({v for v in value if value.count(v) > 1})} given more than "
+                                  f"once; each length is one captured graph, so list it once")
         return value
     return image_options.check_value(key, value, where)

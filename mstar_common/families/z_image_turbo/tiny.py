@@ -4,7 +4,7 @@ Built with the reference classes themselves (diffusers `ZImagePipeline` around `
 FLUX.1-style `AutoencoderKL`, transformers `Qwen3Model`, the offline BPE tokenizer of the tiny Qwen3), so it is
 a real diffusers checkpoint. The geometry is the real one (VAE ×8, 2×2 patches: a 16-pixel token grid, 16
 latent channels, scaling and shift factors); the widths are tiny. The DiT is REFERENCES.md's tiny config with
-two main layers and `axes_lens[0] = 1024` (as in the real model) so captions up to the 512-token limit fit the
+two main layers and `axes_lens[0] = 1024` (the real model's is 1536) so captions up to the 512-token limit fit the
 RoPE range. Norm weights and the padding tokens are randomised (the reference initialises them to 1 and 0),
 so the parity tests see them. Deterministic for a given seed; builds in ~2 s.
 """
