@@ -80,8 +80,9 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9
 @dataclass(slots=True)
 class KVCacheConfig:
     # pages per instance, or "auto": as many as the instance's share of its GPU's memory leaves after its weights and
-    # what its steps need (engine/kv_sizing.py); gpu placements only
-    num_pages: int | Literal["auto"] = 512
+    # what its steps need (engine/kv_sizing.py); gpu placements only. Unset (null): auto where the pool's component
+    # is on a GPU, else the pages max_concurrent_requests requests of max_model_len tokens take (resolve_pool_size)
+    num_pages: int | Literal["auto"] | None = None
     page_size: int = 16  # tokens per page
     dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16; attention reads it back)
     # reuse earlier prompts' KV pages for a common start. null (default): on where the model's KV depends only on
@@ -314,6 +315,8 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             raise DeploymentError(f"{source}: components.{name}.attention_backend: 'flashinfer' reads bf16/fp16 KV "
                                   f"pools only; resources.kv_cache.dtype {dep.resources.kv_cache.dtype!r} needs "
                                   f"'triton'")
+    resolve_pool_size(dep, family.graph.kv_holders)
+    _check_kv_pool_size(dep, source)
     family.validate_deployment(dep, source)
 
 
@@ -338,11 +341,27 @@ def check_kv_pool_holds_cap(dep: Deployment, source: str) -> None:
         )
 
 
+def resolve_pool_size(dep: Deployment, holders: list[str]) -> None:
+    """An unset `num_pages`: `auto` where every component holding a pool is on a GPU (or a gpu_memory_fraction is
+    given, which only auto reads), else the pages the cap takes at full length, which is what a fixed pool must
+    hold anyway (check_kv_pool_holds_cap). A family without a paged pool keeps it unset."""
+    kv = dep.resources.kv_cache
+    placed = [dep.components[name].placement.device for name in holders if name in dep.components]
+    if kv.num_pages is not None or not placed:
+        return
+    if all(device == "gpu" for device in placed) or kv.gpu_memory_fraction is not None:
+        kv.num_pages = NUM_PAGES_AUTO
+    else:
+        kv.num_pages = math.ceil(dep.resources.max_model_len / kv.page_size) * dep.max_concurrent_requests
+
+
 def _check_kv_pool_size(dep: Deployment, source: str) -> None:
     """`num_pages` is a count >= 1, or `auto` for pools on GPUs only; `gpu_memory_fraction` goes with `auto`."""
     from mstar_common.families.registry import get_family
 
     kv = dep.resources.kv_cache
+    if kv.num_pages is None:
+        return  # resolved once the placements are checked (resolve_pool_size), then checked here again
     if not kv.is_auto:
         _check_positive(source, "resources.kv_cache.num_pages", kv.num_pages, MAX_PAGES)
         if kv.gpu_memory_fraction is not None:

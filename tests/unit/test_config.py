@@ -449,3 +449,29 @@ def test_whisper_thresholds_past_a_float_are_refused():
     raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
     raw.setdefault("model_kwargs", {})["no_speech_threshold"] = 10**400
     _refused(raw, "model_kwargs.no_speech_threshold: must be null (the rule off) or a number in [0.0, 1.0]")
+
+
+def test_an_unset_pool_is_auto_on_a_gpu_and_holds_the_cap_on_the_cpu():
+    """The 512-page default could not hold the default cap (16 requests of 2048 tokens need 2048 pages of 16), so a
+    deployment that set no pool was refused at its defaults."""
+    raw = {"name": "m", "family": "qwen3", "checkpoint": "builtin:qwen3-tiny",
+           "components": {"llm": {"placement": {"device": "cpu"}}}}
+    cpu = deployment_from_dict(copy.deepcopy(raw), source="t.yaml")
+    assert cpu.resources.kv_cache.num_pages == 2048
+    raw["max_concurrent_requests"], raw["resources"] = 3, {"max_model_len": 100, "kv_cache": {"page_size": 32}}
+    assert deployment_from_dict(copy.deepcopy(raw), source="t.yaml").resources.kv_cache.num_pages == 3 * 4
+    raw["components"]["llm"]["placement"] = {"device": "gpu", "gpus": [0]}
+    assert deployment_from_dict(copy.deepcopy(raw), source="t.yaml").resources.kv_cache.num_pages == "auto"
+    raw["components"]["llm"]["placement"] = {"device": "cpu"}
+    raw["resources"]["kv_cache"]["gpu_memory_fraction"] = 0.5  # read by auto alone, which a cpu pool cannot be
+    _refused(raw, "resources.kv_cache.num_pages: auto sizes the pool from GPU memory, and components.llm holds it "
+                  "on the cpu")
+    raw["resources"]["kv_cache"] = {"num_pages": 7}
+    _refused(raw, "resources.kv_cache.num_pages: 7 pages cannot hold")  # a number given is the user's, checked
+
+
+def test_an_image_family_keeps_its_pool_unset():
+    from mstar_common.cli import CONFIGS
+
+    dep = deployment_from_dict(yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text()), source="t.yaml")
+    assert dep.resources.kv_cache.num_pages is None
