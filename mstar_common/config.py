@@ -315,7 +315,7 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             raise DeploymentError(f"{source}: components.{name}.attention_backend: 'flashinfer' reads bf16/fp16 KV "
                                   f"pools only; resources.kv_cache.dtype {dep.resources.kv_cache.dtype!r} needs "
                                   f"'triton'")
-    resolve_pool_size(dep, family.graph.kv_holders)
+    resolve_pool_size(dep, family.graph.kv_holders, source)
     _check_kv_pool_size(dep, source)
     family.validate_deployment(dep, source)
 
@@ -341,18 +341,27 @@ def check_kv_pool_holds_cap(dep: Deployment, source: str) -> None:
         )
 
 
-def resolve_pool_size(dep: Deployment, holders: list[str]) -> None:
-    """An unset `num_pages`: `auto` where every component holding a pool is on a GPU (or a gpu_memory_fraction is
-    given, which only auto reads), else the pages the cap takes at full length, which is what a fixed pool must
-    hold anyway (check_kv_pool_holds_cap). A family without a paged pool keeps it unset."""
+def resolve_pool_size(dep: Deployment, holders: list[str], source: str) -> None:
+    """An unset `num_pages`: `auto` where every component holding a pool is on a GPU, else the pages the cap takes
+    at full length, which is what a fixed pool must hold anyway (check_kv_pool_holds_cap). A family without a paged
+    pool keeps it unset. Refusals say the value was the default's, not the user's."""
     kv = dep.resources.kv_cache
-    placed = [dep.components[name].placement.device for name in holders if name in dep.components]
+    placed = {name: dep.components[name].placement.device for name in holders if name in dep.components}
     if kv.num_pages is not None or not placed:
         return
-    if all(device == "gpu" for device in placed) or kv.gpu_memory_fraction is not None:
+    if all(device == "gpu" for device in placed.values()):
         kv.num_pages = NUM_PAGES_AUTO
-    else:
-        kv.num_pages = math.ceil(dep.resources.max_model_len / kv.page_size) * dep.max_concurrent_requests
+        return
+    if kv.gpu_memory_fraction is not None:
+        on_cpu = next(name for name, device in placed.items() if device != "gpu")
+        raise DeploymentError(f"{source}: resources.kv_cache.gpu_memory_fraction: sizes a pool of num_pages: auto, "
+                              f"which components.{on_cpu} on the cpu cannot hold; give num_pages instead")
+    pages = math.ceil(dep.resources.max_model_len / kv.page_size) * dep.max_concurrent_requests
+    if pages > MAX_PAGES:
+        raise DeploymentError(f"{source}: resources.kv_cache.num_pages: unset, so sized for max_concurrent_requests="
+                              f"{dep.max_concurrent_requests} requests of max_model_len={dep.resources.max_model_len} "
+                              f"tokens: {pages:,} pages, more than {MAX_PAGES:,}; lower those")
+    kv.num_pages = pages
 
 
 def _check_kv_pool_size(dep: Deployment, source: str) -> None:

@@ -96,7 +96,9 @@ def workload_line(workload: dict) -> str:
     return "Workload: " + "; ".join(parts) + "."
 
 
-def _pages(num_pages: int | str) -> str:
+def _pages(num_pages: int | str | None) -> str:
+    if num_pages is None:  # an image family's deployment: no paged pool
+        return "no paged pool"
     return "sized from GPU memory (auto) in pages" if num_pages == "auto" else f"{num_pages:,} pages"
 
 

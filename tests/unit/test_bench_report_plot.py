@@ -69,3 +69,11 @@ def test_without_matplotlib_the_report_keeps_its_tables_and_says_why(tmp_path, m
     written = write_report({"meta": {}, "models": {"m": _model(poisson=False)}}, tmp_path)
     assert [p.name for p in written] == ["results.json", "results.md"]
     assert "matplotlib is not installed" in caplog.text
+
+
+def test_an_image_deployments_pool_reads_as_none():
+    """An image family's deployment has no paged pool (num_pages unset); the report's settings line raised."""
+    from mstar_common.bench.report import _pages
+
+    assert _pages(None) == "no paged pool" and _pages("auto").startswith("sized from GPU memory")
+    assert _pages(2048) == "2,048 pages"

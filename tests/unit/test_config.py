@@ -464,9 +464,13 @@ def test_an_unset_pool_is_auto_on_a_gpu_and_holds_the_cap_on_the_cpu():
     assert deployment_from_dict(copy.deepcopy(raw), source="t.yaml").resources.kv_cache.num_pages == "auto"
     raw["components"]["llm"]["placement"] = {"device": "cpu"}
     raw["resources"]["kv_cache"]["gpu_memory_fraction"] = 0.5  # read by auto alone, which a cpu pool cannot be
-    _refused(raw, "resources.kv_cache.num_pages: auto sizes the pool from GPU memory, and components.llm holds it "
-                  "on the cpu")
-    raw["resources"]["kv_cache"] = {"num_pages": 7}
+    _refused(raw, "resources.kv_cache.gpu_memory_fraction: sizes a pool of num_pages: auto, which components.llm on "
+                  "the cpu cannot hold; give num_pages instead")
+    raw["resources"] = {"max_model_len": 2**24, "kv_cache": {"page_size": 1}}
+    raw["max_concurrent_requests"] = 2**20
+    _refused(raw, "resources.kv_cache.num_pages: unset, so sized for max_concurrent_requests=1048576 requests of "
+                  "max_model_len=16777216 tokens")
+    raw["max_concurrent_requests"], raw["resources"] = 3, {"kv_cache": {"num_pages": 7}}
     _refused(raw, "resources.kv_cache.num_pages: 7 pages cannot hold")  # a number given is the user's, checked
 
 
