@@ -274,10 +274,8 @@ def validate_deployment(dep: Deployment, source: str = "<deployment>") -> None:
             buckets = getattr(comp, key)
             if buckets is not None and (not buckets or min(buckets) < 1):
                 raise DeploymentError(f"{source}: components.{name}.{key}: must be a non-empty list of integers >= 1")
-            if buckets is not None and len(set(buckets)) < len(buckets):
-                twice = sorted({b for b in buckets if buckets.count(b) > 1})
-                raise DeploymentError(f"{source}: components.{name}.{key}: {twice} given more than once; each size "
-                                      f"is one captured graph, so list it once")
+            if buckets is not None:
+                refuse_repeats(buckets, f"{source}: components.{name}.{key}")
         too_many = [b for b in comp.decode_buckets or () if b > dep.max_concurrent_requests]
         if too_many:
             raise DeploymentError(f"{source}: components.{name}.decode_buckets: {too_many} exceed "
@@ -522,6 +520,14 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise DeploymentError(f"{path}: expected a non-empty string, got {value!r}")
         return value
     raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+def refuse_repeats(values: list, where: str, what: str = "size") -> None:
+    """A capture list names each graph once: a value given twice is refused (ENGINE.md 16.3), naming it."""
+    if len(set(values)) < len(values):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        raise DeploymentError(f"{where}: {twice} given more than once; each {what} is one captured graph, so list "
+                              f"it once")
 
 
 def is_finite_number(value: Any) -> bool:

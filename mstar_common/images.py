@@ -58,12 +58,17 @@ def whole_number(value: Any, field: str, low: int, high: int) -> int:
     return value
 
 
+def format_name(value: str) -> str:
+    """An output format as the code names it: lower case, jpg as jpeg."""
+    return "jpeg" if value.lower() == "jpg" else value.lower()
+
+
 def output_options(output_format: Any = None, png_compress_level: Any = None,
                    output_compression: Any = None) -> OutputOptions:
     fmt = "png" if output_format is None else output_format
     if not isinstance(fmt, str) or fmt.lower() not in (*FORMATS, "jpg"):
         raise ValueError(f"output_format: must be one of {list(FORMATS)}, got {output_format!r}")
-    fmt = "jpeg" if fmt.lower() == "jpg" else fmt.lower()
+    fmt = format_name(fmt)
     level, quality = DEFAULT_PNG_LEVEL, DEFAULT_COMPRESSION
     if png_compress_level is not None and fmt == "png":
         level = whole_number(png_compress_level, "png_compress_level", *PNG_LEVELS)

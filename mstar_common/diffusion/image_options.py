@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mstar_common.checkpoints import expand_home
-from mstar_common.config import DeploymentError, is_finite_number
+from mstar_common.config import DeploymentError, is_finite_number, refuse_repeats
 from mstar_common.images import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -55,9 +55,7 @@ def check_value(key: str, value: Any, where: str) -> Any:
     if key == "capture_batch_sizes":
         if not isinstance(value, list) or not all(is_int(v) and v >= 1 for v in value):
             raise DeploymentError(f"{where}: must be a list of batch sizes >= 1, got {value!r}")
-        if len(set(value)) < len(value):
-            raise DeploymentError(f"{where}: {sorted({v for v in value if value.count(v) > 1})} given more than "
-                                  f"once; each batch size is one captured graph, so list it once")
+        refuse_repeats(value, where, "batch size")
         return value
     if key == "lora":
         return check_lora(value, where)
@@ -122,9 +120,7 @@ def check_sizes(value: Any, where: str) -> list[str]:
     if not isinstance(value, list):
         raise DeploymentError(f"{where}: must be a list of 'WxH' sizes, got {value!r}")
     sizes = [check_size(v, where) for v in value]
-    if len(set(sizes)) < len(sizes):
-        raise DeploymentError(f"{where}: {sorted({v for v in sizes if sizes.count(v) > 1})} given more than once; "
-                              f"each size is one captured graph, so list it once")
+    refuse_repeats(sizes, where)
     return sizes
 
 

@@ -7,9 +7,10 @@ the last call only (and `error` only when the request failed inside the engine).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
+
+from mstar_common.config import is_finite_number
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -77,11 +78,7 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
 def _check_float(name: str, value, lo: float | None, hi: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: must be a number, got {value!r}")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an integer past any float
-        finite = False
-    if not finite:
+    if not is_finite_number(value):  # NaN, infinity, or an integer past any float
         raise ValueError(f"{name}: must be finite, got {value}")
     if lo is not None and value < lo:
         raise ValueError(f"{name}: must be >= {lo}, got {value}")

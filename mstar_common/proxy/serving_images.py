@@ -160,7 +160,7 @@ def image_tensors(fields: ImageFields, references: list[bytes], names: dict[str,
 def _one_of(first: Any, second: Any) -> Any:
     """output_format and its alias: the one sent, or both if they name the same format (any case, jpg = jpeg)."""
     def same(value: Any) -> Any:
-        return {"jpg": "jpeg"}.get(value.lower(), value.lower()) if isinstance(value, str) else value
+        return images.format_name(value) if isinstance(value, str) else value
 
     if first is not None and second is not None and same(first) != same(second):
         raise invalid_request("'output_format' and 'image_output_format' disagree; send one", param="output_format")

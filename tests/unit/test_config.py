@@ -479,3 +479,11 @@ def test_an_image_family_keeps_its_pool_unset():
 
     dep = deployment_from_dict(yaml.safe_load((CONFIGS / "flux2_klein.yaml").read_text()), source="t.yaml")
     assert dep.resources.kv_cache.num_pages is None
+
+
+def test_z_image_caption_lengths_listed_twice_are_refused():
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
+    raw.setdefault("model_kwargs", {})["capture_caption_tokens"] = [64, 64]
+    _refused(raw, "model_kwargs.capture_caption_tokens: [64] given more than once; each length is one captured graph")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar_common.config import DeploymentError
+from mstar_common.config import DeploymentError, refuse_repeats
 from mstar_common.diffusion import image_options
 from mstar_common.diffusion.image_options import DTYPES, LoraAdapter, default_dtype, is_int
 
@@ -53,8 +53,6 @@ def _check(key: str, value: Any, where: str) -> Any:
         if any(v % CAPTION_BUCKET or v > TEXT_TOKENS for v in value):
             raise DeploymentError(f"{where}: padded caption lengths are multiples of {CAPTION_BUCKET} up to "
                                   f"{TEXT_TOKENS}, got {value!r}")
-        if len(set(value)) < len(value):
-            raise DeploymentError(f"{where}: {sorted({v for v in value if value.count(v) > 1})} given more than "
-                                  f"once; each length is one captured graph, so list it once")
+        refuse_repeats(value, where, "length")
         return value
     return image_options.check_value(key, value, where)
