@@ -2,7 +2,8 @@
 
 `TritonDriver` streams to the entry model over tritonclient gRPC (a bidirectional stream for each request in
 flight); `OpenAIDriver` posts streaming `/v1/completions` to the proxy. Both
-record, per request, the send time and each response's arrival time and token count.
+record, per request, the send time and each response's arrival time and token count, and both spread a large
+closed loop over client processes (`client_processes`), so the client's own queueing does not show up as latency.
 """
 
 from __future__ import annotations
@@ -41,20 +42,53 @@ def _triton_inputs(request: dict):
     return inputs
 
 
+CLIENT_STREAMS_PER_PROCESS = 16  # closed-loop streams one client process drives (processes="auto")
+
+
+def client_processes(setting: int | str, count: int, concurrency: int | None, rate: float | None) -> int:
+    """The client processes a level of `count` requests runs in. A number is taken as given, within what the load
+    can use (each process drives at least one stream, so no more than the concurrency of a closed loop or the
+    requests). "auto": one per CLIENT_STREAMS_PER_PROCESS closed-loop streams, at most half the CPUs (the server
+    under test has the rest); one for a Poisson load."""
+    if setting != "auto":
+        return max(1, min(int(setting), count, concurrency or count if rate is None else count))
+    if rate is not None or not concurrency:
+        return 1
+    cap = max(1, (os.cpu_count() or 2) // 2)
+    return max(1, min(cap, -(-min(concurrency, count) // CLIENT_STREAMS_PER_PROCESS)))
+
+
 class TritonDriver:
     """`outputs`: the output names every request asks for (None: none named, so Triton returns them all).
 
     Each request in flight has a gRPC stream of its own, reused by the next request once it ends (a closed loop at
     c opens c streams; a Poisson load as many as it ever has in flight): tritonclient's stream callback gives an
     error without the id of the request it ends, so a stream carrying one request is the only way to tell whose
-    error it was."""
+    error it was. Each stream's responses arrive on a thread of its own, and every thread takes the GIL to
+    timestamp and read its response; `processes` spreads a closed loop over client processes as OpenAIDriver's
+    does (`client_processes`). One is the default: on an H100 serving Qwen3-0.6B, 4 processes at c=64 and 8 at
+    c=256 measured the same tok/s and ITL percentiles as one, alternated on one server (docs/benchmarks.md,
+    2026-12-06 late night)."""
 
-    def __init__(self, url: str, model: str, outputs: list[str] | None = None) -> None:
-        self.url, self.model, self.outputs = url, model, outputs
+    def __init__(self, url: str, model: str, outputs: list[str] | None = None, processes: int | str = 1) -> None:
+        self.url, self.model, self.outputs, self.processes = url, model, outputs, processes
+
+    def num_processes(self, count: int, concurrency: int | None, rate: float | None) -> int:
+        return client_processes(self.processes, count, concurrency, rate)
 
     def run(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
             seed: int = 0, timeout_s: float = 600.0) -> list[RequestRecord]:
         """Closed loop with `concurrency` in flight, or Poisson arrivals at `rate` requests/s."""
+        num = self.num_processes(len(requests), concurrency, rate)
+        if num <= 1:
+            return self.run_here(requests, concurrency, rate, seed, timeout_s)
+        return _run_in_processes(_TritonJob(self.url, self.model, self.outputs), requests, num, concurrency, rate,
+                                 seed, timeout_s)
+
+    def run_here(self, requests: list[dict], concurrency: int | None = None, rate: float | None = None,
+                 seed: int = 0, timeout_s: float = 600.0, ready=None) -> list[RequestRecord]:
+        """`run` in this process. `ready()`, when given, is called once the first streams are open, just before
+        the first request is sent (a client process waits there for the others)."""
         import tritonclient.grpc as grpcclient
 
         records: dict[str, RequestRecord] = {}
@@ -107,6 +141,8 @@ class TritonDriver:
         try:
             for _ in range(min(concurrency or 1, len(requests))):  # connected before the clock starts
                 open_stream(None)
+            if ready is not None:
+                ready()
 
             def send(index: int) -> None:
                 rid = f"r{index}"
@@ -124,6 +160,30 @@ class TritonDriver:
                 client.stop_stream(cancel_requests=not finished)  # leaving on an error: nothing left to wait for
                 client.close()
         return [records[f"r{i}"] for i in range(len(requests)) if f"r{i}" in records]
+
+
+class _TritonJob:
+    """A client process's share of a TritonDriver level (picklable: it crosses to a spawned process)."""
+
+    def __init__(self, url: str, model: str, outputs: list[str] | None) -> None:
+        self.url, self.model, self.outputs = url, model, outputs
+
+    def __call__(self, items: list[dict], concurrency, rate, seed, timeout_s, ready) -> list[RequestRecord]:
+        driver = TritonDriver(self.url, self.model, self.outputs, processes=1)
+        return driver.run_here(items, concurrency, rate, seed, timeout_s, ready=ready)
+
+
+class _OpenAIJob:
+    """A client process's share of an OpenAIDriver level: the request bodies, on one event loop."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def __call__(self, items: list[dict], concurrency, rate, seed, timeout_s, ready) -> list[RequestRecord]:
+        import httpx  # noqa: F401 - imported before the barrier, so no process starts late
+
+        ready()
+        return asyncio.run(_run_bodies(self.base_url, items, concurrency, rate, seed, timeout_s))
 
 
 def _drive(count: int, send, done: queue.Queue, concurrency: int | None, rate: float | None, seed: int,
@@ -154,19 +214,12 @@ def _drive(count: int, send, done: queue.Queue, concurrency: int | None, rate: f
             num_sent += 1
 
 
-CLIENT_STREAMS_PER_PROCESS = 16  # closed-loop streams one client process drives (OpenAIDriver, processes="auto")
-
-
 class OpenAIDriver:
     """Streaming `/v1/completions` against the proxy; prompts are text of the workload's token length.
 
     One client process (httpx on one event loop) saturates a core at ~17,000 SSE events/s on a CPU machine, and
     its own queueing then shows up as TTFT and lost throughput (docs/benchmarks.md, "The OpenAI proxy under
-    load"). So `run` spreads a load over `processes` client processes: request i goes to process i % P, each
-    process drives its share of the concurrency (or rate / P Poisson arrivals: a split Poisson stream is Poisson),
-    and all start together behind a barrier. Timestamps are `time.perf_counter`, one monotonic clock for every
-    process on Linux. `processes="auto"`: one per CLIENT_STREAMS_PER_PROCESS closed-loop streams, at most half the
-    CPUs; one for a Poisson load.
+    load"). So `run` spreads a load over `processes` client processes (`client_processes`, `_run_in_processes`).
     """
 
     def __init__(self, base_url: str, model: str, prompt_text, processes: int | str = "auto") -> None:
@@ -179,15 +232,10 @@ class OpenAIDriver:
         num = self.num_processes(len(bodies), concurrency, rate)
         if num <= 1:
             return asyncio.run(_run_bodies(self.base_url, bodies, concurrency, rate, seed, timeout_s))
-        return _run_in_processes(self.base_url, bodies, num, concurrency, rate, seed, timeout_s)
+        return _run_in_processes(_OpenAIJob(self.base_url), bodies, num, concurrency, rate, seed, timeout_s)
 
     def num_processes(self, count: int, concurrency: int | None, rate: float | None) -> int:
-        if self.processes != "auto":  # each process drives at least one stream: no more than the concurrency
-            return max(1, min(int(self.processes), count, concurrency or count if rate is None else count))
-        if rate is not None or not concurrency:
-            return 1
-        cap = max(1, (os.cpu_count() or 2) // 2)
-        return max(1, min(cap, -(-min(concurrency, count) // CLIENT_STREAMS_PER_PROCESS)))
+        return client_processes(self.processes, count, concurrency, rate)
 
     def body(self, request: dict) -> dict:
         return {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
@@ -202,14 +250,18 @@ def _share(total: int, num: int, index: int) -> int:
     return total // num + (1 if index < total % num else 0)
 
 
-def _run_in_processes(base_url: str, bodies: list[dict], num: int, concurrency: int | None, rate: float | None,
+def _run_in_processes(job, items: list[dict], num: int, concurrency: int | None, rate: float | None,
                       seed: int, timeout_s: float) -> list[RequestRecord]:
-    context = multiprocessing.get_context("spawn")  # no forked event loops or sockets
+    """`job(share, concurrency, rate, seed, timeout_s, ready)` in `num` client processes: request i goes to process
+    i % num, each process drives its share of the concurrency (or rate / num Poisson arrivals: a split Poisson
+    stream is Poisson), and all start together at a barrier (`ready`). Timestamps are `time.perf_counter`, one
+    monotonic clock for every process on Linux. The records come back in request order."""
+    context = multiprocessing.get_context("spawn")  # no forked event loops, sockets or gRPC channels
     barrier, results = context.Barrier(num), context.Queue()
     workers = []
     for index in range(num):
-        share = bodies[index::num]
-        args = (base_url, share, None if concurrency is None else max(1, _share(concurrency, num, index)),
+        share = items[index::num]
+        args = (job, share, None if concurrency is None else max(1, _share(concurrency, num, index)),
                 None if rate is None else rate / num, seed + index, timeout_s, barrier, results, index)
         workers.append(context.Process(target=_client_process, args=args, daemon=True))
     for worker in workers:
@@ -240,19 +292,17 @@ def _run_in_processes(base_url: str, bodies: list[dict], num: int, concurrency: 
     failed = [part for part in parts.values() if isinstance(part, str)]
     if failed:
         raise RuntimeError(f"a client process failed: {failed[0]}")
-    records: list[RequestRecord] = [None] * len(bodies)  # type: ignore[list-item]
+    records: list[RequestRecord] = [None] * len(items)  # type: ignore[list-item]
     for index, part in parts.items():
         records[index::num] = part
     return records
 
 
-def _client_process(base_url, bodies, concurrency, rate, seed, timeout_s, barrier, results, index) -> None:
+def _client_process(job, items, concurrency, rate, seed, timeout_s, barrier, results, index) -> None:
     try:
-        import httpx  # noqa: F401 - imported before the barrier, so no process starts late
-
-        barrier.wait(timeout=120)
-        results.put((index, asyncio.run(_run_bodies(base_url, bodies, concurrency, rate, seed, timeout_s))))
+        results.put((index, job(items, concurrency, rate, seed, timeout_s, lambda: barrier.wait(timeout=120))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        barrier.abort()  # a process failing before the start must not leave the others waiting out the barrier
         results.put((index, f"{type(exc).__name__}: {exc}"))
 
 

@@ -1,6 +1,7 @@
 """`mstar bench serve` end to end on the CPU: it builds the builtin tiny Qwen3, starts its own tritonserver and
-proxy, runs a level through each, checks served greedy tokens against its in-process eager engine, writes the
-JSON and stops both servers; and it names a checkpoint or a server it cannot use instead of a traceback."""
+proxy, runs a level through each (the Triton one from two client processes), checks served greedy tokens against
+its in-process eager engine, writes the JSON and stops both servers; and it names a checkpoint or a server it
+cannot use instead of a traceback."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_bench_serve_measures_its_own_server_and_checks_it_against_eager(tmp_pat
     assert main(["bench", "serve", "--checkpoint", "builtin:qwen3-tiny", "--device", "cpu", "--name", "qwen3-tiny",
                  "--max-model-len", "512", "--concurrency", "2", "--proxy-concurrency", "1", "--prompt-len", "12",
                  "--output-len", "5", "--warmup", "1", "--check-eager", "2", "--check-len", "6",
-                 "--triton-outputs", "token_ids", "--out", str(out)]) == 0
+                 "--triton-outputs", "token_ids", "--triton-client-processes", "2", "--out", str(out)]) == 0
     model = json.loads(out.read_text())
     assert model["checkpoint"] == str(tmp_path / "cache" / "builtin" / "qwen3-tiny") and model["startup_s"] > 0
     served = model["deployment"]  # the deployment as served, defaults filled in

@@ -323,7 +323,7 @@ def test_serve_writes_its_results_after_every_level(bench, monkeypatch, tmp_path
                        "--check-eager", "0", "--out", str(out))
 
     class FakeDriver:
-        def __init__(self, url, model, outputs=None):
+        def __init__(self, url, model, outputs=None, processes=1):
             pass
 
         def run(self, batch, concurrency=None, rate=None):
@@ -352,7 +352,7 @@ def test_the_triton_client_asks_for_all_outputs_or_the_token_ids_alone(bench, mo
     asked = []
 
     class FakeDriver:
-        def __init__(self, url, model, outputs=None):
+        def __init__(self, url, model, outputs=None, processes=1):
             asked.append(outputs)
 
         def run(self, batch, concurrency=None, rate=None):
@@ -424,7 +424,7 @@ def test_serve_records_gpu_memory_before_start_once_ready_and_at_the_sweeps_peak
             return self
 
     class FakeDriver:
-        def __init__(self, url, model, outputs=None):
+        def __init__(self, url, model, outputs=None, processes=1):
             pass
 
         def run(self, batch, concurrency=None, rate=None):
@@ -459,7 +459,7 @@ def test_serve_records_the_code_and_the_switches_it_ran_with(bench, monkeypatch,
                        "--check-eager", "0", "--out", str(out))
 
     class FakeDriver:
-        def __init__(self, url, model, outputs=None):
+        def __init__(self, url, model, outputs=None, processes=1):
             pass
 
         def run(self, batch, concurrency=None, rate=None):

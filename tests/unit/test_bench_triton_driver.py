@@ -107,3 +107,69 @@ def test_a_stream_its_grpc_status_ended_is_not_used_again(fake_tritonclient):
     assert [r.error for r in records] == [None, "[StatusCode.INTERNAL] stream reset", None, None, None, None]
     assert [r.num_tokens for r in records] == [4, 0, 4, 4, 4, 4]
     assert len(fake_tritonclient.opened) == 3 and fake_tritonclient.opened[1].sent == ["r1"]
+
+
+class _GrpcServer:
+    """Triton's ModelStreamInfer on a real gRPC port (this process): each request gets its `max_tokens` token ids,
+    two to a response, then an empty final one; a request whose max_tokens is 0 gets an in-band error."""
+
+    def __enter__(self):
+        from concurrent import futures
+
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        def response(request_id: str, n: int, final: bool, error: str = ""):
+            out = service_pb2.ModelInferResponse
+            message = out(model_name="m", id=request_id)
+            if n:
+                message.outputs.append(out.InferOutputTensor(name=wire.TOKEN_IDS, datatype="INT32", shape=[n]))
+                message.raw_output_contents.append(np.arange(n, dtype=np.int32).tobytes())
+            message.parameters["triton_final_response"].bool_param = final
+            return service_pb2.ModelStreamInferResponse(infer_response=message, error_message=error)
+
+        class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+            def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+                for request in request_iterator:
+                    names = [tensor.name for tensor in request.inputs]
+                    raw = request.raw_input_contents[names.index("max_tokens")]
+                    tokens = int(np.frombuffer(raw, np.int32)[0])
+                    if tokens == 0:
+                        yield response(request.id, 0, True, error="max_tokens: must be at least 1")
+                        continue
+                    for sent in range(0, tokens, 2):
+                        yield response(request.id, min(2, tokens - sent), False)
+                    yield response(request.id, 0, True)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop(0)
+
+
+def test_client_processes_record_every_request_in_order():
+    """Two client processes (spawned, each with its own streams) against a real gRPC server: every record comes
+    back in request order, an error charged to its own request."""
+    requests = [{wire.INPUT_IDS: [1, 2, 3], "max_tokens": 3 + index % 4} for index in range(9)]
+    requests[5]["max_tokens"] = 0
+    with _GrpcServer() as server:
+        driver = TritonDriver(f"127.0.0.1:{server.port}", "m", processes=2)
+        assert driver.num_processes(len(requests), 4, None) == 2
+        records = driver.run(requests, concurrency=4, timeout_s=60)
+    assert [r.num_tokens for r in records] == [request["max_tokens"] for request in requests]
+    assert [r.error is not None for r in records] == [index == 5 for index in range(9)]
+    assert "max_tokens: must be at least 1" in records[5].error
+    assert all(r.start <= r.end for r in records)
+
+
+def test_auto_spreads_a_large_closed_loop_over_processes(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert TritonDriver("x:1", "m").num_processes(1000, 64, None) == 1  # the default: one
+    driver = TritonDriver("x:1", "m", processes="auto")
+    assert [driver.num_processes(1000, c, None) for c in (1, 8, 16, 17, 64)] == [1, 1, 1, 2, 4]
+    assert driver.num_processes(1000, None, 8.0) == 1  # Poisson: one unless asked
+    assert TritonDriver("x:1", "m", processes=3).num_processes(1000, 2, None) == 2  # no more than the streams
