@@ -7,13 +7,15 @@ engine with the checkpoint's tokenizer for the Triton node.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError, meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mstar_common import wire
 from mstar_common.engine.stop_strings import validate_stops
@@ -159,6 +161,34 @@ def check_text_fits(text: str, field: str, max_tokens: int, max_bytes: int) -> N
         raise ValueError(f"{field}: {size} bytes cannot fit {max_tokens} tokens (at most {max_bytes} bytes)")
 
 
+# what apply_chat_template itself gives every template, beside its own arguments (wire.RESERVED_TEMPLATE_KWARGS)
+_GIVEN_TO_TEMPLATES = frozenset({"raise_exception", "strftime_now"})
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str] | None:
+    """The names a chat template reads from its context (jinja2's undeclared variables: the messages, the special
+    tokens, its own switches such as Qwen3's `enable_thinking`), or None where this environment cannot parse it
+    (a template that needs an extension of transformers'), in which case no variable is checked."""
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(meta.find_undeclared_variables(environment.parse(source)))
+    except TemplateSyntaxError:
+        return None
+
+
+def check_template_variables(template: Any, template_kwargs: dict[str, Any]) -> None:
+    """Refuse a `chat_template_kwargs` entry the checkpoint's template never reads: a misspelt switch
+    (`enable_thinkng`) would otherwise be ignored without a word, the prompt the same as without it."""
+    known = template_variables(template) if isinstance(template, str) else None
+    if known is None or not (unread := sorted(set(template_kwargs) - known)):
+        return
+    own = sorted(name for name in known - wire.RESERVED_TEMPLATE_KWARGS - _GIVEN_TO_TEMPLATES
+                 if not name.endswith("_token"))
+    raise ValueError(f"{wire.CHAT_TEMPLATE_KWARGS}.{unread[0]}: this checkpoint's chat template has no variable "
+                     f"'{unread[0]}' (it would be ignored); its own variables: {', '.join(own) or 'none'}")
+
+
 def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of {role, content} objects")
@@ -178,6 +208,8 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
                 raise ValueError(f"messages[{i}].{key}: {wire.NOT_UNICODE_RULE}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
+    check_template_variables(tokenizer.chat_template, template_kwargs)
+
     def render(conversation: list[dict]) -> str:
         try:
             return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,

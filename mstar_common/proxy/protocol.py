@@ -68,6 +68,8 @@ class SamplingFields(BaseModel):
                         raise invalid_request(f"{field}: {value!r} is 0 as a 32-bit float (the smallest non-zero "
                                               "is about 1.4e-45); send 0 or a larger value", param=field)
         try:
+            # the values sent, then as held: a top_p of 1.00000001 is 1.0 as 32 bits, and still not in (0, 1]
+            SamplingParams(**knobs, stop_token_ids=list(self.stop_token_ids or [])).validate()
             SamplingParams(**held, stop_token_ids=list(self.stop_token_ids or [])).validate()
             validate_stops(self.stop)
         except ValueError as error:
@@ -238,7 +240,7 @@ def _refuse_common(req: OpenAIFields) -> None:
 
 def refuse_unsupported_chat(req: ChatCompletionRequest) -> None:
     _refuse_common(req)
-    if req.logprobs not in (None, False):
+    if req.logprobs is not None and req.logprobs is not False:  # `0 in (None, False)` holds: 0 passed as false
         _refuse("logprobs", "log-probabilities are not returned by the OpenAI routes")
     if req.top_logprobs is not None:
         _refuse("top_logprobs", "log-probabilities are not returned by the OpenAI routes")
@@ -313,6 +315,8 @@ def _text_content(content: str | list[dict[str, Any]], model: str, where: str, r
     """The message's text: a string, or its text parts joined (an assistant's `refusal` parts are its text too)."""
     if isinstance(content, str):
         return content
+    if not content:  # as OpenAI: a list of parts holds at least one (an empty turn is sent as "")
+        raise invalid_request(f"{where}: a list of content parts must hold at least one part", param=where)
     texts = []
     for j, part in enumerate(content):
         kind = part["type"]

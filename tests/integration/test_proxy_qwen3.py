@@ -110,6 +110,10 @@ def test_the_entry_models_refusals_name_the_openai_fields(served, oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=served.dep.name, prompt="hi", max_tokens=100_000)
     assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:  # a template variable its template never reads
+        oai.chat.completions.create(model=served.dep.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra_body={"chat_template_kwargs": {"enable_thinkng": False}})
+    assert info.value.body["param"] == "chat_template_kwargs.enable_thinkng"
 
 
 def test_template_control_and_text_that_is_not_unicode_are_400s_at_both_doors(served, oai):

@@ -93,7 +93,8 @@ def test_text_parts_and_developer_role(served):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"1": 5}), ("presence_penalty", 0.5),
+    ("n", 2), ("logprobs", True), ("logprobs", 0), ("top_logprobs", 2), ("logit_bias", {"1": 5}),
+    ("presence_penalty", 0.5),
     ("frequency_penalty", 1), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
     ("store", True), ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("service_tier", "flex"),
@@ -114,6 +115,7 @@ def test_unsupported_fields_are_400_naming_the_field(served, field, value):
     ({"chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),  # was sent as an empty turn
 ])
 def test_wrong_types_are_400_naming_the_field(served, body, field):
     client, _ = served

@@ -131,6 +131,7 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):
     ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 is 0 as a 32-bit float"),
     ({"temperature": 1e-46}, "temperature", "1e-46 is 0 as a 32-bit float"),  # was served greedily
     ({"min_p": 0.99999999999}, "min_p", "0.99999999999 was sent"),
+    ({"top_p": 1.00000001}, "top_p", "got 1.00000001"),  # 1.0 as 32 bits: was served as top_p 1
     ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
     ({"stop": ["x" * 300]}, "stop", "at most 256 characters"),
     ({"max_completion_tokens": -3}, "max_completion_tokens", "got -3"),
@@ -450,3 +451,24 @@ def test_a_request_without_max_tokens_runs_to_the_room_its_prompt_leaves(runtime
         deployment_from_dict({**base, "model_kwargs": {"default_max_tokens": value}})
     with pytest.raises(DeploymentError, match="default_max_tokens: must be an integer >= 1 or null"):
         deployment_from_dict({**base, "model_kwargs": {"default_max_tokens": 0}})
+
+
+def test_a_template_variable_the_template_never_reads_is_refused():
+    """`chat_template_kwargs: {"enable_thinkng": false}` (misspelt) was served with thinking on: the template never
+    read it, and the prompt was the one without it."""
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import chat_prompt_ids
+
+    tokenizer = build_tokenizer()
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs\.enable_thinkng: this checkpoint's chat template "
+                                         r"has no variable 'enable_thinkng' .*its own variables: enable_thinking$"):
+        chat_prompt_ids(tokenizer, MESSAGES, {"enable_thinkng": False})
+    off, on = (chat_prompt_ids(tokenizer, MESSAGES, {"enable_thinking": value}) for value in (False, True))
+    assert off != on  # the variable it reads is served, and changes the prompt
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}{% if persona %}({{ persona }}){% endif %}"
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs\.enable_thinking: .*its own variables: persona$"):
+        chat_prompt_ids(tokenizer, MESSAGES, {"enable_thinking": False})
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"persona": "terse"})) == "Hi(terse)"
+    # a template this environment cannot parse (an extension of transformers') is not checked: served as before
+    tokenizer.chat_template = "{% generation %}{{ messages[-1]['content'] }}{% endgeneration %}"
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"anything": 1})) == "Hi"
