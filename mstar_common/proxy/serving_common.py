@@ -201,7 +201,8 @@ class ServingContext:
     def _open(self, served: ServedModel, request_id: str, gen: GenerationRequest) -> AsyncIterator[StreamResponse]:
         return self.triton.generate(served.triton_model, request_id, gen, self.settings.request_timeout_s)
 
-    def _error(self, exc: BaseException, gen: GenerationRequest | None = None) -> APIError:
+    def error(self, exc: BaseException, gen: GenerationRequest | None = None) -> APIError:
+        """What the client gets for `exc`: this server's deadline and Retry-After, `gen`'s names for its fields."""
         return from_exception(exc, self.settings.request_timeout_s, self.settings.retry_after_s,
                               gen.field_names if gen is not None else None)
 
@@ -221,7 +222,7 @@ class ServingContext:
         try:
             return await until_disconnect(request, collect())
         except Exception as exc:
-            raise self._error(exc, gen) from None
+            raise self.error(exc, gen) from None
 
     async def stream(
         self, request: Request, served: ServedModel, gen: GenerationRequest
@@ -233,7 +234,7 @@ class ServingContext:
         except BaseException as exc:
             await stream.aclose()
             if isinstance(exc, Exception):
-                raise self._error(exc, gen) from None
+                raise self.error(exc, gen) from None
             raise
         return _prepend(first, stream)
 

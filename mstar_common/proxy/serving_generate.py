@@ -46,18 +46,18 @@ def _json_object(raw: str | bytes, field: str) -> dict[str, Any]:
     return value
 
 
-def _form_modalities(values: list[str]) -> list[str]:
+def _form_modalities(values: list[str], field: str) -> list[str]:
     out: list[str] = []
     for value in values:
         if value.lstrip().startswith("["):
-            out.extend(_json_list(value))
+            out.extend(_json_list(value, field))
         else:
             out.extend(v.strip() for v in value.split(",") if v.strip())
     return out
 
 
-def _json_list(value: str) -> list[Any]:
-    parsed = parse_json(value, "output_modalities", param="output_modalities")
+def _json_list(value: str, field: str) -> list[Any]:
+    parsed = parse_json(value, field, param=field)
     return parsed if isinstance(parsed, list) else [parsed]
 
 
@@ -78,7 +78,7 @@ async def _form_fields(request: Request) -> dict[str, Any]:
             raise invalid_request(f"'{key}': media uploads are not supported: the served models are text-only",
                                   param=key)
         if key in _LIST_FIELDS:
-            fields[key] = _form_modalities(values)
+            fields[key] = _form_modalities(values, key)
         elif len(values) > 1:
             raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
         elif key == "streaming":

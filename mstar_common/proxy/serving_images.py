@@ -191,7 +191,7 @@ async def run_images(request: Request, ctx: ServingContext, served, tensors,
     try:
         found, seed = await until_disconnect(request, collect())
     except Exception as exc:
-        raise from_exception(exc, ctx.settings.request_timeout_s, field_names=gen.field_names) from None
+        raise ctx.error(exc, gen) from None
     if not found:
         raise from_exception(RuntimeError(f"{served.triton_model} answered without images"))
     return found, seed

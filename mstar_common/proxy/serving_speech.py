@@ -186,7 +186,7 @@ async def list_voices(request: Request, model: str | None = None):
     try:
         params = await ctx.triton.model_parameters(served.triton_model)
     except Exception as exc:  # noqa: BLE001
-        raise from_exception(exc, ctx.settings.request_timeout_s) from None
+        raise ctx.error(exc) from None
     kwargs = json.loads(params.get("deployment", "{}")).get("model_kwargs", {})
     return {"model": served.name, "voices": list(kwargs.get("voices", VOICES)),
             "default_voice": kwargs.get("default_voice", DEFAULT_VOICE)}
@@ -206,7 +206,7 @@ async def collect(ctx: ServingContext, request: Request, served, gen: Generation
     try:
         return await until_disconnect(request, run())
     except Exception as exc:
-        raise from_exception(exc, ctx.settings.request_timeout_s, field_names=gen.field_names) from None
+        raise ctx.error(exc, gen) from None
 
 
 class AudioStreamResponse(SSEResponse):

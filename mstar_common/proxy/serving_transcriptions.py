@@ -23,7 +23,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
-from mstar_common.proxy.errors import check_wire_number, from_exception, invalid_request, parse_json
+from mstar_common.proxy.errors import check_wire_number, invalid_request, parse_json
 from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
@@ -283,7 +283,7 @@ async def collect(ctx: ServingContext, request: Request, served, gen: Generation
     try:
         return await until_disconnect(request, run())
     except Exception as exc:
-        raise from_exception(exc, ctx.settings.request_timeout_s, field_names=gen.field_names) from None
+        raise ctx.error(exc, gen) from None
 
 
 async def _openai_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator[dict[str, Any]]:

@@ -47,6 +47,21 @@ def test_overloaded_is_429_with_retry_after():
     assert r.json()["error"]["code"] == "overloaded" and "cap" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/images/generations", {"model": "klein", "prompt": "a cat"}),
+    ("/generate", {"model": "klein", "text": "a cat"}),
+])
+def test_the_image_routes_send_the_deployments_retry_after(path, body):
+    """The image routes answered every 429 and 503 with `Retry-After: 1`, whatever admission.retry_after_s said."""
+    from mstar_common.proxy.app import ServedModel
+
+    for failure, status in ((TritonOverloaded("at its cap"), 429), (TritonRefusedNow("waited 60.0 s"), 503)):
+        app, _ = make_app(FakeTriton(script=[failure]), retry_after_s=7,
+                          models=[ServedModel("klein", "flux2_klein_walk", kind="image")])
+        r = TestClient(app).post(path, json=body)
+        assert r.status_code == status and r.headers["retry-after"] == "7", (r.status_code, r.headers)
+
+
 def test_queue_wait_is_503_with_retry_after_and_the_reason():
     app, _ = make_app(FakeTriton(script=[TritonRefusedNow("the request waited 60.0 s for admission")]))
     r = TestClient(app).post("/v1/completions", json={**BODY, "stream": True})

@@ -142,6 +142,9 @@ def test_generate_multipart_refusals():
     assert r.status_code == 400 and r.json()["error"]["param"] == "streaming"
     r = client.post("/generate", data={"text": "x", "output_modalities": "text,video"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "output_modalities"
+    for field in ("input_modalities", "output_modalities"):  # a bad JSON list named as itself (both said output_)
+        error = client.post("/generate", data={"text": "x", field: "[text"}).json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field} is not valid JSON"), error
 
 
 def test_generate_model_is_required_when_several_are_served():
