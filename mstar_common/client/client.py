@@ -32,14 +32,18 @@ from mstar_common.client.types import (
 )
 
 R = TypeVar("R")
-DEFAULT_TIMEOUT_S = 600.0  # a whole image or a long clip can take minutes at full load
+# A whole image or a long clip can take minutes at full load. A minute past the server's default deadline
+# (admission.request_timeout_s, 600 s): a request the server ends there reaches the caller as its 504 (MStarError,
+# code deadline_exceeded), not as this client giving up first (an MStarConnectionError that says less).
+DEFAULT_TIMEOUT_S = 660.0
 
 
 class _Unset:
-    """The default of `timeout`: 600 s on a client of the SDK's own, an http_client's own timeout on that one."""
+    """The default of `timeout`: DEFAULT_TIMEOUT_S on a client of the SDK's own, an http_client's own timeout on
+    that one."""
 
     def __repr__(self) -> str:
-        return "600 s, or the http_client's own"
+        return f"{DEFAULT_TIMEOUT_S:.0f} s, or the http_client's own"
 
 
 UNSET = _Unset()
@@ -55,10 +59,10 @@ class MStarClient(ImageMethods, SpeechMethods, TranscriptionMethods):
         http_client: httpx.Client | None = None,
     ):
         """`timeout`: seconds to wait for an answer, and between two reads of a stream (None: no limit; unset:
-        600 s). `model`: default model name (optional when the server serves one). `http_client`: use this
-        httpx.Client (e.g. a Starlette TestClient) instead of opening one to `base_url`; it keeps its own timeout
-        unless `timeout` is given, which then applies to this client's requests on it (the http_client itself is
-        left as it is, for its other users)."""
+        660 s, past the server's default deadline). `model`: default model name (optional when the server serves
+        one). `http_client`: use this httpx.Client (e.g. a Starlette TestClient) instead of opening one to
+        `base_url`; it keeps its own timeout unless `timeout` is given, which then applies to this client's
+        requests on it (the http_client itself is left as it is, for its other users)."""
         self.model = model
         self._is_owner = http_client is None
         # per request, and only when given: an http_client may be another httpx-like client (Starlette's TestClient

@@ -465,7 +465,13 @@ def test_timeout_applies_to_a_given_http_client_too():
     MStarClient(timeout=None, http_client=http).chat("x")
     MStarClient(http_client=http).chat("x")
     assert seen == [None, 30]
-    assert MStarClient()._http.timeout.read == 600 and MStarClient(timeout=None)._http.timeout.read is None
+    assert MStarClient()._http.timeout.read == 660 and MStarClient(timeout=None)._http.timeout.read is None
+    # past the server's default deadline, so that a request the server ends there reaches the caller as its 504
+    from mstar_common.config import AdmissionConfig
+    from mstar_common.proxy.app import ProxySettings
+
+    assert MStarClient()._http.timeout.read > max(AdmissionConfig().request_timeout_s,
+                                                  ProxySettings.__dataclass_fields__["request_timeout_s"].default)
 
 
 def test_an_httpx2_client_s_transport_errors_are_sdk_errors_too():
