@@ -25,9 +25,8 @@ from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
-from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
-from mstar_common.engine.output_pump import TextStream, make_output_pump
+from mstar_common.engine.output_pump import TextStream, enqueue, make_output_pump
 from mstar_common.engine.stop_strings import StopStringMatcher
 from mstar_common.gc_policy import settle_heap
 from mstar_common.stall_watch import StallWatch
@@ -97,21 +96,3 @@ class TritonPythonModel:
         self.engine.shutdown()
         self.pump.stop()
         release_stub_objects()
-
-
-def enqueue(engine, pump, responder: Responder, prompt_ids: list[int], params, timeout_s: float | None,
-            **extra) -> None:
-    """Hand a parsed request to the engine; a refusal unregisters its stream and answers the client once."""
-    request_id = responder.request_id
-    try:
-        engine.add_request(request_id, prompt_ids, params, pump.on_output, timeout_s=timeout_s, **extra)
-    except AdmissionRefused as exc:
-        pump.unregister(request_id)
-        logger.debug("[%s] refused: %s", request_id, exc)  # counted in mstar_requests_overloaded_total
-        responder.send_error(exc.wire_message)
-    except ValueError as exc:
-        pump.unregister(request_id)
-        responder.send_invalid(str(exc))
-    except Exception as exc:  # noqa: BLE001 - one bad request must not take down the node
-        pump.unregister(request_id)
-        responder.send_server_error(exc)

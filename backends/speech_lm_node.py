@@ -19,13 +19,13 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.ar_node import enqueue
 from backends.bls import KEEPER, cpu_output_memory, release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
 from mstar_common import wire
 from mstar_common.engine.codec_pump import AudioStream, CodecPump
+from mstar_common.engine.output_pump import enqueue
 from mstar_common.families.orpheus.codes import SpeechChunker
 from mstar_common.gc_policy import settle_heap
 from mstar_common.stall_watch import StallWatch

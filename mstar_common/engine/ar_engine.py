@@ -152,7 +152,8 @@ class AREngine:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loop; every request not yet finished gets CANCELLED. Safe to call more than once, and
-        from an `on_output` callback (the loop then cancels what is left as it exits)."""
+        from an `on_output` callback of a started engine's loop (which then cancels what is left as it exits); not
+        from a callback of a `step()` driven by hand without `start()`, which holds the step lock this takes."""
         with self._cond:
             self._is_stopping = self._is_closed = True
             self._cond.notify_all()

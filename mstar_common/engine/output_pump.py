@@ -43,6 +43,7 @@ import numpy as np
 
 from mstar_common import wire
 from mstar_common.config import env_switch
+from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.stop_strings import StopStringMatcher
 from mstar_common.engine.types import FinishReason
@@ -471,6 +472,31 @@ class ShardedOutputPump:
 
     def on_output(self, request_id: str, new_ids: list[int], finish: FinishReason | None, error: str | None) -> None:
         self._pump(request_id).on_output(request_id, new_ids, finish, error)
+
+
+def enqueue(engine: Any, pump: Any, responder: Any, prompt_ids: list[int], params: Any, timeout_s: float | None,
+            **extra: Any) -> None:
+    """Hand a parsed request, whose stream `pump` already holds, to the engine; a refusal unregisters its stream
+    and answers the client once (`responder`: backends.responder.Responder). A client that left while its request
+    was parsed is cancelled here as well: the pump's cancel poll may have seen it before the engine held the id,
+    and an engine drops a cancel for an id it does not hold, so the request would otherwise run to its end for no
+    one, holding its KV pages, a batch slot and a place under the admission cap."""
+    request_id = responder.request_id
+    try:
+        engine.add_request(request_id, prompt_ids, params, pump.on_output, timeout_s=timeout_s, **extra)
+    except AdmissionRefused as exc:
+        pump.unregister(request_id)
+        logger.debug("[%s] refused: %s", request_id, exc)  # counted in mstar_requests_overloaded_total
+        responder.send_error(exc.wire_message)
+    except ValueError as exc:
+        pump.unregister(request_id)
+        responder.send_invalid(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one bad request must not take down the node
+        pump.unregister(request_id)
+        responder.send_server_error(exc)
+    else:
+        if responder.is_closed:  # closed by the poll (set before its own cancel) or already finished: a no-op then
+            engine.cancel(request_id)
 
 
 def make_output_pump(engine: Any, name: str = "output-pump", watch: Any = None) -> OutputPump | ShardedOutputPump:

@@ -493,3 +493,57 @@ def test_a_step_whose_tokens_cannot_be_read_fails_its_prefill_rows_too(loaded, p
     engine.add_request("after", prompts[4], greedy(), collector)  # and the engine serves on
     run_until_idle(engine)
     assert collector.streams["after"].tokens == reference[4]
+
+
+class _LeftSink:
+    """A client that left while its prompt was parsed (backends.responder.Responder as the pump sees it)."""
+
+    def __init__(self, request_id: str):
+        self.request_id, self.is_closed, self.sent = request_id, False, []
+
+    def send_chunk(self, outputs):
+        self.sent.append("chunk")
+
+    def send_final(self, outputs=None):
+        self.is_closed = True
+        self.sent.append("final")
+
+    def send_error(self, message):
+        self.is_closed = True
+        self.sent.append("error")
+
+    def send_invalid(self, message):
+        self.send_error(message)
+
+    def send_server_error(self, exc):
+        self.send_error(str(exc))
+        return "id"
+
+    def is_cancelled(self):
+        return True
+
+
+def test_a_cancel_polled_before_the_engine_holds_the_request_still_ends_it(loaded):
+    """The node registers a stream with the pump, then hands the request to the engine. A cancel the pump's poll
+    sent in between reached an engine that did not hold the id yet and was dropped: the request then decoded all
+    its tokens for no one, holding its pages, a batch slot and a place under the cap."""
+    from mstar_common.engine.detokenizer import IncrementalDetokenizer
+    from mstar_common.engine.output_pump import OutputPump, TextStream, enqueue
+
+    class Letters:
+        def decode(self, ids, **_):
+            return "x" * len(ids)
+
+    engine = make_engine(loaded)
+    pump = OutputPump(engine)  # not started: its cancel poll is driven here, in the order of the race
+    sink = _LeftSink("r")
+    pump.register(TextStream("r", sink, IncrementalDetokenizer(Letters()), None, 4))
+    pump._poll_cancellations()  # unregisters the stream, sends the flags-only FINAL, cancels "r" in the engine
+    engine.step()  # the engine takes that cancel before it holds "r"
+    enqueue(engine, pump, sink, [5, 6, 7, 8], greedy(max_tokens=40, ignore_eos=True), timeout_s=None)
+    steps = 0
+    while engine.step():
+        steps += 1
+        assert steps < 40, "the cancelled request ran on"
+    assert steps <= 1 and sink.sent == ["final"]
+    assert engine.stats()["num_running"] == 0 and engine.stats()["num_used_pages"] == 0
