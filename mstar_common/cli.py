@@ -253,17 +253,23 @@ def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None
 
 
 def check_shm_size(dep, source: str, shm: str = "/dev/shm") -> None:
-    """Each stub's shared-memory region must fit /dev/shm (tritonserver fails to load the model otherwise, with an
-    error that does not name the key)."""
+    """Every stub's shared-memory region must fit in what /dev/shm has free: the Python backend allocates each
+    stub's whole `server.shm_default_byte_size` when the stub starts (posix_fallocate), one stub per instance of
+    each component, and a model whose region does not fit fails to load with an error that names no key (in a
+    container whose /dev/shm is Docker's 64 MiB, three stubs of the 32 MiB image default)."""
+    from mstar_common.supervisor import expected_stubs
+
     try:
         stats = os.statvfs(shm)
     except OSError:
         return  # no /dev/shm to measure; tritonserver says what it finds
-    total = stats.f_frsize * stats.f_blocks
-    size = dep.server.shm_default_byte_size
-    if size > total:
-        raise DeploymentError(f"{source}: server.shm_default_byte_size: {size:,} bytes is more than {shm} holds "
-                              f"({total:,} bytes)")
+    free = stats.f_frsize * stats.f_bavail
+    size, stubs = dep.server.shm_default_byte_size, expected_stubs(dep)
+    if size * stubs > free:
+        raise DeploymentError(
+            f"{source}: server.shm_default_byte_size: {stubs} stub(s) (one per component instance) x {size:,} bytes "
+            f"= {size * stubs:,} bytes is more than {shm} has free ({free:,} bytes); lower it, or give {shm} more "
+            f"room (a container: docker run --shm-size=1g or more)")
 
 
 def check_gpus_visible(dep, source: str) -> None:

@@ -329,11 +329,20 @@ def test_a_shared_memory_region_larger_than_dev_shm_is_refused_by_serve(monkeypa
 
     from mstar_common.cli import check_shm_size
 
-    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_frsize=4096, f_blocks=2**18))  # 1 GiB
-    with pytest.raises(DeploymentError, match=r"^t.yaml: server.shm_default_byte_size: 2,147,483,648 bytes is more "
-                                              r"than /dev/shm holds \(1,073,741,824 bytes\)"):
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_frsize=4096, f_bavail=2**18))  # 1 GiB free
+    with pytest.raises(DeploymentError, match=r"^t.yaml: server.shm_default_byte_size: 1 stub\(s\) \(one per "
+                                              r"component instance\) x 2,147,483,648 bytes = 2,147,483,648 bytes is "
+                                              r"more than /dev/shm has free \(1,073,741,824 bytes\)"):
         check_shm_size(deployment_from_dict(_with(server__shm_default_byte_size=2**31)), "t.yaml")
     check_shm_size(deployment_from_dict(copy.deepcopy(BASE)), "t.yaml")
+    # every stub takes its whole region: Docker's 64 MiB /dev/shm holds two 32 MiB regions, not three (the check
+    # counted one region, and served, the third stub's model failed to load naming no key)
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_frsize=4096, f_bavail=2**14))  # 64 MiB free
+    two = _with(server__shm_default_byte_size=2**25, components__llm__placement__instances=2)
+    check_shm_size(deployment_from_dict(two), "t.yaml")
+    with pytest.raises(DeploymentError, match=r"3 stub\(s\) .* = 100,663,296 bytes is more than /dev/shm has free"):
+        check_shm_size(deployment_from_dict(_with(server__shm_default_byte_size=2**25,
+                                                  components__llm__placement__instances=3)), "t.yaml")
 
 
 @pytest.mark.parametrize("family, component, setting, fragment", [
