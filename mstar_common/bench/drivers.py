@@ -31,6 +31,8 @@ def _triton_inputs(request: dict):
     for name, value in request.items():
         if name in (wire.INPUT_IDS, wire.STOP_TOKEN_IDS):
             arr, dtype = np.asarray(value, dtype=np.int32), "INT32"
+        elif name == wire.STOP:  # stop strings: one BYTES tensor of them all
+            arr, dtype = np.asarray([str(s).encode() for s in value], dtype=np.object_), "BYTES"
         elif name in wire.SAMPLING_INPUTS:
             dtype, np_dtype = wire.SAMPLING_INPUTS[name]
             arr = np.asarray([value], dtype=np_dtype)
@@ -243,7 +245,8 @@ class OpenAIDriver:
                 "temperature": request["temperature"],
                 # the tokens so far on every chunk, so each chunk's count is exact (as the Triton driver's)
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                **{name: request[name] for name in ("top_p", "top_k") if name in request}}
+                **{name: request[name] for name in ("top_p", "top_k", wire.STOP, wire.STOP_TOKEN_IDS)
+                   if name in request}}
 
 
 def _share(total: int, num: int, index: int) -> int:

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from mstar_common import wire
+
 PROMPT_ID_RANGE = (3, 400)  # ids every checkpoint here knows (the tiny tokenizer has ~400 tokens)
 
 
@@ -92,6 +94,9 @@ def perf_analyzer_data(requests: list[dict]) -> dict:
     return {"data": data}
 
 
+LIST_INPUTS = (wire.INPUT_IDS, wire.STOP, wire.STOP_TOKEN_IDS)  # the entry model's inputs of dims [-1]
+
+
 def load_perf_analyzer_data(path: str | Path) -> list[dict]:
     """Requests from a perf_analyzer input-data file written by `perf_analyzer_data`."""
     raw = json.loads(Path(path).read_text())
@@ -100,7 +105,8 @@ def load_perf_analyzer_data(path: str | Path) -> list[dict]:
         req = {}
         for name, value in entry.items():
             content = value["content"] if isinstance(value, dict) else value
-            req[name] = content if name == "input_ids" else content[0]
+            # a list input is the whole list; a knob is its one value (more are left a list, for the check below)
+            req[name] = list(content) if name in LIST_INPUTS or len(content) != 1 else content[0]
         requests.append(req)
     return requests
 
@@ -121,6 +127,11 @@ def requests_from_file(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}: data[{index}].input_ids: must be a non-empty list of token ids (ints >= 0)")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"{path}: data[{index}].max_tokens: must be an integer >= 1, got {max_tokens!r}")
+        if scalars := [name for name, value in req.items() if name not in LIST_INPUTS and isinstance(value, list)]:
+            raise ValueError(f"{path}: data[{index}].{scalars[0]}: one value per request, got "
+                             f"{len(req[scalars[0]])}")
+        if not all(isinstance(s, str) for s in req.get(wire.STOP, [])):
+            raise ValueError(f"{path}: data[{index}].{wire.STOP}: must be a list of strings")
         req.setdefault("ignore_eos", True)
         req.setdefault("temperature", 0.0)
     return requests

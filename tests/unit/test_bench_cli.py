@@ -228,6 +228,22 @@ def test_input_data_files_round_trip_and_fill_the_defaults(tmp_path):
                                          "temperature": 0.0}]
 
 
+def test_input_data_keeps_the_list_inputs_whole_and_sends_them_as_one_tensor(tmp_path):
+    """`stop_token_ids: [11, 12]` was read as 11 and sent with shape [] (Triton refused every request), and of
+    `stop: ["\n\n", "END"]` only the first string was sent."""
+    from mstar_common.bench.drivers import _triton_inputs
+    from mstar_common.bench.workload import requests_from_file
+
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"data": [{"input_ids": {"content": [5, 6, 7], "shape": [3]}, "max_tokens": [4],
+                                          "stop_token_ids": [11, 12], "stop": ["\n\n", "END"]}]}))
+    (request,) = requests_from_file(path)
+    assert request["stop_token_ids"] == [11, 12] and request["stop"] == ["\n\n", "END"]
+    tensors = {t.name(): (t.datatype(), t.shape()) for t in _triton_inputs(request)}
+    assert tensors["stop_token_ids"] == ("INT32", [2]) and tensors["stop"] == ("BYTES", [2])
+    assert tensors["max_tokens"] == ("INT32", [1]) and tensors["input_ids"] == ("INT32", [3])
+
+
 @pytest.mark.parametrize("data, fragment", [
     ({"data": []}, "data: no requests"),
     ({"data": [{"max_tokens": [4]}]}, "data[0].input_ids"),
@@ -235,6 +251,9 @@ def test_input_data_files_round_trip_and_fill_the_defaults(tmp_path):
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2]}, {"input_ids": [3], "max_tokens": [0]}]},
      "data[1].max_tokens: must be an integer >= 1, got 0"),
     ({"rows": []}, "not a perf_analyzer input-data file"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "temperature": [0.5, 0.7]}]},
+     "data[0].temperature: one value per request, got 2"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "stop": [5]}]}, "data[0].stop: must be a list of strings"),
 ])
 def test_bad_input_data_is_refused_before_anything_runs(tmp_path, capsys, data, fragment):
     path = tmp_path / "bad.json"
