@@ -7,8 +7,9 @@ in ONE call (on Triton a BLS request to the codec component): hops are per step,
 token, and the codec sees the whole step's batch. Each stream then gets its audio in play order, as soon
 as it is decoded (several frames per response when it fell behind), and a finished stream's FINAL follows
 its last audio. A stream's first response can be held until it carries `first_chunk_frames` frames (a
-deployment knob, default 1): a playback buffer that trades first-audio latency for no gap when many streams
-start at once and the first frames come faster than the ones right after. With `first_chunk_frames` None
+deployment knob; 3 in the orpheus family, 1 where a runtime is built without it): a playback buffer that trades
+first-audio latency for no gap when many streams start at once and the first frames come faster than the ones
+right after. With `first_chunk_frames` None
 ("auto"), the hold is set when the stream's first frame is decoded, from how many streams the pump serves then
 (`auto_first_chunk_frames`): one frame for a lone stream, a longer buffer under load; until the stream's first
 response goes out, it grows if more streams join meanwhile (it never shrinks).

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit; the entry model also caps the input's tokens
+FINISH_REASON_HEADER = "X-Finish-Reason"  # a whole clip's finish: "length" when max_tokens cut it short
 FORMATS = {  # response_format -> (soundfile format, subtype, media type); pcm is raw PCM16 LE
     "wav": ("WAV", "PCM_16", "audio/wav"),
     "flac": ("FLAC", "PCM_16", "audio/flac"),
@@ -176,7 +177,9 @@ async def create_speech(body: SpeechRequest, request: Request):
     speech = await collect(ctx, request, served, gen)
     # in a thread: an mp3 or opus encode of a long clip takes 0.1-0.7 s, which would stall every other stream here
     data = await asyncio.to_thread(encode_audio, speech.pcm, speech.sample_rate, body.response_format)
-    return Response(data, media_type=FORMATS[body.response_format][2])
+    # "length": the clip stopped at max_tokens (default_max_tokens when unset), short of the end of the text
+    return Response(data, media_type=FORMATS[body.response_format][2],
+                    headers={FINISH_REASON_HEADER: speech.finish_reason or "stop"})
 
 
 @router.get("/v1/audio/voices")
@@ -244,7 +247,9 @@ async def _speech_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator
             if response.audio is not None and response.audio.size:
                 pcm = response.audio.astype("<i2").tobytes()
                 yield {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
-        yield {"type": "speech.audio.done", "usage": speech.speech_usage}
+        # OpenAI's event carries usage alone; finish_reason added: "length" is a clip cut at max_tokens
+        yield {"type": "speech.audio.done", "usage": speech.speech_usage,
+               "finish_reason": speech.finish_reason or "stop"}
     finally:
         await stream.aclose()
 

@@ -35,6 +35,7 @@ def test_whole_wav_and_the_fields_sent():
     reply = http.post("/v1/audio/speech", json={"model": "orpheus", "input": "hi", "voice": "leo", "seed": 3,
                                                 "temperature": 0.5, "max_tokens": 99, "response_format": "wav"})
     assert reply.status_code == 200 and reply.headers["content-type"] == "audio/wav"
+    assert reply.headers["x-finish-reason"] == "length"  # cut at max_tokens: a clip that only looked whole before
     audio, rate = soundfile.read(io.BytesIO(reply.content), dtype="int16")
     assert rate == 24000 and audio.tolist() == list(range(10))
     tensors = fake.requests[0].tensors
@@ -56,9 +57,10 @@ def test_streamed_pcm_and_sse():
     reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse"})
     events = [line for line in reply.text.splitlines() if line.startswith("data:")]
     assert '"speech.audio.delta"' in events[0] and '"speech.audio.done"' in events[-2] and events[-1] == "data: [DONE]"
-    # OpenAI's SpeechAudioDoneEvent: usage in input/output tokens
-    assert json.loads(events[-2][len("data: "):])["usage"] == {"input_tokens": 7, "output_tokens": 3,
-                                                              "total_tokens": 10}
+    # OpenAI's SpeechAudioDoneEvent: usage in input/output tokens; and the finish ("length": cut at max_tokens)
+    done = json.loads(events[-2][len("data: "):])
+    assert done["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}
+    assert done["finish_reason"] == "length"
 
 
 def test_the_default_format_is_mp3_as_openais_and_wav_when_streamed():

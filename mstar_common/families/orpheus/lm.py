@@ -96,7 +96,9 @@ class OrpheusLMRuntime:
     frame_rule: FrameRule
     codec_model: str  # the Triton model of the SNAC component
     sample_rate: int
-    first_chunk_frames: int | None = 1  # frames in each stream's first audio response (None: auto; AudioStream)
+    # frames in each stream's first audio response (None: auto; AudioStream); the family passes its deployment's,
+    # DEFAULT_FIRST_CHUNK_FRAMES (3) unless set
+    first_chunk_frames: int | None = 1
     local_codec: Any = None  # a SnacCodec when `codec_in_process` (no BLS hop), else None
     max_input_bytes: int = 0  # a text longer than this cannot fit max_input_tokens; 0: from the tokenizer
 
