@@ -203,7 +203,13 @@ class TritonSupervisor:
                 return True
             logger.error("[supervisor] error id %s: %s; every in-flight request fails; relaunching tritonserver",
                          error_id, fault)
-            self._restart()
+            try:
+                self._restart()
+            except Exception as exc:  # noqa: BLE001 - not ready within the start timeout, or it exited
+                # As at the first start, a server that cannot come up ends `mstar serve`. Retried instead, each
+                # try took the whole start timeout, so with the defaults (600 s, 5 relaunches in 600 s) the
+                # budget never ran out and the server relaunched every 10 minutes for ever, serving nothing.
+                self._give_up(f"{fault} (error id {error_id}); the relaunched tritonserver did not come up: {exc}")
             return True
 
     # ---- internals ------------------------------------------------------------------------------------------
@@ -212,8 +218,8 @@ class TritonSupervisor:
         while not self._stop.wait(self.poll_s):
             try:
                 self.check()
-            except Exception:  # keep supervising; a failed relaunch is retried on the next pass
-                logger.exception("[supervisor] relaunch failed")
+            except Exception:  # keep supervising (a failed relaunch itself gives up, in check)
+                logger.exception("[supervisor] supervision pass failed")
 
     def _fault(self) -> str | None:
         if self.proc.poll() is not None:

@@ -179,3 +179,21 @@ def test_free_ports_are_distinct_even_where_the_kernel_hands_a_closed_port_out_a
     ports = Ports.free()
     assert len({ports.http, ports.grpc, ports.metrics, ports.proxy}) == 4
     assert not held
+
+
+def test_a_relaunch_that_does_not_come_up_stops_the_server(monkeypatch):
+    """A relaunched server that never got ready was retried on the next pass, each try taking the whole start
+    timeout: with the defaults (600 s, 5 relaunches within 600 s) the budget never ran out, and the server was
+    relaunched every 10 minutes for ever, serving nothing."""
+    watcher, calls = _supervisor(monkeypatch, _dep(), alive={})
+    watcher.stubs = {7: sup.Stub(7, "qwen3_llm")}
+
+    def never_ready():
+        calls.append("launch")
+        raise TimeoutError("tritonserver not ready at http://127.0.0.1:2/v2/health/ready after 600 s")
+
+    monkeypatch.setattr(watcher, "_launch", never_ready)
+    assert watcher.check() and watcher.is_failed and calls == ["kill", "launch", "kill"]
+    assert "Python stub(s) died: qwen3_llm (pid 7)" in watcher.failure
+    assert "the relaunched tritonserver did not come up: tritonserver not ready" in watcher.failure
+    assert not watcher.check()  # given up: nothing more is launched
