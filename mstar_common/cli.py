@@ -125,7 +125,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mstar_common import run_folders
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
-    from mstar_common.launcher import Ports, port_in_use, start_proxy, stop_process, wait_ready
+    from mstar_common.launcher import (
+        Ports,
+        StopRequested,
+        connect_host,
+        port_in_use,
+        start_proxy,
+        stop_process,
+        wait_ready,
+    )
     from mstar_common.memory_plan import shared_gpu_notes
     from mstar_common.repository import entry_model, generate_repository
     from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
@@ -177,7 +185,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"[mstar] tritonserver starting (log: {run_dir / 'tritonserver.log'})", flush=True)
         try:
-            triton.start()
+            triton.start(stop=stop)  # a stop while it loads ends the wait at once (a load can take minutes)
+        except StopRequested:
+            print("[mstar] stopped before tritonserver was ready", flush=True)
+            return 0
         except (RuntimeError, TimeoutError) as exc:
             print(f"mstar: error: {exc}", file=sys.stderr)
             for line in load_errors(run_dir / "tritonserver.log"):
@@ -186,12 +197,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 1
         triton.watch()  # relaunches tritonserver when it or a stub dies, or gives up (docs/reliability.md)
 
-        def launch_proxy() -> subprocess.Popen:
+        def launch_proxy(stop_event: threading.Event | None = None) -> subprocess.Popen:
+            """Start the proxy and wait for it (at the address it binds); one that fails or is stopped first
+            is stopped with its workers."""
             started = start_proxy(dep, entry_model(dep), ports, run_dir / "proxy.log", host=args.host)
-            wait_ready(ports.proxy_health_url, started, args.timeout, "proxy")
+            try:
+                wait_ready(f"http://{connect_host(args.host)}:{ports.proxy}/health", started, args.timeout, "proxy",
+                           stop=stop_event)
+            except BaseException:
+                stop_process(started, grace=5)
+                raise
             return started
 
-        proxy = None if args.no_proxy else launch_proxy()
+        try:
+            proxy = None if args.no_proxy else launch_proxy(stop)
+        except StopRequested:
+            print("[mstar] stopped before the proxy was ready", flush=True)
+            return 0
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"mstar: error: {exc}", file=sys.stderr)
+            for line in tail_lines(run_dir / "proxy.log", 12):
+                print(f"  {line}", file=sys.stderr)
+            print(f"  (the whole log: {run_dir / 'proxy.log'})", file=sys.stderr)
+            return 1
         _print_urls(dep, ports, args, run_dir)
         proxy_restarts = RestartBudget(s.max_restarts if s.restart_on_fault else 0)
         while not stop.is_set():
@@ -289,6 +317,14 @@ def check_gpus_visible(dep, source: str) -> None:
                                   f"machine, which shows {shown}")
 
 
+def tail_lines(log: Path, most: int) -> list[str]:
+    """The last `most` non-empty lines of a log (none if it cannot be read)."""
+    try:
+        return [line.rstrip() for line in log.read_text(errors="replace").splitlines() if line.strip()][-most:]
+    except OSError:
+        return []
+
+
 def load_errors(log: Path, most: int = 8) -> list[str]:
     """The error lines of a tritonserver log (a model that failed to load says why there), the last `most`."""
     try:
@@ -375,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `mstar check ... | head -1`: the reader left; no traceback for it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before serve's own handlers (a checkpoint build, the imports): no traceback
+        print("\n[mstar] stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -143,9 +144,18 @@ def proxy_limit_args(dep: Deployment) -> list[str]:
     return args + (["--allow-remote-urls"] if lim.allow_remote_urls else [])
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+class StopRequested(Exception):
+    """A stop (Ctrl-C, SIGTERM) came while a start waited for its process to be ready."""
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
+               stop: threading.Event | None = None) -> None:
+    """Until `url` answers 200; raises RuntimeError if `proc` exits first, TimeoutError after `timeout`, and
+    StopRequested as soon as `stop` is set (a start can take minutes: weight loads, graph captures)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise StopRequested(f"stopped while {what} was starting")
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
         try:
@@ -154,8 +164,21 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> N
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(0.25)
+        if stop is not None:
+            stop.wait(0.25)
+        else:
+            time.sleep(0.25)
     raise TimeoutError(f"{what} not ready at {url} after {timeout:.0f} s")
+
+
+def connect_host(bind_host: str) -> str:
+    """The host a local client reaches a server bound to `bind_host` at: a wildcard's loopback, else the address
+    itself (an IPv6 literal in brackets)."""
+    if bind_host in ("", "0.0.0.0", "*"):
+        return "127.0.0.1"
+    if bind_host == "::":
+        return "[::1]"
+    return f"[{bind_host}]" if ":" in bind_host and not bind_host.startswith("[") else bind_host
 
 
 def stop_process(proc: subprocess.Popen | None, grace: float = 25.0) -> None:

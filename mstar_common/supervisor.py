@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mstar_common.config import Deployment
-from mstar_common.launcher import Ports, start_triton, wait_ready
+from mstar_common.launcher import Ports, StopRequested, start_triton, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +165,15 @@ class TritonSupervisor:
     def ready_url(self) -> str:
         return self.ports.triton_ready_url
 
-    def start(self) -> None:
-        """Launch tritonserver and wait until it is ready (raises if it is not)."""
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Launch tritonserver and wait until it is ready (raises if it is not; StopRequested, with the server
+        stopped, as soon as `stop` is set)."""
         with self._lock:
-            self._launch()
+            try:
+                self._launch(stop)
+            except StopRequested:
+                self._kill(signal.SIGTERM, 10)
+                raise
 
     def watch(self) -> None:
         """Check for deaths in a background thread until `stop`: a death relaunches the server, or with
@@ -243,14 +248,14 @@ class TritonSupervisor:
         self.num_restarts += 1
         self._launch()
 
-    def _launch(self) -> None:
+    def _launch(self, stop: threading.Event | None = None) -> None:
         stale = remove_stale_shm()
         if stale:
             logger.info("[supervisor] removed %d shared-memory region(s) left by supervisors no longer running", stale)
         self._shm_prefix = f"mstar{os.getpid()}_{uuid.uuid4().hex[:6]}_"
         prefix_arg = f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}"
         self.proc = start_triton(self.repo, self.dep, self.ports, self.log_path, extra_args=(prefix_arg,))
-        wait_ready(self.ready_url, self.proc, self.ready_timeout_s, "tritonserver")
+        wait_ready(self.ready_url, self.proc, self.ready_timeout_s, "tritonserver", stop=stop)
         self.stubs = find_stubs(self.proc.pid)
         logger.info("[supervisor] tritonserver pid %d ready with %d of %d stub(s): %s", self.proc.pid,
                     len(self.stubs), self.num_expected, sorted({s.model for s in self.stubs.values()}))

@@ -237,3 +237,68 @@ def test_serve_refuses_ports_already_in_use_before_starting(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"mstar: error: port(s) already in use: proxy {port} (--port)" in out.stderr
     assert "tritonserver starting" not in out.stdout
+
+
+def test_ctrl_c_while_tritonserver_loads_stops_at_once(tmp_path):
+    """The signal handler only set a flag that nothing read until the server was ready: Ctrl-C (or SIGTERM) during
+    a load was ignored for up to --timeout, then reported as a failed start."""
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    cmd = [sys.executable, "-m", "mstar_common.cli", "serve", "qwen3", "--timeout", "240",
+           *(f"--{name}={port}" for name, port in ports.items())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "MSTAR_CACHE_DIR": str(tmp_path / "cache")})
+    lines: list[str] = []
+    try:
+        while not any("tritonserver starting" in line for line in lines):
+            assert proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        time.sleep(1.0)  # tritonserver is loading the model (several seconds on the CPU)
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + out
+        assert time.monotonic() - started < 20  # tritonserver stopped, not waited for
+        assert "[mstar] stopped before tritonserver was ready" in out and "Traceback" not in out, out
+        assert not [port for port in ports.values() if _listening(port)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_proxy_that_fails_its_first_start_is_an_error_with_its_log_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """launch_proxy's RuntimeError went up as a traceback, and a proxy that never became ready was left running
+    (the finally block knew of no proxy yet). Tritonserver is faked here; the proxy is a process that logs a line
+    and exits."""
+    from mstar_common import cli, launcher, supervisor
+
+    class Ready:
+        is_failed, failure = False, ""
+
+        def __init__(self, *args, **kwargs):
+            self.stopped = False
+
+        def start(self, stop=None):
+            pass
+
+        def watch(self):
+            pass
+
+        def stop(self, drain_s=None):
+            self.stopped = True
+
+    def failing_proxy(dep, entry, ports, log_path, host="127.0.0.1"):
+        log_path.write_text("ERROR: [Errno 99] error while attempting to bind on address\n")
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], start_new_session=True)
+
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # serve's handlers would outlive it in pytest
+    monkeypatch.setattr(supervisor, "TritonSupervisor", Ready)
+    monkeypatch.setattr(launcher, "start_proxy", failing_proxy)
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    args = [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)), strict=True)]
+    assert cli.main(["serve", "qwen3", "--timeout", "30", *args]) == 1
+    err = capsys.readouterr().err
+    assert "mstar: error: proxy exited with code 3 before it was ready" in err and "Traceback" not in err, err
+    assert "error while attempting to bind on address" in err  # the proxy log's tail

@@ -197,3 +197,25 @@ def test_a_relaunch_that_does_not_come_up_stops_the_server(monkeypatch):
     assert "Python stub(s) died: qwen3_llm (pid 7)" in watcher.failure
     assert "the relaunched tritonserver did not come up: tritonserver not ready" in watcher.failure
     assert not watcher.check()  # given up: nothing more is launched
+
+
+def test_a_start_waits_until_a_stop_and_readiness_is_asked_where_the_proxy_binds():
+    import threading
+
+    from mstar_common.launcher import StopRequested, connect_host, wait_ready
+
+    stop = threading.Event()
+    stop.set()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        started = time.monotonic()
+        with pytest.raises(StopRequested, match="stopped while tritonserver was starting"):
+            wait_ready("http://127.0.0.1:9/", sleeper, 30, "tritonserver", stop=stop)
+        assert time.monotonic() - started < 2
+    finally:
+        sleeper.kill()
+        sleeper.wait(5)
+    # a proxy bound to one address answers there (its health was asked at 127.0.0.1: a whole --timeout, then an
+    # error); a wildcard at the loopback
+    assert [connect_host(h) for h in ("0.0.0.0", "::", "10.1.2.3", "fe80::1", "127.0.0.1")] == [
+        "127.0.0.1", "[::1]", "10.1.2.3", "[fe80::1]", "127.0.0.1"]
