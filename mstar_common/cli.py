@@ -122,21 +122,10 @@ def cmd_build_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mstar_common import run_folders
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
-    from mstar_common.launcher import (
-        Ports,
-        StopRequested,
-        connect_host,
-        port_in_use,
-        start_proxy,
-        stop_process,
-        wait_ready,
-    )
+    from mstar_common.launcher import Ports, port_in_use, release_ports, reserve_ports
     from mstar_common.memory_plan import shared_gpu_notes
-    from mstar_common.repository import entry_model, generate_repository
-    from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
     from mstar_common.switches import check_switches
 
     path = serve_target(args.target, args.config)
@@ -173,6 +162,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         wanted.append(("proxy", ports.proxy, "--port"))
     if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
         raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
+    if held := reserve_ports([port for _, port, _ in wanted]):  # a serve still loading has not bound them yet
+        named = [f"{what} {port} ({flag}: {held[port]})" for what, port, flag in wanted if port in held]
+        raise DeploymentError(f"port(s) taken by a server still starting: {', '.join(named)}; stop it or choose "
+                              f"other ports")
+    try:
+        return _serve_on(args, path, dep, ports)
+    finally:
+        release_ports([port for _, port, _ in wanted])  # an in-process caller (a test) must not keep them
+
+
+def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
+    """`mstar serve` once the deployment is checked and its ports reserved: the run folder, tritonserver, the
+    proxy, supervision, and the stop."""
+    from mstar_common import run_folders
+    from mstar_common.launcher import StopRequested, connect_host, start_proxy, stop_process, wait_ready
+    from mstar_common.repository import entry_model, generate_repository
+    from mstar_common.supervisor import RESTART_WINDOW_S, RestartBudget, TritonSupervisor
+
+    s = dep.server
     # after the refusals, so none leaves a folder; the name as far as a folder name can carry it
     run_dir = run_folders.make(f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', dep.name)[:48]}-", s.keep_run_folders)
     repo = run_dir / "model_repository"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -232,6 +234,56 @@ def port_in_use(port: int, host: str = "") -> bool:
         except OSError:
             return True
     return False
+
+
+PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "mstar-port-locks"
+_HELD_PORT_LOCKS: dict[int, int] = {}  # port -> the open file holding its lock, for this process's life
+
+
+def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> dict[int, str]:
+    """Lock each port for this process (a file lock the kernel drops when the process ends, however it ends): a
+    second `mstar serve` on one of them, started while this one's tritonserver loads its models (it binds its
+    ports only after the load, so `port_in_use` sees nothing), is refused instead of loading the models again and
+    then taking the first one's readiness answer for its own. Returns {port: who holds it} for the ports another
+    process holds, having taken none; {} when all are now this process's. Best effort: a lock file that cannot be
+    opened (another user's) is not checked."""
+    folder = PORT_LOCK_DIR if lock_dir is None else lock_dir
+    with contextlib.suppress(OSError):
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o1777)  # every user's servers share it; each lock file stays its owner's
+    taken: dict[int, int] = {}
+    held: dict[int, str] = {}
+    for port in ports:
+        if port in _HELD_PORT_LOCKS:
+            continue
+        try:
+            fd = os.open(folder / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            held[port] = f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        taken[port] = fd
+    if held:
+        for fd in taken.values():
+            os.close(fd)  # the lock goes with its file
+        return held
+    _HELD_PORT_LOCKS.update(taken)
+    return {}
+
+
+def release_ports(ports: list[int]) -> None:
+    """Let go of the locks `reserve_ports` took for these ports (a process that ends lets go of them all)."""
+    for port in ports:
+        fd = _HELD_PORT_LOCKS.pop(port, None)
+        if fd is not None:
+            os.close(fd)
 
 
 @contextlib.contextmanager

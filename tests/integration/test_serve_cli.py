@@ -302,3 +302,26 @@ def test_a_proxy_that_fails_its_first_start_is_an_error_with_its_log_not_a_trace
     err = capsys.readouterr().err
     assert "mstar: error: proxy exited with code 3 before it was ready" in err and "Traceback" not in err, err
     assert "error while attempting to bind on address" in err  # the proxy log's tail
+
+
+def test_serve_refuses_ports_another_serve_holds_while_it_loads(tmp_path, monkeypatch, capsys):
+    """A serve still loading its models has not bound its ports: the port check saw them free, so a second serve
+    on them loaded everything again and took the first one's readiness answer for its own."""
+    from mstar_common import cli
+
+    ports = free_ports(4)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from mstar_common.launcher import reserve_ports; "
+        f"assert reserve_ports({ports}) == {{}}; print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+        names = ("port", "http-port", "grpc-port", "metrics-port")
+        assert cli.main(["serve", "qwen3", *(f"--{n}={p}" for n, p in zip(names, ports, strict=True))]) == 2
+    finally:
+        holder.kill()
+        holder.wait(5)
+    err = capsys.readouterr().err
+    assert f"port(s) taken by a server still starting: Triton HTTP {ports[1]} (--http-port: mstar serve pid " \
+           f"{holder.pid})" in err, err

@@ -219,3 +219,24 @@ def test_a_start_waits_until_a_stop_and_readiness_is_asked_where_the_proxy_binds
     # error); a wildcard at the loopback
     assert [connect_host(h) for h in ("0.0.0.0", "::", "10.1.2.3", "fe80::1", "127.0.0.1")] == [
         "127.0.0.1", "[::1]", "10.1.2.3", "[fe80::1]", "127.0.0.1"]
+
+
+def test_a_port_another_serve_reserved_is_refused_until_that_serve_ends(tmp_path):
+    """tritonserver binds its ports only after loading its models, so a second `mstar serve` on the same ports,
+    started meanwhile, passed the port check, loaded everything again, and took the first one's readiness answer
+    for its own. Each serve now holds a file lock per port for its life."""
+    from mstar_common import launcher
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from mstar_common.launcher import reserve_ports; "
+        f"assert reserve_ports([40001, 40002], Path({str(tmp_path)!r})) == {{}}; print('held', flush=True); "
+        "time.sleep(60)")], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert launcher.reserve_ports([40003, 40002], tmp_path) == {40002: f"mstar serve pid {holder.pid}"}
+        assert 40003 not in launcher._HELD_PORT_LOCKS  # all or nothing: the free one was let go again
+    finally:
+        holder.kill()
+        holder.wait(5)
+    assert launcher.reserve_ports([40003, 40002], tmp_path) == {}  # the kernel dropped the dead holder's locks
+    assert {40002, 40003} <= set(launcher._HELD_PORT_LOCKS)
