@@ -59,6 +59,12 @@ class TritonPythonModel:
             requests = [r for r in batch if r is not None]
             if requests:
                 self._step(requests)
+        # stopped: what came after the last step is answered too (a speech LM's codec pump waits on each request)
+        while not self._queue.empty():
+            request = self._queue.get_nowait()
+            if request is not None:
+                Responder(request, request.request_id() or "codec").send_error(
+                    f"{wire.UNAVAILABLE_PREFIX}the codec stopped before the request was decoded; send it again")
 
     def _step(self, requests: list) -> None:
         accepted: list[tuple[Responder, np.ndarray]] = []

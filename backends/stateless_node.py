@@ -26,7 +26,7 @@ from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
 from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
 from mstar_common import wire
-from mstar_common.diffusion.batcher import Cancelled, Expired, StopCheck
+from mstar_common.diffusion.batcher import Cancelled, Expired, ShuttingDown, StopCheck
 from mstar_common.gc_policy import settle_heap
 from mstar_common.graph import MODEL_DTYPE
 
@@ -89,6 +89,8 @@ def _on_done(responder: Responder, dtypes: dict[str, torch.dtype], timed_as: str
     def on_done(outputs: dict[str, torch.Tensor] | None, error: BaseException | None) -> None:
         if isinstance(error, Expired):
             responder.send_error(wire.DEADLINE_PREFIX + str(error))
+        elif isinstance(error, ShuttingDown):  # a 503 the client may retry, as a text component's stop is
+            responder.send_error(wire.UNAVAILABLE_PREFIX + str(error))
         elif isinstance(error, Cancelled):
             responder.send_error(f"cancelled: {error}")
         elif error is not None:

@@ -244,6 +244,12 @@ class _Transcription:
                 if not self.is_live:
                     result.events.put_nowait(self.tokens.text_ids(free))
                 self.num_tokens += len(free)
+                if not self.language.done():
+                    # This window was to detect the language, and its decode ended without a first token (the
+                    # client left and the hop was cancelled): the windows waiting for the language end too. They
+                    # waited for ever, holding the walk's admission place and the upload until the deadline.
+                    self.language.set_exception(RuntimeError(f"window {index}'s decode ended without a token, so "
+                                                             "no language was detected"))
             result.events.put_nowait(_DONE)
         except asyncio.CancelledError:
             raise

@@ -34,6 +34,13 @@ class Expired(Cancelled):
     """The request's deadline passed before its result was ready."""
 
 
+class ShuttingDown(Cancelled):
+    """The component stopped before the request's result was ready (a retryable `unavailable:` to its caller)."""
+
+    def __init__(self) -> None:
+        super().__init__("the component stopped before the request finished; send it again")
+
+
 class StopCheck:
     """An engine's `is_cancelled` for one request: true once its client went away (`client_gone()`) or
     `timeout_s` (None: no deadline) passed since it was made."""
@@ -133,7 +140,7 @@ class BatchingEngine:
                 self._cond.wait()
             if self._is_stopped:
                 for item in self._waiting:
-                    _finish(item, None, Cancelled("the component is shutting down"))
+                    _finish(item, None, ShuttingDown())
                 self._waiting.clear()
                 return None
             key = self._waiting[0].key

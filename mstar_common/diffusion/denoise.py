@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_common.diffusion.batcher import Cancelled, Expired, OnDone, stop_error
+from mstar_common.diffusion.batcher import Expired, OnDone, ShuttingDown, stop_error
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,14 @@ class DenoiseEngine:
                 self._iteration += 1
         finally:
             for job in self._running:
-                _finish(job, None, Cancelled("the component is shutting down"))
+                _finish(job, None, ShuttingDown())
+            while True:  # and what was submitted meanwhile: its caller (a walk's hop) waits for an answer
+                try:
+                    job = self._incoming.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    _finish(job, None, ShuttingDown())
 
     def _admit(self, block: bool) -> None:
         while True:

@@ -311,3 +311,27 @@ def test_the_engine_steps_no_more_rows_than_the_stepper_asks():
     assert {len(ts) for _, ts in stepper.calls} <= {1, 2, 4}
     assert sum(len(ts) for _, ts in stepper.calls) == 6 * 3
     assert all(torch.allclose(r.value, torch.full((1, 2, 1), -1.0)) for r in results)
+
+
+def test_a_shutdown_answers_the_running_jobs_and_the_ones_that_came_during_the_last_step():
+    """The loop took new jobs only at the top of an iteration, so a denoise hop submitted during the last step was
+    never answered: its walk waited for its deadline (or for ever without one), and the client got a 504 for a
+    shutdown. Every job now ends ShuttingDown, which the node sends as a retryable unavailable:."""
+    from mstar_common.diffusion.batcher import ShuttingDown
+
+    stepper = RecordingStepper(gated=True)
+    engine = DenoiseEngine("test", stepper, max_rows=4)
+    running, running_done = job("a", "64x64", steps=50)
+    engine.submit(running)
+    engine.start()
+    assert stepper.entered.wait(5)  # step 0 runs
+    late, late_done = job("b", "64x64", steps=2)
+    engine.submit(late)  # waits in the queue for the next iteration, which never comes
+    stopper = threading.Thread(target=engine.shutdown)
+    stopper.start()
+    time.sleep(0.1)
+    stepper.release.set()
+    stopper.join(10)
+    assert running_done.done.wait(5) and late_done.done.wait(5)
+    assert isinstance(running_done.error, ShuttingDown) and isinstance(late_done.error, ShuttingDown)
+    assert "send it again" in str(late_done.error)

@@ -583,3 +583,25 @@ def test_a_deployment_without_limits_starts_with_the_upload_cap_under_the_body_c
     raw["limits"], raw["model_kwargs"]["max_audio_bytes"] = {}, 20 * 1024 * 1024  # set, over the cap: refused
     with pytest.raises(DeploymentError, match="max_audio_bytes: 20971520 exceeds limits.max_body_bytes"):
         deployment_from_dict(raw, source="test")
+
+
+def test_a_first_window_whose_decode_is_cancelled_does_not_leave_the_others_waiting(local):
+    """Without a language, windows 1.. wait for window 0's first token, the detected language. A client that left
+    while window 0's decode was queued got that hop cancelled: its stream ended with no token, the language was
+    never set, and the walk waited on window 1 for ever (until its deadline), holding its admission place and the
+    upload. Now the waiting windows fail at once and the walk ends."""
+    from mstar_common.families.whisper import graph as g
+
+    async def call(component, inputs):
+        return {g.ENCODER_OUTPUT: np.zeros((1, 4, 8), np.float32)}
+
+    async def call_stream(component, inputs):  # the decoder hop, cancelled before its first token
+        return
+        yield
+
+    async def transcribe():
+        inputs = {g.AUDIO_PCM: clip(1, 45), g.SAMPLE_RATE: np.array([SR], np.int32)}
+        return [out async for out in local.walk.stream(inputs, call, call_stream)]
+
+    with pytest.raises(RuntimeError, match="window 0's decode ended without a token, so no language was detected"):
+        asyncio.run(asyncio.wait_for(transcribe(), timeout=10))
