@@ -237,7 +237,38 @@ def port_in_use(port: int, host: str = "") -> bool:
 
 
 PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "mstar-port-locks"
-_HELD_PORT_LOCKS: dict[int, int] = {}  # port -> the open file holding its lock, for this process's life
+_HELD_PORT_LOCKS: dict[int, tuple[int, Path]] = {}  # port -> (the open lock file, its path), for this process's life
+
+
+def _lock_file(path: Path) -> tuple[int | None, str | None]:
+    """(fd holding `path`'s lock, None), or (None, who holds it); (None, None) where it cannot be opened. A file
+    its holder unlinked while this one waited on it is opened again (the lock must be on the file the path names)."""
+    for _ in range(5):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return None, f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+                return fd, None
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # released and removed by its holder meanwhile: lock the path's new file
+    return None, None
+
+
+def _unlock_file(fd: int, path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()  # while still locked, so a later serve never locks a file no path names
+    os.close(fd)
 
 
 def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> dict[int, str]:
@@ -245,45 +276,37 @@ def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> dict[int, s
     second `mstar serve` on one of them, started while this one's tritonserver loads its models (it binds its
     ports only after the load, so `port_in_use` sees nothing), is refused instead of loading the models again and
     then taking the first one's readiness answer for its own. Returns {port: who holds it} for the ports another
-    process holds, having taken none; {} when all are now this process's. Best effort: a lock file that cannot be
-    opened (another user's) is not checked."""
+    process holds, having taken none; {} when all are now this process's (`release_ports` lets them go and removes
+    the files). Best effort: a lock file that cannot be opened (another user's) is not checked."""
     folder = PORT_LOCK_DIR if lock_dir is None else lock_dir
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o1777)  # every user's servers share it; each lock file stays its owner's
-    taken: dict[int, int] = {}
+    taken: dict[int, tuple[int, Path]] = {}
     held: dict[int, str] = {}
     for port in ports:
         if port in _HELD_PORT_LOCKS:
             continue
-        try:
-            fd = os.open(folder / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            held[port] = f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
-            os.close(fd)
-            continue
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        taken[port] = fd
+        path = folder / f"{port}.lock"
+        fd, holder = _lock_file(path)
+        if holder is not None:
+            held[port] = holder
+        elif fd is not None:
+            taken[port] = (fd, path)
     if held:
-        for fd in taken.values():
-            os.close(fd)  # the lock goes with its file
+        for fd, path in taken.values():
+            _unlock_file(fd, path)
         return held
     _HELD_PORT_LOCKS.update(taken)
     return {}
 
 
 def release_ports(ports: list[int]) -> None:
-    """Let go of the locks `reserve_ports` took for these ports (a process that ends lets go of them all)."""
+    """Let go of the locks `reserve_ports` took for these ports, removing their files (a process that ends lets go
+    of its locks; the files of one killed outright stay, unlocked, for the next serve to take)."""
     for port in ports:
-        fd = _HELD_PORT_LOCKS.pop(port, None)
-        if fd is not None:
-            os.close(fd)
+        if (entry := _HELD_PORT_LOCKS.pop(port, None)) is not None:
+            _unlock_file(*entry)
 
 
 @contextlib.contextmanager

@@ -240,3 +240,8 @@ def test_a_port_another_serve_reserved_is_refused_until_that_serve_ends(tmp_path
         holder.wait(5)
     assert launcher.reserve_ports([40003, 40002], tmp_path) == {}  # the kernel dropped the dead holder's locks
     assert {40002, 40003} <= set(launcher._HELD_PORT_LOCKS)
+    launcher.release_ports([40002, 40003])
+    # released: their files go too; the killed holder's other one stays, unlocked, for the next serve to take
+    assert [p.name for p in tmp_path.glob("*.lock")] == ["40001.lock"]
+    assert launcher.reserve_ports([40001], tmp_path) == {}
+    launcher.release_ports([40001])
