@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -65,6 +66,7 @@ class TritonPythonModel:
                 "num_codec_calls": self.pump.num_codec_calls}
 
     def _submit(self, request) -> None:
+        arrival = time.monotonic()  # the first-audio histogram's start: before the parse, as the text node's TTFT
         request_id = f"{client_request_id(request) or 'tts'}#{next(self._ids)}"
         responder = Responder(request, request_id)
         try:
@@ -77,7 +79,7 @@ class TritonPythonModel:
             return
         chunker = SpeechChunker(self.runtime.layout, self.runtime.frame_rule)
         self.pump.register(AudioStream(request_id, responder, chunker, self.runtime.sample_rate,
-                                       num_prompt_tokens=len(speech.prompt_ids),
+                                       num_prompt_tokens=len(speech.prompt_ids), arrival=arrival,
                                        first_chunk_frames=self.runtime.first_chunk_frames))
         enqueue(self.engine, self.pump, responder, speech.prompt_ids, speech.params,
                 timeout_s=request_timeout_s(request))

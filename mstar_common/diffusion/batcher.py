@@ -94,6 +94,7 @@ class BatchingEngine:
         self.num_batches = 0
         self.num_rows_run = 0
         self.num_expired = 0  # requests dropped unrun at their deadline
+        self._num_running = 0  # the requests of the batch being computed
         self.graph_replays: Callable[[], int] | None = None  # the component's captured-graph runs, for stats()
 
     def start(self) -> None:
@@ -120,9 +121,10 @@ class BatchingEngine:
     def stats(self) -> dict[str, float]:
         with self._cond:
             waiting = len(self._waiting)
-        # num_steps: batched forwards run (the metrics' step counter); num_rows_stepped / num_steps: mean batch
-        return {"num_waiting": waiting, "num_steps": self.num_batches, "num_rows_stepped": self.num_rows_run,
-                "num_expired": self.num_expired,
+        # num_steps: batched forwards run (the metrics' step counter); num_rows_stepped / num_steps: mean batch;
+        # num_running: the requests of the batch being computed (out of the waiting list, in none before)
+        return {"num_running": self._num_running, "num_waiting": waiting, "num_steps": self.num_batches,
+                "num_rows_stepped": self.num_rows_run, "num_expired": self.num_expired,
                 "num_graph_steps": self.graph_replays() if self.graph_replays is not None else 0}
 
     # the loop
@@ -132,7 +134,11 @@ class BatchingEngine:
             batch = self._next_batch()
             if batch is None:
                 return
-            self._run(batch)
+            self._num_running = len(batch)
+            try:
+                self._run(batch)
+            finally:
+                self._num_running = 0
 
     def _next_batch(self) -> list[WorkItem] | None:
         with self._cond:

@@ -100,9 +100,17 @@ class DenoiseEngine:
         self._incoming.put(job)
 
     def stats(self) -> dict[str, float]:
+        """The component's gauges and counters. A request whose latents went on to an in-process decoder (a
+        companion, `vae_in_denoise`) is still this component's: running while it is decoded, and expired if its
+        deadline passes there."""
         graphs = getattr(self.stepper, "graphs", None)
-        return {"num_running": len(self._running), "num_waiting": self._incoming.qsize(),
-                "num_steps": self.num_steps, "num_rows_stepped": self.num_rows_stepped, "num_expired": self.num_expired,
+        running, expired = len(self._running), self.num_expired
+        for engine in self.companions:
+            theirs = engine.stats()
+            running += theirs.get("num_running", 0) + theirs.get("num_waiting", 0)
+            expired += theirs.get("num_expired", 0)
+        return {"num_running": running, "num_waiting": self._incoming.qsize(),
+                "num_steps": self.num_steps, "num_rows_stepped": self.num_rows_stepped, "num_expired": expired,
                 "num_graph_steps": graphs.num_replays if graphs is not None else 0}
 
     # the loop

@@ -86,6 +86,8 @@ def test_whisper_encoder_buckets_out_of_memory_are_dropped(monkeypatch):
     assert graphs.batches == [1, 2, 8]
     pcm = torch.ones(3, 3)
     assert torch.equal(graphs.run(pcm), pcm * 2)  # three rows take the 8-row bucket
+    assert graphs.num_replays == 1  # the encoder's mstar_graph_steps_total (it stayed 0 while graphs ran)
+    assert graphs.run(torch.ones(9, 3)) is None and graphs.num_replays == 1  # past every bucket: eager
 
 
 @pytest.mark.gpu

@@ -195,8 +195,8 @@ def test_batcher_groups_equal_keys_in_arrival_order():
     assert batches == [[1, 3], [2, 4], [5]]
     assert [r.value for r in results] == [10, 20, 30, 50, 40]
     # the metrics' view (backends/metrics.py): 3 batches of 5 rows; graph runs as the component reports them
-    assert engine.stats() == {"num_waiting": 0, "num_steps": 3, "num_rows_stepped": 5, "num_expired": 0,
-                              "num_graph_steps": 0}
+    assert engine.stats() == {"num_running": 0, "num_waiting": 0, "num_steps": 3, "num_rows_stepped": 5,
+                              "num_expired": 0, "num_graph_steps": 0}
     engine.graph_replays = lambda: 2
     assert engine.stats()["num_graph_steps"] == 2
 
@@ -335,3 +335,32 @@ def test_a_shutdown_answers_the_running_jobs_and_the_ones_that_came_during_the_l
     assert running_done.done.wait(5) and late_done.done.wait(5)
     assert isinstance(running_done.error, ShuttingDown) and isinstance(late_done.error, ShuttingDown)
     assert "send it again" in str(late_done.error)
+
+
+def test_the_running_gauges_count_a_batch_being_computed_and_a_decode_after_the_denoise():
+    """A batched component (text encoder, VAE, whisper encoder) reported no requests running: a batch being
+    computed was out of the waiting list and in no count. A denoise request whose latents went on to the
+    in-process decoder (vae_in_denoise) left the denoise component's running count, and its expiry there was
+    counted only on the decoder, which exports nothing."""
+    release, entered = threading.Event(), threading.Event()
+
+    def run_batch(payloads):
+        entered.set()
+        assert release.wait(5)
+        return payloads
+
+    decoder = BatchingEngine("decoder", run_batch, max_rows=4)
+    result = Result()
+    decoder.submit("r0", 1, result)
+    decoder.submit("r1", 2, Result())
+    decoder.start()
+    assert entered.wait(5)
+    assert decoder.stats()["num_running"] == 2 and decoder.stats()["num_waiting"] == 0
+    denoise = DenoiseEngine("test", RecordingStepper(), max_rows=2)
+    denoise.companions.append(decoder)
+    decoder.num_expired = 1  # as _finish counts one that its deadline ended in the decoder
+    assert denoise.stats()["num_running"] == 2 and denoise.stats()["num_expired"] == 1
+    release.set()
+    assert result.done.wait(5)
+    decoder.shutdown()
+    assert decoder.stats()["num_running"] == 0

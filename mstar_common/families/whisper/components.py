@@ -38,6 +38,7 @@ class EncoderComponent:
         self.engine = BatchingEngine("whisper/encoder", self.run_batch, max_rows=max_batch)
         self.graphs = (EncoderGraphs(self.forward, (self.num_samples,), buckets_up_to(max_batch), self.device)
                        if cuda_graphs else None)
+        self.engine.graph_replays = lambda: self.graphs.num_replays if self.graphs is not None else 0
 
     def parse(self, inputs: Inputs) -> torch.Tensor:
         pcm = inputs.get(g.AUDIO_PCM)

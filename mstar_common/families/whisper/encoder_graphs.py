@@ -68,6 +68,7 @@ class EncoderGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
+        self.num_replays = 0  # batches run through a bucket (the component's mstar_graph_steps_total)
         with torch.inference_mode():
             for batch in sorted(set(batches), reverse=True):  # largest first: the pool then fits the smaller
                 bucket = capture_or_skip(f"[whisper/encoder] batch {batch}",
@@ -86,5 +87,6 @@ class EncoderGraphs:
         fits = [b for b in self._buckets if b >= pcm.shape[0]]
         if not fits:
             return None
+        self.num_replays += 1
         with torch.inference_mode():
             return self._buckets[min(fits)].run(pcm)
