@@ -103,6 +103,8 @@ async def read_form(request: Request, task: str) -> TranscriptionForm:
         if key == "language" and task == "translate":
             raise invalid_request("'language' is not a field of translations: the output is English, and the "
                                   "spoken language is detected", param=key)
+        if key == "task":  # the spec's `task="translate"` is another model's (Canary) field here
+            raise invalid_request("unknown field 'task': to translate, post to /v1/audio/translations", param=key)
         if key not in _FIELDS:
             raise invalid_request(f"unknown field '{key}'", param=key)
     audio = await _upload(values.get("file"))

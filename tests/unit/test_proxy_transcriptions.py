@@ -86,6 +86,7 @@ def test_stream_events_add_up(app):
     ({"stream": "true", "response_format": "vtt"}, None, "stream"),
     ({"known_speaker_names[]": "Ben"}, None, "known_speaker_names"),
     ({"frobnicate": "1"}, None, "frobnicate"),
+    ({"task": "translate"}, None, "/v1/audio/translations"),  # the way to translate, named in the refusal
     ({"model": "qwen3"}, None, "model"),
 ])
 def test_refusals_name_the_field(app, data, files, field):

@@ -605,3 +605,16 @@ def test_a_first_window_whose_decode_is_cancelled_does_not_leave_the_others_wait
 
     with pytest.raises(RuntimeError, match="window 0's decode ended without a token, so no language was detected"):
         asyncio.run(asyncio.wait_for(transcribe(), timeout=10))
+
+
+def test_the_walk_sizes_prompts_and_max_tokens_by_the_deployments_max_model_len(checkpoint):
+    """With resources.max_model_len below the checkpoint's positions, the walk sized the prompt's half and each
+    window's max_tokens cap by the checkpoint's: max_tokens 1,000,000 was a 400 quoting a cap the client never sent
+    (the decoder's), and a long prompt a 400 naming the internal input_ids instead of prompt."""
+    dep = tiny_deployment(**{"resources.max_model_len": 64})
+    with LocalWhisper(checkpoint, dep=dep) as harness:
+        assert harness.walk.tokens.max_length == 64 and harness.walk.max_prompt_tokens == 31
+        out = asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", max_tokens=1_000_000))
+        assert out["finish_reason"] in ("stop", "length")
+        with pytest.raises(ValueError, match=r"^prompt: "):
+            asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", prompt=" the" * 200))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -160,7 +160,11 @@ def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: st
     limits = AudioLimits(max_seconds=max_upload_seconds(dep), max_bytes=max_audio_bytes(dep, options))
     decoders, walks = (dep.components[name].placement.total_instances for name in ("decoder", "walk"))
     in_flight = max(1, dep.max_concurrent_requests * decoders // walks)
-    return WhisperWalk(tokenizer, read_tokens(checkpoint),
+    # the positions the decoder serves (resources.max_model_len, at most the checkpoint's): the prompt's half and
+    # each window's room for max_tokens come from them, so the walk caps what the decoder would refuse
+    tokens = read_tokens(checkpoint)
+    tokens = replace(tokens, max_length=min(tokens.max_length, dep.resources.max_model_len))
+    return WhisperWalk(tokenizer, tokens,
                        WalkOptions(limits, options.max_parallel_windows, max_windows_in_flight=in_flight,
                                    fallback=FallbackRules(options.compression_ratio_threshold,
                                                           options.logprob_threshold, options.no_speech_threshold)))
