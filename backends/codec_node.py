@@ -63,8 +63,7 @@ class TritonPythonModel:
         while not self._queue.empty():
             request = self._queue.get_nowait()
             if request is not None:
-                Responder(request, request.request_id() or "codec").send_error(
-                    f"{wire.UNAVAILABLE_PREFIX}the codec stopped before the request was decoded; send it again")
+                Responder(request, request.request_id() or "codec").send_error(wire.SERVER_STOPPED)
 
     def _step(self, requests: list) -> None:
         accepted: list[tuple[Responder, np.ndarray]] = []

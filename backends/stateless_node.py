@@ -90,7 +90,7 @@ def _on_done(responder: Responder, dtypes: dict[str, torch.dtype], timed_as: str
         if isinstance(error, Expired):
             responder.send_error(wire.DEADLINE_PREFIX + str(error))
         elif isinstance(error, ShuttingDown):  # a 503 the client may retry, as a text component's stop is
-            responder.send_error(wire.UNAVAILABLE_PREFIX + str(error))
+            responder.send_error(wire.SERVER_STOPPED)
         elif isinstance(error, Cancelled):
             responder.send_error(f"cancelled: {error}")
         elif error is not None:

@@ -113,6 +113,9 @@ UNAVAILABLE_PREFIX = "unavailable: "
 DEADLINE_PREFIX = "deadline_exceeded: "
 SERVER_ERROR_PREFIX = "internal error (error id "
 CLIENT_FACING_PREFIXES = (INVALID_REQUEST_PREFIX, OVERLOADED_PREFIX, UNAVAILABLE_PREFIX, DEADLINE_PREFIX)
+# a request a component was still working on when it stopped (a text engine's, a denoise or batched component's,
+# the codec's): a retryable 503, not a normal end, so the client sends it again
+SERVER_STOPPED = f"{UNAVAILABLE_PREFIX}the server stopped before the request finished; send it again"
 
 
 def invalid_request_message(detail: str) -> str:

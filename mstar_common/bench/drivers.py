@@ -2,8 +2,9 @@
 
 `TritonDriver` streams to the entry model over tritonclient gRPC (a bidirectional stream for each request in
 flight); `OpenAIDriver` posts streaming `/v1/completions` to the proxy. Both
-record, per request, the send time and each response's arrival time and token count, and both spread a large
-closed loop over client processes (`client_processes`), so the client's own queueing does not show up as latency.
+record, per request, the send time and each response's arrival time and token count, and both can spread a
+closed loop over client processes (`client_processes`), so that the client's own queueing does not show up as
+latency (the proxy's driver does by default; one Triton client process measured as several).
 """
 
 from __future__ import annotations

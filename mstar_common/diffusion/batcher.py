@@ -35,10 +35,10 @@ class Expired(Cancelled):
 
 
 class ShuttingDown(Cancelled):
-    """The component stopped before the request's result was ready (a retryable `unavailable:` to its caller)."""
+    """The component stopped before the request's result was ready (its node answers wire.SERVER_STOPPED)."""
 
     def __init__(self) -> None:
-        super().__init__("the component stopped before the request finished; send it again")
+        super().__init__("the component stopped before the request finished")
 
 
 class StopCheck:

@@ -68,12 +68,6 @@ class Sink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
-# The error for a CANCELLED finish that reaches a stream still registered. A client's cancel unregisters its stream
-# first (the cancel poll, a stop string), so this one was ended by the engine stopping (shutdown): its client gets a
-# retryable 503 rather than a normal end with a finish reason no OpenAI client knows.
-SERVER_STOPPED = f"{wire.UNAVAILABLE_PREFIX}the server stopped before the request finished; send it again"
-
-
 @dataclass(slots=True)
 class TextStream:
     request_id: str
@@ -340,10 +334,13 @@ class OutputPump:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # already ended (e.g. a stop string matched before the engine saw the cancel)
-            if finish is FinishReason.CANCELLED and error is None:  # the engine stopped (SERVER_STOPPED)
+            # A CANCELLED finish that reaches a stream still registered: a client's cancel unregisters its stream
+            # first (the cancel poll, a stop string), so the engine stopped (shutdown). Its client gets a retryable
+            # 503 rather than a normal end with a finish reason no OpenAI client knows.
+            if finish is FinishReason.CANCELLED and error is None:
                 if self._ends_at_a_stop(stream, new_ids):
                     continue
-                error = SERVER_STOPPED
+                error = wire.SERVER_STOPPED
             if error is not None:
                 self.unregister(request_id)
                 if wire.error_class(error) is not None:  # a limit the client hit (deadline, queue wait)

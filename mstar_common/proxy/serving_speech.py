@@ -90,6 +90,11 @@ class Speech:
         self.completion_tokens = response.completion_tokens or self.completion_tokens
 
     @property
+    def finish(self) -> str:
+        """How the clip ended: "length" when max_tokens cut it short, else "stop"."""
+        return self.finish_reason or "stop"
+
+    @property
     def pcm(self) -> np.ndarray:
         return np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)
 
@@ -177,9 +182,8 @@ async def create_speech(body: SpeechRequest, request: Request):
     speech = await collect(ctx, request, served, gen)
     # in a thread: an mp3 or opus encode of a long clip takes 0.1-0.7 s, which would stall every other stream here
     data = await asyncio.to_thread(encode_audio, speech.pcm, speech.sample_rate, body.response_format)
-    # "length": the clip stopped at max_tokens (default_max_tokens when unset), short of the end of the text
     return Response(data, media_type=FORMATS[body.response_format][2],
-                    headers={FINISH_REASON_HEADER: speech.finish_reason or "stop"})
+                    headers={FINISH_REASON_HEADER: speech.finish})
 
 
 @router.get("/v1/audio/voices")
@@ -249,7 +253,7 @@ async def _speech_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator
                 yield {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
         # OpenAI's event carries usage alone; finish_reason added: "length" is a clip cut at max_tokens
         yield {"type": "speech.audio.done", "usage": speech.speech_usage,
-               "finish_reason": speech.finish_reason or "stop"}
+               "finish_reason": speech.finish}
     finally:
         await stream.aclose()
 
@@ -287,7 +291,7 @@ async def generate_speech(request: Request, ctx: ServingContext, served, req: pr
     wav = await asyncio.to_thread(encode_audio, speech.pcm, speech.sample_rate, "wav")
     audio = {"format": "wav", "sample_rate": speech.sample_rate, "data": base64.b64encode(wav).decode()}
     body = {"id": request.state.request_id, "model": served.name, "outputs": {"audio": [audio]},
-            "finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
+            "finish_reason": speech.finish, "usage": speech.usage}
     if with_ids:
         body["token_ids"] = speech.token_ids
     return body
@@ -308,7 +312,7 @@ async def _generate_events(stream: AsyncIterator[StreamResponse], with_ids: bool
                 if with_ids:
                     event["token_ids"], unsent = unsent, []
                 yield event
-        last: dict[str, Any] = {"finish_reason": speech.finish_reason or "stop", "usage": speech.usage}
+        last: dict[str, Any] = {"finish_reason": speech.finish, "usage": speech.usage}
         if with_ids and unsent:
             last["token_ids"] = unsent
         yield last

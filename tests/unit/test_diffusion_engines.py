@@ -334,7 +334,7 @@ def test_a_shutdown_answers_the_running_jobs_and_the_ones_that_came_during_the_l
     stopper.join(10)
     assert running_done.done.wait(5) and late_done.done.wait(5)
     assert isinstance(running_done.error, ShuttingDown) and isinstance(late_done.error, ShuttingDown)
-    assert "send it again" in str(late_done.error)
+    assert "stopped before the request finished" in str(late_done.error)
 
 
 def test_the_running_gauges_count_a_batch_being_computed_and_a_decode_after_the_denoise():
