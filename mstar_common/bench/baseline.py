@@ -35,20 +35,49 @@ def read_bandwidth(device: str = "cuda", gib: int = 4, repeats: int = 20) -> dic
     return {"read_tb_per_s": nbytes / read_s / 1e12, "copy_rw_tb_per_s": 2 * nbytes / copy_s / 1e12}
 
 
-def weight_bytes(checkpoint: str | Path) -> int:
-    """Bytes a decode step must read: every weight once (a tied head is the embedding, read once)."""
+STORED_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2,
+                "I32": 4, "I64": 8, "BOOL": 1}
+DERIVED_SUFFIXES = (".inv_freq", ".cos_cached", ".sin_cached")  # RoPE's tables: computed at load, not weights
+
+
+def weight_bytes(checkpoint: str | Path, dtype: str | None = None) -> int:
+    """Bytes a decode step must read: every weight once, at the served `dtype` (torch's name, e.g. bfloat16; None:
+    as stored). The vocabulary head is read whole; a tied head is the embedding (counted once, whether or not the
+    file also stores `lm_head.weight`), and an untied model's input embedding is not counted (a step gathers a row
+    a token). RoPE's stored tables are not weights."""
+    import json
+
+    import torch
     from safetensors import safe_open
 
-    total = 0
-    for file in sorted(Path(checkpoint).glob("*.safetensors")):
+    folder = Path(checkpoint)
+    config = folder / "config.json"
+    tied = bool(json.loads(config.read_text()).get("tie_word_embeddings", False)) if config.is_file() else False
+    served = getattr(torch, dtype).itemsize if dtype else None
+    sizes: dict[str, int] = {}
+    for file in sorted(folder.glob("*.safetensors")):
         with safe_open(file, framework="pt") as reader:
             for name in reader.keys():  # noqa: SIM118 - not a mapping
+                if name.endswith(DERIVED_SUFFIXES):
+                    continue
                 info = reader.get_slice(name)
                 numel = 1
                 for d in info.get_shape():
                     numel *= d
-                total += numel * {"BF16": 2, "F16": 2, "F32": 4}[info.get_dtype()]
-    return total
+                stored = info.get_dtype()
+                if stored not in STORED_BYTES:
+                    raise ValueError(f"{file.name}: {name}: a tensor of type {stored} (not one weight_bytes knows)")
+                floating = stored.startswith(("F", "BF"))
+                sizes[name] = numel * (served if served and floating else STORED_BYTES[stored])
+    embeds = [name for name in sizes if name.endswith("embed_tokens.weight")]
+    heads = [name for name in sizes if name.endswith("lm_head.weight")]
+    if tied and embeds:
+        for name in heads:  # the embedding is the head
+            del sizes[name]
+    elif heads:
+        for name in embeds:  # a row a token
+            del sizes[name]
+    return sum(sizes.values())
 
 
 @torch.inference_mode()

@@ -483,7 +483,9 @@ def eager_tokens(args) -> list[list[int]]:
     configure_fast_path(model, ComponentConfig(attention_backend=args.attention_backend,
                                                fused_ops=not args.no_fused_ops, cuda_graphs=False),
                         device, 1, args.max_batch_tokens)
-    engine = AREngine(model, EngineConfig(num_kv_pages=64, page_size=args.page_size, max_num_seqs=1,
+    # a pool that holds one request of the longest the server takes (main() checked the requests fit it)
+    num_pages = -(-args.max_model_len // args.page_size) + 1
+    engine = AREngine(model, EngineConfig(num_kv_pages=num_pages, page_size=args.page_size, max_num_seqs=1,
                                           max_batch_tokens=args.max_batch_tokens, max_model_len=args.max_model_len,
                                           dtype=args.dtype, kv_dtype=args.kv_dtype, device=device),
                       eos_token_ids=[], vocab_size=int(config["vocab_size"]), overlap=False)
@@ -526,7 +528,7 @@ def add_baselines(model: dict, args) -> None:
         from mstar_common.bench.baseline import read_bandwidth, weight_bytes
 
         model["bandwidth"] = read_bandwidth()
-        model["weight_bytes"] = weight_bytes(args.checkpoint)
+        model["weight_bytes"] = weight_bytes(args.checkpoint, args.dtype)
         model["floor_ms"] = model["weight_bytes"] / (model["bandwidth"]["read_tb_per_s"] * 1e12) * 1e3
     if args.hf_baseline:
         import torch
@@ -731,9 +733,35 @@ def cmd_perf_analyzer_data(args) -> int:
     name = f"{'fixed' if workload.ignore_eos else 'eos'}_{prompts}in_{outputs}out"
     if args.shared_prefix_len:
         name += f"_{args.shared_prefix_len}shared"
+    if workload.temperature > 0:  # a sampled workload never takes a greedy one's file name
+        name += f"_temp{workload.temperature:g}"
+        name += f"_topp{workload.top_p:g}" if workload.top_p < 1 else ""
+        name += f"_topk{workload.top_k}" if workload.top_k else ""
     (out / f"{name}.json").write_text(json.dumps(perf_analyzer_data(workload.requests(args.num_prompts))))
     print(f"[bench] wrote {out / name}.json")
     return 0
+
+
+def _length_problem(args) -> str | None:
+    """Why `serve`'s requests cannot fit the --max-model-len it starts the server with (said before it starts;
+    the engine would refuse every such request), or None."""
+    if args.command != "serve":
+        return None
+    if args.input_requests:
+        longest = max(len(req["input_ids"]) + req["max_tokens"] for req in args.input_requests)
+        if longest > args.max_model_len:
+            return (f"--input-data: a request's prompt and max_tokens come to {longest} tokens, more than "
+                    f"--max-model-len {args.max_model_len} (raise it, or shorten the requests)")
+    else:
+        prompt, output = args.prompt_len_max or args.prompt_len, args.output_len_max or args.output_len
+        if prompt + output > args.max_model_len:
+            return (f"--prompt-len{'-max' if args.prompt_len_max else ''} {prompt} plus "
+                    f"--output-len{'-max' if args.output_len_max else ''} {output} is {prompt + output} tokens, "
+                    f"more than --max-model-len {args.max_model_len}: raise it, or shorten the workload")
+    if args.check_eager and args.prompt_len + args.check_len > args.max_model_len:
+        return (f"--check-eager: --prompt-len {args.prompt_len} plus --check-len {args.check_len} is more than "
+                f"--max-model-len {args.max_model_len}")
+    return None
 
 
 def _above_zero(what: str):
@@ -901,7 +929,8 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
                         "the figures are full prefills: the proxy's prompts are all alike, and "
                         "--shared-prefix-len makes the Triton prompts share a start")
     p.add_argument("--proxy-workers", type=int, default=1, help="the proxy's worker processes (server.proxy_workers)")
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=_at_least(2), default=1024,
+                   help="tokens a request may span, prompt and output (resources.max_model_len)")
     p.add_argument("--max-batch-tokens", type=int, default=Resources().max_batch_tokens,
                    help="packed tokens per engine step (resources.max_batch_tokens; default: the deployment's, "
                         "%(default)s); --token-buckets above it are refused")
@@ -917,8 +946,8 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="where HF generate runs")
     p.add_argument("--dtype", default="bfloat16", choices=HF_DTYPES)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=_at_least(1), default=512)
+    p.add_argument("--output-len", type=_at_least(1), default=256, help="HF's output tokens per request")
     p.add_argument("--out", required=True)
     add_baseline_args(p)
     p.set_defaults(func=cmd_baseline)
@@ -956,6 +985,8 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
             args.input_requests = requests_from_file(args.input_data)
         except ValueError as exc:
             parser.error(f"--input-data: {exc}")
+    if problem := _length_problem(args):
+        parser.error(problem)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxy request
     return args.func(args)

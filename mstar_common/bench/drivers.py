@@ -315,7 +315,10 @@ async def _run_bodies(base_url: str, bodies: list[dict], concurrency: int | None
     import httpx
 
     records = [RequestRecord(start=0.0) for _ in bodies]
-    limits = httpx.Limits(max_connections=max(concurrency or 1, 64))
+    # closed loop: one connection per stream; open loop: one per request, so that arrivals past the server's
+    # pace are sent as they come (a pool cap would hold them in the client, and count that wait as their TTFT)
+    limits = httpx.Limits(max_connections=max(len(bodies), 1) if rate is not None else max(concurrency or 1, 1),
+                          max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         if rate is not None:  # arrivals on an absolute schedule: a late wake-up sends at once and does not shift
             rng = random.Random(seed)  # the arrivals after it (the event loop also parses every stream's events)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from mstar_common.bench import gpu_memory
@@ -267,7 +268,7 @@ def write_report(results: dict, out_dir: str | Path) -> list[Path]:
     written[0].write_text(json.dumps(results, indent=1))
     written[1].write_text(markdown(results))
     for name, model in results["models"].items():
-        path = out / f"{name.replace('.', '_')}.png"
+        path = out / f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)}.png"  # an org/name id is one file, not a folder
         if plot(name, model, path):
             written.append(path)
         else:

@@ -61,3 +61,39 @@ def test_a_level_is_compared_with_hf_only_at_the_lengths_hf_ran():
     assert "could stop at an EOS" in line({**fixed, "ignore_eos": False})
     assert "came from f.json" in line({"input_data": "f.json", "prompt_len": [512, 512], "output_len": [256, 256]})
     assert line(None).endswith("= 25.0x")  # a results file from before the lengths were recorded
+
+
+def _safetensors(folder, tensors: dict, tied: bool | None):
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    if tied is not None:
+        (folder / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    return folder
+
+
+def test_the_floors_bytes_are_what_a_decode_step_reads(tmp_path):
+    """Counted as stored, a tied checkpoint that also stores the head counted the embedding twice (a floor ~26% high
+    at Qwen3-0.6B's shape), RoPE's tables counted as weights, and an fp32 file served in bf16 doubled the floor."""
+    from mstar_common.bench.baseline import weight_bytes
+
+    embed = torch.zeros(100, 8, dtype=torch.bfloat16)
+    layer = {"model.layers.0.mlp.down_proj.weight": torch.zeros(8, 16, dtype=torch.bfloat16),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4, dtype=torch.float32)}
+    tied = _safetensors(tmp_path / "tied", {"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone(),
+                                            **layer}, tied=True)
+    assert weight_bytes(tied) == (100 * 8 + 8 * 16) * 2
+    untied = _safetensors(tmp_path / "untied", {"model.embed_tokens.weight": embed,
+                                                "lm_head.weight": torch.zeros(50, 8, dtype=torch.bfloat16), **layer},
+                          tied=False)
+    assert weight_bytes(untied) == (50 * 8 + 8 * 16) * 2  # the head whole, the embedding a row a token
+    fp32 = _safetensors(tmp_path / "fp32", {"model.embed_tokens.weight": embed.float(),
+                                            "model.norm.weight": torch.zeros(8, dtype=torch.float32)}, tied=True)
+    assert weight_bytes(fp32) == (100 * 8 + 8) * 4
+    assert weight_bytes(fp32, "bfloat16") == (100 * 8 + 8) * 2
+    ids = _safetensors(tmp_path / "ids", {"model.norm.weight": torch.zeros(8, dtype=torch.bfloat16),
+                                          "position_ids": torch.zeros(3, dtype=torch.int64)}, tied=None)
+    assert weight_bytes(ids, "float32") == 8 * 4 + 3 * 8  # an integer buffer keeps its size (it raised KeyError)

@@ -701,3 +701,69 @@ def test_the_proxys_text_prompts_count_the_bos_a_llama_tokenizer_adds(tmp_path):
     assert bench_cli.prompt_text_for(tmp_path / "plain")(32) == " the" * 32
     assert bench_cli.prompt_text_for(tmp_path / "bos")(32) == " the" * 31
     assert bench_cli.prompt_text_for(None)(32) == " the" * 32
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt-len", "1024"], "--prompt-len 1024 plus --output-len 256 is 1280 tokens, more than --max-model-len "
+                               "1024"),
+    (["--prompt-len", "100", "--output-len", "8", "--output-len-max", "64", "--max-model-len", "128"],
+     "--prompt-len 100 plus --output-len-max 64 is 164 tokens"),
+    (["--prompt-len", "100", "--output-len", "8", "--max-model-len", "128", "--check-eager", "1"],
+     "--check-eager: --prompt-len 100 plus --check-len 64 is more than --max-model-len 128"),
+])
+def test_a_workload_longer_than_the_servers_context_is_refused_before_it_starts(bench, monkeypatch, capsys, flags,
+                                                                                message):
+    """Every request of such a sweep was refused by the engine after the server had started and captured its
+    graphs, and the run ended with `every request failed`."""
+    monkeypatch.setattr(bench, "cmd_serve", lambda args: pytest.fail("the server would start"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["serve", "--checkpoint", "/tmp/ckpt", "--out", "/tmp/out.json", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_input_data_longer_than_the_servers_context_is_refused_before_it_starts(bench, monkeypatch, capsys,
+                                                                                tmp_path):
+    from mstar_common.bench.workload import Workload, perf_analyzer_data
+
+    data = tmp_path / "long.json"
+    data.write_text(json.dumps(perf_analyzer_data(Workload("fixed", 900, 200).requests(2))))
+    monkeypatch.setattr(bench, "cmd_serve", lambda args: pytest.fail("the server would start"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["serve", "--checkpoint", "/tmp/ckpt", "--out", "/tmp/out.json", "--input-data", str(data)])
+    assert exit_info.value.code == 2
+    assert "--input-data: a request's prompt and max_tokens come to 1100 tokens" in capsys.readouterr().err
+
+
+def test_the_eager_check_holds_a_request_as_long_as_the_server_takes(bench, monkeypatch, tmp_path):
+    """Its engine had 64 pages whatever the lengths: a 4,096-token check (or here 1-token pages) raised
+    AdmissionError after the sweep, losing the check and the baselines after it."""
+    from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "qwen3_tiny")
+    args = _serve_args(bench, monkeypatch, "--device", "cpu", "--dtype", "float32", "--prompt-len", "70",
+                       "--output-len", "4", "--check-len", "4", "--check-eager", "1", "--page-size", "1",
+                       "--max-model-len", "80", "--max-batch-tokens", "128")
+    args.checkpoint = checkpoint
+    [tokens] = bench.eager_tokens(args)
+    assert len(tokens) == 4
+
+
+def test_baseline_refuses_lengths_below_one(bench, capsys):
+    for flags in (["--output-len", "0"], ["--prompt-len", "-3"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(["baseline", "--checkpoint", "/nowhere", "--out", "/tmp/b.json", "--hf-baseline", *flags])
+        assert exit_info.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_sampled_workloads_data_file_never_takes_the_greedy_ones_name(bench, tmp_path):
+    """`--temperature 0.8` wrote fixed_512in_256out.json too, over the committed greedy workload's file."""
+    from mstar_common.bench.workload import requests_from_file
+
+    for flags in ([], ["--temperature", "0.8"], ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "50"]):
+        assert bench.main(["perf-analyzer-data", "--out", str(tmp_path), "--prompt-len", "8", "--output-len", "2",
+                           "--num-prompts", "2", *flags]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["fixed_8in_2out.json", "fixed_8in_2out_temp0.8.json",
+                     "fixed_8in_2out_temp0.8_topp0.9_topk50.json"]
+    assert {r["temperature"] for r in requests_from_file(tmp_path / "fixed_8in_2out_temp0.8.json")} == {0.8}
+    assert {r["temperature"] for r in requests_from_file(tmp_path / "fixed_8in_2out.json")} == {0.0}

@@ -191,3 +191,42 @@ def test_poisson_arrivals_keep_their_schedule_when_the_client_lags(monkeypatch):
     scheduled = sum(rng.expovariate(rate) for _ in range(count - 1))
     starts = sorted(r.start for r in records)
     assert starts[-1] - starts[0] < scheduled + 0.08, (starts[-1] - starts[0], scheduled)  # late by 0.156 s before
+
+
+class GatedSSEServer(SSEServer):
+    """Holds every request until `gate` are open at once (or `wait_s` passes), then streams each; records the most
+    open at once."""
+
+    def __init__(self, gate: int, wait_s: float = 3.0):
+        super().__init__()
+        self.gate, self.wait_s, self.open, self.most = gate, wait_s, 0, 0
+        self.reached: asyncio.Event | None = None
+
+    async def _handle(self, reader, writer) -> None:
+        if self.reached is None:
+            self.reached = asyncio.Event()
+        self.open += 1
+        self.most = max(self.most, self.open)
+        if self.open >= self.gate:
+            self.reached.set()
+        try:
+            await asyncio.wait_for(self.reached.wait(), self.wait_s)
+        except TimeoutError:
+            pass
+        try:
+            await super()._handle(reader, writer)
+        finally:
+            self.open -= 1
+
+
+def test_an_open_loop_load_is_not_held_back_by_a_connection_cap():
+    """A Poisson level past the server's pace must reach it as sent: the driver's pool was capped at 64
+    connections, so later arrivals waited in the client (their wait counted as TTFT) and the server never saw
+    more than 64 requests."""
+    count = 72
+    with GatedSSEServer(gate=count) as server:
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+            _requests(count), rate=2000.0, seed=3)
+        most = server.most
+    assert [r.error for r in records] == [None] * count
+    assert most == count

@@ -77,3 +77,11 @@ def test_an_image_deployments_pool_reads_as_none():
 
     assert _pages(None) == "no paged pool" and _pages("auto").startswith("sized from GPU memory")
     assert _pages(2048) == "2,048 pages"
+
+
+def test_a_model_named_org_slash_name_gets_one_figure_file(tmp_path):
+    """`mstar bench url --name` must be the proxy's served id, which may be `Qwen/Qwen3-0.6B`: the figure's path
+    took the slash as a folder, and savefig raised after the tables were written."""
+    written = write_report({"meta": {}, "models": {"Qwen/Qwen3-0.6B": _model(poisson=False)}}, tmp_path)
+    assert [p.name for p in written] == ["results.json", "results.md", "Qwen_Qwen3-0_6B.png"]
+    assert written[2].parent == tmp_path and written[2].is_file()
