@@ -13,6 +13,7 @@ from mstar_common.config import DeploymentError, is_finite_number, refuse_repeat
 from mstar_common.images import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_REFERENCE_IMAGES = 4  # FLUX.2 [klein]'s edits: up to four references (the proxy's upload cap is this one)
 
 Options = TypeVar("Options")
 KeyCheck = Callable[[str, Any, str], Any]  # (key, YAML value, where) -> the field's value
@@ -61,6 +62,9 @@ def check_value(key: str, value: Any, where: str) -> Any:
         return check_lora(value, where)
     if not is_int(value) or value < 1:
         raise DeploymentError(f"{where}: must be an integer >= 1, got {value!r}")
+    if key == "max_reference_images" and value > MAX_REFERENCE_IMAGES:
+        raise DeploymentError(f"{where}: at most {MAX_REFERENCE_IMAGES} (the model's reference-image limit, which "
+                              f"the proxy's uploads also hold to), got {value}")
     return value
 
 

@@ -27,6 +27,19 @@ T = TypeVar("T")
 MAX_TEXT_FIELD_BYTES = 1 << 20  # a multipart text field (not a file), as Starlette's default part cap
 
 
+_FORM_TRUE, _FORM_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
+
+
+def form_bool(value: str, field: str) -> bool:
+    """A form field's true/false (`true`, `1`, `yes`, `on` and their opposites, any case; empty is false); any
+    other value is a 400 naming `field`."""
+    if value.strip().lower() in _FORM_TRUE:
+        return True
+    if value.strip().lower() in _FORM_FALSE:
+        return False
+    raise invalid_request(f"'{field}' must be true or false, got {value!r}", param=field)
+
+
 async def read_utf8_form(request: Request) -> FormData:
     """The request's form, refused (400 naming the field) where a text field is not UTF-8. Starlette decodes such
     a multipart field as latin-1, and a urlencoded body as latin-1 before its %XX escapes (so raw UTF-8 there

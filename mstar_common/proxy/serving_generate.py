@@ -22,6 +22,7 @@ from mstar_common.proxy.serving_common import (
     FORM_TYPES,
     Completion,
     ServingContext,
+    form_bool,
     generate_model,
     read_utf8_form,
     requested_model,
@@ -32,7 +33,6 @@ from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 router = APIRouter()
 
 _LIST_FIELDS = ("input_modalities", "output_modalities")
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
 TEXT_MODALITIES = ["text"]
 
 
@@ -61,14 +61,6 @@ def _json_list(value: str, field: str) -> list[Any]:
     return parsed if isinstance(parsed, list) else [parsed]
 
 
-def _form_bool(value: str, field: str) -> bool:
-    if value.strip().lower() in _TRUE:
-        return True
-    if value.strip().lower() in _FALSE:
-        return False
-    raise invalid_request(f"'{field}' must be true or false, got {value!r}", param=field)
-
-
 async def _form_fields(request: Request) -> dict[str, Any]:
     form = await read_utf8_form(request)
     fields: dict[str, Any] = {}
@@ -82,7 +74,7 @@ async def _form_fields(request: Request) -> dict[str, Any]:
         elif len(values) > 1:
             raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
         elif key == "streaming":
-            fields[key] = _form_bool(values[0], key)
+            fields[key] = form_bool(values[0], key)
         elif key == "model_kwargs":
             fields[key] = _json_object(values[0], key) if values[0].strip() else {}
         else:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from mstar_common import images, wire
+from mstar_common.diffusion.image_options import MAX_REFERENCE_IMAGES
 from mstar_common.proxy.errors import (
     APIError,
     check_wire_number,
@@ -35,14 +36,21 @@ from mstar_common.proxy.errors import (
     from_pydantic,
     invalid_request,
     parse_json,
+    validation_error,
 )
-from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
+from mstar_common.proxy.serving_common import (
+    FORM_TYPES,
+    ServingContext,
+    form_bool,
+    read_utf8_form,
+    until_disconnect,
+)
 from mstar_common.proxy.triton_stream import GenerationRequest
 
 router = APIRouter()
 
 IMAGE_KINDS = ("image",)
-MAX_REFERENCES = 4  # the entry model enforces its own (deployment) limit as well
+MAX_REFERENCES = MAX_REFERENCE_IMAGES  # a deployment's own limit (<= this) the entry model enforces
 _IMAGE_FIELDS = ("image", "image[]")
 _REFUSED = {  # OpenAI field -> values that may pass (the harmless ones)
     "quality": (None, "auto"), "style": (None,), "background": (None, "auto", "opaque"),  # every output is opaque
@@ -91,12 +99,13 @@ _KNOBS = ("n", "seed", "num_inference_steps", "size", "output_format", "image_ou
           "output_compression", "response_format", *_REFUSED)
 
 
-def native_names(sent_width: bool) -> dict[str, str]:
-    """/generate's names: the prompt is `text`, every knob sits in `model_kwargs`, and a size sent as width/height
-    is named by its width."""
+def native_names(sent_width: bool, sent_num_images: bool = False) -> dict[str, str]:
+    """/generate's names: the prompt is `text`, every knob sits in `model_kwargs`, a size sent as width/height is
+    named by its width, the image count by the spelling sent (`n` or `num_images`), and the uploads are `files`."""
     size = "model_kwargs.width" if sent_width else "model_kwargs.size"
-    return {**{knob: f"model_kwargs.{knob}" for knob in _KNOBS}, "prompt": "text", "num_images": "model_kwargs.n",
-            "size": size, "width": size, "height": size}
+    count = "model_kwargs.num_images" if sent_num_images else "model_kwargs.n"
+    return {**{knob: f"model_kwargs.{knob}" for knob in _KNOBS}, "prompt": "text", "num_images": count, "n": count,
+            "size": size, "width": size, "height": size, "image": "files"}
 
 
 # request -> Triton tensors
@@ -129,8 +138,8 @@ def image_tensors(fields: ImageFields, references: list[bytes], names: dict[str,
         message, param = client_field(str(exc), names)
         raise invalid_request(message, param=param) from None
     if len(references) > MAX_REFERENCES:
-        raise invalid_request(f"'image': at most {MAX_REFERENCES} reference images, got {len(references)}",
-                              param="image")
+        raise invalid_request(f"'{named('image')}': at most {MAX_REFERENCES} reference images, got "
+                              f"{len(references)}", param=named("image"))
     values: dict[str, Any] = {"prompt": fields.prompt, "num_images": fields.n, "seed": fields.seed,
                               "num_inference_steps": fields.num_inference_steps, "output_format": options.format}
     if size is not None:
@@ -303,7 +312,7 @@ async def generate_native(request: Request, ctx: ServingContext, served) -> dict
             kwargs = parse_json(kwargs, "'model_kwargs'", param="model_kwargs")
     if not isinstance(kwargs, dict):
         raise invalid_request("'model_kwargs' must be a JSON object", param="model_kwargs")
-    names = native_names(sent_width="width" in kwargs or "height" in kwargs)
+    names = native_names(sent_width="width" in kwargs or "height" in kwargs, sent_num_images="num_images" in kwargs)
     fields = _native_fields(raw, dict(kwargs))
     tensors, fmt = image_tensors(fields, references, names)
     found, seed = await run_images(request, ctx, served, tensors, names)
@@ -314,7 +323,12 @@ async def generate_native(request: Request, ctx: ServingContext, served) -> dict
 
 def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
     raw.pop("model", None)
-    if _truthy(raw.pop("streaming", False)):
+    streaming = raw.pop("streaming", False)
+    if isinstance(streaming, str):  # a form's value
+        streaming = form_bool(streaming, "streaming")
+    if streaming is not None and not isinstance(streaming, bool):
+        raise invalid_request(f"'streaming' must be true or false, got {streaming!r}", param="streaming")
+    if streaming:
         raise invalid_request("'streaming' is not supported for image output: images arrive whole",
                               param="streaming")
     for key in ("input_modalities", "output_modalities"):
@@ -332,7 +346,8 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
         if key in kwargs:
             raise invalid_request(f"model_kwargs.{key}: not a model_kwargs field ({where})",
                                   param=f"model_kwargs.{key}")
-    if "num_images" in kwargs:
+    sent_num_images = "num_images" in kwargs
+    if sent_num_images:
         if "n" in kwargs:
             raise invalid_request("model_kwargs: give 'n' or 'num_images' (the same knob), not both",
                                   param="model_kwargs.num_images")
@@ -350,7 +365,10 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
     try:
         return ImageFields.model_validate({"prompt": raw["text"], **kwargs})
     except ValidationError as error:
-        raise from_pydantic(error, prefix=("model_kwargs",)) from None
+        errors = [{**e, "loc": ("model_kwargs", *(("num_images", *e["loc"][1:])
+                                                  if sent_num_images and e["loc"][:1] == ("n",) else e["loc"]))}
+                  for e in error.errors()]
+        raise validation_error(errors) from None
 
 
 def _modalities(value: Any, key: str) -> list[str] | None:
@@ -366,9 +384,3 @@ def _modalities(value: Any, key: str) -> list[str] | None:
     return value
 
 
-def _truthy(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value == 1
-    return isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on")

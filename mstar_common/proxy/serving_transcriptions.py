@@ -24,7 +24,13 @@ from starlette.datastructures import UploadFile
 
 from mstar_common.families.whisper.languages import CODE_TO_NAME
 from mstar_common.proxy.errors import check_wire_number, invalid_request, parse_json
-from mstar_common.proxy.serving_common import FORM_TYPES, ServingContext, read_utf8_form, until_disconnect
+from mstar_common.proxy.serving_common import (
+    FORM_TYPES,
+    ServingContext,
+    form_bool,
+    read_utf8_form,
+    until_disconnect,
+)
 from mstar_common.proxy.sse import SSEResponse, sse_body
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
@@ -44,7 +50,6 @@ _REFUSED = {  # OpenAI fields this server cannot honour -> the rule
     "keywords[]": "keyword boosting is not available; put the words in 'prompt'",
     "languages[]": "send one 'language' (or none to detect it)",
 }
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
 
 
 @dataclass(slots=True)
@@ -116,7 +121,7 @@ async def read_form(request: Request, task: str) -> TranscriptionForm:
         prompt=one.get("prompt") or None,
         response_format=(one.get("response_format") or "json").strip(),
         temperature=_number(one, "temperature"),
-        stream=_bool(one.get("stream", ""), "stream"),
+        stream=form_bool(one.get("stream", ""), "stream"),
         seed=_integer(one, "seed"),
         max_tokens=_integer(one, "max_tokens"),
     )
@@ -200,14 +205,6 @@ def _integer(one: dict[str, Any], key: str) -> int | None:
         return int(str(raw).strip())
     except ValueError:
         raise invalid_request(f"'{key}' must be an integer, got {raw!r}", param=key) from None
-
-
-def _bool(raw: str, key: str) -> bool:
-    if raw.strip().lower() in _TRUE:
-        return True
-    if raw.strip().lower() in _FALSE:
-        return False
-    raise invalid_request(f"'{key}' must be true or false, got {raw!r}", param=key)
 
 
 # ---- the Triton request -------------------------------------------------------------------------------------
@@ -373,7 +370,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
     gen.field_names = {name: f"model_kwargs.{name}" for name in kwargs}
     if "prompt" not in kwargs:
         gen.field_names["prompt"] = "text"
-    if _bool(one.get("streaming", ""), "streaming"):
+    if form_bool(one.get("streaming", ""), "streaming"):
         stream = await ctx.stream(request, served, gen)
         return SSEResponse(sse_body(_native_events(stream), ctx.settings.request_timeout_s))
     t = await collect(ctx, request, served, gen)

@@ -289,7 +289,14 @@ def test_native_generate_names_its_own_fields_in_the_proxys_refusals():
         ({"text": "x", "model_kwargs": {"n": 1, "num_images": 2}}, "model_kwargs.num_images", "not both"),
         ({"text": "x", "model_kwargs": []}, "model_kwargs", "must be a JSON object"),
         ({"text": "x", "model_kwargs": 0}, "model_kwargs", "must be a JSON object"),
-        ({"text": "x", "streaming": 1}, "streaming", "not supported for image output"),
+        ({"text": "x", "streaming": True}, "streaming", "not supported for image output"),
+        # strict as the text models' /generate (2 and "maybe" were served as false)
+        ({"text": "x", "streaming": 1}, "streaming", "'streaming' must be true or false, got 1"),
+        ({"text": "x", "streaming": 2}, "streaming", "'streaming' must be true or false, got 2"),
+        ({"text": "x", "streaming": "maybe"}, "streaming", "'streaming' must be true or false, got 'maybe'"),
+        # the image count is named as sent (it was model_kwargs.n for a num_images the client sent)
+        ({"text": "x", "model_kwargs": {"num_images": "two"}}, "model_kwargs.num_images", "valid integer"),
+        ({"text": "x", "model_kwargs": {"n": "two"}}, "model_kwargs.n", "valid integer"),
     ):
         error = http.post("/generate", json={"model": "klein", **kwargs}).json()["error"]
         assert error["param"] == param and fragment in error["message"], error
@@ -311,3 +318,34 @@ def test_guidance_scale_zero_is_what_runs_and_passes(value):
     assert form.status_code == 200, form.text
     stream = http.post("/v1/images/generations", json={"model": "klein", "prompt": "x", "stream": False})
     assert stream.status_code == 200, stream.text
+
+
+def test_native_generate_names_the_uploads_files_and_takes_a_forms_streaming_flag():
+    """/generate's uploads are `files` (docs/flux2_klein.md): too many, or one the model cannot read, was a 400
+    naming `image`/`image[0]`, fields the client never sent."""
+    http, fake = client([TritonInvalidRequest("image[0]: not a readable image")])
+    five = [("files", ("a.png", png(), "image/png"))] * 5
+    error = http.post("/generate", data={"text": "x"}, files=five).json()["error"]
+    assert error["param"] == "files" and error["message"].startswith("'files': at most 4 reference images")
+    error = http.post("/generate", data={"text": "x"}, files=five[:1]).json()["error"]
+    assert error["param"] == "files[0]" and error["message"] == "files[0]: not a readable image"
+    # the OpenAI route keeps OpenAI's name for the same refusals
+    error = http.post("/v1/images/edits", data={"prompt": "x"},
+                      files=[("image[]", ("a.png", png(), "image/png"))] * 5).json()["error"]
+    assert error["param"] == "image"
+    http, fake = client()
+    for value, status in (("false", 200), ("true", 400), ("maybe", 400)):
+        reply = http.post("/generate", data={"text": "x", "streaming": value}, files=five[:1])
+        assert reply.status_code == status, (value, reply.text)
+
+
+def test_a_deployment_cannot_ask_more_references_than_uploads_can_carry():
+    """The proxy takes four uploads (the model's limit); a deployment's max_reference_images of 8 was accepted and
+    could never be used over HTTP."""
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.flux2_klein.options import options_from_kwargs
+
+    assert options_from_kwargs({"max_reference_images": 4}, "x").max_reference_images == 4
+    assert options_from_kwargs({"max_reference_images": 2}, "x").max_reference_images == 2
+    with pytest.raises(DeploymentError, match=r"x: model_kwargs.max_reference_images: at most 4"):
+        options_from_kwargs({"max_reference_images": 5}, "x")

@@ -38,7 +38,7 @@ class Flux2KleinOptions:
     # faster on fp8 tensor cores, images close to but not equal to bf16's
     dit_fp8: bool = False
     # LoRA adapters folded into the DiT's weights at load (fp32, one rounding), so a styled deployment runs at base
-    # speed: diffusers/PEFT-layout safetensors; DoRA and BFL-layout files are refused (docs/flux2_klein.md)
+    # speed: diffusers/PEFT- or BFL-layout safetensors; DoRA files are refused (docs/flux2_klein.md)
     lora: tuple[LoraAdapter, ...] = ()
 
     @property

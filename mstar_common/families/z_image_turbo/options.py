@@ -34,7 +34,7 @@ class ZImageTurboOptions:
     # the blocks' attention and MLP linears as row-wise scaled fp8 (e4m3) GEMMs (mstar_common/layers/fp8_linear.py)
     dit_fp8: bool = False
     # LoRA adapters folded into the DiT's weights at load (fp32, one rounding), so a styled deployment runs at base
-    # speed: diffusers/PEFT-layout safetensors; DoRA and BFL-layout files are refused (docs/z_image_turbo.md)
+    # speed: diffusers/PEFT- or BFL-layout safetensors; DoRA files are refused (docs/z_image_turbo.md)
     lora: tuple[LoraAdapter, ...] = ()
     capture_caption_tokens: list[int] = field(default_factory=lambda: [64, 128])  # padded caption lengths
 
