@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import torch
@@ -26,13 +25,14 @@ from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
 from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
 from mstar_common import wire
+from mstar_common.config import env_switch
 from mstar_common.diffusion.batcher import Cancelled, Expired, ShuttingDown, StopCheck
 from mstar_common.gc_policy import settle_heap
 from mstar_common.graph import MODEL_DTYPE
 
 logger = logging.getLogger(__name__)
 WIRE_TORCH_DTYPES = {"FP32": torch.float32, "BF16": torch.bfloat16, "FP16": torch.float16}  # Family.wire_dtype
-TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"
+TIMINGS = env_switch("MSTAR_TIMINGS", False)
 
 
 class ComponentNode:

@@ -50,12 +50,13 @@ from backends.responder import (
     walk_board,
 )
 from mstar_common import wire
+from mstar_common.config import env_switch
 from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
 from mstar_common.walk_api import ComponentError
 
 logger = logging.getLogger(__name__)
-TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log each hop's and each walk's wall time (stateless_node.py)
+TIMINGS = env_switch("MSTAR_TIMINGS", False)  # log each hop's and each walk's wall time (stateless_node.py)
 WALK_CANCEL_POLL_S = 0.1  # how often a walk asks whether its client is still there (one IPC round trip)
 REFUSAL_SETTLE_S = 0.005  # how long a refused request's execute() waits before it returns (see _serve)
 

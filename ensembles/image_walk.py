@@ -5,7 +5,6 @@ padded to the text encoder's fixed input. The families add their own fields and 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from mstar_common.config import env_switch
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.png import DEFLATE, encode_png, encode_png_rows
 from mstar_common.families.text import check_text_fits, max_token_bytes
@@ -24,11 +24,12 @@ from mstar_common.images import (
     encode_image,
     output_options,
     parse_size,
+    png_encoder,
 )
 from mstar_common.walk_api import Call
 
 MAX_SEED = 2**63 - 1
-TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # log the walk's own parts beside the router's hop times
+TIMINGS = env_switch("MSTAR_TIMINGS", False)  # log the walk's own parts beside the router's hop times
 logger = logging.getLogger(__name__)
 
 
@@ -114,7 +115,7 @@ class ImageWalk:
     def wants_png_rows(self, output: OutputOptions) -> bool:
         """Whether to ask the decoder for PNG rows (Paeth-filtered on its device, mstar_common/diffusion/png.py):
         for a PNG from our encoder (`MSTAR_PNG_ENCODER=pil` encodes the pixels with PIL instead)."""
-        return output.format == "png" and os.environ.get("MSTAR_PNG_ENCODER", "parallel") != "pil"
+        return output.format == "png" and png_encoder() != "pil"
 
     async def decoded(self, denoised: dict[str, np.ndarray], call: Call, width: int, height: int,
                       png_rows: bool) -> tuple[np.ndarray, bool]:

@@ -22,6 +22,8 @@ import logging
 import os
 import time
 
+from mstar_common.config import env_switch
+
 logger = logging.getLogger(__name__)
 
 _started: dict[str, float] = {}
@@ -51,7 +53,7 @@ def settle_heap(name: str) -> None:
     started = time.perf_counter()
     gc.collect()
     frozen = 0
-    if os.environ.get("MSTAR_GC_FREEZE", "1") != "0":
+    if env_switch("MSTAR_GC_FREEZE", True):
         gc.freeze()
         frozen = gc.get_freeze_count()
     if _watch not in gc.callbacks:

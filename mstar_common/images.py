@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,18 @@ def encode_image(pixels: np.ndarray, options: OutputOptions) -> bytes:
     else:
         image.save(buffer, format="WEBP", quality=options.output_compression)
     return buffer.getvalue()
+
+
+PNG_ENCODERS = ("parallel", "pil")
+
+
+def png_encoder() -> str:
+    """`MSTAR_PNG_ENCODER`: who encodes a PNG output, `parallel` (the default: rows Paeth-filtered on the decoder's
+    device, deflated in parallel, mstar_common/diffusion/png.py) or `pil` (PIL from the pixels)."""
+    value = os.environ.get("MSTAR_PNG_ENCODER", "") or "parallel"
+    if value not in PNG_ENCODERS:
+        raise ValueError(f"MSTAR_PNG_ENCODER={value!r}: expected one of {', '.join(PNG_ENCODERS)}")
+    return value
 
 
 def media_type(fmt: str) -> str:

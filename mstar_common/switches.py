@@ -45,12 +45,18 @@ BOOLEAN_SWITCHES = {
     "MSTAR_TOP_K_FINE": True,
     "MSTAR_DENOISE_EXACT_BATCHES": True,
     "MSTAR_DIFFUSION_KERNELS": True,
+    "MSTAR_FP8_FP16_DOTS": False,
+    "MSTAR_SNAC_RESIDUAL_KERNEL": False,
+    "MSTAR_SNAC_CUDNN_DEPTHWISE": False,
+    "MSTAR_TIMINGS": False,
+    "MSTAR_GC_FREEZE": True,
+    "MSTAR_ALLOW_REMOTE": False,
 }
 
 
 def _parsers() -> list[Callable[[], object]]:
     """The parsers of the switches that take more than 0 or 1, as the code calls them."""
-    from mstar_common import gil, pdl_switches, stall_watch
+    from mstar_common import gil, images, pdl_switches, stall_watch
     from mstar_common.diffusion import attention as dit_attention
     from mstar_common.engine import flashinfer_backend, output_pump
     from mstar_common.layers import decoder, linear
@@ -59,7 +65,7 @@ def _parsers() -> list[Callable[[], object]]:
                stall_watch.stall_exit_s, pdl_switches.max_rows, pdl_switches.trigger_mode, linear.mid_gemm_rows,
                linear.mid_gemm_kinds, linear.mid_gemm_folds, linear.gemv_max_rows, linear.forced_gemv_settings,
                decoder.fused_mlp_rows, decoder.fused_mlp_options, decoder.norm_gemv_mode,
-               flashinfer_backend.prefill_kernel_family, output_pump.pump_shards]
+               flashinfer_backend.prefill_kernel_family, output_pump.pump_shards, images.png_encoder]
     try:
         import triton  # noqa: F401
     except ImportError:

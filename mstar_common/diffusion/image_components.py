@@ -10,7 +10,6 @@ in-process harness (tests, benchmark) calls them directly.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mstar_common.config import env_switch
 from mstar_common.diffusion import image_graph as g
 from mstar_common.diffusion.batcher import BatchingEngine, OnDone
 from mstar_common.diffusion.denoise import DenoiseJob
@@ -27,7 +27,7 @@ from mstar_common.engine.capture_policy import capture_or_skip
 from mstar_common.images import check_geometry
 
 Inputs = dict[str, torch.Tensor]
-TIMINGS = os.environ.get("MSTAR_TIMINGS") == "1"  # the in-process decoder logs its wait and its decode
+TIMINGS = env_switch("MSTAR_TIMINGS", False)  # the in-process decoder logs its wait and its decode
 logger = logging.getLogger(__name__)
 MAX_SEED = 2**63 - 1
 MAX_CACHED_LAYOUTS = 64  # RoPE tables kept (a captured layout's graph holds its own)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mstar_common.config import env_switch
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -371,14 +373,14 @@ def select_attention_backend(device: torch.device | str, name: str = "auto") -> 
 
 # An fp8 pool's decode dots in fp16 with the heads form (mstar_kernels/paged_decode_attention.py `fp16_dots`): timed at
 # 147 us against the fp8 q.k form's 108 us (docs/deployment.md), so off.
-_FP8_FP16_DOTS = os.environ.get("MSTAR_FP8_FP16_DOTS") == "1"
+_FP8_FP16_DOTS = env_switch("MSTAR_FP8_FP16_DOTS", False)
 # The decode kernel's form (mstar_kernels/paged_decode_attention.py): heads (query heads as the dots' rows) | tokens
 # (context tokens as the rows) | tokens_fp16 (and an fp8 pool's dots in fp16) | tokens_qk_fp8 (an fp8 pool's
 # q.k as an fp8 dot on the pool's bytes, the query quantised per head). auto: heads for a bf16/fp32 pool,
 # tokens_qk_fp8 for an fp8 one (the fastest of each in scripts/sweep_decode_attention.py --variants on the H200:
 # 158 us and 108 us at 256 rows x 640 tokens, Llama-3.2-3B's heads).
 _DECODE_FORMS = ("auto", "heads", "tokens", "tokens_fp16", "tokens_qk_fp8")
-_DECODE_FORM = os.environ.get("MSTAR_DECODE_FORM", "auto")
+_DECODE_FORM = os.environ.get("MSTAR_DECODE_FORM", "") or "auto"
 if _DECODE_FORM not in _DECODE_FORMS:
     raise ValueError(f"MSTAR_DECODE_FORM must be one of {list(_DECODE_FORMS)}, got {_DECODE_FORM!r}")
 

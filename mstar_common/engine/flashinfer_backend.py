@@ -47,7 +47,7 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partials),
 
 def prefill_kernel_family() -> str:
     """`MSTAR_FLASHINFER_PREFILL`: FlashInfer's prefill kernels, auto (its choice: fa3 on Hopper) | fa2 | fa3."""
-    value = os.environ.get("MSTAR_FLASHINFER_PREFILL", "auto")
+    value = os.environ.get("MSTAR_FLASHINFER_PREFILL", "") or "auto"
     if value not in ("auto", "fa2", "fa3"):
         raise ValueError(f"MSTAR_FLASHINFER_PREFILL must be auto, fa2 or fa3, got {value!r}")
     return value

@@ -734,7 +734,7 @@ def use_gemv_from_env(model: nn.Module) -> None:
 def gemv_max_rows() -> int:
     """`MSTAR_GEMV_MAX_ROWS` (default 4; 0: cuBLAS throughout): decode steps of at most this many rows may run their
     projections on the skinny GEMM."""
-    raw = os.environ.get("MSTAR_GEMV_MAX_ROWS", "4") or "0"
+    raw = os.environ.get("MSTAR_GEMV_MAX_ROWS", "") or "4"
     if not raw.isdigit() or int(raw) > GEMV_MAX_ROWS:
         raise ValueError(f"MSTAR_GEMV_MAX_ROWS: must be an integer in [0, {GEMV_MAX_ROWS}], got {raw!r}")
     return int(raw)

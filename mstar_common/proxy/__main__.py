@@ -12,6 +12,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from mstar_common.config import env_switch
 from mstar_common.proxy.app import MODEL_KINDS, ProxySettings, ServedModel, create_app
 
 # A multi-worker proxy's settings, from the parent to each worker process (uvicorn starts workers fresh and builds
@@ -43,8 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429 or 503")
     parser.add_argument("--max-upload-s", type=float, default=600.0, help="longest media upload, seconds")
-    parser.add_argument("--allow-remote-urls", action="store_true",
-                        default=os.environ.get("MSTAR_ALLOW_REMOTE") == "1",
+    try:
+        allow_remote = env_switch("MSTAR_ALLOW_REMOTE", False)
+    except ValueError as exc:
+        parser.error(str(exc))
+    parser.add_argument("--allow-remote-urls", action="store_true", default=allow_remote,
                         help="fetch media given as http(s) URLs (default: MSTAR_ALLOW_REMOTE=1)")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="on SIGTERM, in-flight requests get this long to finish")

@@ -34,6 +34,7 @@ REFUSED = {
     "MSTAR_PUMP_SHARDS": ("0", "expected a whole number of pumps in [1, 16]"),
     "MSTAR_DIT_ATTENTION": ("bogus", "expected one of auto, cudnn, flash, efficient"),
     "MSTAR_SWITCH_INTERVAL_MS": ("1000", "must be between 0.05 and 100.0 milliseconds"),
+    "MSTAR_PNG_ENCODER": ("PIL", "expected one of parallel, pil"),
 }
 # parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
 # already), and by the BLS scripts
@@ -49,7 +50,7 @@ def clean_env(monkeypatch):
 
 
 def _code_files():
-    for folder in ("mstar_common", "mstar_kernels", "backends"):
+    for folder in ("mstar_common", "mstar_kernels", "backends", "ensembles"):
         yield from (ROOT / folder).rglob("*.py")
 
 
@@ -152,3 +153,37 @@ def test_a_kernel_modules_switch_read_at_import_is_named_like_the_others(clean_e
         check_switches()
     assert str(raised.value) == ("environment switches refused (docs/deployment.md): "
                                  "MSTAR_TOP_P_FAST='yes': expected 0 or 1")
+
+
+def test_no_switch_is_compared_to_a_value_where_it_is_read():
+    """`os.environ.get("MSTAR_X") == "1"` took every other value (`yes`, `true`) as off without a word; each 0/1
+    switch goes through env_switch, so check_switches names a misspelt one (MSTAR_TIMINGS, the SNAC and fp8-dot
+    switches, MSTAR_GC_FREEZE and MSTAR_ALLOW_REMOTE were read so)."""
+    compared = []
+    for source in _code_files():
+        for match in re.finditer(r'os\.environ\.get\("(MSTAR_[A-Z0-9_]+)"[^)]*\)\s*[!=]=\s*"[01]"', source.read_text()):
+            compared.append(f"{source.relative_to(ROOT)}: {match.group(1)}")
+    assert compared == []
+
+
+@pytest.mark.parametrize("name", ["MSTAR_TIMINGS", "MSTAR_FP8_FP16_DOTS", "MSTAR_SNAC_RESIDUAL_KERNEL",
+                                  "MSTAR_SNAC_CUDNN_DEPTHWISE", "MSTAR_GC_FREEZE", "MSTAR_ALLOW_REMOTE"])
+def test_a_misspelt_zero_one_switch_is_refused(clean_env, name):
+    clean_env.setenv(name, "yes")
+    with pytest.raises(ValueError, match=re.escape(f"{name}='yes': expected 0 or 1")):
+        check_switches()
+
+
+def test_an_empty_switch_is_its_default(clean_env):
+    """As docs/deployment.md says (and scripts/ab_serve_env.sh's "" arm relies on): set to nothing is unset."""
+    from mstar_common import images
+    from mstar_common.engine import flashinfer_backend
+    from mstar_common.layers import linear
+
+    for name in REFUSED:
+        clean_env.setenv(name, "")
+    clean_env.setenv("MSTAR_DECODE_FORM", "")
+    check_switches()
+    assert linear.gemv_max_rows() == 4
+    assert flashinfer_backend.prefill_kernel_family() == "auto"
+    assert images.png_encoder() == "parallel"

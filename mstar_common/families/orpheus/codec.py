@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from mstar_common.config import env_switch
 from mstar_common.engine.capture_policy import capture_or_skip
 from mstar_common.families.orpheus.codes import LOOKBACK_FRAMES, WINDOW_FRAMES
 from mstar_common.families.orpheus.snac import SnacDecoder
@@ -78,8 +78,8 @@ class SnacCodec:
             # fewer audio-s/s (242 against 250-253, docs/benchmarks.md), so it is off.
             fp32 = next(self.decoder.parameters()).dtype == torch.float32
             self.decoder.use_fused_kernels(
-                residual=os.environ.get("MSTAR_SNAC_RESIDUAL_KERNEL") == "1",
-                cudnn_depthwise=fp32 and os.environ.get("MSTAR_SNAC_CUDNN_DEPTHWISE") == "1")
+                residual=env_switch("MSTAR_SNAC_RESIDUAL_KERNEL", False),
+                cudnn_depthwise=fp32 and env_switch("MSTAR_SNAC_CUDNN_DEPTHWISE", False))
         if self.use_cuda_graphs:
             self.capture()
 
