@@ -122,6 +122,7 @@ def cmd_build_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from mstar_common import run_folders
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
     from mstar_common.launcher import Ports, port_in_use, release_ports, reserve_ports
@@ -162,6 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         wanted.append(("proxy", ports.proxy, "--port"))
     if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
         raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
+    run_folders.usable_root()  # refused before anything is written there (the port locks live in it too)
     if held := reserve_ports([port for _, port, _ in wanted]):  # a serve still loading has not bound them yet
         named = [f"{what} {port} ({flag}: {held[port]})" for what, port, flag in wanted if port in held]
         raise DeploymentError(f"port(s) taken by a server still starting: {', '.join(named)}; stop it or choose "

@@ -56,6 +56,8 @@ class Placement:
             raise DeploymentError(f"{path}.gpus: a cpu placement takes no GPU ids (got {self.gpus})")
         if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
             raise DeploymentError(f"{path}.gpus: GPU ids must be distinct and >= 0, got {self.gpus}")
+        if any(g > MAX_GPU_ID for g in self.gpus):  # config.pbtxt's gpus are int32
+            raise DeploymentError(f"{path}.gpus: GPU ids are at most {MAX_GPU_ID}, got {max(self.gpus)}")
 
 
 @dataclass(slots=True)
@@ -402,6 +404,7 @@ def _check_positive(source: str, key: str, value: int, high: int | None = None) 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week
 MAX_PAGES = 2**31 - 1  # page ids are int32 in the kernels' block tables
 MAX_SHM_BYTES = 2**36  # 64 GiB; serve also checks a region against /dev/shm's size
+MAX_GPU_ID = 1023  # far past any host; config.pbtxt holds GPU ids as int32
 
 
 def _check_service_limits(dep: Deployment, source: str) -> None:

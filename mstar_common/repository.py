@@ -10,6 +10,7 @@ component directly.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -104,14 +105,21 @@ def generate_repository(deployment_path: str | Path, out_dir: str | Path, dep: D
     if reason := shell_unsafe(out_dir) or not_replaceable(out_dir):
         raise DeploymentError(f"--out: {reason}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = write_repository(dep, tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent),
-                               source=_display_path(deployment_path))
-    readme = out_dir / "README.md"
-    if readme.is_file():
-        shutil.copy(readme, staging / "README.md")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent))
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        staging.chmod(0o777 & ~mask)  # as a folder made by mkdir (mkdtemp's is private: 0700)
+        write_repository(dep, staging, source=_display_path(deployment_path))
+        readme = out_dir / "README.md"
+        if readme.is_file():
+            shutil.copy(readme, staging / "README.md")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written .repo-* folder left beside out_dir
+        raise
     return dep
 
 
@@ -121,6 +129,8 @@ def not_replaceable(out_dir: Path) -> str | None:
     The folder is replaced whole, so it must be missing, empty, or hold only what gen-repo writes: model folders
     whose config.pbtxt starts with our header, and a README.md (kept across regenerations).
     """
+    if out_dir.is_symlink():  # replaced whole, it would be the link, not the folder it names
+        return f"{out_dir} is a symbolic link; name the folder it points to ({out_dir.resolve()})"
     if not out_dir.exists():
         return None
     if not out_dir.is_dir():

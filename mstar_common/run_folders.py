@@ -19,14 +19,20 @@ OWNER = "owner.pid"
 _SUFFIX = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkdtemp adds to the prefix
 
 
+def usable_root() -> Path:
+    """The run folders' parent ($TMPDIR), or a DeploymentError where a shell would split its path."""
+    root = Path(tempfile.gettempdir())
+    if reason := shell_unsafe(root):
+        raise DeploymentError(f"the run folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
+    return root
+
+
 def make(prefix: str, keep: int) -> Path:
     """A new folder `<tmp>/<prefix>XXXXXXXX` owned by this process, after deleting the `<prefix>*` folders of
     stopped servers beyond the newest `keep`. `prefix` ends with the name part that makes a family of folders
     (e.g. `mstar-qwen3-tiny-`), so one deployment's starts never delete another's folders. A temporary directory
     whose path a shell would split is refused (DeploymentError): the repository is generated inside it."""
-    root = Path(tempfile.gettempdir())
-    if reason := shell_unsafe(root):
-        raise DeploymentError(f"the run folder's parent ($TMPDIR): {reason}; set TMPDIR to such a folder")
+    root = usable_root()
     prune(root, prefix, keep)
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
     (folder / OWNER).write_text(f"{os.getpid()}\n")

@@ -70,7 +70,16 @@ class ImageFamily(Family):
         family_module(self.name, "loader").check_pipeline(checkpoint)
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
-        self.options_from_kwargs(dep.model_kwargs, source)
+        options = self.options_from_kwargs(dep.model_kwargs, source)
+        if dep.components["denoise"].cuda_graphs:  # a capture list left empty would capture nothing, silently
+            empty = [key for key in ("capture_batch_sizes", "capture_caption_tokens")
+                     if getattr(options, key, None) == []]
+            if not options.capture_sizes and not getattr(options, "edit_sizes", []):
+                empty.insert(0, "capture_sizes")
+            if empty:
+                raise DeploymentError(f"{source}: model_kwargs.{empty[0]}: empty while components.denoise.cuda_graphs "
+                                      f"is true, so no denoise step would be captured; list what to capture, or set "
+                                      f"cuda_graphs: false")
         default = Resources()
         for key in ("kv_cache", "max_model_len", "max_batch_tokens"):  # what nothing here reads is refused (§16.3)
             if getattr(dep.resources, key) != getattr(default, key):

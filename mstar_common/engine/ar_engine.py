@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mstar_common.config import DeploymentError
 from mstar_common.engine import kv_sizing, loop_times
 from mstar_common.engine.admission import Admission, EngineUnavailable
 from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
@@ -60,6 +61,7 @@ class AREngine:
         `device_penalty`: keep the repetition-penalty history as device masks (default: on CUDA only)."""
         _check_config(config)
         check_switches(model)  # a misspelt switch refuses the model here, not at a request or a capture
+        _check_kv_dtype(config)
         self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(config.device)
         self.max_model_len = _resolve_max_model_len(model, config)
@@ -483,6 +485,19 @@ def _token_ids(prompt_ids: SequenceOf[int], vocab_size: int) -> list[int]:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt_ids must be token ids in [0, {vocab_size - 1}], got {bad}")
     return ids
+
+
+def _check_kv_dtype(config: EngineConfig) -> None:
+    """An fp8 pool on a GPU whose kernels cannot read e4m3 (compute capability < 8.9) is refused at load, naming
+    the key, not at the first compile of an attention kernel."""
+    device = torch.device(config.device)
+    if config.kv_dtype == "fp8_e4m3" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise DeploymentError(
+                f"resources.kv_cache.dtype: fp8_e4m3 needs a GPU of compute capability >= 8.9 (its attention "
+                f"kernels read e4m3); {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: "
+                f"use auto")
 
 
 def _check_config(config: EngineConfig) -> None:

@@ -496,3 +496,11 @@ def test_z_image_caption_lengths_listed_twice_are_refused():
     raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
     raw.setdefault("model_kwargs", {})["capture_caption_tokens"] = [64, 64]
     _refused(raw, "model_kwargs.capture_caption_tokens: [64] given more than once; each length is one captured graph")
+
+
+def test_gpu_ids_past_what_config_pbtxt_holds_are_refused():
+    """`gpus: [4294967296]` passed check and gen-repo, and tritonserver's int32 field refused the repository."""
+    _refused(_with(components__llm={"placement": {"device": "gpu", "gpus": [0, 4294967296]}}),
+             "components.llm.placement.gpus: GPU ids are at most 1023, got 4294967296")
+    assert deployment_from_dict(_with(components__llm={"placement": {"device": "gpu", "gpus": [1023]}})) \
+        .components["llm"].placement.gpus == [1023]

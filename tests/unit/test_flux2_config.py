@@ -196,3 +196,28 @@ def test_a_prompt_too_long_for_the_text_encoder_is_refused_before_tokenizing(wal
     with pytest.raises(ValueError, match=r"^prompt: 4000000 bytes cannot fit 512 tokens \(at most \d+ bytes\)"):
         walk.parse({"prompt": np.array([b"a" * 4_000_000], dtype=object)})
     assert walk.parse({"prompt": np.array([b"a cat " * 50], dtype=object)}).prompt.startswith("a cat")
+
+
+@pytest.mark.parametrize("config, kwargs, key", [
+    ("z_image_turbo_gpu.yaml", {"capture_sizes": []}, "capture_sizes"),
+    ("z_image_turbo_gpu.yaml", {"capture_batch_sizes": []}, "capture_batch_sizes"),
+    ("z_image_turbo_gpu.yaml", {"capture_caption_tokens": []}, "capture_caption_tokens"),
+    ("flux2_klein_4b_gpu.yaml", {"capture_sizes": [], "capture_edit_sizes": []}, "capture_sizes"),
+    ("flux2_klein_4b_gpu.yaml", {"capture_batch_sizes": []}, "capture_batch_sizes"),
+])
+def test_a_captured_denoise_step_with_nothing_to_capture_is_refused(config, kwargs, key):
+    """An empty list under `cuda_graphs: true` captured no graph and said nothing (each step ran eager), as the
+    engine's empty bucket lists are refused."""
+    raw = yaml.safe_load((CONFIGS / config).read_text())
+    raw["model_kwargs"].update(kwargs)
+    with pytest.raises(DeploymentError, match=rf"model_kwargs.{key}: empty while components.denoise.cuda_graphs "
+                                              rf"is true"):
+        deployment_from_dict(copy.deepcopy(raw), config)
+    raw["components"]["denoise"]["cuda_graphs"] = False  # the CPU demos' way: nothing captured, on purpose
+    deployment_from_dict(raw, config)
+
+
+def test_a_captured_denoise_step_may_capture_edits_alone():
+    raw = yaml.safe_load((CONFIGS / "flux2_klein_4b_gpu.yaml").read_text())
+    raw["model_kwargs"].update(capture_sizes=[], capture_edit_sizes=["1024x1024"])
+    deployment_from_dict(raw, "flux2_klein_4b_gpu.yaml")

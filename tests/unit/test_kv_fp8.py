@@ -91,3 +91,20 @@ def test_decode_knobs_per_pool_kind():
 
     assert _decode_knobs(False) == {"tokens_major": False, "qk_fp8": False, "fp16_dots": False}
     assert _decode_knobs(True) == {"tokens_major": True, "qk_fp8": True, "fp16_dots": False}
+
+
+def test_an_fp8_pool_on_a_gpu_without_e4m3_kernels_is_refused_at_load(tmp_path, monkeypatch):
+    """docs/deployment.md: the fp8 pool's kernels need compute capability >= 8.9. On an A100 the first sign was a
+    Triton compile error inside a capture or a request, naming no key."""
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.types import EngineConfig
+    from mstar_common.families.qwen3.loader import load_qwen3
+
+    model, config = load_qwen3(build_tiny_checkpoint(tmp_path / "tiny"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    engine_config = EngineConfig(num_kv_pages=16, page_size=16, max_num_seqs=2, max_batch_tokens=64,
+                                 max_model_len=128, dtype="float32", kv_dtype="fp8_e4m3", device="cuda")
+    with pytest.raises(DeploymentError, match=r"resources.kv_cache.dtype: fp8_e4m3 needs a GPU of compute "
+                                              r"capability >= 8.9 .*A100-SXM4-80GB is 8.0: use auto"):
+        AREngine(model, engine_config, eos_token_ids=[], vocab_size=config["vocab_size"])

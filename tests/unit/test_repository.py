@@ -97,3 +97,34 @@ def test_gen_repo_replaces_only_a_generated_repository(tmp_path, monkeypatch):
         generate_repository(PROJECT_ROOT / deployment, a_file)
     (tmp_path / "empty").mkdir()
     generate_repository(PROJECT_ROOT / deployment, tmp_path / "empty")
+
+
+def test_gen_repo_refuses_a_link_leaves_no_staging_folder_and_writes_a_readable_one(tmp_path, monkeypatch):
+    """`--out` naming a symbolic link to a generated repository ended in a traceback (rmtree of a link) and left a
+    .repo-* folder beside it each time; the folder written was private to its owner (mkdtemp's 0700), so a
+    tritonserver run as another user could not read it."""
+    import os
+    import stat
+
+    monkeypatch.chdir(PROJECT_ROOT)
+    deployment = Path("configs") / DEFAULT_DEPLOYMENT.name
+    real, link = tmp_path / "real", tmp_path / "link"
+    generate_repository(deployment, real)
+    mask = os.umask(0o022)
+    try:
+        generate_repository(deployment, real)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(real.stat().st_mode) == 0o755
+    link.symlink_to(real)
+    with pytest.raises(DeploymentError, match=r"--out: .*link is a symbolic link; name the folder it points to"):
+        generate_repository(deployment, link)
+    assert link.is_symlink() and (real / "qwen3_llm" / "config.pbtxt").is_file()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mstar_common.repository.write_repository", fail)
+    with pytest.raises(OSError, match="disk full"):
+        generate_repository(deployment, tmp_path / "other")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
