@@ -10,9 +10,16 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # CPU through Triton's interpreter (their smaller sweep; the slowest cases there are marked `slow`, left to the GPU),
 # as one process a core (at most 4; KERNEL_TEST_JOBS sets it), each with its log under $TMPDIR/mstar-kernel-tests.
 # (A test path is an argument that names a file or folder, `path::test` included; the value of an option such as
-# `-k config` is not one.)
+# `-k config` or `--deselect tests/x.py::t` is not one.)
+value=0
 for arg in "$@"; do
-  case $arg in -*) ;; *) [ -e "${arg%%::*}" ] && exit 0 ;; esac
+  if [ "$value" = 1 ]; then value=0; continue; fi
+  case $arg in
+    -k|-m|-p|-o|-c|-W|-n|--deselect|--ignore|--ignore-glob|--rootdir|--basetemp|--junitxml|--junit-xml|\
+      --confcutdir|--maxfail|--durations|--tb|--log-file|--override-ini) value=1 ;;
+    -*) ;;
+    *) [ -e "${arg%%::*}" ] && exit 0 ;;
+  esac
 done
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
   jobs=${KERNEL_TEST_JOBS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}

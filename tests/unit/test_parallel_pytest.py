@@ -71,3 +71,32 @@ def test_a_failing_process_fails_the_run_and_prints_its_log(tmp_path):
     done = _run(tmp_path, _tests(tmp_path, failing=True), 2)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAILED" in done.stdout and "test_c" in done.stdout and "-----" in done.stdout
+
+
+def _run_test_sh(tmp_path: Path, *args: str) -> list[str]:
+    """scripts/test.sh in a copy of the layout it expects, with setup.sh a no-op and a .venv python that logs each
+    call (and reports no GPU): the calls it made."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "test.sh").write_text((SCRIPTS / "test.sh").read_text())
+    (root / "scripts" / "setup.sh").write_text("#!/bin/sh\n")
+    (root / "scripts" / "setup.sh").chmod(0o755)
+    python = root / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../../calls.log"\n')
+    python.chmod(0o755)
+    for folder in ("configs", "tests/unit"):
+        (root / folder).mkdir(parents=True)
+    subprocess.run(["bash", str(root / "scripts" / "test.sh"), *args], check=True, timeout=60)
+    return (root / "calls.log").read_text().splitlines()
+
+
+def test_the_test_scripts_kernel_stage_runs_unless_test_paths_are_given(tmp_path):
+    """An option's value that happens to name a folder (`-k configs`) was taken for a test path, so the CPU kernel
+    stage was skipped though no path was given."""
+    for args in (["-q"], ["-k", "configs"], ["-m", "not gpu", "--deselect", "tests/unit"]):
+        calls = _run_test_sh(tmp_path / "_".join(args).replace(" ", "-").replace("/", "-"), *args)
+        assert calls[0].startswith("-m pytest"), calls
+        assert any("scripts/parallel_pytest.py" in call for call in calls), (args, calls)
+    calls = _run_test_sh(tmp_path / "paths", "-q", "tests/unit")
+    assert not any("parallel_pytest" in call for call in calls), calls
