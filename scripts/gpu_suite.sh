@@ -14,17 +14,24 @@
 # With FLASHINFER_SDIST=<flashinfer-python 0.2.5 source archive> it also installs FlashInfer and runs the
 # FlashInfer backend's tests (which skip without it in the main test stage).
 # Every stage has its own time limit and the report is rewritten after each benchmark, so a stage that fails
-# or runs out of time never costs the figures already taken.
+# or runs out of time never costs the figures already taken. The suite goes on past a failed stage and exits 1
+# at its end, naming each that failed (0 when every one passed).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu-out}
-WORK=/tmp/mstar-gpu
+WORK=${SUITE_WORK:-/tmp/mstar-gpu}  # the checkpoints, caches and server logs
 mkdir -p "$OUT" "$WORK/logs"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MSTAR_CACHE_DIR=$WORK/cache
 export MSTAR_BENCH_LOG_DIR=$WORK/logs TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$OUT/suite.log") 2>&1
 T0=$(date +%s)
 stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
+FAILED=()  # the stages that failed: the suite goes on past each, and exits 1 at its end if any did
+failed() { echo "STAGE FAILED: $1"; FAILED+=("$1"); }
+finish() {
+  [ ${#FAILED[@]} -eq 0 ] && { echo "=== every stage passed"; exit 0; }
+  printf '=== %d stage(s) failed:' "${#FAILED[@]}"; printf ' [%s]' "${FAILED[@]}"; echo; exit 1
+}
 
 source "$(dirname "$0")/device_env.sh"
 
@@ -52,7 +59,7 @@ OVERRIDES=""  # per-model load overrides, named in the report's command line
 report() {
   $PY scripts/bench.py report $(ls "$WORK"/qwen3.json "$WORK"/llama.json 2>/dev/null) --out "$OUT" \
     --command-line "bash scripts/gpu_suite.sh: scripts/bench.py serve ${LOAD[*]}${OVERRIDES}; scripts/bench.py baseline ${BASE[*]}" \
-    || echo "STAGE FAILED: report"
+    || failed "report"
 }
 bench() {  # name family seconds [load overrides...]
   local name=$1 family=$2 seconds=$3
@@ -60,10 +67,10 @@ bench() {  # name family seconds [load overrides...]
   [ $# -gt 0 ] && OVERRIDES="$OVERRIDES (for $name, then: $*)"
   stage "serving benchmark: $name"
   timeout "$seconds" $PY scripts/bench.py serve --family "$family" --checkpoint "$WORK/$name" --name "$name" \
-    --out "$WORK/$family.json" "${LOAD[@]}" "$@" || echo "STAGE FAILED: $name benchmark"
+    --out "$WORK/$family.json" "${LOAD[@]}" "$@" || failed "$name benchmark"
   stage "floor and HF generate baseline: $name"
   timeout 100 $IMAGE_PY scripts/bench.py baseline --checkpoint "$WORK/$name" --name "$name" --out "$WORK/$family.json" \
-    "${BASE[@]}" || echo "STAGE FAILED: $name baseline"
+    "${BASE[@]}" || failed "$name baseline"
   report
 }
 # Limits: a fresh machine's first server JIT-compiles every kernel and tunes every projection (Qwen3: 75-132 s to
@@ -77,21 +84,21 @@ TESTS_ONLY=0; [ "${1:-}" = "--tests-only" ] && TESTS_ONLY=1
 LLAMA_S=130; [[ " ${SUITE_MODELS:-qwen3 llama} " == *" qwen3 "* ]] || LLAMA_S=330
 [ $TESTS_ONLY = 0 ] && [[ " ${SUITE_MODELS:-qwen3 llama} " == *" llama "* ]] && \
   bench llama-3.2-3b llama $LLAMA_S --concurrency 1 64 --rates --proxy-concurrency --check-eager 0
-[ "${1:-}" = "--bench-only" ] && { tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null; exit 0; }
+[ "${1:-}" = "--bench-only" ] && { tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null; finish; }
 
 stage "kernel and graph tests"
 MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 540 $IMAGE_PY scripts/parallel_pytest.py --jobs "${SUITE_JOBS:-4}" \
   --logs "$OUT/test_logs" -- -q -m gpu ${SUITE_TESTS:-tests/kernels tests/gpu} -p no:cacheprovider \
-  || echo "STAGE FAILED: gpu tests"
+  || failed "gpu tests"
 
 if [ -n "${FLASHINFER_SDIST:-}" ]; then  # e.g. flashinfer_python-0.2.5.tar.gz (pip download --no-deps ...)
   stage "flashinfer backend tests (JIT builds its kernels first: ~3 minutes)"
-  timeout 60 $IMAGE_PY -m pip install -q --no-deps --no-build-isolation "$FLASHINFER_SDIST" || echo "STAGE FAILED: flashinfer install"
+  timeout 60 $IMAGE_PY -m pip install -q --no-deps --no-build-isolation "$FLASHINFER_SDIST" || failed "flashinfer install"
   timeout 300 $IMAGE_PY -m pytest -q -m gpu tests/gpu/test_flashinfer_backend.py -p no:cacheprovider \
-    || echo "STAGE FAILED: flashinfer tests"
+    || failed "flashinfer tests"
 fi
 
-[ $TESTS_ONLY = 1 ] && exit 0
+[ $TESTS_ONLY = 1 ] && finish
 
 stage "fusion micro-benchmark (decode-step GPU time per configuration)"
 timeout 60 $IMAGE_PY -c "
@@ -101,7 +108,8 @@ rows = measure('$WORK/qwen3-0.6b', 'qwen3', [1, 64])
 json.dump(rows, open('$OUT/fusion.json', 'w'), indent=1)
 rows += measure('$WORK/llama-3.2-3b', 'llama', [1])
 json.dump(rows, open('$OUT/fusion.json', 'w'), indent=1)
-" || echo "STAGE FAILED: fusion"
+" || failed "fusion"
 
 tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null
 stage "done"
+finish

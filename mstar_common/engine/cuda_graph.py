@@ -49,12 +49,21 @@ _VARIANT_NAMES = {GREEDY: "", SAMPLED: " (sampling)", PLAIN: " (sampling, temper
 
 
 def default_decode_buckets(max_rows: int) -> list[int]:
-    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, then steps of 32 to 256, of 64 to 512, of 128 to 1,024, of 256 to 2,048
+    and of 512 beyond, up to `max_rows`: past 8 rows a step replays a graph at most 25% (50% below 32) larger."""
+    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    while ladder[-1] < max_rows:
+        last = ladder[-1]
+        ladder.append(last + (32 if last < 256 else 64 if last < 512 else 128 if last < 1024 else
+                              256 if last < 2048 else 512))
     return sorted({b for b in ladder if b < max_rows} | {max_rows})
 
 
 def default_token_buckets(max_tokens: int) -> list[int]:
+    """64, 128, ..., 8,192, then 1.5x and 2x steps (12,288, 16,384, 24,576, ...) up to `max_tokens`."""
     ladder = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    while ladder[-1] < max_tokens:
+        ladder.append(ladder[-1] * 3 // 2 if ladder[-1] & (ladder[-1] - 1) == 0 else ladder[-1] * 4 // 3)
     return sorted({b for b in ladder if b < max_tokens} | {max_tokens})
 
 

@@ -212,11 +212,15 @@ class TokenReadback:
         self.device = device
         self.timing = timing  # events that can be timed (MSTAR_STEP_TIMES)
 
-    def _pair(self, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _pair(self, dtype: torch.dtype, size: int) -> list[torch.Tensor]:
+        """The two buffers of `dtype`, of at least `size` elements: a step of more rows (or scores) than the pair
+        holds gets a larger pair; the old one stays alive in the steps that still read it."""
         dtype = dtype if self._native or dtype.is_floating_point else torch.int64
-        if dtype not in self._buffers:
-            self._buffers[dtype] = [torch.empty(self._max_rows, dtype=dtype, pin_memory=True) for _ in range(2)]
-        return self._buffers[dtype]
+        pair = self._buffers.get(dtype)
+        if pair is None or pair[0].numel() < size:
+            rows = max(size, self._max_rows, 2 * pair[0].numel() if pair is not None else 0)
+            pair = self._buffers[dtype] = [torch.empty(rows, dtype=dtype, pin_memory=True) for _ in range(2)]
+        return pair
 
     def start(self, seqs: list[Sequence], tokens: torch.Tensor, published: torch.Tensor | None = None,
               floats: torch.Tensor | None = None, num_logprobs: int = 0,
@@ -227,11 +231,11 @@ class TokenReadback:
         buffer = published
         parity = self._parity
         if buffer is None:
-            buffer = self._pair(tokens.dtype)[parity][: len(seqs)]
+            buffer = self._pair(tokens.dtype, len(seqs))[parity][: len(seqs)]
             buffer.copy_(tokens[: len(seqs)], non_blocking=True)
         host_floats = None
         if floats is not None:
-            host_floats = self._pair(torch.float32)[parity][: floats.numel()]
+            host_floats = self._pair(torch.float32, floats.numel())[parity][: floats.numel()]
             host_floats.copy_(floats, non_blocking=True)
         self._parity ^= 1
         event = torch.cuda.Event(enable_timing=self.timing)

@@ -66,6 +66,24 @@ def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None
         check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
 
 
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # what the Triton attention kernels take (mstar_kernels/paged_*.py)
+KERNEL_BACKENDS = ("auto", "triton", "triton_unfused")  # the backends that run them on a GPU
+
+
+def check_kernel_head_dim(dep: Deployment, checkpoint: Path, component: str, source: str) -> None:
+    """A GPU component on the Triton attention kernels needs a head dim they take: otherwise its first capture or
+    step fails, deep inside a kernel launch. The torch backends take any."""
+    comp = dep.components[component]
+    if comp.placement.device != "gpu" or comp.attention_backend not in KERNEL_BACKENDS:
+        return
+    head_dim = causal_lm_kv_shape(checkpoint)[2]
+    if head_dim not in KERNEL_HEAD_DIMS:
+        raise DeploymentError(
+            f"{source}: components.{component}.attention_backend: {comp.attention_backend!r} runs the Triton "
+            f"attention kernels, which take head dims {list(KERNEL_HEAD_DIMS)}; the checkpoint's head_dim is "
+            f"{head_dim}: set attention_backend: torch_static (or torch)")
+
+
 def causal_lm_kv_shape(checkpoint: Path) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of an HF causal LM's config.json (Qwen3, Llama): GQA's KV heads where given, and
     the head dim where given (Qwen3 sets it apart from hidden_size / heads)."""

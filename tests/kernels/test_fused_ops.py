@@ -122,11 +122,19 @@ def test_qk_norm_rope_kv_write(head_dim, num_heads, num_kv_heads, has_norm, dtyp
         assert torch.equal(q_ahead, q_pos) and torch.equal(k_ahead, k_pos) and torch.equal(v_ahead, v_pos)
 
 
-def test_store_kv_writes_exactly_the_mapped_slots():
-    gen = torch.Generator().manual_seed(3)
-    key, value = _randn(10, 2, 64, dtype=torch.bfloat16, gen=gen), _randn(10, 2, 64, dtype=torch.bfloat16, gen=gen)
-    slots = torch.randperm(64, generator=gen)[:10].to(torch.int32).to(DEVICE)
-    caches = [torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+# (KV heads, head dim, page size): the GQA layouts and head dims of the attention tests, and their other page sizes
+STORE_KV_CASES = sweep([(2, 64, 16), (8, 128, 16), (1, 128, 64), (8, 64, 1), (4, 256, 16)], [(2, 64, 16), (1, 128, 4)])
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,page_size", STORE_KV_CASES)
+def test_store_kv_writes_exactly_the_mapped_slots(num_kv_heads, head_dim, page_size):
+    gen = torch.Generator().manual_seed(3 + head_dim + page_size)
+    shape = (10, num_kv_heads, head_dim)
+    key, value = _randn(*shape, dtype=torch.bfloat16, gen=gen), _randn(*shape, dtype=torch.bfloat16, gen=gen)
+    num_pages = -(-64 // page_size)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:10].to(torch.int32).to(DEVICE)
+    caches = [torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+              for _ in range(4)]
     store_kv(key, value, caches[0], caches[1], slots)
     store_kv_ref(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

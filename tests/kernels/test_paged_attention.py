@@ -439,6 +439,33 @@ def test_decode_with_the_prologue_inside_matches_the_two_launches(head_dim, num_
             assert rel_err(one, ref) < tol, splits
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="a deep grid: the GPU only")
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+def test_a_deep_decode_grid_takes_its_own_settings_and_matches_the_reference(pool):
+    """128 rows x 8 KV heads in one split is 1,024 programs: the bf16 form takes 3 pipeline stages there and the
+    fp8 q.k form 128-token blocks (decode_num_stages, the block rule), settings no smaller test reaches."""
+    from mstar_kernels.paged_decode_attention import decode_num_stages
+
+    head_dim, num_heads, num_kv_heads = 128, 16, 8
+    gen = torch.Generator().manual_seed(128)
+    lengths = torch.randint(1, 700, (128,), generator=gen).tolist()
+    k_cache, v_cache, tables = _pool(lengths, 64, num_kv_heads, head_dim, torch.bfloat16, gen)
+    if pool == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    scale = head_dim**-0.5
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, scale)
+    assert decode_num_stages(len(lengths), num_kv_heads, 1) == 3
+    if pool == "bf16":
+        out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, num_splits=1)
+        assert rel_err(out, ref) < 1e-2
+    else:  # the query quantised to e4m3 per head: a few % on the output, as at 3 rows
+        out = paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, num_splits=1, tokens_major=True,
+                                     qk_fp8=True)
+        assert 1e-4 < rel_err(out, ref) < 0.05
+
+
 def test_decode_stages_rule_and_switch(monkeypatch):
     from mstar_kernels.paged_decode_attention import decode_num_stages
 

@@ -504,3 +504,26 @@ def test_gpu_ids_past_what_config_pbtxt_holds_are_refused():
              "components.llm.placement.gpus: GPU ids are at most 1023, got 4294967296")
     assert deployment_from_dict(_with(components__llm={"placement": {"device": "gpu", "gpus": [1023]}})) \
         .components["llm"].placement.gpus == [1023]
+
+
+def test_a_head_dim_the_attention_kernels_do_not_take_is_refused_before_serving(tmp_path):
+    """A checkpoint of head dim 100 (3,200 hidden over 32 heads) on a GPU passed `mstar check`, then its first
+    capture or step failed on a bare AssertionError inside a kernel launch."""
+    import json
+    import shutil
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+
+    family = get_family("qwen3")
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(resolve_checkpoint(BASE["checkpoint"], family.builtin_checkpoints), checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "head_dim": 24}))
+    on_gpu = {"placement": {"device": "gpu", "gpus": [0]}}
+    with pytest.raises(DeploymentError, match=r"components.llm.attention_backend: 'auto' runs the Triton attention "
+                                              r"kernels, which take head dims \[16, 32, 64, 128, 256\]; the "
+                                              r"checkpoint's head_dim is 24: set attention_backend: torch_static"):
+        family.check_checkpoint(deployment_from_dict(_with(components__llm=on_gpu)), checkpoint, "test.yaml")
+    for llm in ({**on_gpu, "attention_backend": "torch_static"}, {}):  # the torch backends, or the CPU: any
+        family.check_checkpoint(deployment_from_dict(_with(components__llm=llm)), checkpoint, "test.yaml")

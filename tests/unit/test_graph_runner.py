@@ -171,6 +171,13 @@ def test_default_buckets_cover_the_limits():
     assert default_decode_buckets(256)[:4] == [1, 2, 4, 8] and default_decode_buckets(256)[-1] == 256
     assert default_decode_buckets(5) == [1, 2, 4, 5]
     assert default_token_buckets(4096)[-1] == 4096 and default_token_buckets(100) == [64, 100]
+    # past 256 rows (8,192 tokens) the ladders kept going: a 257-row step replayed the 1,024-row graph (4x padding)
+    rows = default_decode_buckets(1024)
+    assert rows[rows.index(256):] == [256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    assert all(b / a <= 1.5 for a, b in zip(rows[4:], rows[5:], strict=False))
+    assert default_decode_buckets(3000)[-3:] == [2048, 2560, 3000]
+    tokens = default_token_buckets(65536)
+    assert tokens[tokens.index(8192):] == [8192, 12288, 16384, 24576, 32768, 49152, 65536]
 
 
 def test_graph_capture_refuses_a_backend_that_cannot_be_captured(static_model, checkpoint):  # noqa: F811

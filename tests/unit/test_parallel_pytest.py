@@ -100,3 +100,20 @@ def test_the_test_scripts_kernel_stage_runs_unless_test_paths_are_given(tmp_path
         assert any("scripts/parallel_pytest.py" in call for call in calls), (args, calls)
     calls = _run_test_sh(tmp_path / "paths", "-q", "tests/unit")
     assert not any("parallel_pytest" in call for call in calls), calls
+
+
+def test_the_gpu_suite_exits_1_naming_a_stage_that_failed(tmp_path):
+    """Every stage ended in `|| echo "STAGE FAILED"` and the script in `exit 0`: failing GPU tests returned 0."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "gpu_suite.sh").write_text((SCRIPTS / "gpu_suite.sh").read_text())
+    results = {}
+    for outcome, python in (("pass", "true"), ("fail", "false")):
+        (root / "scripts" / "device_env.sh").write_text(f"PY={python}\nIMAGE_PY={python}\n")
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / f"out_{outcome}"),
+               "SUITE_WORK": str(tmp_path / f"work_{outcome}")}
+        done = subprocess.run(["bash", str(root / "scripts" / "gpu_suite.sh"), "--tests-only"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        results[outcome] = (done.returncode, done.stdout)
+    assert results["pass"][0] == 0 and "=== every stage passed" in results["pass"][1]
+    assert results["fail"][0] == 1 and "=== 1 stage(s) failed: [gpu tests]" in results["fail"][1]

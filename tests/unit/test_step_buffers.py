@@ -69,6 +69,21 @@ def test_the_readback_keeps_the_tokens_dtype_unless_told(monkeypatch, native):
     assert pending._tokens is published and pending.tokens() == [4, 5]
 
 
+@pytest.mark.gpu
+def test_a_step_of_more_rows_than_the_readback_holds_gets_a_larger_pair():
+    """The pinned pair was 4,096 rows whatever max_concurrent_requests allowed: a step of more sampling rows (or
+    more scores) raised in `copy_` and failed every row of the step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mstar_common.engine.model_runner import TokenReadback
+
+    readback = TokenReadback(4, torch.device("cuda"))
+    small = readback.start([None] * 3, torch.arange(3, device="cuda"))
+    big = readback.start([None] * 9, torch.arange(9, device="cuda") * 2, floats=torch.ones(20, device="cuda"))
+    assert small.tokens() == [0, 1, 2] and big.tokens() == [2 * i for i in range(9)]
+    assert readback.start([None] * 2, torch.arange(2, device="cuda") + 5).tokens() == [5, 6]
+
+
 @pytest.mark.parametrize("name", ["MSTAR_ZERO_COPY_STEP_IO", "MSTAR_READBACK_NATIVE", "MSTAR_EMBED_KERNEL"])
 def test_the_step_io_and_embedding_switches_refuse_a_bad_value_by_name(monkeypatch, name):
     from mstar_common.engine.cuda_graph import zero_copy_step_io

@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, causal_lm_kv_shape, check_lm_checkpoint, check_position_limit
+from mstar_common.families.base import (
+    Family,
+    causal_lm_kv_shape,
+    check_kernel_head_dim,
+    check_lm_checkpoint,
+    check_position_limit,
+)
 from mstar_common.families.qwen3.graph import GRAPH
 from mstar_common.families.text import TextLMRuntime
 
@@ -56,6 +62,7 @@ class Qwen3Family(Family):
         """The checkpoint as the loader opens it (`check_lm_checkpoint`), max_model_len against its positions, and
         its generation_config.json sampling values."""
         check_lm_checkpoint(checkpoint, source, self.read_config)
+        check_kernel_head_dim(dep, checkpoint, "llm", source)
         check_position_limit(dep, checkpoint, source)
         sampling_defaults(dep, checkpoint, source)
 
