@@ -276,10 +276,14 @@ def test_a_max_input_tokens_that_leaves_no_room_for_a_frame_is_refused_at_startu
 
     dep = load_deployment(CONFIGS / "orpheus.yaml")
     OrpheusFamily().validate_deployment(dep, "test")
-    for kwargs in ({"max_input_tokens": 5000}, {"max_input_tokens": 1530}):
+    # 1523 + 7 = 1530 fitted the old rule, but the prompt's 6 framing ids and the voice's prefix come on top
+    for kwargs in ({"max_input_tokens": 5000}, {"max_input_tokens": 1530}, {"max_input_tokens": 1523}):
         bad = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, **kwargs})
-        with pytest.raises(Exception, match=r"max_input_tokens: \d+ text tokens and one 7-token audio frame exceed "
-                                            r"resources.max_model_len=1536"):
+        with pytest.raises(Exception, match=r"max_input_tokens: \d+ text tokens, the prompt's 6 framing ids and "
+                                            r"voice prefix, and one 7-token audio frame need at least \d+ tokens, "
+                                            r"more than resources.max_model_len=1536"):
             OrpheusFamily().validate_deployment(bad, "test")
+    fits = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "max_input_tokens": 1522})
+    OrpheusFamily().validate_deployment(fits, "test")
     unset = {k: v for k, v in dep.model_kwargs.items() if k != "max_input_tokens"}  # the default, 1024, fits 1536
     OrpheusFamily().validate_deployment(dataclasses.replace(dep, model_kwargs=unset), "test")

@@ -8,10 +8,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap
-from mstar_common.families.base import Family, causal_lm_kv_shape, check_lm_checkpoint, check_position_limit
+from mstar_common.families.base import (
+    Family,
+    causal_lm_kv_shape,
+    check_kernel_head_dim,
+    check_lm_checkpoint,
+    check_position_limit,
+)
 from mstar_common.families.orpheus.codes import FRAME_RULES
 from mstar_common.families.orpheus.graph import GRAPH
-from mstar_common.families.orpheus.tokens import CODES_PER_FRAME, DEFAULT_VOICE, VOICES
+from mstar_common.families.orpheus.tokens import CODES_PER_FRAME, DEFAULT_VOICE, PROMPT_FRAMING_IDS, VOICES
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +89,13 @@ class OrpheusFamily(Family):
             raise DeploymentError(f"{source}: model_kwargs.default_voice: {kw.get('default_voice', DEFAULT_VOICE)!r} "
                                   f"is not one of voices {voices}")
         max_input = kw.get("max_input_tokens", DEFAULT_MAX_INPUT_TOKENS)
-        if max_input + CODES_PER_FRAME > dep.resources.max_model_len:  # a text at the cap could never make audio
-            raise DeploymentError(f"{source}: model_kwargs.max_input_tokens: {max_input} text tokens and one "
-                                  f"{CODES_PER_FRAME}-token audio frame exceed resources.max_model_len="
+        # a text at the cap must leave room for audio: the prompt adds 6 framing ids and the voice's prefix
+        # ("tara: ", a token at least) to the text (tokens.py `prompt_ids`)
+        need = max_input + PROMPT_FRAMING_IDS + 1 + CODES_PER_FRAME
+        if need > dep.resources.max_model_len:
+            raise DeploymentError(f"{source}: model_kwargs.max_input_tokens: {max_input} text tokens, the prompt's "
+                                  f"{PROMPT_FRAMING_IDS} framing ids and voice prefix, and one {CODES_PER_FRAME}-token "
+                                  f"audio frame need at least {need} tokens, more than resources.max_model_len="
                                   f"{dep.resources.max_model_len}; lower it or raise max_model_len")
         check_kv_pool_holds_cap(dep, source)
 
@@ -101,6 +111,7 @@ class OrpheusFamily(Family):
         except DeploymentError as exc:
             raise DeploymentError(f"{source}: {exc}") from None
         check_lm_checkpoint(checkpoint, source, read_llama_config)
+        check_kernel_head_dim(dep, checkpoint, "lm", source)
 
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         if component == "lm":

@@ -27,6 +27,7 @@ NUM_MARKERS = 10  # custom tokens before the first audio band
 CODEBOOK_SIZE = 4096  # codes per SNAC codebook
 CODES_PER_FRAME = 7  # 1 coarse + 2 medium + 4 fine codes
 NUM_AUDIO_TOKENS = CODES_PER_FRAME * CODEBOOK_SIZE
+PROMPT_FRAMING_IDS = 6  # the start-of-human marker and BOS before the text, EOT and three markers after it
 START_OF_SPEECH, END_OF_SPEECH, START_OF_HUMAN, END_OF_HUMAN, START_OF_AI, END_OF_AI = 1, 2, 3, 4, 5, 6
 EOT = "<|eot_id|>"
 
@@ -73,7 +74,9 @@ class TokenLayout:
         return [self.marker(END_OF_SPEECH), self.marker(END_OF_AI)]
 
     def prompt_ids(self, tokenizer: Any, text: str, voice: str) -> list[int]:
+        """The prompt: PROMPT_FRAMING_IDS ids around `voice: text`, tokenized as one string."""
         words = tokenizer.encode(f"{voice}: {text}", add_special_tokens=False, split_special_tokens=True)
         head = [self.marker(START_OF_HUMAN), self.bos]
         tail = [self.eot, self.marker(END_OF_HUMAN), self.marker(START_OF_AI), self.marker(START_OF_SPEECH)]
+        assert len(head) + len(tail) == PROMPT_FRAMING_IDS
         return head + list(words) + tail
