@@ -7,6 +7,7 @@ the last call only (and `error` only when the request failed inside the engine).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -14,7 +15,9 @@ from mstar_common.config import is_finite_number
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+# temperatures below this sample greedily: 1e-5 as the FP32 wire carries it (9.99999975e-06), so a request's 1e-5
+# samples whether it came as a Python float or through a Triton tensor
+GREEDY_TEMPERATURE = float(struct.unpack("f", struct.pack("f", 1e-5))[0])
 
 
 class FinishReason(str, Enum):

@@ -184,3 +184,17 @@ def test_mixed_greedy_and_sampled_batch():
     assert torch.equal(mixed[:, 2], logits[2].argmax().expand(10))
     assert torch.equal(mixed[:, 1], _seeded_run(logits[1:2], params[1:2], [3], steps=10)[:, 0])
     assert torch.equal(mixed[:, 3], _seeded_run(logits[3:4], params[3:4], [4], steps=10)[:, 0])
+
+
+def test_a_temperature_of_1e_5_samples_through_triton_as_through_the_proxy():
+    """The wire's FP32 turns 1e-5 into 9.99999975e-06, below the greedy bound of 1e-5: the same request sampled
+    from the proxy's Python float and decoded greedily from a Triton tensor."""
+    import numpy as np
+
+    from mstar_common.families.text import sampling_params_from_inputs
+
+    for value in (1e-5, 1.2e-5):
+        wire = sampling_params_from_inputs({"temperature": np.asarray([value], dtype=np.float32)}, 16)
+        assert not wire.is_greedy and not SamplingParams(temperature=value).is_greedy, value
+    wire = sampling_params_from_inputs({"temperature": np.asarray([9e-6], dtype=np.float32)}, 16)
+    assert wire.is_greedy and SamplingParams(temperature=0.0).is_greedy
