@@ -161,7 +161,9 @@ class DenoiseEngine:
 
     def _schedule(self) -> list[tuple[Hashable, list[DenoiseJob]]]:
         """Per layout, the jobs that step this iteration: least recently stepped first, up to max_rows rows, or
-        fewer where the stepper's `rows_to_run` says a smaller captured batch steps more rows per second."""
+        fewer where the stepper's `rows_to_run` says a smaller captured batch steps more rows per second, but never
+        fewer than the least recently stepped job's own rows (else a job of more images than that smaller batch
+        would wait while younger, smaller jobs stepped past it, until its deadline)."""
         groups: dict[Hashable, list[DenoiseJob]] = {}
         for job in sorted(self._running, key=lambda j: (j.last_run, j.order)):
             groups.setdefault(job.layout, []).append(job)
@@ -171,12 +173,13 @@ class DenoiseEngine:
             limit = self.max_rows
             if rows_to_run is not None:  # a captured step pads to its bucket: maybe step fewer rows, exactly
                 limit = rows_to_run(layout, min(self.max_rows, sum(job.num_rows for job in jobs)))
+            limit = max(limit, jobs[0].num_rows)
             chosen, rows = [], 0
             for job in jobs:
                 if rows + job.num_rows <= limit:
                     chosen.append(job)
                     rows += job.num_rows
-            plan.append((layout, chosen or jobs[:1]))
+            plan.append((layout, chosen))
         return plan
 
     def _step(self, layout: Hashable, jobs: list[DenoiseJob]) -> None:

@@ -364,3 +364,31 @@ def test_the_running_gauges_count_a_batch_being_computed_and_a_decode_after_the_
     assert result.done.wait(5)
     decoder.shutdown()
     assert decoder.stats()["num_running"] == 0
+
+
+def test_a_job_of_more_images_than_a_smaller_batch_is_not_passed_over_by_younger_ones():
+    """With captured batches of 1, 2, 4, 8 (the docs' replay times), an n=5 job beside an n=1 job made rows_to_run
+    pick 4: the oldest job never fit, was skipped every iteration while the n=1 job stepped, and ran only once
+    nothing smaller was left (under steady small requests, until its deadline)."""
+    costs = {1: 0.041, 2: 0.082, 4: 0.164, 8: 0.342}
+
+    class Captured(RecordingStepper):
+        def rows_to_run(self, layout, rows):
+            above = min((b for b in costs if b >= rows), default=None)
+            below = max((b for b in costs if b < rows), default=None)
+            if above is None or below is None or above == rows:
+                return rows
+            return below if below / costs[below] > rows / costs[above] else rows
+
+    stepper = Captured(gated=True)
+    engine = DenoiseEngine("test", stepper, max_rows=8)
+    small, small_done = job("small", "64x64", steps=20)
+    big, big_done = job("big", "64x64", steps=4, rows=5)
+    engine.submit(small)
+    engine.submit(big)
+    engine.start()
+    stepper.release.set()
+    assert big_done.done.wait(5) and small_done.done.wait(5)
+    engine.shutdown()
+    big_steps = [i for i, (_, ts) in enumerate(stepper.calls) if len(ts) >= 5]
+    assert len(big_steps) == 4 and big_steps[-1] < 12, stepper.calls  # interleaved, not after the 20 small steps
