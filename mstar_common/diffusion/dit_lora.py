@@ -23,7 +23,8 @@ serving dtype once (`Fold`, applied by `load_module` before the cast, and so bef
 Refused, naming the adapter and the rule: DoRA (`lora_magnitude_vector`, `dora_scale`: its magnitudes would be
 dropped by a plain merge), LyCORIS LoKr/LoHa (`lokr_`, `hada_`), text-encoder keys, modules the transformer does
 not have (a LoRA for another model), shapes that do not match, an A without its B, PEFT's per-module
-`alpha_pattern`.
+`alpha_pattern`, a file safetensors cannot read (a Git LFS pointer) or a config that is not JSON, and a module
+named twice (two spellings of one, or two layouts' names for one weight: one would be dropped or summed twice).
 """
 
 from __future__ import annotations
@@ -155,11 +156,17 @@ def read_adapter(adapter: LoraAdapter, layout: Layout, *, check_only: bool = Fal
     """One adapter's low-rank pairs per weight name of the transformer, each with its scaling factor (`check_only`:
     the pairs as meta tensors of the file's shapes)."""
     file = adapter_file(adapter.path)
-    with safe_open(str(file), framework="pt") as reader:
-        tensors = {key: _meta(reader, key) if check_only and not key.endswith(".alpha") else reader.get_tensor(key)
-                   for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
-        header = reader.metadata() or {}
     where = f"LoRA {adapter.path}"
+    try:
+        with safe_open(str(file), framework="pt") as reader:
+            tensors = {key: _meta(reader, key) if check_only and not key.endswith(".alpha") else reader.get_tensor(key)
+                       for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
+            header = reader.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type (a Git LFS pointer, a cut download)
+        if isinstance(exc, OSError):
+            raise
+        raise ValueError(f"{where}: {file} is not a readable safetensors file ({exc}); a Git LFS pointer or an "
+                         f"unfinished download?") from None
     pairs, alphas = _split_keys(tensors, layout, where)
     unknown = sorted(module for module in pairs if module not in layout.targets)
     if unknown:
@@ -167,6 +174,7 @@ def read_adapter(adapter: LoraAdapter, layout: Layout, *, check_only: bool = Fal
                          f"{format_names(unknown)}: a LoRA for another model?")
     config = _scaling_config(file, header, where)
     terms: dict[str, list[_Term]] = {}
+    covered: dict[str, str] = {}  # weight -> the module of this file that changes it
     for module, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{where}: {module} has only lora_{next(iter(pair))}; a LoRA module needs both lora_A "
@@ -176,6 +184,9 @@ def read_adapter(adapter: LoraAdapter, layout: Layout, *, check_only: bool = Fal
         alpha = float(alphas[module]) if module in alphas else config.get("lora_alpha", rank)
         factor = adapter.scale * alpha / (math.sqrt(rank) if config.get("use_rslora", False) else rank)
         for name, chunks, order in layout.targets[module]:
+            if covered.setdefault(name, module) != module:  # e.g. `attention.out` beside `attention.to_out.0`
+                raise ValueError(f"{where}: {covered[name]} and {module} both change {name} (two layouts' names "
+                                 f"for one weight); keep one")
             shape = layout.shapes[name]
             if down.ndim != 2 or up.ndim != 2 or up.shape[1] != rank or up.shape[0] % chunks:
                 raise ValueError(f"{where}: {module}: lora_B {tuple(up.shape)} @ lora_A {tuple(down.shape)} is not a "
@@ -215,6 +226,7 @@ def _split_keys(tensors: dict[str, torch.Tensor], layout: Layout, where: str) ->
                          f"folded; save the adapter without them")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     alphas: dict[str, float] = {}
+    seen: dict[tuple[str, str], str] = {}  # (module, A | B | alpha) -> the key that gave it
     odd = []
     for key, tensor in tensors.items():
         name = key
@@ -222,11 +234,20 @@ def _split_keys(tensors: dict[str, torch.Tensor], layout: Layout, where: str) ->
             name = name.removeprefix(prefix)
         suffix = next((s for s in _PAIRS if name.endswith(s)), None)
         if suffix is not None:
-            pairs.setdefault(layout.module(name.removesuffix(suffix)), {})[_PAIRS[suffix]] = tensor
+            module, part = layout.module(name.removesuffix(suffix)), _PAIRS[suffix]
         elif name.endswith(".alpha") and tensor.numel() == 1:
-            alphas[layout.module(name.removesuffix(".alpha"))] = tensor.item()
+            module, part = layout.module(name.removesuffix(".alpha")), "alpha"
         else:
             odd.append(key)
+            continue
+        if (module, part) in seen:  # two spellings of one module: one would silently replace the other
+            raise ValueError(f"{where}: {seen[module, part]} and {key} both name {module}'s "
+                             f"{'alpha' if part == 'alpha' else 'lora_' + part}; keep one")
+        seen[module, part] = key
+        if part == "alpha":
+            alphas[module] = tensor.item()
+        else:
+            pairs.setdefault(module, {})[part] = tensor
     if odd:
         raise ValueError(f"{where}: keys that are not LoRA lora_A/lora_B/alpha weights: {format_names(sorted(odd))}")
     if stray := sorted(set(alphas) - set(pairs)):
@@ -238,12 +259,18 @@ def _scaling_config(file: Path, header: dict[str, str], where: str) -> dict:
     """`lora_alpha`/`use_rslora`: from the file's `lora_adapter_metadata` header, else the first config beside it."""
     config: dict = {}
     if raw := header.get("lora_adapter_metadata"):
-        meta = json.loads(raw)  # diffusers' pipeline save prefixes the keys with the component: transformer.lora_alpha
+        try:
+            meta = json.loads(raw)  # diffusers' pipeline save prefixes the keys with the component
+        except ValueError as exc:
+            raise ValueError(f"{where}: {file}'s lora_adapter_metadata header is not JSON: {exc}") from None
         config = {key.removeprefix("transformer."): value for key, value in meta.items()}
     else:
         for name in _CONFIGS:
             if (file.parent / name).is_file():
-                config = json.loads((file.parent / name).read_text())
+                try:
+                    config = json.loads((file.parent / name).read_text())
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {file.parent / name} is not JSON: {exc}") from None
                 break
     if config.get("alpha_pattern"):
         raise ValueError(f"{where}: per-module alpha_pattern {config['alpha_pattern']} is not supported; merge it "

@@ -214,6 +214,39 @@ def test_adapters_for_something_else_are_refused_naming_the_file(checkpoint, tmp
         loader.check_lora(checkpoint, [LoraAdapter(path)])
 
 
+def test_an_unreadable_or_twice_named_adapter_is_refused_naming_the_file(checkpoint, tmp_path, good):
+    """A Git LFS pointer (a LoRA repo cloned without git-lfs) escaped `mstar check` as safetensors' own error, a
+    traceback naming neither the file nor the key; a bad adapter_config.json was refused without its path; and a
+    module given twice (two spellings, or two layouts' names for one weight) was summed twice or half dropped."""
+    from mstar_common.families.flux2_klein.family import Flux2KleinFamily
+
+    pointer = tmp_path / "lfs" / "a.safetensors"
+    pointer.parent.mkdir()
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 123\n")
+    with pytest.raises(DeploymentError, match=rf"^t.yaml: model_kwargs.lora: LoRA {pointer}: {pointer} is not a "
+                                              rf"readable safetensors file .*Git LFS pointer"):
+        Flux2KleinFamily().check_checkpoint(deployment(lora=[{"path": str(pointer)}]), checkpoint, "t.yaml")
+    fine = write(tmp_path / "config", good)
+    (tmp_path / "config" / "adapter_config.json").write_text('{"lora_alpha": 8,')
+    with pytest.raises(ValueError, match=rf"LoRA {fine}: {tmp_path / 'config' / 'adapter_config.json'} is not JSON"):
+        loader.check_lora(checkpoint, [LoraAdapter(fine)])
+    key = next(k for k in good if k.endswith("to_q.lora_A.weight"))
+    module = key.removeprefix("transformer.").removesuffix(".lora_A.weight")
+    kohya = f"lora_unet_{module.replace('.', '_')}.lora_down.weight"
+    twice = write(tmp_path / "twice", {**good, kohya: good[key].clone()})
+    with pytest.raises(ValueError, match=rf"LoRA {twice}: (transformer.{module}.lora_A.weight and {kohya}|{kohya} "
+                                         rf"and transformer.{module}.lora_A.weight) both name {module}'s lora_A"):
+        loader.check_lora(checkpoint, [LoraAdapter(twice)])
+    block = module.removesuffix(".attn.to_q")  # transformer_blocks.N; BFL's fused qkv also covers to_q
+    fused = {f"diffusion_model.double_blocks.{block.split('.')[-1]}.img_attn.qkv.lora_A.weight": good[key].clone(),
+             f"diffusion_model.double_blocks.{block.split('.')[-1]}.img_attn.qkv.lora_B.weight":
+                 torch.cat([good[key.replace("lora_A", "lora_B")]] * 3)}
+    both = write(tmp_path / "both", {**good, **fused})
+    with pytest.raises(ValueError, match=rf"LoRA {both}: .* both change {module}.weight \(two layouts' names for one "
+                                         rf"weight\); keep one"):
+        loader.check_lora(checkpoint, [LoraAdapter(both)])
+
+
 @torch.no_grad()
 def test_peft_s_adapter_named_keys_fold_as_diffusers_keys(checkpoint, tmp_path, good):
     """A PEFT model's raw state dict names the adapter (`lora_A.default.weight`): the same fold."""
@@ -385,12 +418,13 @@ def test_the_bfl_final_modulation_lands_with_its_halves_swapped(checkpoint, tmp_
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("layout", ["diffusers", "original", "kohya"])
+@pytest.mark.parametrize("layout", ["diffusers", "original", "kohya", "kohya-qkv"])
 def test_z_image_turbo_folds_the_same_adapters(tmp_path, layout):
     """Z-Image-Turbo's DiT loads adapters the same way: its fold matches diffusers' forward with the adapter active,
     from diffusers' file, from the original layout (`diffusion_model.`, each attention's output as `attention.out`)
-    and from Kohya's (`lora_unet_`, `_` for `.`, alpha tensors); diffusers' own converter reads the latter two the
-    same way."""
+    and from Kohya's (`lora_unet_`, `_` for `.`, alpha tensors), also with each attention's q, k, v as the original
+    model's fused `attention.qkv` (refused as another model's module before); diffusers' own converter reads the
+    foreign layouts the same way."""
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
 
     from mstar_common.families.z_image_turbo import loader as z_loader
@@ -399,7 +433,8 @@ def test_z_image_turbo_folds_the_same_adapters(tmp_path, layout):
 
     checkpoint = build_z_checkpoint(tmp_path / "z-image-turbo-tiny")
     model = ZImageTransformer2DModel.from_pretrained(checkpoint / "transformer").eval()
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_out.0", "w1", "w3", "cap_embedder.1"]))
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "w1", "w3",
+                                                                     "cap_embedder.1"]))
     generator = torch.Generator().manual_seed(3)
     for key, param in model.named_parameters():
         if "lora_" in key:
@@ -413,6 +448,12 @@ def test_z_image_turbo_folds_the_same_adapters(tmp_path, layout):
         pairs = pairs_of({f"transformer.{k}": v for k, v in state.items()}, 2.0)
         assert any(module.endswith("attention.to_out.0") for module in pairs)
         pairs = {module.replace("attention.to_out.0", "attention.out"): pair for module, pair in pairs.items()}
+        if layout == "kohya-qkv":  # q, k, v as one fused projection: stacked A over a block-diagonal B
+            for block in sorted({m.removesuffix(".attention.to_q") for m in pairs if m.endswith(".attention.to_q")}):
+                members = [pairs.pop(f"{block}.attention.to_{x}") for x in "qkv"]
+                down = torch.cat([a for a, _ in members])
+                up = torch.block_diag(*(b for _, b in members))
+                pairs[f"{block}.attention.qkv"] = (down, up)
         if layout == "original":
             path = ai_toolkit_file(tmp_path / layout, pairs)
         else:

@@ -261,11 +261,16 @@ class ZImageTransformer(nn.Module):
         return self.cap_pad_token.dtype
 
     def lora_aliases(self) -> dict[str, tuple[tuple[str, int, tuple[int, ...]], ...]]:
-        """The original module names a LoRA file may use besides diffusers' (the same but for each attention's output
-        projection, `attention.out` there) -> the weight each covers (`dit_lora.Layout`)."""
-        return {f"{name}.attention.out": ((f"{name}.attention.to_out.0.weight", 1, (0,)),)
-                for stack in ("noise_refiner", "context_refiner", "layers")
-                for name in (f"{stack}.{i}" for i in range(len(getattr(self, stack))))}
+        """The original module names a LoRA file may use besides diffusers' (the same but for each attention's fused
+        `attention.qkv`, a third of lora_B's rows for each of to_q, to_k, to_v as diffusers' Kohya conversion splits
+        it, and its output projection `attention.out`) -> the weights each covers (`dit_lora.Layout`)."""
+        aliases: dict[str, tuple[tuple[str, int, tuple[int, ...]], ...]] = {}
+        for stack in ("noise_refiner", "context_refiner", "layers"):
+            for name in (f"{stack}.{i}" for i in range(len(getattr(self, stack)))):
+                aliases[f"{name}.attention.out"] = ((f"{name}.attention.to_out.0.weight", 1, (0,)),)
+                aliases[f"{name}.attention.qkv"] = tuple((f"{name}.attention.to_{x}.weight", 3, (i,))
+                                                         for i, x in enumerate("qkv"))
+        return aliases
 
     fused = False
 
