@@ -38,6 +38,7 @@ tritonserver's drain.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -413,6 +414,22 @@ def _serve(conn: Connection, engine: Any, outbox: _Outbox) -> None:
             logger.error("unknown message %r from the stub; ignored", kind)
 
 
+def watch_parent(parent: int, until: threading.Event, interval_s: float = 0.5) -> threading.Thread:
+    """Until `until` is set, end this process as soon as its parent (the stub) is gone. Nothing reads the socket
+    while the engine builds (weights, tuning, graph captures: minutes), so without this a stub killed during the
+    build would leave this process holding the device until the build ended."""
+    def run() -> None:
+        while not until.wait(interval_s):
+            if os.getppid() != parent:
+                logger.error("the stub (pid %d) is gone while the engine was building: exiting", parent)
+                sys.stderr.flush()
+                os._exit(1)
+
+    thread = threading.Thread(target=run, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str]) -> int:
     import faulthandler
 
@@ -428,6 +445,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(argv[1]))
+    built = threading.Event()  # from `ready` on, the socket's end stops this process (`_serve`)
+    watch_parent(os.getppid(), built)
     try:
         spec: EngineSpec = conn.recv()
     except EOFError:
@@ -438,9 +457,14 @@ def main(argv: list[str]) -> int:
         engine, info = _build(spec)
     except Exception:  # noqa: BLE001 - the stub shows the traceback and fails the model's load
         logger.exception("[%s] building the component failed", name)
-        conn.send(("failed", traceback.format_exc()))
+        with contextlib.suppress(OSError):
+            conn.send(("failed", traceback.format_exc()))
         return 1
-    conn.send(("ready", info))
+    try:
+        conn.send(("ready", info))
+    except OSError:  # the stub went away as the build ended
+        return 1
+    built.set()
     outbox = _Outbox(conn, engine)  # after `ready`: from here on only the outbox's thread sends
     engine.start()
     settle_heap(name)

@@ -229,3 +229,33 @@ def test_which_components_may_run_their_engine_in_a_process_of_their_own():
     assert "codec_in_process" in refusal("orpheus.yaml", "lm", codec_in_process=True)
     assert "whisper" in refusal("whisper.yaml", "decoder")
     assert get_family("llama").engine_process_refusal("llm", None) is None
+
+
+def test_the_engine_process_exits_when_its_caller_dies_during_the_build(tmp_path):
+    """Nothing reads the socket while the engine builds (weights, tuning, captures: minutes on a GPU), so a stub
+    killed then left the engine process building, and holding the device, until the build ended."""
+    child = tmp_path / "child.py"
+    child.write_text(textwrap.dedent(f"""
+        import os, sys, threading, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from mstar_common.engine import engine_process
+        engine_process.watch_parent(os.getppid(), threading.Event(), interval_s=0.05)
+        print(os.getpid(), flush=True)
+        time.sleep(60)  # a build that would outlast the test
+    """))
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, {str(child)!r}], stdout=subprocess.PIPE, text=True)
+        print(child.stdout.readline().strip(), flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(caller.stdout.readline())
+        assert is_running(pid)
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_running(pid), "the building engine process outlived its caller"
