@@ -203,16 +203,21 @@ def test_the_engine_process_exits_when_its_caller_dies(setup, tmp_path):
 
     caller = subprocess.Popen([sys.executable, str(script), pickle.dumps(setup[2]).hex()], stdout=subprocess.PIPE,
                               text=True)
+    assert _gone_after_killing(caller, within_s=30), "the engine process outlived its caller"
+
+
+def _gone_after_killing(caller: subprocess.Popen, within_s: float) -> bool:
+    """Kill `caller` once it has printed its child's pid (running then); whether the child is gone `within_s`."""
     try:
         child = int(caller.stdout.readline())
         assert is_running(child)
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + within_s
     while is_running(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not is_running(child), "the engine process outlived its caller"
+        time.sleep(0.05)
+    return not is_running(child)
 
 
 def test_which_components_may_run_their_engine_in_a_process_of_their_own():
@@ -249,13 +254,4 @@ def test_the_engine_process_exits_when_its_caller_dies_during_the_build(tmp_path
         print(child.stdout.readline().strip(), flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)
-    try:
-        pid = int(caller.stdout.readline())
-        assert is_running(pid)
-    finally:
-        caller.kill()
-        caller.wait()
-    deadline = time.monotonic() + 10
-    while is_running(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not is_running(pid), "the building engine process outlived its caller"
+    assert _gone_after_killing(caller, within_s=10), "the building engine process outlived its caller"
