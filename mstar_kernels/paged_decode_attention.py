@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from mstar_common.config import env_switch
+from mstar_common.engine.attention import KERNEL_HEAD_DIMS
 from mstar_kernels._pdl import _num_sms, gdc_enter, pdl_launch
 from mstar_kernels._rounding import round_to
 from mstar_kernels.qk_norm_rope_kv import INTERPRETED, cos_sin, decode_prefetch
@@ -529,7 +530,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def _check_inputs(k_cache, v_cache, block_tables, context_lens, num_rows, num_heads, num_kv_heads, head_dim):
     """The pool `[P, page, Hkv, D]` (contiguous pages, K and V alike) and the int32 block tables and lengths."""
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(3) == 1
-    assert num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    assert num_heads % num_kv_heads == 0 and head_dim in KERNEL_HEAD_DIMS
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "each page must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1

@@ -21,8 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar_common.engine.attention import (  # noqa: F401 - re-exported
+    KERNEL_HEAD_DIMS,
+    build_prefill_work,
+    prefill_work_capacity,
+)
 from mstar_common.engine.attention import PREFILL_BLOCK_M as BLOCK_M  # queries per program
-from mstar_common.engine.attention import build_prefill_work, prefill_work_capacity  # noqa: F401 - re-exported
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner iteration
@@ -283,7 +287,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     `grouped_launch`'s) are swept by `scripts/sweep_decode_attention.py --prefill`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    assert query.stride(2) == 1 and num_heads % num_kv_heads == 0 and head_dim in KERNEL_HEAD_DIMS
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert k_cache.stride(0) == page_size * k_cache.stride(1), "each page must be contiguous"
     assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32

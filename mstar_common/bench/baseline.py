@@ -47,7 +47,6 @@ def weight_bytes(checkpoint: str | Path, dtype: str | None = None) -> int:
     a token). RoPE's stored tables are not weights."""
     import json
 
-    import torch
     from safetensors import safe_open
 
     folder = Path(checkpoint)

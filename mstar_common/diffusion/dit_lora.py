@@ -162,9 +162,9 @@ def read_adapter(adapter: LoraAdapter, layout: Layout, *, check_only: bool = Fal
             tensors = {key: _meta(reader, key) if check_only and not key.endswith(".alpha") else reader.get_tensor(key)
                        for key in reader.keys()}  # noqa: SIM118 - safe_open has no iter
             header = reader.metadata() or {}
+    except OSError:
+        raise
     except Exception as exc:  # noqa: BLE001 - safetensors' own error type (a Git LFS pointer, a cut download)
-        if isinstance(exc, OSError):
-            raise
         raise ValueError(f"{where}: {file} is not a readable safetensors file ({exc}); a Git LFS pointer or an "
                          f"unfinished download?") from None
     pairs, alphas = _split_keys(tensors, layout, where)

@@ -347,6 +347,8 @@ class TritonPagedAttention(AttentionBackend):
 
 
 BACKENDS = ("auto", "torch", "torch_static", "triton", "triton_unfused", "flashinfer")
+KERNEL_BACKENDS = ("auto", "triton", "triton_unfused")  # those that run the Triton kernels on a GPU
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims those kernels take (mstar_kernels/paged_*_attention.py)
 
 
 def select_attention_backend(device: torch.device | str, name: str = "auto") -> AttentionBackend:

@@ -66,13 +66,11 @@ def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None
         check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
 
 
-KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # what the Triton attention kernels take (mstar_kernels/paged_*.py)
-KERNEL_BACKENDS = ("auto", "triton", "triton_unfused")  # the backends that run them on a GPU
-
-
 def check_kernel_head_dim(dep: Deployment, checkpoint: Path, component: str, source: str) -> None:
     """A GPU component on the Triton attention kernels needs a head dim they take: otherwise its first capture or
     step fails, deep inside a kernel launch. The torch backends take any."""
+    from mstar_common.engine.attention import KERNEL_BACKENDS, KERNEL_HEAD_DIMS  # torch: not at import
+
     comp = dep.components[component]
     if comp.placement.device != "gpu" or comp.attention_backend not in KERNEL_BACKENDS:
         return
