@@ -23,6 +23,7 @@ import numpy as np
 
 from mstar_common import wire
 from mstar_common.bench.metrics import RequestRecord
+from mstar_common.client.types import SSELines
 
 
 def _triton_inputs(request: dict):
@@ -340,6 +341,16 @@ async def _run_bodies(base_url: str, bodies: list[dict], concurrency: int | None
     return records
 
 
+async def _sse_lines(response):
+    """The stream's lines split the SSE way (aiter_lines also splits inside a JSON string at U+2028 ...)."""
+    lines = SSELines()
+    async for chunk in response.aiter_bytes():
+        for line in lines.feed(chunk):
+            yield line
+    for line in lines.close():
+        yield line
+
+
 async def _one(client, base_url: str, body: dict, rec: RequestRecord) -> None:
     rec.start = time.perf_counter()
     try:
@@ -349,7 +360,7 @@ async def _one(client, base_url: str, body: dict, rec: RequestRecord) -> None:
                 return
             counted, finished, final = 0, False, None
             untimed: list[float] = []  # content chunks without usage (a server with no continuous_usage_stats)
-            async for line in response.aiter_lines():
+            async for line in _sse_lines(response):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,12 +118,33 @@ def set_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in knobs.items() if value is not None}
 
 
+class SSELines:
+    """The lines of an SSE byte stream, fed in chunks. A line ends at CRLF, LF or CR (the SSE rules) and nowhere
+    else: httpx's iter_lines also ends one at U+2028, U+0085, form feed ... (str.splitlines), which a server's JSON
+    may hold unescaped inside a string, cutting the event in two."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        data = self._rest + chunk
+        held = data.endswith(b"\r")  # its LF may be the next chunk's first byte
+        lines = re.split(rb"\r\n|\r|\n", data[:-1] if held else data)
+        self._rest = lines.pop() + (b"\r" if held else b"")
+        return [line.decode("utf-8", errors="replace") for line in lines]
+
+    def close(self) -> list[str]:
+        """What the stream left after its last line end (a last line without one)."""
+        rest, self._rest = self._rest.rstrip(b"\r"), b""
+        return [rest.decode("utf-8", errors="replace")] if rest else []
+
+
 def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
     """The JSON events of an SSE response up to `[DONE]`; an error event, a lost connection or a read past the
     client's timeout raises its MStarError. Closes the response when done, also when the caller stops early (the
     server then cancels the request)."""
     try:
-        for line in response.iter_lines():
+        for line in _lines(response):
             if not line.startswith("data:"):
                 continue
             data = line[len("data:"):].strip()
@@ -145,6 +167,13 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
         raise MStarConnectionError(f"{response.request.url}: the connection was lost mid-stream ({exc!r})") from None
     finally:
         response.close()
+
+
+def _lines(response: httpx.Response) -> Iterator[str]:
+    lines = SSELines()
+    for chunk in response.iter_bytes():
+        yield from lines.feed(chunk)
+    yield from lines.close()
 
 
 @dataclass(slots=True)

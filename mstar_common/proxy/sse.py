@@ -23,8 +23,18 @@ logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters that JSON leaves unescaped and str.splitlines (so httpx's iter_lines, and many clients) ends a line at;
+# inside an SSE data line they would cut the event in two. JSON's other line breaks (control characters) are
+# escaped by json.dumps already.
+_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
 def sse_frame(event: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    text = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    for char in _LINE_BREAKS:
+        if char in text:
+            text = text.replace(char, f"\\u{ord(char):04x}")
+    return b"data: " + text.encode("utf-8") + b"\n\n"
 
 
 async def sse_body(events: AsyncIterator[dict[str, Any]], timeout_s: float | None = None) -> AsyncIterator[bytes]:

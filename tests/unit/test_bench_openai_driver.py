@@ -15,8 +15,8 @@ from mstar_common.bench.metrics import summarize
 class SSEServer:
     """A bare HTTP/1.1 server on 127.0.0.1 that streams `max_tokens` completion chunks per POST, then usage."""
 
-    def __init__(self, tokens_per_chunk: int = 1, fail_after: int | None = None):
-        self.tokens_per_chunk, self.fail_after = tokens_per_chunk, fail_after
+    def __init__(self, tokens_per_chunk: int = 1, fail_after: int | None = None, text: str = " w"):
+        self.tokens_per_chunk, self.fail_after, self.text = tokens_per_chunk, fail_after, text
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -71,10 +71,11 @@ class SSEServer:
                         await writer.drain()
                         break
                     sent += min(self.tokens_per_chunk, body["max_tokens"] - sent)
-                    chunk = {"choices": [{"index": 0, "text": " w", "finish_reason": None}]}
+                    chunk = {"choices": [{"index": 0, "text": self.text, "finish_reason": None}]}
                     if continuous:
                         chunk["usage"] = {"completion_tokens": sent}
-                    writer.write(self._frame(b"data: " + json.dumps(chunk).encode() + b"\n\n"))
+                    data = json.dumps(chunk, ensure_ascii=False).encode()  # as servers do: U+2028 unescaped
+                    writer.write(self._frame(b"data: " + data + b"\n\n"))
                     await writer.drain()
                 else:
                     finish = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
@@ -150,6 +151,16 @@ def test_each_chunk_counts_the_tokens_the_usage_says_it_carried(tokens_per_chunk
         n = request["max_tokens"]
         want = [tokens_per_chunk] * (n // tokens_per_chunk) + ([n % tokens_per_chunk] if n % tokens_per_chunk else [])
         assert record.error is None and [k for _, k in record.chunks] == want
+
+
+def test_a_chunk_whose_text_holds_a_unicode_line_separator_is_one_event():
+    """aiter_lines splits at U+2028 inside a JSON string (str.splitlines), and json.loads raised on each half: a
+    server whose JSON leaves it unescaped failed every request whose text had one."""
+    with SSEServer(text="a\u2028b\x85") as server:
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+            _requests(3), concurrency=1)
+    assert [r.error for r in records] == [None] * 3
+    assert [sum(k for _, k in r.chunks) for r in records] == [r["max_tokens"] for r in _requests(3)]
 
 
 def test_a_stream_failing_after_its_200_is_an_error():

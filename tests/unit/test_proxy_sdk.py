@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from mstar_common import wire
 from mstar_common.client import ChatEvent, ChatResult, MStarClient, MStarError
 from mstar_common.proxy.triton_stream import StreamResponse, TritonInvalidRequest, TritonServerError
-from tests.unit.proxy_fake_triton import FakeTriton, make_app
+from tests.unit.proxy_fake_triton import FakeTriton, make_app, text_script
 
 
 def sdk(fake: FakeTriton | None = None) -> tuple[MStarClient, FakeTriton]:
@@ -191,6 +191,22 @@ def test_stream_error_events_keep_their_status_and_a_garbled_event_is_an_sdk_err
     with pytest.raises(MStarError) as info:
         list(client.chat("hi", stream=True))
     assert info.value.status == 502 and "not JSON" in info.value.message
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85"])
+def test_a_streamed_text_with_a_unicode_line_separator_arrives_whole(char):
+    """JSON leaves U+2028, U+2029 and U+0085 unescaped and httpx's iter_lines (str.splitlines) ends a line at each:
+    the SDK's stream raised 502 "not JSON" on half an event. The proxy now escapes them, and the SDK splits lines the
+    SSE way (CRLF, LF, CR) for a server that does not."""
+    from mstar_common.proxy.sse import sse_frame
+
+    frame = sse_frame({"text": char})
+    assert char.encode() not in frame and json.loads(frame[6:]) == {"text": char}
+    client, _ = sdk(FakeTriton(script=text_script("a" + char + "b", "c")))
+    assert "".join(e.text for e in client.chat("x", stream=True)) == f"a{char}bc"
+    raw = b'data: {"text": "a' + char.encode() + b'b"}\r\n\r\ndata: [DONE]\n\n'
+    for chunks in ((raw,), tuple(raw[i:i + 1] for i in range(len(raw)))):  # whole, and a byte a chunk
+        assert "".join(e.text for e in _sse_client(*chunks).chat("x", stream=True)) == f"a{char}b"
 
 
 def test_a_knob_given_as_none_is_left_out_not_sent_as_null():
