@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mstar_common import wire
 from mstar_common.proxy import (
     protocol,
     serving_chat,
@@ -32,10 +31,13 @@ from mstar_common.proxy import (
 )
 from mstar_common.proxy.errors import (
     REQUEST_ID,
+    SURROGATE_ESCAPE,
     APIError,
     BodyTooLarge,
     NotUnicodeText,
+    NotUTF8Body,
     install_error_handlers,
+    non_text_path,
     server_error,
 )
 from mstar_common.proxy.serving_common import ServingContext, TritonClient
@@ -164,32 +166,26 @@ class RequestContext:
         return capped
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
 def check_json_text(body: bytes) -> None:
-    """Raise NotUnicodeText if a string (or key) of this JSON body holds a lone UTF-16 surrogate: JSON allows the
-    escape, but no text encoding can carry it on to the server. Cheap unless the body has a surrogate escape."""
-    if not _SURROGATE_ESCAPE.search(body):
+    """Raise NotUTF8Body unless this JSON body is UTF-8 text, and NotUnicodeText if a string (or key) of it holds
+    a lone UTF-16 surrogate: JSON allows the escape, but no text encoding can carry it on to the server. Cheap unless
+    the body has a surrogate escape. A NUL byte is no UTF-8 JSON's (its strings escape control characters): it
+    marks UTF-16 or UTF-32, which json.loads would read, escapes and all, past the surrogate search."""
+    if b"\x00" in body:
+        raise NotUTF8Body(body.index(b"\x00"))
+    if not body.isascii():
+        try:
+            body.decode("utf-8")  # strict: refuses CESU-8's encoded surrogates (ED A0..BF ..) as well
+        except UnicodeDecodeError as exc:
+            raise NotUTF8Body(exc.start) from None
+    if not SURROGATE_ESCAPE.search(body):
         return
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return  # not JSON: the route's own parsing says so
-    stack: list[tuple[str, object]] = [("", parsed)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not wire.is_unicode_text(value):
-                raise NotUnicodeText(path)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                where = f"{path}.{key}" if path else key
-                if not wire.is_unicode_text(key):
-                    raise NotUnicodeText(path, key=True)
-                stack.append((where, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    if (found := non_text_path(parsed)) is not None:
+        raise NotUnicodeText(found[0], key=found[1])
 
 
 def _content_length(headers: dict[str, str]) -> int:

@@ -75,12 +75,37 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in JSON text: the escape of a UTF-16 surrogate
+
+
+def non_text_path(value: Any) -> tuple[str, bool] | None:
+    """Where a parsed JSON value holds a string that is not Unicode text (a lone surrogate, from JSON's \\ud800
+    escape): its path (`messages[0].content`; "" for the value itself) and whether it is a key of that path's
+    object; None when every string and key is text."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not wire.is_unicode_text(item):
+                return path, False
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if not wire.is_unicode_text(key):
+                    return path, True
+                stack.append((f"{path}.{key}" if path else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
 def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
     """`json.loads(raw)`, or a 400 naming `what` (e.g. "'model_kwargs'", "request body"): text that is not JSON or
-    not UTF-8, a number longer than Python's 4,300-digit limit for ints (a ValueError of its own), and arrays or
-    objects nested past the parser's recursion limit (`[[[[...`: a RecursionError, once a 500)."""
+    not UTF-8, a number longer than Python's 4,300-digit limit for ints (a ValueError of its own), arrays or
+    objects nested past the parser's recursion limit (`[[[[...`: a RecursionError, once a 500), and a string that
+    is not Unicode text (a lone surrogate escape, which failed at its first encode: a 500), naming its path under
+    `param`."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_request(f"{what} is not valid JSON: {error}", param=param) from None
     except ValueError:
@@ -89,6 +114,13 @@ def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
     except RecursionError:
         raise invalid_request(f"{what} nests arrays or objects too deeply (at most about {MAX_JSON_DEPTH} levels)",
                               param=param) from None
+    found = non_text_path(value) if SURROGATE_ESCAPE.search(raw.encode() if isinstance(raw, str) else raw) else None
+    if found is not None:
+        path, is_key = found
+        where = ".".join(filter(None, (param, path))).replace(".[", "[") or None
+        shown = (f"a key of '{where}'" if where else "a key") if is_key else f"'{where or 'the value'}'"
+        raise invalid_request(f"{what}: {shown} is {wire.NOT_UNICODE_RULE}", param=where)
+    return value
 
 
 # The request the current task serves (set by the proxy's middleware), so that a fault's log line names it.
@@ -145,6 +177,15 @@ class NotUnicodeText(HTTPException):
         what = (f"a key of '{path}'" if path else "a key of the request body") if key else f"'{path or 'body'}'"
         super().__init__(400, f"{what} is {wire.NOT_UNICODE_RULE}")
         self.param = path or None
+
+
+class NotUTF8Body(HTTPException):
+    """A JSON body that is not UTF-8 text (RFC 8259 asks for UTF-8; Python's json also reads UTF-16/32 and the
+    CESU-8 form of surrogates, which would carry lone surrogates past the text check); raised like BodyTooLarge."""
+
+    def __init__(self, offset: int):
+        super().__init__(400, f"request body is not UTF-8 text (JSON bodies must be UTF-8): invalid byte at offset "
+                              f"{offset}")
 
 
 # validation errors -> one readable 400
@@ -238,7 +279,8 @@ def install_error_handlers(app: FastAPI) -> None:
 # FastAPI's words when json.loads raises what is not a JSONDecodeError, as parse_json names them
 _FASTAPI_BODY_ERROR = "There was an error parsing the body"
 _BODY_UNPARSED = (f"request body could not be parsed: it nests arrays or objects too deeply (at most about "
-                  f"{MAX_JSON_DEPTH} levels) or holds a number of more than {sys.get_int_max_str_digits()} digits")
+                  f"{MAX_JSON_DEPTH} levels), holds a number of more than {sys.get_int_max_str_digits()} digits, "
+                  f"or is not UTF-8 text")
 
 
 def from_exception(exc: BaseException, timeout_s: float | None = None, retry_after_s: int = 1,

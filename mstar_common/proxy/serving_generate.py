@@ -67,8 +67,8 @@ async def _form_fields(request: Request) -> dict[str, Any]:
     for key in dict.fromkeys(form.keys()):
         values = form.getlist(key)
         if any(isinstance(v, UploadFile) for v in values):
-            raise invalid_request(f"'{key}': media uploads are not supported: the served models are text-only",
-                                  param=key)
+            raise invalid_request(f"'{key}': media uploads are not supported: the model is a text model (uploads go "
+                                  "to transcription and image models)", param=key)
         if key in _LIST_FIELDS:
             fields[key] = _form_modalities(values, key)
         elif len(values) > 1:
@@ -137,8 +137,12 @@ async def generate(request: Request):
         return await serving_images.generate_native(request, ctx, image_model)
     if (asr_model := await generate_model(request, ctx, serving_transcriptions.TRANSCRIPTION_KINDS)) is not None:
         return await serving_transcriptions.generate_native(request, ctx, asr_model)
-    if isinstance(name := await requested_model(request), str) and name not in ctx.models:
-        ctx.resolve(name)  # a 404 naming it, before the body's parse (an upload would be refused as text-only)
+    # A 404 naming an unknown model, and the 400 of one left out where several are served, before the body's parse
+    # as a text model's (which refused an upload for a transcription or image model as text-only).
+    if (name := await requested_model(request)) is None and len(ctx.models) > 1:
+        ctx.resolve(None)
+    if isinstance(name, str) and name not in ctx.models:
+        ctx.resolve(name)
     req = await read_generate_request(request)
     served = ctx.resolve(req.model, kinds=("text", *serving_speech.SPEECH_KINDS))
     if served.kind in serving_speech.SPEECH_KINDS:

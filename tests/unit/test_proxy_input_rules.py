@@ -115,6 +115,47 @@ def test_a_lone_surrogate_is_400_naming_the_field(served, raw, param):
     assert fake.requests == []
 
 
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/chat/completions", b'{"model": "qwen3", "messages": [{"role": "user", "content": "hi\xed\xa0\x80"}]}'),
+    ("/v1/chat/completions",  # a pair in CESU-8 (Java's "modified UTF-8"): json.loads joins it, UTF-8 does not
+     b'{"model": "qwen3", "messages": [{"role": "user", "content": "\xed\xa0\xbd\xed\xb8\x80"}]}'),
+    ("/v1/completions", b'{"model": "qwen3", "prompt": "a\xed\xa0\x80"}'),
+    ("/v1/chat/completions", b'{"model": "qwen3\xed\xa0\x80", "messages": []}'),
+    ("/v1/chat/completions",
+     '{"model": "qwen3", "messages": [{"role": "user", "content": "\\ud800"}]}'.encode("utf-16-le")),
+    ("/v1/chat/completions", b'{"model": "qwen3", "messages": [{"role": "user", "content": "hi\xff"}]}'),
+    ("/generate", b'{"model": "qwen3", "text": "hi\xed\xa0\x80"}'),
+])
+def test_a_body_that_is_not_utf8_is_400_not_a_server_error(served, path, raw):
+    """Python's json reads CESU-8's encoded surrogates and UTF-16 bodies, which carried lone surrogates past the
+    escape search to the first encode (a 500); invalid UTF-8 got a 400 blaming nesting depth or long numbers."""
+    client, fake = served
+    error = error_of(client.post(path, content=raw, headers={"content-type": "application/json"}))
+    assert "not UTF-8 text" in error["message"], error
+    assert fake.requests == []
+    reply = client.post("/v1/chat/completions", headers={"content-type": "application/json"},
+                        content='{"model": "qwen3", "messages": [{"role": "user", "content": "é 😀"}]}'.encode())
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("form", [False, True])
+@pytest.mark.parametrize("fields, param", [
+    ({"model_kwargs": json.dumps({"messages": [{"role": "user", "content": "a\ud800b"}]})},
+     "model_kwargs.messages[0].content"),
+    ({"text": "hi", "model_kwargs": json.dumps({"stop": ["x", "\udfff"]})}, "model_kwargs.stop[1]"),
+    ({"text": "hi", "model_kwargs": json.dumps({"chat_template_kwargs": {"\ud800": 1}})},
+     "model_kwargs.chat_template_kwargs"),
+])
+def test_a_lone_surrogate_in_model_kwargs_sent_as_a_string_is_400_naming_it(served, fields, param, form):
+    """A JSON string of model_kwargs (as a form always sends it) holds its escapes one level down, past the body's
+    check: the lone surrogate reached the first encode, a 500."""
+    client, fake = served
+    reply = client.post("/generate", data=fields) if form else client.post("/generate", json=fields)
+    error = error_of(reply)
+    assert error["param"] == param and "surrogate" in error["message"], error
+    assert fake.requests == []
+
+
 def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):
     client, fake = served
     raw = '{"model": "qwen3", "messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}'

@@ -202,3 +202,26 @@ def test_a_translations_verbose_language_is_english_as_openais():
     assert verbose["task"] == "translate" and verbose["language"] == "english"
     fake.script = script(language="nl")
     assert post(client, data={"response_format": "verbose_json"}).json()["language"] == "dutch"
+
+
+def test_generate_without_model_on_a_server_of_several_says_model_is_required(app):
+    """An upload without `model` on a server serving whisper and qwen3 was refused as 'the served models are
+    text-only', and an image request as an unknown model_kwargs field."""
+    client, fake = app
+    for kwargs in ({"files": {"audio": ("a.wav", b"RIFF", "audio/wav")}}, {"json": {"text": "a cat"}},
+                   {"data": {"text": "hi"}}):
+        error = client.post("/generate", **kwargs).json()["error"]
+        assert error["param"] == "model" and "'model' is required" in error["message"], error
+    assert fake.requests == []
+
+
+def test_a_lone_surrogate_in_an_uploads_model_kwargs_is_400_naming_it(app):
+    """The SDK sends model_kwargs as a JSON string, escaping the surrogate: it got past the body's check and
+    failed at its first encode (a 500)."""
+    client, fake = app
+    response = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"prompt": "a\\ud800"}'},
+                           files={"audio": ("a.wav", b"RIFF", "audio/wav")})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model_kwargs.prompt" and "surrogate" in error["message"]
+    assert fake.requests == []
