@@ -302,7 +302,8 @@ class _Transcription:
         tokens: list[int] = []
         async for response in self.call_stream("decoder", inputs):
             tokens += [int(t) for t in np.asarray(response.get("token_ids", [])).reshape(-1)]
-        self.language.set_result(self.tokens.code_of(tokens[0]) if tokens else "en")
+        if not self.language.done():  # another window's failure may have ended the walk's wait meanwhile
+            self.language.set_result(self.tokens.code_of(tokens[0]) if tokens else "en")
 
     def _note_language(self, prompt: DecoderPrompt, tokens: list[int], before: int) -> None:
         if before == 0 and tokens and prompt.forced and prompt.forced[0] == LANGUAGE and not self.language.done():

@@ -618,3 +618,35 @@ def test_the_walk_sizes_prompts_and_max_tokens_by_the_deployments_max_model_len(
         assert out["finish_reason"] in ("stop", "length")
         with pytest.raises(ValueError, match=r"^prompt: "):
             asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", prompt=" the" * 200))
+
+
+def test_a_window_that_fails_while_window_0_detects_the_language_apart_gives_its_own_error(local):
+    """With a prompt or a temperature above 0, window 0 detects the language in a one-token decode of its own while
+    the other windows run their encoder calls. One of those failing sets the shared language to its error, and the
+    detection's set_result on that done future raised InvalidStateError: a 500 instead of the failure's own status
+    (a 429, 503, 504 or the client's cancel)."""
+    from mstar_common import wire
+    from mstar_common.families.whisper import graph as g
+    from mstar_common.walk_api import ComponentError
+
+    language = local.walk.tokens.lang_to_id["en"]
+
+    async def call(component, inputs):
+        if not call.first:  # window 0's call is the first; every later one fails
+            raise ComponentError("encoder", wire.OVERLOADED_PREFIX + "encoder queue full")
+        call.first = False
+        return {g.ENCODER_OUTPUT: np.zeros((1, 4, 8), np.float32)}
+    call.first = True
+
+    async def call_stream(component, inputs):  # the detection: one token, after the other windows' encoder calls
+        await asyncio.sleep(0.05)
+        yield {"token_ids": np.array([language], np.int32), "finish_reason": np.array([b"length"], object)}
+
+    async def transcribe(**extra):
+        inputs = {g.AUDIO_PCM: clip(1, 45), g.SAMPLE_RATE: np.array([SR], np.int32), **extra}
+        return [out async for out in local.walk.stream(inputs, call, call_stream)]
+
+    for extra in ({g.TEMPERATURE: np.array([0.5], np.float32)}, {g.PROMPT: np.array([b"hello"], object)}):
+        call.first = True
+        with pytest.raises(ComponentError, match="encoder queue full"):
+            asyncio.run(asyncio.wait_for(transcribe(**extra), timeout=10))
