@@ -43,8 +43,12 @@ class ResponseKeeper:
 
     def __init__(self, hold_s: float | None = None, clock=time.monotonic) -> None:
         if hold_s is None:
-            hold_s = float(os.environ.get("MSTAR_BLS_HOLD_S", DEFAULT_HOLD_S))
-        if hold_s < 0:
+            raw = os.environ.get("MSTAR_BLS_HOLD_S", "")
+            try:
+                hold_s = float(raw) if raw else DEFAULT_HOLD_S
+            except ValueError:
+                raise ValueError(f"MSTAR_BLS_HOLD_S={raw!r}: expected seconds >= 0") from None
+        if not 0 <= hold_s < float("inf"):
             raise ValueError(f"MSTAR_BLS_HOLD_S must be >= 0, got {hold_s}")
         self.hold_s = hold_s
         self._clock = clock

@@ -24,6 +24,7 @@ from mstar_common.graph import Component
 from mstar_common.native_backtrace import load_from_env as load_native_backtrace
 from mstar_common.orphan_watch import kill_when_orphaned
 from mstar_common.process_log import configure_logging
+from mstar_common.stall_watch import stack_dump_s
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def install_stack_dumps(stats=None) -> None:
     every N seconds: the way to see where a component is stuck without a debugger. faulthandler's C watchdog
     writes even while a thread holds the GIL; a Python thread also logs `stats()` (if given) and the stacks,
     so a log with the first but not the second means the GIL is held."""
-    interval = float(os.environ.get("MSTAR_STACK_DUMP_S") or 0)
+    interval = stack_dump_s()
     if interval <= 0:
         return
     faulthandler.dump_traceback_later(interval, repeat=True, file=sys.__stderr__)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import ipaddress
 import logging
+import math
 import os
 import re
 import signal
@@ -152,9 +155,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics=s.metrics_port if args.metrics_port is None else args.metrics_port,
         proxy=s.proxy_port if args.port is None else args.port,
     )
-    if len({ports.http, ports.grpc, ports.metrics, ports.proxy}) < 4:
+    used = [ports.http, ports.grpc, ports.metrics] + ([] if args.no_proxy else [ports.proxy])
+    if len(set(used)) < len(used):  # --no-proxy: the proxy's port is not used, so it may be one of Triton's
+        proxy = "" if args.no_proxy else f", proxy {ports.proxy}"
         raise DeploymentError(f"the ports must differ: Triton HTTP {ports.http}, gRPC {ports.grpc}, metrics "
-                              f"{ports.metrics}, proxy {ports.proxy} (server.*_port and the --*port options)")
+                              f"{ports.metrics}{proxy} (server.*_port and the --*port options)")
     # Another server on one of them would answer this one's readiness checks, and this one would report itself
     # serving while its own tritonserver or proxy had failed to bind.
     wanted = [("Triton HTTP", ports.http, "--http-port"), ("Triton gRPC", ports.grpc, "--grpc-port"),
@@ -184,7 +189,7 @@ def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
 
     s = dep.server
     # after the refusals, so none leaves a folder; the name as far as a folder name can carry it
-    run_dir = run_folders.make(f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', dep.name)[:48]}-", s.keep_run_folders)
+    run_dir = run_folders.make(run_folder_prefix(dep.name), s.keep_run_folders)
     repo = run_dir / "model_repository"
     generate_repository(path, repo, dep=dep)
     stop = threading.Event()
@@ -346,10 +351,19 @@ def load_errors(log: Path, most: int = 8) -> list[str]:
     return errors[-most:]
 
 
+def run_folder_prefix(name: str) -> str:
+    """`mstar-<name>-<hash>-`: the name as far as a folder name can carry it, and a hash of the whole name, so that
+    names alike once cut or cleaned (`org/model`, `org_model`) never prune each other's run folders."""
+    digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    return f"mstar-{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:40]}-{digest}-"
+
+
 def _print_urls(dep, ports, args, run_dir: Path) -> None:
+    from mstar_common.launcher import connect_host
     from mstar_common.repository import entry_model
 
-    host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
+    host = connect_host(args.host)  # a wildcard's loopback; an IPv6 address in brackets
+    host = "localhost" if host in ("127.0.0.1", "[::1]") else host
     lines = [
         f"[mstar] serving {dep.name}",
         f"  OpenAI API   http://{host}:{ports.proxy}/v1   (model: {dep.name})" if not args.no_proxy else "",
@@ -374,6 +388,35 @@ def _tcp_port(value: str) -> int:
     return port
 
 
+def _bind_host(value: str) -> str:
+    """An argparse type: the proxy's bind address, an IP address (v4 or v6, or "" / "*" for every address) or a
+    host name; anything else failed only after the load, at the first readiness check, with a traceback."""
+    if value in ("", "*"):
+        return value
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    labels = value.rstrip(".").split(".")
+    if len(value) > 253 or not all(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label)
+                                   for label in labels):
+        raise argparse.ArgumentTypeError(f"must be an IP address or a host name, got {value!r}")
+    return value
+
+
+def _positive_seconds(value: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (0, a negative or nan gave up on the server at once, after
+    starting it)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mstar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -383,14 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="deployment YAML to serve (a key given too must be its family's)")
     p.add_argument("--gpus", type=parse_gpus, default=None, metavar="0,1,...",
                    help="place every GPU component of the deployment on these GPUs (instances per GPU kept)")
-    p.add_argument("--host", default="127.0.0.1", help="proxy bind address")
+    p.add_argument("--host", type=_bind_host, default="127.0.0.1", help="proxy bind address")
     p.add_argument("--port", type=_tcp_port, default=None, help="proxy port (default: server.proxy_port)")
     p.add_argument("--http-port", type=_tcp_port, default=None, help="Triton HTTP port (default: server.http_port)")
     p.add_argument("--grpc-port", type=_tcp_port, default=None, help="Triton gRPC port (default: server.grpc_port)")
     p.add_argument("--metrics-port", type=_tcp_port, default=None,
                    help="Triton metrics port (default: server.metrics_port)")
     p.add_argument("--no-proxy", action="store_true", help="start tritonserver only")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0, help="seconds to wait for readiness")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("gen-repo", help="deployment YAML -> Triton model repository")
     p.add_argument("deployment")

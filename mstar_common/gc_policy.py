@@ -38,13 +38,23 @@ def _watch(phase: str, info: dict) -> None:
     if begun is None:
         return
     ms = (time.perf_counter() - begun) * 1e3
-    if ms >= _log_ms():
+    if ms >= gc_log_ms():
         logger.warning("[%s] gc: generation %d collection took %.1f ms (%d objects collected)", _process["name"],
                        info.get("generation", -1), ms, info.get("collected", 0))
 
 
-def _log_ms() -> float:
-    return float(os.environ.get("MSTAR_GC_LOG_MS") or 50)
+def gc_log_ms() -> float:
+    """`MSTAR_GC_LOG_MS`: collections at least this long are logged (default 50)."""
+    raw = os.environ.get("MSTAR_GC_LOG_MS", "") or "50"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"MSTAR_GC_LOG_MS={raw!r}: expected milliseconds >= 0")
+    return value
+
+
 
 
 def settle_heap(name: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mstar_common.config import Deployment
+from mstar_common.config import Deployment, DeploymentError
 from mstar_common.families.registry import get_family
 from mstar_common.orphan_watch import kill_group_when_orphaned
 from mstar_common.triton_env import find_triton, server_command, server_env
@@ -166,6 +166,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
+        except ValueError as exc:  # a URL that cannot be (http.client.InvalidURL, an IDNA label too long)
+            raise RuntimeError(f"{what}: cannot check {url!r}: {exc}") from None
         if stop is not None:
             stop.wait(0.25)
         else:
@@ -231,6 +233,9 @@ def port_in_use(port: int, host: str = "") -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+        except PermissionError:  # a port below 1024 (or one the system reserves) for a user who may not bind it
+            raise DeploymentError(f"port {port}: this user may not bind it (ports below 1024 need privileges); "
+                                  f"choose another") from None
         except OSError:
             return True
     return False

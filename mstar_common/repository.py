@@ -104,8 +104,11 @@ def generate_repository(deployment_path: str | Path, out_dir: str | Path, dep: D
     out_dir = Path(out_dir)
     if reason := shell_unsafe(out_dir) or not_replaceable(out_dir):
         raise DeploymentError(f"--out: {reason}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".repo-", dir=out_dir.parent))
+    except OSError as exc:  # a file where a folder must be, a folder this user may not write, /proc ...
+        raise DeploymentError(f"--out: {out_dir}: cannot write a repository there ({exc.strerror or exc})") from None
     try:
         mask = os.umask(0)
         os.umask(mask)

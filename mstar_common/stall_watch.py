@@ -42,6 +42,18 @@ def stall_exit_s() -> float:
     return value
 
 
+def stack_dump_s() -> float:
+    """`MSTAR_STACK_DUMP_S`: seconds between periodic stack dumps to the server log (0 or unset: none)."""
+    raw = os.environ.get("MSTAR_STACK_DUMP_S", "") or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value == 0 or 1 <= value <= 86400):
+        raise ValueError(f"MSTAR_STACK_DUMP_S={raw!r}: expected 0 (off) or seconds in [1, 86400]")
+    return value
+
+
 class StallWatch:
     """`engine` gives `num_steps` and `num_live` (requests admitted and not yet finished)."""
 
@@ -59,7 +71,7 @@ class StallWatch:
         seconds = stall_exit_s()
         if seconds == 0:
             return None
-        if float(os.environ.get("MSTAR_STACK_DUMP_S") or 0) > 0:
+        if stack_dump_s() > 0:
             logger.info("[%s] stall watch off: MSTAR_STACK_DUMP_S uses its timer", name)
             return None
         return cls(engine, seconds, name)

@@ -58,3 +58,85 @@ def test_config_serves_its_file_and_a_key_of_another_family_is_refused():
         cli.serve_target("whisper", gpu)
     with pytest.raises(DeploymentError, match="--config: nope.yaml is not a file"):
         cli.serve_target(None, "nope.yaml")
+
+
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--host", "0.0.0.0 ", "must be an IP address or a host name"),
+    ("--host", "a" * 64 + ".example", "must be an IP address or a host name"),
+    ("--timeout", "-5", "must be a number of seconds > 0"),
+    ("--timeout", "0", "must be a number of seconds > 0"),
+    ("--timeout", "nan", "must be a number of seconds > 0"),
+])
+def test_a_bad_host_or_timeout_is_refused_before_anything_starts(capsys, flag, value, rule):
+    """A bad --host failed with a traceback at the first readiness check, after tritonserver had loaded; a --timeout
+    of 0, below 0 or nan started tritonserver and gave up on it at once."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "qwen3", flag, value])
+    assert info.value.code == 2 and f"argument {flag}: {rule}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1", "::", "::1", "fe80::1", "", "*", "localhost", "gpu-7.lab.example"])
+def test_good_hosts_pass(value):
+    assert cli._bind_host(value) == value
+
+
+def test_no_proxy_lets_the_unused_proxy_port_equal_a_triton_port(tmp_path, monkeypatch):
+    """`mstar serve --no-proxy --http-port 8000` (Triton on its usual 8000/8001/8002) was refused: the unused proxy
+    port, 8000 too, had to differ."""
+    from mstar_common.launcher import free_ports
+
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    served = []
+    monkeypatch.setattr(cli, "_serve_on", lambda args, path, dep, ports: served.append(ports) or 0)
+    http, grpc, metrics = free_ports(3)
+    assert cli.main(["serve", "qwen3", "--no-proxy", f"--port={http}", f"--http-port={http}", f"--grpc-port={grpc}",
+                     f"--metrics-port={metrics}"]) == 0
+    assert served and served[0].http == http
+    assert cli.main(["serve", "qwen3", f"--port={http}", f"--http-port={http}", f"--grpc-port={grpc}",
+                     f"--metrics-port={metrics}"]) == 2  # with the proxy it must still differ
+
+
+def test_names_alike_once_cleaned_get_run_folders_of_their_own():
+    """`org/model` and `org_model` (or two names alike in their first 48 characters) shared one prefix, so one's
+    start pruned the other's stopped run folders and their logs."""
+    long = "meta-llama/Llama-3.2-3B-Instruct-finetune-experiment-"
+    prefixes = {cli.run_folder_prefix(name) for name in ("org/model", "org_model", long + "A", long + "B")}
+    assert len(prefixes) == 4 and all(p.startswith("mstar-") and p.endswith("-") for p in prefixes)
+    assert cli.run_folder_prefix("qwen3") == cli.run_folder_prefix("qwen3")  # stable across starts
+    assert not any(a != b and b.startswith(a) for a in prefixes for b in prefixes)
+
+
+@pytest.mark.parametrize("host, shown", [("::", "http://localhost:"), ("::1", "http://localhost:"),
+                                         ("0.0.0.0", "http://localhost:"), ("fe80::1", "http://[fe80::1]:"),
+                                         ("10.0.0.2", "http://10.0.0.2:")])
+def test_printed_urls_bracket_an_ipv6_host(capsys, tmp_path, host, shown):
+    import argparse
+
+    from mstar_common.config import load_deployment
+    from mstar_common.launcher import Ports
+
+    dep = load_deployment(cli.DEFAULT_DEPLOYMENT)
+    cli._print_urls(dep, Ports(8000, 8001, 8002, 8080), argparse.Namespace(host=host, no_proxy=False), tmp_path)
+    assert f"OpenAI API   {shown}8080/v1" in capsys.readouterr().out
+
+
+def test_a_port_this_user_may_not_bind_is_not_called_in_use(monkeypatch):
+    from mstar_common import launcher
+    from mstar_common.config import DeploymentError
+
+    class Refusing:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def setsockopt(self, *args):
+            pass
+
+        def bind(self, address):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(launcher.socket, "socket", Refusing)
+    with pytest.raises(DeploymentError, match=r"^port 80: this user may not bind it \(ports below 1024"):
+        launcher.port_in_use(80)

@@ -1,6 +1,7 @@
 """The generator: deterministic, in sync with the committed repository, pbtxt that Triton reads."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -128,3 +129,22 @@ def test_gen_repo_refuses_a_link_leaves_no_staging_folder_and_writes_a_readable_
     with pytest.raises(OSError, match="disk full"):
         generate_repository(deployment, tmp_path / "other")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_gen_repo_into_a_folder_it_cannot_make_is_a_deployment_error(tmp_path, monkeypatch):
+    """A file where the parent folder must be (or a folder this user may not write) raised FileExistsError or
+    PermissionError as a traceback."""
+    monkeypatch.chdir(PROJECT_ROOT)
+    deployment = Path("configs") / DEFAULT_DEPLOYMENT.name
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DeploymentError, match=r"^--out: .*afile/x: cannot write a repository there"):
+        generate_repository(deployment, tmp_path / "afile" / "x")
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    try:
+        if not os.access(readonly, os.W_OK):  # root writes anywhere: then only the first case applies
+            with pytest.raises(DeploymentError, match=r"^--out: .*ro/repo: cannot write a repository there"):
+                generate_repository(deployment, readonly / "repo")
+    finally:
+        readonly.chmod(0o700)

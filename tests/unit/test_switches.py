@@ -35,6 +35,8 @@ REFUSED = {
     "MSTAR_DIT_ATTENTION": ("bogus", "expected one of auto, cudnn, flash, efficient"),
     "MSTAR_SWITCH_INTERVAL_MS": ("1000", "must be between 0.05 and 100.0 milliseconds"),
     "MSTAR_PNG_ENCODER": ("PIL", "expected one of parallel, pil"),
+    "MSTAR_STACK_DUMP_S": ("abc", "expected 0 (off) or seconds in [1, 86400]"),
+    "MSTAR_GC_LOG_MS": ("fifty", "expected milliseconds >= 0"),
 }
 # parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
 # already), and by the BLS scripts
@@ -73,6 +75,15 @@ def test_the_refused_values_cover_every_parsed_switch():
                 parsed.add(name)
     assert parsed - NOT_THE_ENGINES <= REFUSED.keys(), parsed - NOT_THE_ENGINES - REFUSED.keys()
     assert len(parsed) >= 10
+
+
+def test_no_switch_is_converted_where_it_is_read():
+    """`float(os.environ.get("MSTAR_STACK_DUMP_S") or 0)` passed check_switches and raised a ValueError naming no
+    switch when each model loaded (MSTAR_GC_LOG_MS's, in every gc callback): a switch that takes a number is read
+    by a parser that names it, which REFUSED lists."""
+    for source in _code_files():
+        found = re.findall(r'(?:float|int)\(\s*os\.environ\.get\("(MSTAR_[A-Z0-9_]+)"', source.read_text())
+        assert not found, f"{source}: {found}"
 
 
 def test_a_clean_environment_passes(clean_env):
