@@ -265,8 +265,9 @@ def _scalar_text(inputs: dict[str, np.ndarray], name: str) -> str:
 
 
 def _json(inputs: dict[str, np.ndarray], name: str) -> Any:
+    text = _scalar_text(inputs, name)  # outside the try: its "must be UTF-8 text" is no digit-limit ValueError
     try:
-        return json.loads(_scalar_text(inputs, name))
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None
     except ValueError:  # an int past Python's digit limit (proxy.errors.parse_json says the same)

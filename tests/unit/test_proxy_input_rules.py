@@ -348,6 +348,9 @@ def _inputs(**values) -> dict:
     ({"min_p": -0.25}, "min_p: must be in [0, 1), got -0.25"),
     ({"stop": [b"\xff\xfe"]}, "stop: must be UTF-8 text"),
     ({"text_input": b"\xff"}, "text_input: must be UTF-8 text"),
+    ({"text_input": None, "messages": b"\xff"}, "messages: must be UTF-8 text"),  # said: a number past 4300 digits
+    ({"text_input": None, "messages": b'[{"role":"user","content":"a"}]', "chat_template_kwargs": b"\xfe"},
+     "chat_template_kwargs: must be UTF-8 text"),
     ({"chat_template_kwargs": b"{not json"}, "chat_template_kwargs: applies only to a messages prompt"),
     ({"input_ids": [1, 2], "text_input": None, "chat_template_kwargs": b"{}"},
      "chat_template_kwargs: applies only to a messages prompt"),

@@ -171,3 +171,18 @@ def test_a_prompt_too_long_for_the_decoders_window_is_refused_before_tokenizing(
     tokens = SimpleNamespace(prev=2, eot=3)
     with pytest.raises(ValueError, match=r"^prompt: 4000001 bytes cannot fit 63 tokens \(at most 315 bytes\)"):
         prompt_ids("a" * 4_000_000, Tokenizer(), tokens, 63)
+
+
+def test_a_walk_request_names_sample_rate_for_its_rules():
+    """A direct Triton client's `sample_rate` beside an encoded `audio` file was dropped without a word, and one out
+    of range beside `audio_pcm` was reported as `audio_pcm`'s fault."""
+    from mstar_common.families.whisper import graph as g
+    from mstar_common.families.whisper.requests import _audio
+
+    rate = np.array([8000], np.int32)
+    with pytest.raises(ValueError, match=r"^sample_rate: applies only to audio_pcm"):
+        _audio({g.AUDIO: np.array([b"RIFF"], object), g.SAMPLE_RATE: rate})
+    with pytest.raises(ValueError, match=r"^sample_rate: 100 Hz is outside \[4000, 384000\]$"):
+        _audio({g.AUDIO_PCM: np.zeros(10, np.float32), g.SAMPLE_RATE: np.array([100], np.int32)})
+    assert _audio({g.AUDIO_PCM: np.zeros(10, np.float32), g.SAMPLE_RATE: rate})[2] == 8000
+    assert _audio({g.AUDIO: np.array([b"RIFF"], object)})[0] == b"RIFF"

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 TARGET_RATE = 16_000  # Hz, what Whisper hears
 MAX_CHANNELS = 2  # stereo is averaged to mono; more channels are refused
 MIN_SAMPLE_RATE = 4_000  # below this an upload is not speech audio Whisper can use
+MAX_SAMPLE_RATE = 384_000
 MAX_SAMPLE_MAGNITUDE = 1e3  # float samples past this are not audio (full scale is 1.0); their log-mel overflows
 
 
@@ -128,8 +129,8 @@ def _wav_data_chunk(data: bytes) -> tuple[int, int] | None:
 
 
 def _check_rate(rate: int, field: str) -> None:
-    if not MIN_SAMPLE_RATE <= rate <= 384_000:
-        raise ValueError(f"{field}: sample rate {rate} Hz is outside [{MIN_SAMPLE_RATE}, 384000]")
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise ValueError(f"{field}: sample rate {rate} Hz is outside [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}]")
 
 
 def _check_duration(seconds: float, limits: AudioLimits, field: str) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from mstar_common.config import is_finite_number
 from mstar_common.families.text import check_text_fits, max_token_bytes
 from mstar_common.families.whisper import graph as g
+from mstar_common.families.whisper.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from mstar_common.families.whisper.decoding import TASKS, WhisperTokens
 
 MAX_TEMPERATURE = 1.0  # OpenAI's range for transcriptions, on every surface (the fallback ladder tops at 1.0)
@@ -87,11 +88,16 @@ def _audio(inputs: dict[str, np.ndarray]) -> tuple[bytes | None, np.ndarray | No
         arr = np.asarray(inputs[g.AUDIO]).reshape(-1)
         if arr.size != 1:
             raise ValueError(f"{g.AUDIO}: expected one file, got {arr.size}")
+        if g.SAMPLE_RATE in inputs:  # refused, not dropped: the file's own header gives its rate
+            raise ValueError(f"{g.SAMPLE_RATE}: applies only to {g.AUDIO_PCM} (an encoded file in {g.AUDIO} carries "
+                             f"its own rate)")
         data = arr[0]
         return (data if isinstance(data, bytes) else str(data).encode()), None, None
     rate = _integer(inputs, g.SAMPLE_RATE)
     if rate is None:
         raise ValueError(f"{g.SAMPLE_RATE}: required with {g.AUDIO_PCM}")
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise ValueError(f"{g.SAMPLE_RATE}: {rate} Hz is outside [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}]")
     return None, np.asarray(inputs[g.AUDIO_PCM], dtype=np.float32).reshape(-1), rate
 
 
