@@ -305,6 +305,13 @@ def test_length_ranges_and_natural_eos_are_drawn_the_same_every_run(tmp_path):
     # the committed perf_analyzer workload is still what the generator writes
     committed = ROOT / "perf_analyzer_configs" / "text_lm" / "fixed_512in_256out.json"
     assert requests_from_file(committed) == Workload("fixed", 512, 256).requests(16)
+    # and the one for the built-in demo, whose max_model_len (512) the 512 + 256 workload does not fit
+    from mstar_common.cli import DEFAULT_DEPLOYMENT
+    from mstar_common.config import load_deployment
+
+    tiny = requests_from_file(ROOT / "perf_analyzer_configs" / "text_lm" / "fixed_128in_64out.json")
+    assert tiny == Workload("fixed", 128, 64).requests(16)
+    assert 128 + 64 <= load_deployment(DEFAULT_DEPLOYMENT).resources.max_model_len < 512 + 256
     assert bench_cli.main(["perf-analyzer-data", "--out", str(tmp_path), "--prompt-len", "10", "--prompt-len-max",
                            "30", "--output-len", "3", "--output-len-max", "9", "--no-ignore-eos",
                            "--num-prompts", "40"]) == 0
