@@ -82,7 +82,8 @@ SAMPLE_RATE = "sample_rate"
 CODEC_WINDOWS = "codec_windows"  # INT32 [N, 4, 7]: N windows of 4 frames of 7 SNAC codes
 CODEC_AUDIO = "codec_audio"  # FP32 [N, S]: each window's played frame, S samples
 
-# Image entry models (an image family's walk router; rules in mstar_common/images.py). Inputs, all optional
+# Image entry models (an image family's walk router, decoupled: gRPC stream_infer; rules in
+# mstar_common/images.py). Inputs, all optional
 # but the prompt, shape [1]: prompt BYTES, width/height INT32 (pixels), num_images INT32 (OpenAI n), seed INT64,
 # num_inference_steps INT32, output_format BYTES (png | jpeg | webp), png_compress_level INT32,
 # output_compression INT32; reference_images BYTES [-1] (encoded uploads, in order: editing). One response:
