@@ -145,6 +145,9 @@ class DenoiseEngine:
                 return
             job.order = self._num_admitted
             self._num_admitted += 1
+            # As if it stepped last iteration: it queues behind the rows a full batch left out, which would
+            # otherwise be passed over again by every newer request (-1 sorted it ahead of them all).
+            job.last_run = self._iteration - 1
             self._running.append(job)
             block = False
 

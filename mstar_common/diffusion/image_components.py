@@ -230,10 +230,25 @@ class DenoiseComponent(Component):
         job.request_id, job.is_cancelled = request_id, is_cancelled
         job.png_rows = wants_png_rows(inputs)  # for the in-process decoder (without one the answer is latents)
         if self.decoder is None:
-            job.on_done = lambda latents, error: on_done(None if error else self.finish(job.layout, latents), error)
+            job.on_done = lambda latents, error: self._answer(job, latents, error, on_done)
         else:
             job.on_done = lambda latents, error: self._decode(job, latents, error, on_done)
         self.engine.submit(job)
+
+    def _answer(self, job: DenoiseJob, latents: torch.Tensor | None, error: BaseException | None,
+                on_done: OnDone) -> None:
+        """On the denoise thread: answer with the finished job's outputs. A `finish` that raises (its copy to the
+        host is where an eager step's asynchronous CUDA error surfaces) fails the request; the engine only logged
+        it, and the walk waited out its deadline for an answer."""
+        if error is None:
+            try:
+                outputs = self.finish(job.layout, latents)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the loop goes on
+                on_done(None, exc)
+                return
+            on_done(outputs, None)
+        else:
+            on_done(None, error)
 
     def _decode(self, job: DenoiseJob, latents: torch.Tensor | None, error: BaseException | None,
                 on_done: OnDone) -> None:

@@ -62,7 +62,7 @@ def test_rows_step_together_each_at_its_own_index_and_newcomers_join():
     assert first_done.done.wait(5) and late_done.done.wait(5)
     engine.shutdown()
     # a: steps 0,1,2; b joins at its own step 0 while a is at step 1: that batch mixes step indices.
-    assert stepper.calls[1] == ("64x64", [1000.0, 1000.0, 900.0])  # least recently stepped first
+    assert stepper.calls[1] == ("64x64", [900.0, 1000.0, 1000.0])  # least recently stepped first, then by arrival
     assert sum(len(ts) for _, ts in stepper.calls) == 3 + 2 * 2
     assert torch.allclose(first_done.value, torch.full((1, 2, 1), -1.0))  # sum of its dts: 3 steps to sigma 0
     assert late_done.value.shape == (2, 2, 1) and torch.allclose(late_done.value, torch.full((2, 2, 1), -1.0))
@@ -392,3 +392,60 @@ def test_a_job_of_more_images_than_a_smaller_batch_is_not_passed_over_by_younger
     engine.shutdown()
     big_steps = [i for i, (_, ts) in enumerate(stepper.calls) if len(ts) >= 5]
     assert len(big_steps) == 4 and big_steps[-1] < 12, stepper.calls  # interleaved, not after the 20 small steps
+
+
+def test_rows_left_out_of_a_full_batch_are_not_passed_over_by_newer_requests():
+    """A new job sorted ahead of every job that had stepped (last_run -1), also of the rows a full batch had left
+    out: under steady arrivals those waited every iteration (one new job a step at max_rows 2: none of 20 finished).
+    The loop body is driven by hand, one new one-row request before each iteration."""
+    finished = []
+    engine = DenoiseEngine("test", lambda layout, latents, prompt, refs, ts, dts: latents + dts[:, None, None],
+                           max_rows=2)
+
+    def submit(name):
+        engine.submit(DenoiseJob(name, "64x64", torch.zeros(1, 2, 1), torch.zeros(1, 3, 1), None,
+                                 [1000.0, 900.0, 800.0, 700.0], [1.0, 0.75, 0.5, 0.25, 0.0],
+                                 lambda value, error, name=name: finished.append(name)))
+
+    for name in ("old0", "old1", "old2"):
+        submit(name)
+    waits = {}
+    for iteration in range(20):
+        submit(f"new{iteration}")
+        engine._admit(block=False)
+        for layout, jobs in engine._schedule():
+            engine._step(layout, jobs)
+        for running in engine._running:
+            waits[running.request_id] = iteration - running.last_run  # iterations since it last stepped
+        engine._iteration += 1
+    assert {"old0", "old1", "old2"} <= set(finished), finished
+    assert max(waits.values()) <= 8, waits  # round robin over the running rows (the old jobs waited 19)
+
+
+def test_a_finish_that_raises_fails_its_request_at_once():
+    """Without an in-process decoder a job's latents go through the family's `finish` (a copy to the host, where an
+    eager step's asynchronous CUDA error surfaces): one that raised was only logged, and the request went
+    unanswered until the walk's deadline."""
+    from mstar_common.diffusion.image_components import DenoiseComponent
+
+    class Failing(DenoiseComponent):
+        def __init__(self):
+            self.engine = DenoiseEngine("test", lambda layout, x, prompt, refs, ts, dts: x + dts[:, None, None],
+                                        max_rows=4)
+
+        def parse(self, inputs):
+            return DenoiseJob("", "64x64", torch.zeros(1, 2, 1), torch.zeros(1, 3, 1), None, [1000.0], [1.0, 0.0],
+                              None)
+
+        def finish(self, layout, latents):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    component = Failing()
+    component.engine.start()
+    result = Result()
+    try:
+        component.submit("r", {}, result)
+        assert result.done.wait(5)
+    finally:
+        component.engine.shutdown()
+    assert result.value is None and "illegal memory access" in str(result.error)
