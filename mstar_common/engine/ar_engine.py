@@ -303,7 +303,8 @@ class AREngine:
             self._inbox, self._cancels = [], []
             cancelled = [self._live[rid] for rid in dict.fromkeys(cancels) if rid in self._live]
         for seq in new:
-            self.scheduler.add(seq)
+            if not seq.is_finished:  # ended while in the inbox (expired between a step's intake and its expiry)
+                self.scheduler.add(seq)
         for seq in cancelled:
             self._finish(seq, FinishReason.CANCELLED)
         return bool(new or cancels)

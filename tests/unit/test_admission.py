@@ -95,6 +95,24 @@ def test_deadline_ends_a_running_request_and_frees_its_pages(tiny, monkeypatch):
     assert_pool_empty(engine)
 
 
+def test_a_request_expired_before_its_intake_is_not_run_after_its_final(tiny, monkeypatch):
+    """A request added between a step's intake and its expiry check, already past its deadline (a walk's hop sent
+    with its last microsecond), got its deadline error while still in the inbox; the next intake then scheduled
+    the finished sequence, which held pages, ran to max_tokens and got a second final, uncounted by the queue cap."""
+    monkeypatch.setattr(admission, "EXPIRY_CHECK_S", 0.0)
+    engine = make_engine(tiny, max_num_seqs=2, max_queue=0)
+    collector = Collector()
+    engine._intake()  # the loop's step, interleaved by hand: intake, then the request arrives, then expiry
+    _add(engine, collector, "late", max_tokens=20, timeout_s=1e-6)
+    time.sleep(0.001)
+    engine._expire()
+    assert collector.streams["late"].finals[0][1].startswith(wire.DEADLINE_PREFIX)
+    engine.step()
+    assert_pool_empty(engine)
+    run_until_idle(engine)
+    assert len(collector.streams["late"].finals) == 1 and collector.streams["late"].num_late_calls == 0
+
+
 def test_the_loop_thread_expires_a_queued_request_while_another_runs(tiny):
     engine = make_engine(tiny, max_num_seqs=1, queue_timeout_s=0.1)
     collector = Collector()
