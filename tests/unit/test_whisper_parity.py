@@ -110,9 +110,15 @@ def test_timestamp_segments_match_transformers(local, reference):
     pcm = clip(3, 17)
     out = asyncio.run(local.transcribe(audio=wav(pcm), timestamps=True, temperature=0.0))
     features = extractor(pcm, sampling_rate=SR, return_tensors="pt").input_features
-    theirs = model.generate(features, return_timestamps=True, return_segments=True,
-                            force_unique_generate_call=True)["segments"][0]
+    result = model.generate(features, return_timestamps=True, return_segments=True, force_unique_generate_call=True)
+    theirs = result["segments"][0]
     ours = json.loads(out["segments"])
+    # Every decoded token is in a segment: the closed ones as the reference's, then the tail after the last
+    # timestamp pair as one more (the reference's segments leave it out; its sequence and text hold it).
+    sequence = [t for t in result["sequences"][0].tolist() if t != model.generation_config.eos_token_id]
+    flat = [t for got in ours for t in got["tokens"]]
+    assert len(sequence) - len(flat) == 3 and flat == sequence[3:]  # after <|startoftranscript|><|lang|><|task|>
+    assert len(ours) == len(theirs) + 1
     assert theirs, "the reference closed no segment"
     # The reference's times count in the model's 30 s frame; ours are held to the 17 s of audio and kept in order
     # (random weights put the first segment's end at ~24 s).
@@ -650,3 +656,24 @@ def test_a_window_that_fails_while_window_0_detects_the_language_apart_gives_its
         call.first = True
         with pytest.raises(ComponentError, match="encoder queue full"):
             asyncio.run(asyncio.wait_for(transcribe(**extra), timeout=10))
+
+
+def test_the_encoder_buckets_give_the_encoders_output_and_transformers(local, reference):
+    """The GPU deployment runs the encoder through captured batch buckets (`cuda_graphs: true`); on the CPU the same
+    buckets replay eagerly over their static inputs. Batches of 1 and 3 windows (3 pads to the 4-row bucket) through
+    the buckets equal the plain forward, and transformers' encoder on its own features."""
+    from mstar_common.families.whisper.encoder_graphs import EncoderGraphs
+    from mstar_common.families.whisper.frontend import pad_or_trim
+
+    model, extractor, _ = reference
+    encoder = local.encoder
+    graphs = EncoderGraphs(encoder.forward, (encoder.num_samples,), [1, 2, 4], "cpu", capture=False)
+    windows = [clip(i, seconds) for i, seconds in ((1, 4), (2, 30), (3, 11.5))]
+    pcm = torch.stack([pad_or_trim(torch.from_numpy(w), encoder.num_samples) for w in windows])
+    with torch.inference_mode():
+        plain = encoder.forward(pcm)
+        assert torch.equal(graphs.run(pcm[:1]), plain[:1]) and torch.equal(graphs.run(pcm), plain)
+        assert graphs.num_replays == 2
+        features = extractor(windows, sampling_rate=SR, return_tensors="pt").input_features
+        theirs = model.model.encoder(features).last_hidden_state
+    torch.testing.assert_close(plain, theirs, atol=1e-4, rtol=1e-4)
