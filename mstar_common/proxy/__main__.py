@@ -7,10 +7,12 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.supervisors import Multiprocess
 
 from mstar_common.config import env_switch
 from mstar_common.proxy.app import MODEL_KINDS, ProxySettings, ServedModel, create_app
@@ -61,23 +63,44 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--workers must be in [1, 64], got {args.workers}")
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    settings = ProxySettings(
-        triton_url=args.triton_url,
-        models=args.model,
-        request_timeout_s=args.request_timeout_s or None,
-        max_body_bytes=args.max_body_bytes,
-        retry_after_s=args.retry_after_s,
-        max_upload_s=args.max_upload_s,
-        allow_remote_urls=args.allow_remote_urls,
-        created=int(time.time()),
-    )
+    try:
+        settings = ProxySettings(
+            triton_url=args.triton_url,
+            models=args.model,
+            request_timeout_s=args.request_timeout_s or None,
+            max_body_bytes=args.max_body_bytes,
+            retry_after_s=args.retry_after_s,
+            max_upload_s=args.max_upload_s,
+            allow_remote_urls=args.allow_remote_urls,
+            created=int(time.time()),
+        )
+    except ValueError as exc:  # a usage error, not a traceback
+        parser.error(re.sub(r"ProxySettings\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc)))
     serve = dict(host=args.host, port=args.port, log_level=args.log_level,
                  timeout_graceful_shutdown=args.drain_timeout_s)
     if args.workers == 1:
         uvicorn.run(create_app(settings), **serve)
         return
     os.environ[SETTINGS_ENV] = json.dumps({"settings": dataclasses.asdict(settings), "log_level": args.log_level})
-    uvicorn.run("mstar_common.proxy.__main__:app_from_env", factory=True, workers=args.workers, **serve)
+    run_workers("mstar_common.proxy.__main__:app_from_env", args.workers, **serve)
+
+
+class _Workers(Multiprocess):
+    """uvicorn's supervisor of worker processes, closing the parent's copy of the listening socket before it
+    signals the workers. uvicorn's keeps it open until every worker has drained, so through a drain the kernel went
+    on accepting connections that no worker would take: they hung, then were reset, where one process refuses
+    them at once."""
+
+    def terminate_all(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        super().terminate_all()
+
+
+def run_workers(app: str, workers: int, **serve) -> None:
+    """`uvicorn.run(app, factory=True, workers=workers, **serve)`, with `_Workers` as the supervisor."""
+    config = uvicorn.Config(app, factory=True, workers=workers, **serve)
+    _Workers(config, sockets=[config.bind_socket()]).run()
 
 
 def settings_from_json(text: str) -> tuple[ProxySettings, str]:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mstar_common.config import MAX_TIMEOUT_S
 from mstar_common.proxy import (
     protocol,
     serving_chat,
@@ -81,12 +82,16 @@ class ProxySettings:
                 raise ValueError(f"ProxySettings.models[{m.name!r}].kind must be one of {MODEL_KINDS}, got {m.kind!r}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"ProxySettings.max_body_bytes must be > 0, got {self.max_body_bytes}")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"ProxySettings.request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+        # finite and at most a week, as the deployment's keys: an inf or nan deadline passed here and failed every
+        # request at its conversion to microseconds (a 500)
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"ProxySettings.request_timeout_s must be seconds in (0, {MAX_TIMEOUT_S}] or None (no "
+                             f"limit), got {self.request_timeout_s}")
         if self.retry_after_s < 1:
             raise ValueError(f"ProxySettings.retry_after_s must be >= 1, got {self.retry_after_s}")
-        if self.max_upload_s <= 0:
-            raise ValueError(f"ProxySettings.max_upload_s must be > 0, got {self.max_upload_s}")
+        if not 0 < self.max_upload_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"ProxySettings.max_upload_s must be seconds in (0, {MAX_TIMEOUT_S}], got "
+                             f"{self.max_upload_s}")
 
 
 class RequestContext:

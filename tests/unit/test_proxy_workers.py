@@ -17,6 +17,8 @@ from mstar_common.proxy import __main__ as proxy_main
 def _run(monkeypatch, *args):
     calls = []
     monkeypatch.setattr(proxy_main.uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.setattr(proxy_main, "run_workers",
+                        lambda app, workers, **kw: calls.append((app, {"factory": True, "workers": workers, **kw})))
     monkeypatch.delenv(proxy_main.SETTINGS_ENV, raising=False)
     proxy_main.main(["--triton-url", "127.0.0.1:9", "--model", "a=a_llm", "--model", "tts=orpheus_tts:speech",
                      "--request-timeout-s", "0", "--max-body-bytes", "1234", "--allow-remote-urls", *args])
@@ -58,3 +60,71 @@ def test_the_deployment_key_reaches_the_proxy_command():
     raw.setdefault("server", {})["proxy_workers"] = 4
     args = proxy_limit_args(deployment_from_dict(raw, source="test"))
     assert args[args.index("--workers") + 1] == "4"
+
+
+@pytest.mark.parametrize("flag, value", [("--request-timeout-s", "inf"), ("--request-timeout-s", "nan"),
+                                         ("--request-timeout-s", "1e13"), ("--max-upload-s", "inf")])
+def test_a_timeout_that_is_no_number_of_seconds_is_a_usage_error(monkeypatch, capsys, flag, value):
+    """`--request-timeout-s inf` (a natural "no limit") started the proxy, and every request then failed at the
+    deadline's conversion to microseconds: a 500."""
+    with pytest.raises(SystemExit) as info:
+        _run(monkeypatch, flag, value)
+    assert info.value.code == 2 and f"{flag} must be seconds in (0, 604800]" in capsys.readouterr().err
+
+
+def test_a_draining_multi_worker_proxy_refuses_new_connections(tmp_path):
+    """With --workers 2, uvicorn's parent kept its copy of the listening socket open until every worker had drained:
+    the kernel accepted new connections that no worker would take, and they hung until the parent exited. A worker
+    here drains a request whose body is still on its way; a new connection meanwhile must be refused."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from mstar_common.launcher import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mstar_common.proxy", "--triton-url", "127.0.0.1:9", "--model",
+                             "a=a_llm", "--port", str(port), "--workers", "2", "--drain-timeout-s", "20"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    slow = None
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # up: /health answers (503: no Triton on port 9)
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as probe:
+                    probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    if probe.recv(64).startswith(b"HTTP/1.1"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the proxy did not come up"
+            time.sleep(0.2)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\"")  # a request in flight: its body is still coming
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1.5)
+        assert proc.poll() is None  # still draining the slow request
+        try:
+            late = socket.create_connection(("127.0.0.1", port), timeout=2)
+        except ConnectionRefusedError:
+            outcome = "refused"
+        else:
+            with late:
+                try:
+                    late.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    outcome = "answered" if late.recv(64) else "closed"
+                except TimeoutError:
+                    outcome = "hung"
+                except OSError:
+                    outcome = "reset"
+        assert outcome in ("refused", "reset", "closed"), outcome
+    finally:
+        if slow is not None:
+            slow.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
