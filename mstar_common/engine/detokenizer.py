@@ -32,9 +32,11 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._window: list[int] = []
         self._num_read = 0  # leading window tokens whose text was already emitted
+        self._read_text = ""  # their text (the context's), decoded once when the window is cut
+        self._num_scanned = 0  # window ends up to here decode to an incomplete character (_push_complete_head)
         tail = list(context[-_NUM_CONTEXT_TOKENS:]) if context else []
-        if tail and not self._decode(tail).endswith(_REPLACEMENT):
-            self._window, self._num_read = tail, len(tail)
+        if tail and not (text := self._decode(tail)).endswith(_REPLACEMENT):
+            self._window, self._num_read, self._read_text = tail, len(tail), text
 
     def push(self, token_ids: list[int]) -> str:
         self._window.extend(token_ids)
@@ -49,33 +51,45 @@ class IncrementalDetokenizer:
         """The window ends in an incomplete character: emit the text of the unread tokens before it and wait for
         the bytes that finish it. (A push of several tokens, as a stream that fell behind gets, would otherwise
         hold back all of their text, a stop string in it too, for one character.)"""
-        for end in range(len(self._window) - 1, self._num_read, -1):
+        # A head's text does not change as tokens arrive, so the ends scanned by earlier pushes are not decoded
+        # again: an output of many real U+FFFD characters (held back until another character comes) cost each
+        # push a decode of every held end, O(n^2) decodes on the pump thread.
+        for end in range(len(self._window) - 1, max(self._num_read, self._num_scanned), -1):
             head = self._decode(self._window[:end])
             if not head.endswith(_REPLACEMENT):
                 self._advance(end)
                 return head[len(prefix_text) :]
+        self._num_scanned = len(self._window)  # the whole window's text ends in U+FFFD too (push checked it)
         return ""
 
     def flush(self) -> str:
         prefix_text, text = self._decode_window()
-        self._window, self._num_read = [], 0
+        self._window, self._num_read, self._read_text, self._num_scanned = [], 0, "", 0
         return text[len(prefix_text) :]
 
     def fork(self) -> IncrementalDetokenizer:
         """An independent copy of the stream's state: pushes to it leave this one as it is."""
         twin = IncrementalDetokenizer(self._tokenizer, self._skip_special_tokens)
         twin._window, twin._num_read = list(self._window), self._num_read
+        twin._read_text, twin._num_scanned = self._read_text, self._num_scanned
         return twin
 
     def _decode_window(self) -> tuple[str, str]:
-        prefix_text = self._decode(self._window[: self._num_read])
-        return prefix_text, self._decode(self._window)
+        return self._read_text, self._decode(self._window)
 
     def _advance(self, end: int) -> None:
-        """The window's first `end` tokens are emitted; keep the last few of them as context for the next push."""
+        """The window's first `end` tokens are emitted; keep the last few of them as context for the next push.
+        The context starts on a character's first token: one cut inside a character decodes to U+FFFD there, and a
+        SentencePiece byte-fallback decoder (Llama 2, TinyLlama) then turns its whole run of byte tokens into
+        U+FFFD, in every later window of the run (held back, then flushed as U+FFFD). A character is at most 4
+        bytes, so at most 3 tokens more are kept."""
         start = max(0, end - _NUM_CONTEXT_TOKENS)
+        context = self._decode(self._window[start:end])
+        while start > 0 and context.startswith(_REPLACEMENT) and end - start < _NUM_CONTEXT_TOKENS + 3:
+            start -= 1
+            context = self._decode(self._window[start:end])
         self._window = self._window[start:]
-        self._num_read = end - start
+        self._num_read, self._read_text, self._num_scanned = end - start, context, 0
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:

@@ -88,10 +88,11 @@ class _SpyTokenizer:
     """Records how many ids each decode call sees."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.max_decoded = tokenizer, 0
+        self.tokenizer, self.max_decoded, self.num_calls = tokenizer, 0, 0
 
     def decode(self, ids, **kwargs):
         self.max_decoded = max(self.max_decoded, len(ids))
+        self.num_calls += 1
         return self.tokenizer.decode(ids, **kwargs)
 
 
@@ -135,3 +136,36 @@ def test_a_context_that_ends_inside_a_character_is_not_used(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, context=ids[:split])
     assert detok._window == []  # not primed: the text after the split would not start where the context's ends
     assert "".join(_stream(detok, ids[split:], 1)) == tokenizer.decode(ids[split:])
+
+
+def _byte_fallback_tokenizer():
+    """transformers' own Llama (SentencePiece) pipeline over a vocabulary of the 256 byte tokens: every character
+    outside it falls back to its UTF-8 bytes, one token each, decoded by ByteFallback."""
+    from transformers.models.llama.tokenization_llama import LlamaTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "▁": 259, "▁ok": 260}
+    return LlamaTokenizer(vocab=vocab, merges=[])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_sentencepiece_byte_fallback_runs_stream_whole_characters(chunk):
+    """The kept context was cut 4 tokens back, inside a character: ByteFallback decodes a run of byte tokens as one,
+    so every later window of the run ended in U+FFFD and '你好世界。🎉 ok' streamed as '你好' and 13 U+FFFD."""
+    tokenizer = _byte_fallback_tokenizer()
+    for text in ("你好世界。🎉 ok", "ok 🎉🎉 é 你"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) > len(text)  # the characters really are byte runs
+        pieces = _stream(IncrementalDetokenizer(tokenizer), ids, chunk)
+        assert "".join(pieces) == tokenizer.decode(ids) == text
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_an_output_of_real_replacement_characters_costs_a_few_decodes_a_push(tokenizer):
+    """A model may write U+FFFD itself; such text is held back (it could be a character's first bytes) until another
+    character comes, and each push decoded every held end again: 400 of them took 38 s of the pump's thread."""
+    spy = _SpyTokenizer(tokenizer)
+    ids = tokenizer.encode("ok " + "\ufffd" * 120 + " done", add_special_tokens=False)
+    detok = IncrementalDetokenizer(spy)
+    text = "".join(detok.push([token]) for token in ids) + detok.flush()
+    assert text == tokenizer.decode(ids)
+    assert spy.num_calls <= 4 * len(ids), spy.num_calls
