@@ -151,12 +151,22 @@ class CodecPump(OutputPump):
         try:
             audio = self._codec.decode(np.concatenate(batch)) if batch else np.zeros((0, 0), np.float32)
         except Exception as exc:  # noqa: BLE001 - the streams of this step end; the pump keeps serving others
-            logger.exception("codec call for %d streams failed", len(ready))
+            message = str(exc)
+            # The codec component's own answer of a class (its `unavailable:` when it stopped mid-drain) keeps that
+            # class, as the text pump keeps a limit's: a 503 the client may retry, not a 500 with an error id.
+            prefix = wire.error_class(message)
+            if prefix is None:
+                logger.exception("codec call for %d streams failed", len(ready))
+            else:
+                logger.warning("codec call for %d streams refused: %s", len(ready), message)
             for r in ready:
                 self.unregister(r.stream.request_id)
                 if r.finish is None:
                     self._engine.cancel(r.stream.request_id)
-                r.stream.sink.send_server_error(exc)
+                if prefix is None:
+                    r.stream.sink.send_server_error(exc)
+                else:
+                    r.stream.sink.send_error(message[message.find(prefix):])
             return
         self.times.codec_s += time.perf_counter() - started
         if batch:

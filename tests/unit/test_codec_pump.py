@@ -14,13 +14,13 @@ S = 4  # samples per played frame in this fake
 
 
 class FakeCodec:
-    def __init__(self, fail=False):
-        self.calls, self.fail = [], fail
+    def __init__(self, fail=False, message="codec down"):
+        self.calls, self.fail, self.message = [], fail, message
 
     def decode(self, windows):
         self.calls.append(len(windows))
         if self.fail:
-            raise RuntimeError("codec down")
+            raise RuntimeError(self.message)
         return np.repeat(windows[:, 1, :1].astype(np.float32) / CODEBOOK_SIZE, S, axis=1)  # played frame's code 0
 
 
@@ -37,8 +37,8 @@ class FakeSink:
     def send_error(self, message):
         self.error, self.is_closed = message, True
 
-    def send_server_error(self, exc):
-        self.error, self.is_closed = str(exc), True
+    def send_server_error(self, exc):  # as Responder: the cause stays in the log, the client gets an error id
+        self.error, self.is_closed, self.cause = "internal error (error id id)", True, str(exc)
         return "id"
 
     def is_cancelled(self):
@@ -113,7 +113,16 @@ def test_a_stream_the_engine_ends_at_shutdown_gets_a_retryable_error_not_a_short
 def test_codec_fault_ends_its_streams_and_cancels_them_in_the_engine():
     pump, engine, _, sinks = make(FakeCodec(fail=True))
     pump._deliver({"a": (frame_tokens(1, 3), None, None)})
-    assert "codec down" in sinks["a"].error and engine.cancelled == ["a"] and pump.num_streams == 1
+    assert sinks["a"].cause == "codec down" and wire.error_class(sinks["a"].error) is None
+    assert engine.cancelled == ["a"] and pump.num_streams == 1
+
+
+def test_a_codec_that_stopped_ends_its_streams_with_a_retryable_error():
+    """The codec component answers what it still holds at its stop with `unavailable: the server stopped ...`; the
+    pump sent it on as a server fault (a 500 with an error id) where the docs promise a 503."""
+    pump, engine, _, sinks = make(FakeCodec(fail=True, message="orpheus_snac: " + wire.SERVER_STOPPED))
+    pump._deliver({"a": (frame_tokens(1, 3), None, None)})
+    assert sinks["a"].error == wire.SERVER_STOPPED and engine.cancelled == ["a"]
 
 
 def _stream_with_first_chunk(frames):
