@@ -22,6 +22,8 @@ def plan_lines(dep: Deployment, family: Family, checkpoint: Path | None) -> list
         lines.append(f"{name}: {where} x{comp.placement.instances}{', cuda graphs' if comp.cuda_graphs else ''}")
     for name in (n for n in family.graph.kv_holders if n in dep.components):
         lines.append(_kv_line(dep, family, name, checkpoint))
+    for name, what, num_bytes, key in _extra_pools(dep, family, checkpoint):
+        lines.append(f"{what} ({name}, per instance): {_size(num_bytes)}, sized by {key}")
     if checkpoint is None:
         lines.append(f"checkpoint {dep.checkpoint}: not on this machine yet, so no byte counts")
     else:
@@ -63,19 +65,31 @@ def check_cpu_pools_fit(dep: Deployment, family: Family, checkpoint: Path, sourc
     """The counted KV pools of cpu placements, all instances together, must fit the machine's memory (`memory`
     bytes; default the physical memory): a larger one failed as the model loaded, in the allocator."""
     kv = dep.resources.kv_cache
-    if kv.is_auto:
-        return  # sized on a GPU, from its memory
     memory = memory if memory is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     total, count = 0, 0
-    for name in family.graph.kv_holders:
+    for name in family.graph.kv_holders if not kv.is_auto else ():  # auto: sized on a GPU, from its memory
         comp = dep.components.get(name)
         page = _page_bytes(dep, family, name, checkpoint) if comp and comp.placement.device == "cpu" else None
         if page is not None:
             total += (kv.num_pages + 1) * page[0] * comp.placement.total_instances  # and each pool's sink page
             count += comp.placement.total_instances
-    if total > memory:
-        raise DeploymentError(f"{source}: resources.kv_cache.num_pages: {count} cpu pool(s) of {kv.num_pages} pages "
-                              f"need {_size(total)}, more than this machine's {_size(memory)} of memory")
+    extra = [(what, num_bytes * dep.components[name].placement.total_instances, key)
+             for name, what, num_bytes, key in _extra_pools(dep, family, checkpoint)
+             if dep.components[name].placement.device == "cpu"]
+    if total + sum(num_bytes for _, num_bytes, _ in extra) > memory:
+        parts = [f"resources.kv_cache.num_pages: {count} cpu pool(s) of {kv.num_pages} pages need {_size(total)}"
+                 ] if total else []
+        parts += [f"{key}: the {what} need {_size(num_bytes)}" for what, num_bytes, key in extra]
+        raise DeploymentError(f"{source}: {'; '.join(parts)}, more than this machine's {_size(memory)} of memory")
+
+
+def _extra_pools(dep: Deployment, family: Family, checkpoint: Path | None) -> list[tuple[str, str, int, str]]:
+    if checkpoint is None:
+        return []
+    try:
+        return [pool for pool in family.extra_pools(dep, checkpoint) if pool[0] in dep.components]
+    except (OSError, ValueError, KeyError, TypeError):  # a config that cannot be read: refused elsewhere by then
+        return []
 
 
 def _kv_line(dep: Deployment, family: Family, name: str, checkpoint: Path | None) -> str:

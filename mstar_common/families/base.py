@@ -42,6 +42,12 @@ class Family(ABC):
         (`mstar check` prints the pool's size with it); None for a family without a paged pool."""
         return None
 
+    def extra_pools(self, dep: Deployment, checkpoint: Path) -> list[tuple[str, str, int, str]]:
+        """Memory a component allocates at load besides its weights and paged KV pool, per instance, sized by a
+        deployment key: (component, what it is, bytes, the key). `mstar check` prints each, and a cpu placement's
+        counts toward the machine's memory. Whisper's cross-attention slots; none by default."""
+        return []
+
     def engine_process_refusal(self, component: str, dep: Deployment) -> str | None:
         """Why this autoregressive component's engine cannot run in a process of its own (`MSTAR_ENGINE_PROCESS=1`,
         mstar_common/engine/engine_process.py), or None when it can: its requests must be token ids and sampling

@@ -199,3 +199,36 @@ def test_mstar_serve_prints_the_shared_gpu_note_before_it_looks_for_the_gpus(tmp
     out = capsys.readouterr()
     assert "[mstar] note: llm: 2 instances on each of gpu [0] take turns on it" in out.out
     assert "stopped at the GPU check" in out.err
+
+
+WHISPER_LARGE_V3 = {"decoder_layers": 32, "decoder_attention_heads": 20, "d_model": 1280, "max_target_positions": 448,
+                    "max_source_positions": 1500}
+
+
+def test_whisper_counts_its_decoders_cross_attention_slots(tmp_path):
+    """The decoder's cross-attention K/V (one slot of 1500 positions per admitted request: 14.69 GiB for large-v3's
+    64 slots in bf16, three times its self-attention pool) was in no printed line and no memory check: a cpu
+    deployment passed the check and failed in the allocator as it loaded."""
+    from mstar_common.config import DeploymentError
+    from mstar_common.memory_plan import check_cpu_pools_fit
+
+    (tmp_path / "config.json").write_text(json.dumps(WHISPER_LARGE_V3))
+    raw = yaml.safe_load((cli.CONFIGS / "whisper_large_v3_gpu.yaml").read_text())
+    raw["checkpoint"] = str(tmp_path)
+    gpu = deployment_from_dict(raw, source="test")
+    assert gpu.max_concurrent_requests == 64 and gpu.resources.kv_cache.page_size == 16
+    lines = plan_lines(gpu, get_family("whisper"), tmp_path)
+    assert "cross-attention KV (64 slots, bfloat16) (decoder, per instance): 14.69 GiB, sized by " \
+           "max_concurrent_requests" in lines, lines
+    for name in ("walk", "encoder", "decoder"):
+        raw["components"][name]["placement"] = {"device": "cpu", "instances": 1}
+        raw["components"][name].pop("cuda_graphs", None)
+        raw["components"][name].pop("fused_ops", None)
+        raw["components"][name].pop("decode_buckets", None)
+    raw["resources"]["kv_cache"] = {"num_pages": 1792, "page_size": 16}
+    raw["model_kwargs"]["dtype"] = "float32"
+    cpu = deployment_from_dict(raw, source="test")  # 64 fp32 slots: 29.38 GiB, the pool 8.76 GiB
+    with pytest.raises(DeploymentError, match=r"max_concurrent_requests: the cross-attention KV \(64 slots, float32\) "
+                                              r"need 29.38 GiB, more than this machine's 32.00 GiB"):
+        check_cpu_pools_fit(cpu, get_family("whisper"), tmp_path, "t.yaml", memory=32 * 2**30)
+    check_cpu_pools_fit(cpu, get_family("whisper"), tmp_path, "t.yaml", memory=48 * 2**30)

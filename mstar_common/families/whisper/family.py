@@ -123,6 +123,14 @@ class WhisperFamily(Family):
         heads = int(config["decoder_attention_heads"])
         return int(config["decoder_layers"]), heads, int(config["d_model"]) // heads
 
+    def extra_pools(self, dep: Deployment, checkpoint: Path) -> list[tuple[str, str, int, str]]:
+        """The decoder's cross-attention K/V: one slot of the encoder's positions per admitted request."""
+        device = "cpu" if dep.components["decoder"].placement.device == "cpu" else "cuda"
+        dtype = options_from_kwargs(dep.model_kwargs, dep.name).dtype_for(device)
+        what = f"cross-attention KV ({dep.max_concurrent_requests} slots, {dtype})"
+        return [("decoder", what, cross_kv_bytes(checkpoint, dep.max_concurrent_requests,
+                                                 dep.resources.kv_cache.page_size, dtype), "max_concurrent_requests")]
+
     def build_component(self, component: str, dep: Deployment, checkpoint: Path, device: str) -> Any:
         builders = {"walk": _walk, "encoder": _encoder, "decoder": _decoder}
         if component not in builders:
@@ -148,6 +156,19 @@ def read_tokens(checkpoint: Path):
                                                     config.max_target_positions)
     except ValueError as exc:
         raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cross_kv_bytes(checkpoint: Path, num_slots: int, page_size: int, dtype: str) -> int:
+    """What the decoder's CrossKVPool allocates: per layer K and V of `max_source_positions` (in whole pages) per
+    slot (modeling.CrossKVPool)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    heads = int(config["decoder_attention_heads"])
+    head_dim = int(config["d_model"]) // heads
+    positions = -(-int(config["max_source_positions"]) // page_size) * page_size
+    return int(config["decoder_layers"]) * 2 * num_slots * positions * heads * head_dim * _DTYPE_BYTES[dtype]
 
 
 def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
@@ -209,6 +230,16 @@ def _decoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device:
     if fused:
         use_gemv_from_env(model)
     kv = dep.resources.kv_cache
+    if device.startswith("cuda"):  # refused naming its key, not a CUDA out-of-memory traceback from the allocation
+        import torch
+
+        need = cross_kv_bytes(checkpoint, dep.max_concurrent_requests, kv.page_size, dtype)
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if need > free:
+            raise DeploymentError(
+                f"{dep.name}: max_concurrent_requests: the decoder's {dep.max_concurrent_requests} cross-attention KV "
+                f"slots need {need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on {device}; lower "
+                f"max_concurrent_requests")
     model.configure_slots(dep.max_concurrent_requests, kv.page_size)
     tokens = read_tokens(checkpoint)
     model.rules = TokenRules(tokens, device)
