@@ -35,4 +35,11 @@ if "sklearn" not in sys.modules:
 SHIM
   echo "import mstar_sklearn_shim" > "$VENV_SITE/00-mstar-sklearn-shim.pth"
 fi
-
+# soundfile (whisper's tests and its baseline write WAV uploads with it) is missing from the image's Python: take the
+# server's wheels from .device/ (without it tests/unit/test_whisper_parity.py fails to collect and stops the run)
+ensure_soundfile() {
+  if ! $IMAGE_PY -c "import soundfile" 2>/dev/null && ls .device/soundfile-*.whl >/dev/null 2>&1; then
+    $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/soundfile-*.whl \
+      .device/cffi-*.whl .device/pycparser-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
+  fi
+}

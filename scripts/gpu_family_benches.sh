@@ -37,70 +37,64 @@ if $PY -m mstar_common.native_backtrace /tmp/mstar_backtrace.so >/dev/null 2>&1;
 fi
 T0=$(date +%s)
 stage() { echo; echo "=== $1 (t+$(( $(date +%s) - T0 )) s)"; }
+FAILED=()  # the stages that failed: the script goes on past each, and exits 1 at its end if any did
+failed() { echo "STAGE FAILED: $1"; FAILED+=("$1"); }
 ARGS=("$@")
 has() { [ ${#ARGS[@]} -eq 0 ] || [[ " ${ARGS[*]} " == *" $1 "* ]]; }
-# soundfile (whisper's tests and its baseline write WAV uploads with it) is missing from the image's Python: take the
-# server's wheels from .device/ (without it tests/unit/test_whisper_parity.py fails to collect and stops the run)
-ensure_soundfile() {
-  if ! $IMAGE_PY -c "import soundfile" 2>/dev/null && ls .device/soundfile-*.whl >/dev/null 2>&1; then
-    $IMAGE_PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/soundfile-*.whl \
-      .device/cffi-*.whl .device/pycparser-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
-  fi
-}
 
 if has gpu-tests; then
   stage "GPU tests: kernels (incl. fp8 KV, SNAC) and the GPU-marked unit tests, under the image's Python"
   ensure_soundfile
   timeout ${GPU_TESTS_TIMEOUT:-360} $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu tests/unit/test_orpheus_snac.py tests/unit/test_flux2_parity.py \
     tests/unit/test_whisper_parity.py tests/unit/test_diffusion_engines.py tests/unit/test_png.py \
-    tests/unit/test_fp8_linear.py tests/unit/test_capture_policy.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1 || echo "STAGE FAILED: gpu tests"
+    tests/unit/test_fp8_linear.py tests/unit/test_capture_policy.py tests/unit/test_step_buffers.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1 || failed "gpu tests"
   tail -5 "$OUT/gpu_tests.log"
 fi
 if has sweeps; then
   stage "kernel sweeps: sort-free top-k/top-p, the skinny GEMM vs cuBLAS, decode attention knobs (inside CUDA graphs)"
-  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_sampling.py --out "$OUT/sweep_sampling.json" || echo "STAGE FAILED: sampling sweep"
+  timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_sampling.py --out "$OUT/sweep_sampling.json" || failed "sampling sweep"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" ${GEMV_ARGS:-} \
-    || echo "STAGE FAILED: gemv sweep"
+    || failed "gemv sweep"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --out "$OUT/sweep_attention.json" \
-    > "$OUT/sweep_attention.txt" 2>&1 || echo "STAGE FAILED: attention sweep"
+    > "$OUT/sweep_attention.txt" 2>&1 || failed "attention sweep"
   grep -v "^  " "$OUT/sweep_attention.txt" | tail -12
 fi
 if has attention-variants; then
   stage "decode attention forms (heads/tokens major, fp16 dots, fp8 q.k) on bf16 and fp8 pools"
   timeout ${GPU_TESTS_TIMEOUT:-240} $IMAGE_PY -m pytest -q -m gpu tests/kernels/test_paged_attention.py -p no:cacheprovider \
-    --tb=short > "$OUT/attention_tests.log" 2>&1 || echo "STAGE FAILED: attention tests"
+    --tb=short > "$OUT/attention_tests.log" 2>&1 || failed "attention tests"
   tail -3 "$OUT/attention_tests.log"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_decode_attention.py --variants --top 3 \
     --out "$OUT/sweep_attention_variants.json" > "$OUT/sweep_attention_variants.txt" 2>&1 \
-    || echo "STAGE FAILED: attention variants"
+    || failed "attention variants"
   cat "$OUT/sweep_attention_variants.txt" | cut -c1-220
 fi
 if has gemv-sweep; then
   stage "skinny GEMM vs cuBLAS on cold weights (GEMV_ARGS, e.g. --shapes llama --rows 1)"
   timeout ${SWEEP_TIMEOUT:-300} $IMAGE_PY scripts/sweep_gemv.py --out "$OUT/sweep_gemv.json" ${GEMV_ARGS:-} \
-    || echo "STAGE FAILED: gemv sweep"
+    || failed "gemv sweep"
 fi
 if has profile; then
   stage "decode step kernel by kernel (PROFILE_ARGS, e.g. --family llama --rows 1,256)"
   timeout ${PROFILE_TIMEOUT:-240} $IMAGE_PY scripts/profile_decode_step.py --out "$OUT/profile_decode.json" \
-    ${PROFILE_ARGS:---family llama --rows 1,256} || echo "STAGE FAILED: profile"
+    ${PROFILE_ARGS:---family llama --rows 1,256} || failed "profile"
 fi
 if has pdl; then
   stage "Programmatic Dependent Launch: the chain probe, then each decode step with MSTAR_PDL=0/1 (PDL_ROWS, PDL_FAMILIES)"
   timeout 120 $IMAGE_PY scripts/probe_pdl.py --json "$OUT/probe_pdl.json" > "$OUT/probe_pdl.log" 2>&1 \
-    || echo "STAGE FAILED: pdl probe"
+    || failed "pdl probe"
   for family in ${PDL_FAMILIES:-qwen3 llama}; do
     for flag in 0 1; do
       MSTAR_PDL=$flag MSTAR_PDL_MAX_ROWS=${PDL_MAX_ROWS:-1024} timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY \
         scripts/profile_decode_step.py --family $family --rows ${PDL_ROWS:-1,2,4} \
-        --out "$OUT/profile_${family}_pdl$flag.json" 2>&1 | grep "^\[profile\]" || echo "STAGE FAILED: $family pdl=$flag"
+        --out "$OUT/profile_${family}_pdl$flag.json" 2>&1 | grep "^\[profile\]" || failed "$family pdl=$flag"
     done
   done
 fi
 if has persistent; then
   stage "whole-step persistent decode probe: the barrier, one process per Triton setting (PERSISTENT_SETTINGS), the CUDA forms"
   timeout 60 $IMAGE_PY scripts/probe_persistent_step.py --barrier-only --json "$OUT/probe_barrier.json" \
-    || echo "STAGE FAILED: barrier probe"
+    || failed "barrier probe"
   # "shapes per_sm poll block_n warps tma_stages" each; tma_stages 0 is the register form (measured 2026-12-02)
   default="qwen3 2 0 4 4 0;qwen3 1 0 8 4 4;qwen3 2 0 8 4 4;qwen3 1 0 16 4 3;qwen3 2 0 16 4 4;qwen3 1 0 32 4 4"
   IFS=';' read -r -a settings <<< "${PERSISTENT_SETTINGS:-$default;llama 2 0 8 4 4}"
@@ -110,26 +104,26 @@ if has persistent; then
     timeout ${PERSISTENT_TIMEOUT:-90} $IMAGE_PY scripts/probe_persistent_step.py --no-barrier --shapes $shapes \
       --per-sm $per_sm --poll $poll --block-n $block_n --warps $warps --tma-stages $stages \
       --json "$OUT/probe_persistent_$i.json" 2>&1 | grep -E "launches:|us$|rel err|Error" \
-      || echo "STAGE FAILED: persistent probe $setting"
+      || failed "persistent probe $setting"
   done
   # the CUDA C++ forms (scripts/probe_persistent_step.cu, built with the device's nvcc; measured 2026-12-02)
   for shapes in qwen3 llama; do
     timeout ${PERSISTENT_TIMEOUT:-90} $IMAGE_PY scripts/probe_persistent_step.py --cuda --no-barrier --shapes $shapes \
       --per-sm 1 --warps 16 32 --units 4 --early 0 1 --trace --json "$OUT/probe_persistent_cuda_$shapes.json" 2>&1 \
-      | grep -E "launches:|us$|rel err|Error" || echo "STAGE FAILED: persistent probe, CUDA forms, $shapes"
+      | grep -E "launches:|us$|rel err|Error" || failed "persistent probe, CUDA forms, $shapes"
   done
 fi
 if has gemv-chain; then
   stage "the one-row chain of 112 skinny-GEMM launches with whole-K settings (scripts/probe_gemv_chain.py)"
   timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY scripts/probe_gemv_chain.py qwen3 llama 2>&1 | grep -E " us|Error" \
-    | tee "$OUT/probe_gemv_chain.log" || echo "STAGE FAILED: gemv chain probe"
+    | tee "$OUT/probe_gemv_chain.log" || failed "gemv chain probe"
 fi
 if has ab; then
   stage "A/B of decode-step kernel switches in one process per family (AB_FAMILIES, AB_ROWS, AB_VARIANTS)"
   read -r -a variants <<< "${AB_VARIANTS:---variant base:MSTAR_NORM_GEMV=auto --variant norm_apart:MSTAR_NORM_GEMV=0 --variant no_pdl:MSTAR_PDL=0}"
   for family in ${AB_FAMILIES:-qwen3 llama}; do
     timeout ${PROFILE_TIMEOUT:-150} $IMAGE_PY scripts/ab_decode_step.py --family $family --rows ${AB_ROWS:-1,2,4} \
-      "${variants[@]}" --out "$OUT/ab_${family}.json" 2>&1 | grep "^\[ab\]" || echo "STAGE FAILED: ab $family"
+      "${variants[@]}" --out "$OUT/ab_${family}.json" 2>&1 | grep "^\[ab\]" || failed "ab $family"
   done
 fi
 build_orpheus() {
@@ -138,7 +132,7 @@ build_orpheus() {
 from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.families.registry import get_family
 print(resolve_checkpoint('builtin:orpheus-3b-random', get_family('orpheus').builtin_checkpoints))
-" || echo "STAGE FAILED: orpheus checkpoint"
+" || failed "orpheus checkpoint"
 }
 if has orpheus-served; then
   build_orpheus
@@ -147,7 +141,7 @@ if has orpheus-served; then
      ps -eo pid,stat,rss,etimes,args | grep -E "triton_python_backend_stub|tritonserver" | grep -v grep | cut -c1-160
      sleep 5; done) > "$OUT/monitor.log" 2>&1 &
   MSTAR_STACK_DUMP_S=${MSTAR_STACK_DUMP_S:-45} MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-300} $PY scripts/bench_orpheus.py --baseline-concurrency "" ${ORPHEUS_ARGS:-} \
-    --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
+    --out "$OUT/orpheus_served.json" || failed "orpheus served"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" -A3 | head -40
   grep -c "Thread 0x" "$OUT/orpheus_tritonserver.log" && echo "(stack dumps in orpheus_tritonserver.log)"
 fi
@@ -156,32 +150,32 @@ if has orpheus-probe; then
   stage "orpheus: the LM engine alone (no Triton, no codec), per sampling rule; profile at c=256"
   timeout ${PROBE_TIMEOUT:-300} $PY scripts/probe_orpheus_engine.py --concurrency ${PROBE_CONCURRENCY:-1,64,256} \
     --sampling ${PROBE_SAMPLING:-reference,greedy,nopenalty} --profile-concurrency ${PROBE_PROFILE_C:-256} ${PROBE_ARGS:-} \
-    || echo "STAGE FAILED: orpheus probe"
+    || failed "orpheus probe"
 fi
 if has orpheus-baseline; then
   stage "orpheus: HF generate + snac baseline"
   timeout ${BASELINE_TIMEOUT:-150} $IMAGE_PY scripts/bench_orpheus.py --concurrency "" --baseline-concurrency ${BASELINE_CONCURRENCY:-1,16} \
-    --out "$OUT/orpheus_baseline.json" || echo "STAGE FAILED: orpheus baseline"
+    --out "$OUT/orpheus_baseline.json" || failed "orpheus baseline"
 fi
 if has orpheus; then
   build_orpheus
   stage "orpheus: served (3B LM + SNAC, random weights, 1200 audio tokens)"
   MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-240} $PY scripts/bench_orpheus.py --baseline-concurrency "" \
-    ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_served.json" || echo "STAGE FAILED: orpheus served"
+    ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_served.json" || failed "orpheus served"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Traceback" | head -20
   stage "orpheus: HF generate + snac baseline (BASELINE_CONCURRENCY, default 1,16)"
   timeout ${BASELINE_TIMEOUT:-150} $IMAGE_PY scripts/bench_orpheus.py --concurrency "" \
     --baseline-concurrency ${BASELINE_CONCURRENCY:-1,16} --out "$OUT/orpheus_baseline.json" \
-    || echo "STAGE FAILED: orpheus baseline"
+    || failed "orpheus baseline"
 fi
 if has flux2; then
   stage "flux2 klein-4B shapes: engine + diffusers, 1024x1024, 4 steps"
-  timeout ${FLUX_TIMEOUT:-330} $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2"
+  timeout ${FLUX_TIMEOUT:-330} $IMAGE_PY scripts/bench_flux2.py --json "$OUT/flux2.json" ${FLUX_ARGS:-} || failed "flux2"
 fi
 if has dit-kernels; then
   stage "dit-kernels: klein-4B transformer and VAE decoder, eager vs fused kernels, per SDPA backend"
   timeout ${DIT_TIMEOUT:-400} $PY scripts/bench_dit_kernels.py --json "$OUT/dit_kernels.json" ${DIT_ARGS:-} \
-    || echo "STAGE FAILED: dit-kernels"
+    || failed "dit-kernels"
 fi
 if has flux2-served; then
   # diffusers' Qwen3 text encoder (and the checkpoint writer's tokenizer module) need the image's numpy 2 stack,
@@ -189,20 +183,20 @@ if has flux2-served; then
   # walk on the same checkpoint, in the same device call.
   stage "flux2: diffusers' pipeline, klein-4B shapes, 1024x1024, 4 steps"
   timeout ${FLUX_BASELINE_TIMEOUT:-200} $IMAGE_PY scripts/bench_flux2.py --skip-ours --diffusers-calls 2 \
-    --json "$OUT/flux2_diffusers.json" || echo "STAGE FAILED: flux2 diffusers"
+    --json "$OUT/flux2_diffusers.json" || failed "flux2 diffusers"
   stage "flux2: served (tritonserver + the walk) on the same checkpoint"
   MSTAR_BENCH_LOG_DIR=$OUT timeout ${FLUX_TIMEOUT:-330} $PY scripts/bench_flux2.py --mode served --skip-diffusers \
-    --json "$OUT/flux2_served.json" ${FLUX_ARGS:-} || echo "STAGE FAILED: flux2 served"
+    --json "$OUT/flux2_served.json" ${FLUX_ARGS:-} || failed "flux2 served"
 fi
 if has z-image; then
   # As flux2-served: diffusers' pipeline under the image's Python first (it writes the ~20 GB checkpoint), then
   # the served walk under the server's Python on the same checkpoint.
   stage "z-image: diffusers' ZImagePipeline, Z-Image-Turbo shapes (6B DiT), 1024x1024, 8 steps"
   timeout ${ZIMAGE_TIMEOUT:-420} $IMAGE_PY scripts/bench_flux2.py --family z_image_turbo --skip-ours \
-    --diffusers-calls 2 --json "$OUT/z_image_diffusers.json" ${ZIMAGE_ARGS:-} || echo "STAGE FAILED: z-image diffusers"
+    --diffusers-calls 2 --json "$OUT/z_image_diffusers.json" ${ZIMAGE_ARGS:-} || failed "z-image diffusers"
   stage "z-image: served (tritonserver + the walk) on the same checkpoint"
   MSTAR_BENCH_LOG_DIR=$OUT timeout ${ZIMAGE_TIMEOUT:-420} $PY scripts/bench_flux2.py --family z_image_turbo \
-    --mode served --skip-diffusers --json "$OUT/z_image_served.json" ${ZIMAGE_ARGS:-} || echo "STAGE FAILED: z-image served"
+    --mode served --skip-diffusers --json "$OUT/z_image_served.json" ${ZIMAGE_ARGS:-} || failed "z-image served"
 fi
 if has whisper; then
   stage "whisper: random-weight large-v3 checkpoint (built with transformers under the image's Python)"
@@ -210,16 +204,16 @@ if has whisper; then
 from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.families.registry import get_family
 print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper').builtin_checkpoints))
-" || echo "STAGE FAILED: whisper checkpoint"
+" || failed "whisper checkpoint"
   stage "whisper large-v3 shapes: served (ITL, RTFx)"
   MSTAR_BENCH_LOG_DIR=$OUT timeout 240 $PY scripts/bench_whisper.py --baseline-concurrency "" \
-    --out "$OUT/whisper_served.json" || echo "STAGE FAILED: whisper served"
+    --out "$OUT/whisper_served.json" || failed "whisper served"
   stage "whisper: transformers pipeline baseline"
   # It writes its WAV uploads with soundfile (batch 64 of large-v3 needs more than an H100's 80 GB:
   # WHISPER_BASELINE_C=1,16 there).
   ensure_soundfile
   timeout 200 $IMAGE_PY scripts/bench_whisper.py --concurrency "" --itl-runs 0 --baseline-concurrency ${WHISPER_BASELINE_C:-1,16,64} \
-    --out "$OUT/whisper_baseline.json" || echo "STAGE FAILED: whisper baseline"
+    --out "$OUT/whisper_baseline.json" || failed "whisper baseline"
 fi
 if has whisper-probe; then
   stage "whisper: random-weight large-v3 checkpoint, then the decoder engine alone (step time, profile)"
@@ -227,15 +221,15 @@ if has whisper-probe; then
 from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.families.registry import get_family
 print(resolve_checkpoint('builtin:whisper-large-v3-random', get_family('whisper').builtin_checkpoints))
-" || echo "STAGE FAILED: whisper checkpoint"
-  timeout ${PROBE_TIMEOUT:-200} $PY scripts/probe_whisper_decoder.py --profile || echo "STAGE FAILED: whisper probe"
+" || failed "whisper checkpoint"
+  timeout ${PROBE_TIMEOUT:-200} $PY scripts/probe_whisper_decoder.py --profile || failed "whisper probe"
 fi
 if has orpheus-inproc; then
   build_orpheus
   stage "orpheus: served, SNAC inside the LM component (no BLS hop)"
   MSTAR_STACK_DUMP_S=${MSTAR_STACK_DUMP_S:-45} MSTAR_BENCH_LOG_DIR=$OUT timeout ${ORPHEUS_TIMEOUT:-300} $PY scripts/bench_orpheus.py \
     --baseline-concurrency "" --codec-in-process ${ORPHEUS_ARGS:-} --out "$OUT/orpheus_inproc.json" \
-    || echo "STAGE FAILED: orpheus in-process"
+    || failed "orpheus in-process"
   grep -v "^[|+]" "$OUT/orpheus_tritonserver.log" | grep -iE "error|not healthy|Fatal" -A3 | head -30
 fi
 if has orpheus-pyspy; then
@@ -251,9 +245,9 @@ if has orpheus-pyspy; then
   sleep 4
   LM_PID=$(pgrep -f "triton_python_backend_stub.*orpheus_lm" | head -1)
   /tmp/pyspy/bin/py-spy record -p "$LM_PID" -d 10 -r 250 -f raw --threads --nonblocking -o "$OUT/lm_stacks.txt" \
-    || echo "STAGE FAILED: py-spy"
+    || failed "py-spy"
   /tmp/pyspy/bin/py-spy record -p "$LM_PID" -d 3 -r 250 -f raw --gil --nonblocking -o "$OUT/lm_stacks_gil.txt" \
-    || echo "STAGE FAILED: py-spy --gil"
+    || failed "py-spy --gil"
   wait $BENCH
   grep -E "^system|^mstar" "$OUT/orpheus_pyspy_run.log"
 fi
@@ -262,9 +256,12 @@ if has stub-health; then
   timeout 120 $IMAGE_PY -c "
 from mstar_common.bench.checkpoints import build_random_checkpoint
 print(build_random_checkpoint('qwen3-0.6b', '/tmp/mstar-gpu/qwen3-0.6b'))
-" || echo "STAGE FAILED: qwen3 checkpoint"
+" || failed "qwen3 checkpoint"
   timeout ${STUB_HEALTH_TIMEOUT:-300} $PY scripts/stub_health_256.py --checkpoint /tmp/mstar-gpu/qwen3-0.6b \
-    --duration-s ${STUB_HEALTH_S:-180} --out "$OUT/stub_health_256.json" || echo "STAGE FAILED: stub health"
+    --duration-s ${STUB_HEALTH_S:-180} --out "$OUT/stub_health_256.json" || failed "stub health"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 stage "done"
+# Exit 1 naming each stage that failed (0 when every one passed), as scripts/gpu_suite.sh does.
+[ ${#FAILED[@]} -eq 0 ] && { echo "=== every stage passed"; exit 0; }
+printf '=== %d stage(s) failed:' "${#FAILED[@]}"; printf ' [%s]' "${FAILED[@]}"; echo; exit 1

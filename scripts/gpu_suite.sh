@@ -4,8 +4,8 @@
 # kernel and graph tests and the fusion micro-benchmark. Results land in $OUT:
 #   suite.log  results.json  results.md  <model>.png  fusion.json  server_logs.tar.gz
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_suite.sh [--bench-only | --tests-only]
-# SUITE_MODELS (default "qwen3 llama") picks the served models; SUITE_TESTS (default "tests/kernels tests/gpu")
-# the test paths. A device call of 600 s holds the benchmarks or the tests, not both: on the H200 the two models'
+# SUITE_MODELS (default "qwen3 llama") picks the served models; SUITE_TESTS (default "tests/kernels tests/gpu" and
+# GPU_UNIT_TESTS, the unit-test files that hold GPU-marked tests) the test paths. A device call of 600 s holds the benchmarks or the tests, not both: on the H200 the two models'
 # benchmarks take ~7 minutes, and `pytest -m gpu tests/kernels tests/gpu` in one process ~11 (2026-12-04: 608 tests
 # in 520 s, then tests/gpu alone 159 s), most of it Triton compiling on one core. The tests now run as SUITE_JOBS
 # processes (default 4; scripts/parallel_pytest.py, one log each under $OUT/test_logs), which fits one call (652-654
@@ -87,8 +87,13 @@ LLAMA_S=130; [[ " ${SUITE_MODELS:-qwen3 llama} " == *" qwen3 "* ]] || LLAMA_S=33
 [ "${1:-}" = "--bench-only" ] && { tar czf "$OUT/server_logs.tar.gz" -C "$WORK/logs" . 2>/dev/null; finish; }
 
 stage "kernel and graph tests"
+ensure_soundfile
+# Named one by one: the other unit-test files import what the device's Python lacks (fastapi, ...).
+GPU_UNIT_TESTS="tests/unit/test_capture_policy.py tests/unit/test_diffusion_engines.py tests/unit/test_flux2_parity.py
+  tests/unit/test_fp8_linear.py tests/unit/test_orpheus_snac.py tests/unit/test_png.py tests/unit/test_step_buffers.py
+  tests/unit/test_whisper_parity.py"
 MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 540 $IMAGE_PY scripts/parallel_pytest.py --jobs "${SUITE_JOBS:-4}" \
-  --logs "$OUT/test_logs" -- -q -m gpu ${SUITE_TESTS:-tests/kernels tests/gpu} -p no:cacheprovider \
+  --logs "$OUT/test_logs" -- -q -m gpu ${SUITE_TESTS:-tests/kernels tests/gpu $GPU_UNIT_TESTS} -p no:cacheprovider \
   || failed "gpu tests"
 
 if [ -n "${FLASHINFER_SDIST:-}" ]; then  # e.g. flashinfer_python-0.2.5.tar.gz (pip download --no-deps ...)

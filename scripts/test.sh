@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/python -m pytest "${@:-tests}"
+PYTEST_REQUIRE_EXTRAS=1 .venv/bin/python -m pytest "${@:-tests}"  # a test extra that does not import fails the run
 # Given no test paths (options only) and no GPU: the Triton kernels against their torch references too, on the
 # CPU through Triton's interpreter (their smaller sweep; the slowest cases there are marked `slow`, left to the GPU),
 # as one process a core (at most 4; KERNEL_TEST_JOBS sets it), each with its log under $TMPDIR/mstar-kernel-tests.

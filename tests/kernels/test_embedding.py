@@ -58,7 +58,11 @@ def test_without_a_gather_it_is_the_lookup_and_a_bad_id_gives_zeros(vocab, hidde
     assert embed_tokens(weight, ids[:0]).shape == (0, hidden)
 
 
-def test_the_module_runs_the_kernel_only_when_told_and_equals_the_reference():
+def test_the_module_runs_the_kernel_only_when_told_and_equals_the_reference(monkeypatch):
+    from mstar_kernels import embedding as kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "embed_tokens", lambda *args: calls.append(1) or embed_tokens(*args))
     module = TokenEmbedding(500, 96).to(DEVICE)
     ids = torch.tensor([4, -1, 7, -1], dtype=torch.int32, device=DEVICE)
     # (dst, src, count, previous): two live entries, rows 3 and 1 take the previous step's tokens 1 and 0
@@ -66,8 +70,9 @@ def test_the_module_runs_the_kernel_only_when_told_and_equals_the_reference():
                                                                                      [11, 22, 33])]
     want_ids = ids.clone()
     want = module(want_ids, gather)  # the torch ops
-    assert want_ids.tolist() == [4, 11, 7, 22]
+    assert want_ids.tolist() == [4, 11, 7, 22] and calls == []
     assert torch.equal(want, module.weight[want_ids.long()])
     module.use_kernel = True
     got_ids = ids.clone()
     assert torch.equal(module(got_ids, gather), want) and torch.equal(got_ids, want_ids)
+    assert calls == [1]  # the kernel ran (on the CPU: in Triton's interpreter); the torch ops before it did not

@@ -16,6 +16,7 @@ from mstar_common.engine.ar_engine import AREngine
 from mstar_common.engine.types import AdmissionError, EngineConfig, FinishReason, SamplingParams
 from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
 from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+from tests.unit import collectors
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +47,7 @@ class Collector:
     """An `on_output` callback recording every call, keyed by request id."""
 
     def __init__(self) -> None:
-        _COLLECTORS.append(self)
+        collectors.COLLECTORS.append(self)  # checked after the test (tests/unit/conftest.py)
         self.streams: dict[str, Stream] = {}
         self.lock = threading.Lock()
         self.all_done = threading.Condition(self.lock)
@@ -71,17 +72,6 @@ class Collector:
         with self.lock:
             assert self.all_done.wait_for(
                 lambda: all(self.streams.get(r) and self.streams[r].finals for r in request_ids), timeout)
-
-
-_COLLECTORS: list[Collector] = []
-
-
-@pytest.fixture(autouse=True)
-def no_call_after_a_final():
-    _COLLECTORS.clear()
-    yield
-    for collector in _COLLECTORS:
-        assert all(len(s.finals) <= 1 and s.num_late_calls == 0 for s in collector.streams.values())
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from mstar_common.engine.attention import TorchStaticAttention
 from mstar_common.engine.cuda_graph import GraphConfig
 from mstar_common.engine.types import EngineConfig, SamplingParams
 from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
-from tests.unit.test_ar_engine import Collector, checkpoint, no_call_after_a_final, prompts  # noqa: F401 - fixtures
+from tests.unit.test_ar_engine import Collector, checkpoint, prompts  # noqa: F401 - fixtures
 
 GRAPHS = GraphConfig(decode_buckets=[1, 2, 4, 8], token_buckets=[16, 64], capture_sampling=False)
 

@@ -102,6 +102,10 @@ def test_the_test_scripts_kernel_stage_runs_unless_test_paths_are_given(tmp_path
     assert not any("parallel_pytest" in call for call in calls), calls
 
 
+def _fake_device_env(python: str) -> str:
+    return f"PY={python}\nIMAGE_PY={python}\nensure_soundfile() {{ :; }}\n"
+
+
 def test_the_gpu_suite_exits_1_naming_a_stage_that_failed(tmp_path):
     """Every stage ended in `|| echo "STAGE FAILED"` and the script in `exit 0`: failing GPU tests returned 0."""
     root = tmp_path / "checkout"
@@ -109,7 +113,7 @@ def test_the_gpu_suite_exits_1_naming_a_stage_that_failed(tmp_path):
     (root / "scripts" / "gpu_suite.sh").write_text((SCRIPTS / "gpu_suite.sh").read_text())
     results = {}
     for outcome, python in (("pass", "true"), ("fail", "false")):
-        (root / "scripts" / "device_env.sh").write_text(f"PY={python}\nIMAGE_PY={python}\n")
+        (root / "scripts" / "device_env.sh").write_text(_fake_device_env(python))
         env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / f"out_{outcome}"),
                "SUITE_WORK": str(tmp_path / f"work_{outcome}")}
         done = subprocess.run(["bash", str(root / "scripts" / "gpu_suite.sh"), "--tests-only"], env=env,
@@ -117,3 +121,51 @@ def test_the_gpu_suite_exits_1_naming_a_stage_that_failed(tmp_path):
         results[outcome] = (done.returncode, done.stdout)
     assert results["pass"][0] == 0 and "=== every stage passed" in results["pass"][1]
     assert results["fail"][0] == 1 and "=== 1 stage(s) failed: [gpu tests]" in results["fail"][1]
+
+
+def test_the_family_benches_exit_1_naming_a_stage_that_failed(tmp_path):
+    """scripts/gpu_family_benches.sh ended every stage in `|| echo "STAGE FAILED"` and exited 0, as the suite did."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "gpu_family_benches.sh").write_text((SCRIPTS / "gpu_family_benches.sh").read_text())
+    results = {}
+    for outcome, python in (("pass", "true"), ("fail", "false")):
+        (root / "scripts" / "device_env.sh").write_text(_fake_device_env(python))
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / f"out_{outcome}")}
+        done = subprocess.run(["bash", str(root / "scripts" / "gpu_family_benches.sh"), "gpu-tests"], env=env,
+                              capture_output=True, text=True, timeout=60, cwd=root)
+        results[outcome] = (done.returncode, done.stdout)
+    assert results["pass"][0] == 0 and "=== every stage passed" in results["pass"][1], results["pass"]
+    assert results["fail"][0] == 1 and "=== 1 stage(s) failed: [gpu tests]" in results["fail"][1], results["fail"]
+
+
+def test_every_gpu_marked_unit_test_file_is_in_the_device_scripts():
+    """The GPU tests of tests/unit ran in no exit-checked device stage: the suite ran tests/kernels and tests/gpu, and
+    the family script's list lacked test_step_buffers.py."""
+    import re
+
+    marked = sorted(f"tests/unit/{p.name}" for p in (SCRIPTS.parent / "tests" / "unit").glob("test_*.py")
+                    if re.search(r"mark\.gpu\b", p.read_text()))
+    assert marked
+    suite = (SCRIPTS / "gpu_suite.sh").read_text()
+    listed = re.search(r'GPU_UNIT_TESTS="([^"]*)"', suite)[1].split()
+    assert sorted(listed) == marked
+    families = (SCRIPTS / "gpu_family_benches.sh").read_text()
+    assert all(name in families for name in marked), [n for n in marked if n not in families]
+    assert not [p for p in (SCRIPTS.parent / "tests" / "integration").glob("test_*.py")
+                if re.search(r"mark\.gpu\b", p.read_text())]
+
+
+def test_a_test_extra_that_does_not_import_fails_the_run_scripts_test_sh_starts(tmp_path):
+    """`pytest.importorskip` turned a broken test extra (diffusers, snac, ...) into skipped parity modules on a green
+    CI; scripts/test.sh sets PYTEST_REQUIRE_EXTRAS, under which tests/conftest.py refuses to start without them."""
+    import os
+
+    (tmp_path / "snac").mkdir()
+    (tmp_path / "snac" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+               "tests/unit/test_switches.py"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{SCRIPTS.parent}", "PYTEST_REQUIRE_EXTRAS": "1"}
+    done = subprocess.run(command, cwd=SCRIPTS.parent, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4 and "snac (ImportError: a broken install)" in done.stderr + done.stdout
+    assert "PYTEST_REQUIRE_EXTRAS=1" in (SCRIPTS / "test.sh").read_text()

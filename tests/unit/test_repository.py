@@ -28,8 +28,19 @@ def test_committed_repository_matches_configs(tmp_path, monkeypatch):
 
 
 def test_generation_is_deterministic():
-    dep = load_deployment(DEFAULT_DEPLOYMENT)
-    assert render_repository(dep, "x.yaml") == render_repository(dep, "x.yaml")
+    """The same in another process too: a set's or dict's order that hash randomization changes would pass a
+    comparison within one process (PYTHONHASHSEED differs below), for every shipped deployment."""
+    import subprocess
+    import sys
+
+    code = ("import hashlib, json; from mstar_common.cli import CONFIGS; from mstar_common.config import "
+            "load_deployment; from mstar_common.repository import render_repository; "
+            "print(hashlib.sha256(json.dumps({p.name: render_repository(load_deployment(p), p.name) "
+            "for p in sorted(CONFIGS.glob('*.yaml'))}, sort_keys=True).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                              cwd=PROJECT_ROOT, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+               for seed in ("1", "2", "3")}
+    assert len(digests) == 1 and len(next(iter(digests)).strip()) == 64
 
 
 def test_component_config_carries_placement_and_deployment():
