@@ -14,6 +14,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +29,19 @@ def env_switch(name: str, default: bool) -> bool:
     if flag not in ("0", "1"):
         raise ValueError(f"{name}={flag!r}: expected 0 or 1")
     return flag == "1"
+
+
+def number_switch(name: str, default: float, is_valid: Callable[[float], bool], rule: str) -> float:
+    """A numeric environment switch (`MSTAR_STALL_EXIT_S`, ...); unset or empty is `default`, a value that is no
+    number or breaks `is_valid` is refused with the switch's name and `rule`."""
+    raw = os.environ.get(name, "") or str(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not is_valid(value):
+        raise ValueError(f"{name}={raw!r}: {rule}")
+    return value
 
 
 class DeploymentError(ValueError):

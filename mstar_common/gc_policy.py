@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
+import math
 import time
 
-from mstar_common.config import env_switch
+from mstar_common.config import env_switch, number_switch
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,7 @@ def _watch(phase: str, info: dict) -> None:
 
 def gc_log_ms() -> float:
     """`MSTAR_GC_LOG_MS`: collections at least this long are logged (default 50)."""
-    raw = os.environ.get("MSTAR_GC_LOG_MS", "") or "50"
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"MSTAR_GC_LOG_MS={raw!r}: expected milliseconds >= 0")
-    return value
+    return number_switch("MSTAR_GC_LOG_MS", 50, lambda ms: 0 <= ms < math.inf, "expected milliseconds >= 0")
 
 
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import sys
 import time
 from typing import Any
+
+from mstar_common.config import number_switch
 
 logger = logging.getLogger(__name__)
 
@@ -32,26 +33,14 @@ REARM_S = 1.0  # the beat re-arms the timer at most this often
 
 def stall_exit_s() -> float:
     """`MSTAR_STALL_EXIT_S`: seconds without progress before the process ends itself (0: never)."""
-    raw = os.environ.get("MSTAR_STALL_EXIT_S", "") or str(DEFAULT_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value == 0 or 5 <= value <= 3600):
-        raise ValueError(f"MSTAR_STALL_EXIT_S={raw!r}: expected 0 (off) or seconds in [5, 3600]")
-    return value
+    return number_switch("MSTAR_STALL_EXIT_S", DEFAULT_S, lambda s: s == 0 or 5 <= s <= 3600,
+                         "expected 0 (off) or seconds in [5, 3600]")
 
 
 def stack_dump_s() -> float:
     """`MSTAR_STACK_DUMP_S`: seconds between periodic stack dumps to the server log (0 or unset: none)."""
-    raw = os.environ.get("MSTAR_STACK_DUMP_S", "") or "0"
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value == 0 or 1 <= value <= 86400):
-        raise ValueError(f"MSTAR_STACK_DUMP_S={raw!r}: expected 0 (off) or seconds in [1, 86400]")
-    return value
+    return number_switch("MSTAR_STACK_DUMP_S", 0, lambda s: s == 0 or 1 <= s <= 86400,
+                         "expected 0 (off) or seconds in [1, 86400]")
 
 
 class StallWatch:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.scripts import SCRIPTS, load_script
 
 SCRIPT = SCRIPTS / "parallel_pytest.py"
@@ -102,39 +104,29 @@ def test_the_test_scripts_kernel_stage_runs_unless_test_paths_are_given(tmp_path
     assert not any("parallel_pytest" in call for call in calls), calls
 
 
-def _fake_device_env(python: str) -> str:
-    return f"PY={python}\nIMAGE_PY={python}\nensure_soundfile() {{ :; }}\n"
-
-
-def test_the_gpu_suite_exits_1_naming_a_stage_that_failed(tmp_path):
-    """Every stage ended in `|| echo "STAGE FAILED"` and the script in `exit 0`: failing GPU tests returned 0."""
+def _run_device_script(tmp_path, script: str, *args: str) -> dict[str, tuple[int, str]]:
+    """(exit code, stdout) of `script` copied into a checkout whose device_env.sh makes every Python `true` ("pass")
+    or `false` ("fail"), so each stage that runs one succeeds or fails."""
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
-    (root / "scripts" / "gpu_suite.sh").write_text((SCRIPTS / "gpu_suite.sh").read_text())
+    (root / "scripts" / script).write_text((SCRIPTS / script).read_text())
     results = {}
     for outcome, python in (("pass", "true"), ("fail", "false")):
-        (root / "scripts" / "device_env.sh").write_text(_fake_device_env(python))
+        fake_env = f"PY={python}\nIMAGE_PY={python}\nensure_soundfile() {{ :; }}\n"
+        (root / "scripts" / "device_env.sh").write_text(fake_env)
         env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / f"out_{outcome}"),
                "SUITE_WORK": str(tmp_path / f"work_{outcome}")}
-        done = subprocess.run(["bash", str(root / "scripts" / "gpu_suite.sh"), "--tests-only"], env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["bash", str(root / "scripts" / script), *args], env=env, capture_output=True,
+                              text=True, timeout=60, cwd=root)
         results[outcome] = (done.returncode, done.stdout)
-    assert results["pass"][0] == 0 and "=== every stage passed" in results["pass"][1]
-    assert results["fail"][0] == 1 and "=== 1 stage(s) failed: [gpu tests]" in results["fail"][1]
+    return results
 
 
-def test_the_family_benches_exit_1_naming_a_stage_that_failed(tmp_path):
-    """scripts/gpu_family_benches.sh ended every stage in `|| echo "STAGE FAILED"` and exited 0, as the suite did."""
-    root = tmp_path / "checkout"
-    (root / "scripts").mkdir(parents=True)
-    (root / "scripts" / "gpu_family_benches.sh").write_text((SCRIPTS / "gpu_family_benches.sh").read_text())
-    results = {}
-    for outcome, python in (("pass", "true"), ("fail", "false")):
-        (root / "scripts" / "device_env.sh").write_text(_fake_device_env(python))
-        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / f"out_{outcome}")}
-        done = subprocess.run(["bash", str(root / "scripts" / "gpu_family_benches.sh"), "gpu-tests"], env=env,
-                              capture_output=True, text=True, timeout=60, cwd=root)
-        results[outcome] = (done.returncode, done.stdout)
+@pytest.mark.parametrize("script, args", [("gpu_suite.sh", ["--tests-only"]), ("gpu_family_benches.sh", ["gpu-tests"])])
+def test_a_device_script_exits_1_naming_a_stage_that_failed(tmp_path, script, args):
+    """Every stage ended in `|| echo "STAGE FAILED"` and the script in `exit 0`: failing GPU tests returned 0 (the
+    suite's, then the family script's)."""
+    results = _run_device_script(tmp_path, script, *args)
     assert results["pass"][0] == 0 and "=== every stage passed" in results["pass"][1], results["pass"]
     assert results["fail"][0] == 1 and "=== 1 stage(s) failed: [gpu tests]" in results["fail"][1], results["fail"]
 
