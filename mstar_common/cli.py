@@ -281,6 +281,7 @@ def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None
     """The family's checks of `dep` against its checkpoint; a config it cannot read is a refusal naming the file
     (not a traceback)."""
     from mstar_common.memory_plan import check_cpu_pools_fit
+    from mstar_common.safetensors_io import check_readable
 
     try:
         family.check_checkpoint(dep, checkpoint, source)
@@ -289,9 +290,14 @@ def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # AttributeError: JSON not an object
         reason = f"{type(exc).__name__}: {exc}"
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read its config ({reason})") from None
-    if not any(checkpoint.rglob("*.safetensors")):
+    weights = sorted(checkpoint.rglob("*.safetensors"))
+    if not weights:
         raise DeploymentError(f"checkpoint {checkpoint}: no *.safetensors weights in it (the loaders read "
                               f"safetensors only)")
+    try:
+        check_readable(weights)  # each header: a Git LFS pointer or a cut download fails here, naming its file
+    except ValueError as exc:
+        raise DeploymentError(f"{source}: checkpoint {exc}") from None
     check_cpu_pools_fit(dep, family, checkpoint, source)
 
 

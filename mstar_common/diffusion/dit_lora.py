@@ -44,7 +44,7 @@ from torch import nn
 from mstar_common.checkpoints import expand_home
 from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled, load_module
 from mstar_common.diffusion.image_options import LoraAdapter
-from mstar_common.safetensors_io import format_names
+from mstar_common.safetensors_io import format_names, unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,7 @@ def read_adapter(adapter: LoraAdapter, layout: Layout, *, check_only: bool = Fal
     except OSError:
         raise
     except Exception as exc:  # noqa: BLE001 - safetensors' own error type (a Git LFS pointer, a cut download)
-        raise ValueError(f"{where}: {file} is not a readable safetensors file ({exc}); a Git LFS pointer or an "
-                         f"unfinished download?") from None
+        raise ValueError(f"{where}: {unreadable(file, exc)}") from None
     pairs, alphas = _split_keys(tensors, layout, where)
     unknown = sorted(module for module in pairs if module not in layout.targets)
     if unknown:

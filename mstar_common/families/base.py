@@ -114,8 +114,10 @@ def check_lm_checkpoint(checkpoint: Path, source: str, read_config: Callable[[di
         raise DeploymentError(f"{source}: checkpoint {checkpoint}: config.json: {exc}") from None
     try:
         files = safetensors_files(checkpoint)
-    except (FileNotFoundError, ValueError, KeyError):
-        return  # no weights, or an unreadable index: cli.check_against_checkpoint's refusal
+    except FileNotFoundError:
+        return  # no weights: cli.check_against_checkpoint's refusal
+    except ValueError as exc:  # an index that is no index
+        raise DeploymentError(f"{source}: {exc}") from None
     if missing := [file.name for file in files if not file.is_file()]:
         raise DeploymentError(f"{source}: checkpoint {checkpoint}: model.safetensors.index.json names shard(s) "
                               f"{missing} that are not in the folder (an unfinished download?)")

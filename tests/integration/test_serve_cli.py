@@ -169,20 +169,27 @@ def test_serve_refuses_gpus_it_cannot_see_and_a_checkpoint_too_short_before_star
 
 
 def test_serve_says_why_a_model_failed_to_load(tmp_path):
-    """Weights that cannot be read fail the load inside tritonserver: serve prints the model's own error lines
-    from the server log (not a traceback of its own) and exits 1."""
+    """Weights the checks before the start cannot see wrong (a tensor of another shape than the config gives) fail
+    the load inside tritonserver: serve prints the model's own error lines from the server log (not a traceback of
+    its own) and exits 1. (Weights that are no safetensors at all are refused before the start since 2026-12-07.)"""
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from mstar_common.checkpoints import resolve_checkpoint
     from mstar_common.families.registry import get_family
 
     tiny = resolve_checkpoint("builtin:qwen3-tiny", get_family("qwen3").builtin_checkpoints)
     broken = shutil.copytree(tiny, tmp_path / "broken")
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, broken / "model.safetensors")
     out = _serve(_deployment(tmp_path, **{"builtin:qwen3-tiny": str(broken)}), tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "mstar: error: tritonserver exited" in out.stderr and "failed to load 'qwen3_llm'" in out.stderr
-    assert "safetensors" in out.stderr.lower() and "Traceback" not in out.stderr.split("mstar: error:")[1]
+    assert f"checkpoint tensor {name} has shape" in out.stderr
+    assert "Traceback" not in out.stderr.split("mstar: error:")[1]
 
 
 def test_sigterm_lets_a_walks_in_flight_request_finish(tmp_path):

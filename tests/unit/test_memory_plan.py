@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import yaml
@@ -30,7 +31,10 @@ GPU_DEPLOYMENT = {
 @pytest.fixture()
 def qwen3_config_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(3 * 2**18)}, tmp_path / "model.safetensors")  # 3 MiB
     (tmp_path / "tokenizer.json").write_text("{}")
     return tmp_path
 
@@ -232,3 +236,33 @@ def test_whisper_counts_its_decoders_cross_attention_slots(tmp_path):
                                               r"need 29.38 GiB, more than this machine's 32.00 GiB"):
         check_cpu_pools_fit(cpu, get_family("whisper"), tmp_path, "t.yaml", memory=32 * 2**30)
     check_cpu_pools_fit(cpu, get_family("whisper"), tmp_path, "t.yaml", memory=48 * 2**30)
+
+
+@pytest.mark.parametrize("damage", ["lfs pointer", "cut short", "index not json", "index without weight_map"])
+def test_check_refuses_weights_a_load_could_not_read_naming_the_file(tmp_path, damage):
+    """A Git LFS pointer in place of the weights, a download cut short, or an index that is no index passed every
+    check; the load then failed inside tritonserver with safetensors' 'header too large' (no file named) or a
+    KeyError 'weight_map'."""
+    import shutil
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.config import DeploymentError
+
+    family = get_family("qwen3")
+    checkpoint = shutil.copytree(resolve_checkpoint("builtin:qwen3-tiny", family.builtin_checkpoints),
+                                 tmp_path / "ck")
+    weights = checkpoint / "model.safetensors"
+    if damage == "lfs pointer":
+        weights.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n")
+    elif damage == "cut short":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        (checkpoint / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"x' if
+                                                                 damage == "index not json" else '{"metadata": {}}')
+    raw = yaml.safe_load(cli.DEFAULT_DEPLOYMENT.read_text())
+    raw["checkpoint"] = str(checkpoint)
+    dep = deployment_from_dict(raw, source="d.yaml")
+    name = "model.safetensors.index.json" if damage.startswith("index") else "model.safetensors"
+    with pytest.raises(DeploymentError, match=re.escape(name)) as info:
+        cli.check_against_checkpoint(family, dep, checkpoint, "d.yaml")
+    assert ("LFS pointer or an unfinished download" in str(info.value)) != damage.startswith("index")
