@@ -114,7 +114,8 @@ def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
     except RecursionError:
         raise invalid_request(f"{what} nests arrays or objects too deeply (at most about {MAX_JSON_DEPTH} levels)",
                               param=param) from None
-    found = non_text_path(value) if SURROGATE_ESCAPE.search(raw.encode() if isinstance(raw, str) else raw) else None
+    text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    found = non_text_path(value) if SURROGATE_ESCAPE.search(text) or b"\xed" in text else None
     if found is not None:
         path, is_key = found
         where = ".".join(filter(None, (param, path))).replace(".[", "[") or None

@@ -40,7 +40,7 @@ TEXT_MODALITIES = ["text"]
 
 
 def _json_object(raw: str | bytes, field: str) -> dict[str, Any]:
-    value = parse_json(raw, f"'{field}'", param=field)
+    value = parse_json(raw, f"'{field}'", param=None if field == "body" else field)  # the body's fields: their names
     if not isinstance(value, dict):
         raise invalid_request(f"'{field}' must be a JSON object, got {type(value).__name__}", param=field)
     return value
