@@ -252,7 +252,13 @@ def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
                 print(f"[mstar] the proxy exited with code {code}; relaunching it (its streams ended with it)",
                       file=sys.stderr, flush=True)
                 try:
-                    proxy = launch_proxy()
+                    proxy = launch_proxy(_RelaunchStop(stop, triton))
+                except StopRequested:
+                    proxy = None
+                    if triton.is_failed:
+                        print(f"[mstar] {triton.failure}; shutting down", file=sys.stderr)
+                        return 1
+                    break  # a Ctrl-C or SIGTERM during the relaunch: the stop below
                 except (RuntimeError, TimeoutError) as exc:
                     print(f"[mstar] the proxy did not come back ({exc}); shutting down", file=sys.stderr)
                     return 1
@@ -275,6 +281,21 @@ def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
         triton.stop()
         stop_process(proxy, grace=5)
         print("[mstar] stopped", flush=True)
+
+
+class _RelaunchStop:
+    """What a proxy relaunch's readiness wait stops at: a Ctrl-C or SIGTERM (`stop`), or tritonserver given up on by
+    its supervisor, after which the proxy's /health stays 503. It waited out --timeout (600 s) through both, serving
+    nothing, and then blamed the proxy."""
+
+    def __init__(self, stop: threading.Event, triton) -> None:
+        self._stop, self._triton = stop, triton
+
+    def is_set(self) -> bool:
+        return self._stop.is_set() or self._triton.is_failed
+
+    def wait(self, seconds: float) -> bool:
+        return self._stop.wait(seconds) or self._triton.is_failed
 
 
 def check_against_checkpoint(family, dep, checkpoint: Path, source: str) -> None:

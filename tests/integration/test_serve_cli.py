@@ -332,3 +332,74 @@ def test_serve_refuses_ports_another_serve_holds_while_it_loads(tmp_path, monkey
     err = capsys.readouterr().err
     assert f"port(s) taken by a server still starting: Triton HTTP {ports[1]} (--http-port: mstar serve pid " \
            f"{holder.pid})" in err, err
+
+
+@pytest.mark.parametrize("end", ["triton given up", "ctrl-c"])
+def test_a_proxy_relaunch_stops_waiting_when_triton_is_given_up_or_on_ctrl_c(tmp_path, monkeypatch, capsys, end):
+    """The proxy's relaunch waited for its /health through --timeout with no stop: after the supervisor gave up on
+    tritonserver (the /health would stay 503) or a Ctrl-C, `mstar serve` served nothing for up to 600 s, then
+    blamed the proxy. Tritonserver is faked; the first proxy answers /health and exits after a second, the
+    relaunched one never answers."""
+    import threading
+    import time
+
+    from mstar_common import cli, launcher, supervisor
+
+    ports = free_ports(4)
+    started = []
+
+    def proxies(dep, entry, ports_, log_path, host="127.0.0.1"):
+        log_path.write_text("")
+        code = "import time; time.sleep(60)"
+        if not started:  # the first: healthy for a second, then gone
+            code = ("import http.server, threading, time\n"
+                    "class H(http.server.BaseHTTPRequestHandler):\n"
+                    "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+                    "    def log_message(self, *args): pass\n"
+                    f"server = http.server.HTTPServer(('127.0.0.1', {ports_.proxy}), H)\n"
+                    "threading.Thread(target=server.serve_forever, daemon=True).start()\ntime.sleep(1.5)\n")
+        started.append(subprocess.Popen([sys.executable, "-c", code], start_new_session=True))
+        return started[-1]
+
+    handlers = {}
+
+    class Triton:
+        def __init__(self, *args, **kwargs):
+            self.is_failed, self.failure = False, ""
+
+        def start(self, stop=None):
+            pass
+
+        def watch(self):
+            def later():
+                time.sleep(3.0)  # the relaunched proxy is waiting by then
+                if end == "ctrl-c":
+                    handlers[signal.SIGINT](signal.SIGINT, None)
+                else:
+                    self.failure, self.is_failed = "tritonserver crash loop (simulated)", True
+            threading.Thread(target=later, daemon=True).start()
+
+        def stop(self, drain_s=None):
+            pass
+
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
+    monkeypatch.setattr(supervisor, "TritonSupervisor", Triton)
+    monkeypatch.setattr(launcher, "start_proxy", proxies)
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    began = time.monotonic()
+    try:
+        code = cli.main(["serve", "qwen3", "--timeout", "60",
+                         *(f"--{n}={p}" for n, p in zip(names, ports, strict=True))])
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    out = capsys.readouterr()
+    assert len(started) == 2 and time.monotonic() - began < 20, out  # not the 60 s of --timeout
+    if end == "ctrl-c":
+        assert code == 0 and "[mstar] stopped" in out.out, out
+    else:
+        assert code == 1 and "tritonserver crash loop (simulated); shutting down" in out.err, out
+        assert "did not come back" not in out.err
