@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import collections
 import gc
-import os
+import math
 import threading
 import time
 
 import triton_python_backend_utils as pb_utils
+
+from mstar_common.config import number_switch
 
 DEFAULT_HOLD_S = 5.0
 
@@ -43,13 +45,10 @@ class ResponseKeeper:
 
     def __init__(self, hold_s: float | None = None, clock=time.monotonic) -> None:
         if hold_s is None:
-            raw = os.environ.get("MSTAR_BLS_HOLD_S", "")
-            try:
-                hold_s = float(raw) if raw else DEFAULT_HOLD_S
-            except ValueError:
-                raise ValueError(f"MSTAR_BLS_HOLD_S={raw!r}: expected seconds >= 0") from None
-        if not 0 <= hold_s < float("inf"):
-            raise ValueError(f"MSTAR_BLS_HOLD_S must be >= 0, got {hold_s}")
+            hold_s = number_switch("MSTAR_BLS_HOLD_S", DEFAULT_HOLD_S, lambda s: 0 <= s < math.inf,
+                                   "expected seconds >= 0")
+        if not 0 <= hold_s < math.inf:
+            raise ValueError(f"ResponseKeeper: hold_s must be seconds >= 0, got {hold_s}")
         self.hold_s = hold_s
         self._clock = clock
         self._held: collections.deque = collections.deque()

@@ -5,7 +5,8 @@
 #   suite.log  results.json  results.md  <model>.png  fusion.json  server_logs.tar.gz
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_suite.sh [--bench-only | --tests-only]
 # SUITE_MODELS (default "qwen3 llama") picks the served models; SUITE_TESTS (default "tests/kernels tests/gpu" and
-# GPU_UNIT_TESTS, the unit-test files that hold GPU-marked tests) the test paths. A device call of 600 s holds the benchmarks or the tests, not both: on the H200 the two models'
+# GPU_UNIT_TESTS, the unit-test files that hold GPU-marked tests) the test paths. A device call of 600 s holds the
+# benchmarks or the tests, not both: on the H200 the two models'
 # benchmarks take ~7 minutes, and `pytest -m gpu tests/kernels tests/gpu` in one process ~11 (2026-12-04: 608 tests
 # in 520 s, then tests/gpu alone 159 s), most of it Triton compiling on one core. The tests now run as SUITE_JOBS
 # processes (default 4; scripts/parallel_pytest.py, one log each under $OUT/test_logs), which fits one call (652-654

@@ -9,12 +9,10 @@ lookup are one Triton launch (mstar_kernels/embedding.py); the torch ops are the
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
+from mstar_common.layers.linear import INTERPRETED
 
 
 def gather_ids(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, count: torch.Tensor,
@@ -30,7 +28,7 @@ class TokenEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor,
                 gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if self.use_kernel and (input_ids.is_cuda or _INTERPRETED) and input_ids.dim() == 1 and \
+        if self.use_kernel and (input_ids.is_cuda or INTERPRETED) and input_ids.dim() == 1 and \
                 input_ids.is_contiguous():  # on the CPU only in Triton's interpreter (the kernel tests)
             from mstar_kernels.embedding import embed_tokens
 

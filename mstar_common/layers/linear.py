@@ -28,7 +28,7 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     return packed
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once, at import, too
 
 
 class GemvLinear(nn.Linear):
@@ -88,7 +88,7 @@ class GemvLinear(nn.Linear):
         return fold is not None and (fold in mid_gemm_folds() or x.shape[0] in self.mid_fold_rows)
 
     def mid_gemm_setting_for(self, x: torch.Tensor) -> tuple[int, ...] | None:
-        if not (x.is_cuda or _INTERPRETED):  # on the CPU only in Triton's interpreter (the kernel tests)
+        if not (x.is_cuda or INTERPRETED):  # on the CPU only in Triton's interpreter (the kernel tests)
             return None
         rows = x.shape[0]
         low, high = mid_gemm_rows()

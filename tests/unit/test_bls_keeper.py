@@ -75,6 +75,7 @@ def test_order_and_release_all(bls):
 def test_hold_time_from_the_environment_and_its_rule(bls, monkeypatch):
     monkeypatch.setenv("MSTAR_BLS_HOLD_S", "2.5")
     assert bls.ResponseKeeper().hold_s == 2.5
-    monkeypatch.setenv("MSTAR_BLS_HOLD_S", "-1")
-    with pytest.raises(ValueError, match="MSTAR_BLS_HOLD_S must be >= 0"):
-        bls.ResponseKeeper()
+    for bad in ("-1", "abc", "inf"):
+        monkeypatch.setenv("MSTAR_BLS_HOLD_S", bad)
+        with pytest.raises(ValueError, match=f"MSTAR_BLS_HOLD_S='{bad}': expected seconds >= 0"):
+            bls.ResponseKeeper()

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap, is_finite_number
 from mstar_common.families.base import Family, check_max_model_len
 from mstar_common.families.whisper.graph import GRAPH
+from mstar_common.memory_plan import DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +159,6 @@ def read_tokens(checkpoint: Path):
         raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def cross_kv_bytes(checkpoint: Path, num_slots: int, page_size: int, dtype: str) -> int:
     """What the decoder's CrossKVPool allocates: per layer K and V of `max_source_positions` (in whole pages) per
     slot (modeling.CrossKVPool)."""
@@ -168,7 +166,7 @@ def cross_kv_bytes(checkpoint: Path, num_slots: int, page_size: int, dtype: str)
     heads = int(config["decoder_attention_heads"])
     head_dim = int(config["d_model"]) // heads
     positions = -(-int(config["max_source_positions"]) // page_size) * page_size
-    return int(config["decoder_layers"]) * 2 * num_slots * positions * heads * head_dim * _DTYPE_BYTES[dtype]
+    return int(config["decoder_layers"]) * 2 * num_slots * positions * heads * head_dim * DTYPE_BYTES[dtype]
 
 
 def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
