@@ -215,9 +215,9 @@ def _chat_result(data: dict[str, Any]) -> ChatResult:
 
 
 def _events(response: httpx.Response) -> Iterator[ChatEvent]:
-    for event in sse_events(response):
-        yield ChatEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
-                        token_ids=event.get("token_ids"), usage=event.get("usage"))
+    return sse_events(response, lambda event: ChatEvent(
+        text=event.get("text", ""), finish_reason=event.get("finish_reason"), token_ids=event.get("token_ids"),
+        usage=event.get("usage")))
 
 
 def _error(response: httpx.Response) -> MStarError:

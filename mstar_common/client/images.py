@@ -7,11 +7,10 @@
 from __future__ import annotations
 
 import base64
-import json
 import os
 from typing import Any, BinaryIO
 
-from mstar_common.client.types import read_file_input, set_knobs
+from mstar_common.client.types import encode_json, read_file_input, set_knobs
 
 ImageInput = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO
 
@@ -41,10 +40,12 @@ class ImageMethods:
         """Edit with one to four reference images (paths, open binary files or bytes), in order. The output size
         defaults to the first reference's (cropped to the latent grid)."""
         images = list(image) if isinstance(image, (list, tuple)) else [image]
+        if not images:  # sent without a file, the form would be a plain text-to-image request
+            raise ValueError("image: edit_image takes one to four reference images, got none")
         files = [("files", (f"image{i}.png", _read(img, f"image[{i}]"), "application/octet-stream"))
                  for i, img in enumerate(images)]
         data = {"text": prompt, "output_modalities": "image",
-                "model_kwargs": json.dumps(_knobs(width, height, seed, 1, model_kwargs))}
+                "model_kwargs": encode_json(_knobs(width, height, seed, 1, model_kwargs))}
         if (name := self._model(model)) is not None:
             data["model"] = name
         return self._json(self._post(data=data, files=files), _images)[0]

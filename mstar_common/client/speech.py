@@ -87,8 +87,12 @@ def _chunks(response: httpx.Response) -> Iterator[SpeechChunk]:
     """/generate's audio events: {"audio": base64 PCM16, "sample_rate"[, "token_ids"]} per chunk, then
     {"finish_reason", "usage"}."""
     sample_rate = None
-    for event in sse_events(response):
+
+    def chunk(event: dict[str, Any]) -> SpeechChunk:
+        nonlocal sample_rate
         sample_rate = event.get("sample_rate", sample_rate)
-        yield SpeechChunk(pcm=base64.b64decode(event.get("audio", "")), sample_rate=sample_rate,
-                          token_ids=event.get("token_ids"), finish_reason=event.get("finish_reason"),
-                          usage=event.get("usage"))
+        return SpeechChunk(pcm=base64.b64decode(event.get("audio", ""), validate=True), sample_rate=sample_rate,
+                           token_ids=event.get("token_ids"), finish_reason=event.get("finish_reason"),
+                           usage=event.get("usage"))
+
+    return sse_events(response, chunk)

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from mstar_common.client.types import EventStream, read_file_input, sse_events
+from mstar_common.client.types import EventStream, encode_json, read_file_input, sse_events
 
 
 @dataclass(slots=True)
@@ -53,7 +52,7 @@ class TranscriptionMethods:
         data = read_file_input(audio, "audio")
         kwargs = {"language": language, "task": task, "prompt": prompt, "temperature": temperature,
                   "timestamps": timestamps, "max_tokens": max_tokens, "seed": seed}
-        form = {"model_kwargs": json.dumps({k: v for k, v in kwargs.items() if v is not None}),
+        form = {"model_kwargs": encode_json({k: v for k, v in kwargs.items() if v is not None}),
                 "streaming": "true" if stream else "false", "output_modalities": "text"}
         if (name := self._model(model)) is not None:
             form["model"] = name
@@ -71,7 +70,6 @@ def _result(body: dict[str, Any]) -> TranscriptionResult:
 
 
 def _events(response: httpx.Response) -> Iterator[TranscriptionEvent]:
-    for event in sse_events(response):
-        yield TranscriptionEvent(text=event.get("text", ""), finish_reason=event.get("finish_reason"),
-                                 language=event.get("language"), duration=event.get("duration"),
-                                 segments=event.get("segments"), usage=event.get("usage"))
+    return sse_events(response, lambda event: TranscriptionEvent(
+        text=event.get("text", ""), finish_reason=event.get("finish_reason"), language=event.get("language"),
+        duration=event.get("duration"), segments=event.get("segments"), usage=event.get("usage")))

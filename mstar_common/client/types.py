@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -139,10 +139,11 @@ class SSELines:
         return [rest.decode("utf-8", errors="replace")] if rest else []
 
 
-def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
-    """The JSON events of an SSE response up to `[DONE]`; an error event, a lost connection or a read past the
-    client's timeout raises its MStarError. Closes the response when done, also when the caller stops early (the
-    server then cancels the request)."""
+def sse_events(response: httpx.Response, parse: Callable[[dict[str, Any]], E]) -> Iterator[E]:
+    """`parse` of each JSON event of an SSE response up to `[DONE]`; an error event, a lost connection or a read past
+    the client's timeout raises its MStarError, and so does an event that is not an object or that `parse` cannot
+    read (a 502, as for a non-streamed answer of the wrong shape: another server or version on the port). Closes
+    the response when done, also when the caller stops early (the server then cancels the request)."""
     try:
         for line in _lines(response):
             if not line.startswith("data:"):
@@ -154,11 +155,16 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
                 event = json.loads(data)
             except ValueError:
                 raise MStarError(502, f"the stream sent an event that is not JSON: {data[:80]!r}") from None
+            if not isinstance(event, dict):
+                raise MStarError(502, f"the stream sent an event that is not a JSON object: {data[:80]!r}")
             if "error" in event:
-                error = event["error"]
-                raise MStarError(_STATUS_BY_TYPE.get(error.get("type"), 500), error.get("message", ""),
-                                 param=error.get("param"), code=error.get("code"))
-            yield event
+                raise _stream_error(event["error"])
+            try:
+                item = parse(event)
+            except (KeyError, IndexError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
+                raise MStarError(502, f"the stream sent an event not in the shape the SDK reads "
+                                      f"({type(exc).__name__}: {exc}): {data[:80]!r}") from None
+            yield item
         raise MStarError(502, "the stream ended without [DONE]")
     except TIMEOUT_ERRORS as exc:
         raise MStarConnectionError(f"{response.request.url}: the stream stalled past the client's timeout "
@@ -167,6 +173,25 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
         raise MStarConnectionError(f"{response.request.url}: the connection was lost mid-stream ({exc!r})") from None
     finally:
         response.close()
+
+
+def _stream_error(error: Any) -> MStarError:
+    """An error event's MStarError: the proxy sends an object with `message`, `type`, `param` and `code`; anything
+    else is taken as the message."""
+    if not isinstance(error, dict):
+        return MStarError(500, str(error))
+    kind, param, code = error.get("type"), error.get("param"), error.get("code")
+    return MStarError(_STATUS_BY_TYPE.get(kind, 500) if isinstance(kind, str) else 500, str(error.get("message", "")),
+                      param=param if isinstance(param, str) else None, code=code if isinstance(code, str) else None)
+
+
+def encode_json(value: Any) -> str:
+    """A multipart form's JSON field; a value JSON cannot hold (a numpy integer, NaN) is the 400 MStarError that the
+    JSON bodies' encoding gives (`MStarClient._build`), raised before anything is sent."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise MStarError(400, f"the request cannot be encoded: {exc}") from None
 
 
 def _lines(response: httpx.Response) -> Iterator[str]:

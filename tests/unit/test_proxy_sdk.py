@@ -193,6 +193,63 @@ def test_stream_error_events_keep_their_status_and_a_garbled_event_is_an_sdk_err
     assert info.value.status == 502 and "not JSON" in info.value.message
 
 
+def _open(client: MStarClient, method: str):
+    if method == "chat":
+        return client.chat("hi", stream=True)
+    if method == "transcribe":
+        return client.transcribe(b"wav", stream=True)
+    return client.tts("hi", stream=True)
+
+
+@pytest.mark.parametrize("method", ["chat", "transcribe", "tts"])
+@pytest.mark.parametrize("event,status,message", [
+    (b"5", 502, "not a JSON object"),
+    (b'["text"]', 502, "not a JSON object"),
+    (b'{"error": "boom"}', 500, "boom"),
+    (b'{"error": {"message": "full", "type": ["rate_limit_exceeded"]}}', 500, "full"),
+])
+def test_a_streamed_event_of_the_wrong_shape_is_an_sdk_error(method, event, status, message):
+    """JSON that parses but is not the proxy's event (another server or version on the port) escaped a stream as a
+    bare TypeError or AttributeError; a non-streamed answer of the wrong shape was already a 502."""
+    with pytest.raises(MStarError) as info:
+        list(_open(_sse_client(b"data: " + event + b"\n\ndata: [DONE]\n\n"), method))
+    assert info.value.status == status and message in info.value.message
+
+
+def test_a_speech_chunk_that_is_not_base64_is_an_sdk_error():
+    """It escaped as a bare binascii.Error (the non-streamed answer's bad base64 was already a 502)."""
+    client = _sse_client(b'data: {"audio": "AAAA", "sample_rate": 24000}\n\n'
+                         b'data: {"audio": "not base64!", "sample_rate": 24000}\n\ndata: [DONE]\n\n')
+    stream = client.tts("hi", stream=True)
+    assert next(stream).pcm == b"\0\0\0"
+    with pytest.raises(MStarError) as info:
+        next(stream)
+    assert info.value.status == 502 and "not in the shape the SDK reads" in info.value.message
+
+
+def test_multipart_knobs_json_cannot_hold_are_a_400_and_an_empty_edit_is_refused():
+    """edit_image and transcribe encode their knobs as a form field: a numpy seed or a NaN raised a bare TypeError or
+    ValueError there, where the JSON methods give a 400 MStarError; edit_image([]) sent a form without a file, which
+    /generate serves as plain text-to-image."""
+    import httpx
+    import numpy as np
+
+    sent = []
+    client = MStarClient(http_client=httpx.Client(base_url="http://mstar", transport=httpx.MockTransport(
+        lambda request: sent.append(request) or httpx.Response(500))))
+    for call in (lambda: client.edit_image("x", b"png", seed=np.int64(1)),
+                 lambda: client.transcribe(b"wav", seed=np.int64(1)),
+                 lambda: client.transcribe(b"wav", temperature=float("nan")),
+                 lambda: client.generate_image("x", seed=np.int64(1))):
+        with pytest.raises(MStarError) as info:
+            call()
+        assert info.value.status == 400 and "cannot be encoded" in info.value.message
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match="image: edit_image takes one to four reference images, got none"):
+            client.edit_image("make it red", empty)
+    assert sent == []
+
+
 @pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85"])
 def test_a_streamed_text_with_a_unicode_line_separator_arrives_whole(char):
     """JSON leaves U+2028, U+2029 and U+0085 unescaped and httpx's iter_lines (str.splitlines) ends a line at each:
