@@ -148,7 +148,7 @@ def comparisons(model: dict) -> list[str]:
         ratio = f" = {itl / floor:.2f}x the floor" if floor else ""
         out.append(f"c=1 decode ITL p50 through Triton: {itl:.3f} ms{ratio}")
     for conc in sorted(closed):
-        if conc in hf and (why := _not_hf_like(workloads[conc], hf[conc])):
+        if conc in hf and (why := _not_hf_like(workloads[conc], hf[conc], model.get("prefix_caching"))):
             out.append(f"c={conc}: not compared with HF generate batch {conc}: {why}")
         elif conc in hf:
             ours, theirs = closed[conc]["output_tok_per_s"], hf[conc]["output_tok_per_s"]
@@ -161,9 +161,9 @@ def comparisons(model: dict) -> list[str]:
     return out
 
 
-def _not_hf_like(workload: dict | None, hf: dict) -> str | None:
-    """Why a served level's workload is not the fixed lengths HF generate ran (None: it is, or either side's
-    record predates the lengths it needs)."""
+def _not_hf_like(workload: dict | None, hf: dict, prefix_caching: bool | None = None) -> str | None:
+    """Why a served level's workload is not the one HF generate ran, greedy at fixed lengths over whole prompts
+    (None: it is, or either side's record predates the lengths it needs)."""
     if not workload or "prompt_len" not in hf:
         return None
     fixed = f"HF ran {hf['prompt_len']}-token prompts and exactly {hf['output_len']} output tokens"
@@ -175,6 +175,11 @@ def _not_hf_like(workload: dict | None, hf: dict) -> str | None:
         return f"the served lengths were {served[0]}-{served[1]} in, {served[2]}-{served[3]} out; {fixed}"
     if not workload.get("ignore_eos", True):
         return f"the served requests could stop at an EOS (no ignore_eos); {fixed}"
+    if workload.get("temperature"):
+        return f"the served requests sampled (temperature {workload['temperature']}); HF ran greedy"
+    if workload.get("shared_prefix_len") and prefix_caching:
+        return (f"the prefix cache served the prompts' shared first {workload['shared_prefix_len']} tokens; "
+                "HF prefilled every prompt whole")
     return None
 
 

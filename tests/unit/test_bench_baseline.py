@@ -63,6 +63,26 @@ def test_a_level_is_compared_with_hf_only_at_the_lengths_hf_ran():
     assert line(None).endswith("= 25.0x")  # a results file from before the lengths were recorded
 
 
+def test_a_sampled_or_prefix_cached_level_is_not_compared_with_greedy_whole_prompt_hf():
+    """HF generate runs greedy and prefills every prompt whole; a sampled level (9-11% slower) or one whose shared
+    prefix the server's cache skipped was still given the ratio, as if it were the same work."""
+    summary = {"output_tok_per_s": 1000.0, "itl_ms": {"p50": 1.0}}
+    hf = [{"batch": 1, "prompt_len": 512, "output_len": 256, "output_tok_per_s": 40.0}]
+    fixed = {"prompt_len": 512, "prompt_len_max": None, "output_len": 256, "output_len_max": None, "ignore_eos": True,
+             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "shared_prefix_len": 0}
+
+    def line(workload, prefix_caching=False):
+        model = {"runs": [{"target": "triton", "concurrency": 1, "summary": summary, "workload": workload}],
+                 "hf_generate": hf, "prefix_caching": prefix_caching}
+        return next(line for line in comparisons(model) if line.startswith("c=1:"))
+
+    assert line(fixed).endswith("= 25.0x")
+    assert "not compared" in line({**fixed, "temperature": 0.8}) and "HF ran greedy" in line({**fixed, "temperature": 0.8})
+    cached = line({**fixed, "shared_prefix_len": 448}, prefix_caching=True)
+    assert "not compared" in cached and "first 448 tokens" in cached
+    assert line({**fixed, "shared_prefix_len": 448}).endswith("= 25.0x")  # no cache: every prompt prefilled whole
+
+
 def _safetensors(folder, tensors: dict, tied: bool | None):
     import json
 
