@@ -61,13 +61,13 @@ def _json_list(value: str, field: str) -> list[Any]:
     return parsed if isinstance(parsed, list) else [parsed]
 
 
-async def _form_fields(request: Request) -> dict[str, Any]:
+async def _form_fields(request: Request, kind: str) -> dict[str, Any]:
     form = await read_utf8_form(request)
     fields: dict[str, Any] = {}
     for key in dict.fromkeys(form.keys()):
         values = form.getlist(key)
         if any(isinstance(v, UploadFile) for v in values):
-            raise invalid_request(f"'{key}': media uploads are not supported: the model is a text model (uploads go "
+            raise invalid_request(f"'{key}': media uploads are not supported: the model is a {kind} model (uploads go "
                                   "to transcription and image models)", param=key)
         if key in _LIST_FIELDS:
             fields[key] = _form_modalities(values, key)
@@ -82,10 +82,11 @@ async def _form_fields(request: Request) -> dict[str, Any]:
     return fields
 
 
-async def read_generate_request(request: Request) -> protocol.GenerateRequest:
+async def read_generate_request(request: Request, kind: str = "text") -> protocol.GenerateRequest:
+    """The body of a /generate for a text or speech model (`kind`, which a refused upload names)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in FORM_TYPES:
-        fields = await _form_fields(request)
+        fields = await _form_fields(request, kind)
     else:
         fields = _json_object(await request.body(), "body")
         if isinstance(fields.get("model_kwargs"), str):
@@ -143,7 +144,8 @@ async def generate(request: Request):
         ctx.resolve(None)
     if isinstance(name, str) and name not in ctx.models:
         ctx.resolve(name)
-    req = await read_generate_request(request)
+    target = name if isinstance(name, str) else next(iter(ctx.models)) if len(ctx.models) == 1 else None
+    req = await read_generate_request(request, ctx.models[target].kind if target is not None else "text")
     served = ctx.resolve(req.model, kinds=("text", *serving_speech.SPEECH_KINDS))
     if served.kind in serving_speech.SPEECH_KINDS:
         return await serving_speech.generate_speech(request, ctx, served, req)

@@ -120,6 +120,17 @@ def test_generate_audio_whole_and_streamed():
     assert reply.status_code == 400 and "output_modalities" in reply.json()["error"]["message"]
 
 
+def test_an_upload_to_a_speech_model_is_refused_as_a_speech_model():
+    """The refusal called Orpheus a text model (the form's reader knew only text models)."""
+    http, fake = client()
+    for extra in ({}, {"model": "orpheus"}):
+        reply = http.post("/generate", data={"text": "hi", "output_modalities": "audio", **extra},
+                          files={"audio": ("a.wav", b"RIFF", "audio/wav")})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "audio"
+        assert "the model is a speech model" in reply.json()["error"]["message"]
+    assert not fake.requests
+
+
 @pytest.mark.parametrize("route,body,message", [
     ("/v1/audio/speech", {"input": "hi"}, "input: 900 tokens exceeds the limit of 600 tokens"),
     ("/generate", {"text": "hi"}, "text: 900 tokens exceeds the limit of 600 tokens"),
