@@ -80,6 +80,7 @@ class _Node:
     node_id: int
     page: int
     key: tuple[int, tuple[int, ...]]
+    children: dict[int, _Node] = field(default_factory=dict)  # node id -> node, the keyed pages after this one
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -104,6 +105,7 @@ class PageAllocator:
         self._refs = [0] * num_pages  # sequences holding each page
         self._index: dict[tuple[int, tuple[int, ...]], _Node] = {}
         self._keyed: dict[int, _Node] = {}  # page -> its node, for the pages in the index
+        self._nodes: dict[int, _Node] = {}  # node id -> node, for the nodes in the index
         self._idle: OrderedDict[int, None] = OrderedDict()  # keyed pages no sequence holds, oldest release first
         self._next_node = 1
         self.num_prefix_queried_tokens = 0  # prompt tokens looked up at admission
@@ -158,8 +160,11 @@ class PageAllocator:
 
     def free(self, table: PageTable) -> None:
         """Return the table's pages and reservation; the table is left empty (so freeing twice is harmless).
-        A keyed page nobody else holds stays in the index, idle."""
-        for page in table.pages:
+        A keyed page nobody else holds stays in the index, idle. Last page first: eviction takes the idle page
+        released longest ago, and a prefix's first page is the one every lookup of it must match, so it goes after
+        the pages that follow it (every holder of a keyed page holds the pages before it, so they are released no
+        earlier)."""
+        for page in reversed(table.pages):
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if page in self._keyed:
@@ -199,6 +204,8 @@ class PageAllocator:
         if not self.prefix_caching:
             return
         size = self.page_size
+        if table.last_node and table.last_node not in self._nodes:
+            return  # the page before was evicted from the index: what follows it could never be matched
         for index in range(table.num_keyed, min(num_tokens // size, len(table.pages))):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             if len(tokens) < size or min(tokens) < 0:
@@ -211,6 +218,9 @@ class PageAllocator:
                 self._next_node += 1
                 self._index[key] = node
                 self._keyed[page] = node
+                self._nodes[node.node_id] = node
+                if table.last_node:
+                    self._nodes[table.last_node].children[node.node_id] = node
             table.num_keyed, table.last_node = index + 1, node.node_id
 
     def _take_page(self) -> int:
@@ -218,7 +228,21 @@ class PageAllocator:
             page = self._free.popleft()
         else:  # evict the idle keyed page released longest ago
             page, _ = self._idle.popitem(last=False)
-            del self._index[self._keyed.pop(page).key]
+            self._unkey(self._keyed[page])
             self.num_evicted_pages += 1
         self._refs[page] = 1
         return page
+
+    def _unkey(self, node: _Node) -> None:
+        """Take `node` and the pages keyed after it out of the index: with it gone no lookup reaches them. Those
+        idle go back to the free list; those held go there when released."""
+        if (parent := self._nodes.get(node.key[0])) is not None:
+            del parent.children[node.node_id]
+        stack = [node]
+        while stack:  # a loop, not recursion: a long prompt's chain is thousands of pages deep
+            node = stack.pop()
+            del self._index[node.key], self._keyed[node.page], self._nodes[node.node_id]
+            if node.page in self._idle:
+                del self._idle[node.page]
+                self._free.append(node.page)
+            stack.extend(node.children.values())

@@ -81,6 +81,55 @@ def test_idle_pages_are_evicted_oldest_first_when_the_free_list_runs_out():
     assert allocator.match_prefix(table, new, 1) == 4  # new's page survived
 
 
+def _reachable(allocator: PageAllocator) -> bool:
+    """Every keyed page can still be matched: the page before it in its chain is in the index too."""
+    return all(node.key[0] == 0 or node.key[0] in allocator._nodes for node in allocator._keyed.values())
+
+
+def test_eviction_takes_a_cached_prefix_from_its_end_not_its_start():
+    """Pages were released first page first, so the first eviction took the page every lookup of the prefix must
+    match: the rest stayed cached (and counted) but could never be matched again."""
+    allocator = PageAllocator(4, P, prefix_caching=True)
+    prompt = list(range(10, 23))  # 13 tokens: 3 full pages keyed, and a fourth
+    table, _ = _run(allocator, prompt)
+    allocator.free(table)
+    assert allocator.num_cached_pages == 3
+    other = PageTable()
+    allocator.allocate(other, 2)
+    allocator.grow(other, 8)  # the free page, then one eviction
+    allocator.free(other)
+    assert allocator.num_evicted_pages == 1 and allocator.num_cached_pages == 2 and _reachable(allocator)
+    again = PageTable()
+    allocator.allocate(again, 4)
+    assert allocator.match_prefix(again, prompt, 3) == 8  # the prefix's first two pages, still reachable
+
+
+def test_pages_keyed_after_an_evicted_page_leave_the_cache_with_it():
+    """Two sequences compute the same prompt: the first keys its pages, the second's later pages are keyed after
+    the first's (its own copies of the shared start stay unkeyed). When the first's pages are evicted, the second's
+    keyed pages can never be matched: they leave the index, and go to the free list when released."""
+    allocator = PageAllocator(8, P, prefix_caching=True)
+    prompt = list(range(40, 52))  # 12 tokens: 3 full pages
+    first, second = PageTable(), PageTable()
+    for table in (first, second):
+        allocator.allocate(table, 3)
+        assert allocator.match_prefix(table, prompt[:4], 1) == 0  # both admitted before either computed a page
+        allocator.grow(table, 4)
+    allocator.commit(first, prompt, 4)
+    allocator.commit(second, prompt, 4)  # keyed by the first already: the second's page stays unkeyed
+    for table in (second, first):
+        allocator.grow(table, 12)
+    allocator.commit(second, prompt, 12)  # the second keys pages 2 and 3 after the first's page 1
+    allocator.free(first)
+    assert allocator.num_cached_pages == 1 and _reachable(allocator)
+    filler = PageTable()
+    allocator.allocate(filler, 5)
+    allocator.grow(filler, 20)  # 4 free pages, then the first's keyed one
+    assert allocator.num_evicted_pages == 1 and _reachable(allocator)
+    allocator.free(second)
+    assert allocator.num_cached_pages == 0 and allocator.num_free_pages == 8 - 5
+
+
 def test_a_page_with_a_pending_token_is_not_keyed_and_caching_off_matches_nothing():
     allocator = PageAllocator(8, P, prefix_caching=True)
     table = PageTable()
@@ -124,7 +173,7 @@ def test_random_workload_never_serves_another_prefixs_kv():
             allocator.commit(table, tokens, len(tokens))
             live.append((table, tokens))
         held = {page for table, _ in live for page in table.pages}
-        assert allocator.num_used_pages == len(held)
+        assert allocator.num_used_pages == len(held) and _reachable(allocator)
         assert allocator.num_free_pages + allocator.num_used_pages == allocator.num_pages
         assert allocator.num_reserved_pages == sum(table.num_reserved for table, _ in live)
     assert hits > 500  # the workload did exercise sharing
