@@ -114,24 +114,28 @@ def check_geometry(width: int, height: int, multiple: int, max_area: int, field:
 
 
 def decode_image(data: bytes, field: str):
-    """Uploaded bytes -> an RGB-convertible PIL image, fully decoded; unreadable data is a ValueError."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """Uploaded bytes -> an RGB-convertible PIL image, fully decoded; unreadable data is a ValueError naming `field`.
+    Pillow's decoders fail on damaged data in many ways besides OSError (a ValueError from a PPM header, a
+    NotImplementedError from unknown DDS flags, an EOFError, a struct.error ...): every one of them is the upload's
+    fault, so all are caught."""
+    from PIL import Image, ImageOps
 
     if not data:
         raise ValueError(f"{field}: the upload is empty")
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size
-        if width * height > MAX_UPLOAD_PIXELS:
-            raise ValueError(f"{field}: {width}x{height} exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit")
+    except Exception as exc:  # noqa: BLE001 (see the docstring)
+        raise ValueError(f"{field}: not a readable image ({type(exc).__name__})") from None
+    if width * height > MAX_UPLOAD_PIXELS:
+        raise ValueError(f"{field}: {width}x{height} exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit")
+    try:
         image = Image.open(io.BytesIO(data))
         image.load()
         # upright, as it displays: a phone photo stores its pixels sideways and says so in EXIF Orientation
-        image = ImageOps.exif_transpose(image)
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
+        return ImageOps.exif_transpose(image)
+    except Exception as exc:  # noqa: BLE001
         raise ValueError(f"{field}: not a readable image ({type(exc).__name__})") from None
-    return image
-
 
 
 def encode_image(pixels: np.ndarray, options: OutputOptions) -> bytes:

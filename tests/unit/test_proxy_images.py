@@ -245,6 +245,29 @@ def test_unreadable_and_huge_uploads_are_refused():
     assert images.decode_image(png(), "image[0]").size == (32, 16)
 
 
+def _dds_with_unknown_flags() -> bytes:
+    import struct
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (96, 80)).save(buffer, "DDS")
+    data = bytearray(buffer.getvalue())
+    data[80:84] = struct.pack("<I", 0x19)  # the pixel format's flags
+    return bytes(data)
+
+
+@pytest.mark.parametrize("data, raised", [
+    (b"P6\n9x 80\n255\n" + bytes(96 * 80 * 3), "ValueError"),  # a PPM header that is not a number
+    (_dds_with_unknown_flags(), "NotImplementedError"),
+])
+def test_a_damaged_upload_that_pillow_fails_on_in_its_own_way_is_refused_naming_the_image(data, raised):
+    """Pillow's decoders raise more than OSError on damaged data: such an upload was a 400 in Pillow's words with no
+    field named (a ValueError), or a 500 (NotImplementedError, which the walk router takes for a server fault)."""
+    with pytest.raises(ValueError, match=rf"^image\[0\]: not a readable image \({raised}\)$"):
+        images.decode_image(data, "image[0]")
+    with pytest.raises(ValueError, match="pixel upload limit"):  # its own refusal is not re-worded
+        images.decode_image(b"P5\n9000 9000\n255\n", "image[0]")
+
+
 def test_encode_round_trips_each_format():
     pixels = np.random.RandomState(0).randint(0, 255, (16, 32, 3), dtype=np.uint8)
     for fmt in images.FORMATS:
