@@ -85,6 +85,24 @@ def test_bad_uploads_are_refused_naming_the_field(data, rule):
     assert str(info.value).startswith("file:")
 
 
+@pytest.mark.parametrize("fmt", ["MP3", "AIFF"])
+def test_a_cut_off_mp3_or_aiff_is_refused_not_transcribed_in_part(fmt):
+    """libsndfile reads a cut AIFF or MP3 silently, as the frames that are there: half a file was transcribed and
+    answered 200. The whole file still decodes, as does an MP3 without a length header (its length is an estimate
+    from its size)."""
+    tone = (0.3 * np.sin(np.arange(SR * 10) / 10)).astype(np.float32)
+    data = _encode(tone, SR, fmt)
+    assert decode_upload(data, LIMITS).shape == (SR * 10,)
+    for kept in (0.5, 0.9):
+        with pytest.raises(ValueError, match=r"^file: the audio file is damaged or truncated: its header declares "
+                                             r"160000 sample frames and \d+ could be decoded$"):
+            decode_upload(data[:int(len(data) * kept)], LIMITS, field="file")
+    if fmt == "MP3":  # the same frames without the Xing/Info header: no claim to check
+        at = data.find(b"Xing") if b"Xing" in data else data.find(b"Info")
+        bare = data[:at] + b"Nope" + data[at + 4:]
+        assert audio.declared_frames(bare, soundfile.info(io.BytesIO(bare)).frames) is None
+
+
 def test_a_streamed_wav_with_an_unknown_length_still_decodes():
     data = bytearray(_encode(np.zeros(SR, np.int16), SR))
     at = data.index(b"data")

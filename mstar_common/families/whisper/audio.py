@@ -67,7 +67,34 @@ def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception:  # noqa: BLE001
         raise ValueError(f"{field}: the audio file is damaged or truncated and could not be decoded") from None
+    if (claim := declared_frames(data, info.frames)) is not None and samples.shape[0] < claim[0] - claim[1]:
+        declared = claim[0]
+        raise ValueError(f"{field}: the audio file is damaged or truncated: its header declares {declared} sample "
+                         f"frames and {samples.shape[0]} could be decoded")
     return to_model_pcm(samples, rate, limits, field)
+
+
+def declared_frames(data: bytes, info_frames: int) -> tuple[int, int] | None:
+    """(the sample frames a file's own header says it holds, where that can be trusted; the shortfall its format
+    allows), or None where there is no such claim. libsndfile reads a cut AIFF or MP3 silently, as the frames that are there:
+    - AIFF/AIFC: the COMM chunk's count (libsndfile reports what the data chunk holds instead);
+    - MP3 with a Xing, Info or VBRI header: the header's count, which libsndfile reports (without one the count is
+      an estimate from the file's size, right for a cut file too); one MPEG frame (1,152 samples) of slack.
+    A WAV is checked by `wav_data_is_short`, a FLAC fails to decode, and an OGG cut at a page boundary is a
+    shorter valid stream: nothing in it says more was meant."""
+    if data[:4] == b"FORM" and data[8:12] in (b"AIFF", b"AIFC"):
+        offset = 12
+        while offset + 8 <= len(data):
+            kind, size = data[offset:offset + 4], int.from_bytes(data[offset + 4:offset + 8], "big")
+            if kind == b"COMM" and offset + 14 <= len(data):
+                return int.from_bytes(data[offset + 10:offset + 14], "big"), 0
+            offset += 8 + size + (size & 1)
+        return None
+    head = data[:4096]
+    is_mp3 = head[:3] == b"ID3" or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0)
+    if is_mp3 and info_frames > 0 and any(tag in head for tag in (b"Xing", b"Info", b"VBRI")):
+        return info_frames, 1152
+    return None
 
 
 def to_model_pcm(samples: np.ndarray, rate: int, limits: AudioLimits, field: str = "audio") -> np.ndarray:
