@@ -219,6 +219,9 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
             # operand from a client value): the request's fault, said in the template's own words.
             raise ValueError(f"messages: the checkpoint's chat template refused this request: {exc}") from None
 
+    # OpenAI's `developer` is its `system` (the proxy maps it too): a template knows no `developer` role, and
+    # Qwen3's drops a message of a role it does not know without a word
+    messages = [{**msg, "role": "system"} if msg["role"] == "developer" else msg for msg in messages]
     text = render(messages)
     named = [i for i, msg in enumerate(messages) if msg.get("name") is not None]
     if named and render([{k: v for k, v in msg.items() if k != "name"} for msg in messages]) == text:

@@ -255,7 +255,7 @@ def client_field(message: str, field_names: dict[str, str]) -> tuple[str, str | 
     if match is None:
         return message, None
     name, rest = match.groups()
-    param = field_names.get(name, name) + rest
+    param = field_names.get(name + rest) or field_names.get(name, name) + rest  # a whole path's own name first
     return param + message[match.end(2):], param
 
 

@@ -23,7 +23,9 @@ def chat_generation(body: protocol.ChatCompletionRequest) -> GenerationRequest:
         chat_template_kwargs=protocol.template_kwargs(body.chat_template_kwargs, body.enable_thinking),
     )
     # the entry model's name for the prompt, whatever form it took, and max_completion_tokens where sent
-    gen.field_names = {"prompt": "messages", **body.field_names()}
+    gen.field_names = {"prompt": "messages", **body.field_names(),
+                       **protocol.thinking_shortcut_names(body.chat_template_kwargs, body.enable_thinking,
+                                                          "enable_thinking")}
     return gen
 
 

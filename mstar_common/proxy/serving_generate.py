@@ -127,7 +127,9 @@ def generate_generation(req: protocol.GenerateRequest, model: str) -> Generation
                                                                         "model_kwargs.chat_template_kwargs")
     )
     prompt_field = "model_kwargs.messages" if kwargs.messages is not None else "text"
-    gen.field_names = {**protocol.GenerateKwargs.field_names(), "prompt": prompt_field, wire.MESSAGES: prompt_field}
+    gen.field_names = {**protocol.GenerateKwargs.field_names(), "prompt": prompt_field, wire.MESSAGES: prompt_field,
+                       **protocol.thinking_shortcut_names(kwargs.chat_template_kwargs, kwargs.enable_thinking,
+                                                          "model_kwargs.enable_thinking")}
     return gen
 
 

@@ -81,6 +81,22 @@ def test_the_component_applies_the_same_rule_and_turns_template_errors_into_its_
     assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"width": 50})) == "HiHi"
 
 
+def test_a_developer_message_sent_to_the_component_is_rendered_as_the_system_message():
+    """The `messages` tensor took `developer` and handed it to the template as it was: Qwen3's, which has branches
+    for system, user, assistant and tool only, dropped the message without a word (the proxy maps it already)."""
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import chat_prompt_ids
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ("{%- for m in messages -%}{%- if m.role in ['system', 'user', 'assistant'] -%}"
+                               "{{ m.role }}: {{ m.content }};{%- endif -%}{%- endfor -%}")
+    developer = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    system = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    assert chat_prompt_ids(tokenizer, developer, {}) == chat_prompt_ids(tokenizer, system, {})
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, developer, {})) == "system: Answer in French.;user: Hi;"
+    assert developer[0]["role"] == "developer"  # the caller's list is left as it was
+
+
 def test_a_participant_name_the_template_drops_is_refused_and_one_it_uses_is_served():
     """`messages[i].name` reached the template, which (Qwen3's) drops it: the name was ignored without a word."""
     from mstar_common.families.qwen3.tiny import build_tokenizer
@@ -516,3 +532,28 @@ def test_a_template_variable_the_template_never_reads_is_refused():
     # a template this environment cannot parse (an extension of transformers') is not checked: served as before
     tokenizer.chat_template = "{% generation %}{{ messages[-1]['content'] }}{% endgeneration %}"
     assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"anything": 1})) == "Hi"
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"enable_thinking": False}, "enable_thinking"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}},
+     "chat_template_kwargs.enable_thinking"),
+    ("/generate", {"model_kwargs": {"enable_thinking": False}}, "model_kwargs.enable_thinking"),
+    ("/generate", {"model_kwargs": {"chat_template_kwargs": {"enable_thinking": False}}},
+     "model_kwargs.chat_template_kwargs.enable_thinking"),
+])
+def test_a_template_without_enable_thinking_names_the_field_as_the_client_sent_it(route, body, param):
+    """The top-level `enable_thinking` shortcut is folded into chat_template_kwargs; a checkpoint whose template
+    has no such variable refused it as `chat_template_kwargs.enable_thinking`, a field the request never held."""
+    from mstar_common.proxy.triton_stream import TritonInvalidRequest
+
+    refusal = ("chat_template_kwargs.enable_thinking: this checkpoint's chat template has no variable "
+               "'enable_thinking' (it would be ignored); its own variables: none")
+    app, _ = make_app(FakeTriton(script=[TritonInvalidRequest(refusal)]))
+    payload = {"model": "qwen3", "messages": MESSAGES} if route != "/generate" else {"text": "hi"}
+    if route == "/generate":
+        payload["model_kwargs"] = body["model_kwargs"]
+    else:
+        payload.update(body)
+    error = error_of(TestClient(app).post(route, json=payload))
+    assert error["param"] == param and error["message"].startswith(f"{param}: this checkpoint's chat template")
