@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
+from mstar_common import wire
+
 
 def env_switch(name: str, default: bool) -> bool:
     """A `0`/`1` environment switch (`MSTAR_PDL`, `MSTAR_NORM_GEMV`, ...); unset or empty is `default`, anything
@@ -240,7 +242,26 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"the key {key!r} is given twice", key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        mapping = super().construct_mapping(node, deep=deep)
+        # a merged mapping's keys (`<<: {1: a}`) come in past the loop above
+        if stray := next((key for key in mapping if not isinstance(key, str)), None):
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark, f"the key {stray!r} (merged in by '<<') is not a string "
+                "(every key is a name; quote it)", node.start_mark)
+        return mapping
+
+    def construct_yaml_str(self, node: yaml.ScalarNode) -> str:
+        """A string, refused where it holds a lone UTF-16 surrogate (a `"\\ud800"` escape): no file name, voice or
+        model name can, and writing or printing it would fail later, far from the key."""
+        value = super().construct_yaml_str(node)
+        if not wire.is_unicode_text(value):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the string {value!r} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape), which "
+                "is not text", node.start_mark)
+        return value
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:str", _UniqueKeyLoader.construct_yaml_str)
 
 
 def deployment_from_dict(raw: Any, source: str = "<deployment>") -> Deployment:

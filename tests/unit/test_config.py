@@ -247,6 +247,10 @@ def test_gpus_a_placement_names_must_be_visible(monkeypatch):
     (b"max_concurrent_requests: " + b"9" * 5000 + b"\n", r"^bad.yaml: a value cannot be read: a number of more "
                                                            r"than 4300 digits$"),
     (b"", r"^bad.yaml: empty: a deployment is a mapping"),
+    # merged keys came in past the key check (a TypeError sorting them beside a string), and a lone surrogate in a
+    # string failed where it was written or printed (UnicodeEncodeError)
+    (b"name: x\n<<: {1: a}\nbogus: 1\n", r"(?s)not valid YAML: .*the key 1 \(merged in by '<<'\) is not a string"),
+    (b'name: x\ncheckpoint: "\\ud800x"\n', r"(?s)not valid YAML: .*holds a lone UTF-16 surrogate.*line 2"),
 ])
 def test_files_the_loader_cannot_read_are_one_line_refusals(tmp_path, body, rule):
     """Each gave a Python traceback from `mstar check` (a QA sweep, 2026-12-05)."""
