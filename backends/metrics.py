@@ -116,9 +116,8 @@ class ComponentMetrics:
                 counter.increment(float(total - self._totals[key]))
                 self._totals[key] = total
         for key, histogram in self._histograms.items():
-            samples = getattr(self._latency, key)
-            while samples:
-                histogram.observe(samples.popleft())
+            for value in self._latency.drain(key):
+                histogram.observe(value)
         self._sample_step_rate(int(stats.get("num_steps", 0)))
 
     def _sample_step_rate(self, num_steps: int) -> None:

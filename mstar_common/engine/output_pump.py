@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,7 +89,8 @@ class TextStream:
         if self.last_output is None:
             latency.ttft.append(now - self.arrival)
         else:
-            latency.itl.append((now - self.last_output) / num_tokens)  # a coalesced response spreads its gap
+            # a coalesced response spreads its gap over its tokens, each an ITL sample, as the clients count them
+            latency.itl.append(((now - self.last_output) / num_tokens, num_tokens))
         self.last_output = now
 
     def update(self, new_ids: list[int], finish: FinishReason | None) -> tuple[dict[str, np.ndarray], str | None]:
@@ -146,13 +147,26 @@ def pump_shards() -> int:
 
 
 class LatencySamples:
-    """Seconds, appended by the pump thread and drained by the metrics exporter (bounded: oldest dropped)."""
+    """Seconds, appended by the pump thread and drained by the metrics exporter (bounded: oldest dropped). An ITL
+    entry is (seconds per token, tokens): one response's gap, which stands for that many samples."""
 
     MAX_SAMPLES = 100_000
 
     def __init__(self) -> None:
         self.ttft: deque[float] = deque(maxlen=self.MAX_SAMPLES)
-        self.itl: deque[float] = deque(maxlen=self.MAX_SAMPLES)
+        self.itl: deque[tuple[float, int]] = deque(maxlen=self.MAX_SAMPLES)
+
+    def drain(self, name: str) -> Iterator[float]:
+        """The samples of series `name` queued so far, one per token for ITL, each taken off its queue."""
+        queue = getattr(self, name)
+        while queue:
+            sample = queue.popleft()
+            if isinstance(sample, tuple):
+                value, count = sample
+                for _ in range(count):
+                    yield value
+            else:
+                yield sample
 
 
 @dataclass(slots=True)

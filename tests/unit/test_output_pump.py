@@ -437,3 +437,27 @@ def test_tokens_queued_with_the_shutdown_that_complete_a_stop_end_the_stream_nor
     kind, message = cut.sent[-1]
     assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
     assert pump.num_streams == 0 and engine.cancelled == []
+
+
+def test_the_server_itl_is_one_sample_a_token_as_the_client_counts_it(monkeypatch):
+    """A response of k tokens after a gap g was one ITL sample of g/k (the histogram's mean weighted responses),
+    where the bench's client counts k samples of g/k: 1 token at 1 ms then 3 at 7 ms gave a server mean of 1.5 ms
+    beside a client mean of 1.75 ms for the same tokens."""
+    import pytest
+
+    from mstar_common.bench.metrics import RequestRecord
+    from mstar_common.engine import output_pump
+    from mstar_common.engine.output_pump import LatencySamples
+
+    clock = iter([0.0, 0.001, 0.007])
+    monkeypatch.setattr(output_pump.time, "monotonic", lambda: next(clock))
+    stream = TextStream("r", FakeSink(), None, None, 3)
+    stream.arrival = -0.002
+    latency = LatencySamples()
+    for tokens in (1, 1, 3):
+        stream.record_latency(latency, tokens)
+    assert list(latency.ttft) == [0.002]
+    itls = list(latency.drain("itl"))
+    assert itls == [0.001, 0.002, 0.002, 0.002] and not latency.itl
+    client = RequestRecord(start=-0.002, chunks=[(0.0, 1), (0.001, 1), (0.007, 3)])
+    assert itls == pytest.approx(client.itls()) and sum(itls) / len(itls) * 1e3 == pytest.approx(1.75)
