@@ -42,6 +42,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mstar_common.checkpoints import expand_home
+from mstar_common.config import is_finite_number
 from mstar_common.diffusion.diffusers_checkpoint import kernels_enabled, load_module
 from mstar_common.diffusion.image_options import LoraAdapter
 from mstar_common.safetensors_io import format_names, unreadable
@@ -257,20 +258,31 @@ def _split_keys(tensors: dict[str, torch.Tensor], layout: Layout, where: str) ->
 def _scaling_config(file: Path, header: dict[str, str], where: str) -> dict:
     """`lora_alpha`/`use_rslora`: from the file's `lora_adapter_metadata` header, else the first config beside it."""
     config: dict = {}
+    source = f"{file}'s lora_adapter_metadata header"
     if raw := header.get("lora_adapter_metadata"):
         try:
             meta = json.loads(raw)  # diffusers' pipeline save prefixes the keys with the component
         except ValueError as exc:
-            raise ValueError(f"{where}: {file}'s lora_adapter_metadata header is not JSON: {exc}") from None
+            raise ValueError(f"{where}: {source} is not JSON: {exc}") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{where}: {source} is not a JSON object")
         config = {key.removeprefix("transformer."): value for key, value in meta.items()}
     else:
         for name in _CONFIGS:
             if (file.parent / name).is_file():
+                source = str(file.parent / name)
                 try:
                     config = json.loads((file.parent / name).read_text())
                 except ValueError as exc:
-                    raise ValueError(f"{where}: {file.parent / name} is not JSON: {exc}") from None
+                    raise ValueError(f"{where}: {source} is not JSON: {exc}") from None
+                if not isinstance(config, dict):
+                    raise ValueError(f"{where}: {source} is not a JSON object")
                 break
+    # read into the scaling factor: a string alpha or use_rslora was a TypeError, or (a "false") rsLoRA on
+    if "lora_alpha" in config and not is_finite_number(config["lora_alpha"]):
+        raise ValueError(f"{where}: {source}: lora_alpha must be a number, got {config['lora_alpha']!r}")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ValueError(f"{where}: {source}: use_rslora must be true or false, got {config['use_rslora']!r}")
     if config.get("alpha_pattern"):
         raise ValueError(f"{where}: per-module alpha_pattern {config['alpha_pattern']} is not supported; merge it "
                          f"into per-module `<module>.alpha` tensors")

@@ -214,6 +214,26 @@ def test_adapters_for_something_else_are_refused_naming_the_file(checkpoint, tmp
         loader.check_lora(checkpoint, [LoraAdapter(path)])
 
 
+@pytest.mark.parametrize("config, rule", [
+    ('{"lora_alpha": "16"}', r"lora_alpha must be a number, got '16'"),  # was a TypeError
+    ('{"lora_alpha": null}', r"lora_alpha must be a number, got None"),
+    ('[1, 2]', r"is not a JSON object"),  # was an AttributeError
+    ('{"lora_alpha": 8, "use_rslora": "false"}', r"use_rslora must be true or false, got 'false'"),  # was rsLoRA on
+])
+def test_an_adapter_config_of_the_wrong_shape_is_refused_naming_the_file_and_key(checkpoint, tmp_path, good, config,
+                                                                                 rule):
+    fine = write(tmp_path / "cfg", good)
+    (tmp_path / "cfg" / "adapter_config.json").write_text(config)
+    with pytest.raises(ValueError, match=rf"^LoRA {fine}: {tmp_path / 'cfg' / 'adapter_config.json'}: {rule}$"
+                       if "JSON object" not in rule else rf"^LoRA {fine}: .*adapter_config.json {rule}$"):
+        loader.check_lora(checkpoint, [LoraAdapter(fine)])
+    header = tmp_path / "header" / "a.safetensors"
+    header.parent.mkdir()
+    save_file(good, header, metadata={"lora_adapter_metadata": config})
+    with pytest.raises(ValueError, match=rf"^LoRA {header}: {header}'s lora_adapter_metadata header"):
+        loader.check_lora(checkpoint, [LoraAdapter(str(header))])
+
+
 def test_an_unreadable_or_twice_named_adapter_is_refused_naming_the_file(checkpoint, tmp_path, good):
     """A Git LFS pointer (a LoRA repo cloned without git-lfs) escaped `mstar check` as safetensors' own error, a
     traceback naming neither the file nor the key; a bad adapter_config.json was refused without its path; and a
