@@ -162,11 +162,24 @@ class TritonPythonModel:
                 logger.error("[%s] %s", responder.request_id, exc)
                 responder.send_error(exc.message)  # the component logged the cause under this error id
         except Exception as exc:  # noqa: BLE001 - a fault in one walk must not take down the router
-            responder.send_server_error(exc)
+            if hops.is_abandoned or responder.is_cancelled():
+                # its client went first: a hop the board stopped ends without its output, which a walk may then
+                # trip over (whisper's language, never detected), and no one is left to tell
+                logger.info("[%s] client cancelled; its walk stopped (%s: %s)", responder.request_id,
+                            type(exc).__name__, exc)
+                responder.send_final()
+            else:
+                responder.send_server_error(exc)
         else:
+            hops.is_answered = True
             responder.send_final(outputs)
         finally:
             watch.cancel()
+            # A walk that ended without its answer (an error, its deadline, its client gone) leaves its other hops
+            # running shielded (send_hop): whisper's sibling windows decoded to their ends for nobody, holding
+            # decoder and cross-KV slots. The board stops them as for a client gone (none live: nothing posted).
+            if not hops.is_answered:
+                hops.abandon()
         if TIMINGS:
             logger.info("[%s] timing walk: %.1f ms", responder.request_id, (time.perf_counter() - started) * 1e3)
 
@@ -296,13 +309,14 @@ class Hops:
     each is on the server's cancel board until it ends (mstar_common/walk_cancel.py). A stream's hop ends on its
     reader thread, hence the lock."""
 
-    __slots__ = ("budget", "_live", "_lock", "is_abandoned", "_count")
+    __slots__ = ("budget", "_live", "_lock", "is_abandoned", "is_answered", "_count")
 
     def __init__(self, budget: Budget):
         self.budget = budget
         self._live: set[str] = set()
         self._lock = threading.Lock()
         self.is_abandoned = False
+        self.is_answered = False  # the walk returned its outputs (its hops in flight, if any, are still wanted)
         self._count = itertools.count()
 
     def new_id(self, walk_id: str, component: str) -> str:

@@ -1,0 +1,100 @@
+"""The walk router's handling of a walk's component requests ("hops") when the walk ends (backends/walk_router.py),
+with a stand-in for the backend's module: the cancel board is the only way to stop a hop in flight (Triton 2.51
+cannot cancel a BLS request), so every hop a walk leaves behind must be posted on it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+
+import pytest
+
+from mstar_common.walk_api import ComponentError
+from mstar_common.walk_cancel import CancelBoard
+
+
+@pytest.fixture()
+def router(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.delitem(sys.modules, "backends.walk_router", raising=False)
+    import backends.walk_router as module
+
+    board = CancelBoard(str(tmp_path / "board"))
+    monkeypatch.setattr(module, "walk_board", lambda: board)
+    monkeypatch.setattr(module, "request_inputs", lambda request, names: {})
+    return module, board
+
+
+class Responder:
+    request_id = "walk#1"
+
+    def __init__(self, cancelled=False):
+        self.sent, self.cancelled = [], cancelled
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def __getattr__(self, name):  # send_error, send_final, send_invalid, send_server_error
+        return lambda *args: self.sent.append((name, *args))
+
+
+class Walk:
+    """Opens hops (as send_hop does) and then ends as `ending` says, leaving them in flight."""
+
+    input_names = ()
+
+    def __init__(self, ending):
+        self.ending = ending
+
+    async def run(self, inputs, hops):
+        for window in range(3):
+            hops.opened(f"walk#1/decoder.{window}")
+        hops.ended("walk#1/decoder.0")
+        if isinstance(self.ending, BaseException):
+            raise self.ending
+        return self.ending
+
+
+def serve(module, walk, timeout_s=None, cancelled=False):
+    model = object.__new__(module.TritonPythonModel)
+    model.walk, model.num_refused, model.num_expired = walk, 0, 0
+    model._caller = lambda responder, received, hops: hops
+    responder = Responder(cancelled)
+    asyncio.run(model._serve_admitted(object(), responder, timeout_s))
+    return responder
+
+
+@pytest.mark.parametrize("ending, sent", [
+    (ComponentError("decoder", "engine step failed (error id 7)"), "send_error"),  # one window failed
+    (ComponentError("decoder", "overloaded: 64 requests in whisper_decoder already"), "send_error"),
+    (RuntimeError("a fault in the walk"), "send_server_error"),
+    (ValueError("file: the audio holds no samples"), "send_invalid"),
+])
+def test_a_walk_that_ends_without_its_answer_posts_its_hops_still_in_flight(router, ending, sent):
+    """Only a client gone posted them: after one whisper window failed, its sibling windows decoded to their ends
+    for nobody, holding decoder and cross-KV slots while the walk's window slots went to other uploads."""
+    module, board = router
+    responder = serve(module, Walk(ending))
+    assert responder.sent[0][0] == sent
+    assert board.is_posted("walk#1/decoder.1") and board.is_posted("walk#1/decoder.2")
+    assert not board.is_posted("walk#1/decoder.0")  # it had ended
+
+
+def test_a_walk_that_answers_leaves_its_hops_alone(router):
+    module, board = router
+    responder = serve(module, Walk({"text": "hi"}))
+    assert responder.sent == [("send_final", {"text": "hi"})]
+    assert not board.is_posted("walk#1/decoder.1") and not board.is_posted("walk#1/decoder.2")
+
+
+def test_a_walk_that_trips_over_a_hop_its_gone_client_stopped_ends_quietly(router, caplog):
+    """A hop the board stopped ends without its output; whisper's walk then raised a RuntimeError (window 0 ended
+    without a token, so no language) that was logged as a server fault with an error id, for every upload whose
+    client left before its language was detected."""
+    module, board = router
+    with caplog.at_level("INFO"):
+        responder = serve(module, Walk(RuntimeError("window 0's decode ended without a token")), cancelled=True)
+    assert responder.sent == [("send_final",)]
+    assert "client cancelled" in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert board.is_posted("walk#1/decoder.1")
