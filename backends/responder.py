@@ -182,6 +182,11 @@ def check_no_parameters(request) -> None:
     if unknown := sorted(key for key in params if not key.startswith("triton_") and key not in TRITON_PARAMETERS):
         raise ValueError(f"parameters.{unknown[0]}: unknown request parameter; the knobs are input tensors "
                          f"(docs/api.md lists them)")
+    # an HTTP generate body's `timeout` is the request's deadline (request_timeout_s): a string, a float or a
+    # negative one was dropped without a word, leaving the deployment's ceiling
+    if "timeout" in params and (isinstance(timeout := params["timeout"], bool) or not isinstance(timeout, int)
+                                or timeout < 0):
+        raise ValueError(f"parameters.timeout: must be whole microseconds >= 0 (0: none), got {timeout!r}")
 
 
 def client_request_id(request) -> str:

@@ -161,3 +161,19 @@ def test_the_cancel_board_exists_only_while_something_is_posted(tmp_path):
     board.clear("a/x.1")  # twice: nothing to do
     board.post("b/y.0")  # and back
     assert board.is_posted("b/y.0")
+
+
+@pytest.mark.parametrize("timeout", ['"5000000"', "5e6", "true", "-1", "null"])
+def test_a_malformed_timeout_parameter_is_refused_not_dropped(responder, timeout):
+    """An HTTP generate body's `timeout` (microseconds) is the request's deadline; a string, a float, a bool or a
+    negative one was dropped without a word, and the request ran to the deployment's ceiling."""
+
+    class WithParameters(Request):
+        def parameters(self):
+            return '{"timeout": %s}' % timeout
+
+    with pytest.raises(ValueError, match=r"^parameters\.timeout: must be whole microseconds >= 0"):
+        responder.check_no_parameters(WithParameters([]))
+    ok = type("Ok", (WithParameters,), {"parameters": lambda self: '{"timeout": 5000000}'})([])
+    responder.check_no_parameters(ok)
+    assert responder.request_timeout_s(ok) == 5.0
