@@ -225,8 +225,13 @@ def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
             return started
 
         try:
-            proxy = None if args.no_proxy else launch_proxy(stop)
+            # the supervisor already watches: one that gives up while the proxy starts ends the wait (the proxy's
+            # /health would answer 503 until --timeout, which was then blamed on the proxy)
+            proxy = None if args.no_proxy else launch_proxy(_RelaunchStop(stop, triton))
         except StopRequested:
+            if triton.is_failed:
+                print(f"[mstar] {triton.failure}; shutting down", file=sys.stderr)
+                return 1
             print("[mstar] stopped before the proxy was ready", flush=True)
             return 0
         except (RuntimeError, TimeoutError) as exc:
@@ -284,9 +289,9 @@ def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
 
 
 class _RelaunchStop:
-    """What a proxy relaunch's readiness wait stops at: a Ctrl-C or SIGTERM (`stop`), or tritonserver given up on by
-    its supervisor, after which the proxy's /health stays 503. It waited out --timeout (600 s) through both, serving
-    nothing, and then blamed the proxy."""
+    """What a proxy's readiness wait (its first start and each relaunch) stops at: a Ctrl-C or SIGTERM (`stop`), or
+    tritonserver given up on by its supervisor, after which the proxy's /health stays 503. It waited out --timeout
+    (600 s) through both, serving nothing, and then blamed the proxy."""
 
     def __init__(self, stop: threading.Event, triton) -> None:
         self._stop, self._triton = stop, triton

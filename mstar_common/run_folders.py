@@ -42,9 +42,14 @@ def make(prefix: str, keep: int) -> Path:
 def prune(root: Path, prefix: str, keep: int) -> list[Path]:
     """Delete the folders `root/<prefix>*` of stopped servers beyond the newest `keep` (by modification time);
     returns the deleted ones."""
-    stopped = [folder for folder in root.glob(f"{prefix}*") if folder.is_dir() and _SUFFIX.fullmatch(
-        folder.name[len(prefix):]) and _stopped(folder)]  # `mstar-a-` is not `mstar-a-b-`'s prefix here
-    stopped.sort(key=lambda folder: folder.stat().st_mtime, reverse=True)
+    dated = []
+    for folder in root.glob(f"{prefix}*"):  # `mstar-a-` is not `mstar-a-b-`'s prefix here
+        if folder.is_dir() and _SUFFIX.fullmatch(folder.name[len(prefix):]) and _stopped(folder):
+            try:
+                dated.append((folder.stat().st_mtime, folder))
+            except FileNotFoundError:  # another start of this deployment pruned it a moment ago
+                continue
+    stopped = [folder for _, folder in sorted(dated, key=lambda pair: pair[0], reverse=True)]
     for folder in stopped[keep:]:
         shutil.rmtree(folder, ignore_errors=True)
     return stopped[keep:]

@@ -112,7 +112,10 @@ def remove_stale_shm(shm_dir: Path = SHM_DIR) -> int:
             pass
         except PermissionError:
             continue
-        region.unlink(missing_ok=True)
+        try:
+            region.unlink(missing_ok=True)
+        except OSError:  # another user's region in the sticky /dev/shm: not ours to remove, and no reason to fail
+            continue
         removed += 1
     return removed
 

@@ -403,3 +403,57 @@ def test_a_proxy_relaunch_stops_waiting_when_triton_is_given_up_or_on_ctrl_c(tmp
     else:
         assert code == 1 and "tritonserver crash loop (simulated); shutting down" in out.err, out
         assert "did not come back" not in out.err
+
+
+def test_the_first_proxy_start_stops_waiting_when_triton_is_given_up(tmp_path, monkeypatch, capsys):
+    """The supervisor already watches while the proxy first starts: when it gave up on tritonserver then, the wait
+    for the proxy's /health (503 from then on) ran to --timeout and blamed the proxy. Tritonserver is faked; the
+    proxy never answers."""
+    import threading
+    import time
+
+    from mstar_common import cli, launcher, supervisor
+
+    ports = free_ports(4)
+    started = []
+
+    def proxy(dep, entry, ports_, log_path, host="127.0.0.1"):
+        log_path.write_text("")
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        start_new_session=True))
+        return started[-1]
+
+    class Triton:
+        def __init__(self, *args, **kwargs):
+            self.is_failed, self.failure = False, ""
+
+        def start(self, stop=None):
+            pass
+
+        def watch(self):
+            def later():
+                time.sleep(1.0)
+                self.failure, self.is_failed = "a stub died and server.restart_on_fault is off (simulated)", True
+            threading.Thread(target=later, daemon=True).start()
+
+        def stop(self, drain_s=None):
+            pass
+
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)
+    monkeypatch.setattr(supervisor, "TritonSupervisor", Triton)
+    monkeypatch.setattr(launcher, "start_proxy", proxy)
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    began = time.monotonic()
+    try:
+        code = cli.main(["serve", "qwen3", "--timeout", "60",
+                         *(f"--{n}={p}" for n, p in zip(names, ports, strict=True))])
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    out = capsys.readouterr()
+    assert code == 1 and time.monotonic() - began < 20, out  # not the 60 s of --timeout
+    assert "a stub died and server.restart_on_fault is off (simulated); shutting down" in out.err, out
+    assert "proxy not ready" not in out.err

@@ -21,6 +21,27 @@ def _folder(root, name, pid, age_s):
     return folder
 
 
+def test_a_folder_another_start_pruned_a_moment_ago_is_passed_over(tmp_path, monkeypatch):
+    """Two starts of one deployment prune at once: a folder the other removed between the glob and the sort raised
+    FileNotFoundError, and `mstar serve` refused to start."""
+    import shutil
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stopped = [_folder(tmp_path, f"mstar-q-{i:08d}", int(dead.stdout), age_s=100 + i) for i in range(3)]
+    judged = run_folders._stopped
+
+    def other_start_prunes(folder):
+        verdict = judged(folder)
+        if folder == stopped[1]:
+            shutil.rmtree(folder)  # the other process, between this one's check and its sort
+        return verdict
+
+    monkeypatch.setattr(run_folders, "_stopped", other_start_prunes)
+    assert run_folders.prune(tmp_path, "mstar-q-", 1) == [stopped[2]]
+    assert stopped[0].exists() and not stopped[2].exists()
+
+
 def test_the_oldest_stopped_folders_beyond_the_kept_number_are_deleted(tmp_path, monkeypatch):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
