@@ -24,6 +24,8 @@ def safetensors_files(folder: Path, stem: str = "model") -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if bad := [name for name in names if not isinstance(name, str) or not name]:
+                raise TypeError(f"weight_map's values are shard file names, got {bad[0]!r}")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, no weight_map, not a mapping
             raise ValueError(f"checkpoint {folder.name}: {index.name} is not a safetensors index "
                              f"({type(exc).__name__}: {exc})") from None

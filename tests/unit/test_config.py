@@ -531,3 +531,61 @@ def test_a_head_dim_the_attention_kernels_do_not_take_is_refused_before_serving(
         family.check_checkpoint(deployment_from_dict(_with(components__llm=on_gpu)), checkpoint, "test.yaml")
     for llm in ({**on_gpu, "attention_backend": "torch_static"}, {}):  # the torch backends, or the CPU: any
         family.check_checkpoint(deployment_from_dict(_with(components__llm=llm)), checkpoint, "test.yaml")
+
+
+@pytest.mark.parametrize("spoil, rule", [
+    # accepted, then every request failed in the encoder's position add
+    ("max_source_positions", r"max_source_positions=30 is not supported: the front end makes 3000 mel frames"),
+    # refused only as the components loaded, after the decoder's weights
+    ("generation_config", r"checkpoint ckpt: generation_config.json is required"),
+    ("preprocessor", r"checkpoint ckpt: .*sampling_rate"),
+])
+def test_a_whisper_checkpoint_the_components_would_refuse_is_refused_by_check(tmp_path, spoil, rule):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    family = get_family("whisper")
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints), checkpoint)
+    family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+    if spoil == "max_source_positions":
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps({**config, "max_source_positions": 30}))
+        for file in checkpoint.glob("*.safetensors"):
+            tensors = load_file(file)
+            tensors = {k: v[:30].clone() if k.endswith("encoder.embed_positions.weight") else v
+                       for k, v in tensors.items()}
+            save_file(tensors, file, metadata={"format": "pt"})
+    elif spoil == "generation_config":
+        (checkpoint / "generation_config.json").unlink()
+    else:
+        (checkpoint / "preprocessor_config.json").write_text(json.dumps({"sampling_rate": 8000}))
+    with pytest.raises((DeploymentError, ValueError), match=rule):
+        family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+
+
+def test_a_z_image_caption_encoder_its_component_would_refuse_is_refused_by_check(tmp_path):
+    """Its config was read only as the text encoder loaded: a scaled RoPE passed `mstar check`."""
+    import json
+    import shutil
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
+    family = get_family("z_image_turbo")
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints), checkpoint)
+    family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+    path = checkpoint / "text_encoder" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(DeploymentError, match=r"^test.yaml: rope_scaling.rope_type='yarn' is not supported"):
+        family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")

@@ -191,3 +191,35 @@ def test_a_bfloat16_codec_is_as_close_to_snac_as_snac_in_bfloat16(tmp_path):
         rounding = (copy.deepcopy(reference).to(torch.bfloat16).decode(codes).float() - want).abs().max()
         got = decoder(codes).float()
     assert got.shape == want.shape and (got - want).abs().max() <= 2 * rounding
+
+
+def test_a_codec_file_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path):
+    """The published codec ships pytorch_model.bin, which the pre-start header checks (safetensors only) passed: a
+    Git LFS pointer there failed at the codec's load with torch's UnpicklingError, naming no file and advising to
+    turn the safe loader off. `mstar check` now refuses it, and so does the load."""
+    import copy
+
+    import yaml
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.config import DeploymentError, deployment_from_dict
+    from mstar_common.families.orpheus.snac import check_codec_readable
+    from mstar_common.families.registry import get_family
+
+    config = {**SNAC_24KHZ, "decoder_dim": 64, "encoder_dim": 8}
+    _save(tmp_path, config, seed=3)
+    check_codec_readable(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\n")
+    rule = rf"{tmp_path / 'pytorch_model.bin'} is not a readable PyTorch checkpoint .*Git LFS pointer"
+    with pytest.raises(ValueError, match=rule):
+        load_snac_decoder(tmp_path)
+    raw = yaml.safe_load((CONFIGS / "orpheus.yaml").read_text())
+    raw.setdefault("model_kwargs", {})["codec_checkpoint"] = str(tmp_path)
+    family = get_family("orpheus")
+    checkpoint = resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints)
+    with pytest.raises(DeploymentError, match=rf"^t.yaml: model_kwargs.codec_checkpoint: {rule}"):
+        family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "t.yaml")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04 cut short")  # a zip's start, then nothing
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'pytorch_model.bin'} is not a readable PyTorch checkpoint"):
+        load_snac_decoder(tmp_path)

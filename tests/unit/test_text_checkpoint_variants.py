@@ -341,3 +341,16 @@ def test_a_generation_config_whose_sampling_values_break_the_rules_is_refused_by
     raw.update(checkpoint=str(path), model_kwargs={**raw["model_kwargs"], "generation_config": "ignore"})
     (tmp_path / "ignored.yaml").write_text(yaml.safe_dump(raw))
     assert cli.main(["check", str(tmp_path / "ignored.yaml")]) == 0
+
+
+@pytest.mark.parametrize("weight_map", [{"a": 1}, {"a": None}, {"a": ""}])
+def test_an_index_whose_weight_map_names_no_files_is_refused_naming_it(tmp_path, weight_map):
+    """Values that are not file names got past the index check (a bare TypeError joining a folder and an int),
+    which `mstar check` then reported as an unreadable config.json."""
+    from mstar_common.safetensors_io import safetensors_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not a safetensors index \(TypeError: "
+                                         r"weight_map's values are shard file names"):
+        safetensors_files(tmp_path)
+

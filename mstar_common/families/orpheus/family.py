@@ -104,12 +104,15 @@ class OrpheusFamily(Family):
         (its config.json, shards and tokenizer: what it does not build or cannot find is refused here, before
         anything starts)."""
         from mstar_common.families.llama.loader import read_llama_config
+        from mstar_common.families.orpheus.snac import check_codec_readable
 
         check_position_limit(dep, checkpoint, source)
         try:
-            codec_checkpoint(dep, checkpoint)
+            check_codec_readable(codec_checkpoint(dep, checkpoint))
         except DeploymentError as exc:
             raise DeploymentError(f"{source}: {exc}") from None
+        except (ValueError, FileNotFoundError) as exc:
+            raise DeploymentError(f"{source}: model_kwargs.codec_checkpoint: {exc}") from None
         check_lm_checkpoint(checkpoint, source, read_llama_config)
         check_kernel_head_dim(dep, checkpoint, "lm", source)
 

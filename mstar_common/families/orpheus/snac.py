@@ -268,16 +268,50 @@ def load_snac_decoder(path: str | Path, dtype: torch.dtype = torch.float32, devi
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
+def codec_weight_files(path: Path) -> list[Path]:
+    """The SNAC checkpoint's weight files: its `*.safetensors`, else its `pytorch_model.bin` (the published
+    hubertsiuzdak/snac_24khz ships the latter)."""
+    if files := sorted(path.glob("*.safetensors")):
+        return files
     bin_path = path / "pytorch_model.bin"
     if not bin_path.is_file():
         raise FileNotFoundError(f"SNAC checkpoint {path.name}: no *.safetensors or pytorch_model.bin")
-    return torch.load(bin_path, map_location="cpu", weights_only=True)
+    return [bin_path]
+
+
+def check_codec_readable(path: Path) -> None:
+    """A ValueError naming the first weight file that is not what it says (a Git LFS pointer, a cut download),
+    from its first bytes: torch's own refusal of such a .bin names no file and advises turning its safe loader
+    off."""
+    from mstar_common.safetensors_io import check_readable
+
+    files = codec_weight_files(path)
+    if files[0].suffix == ".safetensors":
+        check_readable(files)
+        return
+    with open(files[0], "rb") as f:
+        head = f.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a legacy pickle
+        raise ValueError(f"{files[0]} is not a readable PyTorch checkpoint (it starts {head!r}); a Git LFS "
+                         "pointer or an unfinished download?")
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    from mstar_common.safetensors_io import open_safetensors
+
+    files = codec_weight_files(path)
+    if files[0].suffix == ".safetensors":
+        state = {}
+        for file in files:
+            with open_safetensors(file) as reader:
+                state.update({key: reader.get_tensor(key) for key in reader.keys()})  # noqa: SIM118
+        return state
+    check_codec_readable(path)
+    try:
+        return torch.load(files[0], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a cut zip, a pickle of something else: the file's fault
+        raise ValueError(f"{files[0]} is not a readable PyTorch checkpoint ({type(exc).__name__}: "
+                         f"{str(exc)[:200]})") from None
 
 
 def _fold_weight_norm(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

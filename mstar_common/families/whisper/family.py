@@ -116,7 +116,11 @@ class WhisperFamily(Family):
     def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
         from mstar_common.families.whisper.loader import read_config
 
-        check_max_model_len(dep, read_config(checkpoint)[0].max_target_positions, "max_target_positions", source)
+        config = read_config(checkpoint)[0]
+        check_max_model_len(dep, config.max_target_positions, "max_target_positions", source)
+        # what the components would refuse at load, after the decoder's weights: known from the files now
+        read_tokens(checkpoint)
+        frontend_config(checkpoint, config.num_mel_bins)
 
     def kv_shape(self, checkpoint: Path) -> tuple[int, int, int]:
         """The decoder's self-attention pool (the cross-attention slots are apart from it)."""
@@ -189,18 +193,28 @@ def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: st
                                                           options.logprob_threshold, options.no_speech_threshold)))
 
 
+def frontend_config(checkpoint: Path, num_mel_bins: int):
+    """The checkpoint's log-mel front end (preprocessor_config.json; Whisper's standard one where there is none),
+    refused where it is not the standard one."""
+    from mstar_common.families.whisper.frontend import FrontEndConfig
+
+    pre_path = checkpoint / "preprocessor_config.json"
+    try:
+        preprocessor = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
+        if not isinstance(preprocessor, dict):
+            raise ValueError("preprocessor_config.json is not a JSON object")
+        return FrontEndConfig.from_hf(preprocessor, num_mel_bins)
+    except ValueError as exc:  # json's JSONDecodeError is one
+        raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
+
+
 def _encoder(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: str):
     from mstar_common.families.whisper.components import EncoderComponent
-    from mstar_common.families.whisper.frontend import FrontEndConfig, LogMelFrontEnd
+    from mstar_common.families.whisper.frontend import LogMelFrontEnd
     from mstar_common.families.whisper.loader import load_encoder, read_config
 
     config, _ = read_config(checkpoint)
-    pre_path = checkpoint / "preprocessor_config.json"
-    preprocessor = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
-    try:
-        frontend = LogMelFrontEnd(FrontEndConfig.from_hf(preprocessor, config.num_mel_bins), device)
-    except ValueError as exc:
-        raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
+    frontend = LogMelFrontEnd(frontend_config(checkpoint, config.num_mel_bins), device)
     model = load_encoder(checkpoint, options.dtype_for(device), device)
     cuda_graphs = dep.components["encoder"].cuda_graphs and device.startswith("cuda")
     return EncoderComponent(model, frontend, device, options.encoder_max_batch, cuda_graphs=cuda_graphs)

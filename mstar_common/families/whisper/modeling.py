@@ -69,6 +69,12 @@ class WhisperConfig:
         for name, heads in (("encoder", out.encoder_attention_heads), ("decoder", out.decoder_attention_heads)):
             if out.d_model % heads:
                 raise ValueError(f"d_model ({out.d_model}) must be a multiple of {name}_attention_heads ({heads})")
+        from mstar_common.families.whisper.frontend import N_FRAMES
+
+        if out.num_frames != N_FRAMES:  # accepted, every request then failed in the encoder's position add
+            raise ValueError(f"max_source_positions={out.max_source_positions} is not supported: the front end makes "
+                             f"{N_FRAMES} mel frames (30 s), which the encoder's convolutions take to "
+                             f"{N_FRAMES // 2} positions")
         return out
 
     @property

@@ -22,6 +22,15 @@ class ZImageTurboFamily(ImageFamily):
     def grid_multiple(self, checkpoint: Path) -> int:
         return _multiple(checkpoint)
 
+    def check_checkpoint(self, dep: Deployment, checkpoint: Path, source: str) -> None:
+        """The image rules, and the caption encoder's config as its component reads it at load (a scaled RoPE
+        it does not build, a width the transformer does not take), known from the files before anything starts."""
+        super().check_checkpoint(dep, checkpoint, source)
+        try:
+            _check_text_encoder(checkpoint)
+        except (ValueError, DeploymentError) as exc:
+            raise DeploymentError(f"{source}: {exc}") from None
+
     def builders(self) -> dict[str, Builder]:
         return {"walk": _walk, "text_encoder": _text_encoder, "denoise": _denoise, "vae_decode": _vae_decode}
 
@@ -31,6 +40,15 @@ def _multiple(checkpoint: Path) -> int:
     from mstar_common.families.z_image_turbo.loader import transformer_config, vae_config
 
     return vae_config(checkpoint).scale_factor * transformer_config(checkpoint).patch_size
+
+
+def _check_text_encoder(checkpoint: Path) -> None:
+    from mstar_common.families.z_image_turbo.loader import text_encoder_config, transformer_config
+
+    width, cap_dim = text_encoder_config(checkpoint).hidden_size, transformer_config(checkpoint).cap_feat_dim
+    if width != cap_dim:
+        raise DeploymentError(f"checkpoint: text_encoder hidden_size={width} does not match the transformer's "
+                              f"cap_feat_dim={cap_dim}")
 
 
 def _walk(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
@@ -45,12 +63,9 @@ def _walk(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device
 
 def _text_encoder(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
     from mstar_common.families.z_image_turbo.components import TextEncoderComponent
-    from mstar_common.families.z_image_turbo.loader import load_text_encoder, text_encoder_config, transformer_config
+    from mstar_common.families.z_image_turbo.loader import load_text_encoder
 
-    width, cap_dim = text_encoder_config(checkpoint).hidden_size, transformer_config(checkpoint).cap_feat_dim
-    if width != cap_dim:
-        raise DeploymentError(f"checkpoint: text_encoder hidden_size={width} does not match the transformer's "
-                              f"cap_feat_dim={cap_dim}")
+    _check_text_encoder(checkpoint)
     model = load_text_encoder(checkpoint, options.dtype_for(device), device)
     runtime = TextEncoderComponent(model, device, options.text_encoder_max_batch)
     if image_family.captures(dep, "text_encoder", device):
