@@ -21,13 +21,16 @@ timestamped requests stream a window's text once it is kept. Untimed requests de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from mstar_common import wire
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.families.text import max_token_bytes
 from mstar_common.families.whisper import graph as g
@@ -48,7 +51,7 @@ from mstar_common.families.whisper.decoding import (
     split_segments,
 )
 from mstar_common.families.whisper.requests import TranscriptionRequest, parse_request
-from mstar_common.walk_api import Call
+from mstar_common.walk_api import Call, ComponentError
 
 CallStream = Callable[[str, dict[str, Any]], AsyncIterator[dict[str, Any]]]
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -97,6 +100,9 @@ class WalkOptions:
     # an admitted upload's windows wait here rather than being refused by the decoder's own admission (a 429)
     max_windows_in_flight: int = 16
     fallback: FallbackRules = FallbackRules()  # timestamped requests without a temperature
+    # admission.queue_timeout_s: the longest an upload waits for its first window slot (the decoder's own queue
+    # never fills, since the walk holds its load to the decoder's cap); None: no limit
+    queue_timeout_s: float | None = None
 
 
 class WhisperWalk:
@@ -168,6 +174,33 @@ class _Transcription:
         self.is_live = not req.timestamps
         self.any_text = False
         self.num_tokens = 0
+        queue_timeout_s = walk.options.queue_timeout_s
+        self.queue_deadline = time.monotonic() + queue_timeout_s if queue_timeout_s else None
+        self.is_admitted = False  # one of its windows has had a slot: it is served, no longer waiting
+
+    @contextlib.asynccontextmanager
+    async def _window_slot(self) -> AsyncIterator[None]:
+        """One of the walk's window slots, for one component call. Until the upload's first call has one, the
+        upload is waiting for admission, at most `queue_timeout_s` from its arrival: then it ends as a queue wait
+        does in a component (`unavailable:`, the proxy's 503 with Retry-After), not at the request's deadline."""
+        slots = self.walk.windows
+        if self.is_admitted or self.queue_deadline is None or not slots.locked():
+            await slots.acquire()
+        else:
+            try:
+                await asyncio.wait_for(slots.acquire(), max(0.0, self.queue_deadline - time.monotonic()))
+            except TimeoutError:
+                if not self.is_admitted:
+                    waited = self.walk.options.queue_timeout_s
+                    raise ComponentError("walk", f"{wire.UNAVAILABLE_PREFIX}the upload waited {waited:g} s for "
+                                                 f"admission (queue_timeout_s={waited:g}): every decoder slot of "
+                                                 "this walk is busy; retry later") from None
+                await slots.acquire()  # another of its windows got in meanwhile: this one is served, and waits
+        self.is_admitted = True
+        try:
+            yield
+        finally:
+            slots.release()
 
     async def run(self) -> AsyncIterator[dict[str, np.ndarray]]:
         tasks = [asyncio.create_task(self._decode_window(i, r)) for i, r in enumerate(self.results)]
@@ -213,7 +246,7 @@ class _Transcription:
                 window = result.window
                 # Each component call holds one of the walk's window slots while it runs, never while it waits
                 # for another window (the language), so no upload's windows can hold every slot and wait.
-                async with self.walk.windows:
+                async with self._window_slot():
                     encoded = await self.call("encoder", {g.AUDIO_PCM: self.pcm[window.start: window.end]})
                 source = encoded[g.ENCODER_OUTPUT]
                 temperatures = self._temperatures()
@@ -222,7 +255,7 @@ class _Transcription:
                     # Detection reads <|startoftranscript|> alone (as transformers' detect_language), not the
                     # prompt, and takes the most likely language (argmax, as OpenAI Whisper and transformers do),
                     # never a draw at the request's temperature: so it is its own one-token greedy decode here.
-                    async with self.walk.windows:
+                    async with self._window_slot():
                         await self._detect_language(source)
                     detects = False
                 language = None if detects else await self.language
@@ -232,7 +265,7 @@ class _Transcription:
                         language = self.language.result()  # a retry keeps it instead of drawing it again
                     prompt = build_prompt(self.tokens, language=language, task=self.req.task,
                                           timestamps=self.req.timestamps, prompt_ids=self.req.prompt_ids)
-                    async with self.walk.windows:
+                    async with self._window_slot():
                         free, finish, scores = await self._decode(index, result, source, prompt, temperature)
                     text = self.walk.tokenizer.decode(self.tokens.text_ids(free), skip_special_tokens=True).strip()
                     if temperature == temperatures[-1] or not rules.needs_fallback(text, scores):

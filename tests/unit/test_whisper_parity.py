@@ -677,3 +677,33 @@ def test_the_encoder_buckets_give_the_encoders_output_and_transformers(local, re
         features = extractor(windows, sampling_rate=SR, return_tensors="pt").input_features
         theirs = model.model.encoder(features).last_hidden_state
     torch.testing.assert_close(plain, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_an_upload_that_waits_past_queue_timeout_for_a_window_slot_is_refused_as_a_queue_wait(local, monkeypatch):
+    """The walk holds the decoder's load to its cap, so the decoder's queue never fills and its queue-wait limit
+    never fired: an upload waited on the walk's window slots, with no limit, until the request's deadline (a 504 at
+    600 s where the docs promise a 503 at admission.queue_timeout_s)."""
+    import time
+    from dataclasses import replace
+
+    from mstar_common import wire
+    from mstar_common.walk_api import ComponentError
+
+    monkeypatch.setattr(local.walk, "options", replace(local.walk.options, queue_timeout_s=0.3))
+
+    async def go():
+        slots = asyncio.Semaphore(1)
+        monkeypatch.setattr(local.walk, "windows", slots)
+        await slots.acquire()  # another upload holds the walk's only window slot
+        began = time.monotonic()
+        with pytest.raises(ComponentError) as info:  # (a TimeoutError, not a hang, where nothing limits the wait)
+            await asyncio.wait_for(local.transcribe(audio=wav(clip(0, 45))), 10)  # two windows, both waiting
+        assert time.monotonic() - began < 5
+        assert wire.error_class(info.value.message) == wire.UNAVAILABLE_PREFIX
+        assert "the upload waited 0.3 s for admission (queue_timeout_s=0.3)" in info.value.message
+        slots.release()
+        served = asyncio.create_task(local.transcribe(audio=wav(clip(0, 45))))
+        await asyncio.sleep(0.6)  # past the limit while served: its later windows wait for slots as they come
+        assert (await served)["finish_reason"] in ("stop", "length")
+
+    asyncio.run(go())

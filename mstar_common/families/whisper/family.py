@@ -190,7 +190,8 @@ def _walk(dep: Deployment, options: WhisperOptions, checkpoint: Path, device: st
     return WhisperWalk(tokenizer, tokens,
                        WalkOptions(limits, options.max_parallel_windows, max_windows_in_flight=in_flight,
                                    fallback=FallbackRules(options.compression_ratio_threshold,
-                                                          options.logprob_threshold, options.no_speech_threshold)))
+                                                          options.logprob_threshold, options.no_speech_threshold),
+                                   queue_timeout_s=dep.admission.queue_timeout_s))
 
 
 def frontend_config(checkpoint: Path, num_mel_bins: int):
