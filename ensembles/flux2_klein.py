@@ -64,7 +64,7 @@ class Flux2KleinWalk(ImageWalk):
         if g.REFERENCE_IMAGES in inputs:
             req.references = [bytes(v) for v in inputs[g.REFERENCE_IMAGES].reshape(-1)]
         if len(req.references) > self.options.max_reference_images:
-            raise ValueError(f"image: at most {self.options.max_reference_images} reference images, "
+            raise ValueError(f"{g.REFERENCE_IMAGES}: at most {self.options.max_reference_images} reference images, "
                              f"got {len(req.references)}")
         return req
 
@@ -81,7 +81,7 @@ class Flux2KleinWalk(ImageWalk):
     # reference images
 
     def prepare_references(self, uploads: list[bytes]) -> list[np.ndarray]:
-        return [self.prepare_reference(data, f"image[{i}]") for i, data in enumerate(uploads)]
+        return [self.prepare_reference(data, f"{g.REFERENCE_IMAGES}[{i}]") for i, data in enumerate(uploads)]
 
     def prepare_reference(self, data: bytes, field: str) -> np.ndarray:
         from PIL import Image

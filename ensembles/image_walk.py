@@ -76,11 +76,12 @@ class ImageWalk:
             raise ValueError("prompt: required and must not be empty")
         check_text_fits(prompt, "prompt", self.text_tokens, self.max_prompt_bytes)  # before the tokenizer sees it
         width, height = integer(inputs, g.WIDTH), integer(inputs, g.HEIGHT)
+        # refusals name the walk's own inputs (a direct Triton client's); the proxy renames them (n, size, ...)
         if (width is None) != (height is None):
-            raise ValueError("size: give both width and height, or neither")
+            raise ValueError(f"{g.WIDTH if width is None else g.HEIGHT}: give both width and height, or neither")
         if width is not None:
-            check_geometry(width, height, self.multiple, opts.max_image_area)
-        num_images = ranged(inputs, g.NUM_IMAGES, "n", 1, opts.max_images_per_request, 1)
+            check_geometry(width, height, self.multiple, opts.max_image_area, field=g.WIDTH)
+        num_images = ranged(inputs, g.NUM_IMAGES, g.NUM_IMAGES, 1, opts.max_images_per_request, 1)
         steps = ranged(inputs, g.NUM_STEPS, "num_inference_steps", 1, opts.max_inference_steps,
                        opts.default_num_inference_steps)
         seed = ranged(inputs, g.SEED, "seed", 0, MAX_SEED, None)
@@ -88,7 +89,7 @@ class ImageWalk:
                                 integer(inputs, g.COMPRESSION))
         if width is not None:
             self.check_size(width, height)
-            check_format_size(width, height, output.format)
+            check_format_size(width, height, output.format, field=g.WIDTH)
         return ImageRequest(prompt, width, height, num_images, secrets.randbelow(MAX_SEED) if seed is None else seed,
                             steps, output)
 

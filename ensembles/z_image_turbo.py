@@ -31,7 +31,7 @@ class ZImageTurboWalk(ImageWalk):
         """Sizes past the DiT's RoPE tables were never trained: refused here, before the text encoder runs (the
         denoise component refuses them too)."""
         if self.max_sides is not None and (width > self.max_sides[0] or height > self.max_sides[1]):
-            raise ValueError(f"size: {width}x{height} exceeds this checkpoint's RoPE range of "
+            raise ValueError(f"{g.WIDTH}: {width}x{height} exceeds this checkpoint's RoPE range of "
                              f"{self.max_sides[0]}x{self.max_sides[1]}")
 
     async def run(self, inputs: dict[str, np.ndarray], call: Call) -> dict[str, np.ndarray]:
@@ -49,8 +49,8 @@ class ZImageTurboWalk(ImageWalk):
 
     def parse(self, inputs: dict[str, np.ndarray]) -> ImageRequest:
         if g.REFERENCE_IMAGES in inputs and np.asarray(inputs[g.REFERENCE_IMAGES]).size:
-            raise ValueError("image: z_image_turbo is text-to-image only (no reference-image conditioning); "
-                             "use /v1/images/generations without images")
+            raise ValueError(f"{g.REFERENCE_IMAGES}: z_image_turbo is text-to-image only (no reference-image "
+                             "conditioning); use /v1/images/generations without images")
         req = self.parse_common(inputs)
         if req.width is None:
             req.width, req.height = self.default_size()

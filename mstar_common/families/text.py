@@ -87,12 +87,14 @@ class TextLMRuntime:
 
     def parse_request(self, inputs: dict[str, np.ndarray]) -> TextRequest:
         prompt_ids = self._prompt_ids(inputs)
+        # named as the input that held it (a direct Triton client sent that tensor; the proxy renames it)
+        field = next(name for name in (wire.MESSAGES, wire.TEXT_INPUT, wire.INPUT_IDS) if name in inputs)
         if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
+            raise ValueError(f"{field}: must not be empty")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len={self.max_model_len}"
+                f"{field}: {len(prompt_ids)} tokens leave no room for output within max_model_len={self.max_model_len}"
             )
         cap = room if self.default_max_tokens is None else min(self.default_max_tokens, room)
         params = sampling_params_from_inputs(inputs, default_max_tokens=cap,

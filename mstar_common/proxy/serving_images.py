@@ -94,7 +94,7 @@ class ImageFields(BaseModel):
 # the client's names of the fields
 
 # The OpenAI routes: the entry model's names (and those of its refusals) as the client sent them.
-OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size"}
+OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size", "reference_images": "image"}
 _KNOBS = ("n", "seed", "num_inference_steps", "size", "output_format", "image_output_format", "png_compress_level",
           "output_compression", "response_format", *_REFUSED)
 
@@ -105,7 +105,7 @@ def native_names(sent_width: bool, sent_num_images: bool = False) -> dict[str, s
     size = "model_kwargs.width" if sent_width else "model_kwargs.size"
     count = "model_kwargs.num_images" if sent_num_images else "model_kwargs.n"
     return {**{knob: f"model_kwargs.{knob}" for knob in _KNOBS}, "prompt": "text", "num_images": count, "n": count,
-            "size": size, "width": size, "height": size, "image": "files"}
+            "size": size, "width": size, "height": size, "image": "files", "reference_images": "files"}
 
 
 # request -> Triton tensors

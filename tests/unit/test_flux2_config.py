@@ -125,11 +125,11 @@ def test_prompt_is_padded_to_512_and_never_truncated(walk):
 
 @pytest.mark.parametrize("inputs,message", [
     ({}, "prompt: required"),
-    ({"width": np.array([64], np.int32)}, "give both width and height"),
-    ({"num_images": np.array([5], np.int32)}, "n: must be in"),
+    ({"width": np.array([64], np.int32)}, "^height: give both width and height"),  # the walk's own input names
+    ({"num_images": np.array([5], np.int32)}, "^num_images: must be in"),
     ({"seed": np.array([-1], np.int64)}, "seed: must be in"),
     ({"num_inference_steps": np.array([51], np.int32)}, "num_inference_steps"),
-    ({"reference_images": np.array([b"x"] * 5, dtype=object)}, "at most 4 reference images"),
+    ({"reference_images": np.array([b"x"] * 5, dtype=object)}, "^reference_images: at most 4 reference images"),
     ({"output_format": np.array([b"bmp"], dtype=object)}, "output_format"),
 ])
 def test_walk_parse_refusals(walk, inputs, message):

@@ -277,13 +277,15 @@ def test_encode_round_trips_each_format():
 
 
 @pytest.mark.parametrize("route, body, refusal, param", [
-    ("/v1/images/generations", {"prompt": "x", "n": 9}, "n: must be in [1, 4], got 9", "n"),
-    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"n": 9}}, "n: must be in [1, 4], got 9",
+    # the walk names its own inputs (num_images, width, reference_images[i]), as a direct Triton client sent them
+    ("/v1/images/generations", {"prompt": "x", "n": 9}, "num_images: must be in [1, 4], got 9", "n"),
+    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"n": 9}}, "num_images: must be in [1, 4], got 9",
      "model_kwargs.n"),
-    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"size": "96x80"}}, "size: 96x80 is too large",
+    ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"size": "96x80"}}, "width: 96x80 is too large",
      "model_kwargs.size"),
     ("/generate", {"model": "klein", "text": "x", "model_kwargs": {"width": 96, "height": 80}},
-     "size: 96x80 is too large", "model_kwargs.width"),
+     "width: 96x80 is too large", "model_kwargs.width"),
+    ("/v1/images/generations", {"prompt": "x", "size": "96x80"}, "width: 96x80 is too large", "size"),
     ("/generate", {"model": "klein", "text": "x"}, "prompt: too long", "text"),
 ])
 def test_the_models_refusals_name_the_field_as_the_client_sent_it(route, body, refusal, param):
@@ -346,7 +348,7 @@ def test_guidance_scale_zero_is_what_runs_and_passes(value):
 def test_native_generate_names_the_uploads_files_and_takes_a_forms_streaming_flag():
     """/generate's uploads are `files` (docs/flux2_klein.md): too many, or one the model cannot read, was a 400
     naming `image`/`image[0]`, fields the client never sent."""
-    http, fake = client([TritonInvalidRequest("image[0]: not a readable image")])
+    http, fake = client([TritonInvalidRequest("reference_images[0]: not a readable image")])
     five = [("files", ("a.png", png(), "image/png"))] * 5
     error = http.post("/generate", data={"text": "x"}, files=five).json()["error"]
     assert error["param"] == "files" and error["message"].startswith("'files': at most 4 reference images")
@@ -356,6 +358,10 @@ def test_native_generate_names_the_uploads_files_and_takes_a_forms_streaming_fla
     error = http.post("/v1/images/edits", data={"prompt": "x"},
                       files=[("image[]", ("a.png", png(), "image/png"))] * 5).json()["error"]
     assert error["param"] == "image"
+    http, fake = client([TritonInvalidRequest("reference_images[0]: not a readable image")])
+    error = http.post("/v1/images/edits", data={"prompt": "x"},
+                      files=[("image[]", ("a.png", png(), "image/png"))]).json()["error"]
+    assert error["param"] == "image[0]" and error["message"] == "image[0]: not a readable image"
     http, fake = client()
     for value, status in (("false", 200), ("true", 400), ("maybe", 400)):
         reply = http.post("/generate", data={"text": "x", "streaming": value}, files=five[:1])

@@ -354,3 +354,22 @@ def test_an_index_whose_weight_map_names_no_files_is_refused_naming_it(tmp_path,
                                          r"weight_map's values are shard file names"):
         safetensors_files(tmp_path)
 
+
+def test_a_prompt_refusal_names_the_input_that_held_it(tmp_path):
+    """The component said `prompt: ...`, a name no direct Triton client sends (the proxy renames it to the client's
+    field either way)."""
+    import numpy as np
+
+    from mstar_common import wire
+
+    runtime = _runtime(build(tmp_path / "ckpt", "qwen3"), "qwen3")
+    try:
+        with pytest.raises(ValueError, match=r"^input_ids: must not be empty$"):
+            runtime.parse_request({wire.INPUT_IDS: np.zeros(0, np.int32)})
+        with pytest.raises(ValueError, match=r"^text_input: must not be empty$"):
+            runtime.parse_request({wire.TEXT_INPUT: np.array([b""], dtype=object)})
+        long_text = np.array([("hello " * runtime.max_model_len).encode()], dtype=object)
+        with pytest.raises(ValueError, match=r"^text_input: \d+ tokens leave no room for output"):
+            runtime.parse_request({wire.TEXT_INPUT: long_text})
+    finally:
+        runtime.engine.shutdown()

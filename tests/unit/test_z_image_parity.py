@@ -207,7 +207,7 @@ def family_options(dep):
     ({"reference_images": np.array([b"png"], dtype=object)}, "text-to-image only"),
     ({"width": np.array([100], np.int32), "height": np.array([64], np.int32)}, "multiples of 16"),
     ({"num_inference_steps": np.array([0], np.int32)}, "num_inference_steps: must be in [1, 50]"),
-    ({"num_images": np.array([5], np.int32)}, "n: must be in [1, 4]"),
+    ({"num_images": np.array([5], np.int32)}, "num_images: must be in [1, 4]"),  # the walk's own input names
 ])
 def test_walk_refusals_name_the_rule(checkpoint, inputs, rule):
     walk = ZImageTurboFamily().build_component("walk", tiny_deployment(checkpoint), checkpoint, "cpu")
@@ -224,10 +224,10 @@ def test_the_walk_refuses_sizes_past_the_rope_range_and_the_formats_sides(checkp
                                                checkpoint, "cpu")
     size = lambda w, h: {"width": np.array([w], np.int32), "height": np.array([h], np.int32)}  # noqa: E731
     assert walk.parse({**request("a cat"), **size(512, 64)}).width == 512
-    with pytest.raises(ValueError, match=r"size: 528x64 exceeds this checkpoint's RoPE range of 512x512"):
+    with pytest.raises(ValueError, match=r"^width: 528x64 exceeds this checkpoint's RoPE range of 512x512"):
         walk.parse({**request("a cat"), **size(528, 64)})
     walk.max_sides = None  # the format's own limit, past any RoPE range
-    with pytest.raises(ValueError, match=r"size: 16384x16 is too large for output_format 'webp': webp images are "
+    with pytest.raises(ValueError, match=r"^width: 16384x16 is too large for output_format 'webp': webp images are "
                                          r"at most 16383 px a side"):
         walk.parse({**request("a cat"), **size(16384, 16), "output_format": np.array([b"webp"], dtype=object)})
     assert walk.parse({**request("a cat"), **size(16384, 16)}).width == 16384  # png has no such limit
