@@ -76,7 +76,8 @@ def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.
 
 def declared_frames(data: bytes, info_frames: int) -> tuple[int, int] | None:
     """(the sample frames a file's own header says it holds, where that can be trusted; the shortfall its format
-    allows), or None where there is no such claim. libsndfile reads a cut AIFF or MP3 silently, as the frames that are there:
+    allows), or None where there is no such claim. libsndfile reads a cut AIFF or MP3 silently, as the frames that
+    are there:
     - AIFF/AIFC: the COMM chunk's count (libsndfile reports what the data chunk holds instead);
     - MP3 with a Xing, Info or VBRI header: the header's count, which libsndfile reports (without one the count is
       an estimate from the file's size, right for a cut file too); one MPEG frame (1,152 samples) of slack.
