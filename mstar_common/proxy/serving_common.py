@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, unquote_plus
 from fastapi import Request
 from starlette.datastructures import FormData
 
-from mstar_common.proxy.errors import APIError, from_exception, invalid_request
+from mstar_common.proxy.errors import APIError, from_exception, invalid_request, parse_json
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
 if TYPE_CHECKING:
@@ -76,6 +76,20 @@ def _check_multipart_closed(body: bytes, content_type: str) -> None:
 
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+MODALITY_FIELDS = ("input_modalities", "output_modalities")  # list fields: a form may repeat them
+
+
+def form_modalities(values: list[str], field: str) -> list[str]:
+    """A modalities list sent in a form: the field repeated (httpx sends a list so), a JSON list, or
+    comma-separated names, the same on every /generate path."""
+    out: list[Any] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            parsed = parse_json(value, field, param=field)
+            out.extend(parsed if isinstance(parsed, list) else [parsed])
+        else:
+            out.extend(v.strip() for v in value.split(",") if v.strip())
+    return out
 
 
 async def requested_model(request: Request) -> Any:

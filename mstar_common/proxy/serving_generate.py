@@ -20,9 +20,11 @@ from mstar_common.proxy import protocol, serving_images, serving_speech, serving
 from mstar_common.proxy.errors import from_pydantic, invalid_request, parse_json
 from mstar_common.proxy.serving_common import (
     FORM_TYPES,
+    MODALITY_FIELDS,
     Completion,
     ServingContext,
     form_bool,
+    form_modalities,
     generate_model,
     read_utf8_form,
     requested_model,
@@ -32,7 +34,7 @@ from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
 router = APIRouter()
 
-_LIST_FIELDS = ("input_modalities", "output_modalities")
+_LIST_FIELDS = MODALITY_FIELDS
 TEXT_MODALITIES = ["text"]
 
 
@@ -46,21 +48,6 @@ def _json_object(raw: str | bytes, field: str) -> dict[str, Any]:
     return value
 
 
-def _form_modalities(values: list[str], field: str) -> list[str]:
-    out: list[str] = []
-    for value in values:
-        if value.lstrip().startswith("["):
-            out.extend(_json_list(value, field))
-        else:
-            out.extend(v.strip() for v in value.split(",") if v.strip())
-    return out
-
-
-def _json_list(value: str, field: str) -> list[Any]:
-    parsed = parse_json(value, field, param=field)
-    return parsed if isinstance(parsed, list) else [parsed]
-
-
 async def _form_fields(request: Request, kind: str) -> dict[str, Any]:
     form = await read_utf8_form(request)
     fields: dict[str, Any] = {}
@@ -70,7 +57,7 @@ async def _form_fields(request: Request, kind: str) -> dict[str, Any]:
             raise invalid_request(f"'{key}': media uploads are not supported: the model is a {kind} model (uploads go "
                                   "to transcription and image models)", param=key)
         if key in _LIST_FIELDS:
-            fields[key] = _form_modalities(values, key)
+            fields[key] = form_modalities(values, key)
         elif len(values) > 1:
             raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
         elif key == "streaming":
@@ -143,6 +130,9 @@ async def generate(request: Request):
     # A 404 naming an unknown model, and the 400 of one left out where several are served, before the body's parse
     # as a text model's (which refused an upload for a transcription or image model as text-only).
     if (name := await requested_model(request)) is None and len(ctx.models) > 1:
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type not in FORM_TYPES:  # a body that cannot be read says so, not that `model` is missing
+            _json_object(await request.body(), "body")
         ctx.resolve(None)
     if isinstance(name, str) and name not in ctx.models:
         ctx.resolve(name)

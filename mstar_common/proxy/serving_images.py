@@ -40,8 +40,10 @@ from mstar_common.proxy.errors import (
 )
 from mstar_common.proxy.serving_common import (
     FORM_TYPES,
+    MODALITY_FIELDS,
     ServingContext,
     form_bool,
+    form_modalities,
     read_utf8_form,
     until_disconnect,
 )
@@ -278,6 +280,9 @@ async def _form(request: Request, file_fields: tuple[str, ...]) -> tuple[dict[st
         values = form.getlist(key)
         if any(isinstance(v, UploadFile) for v in values):
             raise invalid_request(f"'{key}': unexpected file upload", param=key)
+        if key in MODALITY_FIELDS:  # a list: repeated as the text models' /generate takes it
+            raw[key] = form_modalities(values, key)
+            continue
         if len(values) > 1:
             raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
         raw[key] = _form_value(key, values[0])

@@ -26,8 +26,10 @@ from mstar_common.families.whisper.languages import CODE_TO_NAME
 from mstar_common.proxy.errors import check_wire_number, invalid_request, parse_json
 from mstar_common.proxy.serving_common import (
     FORM_TYPES,
+    MODALITY_FIELDS,
     ServingContext,
     form_bool,
+    form_modalities,
     read_utf8_form,
     until_disconnect,
 )
@@ -348,13 +350,13 @@ async def generate_native(request: Request, ctx: ServingContext, served):
     if len(uploads) != 1:
         raise invalid_request(f"'audio': send exactly one audio upload, got {len(uploads)}", param="audio")
     audio = await _upload(uploads, "audio")
+    modalities = {key: form_modalities(values.pop(key), key) for key in MODALITY_FIELDS if key in values}
     one = {key: _one(key, vals) for key, vals in values.items()}
-    if unknown := sorted(set(one) - {"model", "text", "streaming", "model_kwargs", "input_modalities",
-                                     "output_modalities"}):
+    if unknown := sorted(set(one) - {"model", "text", "streaming", "model_kwargs"}):
         raise invalid_request(f"unknown field '{unknown[0]}'", param=unknown[0])
     for key, allowed in (("input_modalities", {"audio", "text"}), ("output_modalities", {"text"})):
-        if key in one and not {m.strip() for m in one[key].strip("[]").replace('"', "").split(",")} <= allowed:
-            raise invalid_request(f"'{key}': model '{served.name}' takes {sorted(allowed)}, got {one[key]!r}",
+        if key in modalities and not set(modalities[key]) <= allowed:
+            raise invalid_request(f"'{key}': model '{served.name}' takes {sorted(allowed)}, got {modalities[key]!r}",
                                   param=key)
     kwargs = _native_kwargs(one.get("model_kwargs") or "{}")
     if "prompt" in kwargs and one.get("text"):

@@ -215,6 +215,18 @@ def test_generate_without_model_on_a_server_of_several_says_model_is_required(ap
     assert fake.requests == []
 
 
+def test_a_body_that_is_not_json_on_a_server_of_several_says_so_not_that_model_is_missing(app):
+    """It named `model` (the body's model could not be read), also for a body that sent one: the JSON's own
+    refusal was never reached."""
+    client, fake = app
+    for body, rule in ((b'{"model": "whisper", "text": "hi",}', "'body' is not valid JSON"),
+                       (b'[{"model": "whisper"}]', "'body' must be a JSON object, got list")):
+        reply = client.post("/generate", content=body, headers={"content-type": "application/json"})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["message"].startswith(rule) and error["param"] != "model", error
+    assert fake.requests == []
+
+
 def test_a_lone_surrogate_in_an_uploads_model_kwargs_is_400_naming_it(app):
     """The SDK sends model_kwargs as a JSON string, escaping the surrogate: it got past the body's check and
     failed at its first encode (a 500)."""
@@ -225,3 +237,22 @@ def test_a_lone_surrogate_in_an_uploads_model_kwargs_is_400_naming_it(app):
     error = response.json()["error"]
     assert error["param"] == "model_kwargs.prompt" and "surrogate" in error["message"]
     assert fake.requests == []
+
+
+def test_a_forms_repeated_modalities_are_a_list_on_every_generate_path(app):
+    """httpx sends a list in `data=` as the field repeated: the text models' /generate took it, the transcription
+    and image paths refused it ("sent 2 times; send it once")."""
+    from tests.unit.test_proxy_images import client as image_client
+    from tests.unit.test_proxy_images import png
+
+    client, fake = app
+    wav = {"audio": ("a.wav", b"RIFF....", "audio/wav")}
+    for modalities in (["audio", "text"], ['["audio", "text"]'], ["audio,text"]):
+        reply = client.post("/generate", data={"model": "whisper", "input_modalities": modalities}, files=wav)
+        assert reply.status_code == 200, reply.text
+    reply = client.post("/generate", data={"model": "whisper", "input_modalities": ["audio", "video"]}, files=wav)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_modalities"
+    images, _ = image_client()
+    form = {"text": "a cat", "input_modalities": ["text", "image"], "output_modalities": ["image"]}
+    reply = images.post("/generate", data=form, files=[("files", ("a.png", png(), "image/png"))])
+    assert reply.status_code == 200, reply.text
