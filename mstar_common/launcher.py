@@ -139,7 +139,6 @@ def proxy_limit_args(dep: Deployment) -> list[str]:
         "--request-timeout-s", str(adm.request_timeout_s or 0),
         "--retry-after-s", str(adm.retry_after_s),
         "--max-body-bytes", str(lim.max_body_bytes),
-        "--max-upload-s", str(lim.max_upload_s),
         "--drain-timeout-s", str(dep.server.drain_timeout_s),
         "--workers", str(dep.server.proxy_workers),
     ]  # fmt: skip

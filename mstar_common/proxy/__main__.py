@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=600.0, help="0: no limit")
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429 or 503")
-    parser.add_argument("--max-upload-s", type=float, default=600.0, help="longest media upload, seconds")
     try:
         allow_remote = env_switch("MSTAR_ALLOW_REMOTE", False)
     except ValueError as exc:
@@ -70,7 +69,6 @@ def main(argv: list[str] | None = None) -> None:
             request_timeout_s=args.request_timeout_s or None,
             max_body_bytes=args.max_body_bytes,
             retry_after_s=args.retry_after_s,
-            max_upload_s=args.max_upload_s,
             allow_remote_urls=args.allow_remote_urls,
             created=int(time.time()),
         )

@@ -66,7 +66,6 @@ class ProxySettings:
     max_body_bytes: int = 16 * 1024 * 1024
     health_timeout_s: float = 2.0  # per Triton health RPC
     retry_after_s: int = 1  # Retry-After of a 429 (queue full) or 503 (not ready, queue wait too long)
-    max_upload_s: float = 600.0  # longest audio/video upload in seconds of media (routes that take uploads)
     allow_remote_urls: bool = False  # fetch media given as http(s) URLs; never file paths (proxy/limits.py)
     created: int | None = None  # the model cards' `created` (unix s); None: when the app is built. One value for
     # every worker process of a multi-worker proxy, so that /v1/models answers alike whichever worker serves it
@@ -89,9 +88,6 @@ class ProxySettings:
                              f"limit), got {self.request_timeout_s}")
         if self.retry_after_s < 1:
             raise ValueError(f"ProxySettings.retry_after_s must be >= 1, got {self.retry_after_s}")
-        if not 0 < self.max_upload_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"ProxySettings.max_upload_s must be seconds in (0, {MAX_TIMEOUT_S}], got "
-                             f"{self.max_upload_s}")
 
 
 class RequestContext:

@@ -9,7 +9,7 @@ Media come inline today (base64 fields, multipart uploads), so `limits.allow_rem
   `MSTAR_ALLOW_REMOTE=1` for the proxy).
 
 The length of an upload (`limits.max_upload_s`) is checked where the audio is decoded: the whisper walk (a 400
-naming `file`).
+naming `file`), which reads it from the deployment; the proxy decodes no media and takes no such limit.
 """
 
 from __future__ import annotations

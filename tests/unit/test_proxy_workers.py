@@ -62,8 +62,18 @@ def test_the_deployment_key_reaches_the_proxy_command():
     assert args[args.index("--workers") + 1] == "4"
 
 
+def test_every_limit_serve_hands_the_proxy_is_a_flag_it_takes_and_none_is_inert(monkeypatch, capsys):
+    """`--max-upload-s` was parsed, checked and stored, and nothing read it: a standalone proxy's operator who set
+    it still got uploads up to the deployment's limit (the whisper walk applies limits.max_upload_s itself)."""
+    raw = yaml.safe_load(DEFAULT_DEPLOYMENT.read_text())
+    _, kwargs = _run(monkeypatch, *proxy_limit_args(deployment_from_dict(raw, source="test")))
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, "--max-upload-s", "30")
+    assert "unrecognized arguments: --max-upload-s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag, value", [("--request-timeout-s", "inf"), ("--request-timeout-s", "nan"),
-                                         ("--request-timeout-s", "1e13"), ("--max-upload-s", "inf")])
+                                         ("--request-timeout-s", "1e13")])
 def test_a_timeout_that_is_no_number_of_seconds_is_a_usage_error(monkeypatch, capsys, flag, value):
     """`--request-timeout-s inf` (a natural "no limit") started the proxy, and every request then failed at the
     deadline's conversion to microseconds: a 500."""
