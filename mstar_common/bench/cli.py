@@ -115,7 +115,8 @@ class Server:
         stop_process(self.triton)
         for log in (self.root / "tritonserver.log", self.root / "proxy.log"):
             if log.is_file() and os.environ.get("MSTAR_BENCH_LOG_DIR"):
-                target = Path(os.environ["MSTAR_BENCH_LOG_DIR"]) / f"{log.stem}-{self.dep.name}.log"
+                name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.dep.name)  # an org/name id is one file, not a folder
+                target = Path(os.environ["MSTAR_BENCH_LOG_DIR"]) / f"{log.stem}-{name}.log"
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(log.read_bytes()[-2_000_000:])
 

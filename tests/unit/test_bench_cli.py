@@ -774,3 +774,21 @@ def test_a_sampled_workloads_data_file_never_takes_the_greedy_ones_name(bench, t
                      "fixed_8in_2out_temp0.8_topp0.9_topk50.json"]
     assert {r["temperature"] for r in requests_from_file(tmp_path / "fixed_8in_2out_temp0.8.json")} == {0.8}
     assert {r["temperature"] for r in requests_from_file(tmp_path / "fixed_8in_2out.json")} == {0.0}
+
+
+def test_the_log_copies_of_an_org_name_deployment_are_files_not_folders(tmp_path, monkeypatch):
+    """`--name Qwen/Qwen3-0.6B` put the copies at DIR/tritonserver-Qwen/Qwen3-0.6B.log (a subfolder made quietly)."""
+    from types import SimpleNamespace
+
+    from mstar_common.bench import cli as bench_cli
+
+    root = tmp_path / "run"
+    root.mkdir()
+    for name in ("tritonserver.log", "proxy.log"):
+        (root / name).write_text(f"{name} lines\n")
+    server = object.__new__(bench_cli.Server)
+    server.root, server.dep, server.triton, server.proxy = root, SimpleNamespace(name="Qwen/Qwen3-0.6B"), None, None
+    monkeypatch.setenv("MSTAR_BENCH_LOG_DIR", str(tmp_path / "logs"))
+    server.__exit__(None, None, None)
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["proxy-Qwen_Qwen3-0.6B.log",
+                                                                     "tritonserver-Qwen_Qwen3-0.6B.log"]
