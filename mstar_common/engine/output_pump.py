@@ -130,6 +130,12 @@ class TextStream:
         return outputs, reason
 
 
+def _num_sent(outputs: dict[str, np.ndarray], new_ids: list[int]) -> int:
+    """The tokens a response carries: its token ids (a stop string leaves out those after it), else all."""
+    sent = outputs.get(wire.TOKEN_IDS)
+    return len(new_ids) if sent is None else len(sent)
+
+
 def _num_through_stop(detokenizer: IncrementalDetokenizer, stops: StopStringMatcher, new_ids: list[int]) -> int:
     """How many of `new_ids`, fed one at a time from the state before them, complete a stop string."""
     for num_fed, token_id in enumerate(new_ids, start=1):
@@ -363,8 +369,8 @@ class OutputPump:
                 else:
                     stream.sink.send_server_error(error)
                 continue
-            stream.record_latency(self.latency, len(new_ids))
             outputs, reason = stream.update(new_ids, finish)
+            stream.record_latency(self.latency, _num_sent(outputs, new_ids))  # a stop string cuts what follows it
             self.times.responses += 1
             if reason is None:
                 sending = time.perf_counter()
@@ -387,7 +393,7 @@ class OutputPump:
         if reason is None:
             return False
         self.unregister(stream.request_id)
-        stream.record_latency(self.latency, len(new_ids))
+        stream.record_latency(self.latency, _num_sent(outputs, new_ids))
         stream.sink.send_final(outputs)
         return True
 

@@ -461,3 +461,22 @@ def test_the_server_itl_is_one_sample_a_token_as_the_client_counts_it(monkeypatc
     assert itls == [0.001, 0.002, 0.002, 0.002] and not latency.itl
     client = RequestRecord(start=-0.002, chunks=[(0.0, 1), (0.001, 1), (0.007, 3)])
     assert itls == pytest.approx(client.itls()) and sum(itls) / len(itls) * 1e3 == pytest.approx(1.75)
+
+
+def test_the_itl_samples_are_the_tokens_sent_when_a_stop_string_cuts_a_response():
+    """A coalesced response that a stop string cut (2 of 5 tokens sent) gave 5 ITL samples of a fifth of its gap:
+    the histogram's mean fell below the client's, which counts the 2 tokens it got."""
+    engine, stream = FakeEngine(), _stop_stream("c")
+    pump = OutputPump(engine)
+    pump.register(stream)
+    pump.start()
+    try:
+        pump.on_output("r", [0], None, None)  # "a": the first output (TTFT)
+        _run(pump, lambda: len(stream.sink.sent) == 1)
+        pump.on_output("r", [1, 2, 3, 4, 5], None, None)  # "bcdef": the stop completes at the second
+        _run(pump, lambda: stream.sink.is_closed)
+    finally:
+        pump.stop()
+    kind, outputs = stream.sink.sent[-1]
+    assert kind == "final" and outputs[wire.TOKEN_IDS].tolist() == [1, 2] and engine.cancelled == ["r"]
+    assert len(pump.latency.ttft) == 1 and len(list(pump.latency.drain("itl"))) == 2
