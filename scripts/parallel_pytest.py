@@ -71,14 +71,21 @@ def deal(counts: dict[str, int], jobs: int) -> list[list[str]]:
     return [sorted(group, key=order.__getitem__) for group in groups if group]
 
 
+# pytest's options that take the next argument as their value (the same list as scripts/test.sh's): `--tb short`
+# kept only `--tb`, and the first dealt node id became its value (a usage error in every process)
+TAKES_VALUE = frozenset({"-m", "-k", "-p", "-o", "-c", "-W", "-n", "--deselect", "--ignore", "--ignore-glob",
+                         "--rootdir", "--basetemp", "--junitxml", "--junit-xml", "--confcutdir", "--maxfail",
+                         "--durations", "--tb", "--log-file", "--override-ini", "--timeout"})
+
+
 def options_only(pytest_args: list[str]) -> list[str]:
     """The arguments that are not test paths (options and their values), kept for every process."""
-    kept, takes_value = [], {"-m", "-k", "-p", "-o", "-c", "--rootdir", "--durations", "--timeout", "-W"}
+    kept = []
     expect_value = False
     for arg in pytest_args:
         if expect_value or arg.startswith("-"):
             kept.append(arg)
-            expect_value = not expect_value and arg in takes_value
+            expect_value = not expect_value and arg in TAKES_VALUE
         # a bare word that is not an option's value is a test path: replaced by the dealt node ids
     return kept
 

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Sets up .venv with the project and its test tools (idempotent; a second run is quick).
-# PYTHON picks the interpreter (3.11+); TORCH_VERSION pins torch (2.13.0: the CPU build on our dev/CI
+# PYTHON picks the interpreter (3.11 or 3.12); TORCH_VERSION pins torch (2.13.0: the CPU build on our dev/CI
 # machines; on a GPU machine PyPI's build of the same version has CUDA); TRITON_VERSION pins the Triton compiler
 # installed where torch brought none (3.9.0: its interpreter runs the kernel tests on the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  # pyproject's requires-python, said before anything is installed: on 3.13+ pip would try to build NumPy 1.x
+  if ! "$py" -c "import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))"; then
+    echo "setup.sh: $("$py" --version 2>&1) ($py) is not supported: use Python 3.11 or 3.12 (PYTHON=python3.12)" >&2
+    exit 1
+  fi
   "$py" -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then

@@ -11,18 +11,25 @@ PYTEST_REQUIRE_EXTRAS=1 .venv/bin/python -m pytest "${@:-tests}"  # a test extra
 # as one process a core (at most 4; KERNEL_TEST_JOBS sets it), each with its log under $TMPDIR/mstar-kernel-tests.
 # (A test path is an argument that names a file or folder, `path::test` included; the value of an option such as
 # `-k config` or `--deselect tests/x.py::t` is not one.)
+# (The options that take a value are scripts/parallel_pytest.py's TAKES_VALUE too.) A `-m EXPR` of the caller's is
+# joined to the stage's own: pytest keeps the last -m given, so `-m "not server"` ran the slow interpreter cases.
 value=0
+marker="not slow"
+rest=()
 for arg in "$@"; do
-  if [ "$value" = 1 ]; then value=0; continue; fi
+  if [ "$value" = m ]; then value=0; marker="not slow and ($arg)"; continue; fi
+  if [ "$value" = 1 ]; then value=0; rest+=("$arg"); continue; fi
   case $arg in
-    -k|-m|-p|-o|-c|-W|-n|--deselect|--ignore|--ignore-glob|--rootdir|--basetemp|--junitxml|--junit-xml|\
-      --confcutdir|--maxfail|--durations|--tb|--log-file|--override-ini) value=1 ;;
+    -m) value=m; continue ;;
+    -k|-p|-o|-c|-W|-n|--deselect|--ignore|--ignore-glob|--rootdir|--basetemp|--junitxml|--junit-xml|\
+      --confcutdir|--maxfail|--durations|--tb|--log-file|--override-ini|--timeout) value=1 ;;
     -*) ;;
     *) [ -e "${arg%%::*}" ] && exit 0 ;;
   esac
+  rest+=("$arg")
 done
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
   jobs=${KERNEL_TEST_JOBS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
   TRITON_INTERPRET=1 exec .venv/bin/python scripts/parallel_pytest.py --jobs "$jobs" \
-    --logs "${TMPDIR:-/tmp}/mstar-kernel-tests" -- -m "not slow" "$@" tests/kernels
+    --logs "${TMPDIR:-/tmp}/mstar-kernel-tests" -- -m "$marker" ${rest[@]+"${rest[@]}"} tests/kernels
 fi

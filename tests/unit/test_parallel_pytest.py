@@ -35,6 +35,14 @@ def test_options_are_kept_and_paths_replaced():
                                   "--durations=5"]
 
 
+def test_an_option_that_takes_a_value_keeps_it():
+    """Only nine options were known to take a value: `--tb short` kept `--tb` and the first dealt node id became
+    its value (a usage error in every process), `--deselect X` dropped X and deselected a dealt test instead."""
+    options_only = _module().options_only
+    args = ["-q", "--tb", "short", "--maxfail", "1", "--deselect", "a.py::t", "--junitxml", "r.xml", "tests/kernels"]
+    assert options_only(args) == args[:-1]
+
+
 def _tests(tmp_path, failing: bool) -> Path:
     folder = tmp_path / "suite"
     folder.mkdir()
@@ -104,6 +112,17 @@ def test_the_test_scripts_kernel_stage_runs_unless_test_paths_are_given(tmp_path
     assert not any("parallel_pytest" in call for call in calls), calls
 
 
+def test_the_kernel_stage_joins_a_callers_marker_to_its_own(tmp_path):
+    """pytest keeps the last -m: `test.sh -m "not server"` replaced the stage's "not slow" and ran the slow
+    interpreter cases (minutes each)."""
+    calls = _run_test_sh(tmp_path / "marker", "-m", "not server", "--tb", "short")
+    stage = next(call for call in calls if "scripts/parallel_pytest.py" in call)
+    assert stage.endswith("-- -m not slow and (not server) --tb short tests/kernels"), stage
+    calls = _run_test_sh(tmp_path / "plain", "-q")
+    stage = next(call for call in calls if "scripts/parallel_pytest.py" in call)
+    assert stage.endswith("-- -m not slow -q tests/kernels"), stage
+
+
 def _run_device_script(tmp_path, script: str, *args: str) -> dict[str, tuple[int, str]]:
     """(exit code, stdout) of `script` copied into a checkout whose device_env.sh makes every Python `true` ("pass")
     or `false` ("fail"), so each stage that runs one succeeds or fails."""
@@ -161,3 +180,27 @@ def test_a_test_extra_that_does_not_import_fails_the_run_scripts_test_sh_starts(
     done = subprocess.run(command, cwd=SCRIPTS.parent, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 4 and "snac (ImportError: a broken install)" in done.stderr + done.stdout
     assert "PYTEST_REQUIRE_EXTRAS=1" in (SCRIPTS / "test.sh").read_text()
+
+
+def test_setup_refuses_a_python_the_project_cannot_install_on_before_making_the_venv(tmp_path):
+    """pyproject said >=3.11 and the README 3.11+: on 3.13, pip tried to build NumPy 1.x from source (no wheel) and
+    failed deep in the install; past 3.13 nvidia-pytriton has no Python-backend stub."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    supported = SpecifierSet(tomllib.loads((SCRIPTS.parent / "pyproject.toml").read_text())["project"]
+                             ["requires-python"])
+    assert {"3.11.7", "3.12.3"} <= set(supported.filter(["3.11.7", "3.12.3", "3.13.1", "3.14.0"]))
+    assert not set(supported.filter(["3.13.1", "3.14.0"]))
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "setup.sh").write_text((SCRIPTS / "setup.sh").read_text())
+    fake = tmp_path / "python3.13"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Python 3.13.1" && exit 0\n'
+                    '[ "$1" = -c ] && exit 1\ntouch "$(dirname "$0")/venv-made"\n')
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], env={"PATH": "/usr/bin:/bin",
+                          "PYTHON": str(fake)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Python 3.13.1" in done.stderr and "use Python 3.11 or 3.12" in done.stderr
+    assert not (tmp_path / "venv-made").exists() and not (root / ".venv").exists()
