@@ -288,6 +288,15 @@ def _serve_on(args: argparse.Namespace, path: Path, dep, ports) -> int:
         print("[mstar] stopped", flush=True)
 
 
+# optional packages -> (the extra that installs them, what needs them): a bare `pip install -e .` lacks them, and the
+# builtin checkpoints of those families are built with them on first use
+OPTIONAL_EXTRAS = {
+    "diffusers": ("images", "the image families' builtin checkpoints (flux2_klein, z_image_turbo)"),
+    "snac": ("orpheus", "orpheus's builtin checkpoints (the random SNAC)"),
+    "matplotlib": ("bench", "the benchmark report's plots"),
+}
+
+
 class _RelaunchStop:
     """What a proxy's readiness wait (its first start and each relaunch) stops at: a Ctrl-C or SIGTERM (`stop`), or
     tritonserver given up on by its supervisor, after which the proxy's /health stays 503. It waited out --timeout
@@ -492,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (DeploymentError, FileNotFoundError) as exc:
         print(f"mstar: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if (extra := OPTIONAL_EXTRAS.get((exc.name or "").split(".")[0])) is None:
+            raise
+        print(f"mstar: error: {exc.name} is not installed: {extra[1]} needs it (pip install "
+              f"'mstar-triton[{extra[0]}]', or ./scripts/setup.sh, which installs every extra)", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `mstar check ... | head -1`: the reader left; no traceback for it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

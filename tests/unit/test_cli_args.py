@@ -140,3 +140,24 @@ def test_a_port_this_user_may_not_bind_is_not_called_in_use(monkeypatch):
     monkeypatch.setattr(launcher.socket, "socket", Refusing)
     with pytest.raises(DeploymentError, match=r"^port 80: this user may not bind it \(ports below 1024"):
         launcher.port_in_use(80)
+
+
+def test_a_missing_optional_package_names_the_extra_that_installs_it(monkeypatch, capsys):
+    """After a bare `pip install -e .`, `mstar serve flux2_klein` built its builtin checkpoint with diffusers and
+    died on a ModuleNotFoundError traceback; any other missing module still raises."""
+    from mstar_common import cli
+
+    def needs(module):
+        def command(args):
+            raise ModuleNotFoundError(f"No module named '{module}'", name=module)
+        return command
+
+    monkeypatch.setattr(cli, "cmd_check", needs("diffusers"))
+    assert cli.main(["check", "flux2_klein"]) == 2
+    err = capsys.readouterr().err
+    assert "mstar: error: diffusers is not installed" in err and "pip install 'mstar-triton[images]'" in err
+    monkeypatch.setattr(cli, "cmd_check", needs("snac.layers"))
+    assert cli.main(["check", "orpheus"]) == 2 and "'mstar-triton[orpheus]'" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "cmd_check", needs("not_an_extra"))
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["check", "qwen3"])
