@@ -185,6 +185,27 @@ def test_codec_in_process_decodes_like_the_snac_component(tmp_path):
         OrpheusFamily().validate_deployment(bad, "test")
 
 
+def test_an_in_process_codec_is_loaded_before_the_engine_sizes_its_kv_pool(tmp_path, monkeypatch):
+    """The engine sized its pool (`auto`: from what the process held then; a fixed count: checked against the
+    memory left) before the codec's weights and graphs were loaded into the same process, so they were never
+    counted."""
+    import dataclasses
+
+    from mstar_common.engine import ar_engine
+    from mstar_common.families.orpheus import family as orpheus_family
+
+    order = []
+    build_snac, engine_init = orpheus_family._build_snac, ar_engine.AREngine.__init__
+    monkeypatch.setattr(orpheus_family, "_build_snac", lambda *a: order.append("codec") or build_snac(*a))
+    monkeypatch.setattr(ar_engine.AREngine, "__init__",
+                        lambda self, *a, **k: order.append("engine (its KV pool)") or engine_init(self, *a, **k))
+    checkpoint = build_orpheus_checkpoint(tmp_path / "tiny")
+    dep = load_deployment(CONFIGS / "orpheus.yaml")
+    dep = dataclasses.replace(dep, model_kwargs={**dep.model_kwargs, "codec_in_process": True})
+    runtime = OrpheusFamily().build_component("lm", dep, checkpoint, "cpu")
+    assert order == ["codec", "engine (its KV pool)"] and runtime.local_codec is not None
+
+
 def test_first_chunk_frames_reaches_the_runtime_and_is_validated(tmp_path):
     import dataclasses
 

@@ -176,6 +176,9 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         queue_timeout_s=dep.admission.queue_timeout_s, request_timeout_s=dep.admission.request_timeout_s,
     )
     model = AudioTokenLM(llama, layout.custom_start, layout.vocab_size)
+    # the in-process codec ahead of the engine, which sizes the KV pool by what this process holds by then (an
+    # `auto` pool), or checks a fixed one against the memory left: the codec's weights and graphs are part of it
+    local_codec = _build_snac(dep, checkpoint, device) if kw.get("codec_in_process", False) else None
     graphs = configure_fast_path(model, dep.components["lm"], device, dep.max_concurrent_requests,
                                  dep.resources.max_batch_tokens)
     engine = AREngine(model, config, eos_token_ids=layout.stop_token_ids, vocab_size=layout.vocab_size,
@@ -191,7 +194,7 @@ def _build_lm(dep: Deployment, checkpoint: Path, device: str):
         frame_rule=kw.get("frame_rule", "strict"), codec_model=model_name(dep.family, "snac"),
         sample_rate=int(snac_config.get("sampling_rate", 24000)),
         first_chunk_frames=_first_chunk_frames(kw.get("first_chunk_frames", DEFAULT_FIRST_CHUNK_FRAMES)),
-        local_codec=_build_snac(dep, checkpoint, device) if kw.get("codec_in_process", False) else None,
+        local_codec=local_codec,
     )
 
 
