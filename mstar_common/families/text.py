@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from jinja2 import TemplateError, TemplateSyntaxError, meta
+from jinja2 import TemplateError, TemplateSyntaxError, meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mstar_common import wire
@@ -171,12 +171,26 @@ _GIVEN_TO_TEMPLATES = frozenset({"raise_exception", "strftime_now"})
 def template_variables(source: str) -> frozenset[str] | None:
     """The names a chat template reads from its context (jinja2's undeclared variables: the messages, the special
     tokens, its own switches such as Qwen3's `enable_thinking`), or None where this environment cannot parse it
-    (a template that needs an extension of transformers'), in which case no variable is checked."""
+    (a template that needs an extension of transformers'), in which case no variable is checked.
+
+    jinja2 also counts a name the template itself sets (`{% set content = ... %}` in both branches of an if) and
+    then reads: a client's value for it is overwritten, never read. Such a name is left out unless the template
+    asks whether it was given (`is defined`, `is not defined`, `| default(...)`), as a switch with a default does
+    (Llama 3's `date_string`)."""
     environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     try:
-        return frozenset(meta.find_undeclared_variables(environment.parse(source)))
+        tree = environment.parse(source)
     except TemplateSyntaxError:
         return None
+    def names(target: nodes.Node) -> set[str]:  # `x`, or each name of `a, b`
+        return {target.name} if isinstance(target, nodes.Name) else {n.name for n in target.find_all(nodes.Name)}
+
+    set_here = {name for assign in tree.find_all((nodes.Assign, nodes.AssignBlock)) for name in names(assign.target)}
+    asked = {test.node.name for test in tree.find_all(nodes.Test)
+             if test.name == "defined" and isinstance(test.node, nodes.Name)}
+    asked |= {f.node.name for f in tree.find_all(nodes.Filter)
+              if f.name in ("default", "d") and isinstance(f.node, nodes.Name)}
+    return frozenset(meta.find_undeclared_variables(tree) - (set_here - asked))
 
 
 def check_template_variables(template: Any, template_kwargs: dict[str, Any]) -> None:

@@ -557,3 +557,27 @@ def test_a_template_without_enable_thinking_names_the_field_as_the_client_sent_i
         payload.update(body)
     error = error_of(TestClient(app).post(route, json=payload))
     assert error["param"] == param and error["message"].startswith(f"{param}: this checkpoint's chat template")
+
+
+def test_a_variable_the_template_always_sets_itself_is_not_taken_as_one_of_its_switches():
+    """jinja2 counts a name the template sets in both branches of an if before reading it (Qwen3's `content`,
+    `reasoning_content`): `{"content": "zzz"}` was accepted and changed nothing, and a misspelt switch's 400 offered
+    `content` as one of the template's own variables. A name the template asks about (`is defined`, `default`) is
+    a switch with a default and stays one."""
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import chat_prompt_ids
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{%- if m.content is string -%}{%- set content = m.content -%}{%- else -%}"
+        "{%- set content = '' -%}{%- endif -%}{{ m.role }}: {{ content }};{%- endfor -%}"
+        "{%- if not today is defined -%}{%- set today = '1 Jan' -%}{%- endif -%}{{ today }}"
+        "{%- if enable_thinking is defined and enable_thinking is false -%} (no thinking){%- endif -%}")
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs\.content: this checkpoint's chat template has no "
+                                         r"variable 'content' \(it would be ignored\); its own variables: "
+                                         r"enable_thinking, today$"):
+        chat_prompt_ids(tokenizer, MESSAGES, {"content": "zzz"})
+    with pytest.raises(ValueError, match=r"its own variables: enable_thinking, today$"):
+        chat_prompt_ids(tokenizer, MESSAGES, {"enable_thinkng": False})
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"today": "2 Feb", "enable_thinking": False})) \
+        == "user: Hi;2 Feb(no thinking)"  # the `-%}` before it strips the space
