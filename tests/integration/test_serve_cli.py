@@ -334,18 +334,61 @@ def test_serve_refuses_ports_another_serve_holds_while_it_loads(tmp_path, monkey
            f"{holder.pid})" in err, err
 
 
+class _FakeSupervisor:
+    """tritonserver's supervisor, faked: ready at once; `watch` calls `later` after `delay_s`, on a thread."""
+
+    delay_s = 0.0
+
+    def __init__(self, *args, **kwargs):
+        self.is_failed, self.failure = False, ""
+
+    def start(self, stop=None):
+        pass
+
+    def later(self):
+        pass
+
+    def watch(self):
+        import threading
+        import time
+
+        threading.Thread(target=lambda: (time.sleep(self.delay_s), self.later()), daemon=True).start()
+
+    def stop(self, drain_s=None):
+        pass
+
+
+def _serve_faked(monkeypatch, tmp_path, triton_class, start_proxy, started: list, on_signal) -> tuple[int, float]:
+    """`mstar serve qwen3 --timeout 60` with tritonserver's supervisor and the proxy's start faked (`started`: the
+    proxy processes made, killed here at the end): its exit code and the seconds it took."""
+    import time
+
+    from mstar_common import cli, launcher, supervisor
+
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(signal, "signal", on_signal)
+    monkeypatch.setattr(supervisor, "TritonSupervisor", triton_class)
+    monkeypatch.setattr(launcher, "start_proxy", start_proxy)
+    names = ("port", "http-port", "grpc-port", "metrics-port")
+    began = time.monotonic()
+    try:
+        code = cli.main(["serve", "qwen3", "--timeout", "60",
+                         *(f"--{n}={p}" for n, p in zip(names, free_ports(4), strict=True))])
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    return code, time.monotonic() - began
+
+
 @pytest.mark.parametrize("end", ["triton given up", "ctrl-c"])
 def test_a_proxy_relaunch_stops_waiting_when_triton_is_given_up_or_on_ctrl_c(tmp_path, monkeypatch, capsys, end):
     """The proxy's relaunch waited for its /health through --timeout with no stop: after the supervisor gave up on
     tritonserver (the /health would stay 503) or a Ctrl-C, `mstar serve` served nothing for up to 600 s, then
     blamed the proxy. Tritonserver is faked; the first proxy answers /health and exits after a second, the
     relaunched one never answers."""
-    import threading
-    import time
 
-    from mstar_common import cli, launcher, supervisor
-
-    ports = free_ports(4)
     started = []
 
     def proxies(dep, entry, ports_, log_path, host="127.0.0.1"):
@@ -363,41 +406,19 @@ def test_a_proxy_relaunch_stops_waiting_when_triton_is_given_up_or_on_ctrl_c(tmp
 
     handlers = {}
 
-    class Triton:
-        def __init__(self, *args, **kwargs):
-            self.is_failed, self.failure = False, ""
+    class Triton(_FakeSupervisor):
+        delay_s = 3.0  # the relaunched proxy is waiting by then
 
-        def start(self, stop=None):
-            pass
+        def later(self):
+            if end == "ctrl-c":
+                handlers[signal.SIGINT](signal.SIGINT, None)
+            else:
+                self.failure, self.is_failed = "tritonserver crash loop (simulated)", True
 
-        def watch(self):
-            def later():
-                time.sleep(3.0)  # the relaunched proxy is waiting by then
-                if end == "ctrl-c":
-                    handlers[signal.SIGINT](signal.SIGINT, None)
-                else:
-                    self.failure, self.is_failed = "tritonserver crash loop (simulated)", True
-            threading.Thread(target=later, daemon=True).start()
-
-        def stop(self, drain_s=None):
-            pass
-
-    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
-    monkeypatch.setattr(supervisor, "TritonSupervisor", Triton)
-    monkeypatch.setattr(launcher, "start_proxy", proxies)
-    names = ("port", "http-port", "grpc-port", "metrics-port")
-    began = time.monotonic()
-    try:
-        code = cli.main(["serve", "qwen3", "--timeout", "60",
-                         *(f"--{n}={p}" for n, p in zip(names, ports, strict=True))])
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
+    code, took = _serve_faked(monkeypatch, tmp_path, Triton, proxies, started,
+                              lambda sig, handler: handlers.__setitem__(sig, handler))
     out = capsys.readouterr()
-    assert len(started) == 2 and time.monotonic() - began < 20, out  # not the 60 s of --timeout
+    assert len(started) == 2 and took < 20, out  # not the 60 s of --timeout
     if end == "ctrl-c":
         assert code == 0 and "[mstar] stopped" in out.out, out
     else:
@@ -409,12 +430,7 @@ def test_the_first_proxy_start_stops_waiting_when_triton_is_given_up(tmp_path, m
     """The supervisor already watches while the proxy first starts: when it gave up on tritonserver then, the wait
     for the proxy's /health (503 from then on) ran to --timeout and blamed the proxy. Tritonserver is faked; the
     proxy never answers."""
-    import threading
-    import time
 
-    from mstar_common import cli, launcher, supervisor
-
-    ports = free_ports(4)
     started = []
 
     def proxy(dep, entry, ports_, log_path, host="127.0.0.1"):
@@ -423,37 +439,14 @@ def test_the_first_proxy_start_stops_waiting_when_triton_is_given_up(tmp_path, m
                                         start_new_session=True))
         return started[-1]
 
-    class Triton:
-        def __init__(self, *args, **kwargs):
-            self.is_failed, self.failure = False, ""
+    class Triton(_FakeSupervisor):
+        delay_s = 1.0
 
-        def start(self, stop=None):
-            pass
+        def later(self):
+            self.failure, self.is_failed = "a stub died and server.restart_on_fault is off (simulated)", True
 
-        def watch(self):
-            def later():
-                time.sleep(1.0)
-                self.failure, self.is_failed = "a stub died and server.restart_on_fault is off (simulated)", True
-            threading.Thread(target=later, daemon=True).start()
-
-        def stop(self, drain_s=None):
-            pass
-
-    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)
-    monkeypatch.setattr(supervisor, "TritonSupervisor", Triton)
-    monkeypatch.setattr(launcher, "start_proxy", proxy)
-    names = ("port", "http-port", "grpc-port", "metrics-port")
-    began = time.monotonic()
-    try:
-        code = cli.main(["serve", "qwen3", "--timeout", "60",
-                         *(f"--{n}={p}" for n, p in zip(names, ports, strict=True))])
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
+    code, took = _serve_faked(monkeypatch, tmp_path, Triton, proxy, started, lambda sig, handler: None)
     out = capsys.readouterr()
-    assert code == 1 and time.monotonic() - began < 20, out  # not the 60 s of --timeout
+    assert code == 1 and took < 20, out  # not the 60 s of --timeout
     assert "a stub died and server.restart_on_fault is off (simulated); shutting down" in out.err, out
     assert "proxy not ready" not in out.err
