@@ -79,16 +79,21 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MODALITY_FIELDS = ("input_modalities", "output_modalities")  # list fields: a form may repeat them
 
 
-def form_modalities(values: list[str], field: str) -> list[str]:
+def form_modalities(values: list[Any], field: str) -> list[str]:
     """A modalities list sent in a form: the field repeated (httpx sends a list so), a JSON list, or
-    comma-separated names, the same on every /generate path."""
+    comma-separated names, the same on every /generate path; a 400 naming `field` for an upload, a list that is
+    empty or holds anything but names."""
     out: list[Any] = []
     for value in values:
+        if not isinstance(value, str):
+            raise invalid_request(f"'{field}': unexpected file upload", param=field)
         if value.lstrip().startswith("["):
             parsed = parse_json(value, field, param=field)
             out.extend(parsed if isinstance(parsed, list) else [parsed])
         else:
             out.extend(v.strip() for v in value.split(",") if v.strip())
+    if not out or not all(isinstance(v, str) for v in out):
+        raise invalid_request(f"'{field}': must be a list of modality names, got {out!r}", param=field)
     return out
 
 

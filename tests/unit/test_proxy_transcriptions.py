@@ -256,3 +256,16 @@ def test_a_forms_repeated_modalities_are_a_list_on_every_generate_path(app):
     form = {"text": "a cat", "input_modalities": ["text", "image"], "output_modalities": ["image"]}
     reply = images.post("/generate", data=form, files=[("files", ("a.png", png(), "image/png"))])
     assert reply.status_code == 200, reply.text
+
+
+def test_a_forms_modalities_that_are_no_list_of_names_are_a_400_naming_them(app):
+    """Taken out of the form before its upload check, a modalities field sent as a file was a 500 (UploadFile has
+    no lstrip), a list of lists a 500 (unhashable), and an empty list accepted on this path alone."""
+    client, fake = app
+    wav = {"audio": ("a.wav", b"RIFF....", "audio/wav")}
+    for data, files in (({}, {**wav, "input_modalities": ("m.txt", b"audio", "text/plain")}),
+                        ({"input_modalities": '[["audio"]]'}, wav), ({"input_modalities": "[{}]"}, wav),
+                        ({"input_modalities": "[]"}, wav), ({"input_modalities": ""}, wav)):
+        reply = client.post("/generate", data={"model": "whisper", **data}, files=files)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_modalities", reply.text
+    assert fake.requests == []
