@@ -168,20 +168,22 @@ _GIVEN_TO_TEMPLATES = frozenset({"raise_exception", "strftime_now"})
 
 
 @functools.lru_cache(maxsize=16)
-def template_variables(source: str) -> frozenset[str] | None:
-    """The names a chat template reads from its context (jinja2's undeclared variables: the messages, the special
-    tokens, its own switches such as Qwen3's `enable_thinking`), or None where this environment cannot parse it
-    (a template that needs an extension of transformers'), in which case no variable is checked.
+def template_variables(source: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(the names a chat template reads from its context, those of them it may overwrite before reading), or None
+    where this environment cannot parse it (a template that needs an extension of transformers'), in which case no
+    variable is checked.
 
-    jinja2 also counts a name the template itself sets (`{% set content = ... %}` in both branches of an if) and
-    then reads: a client's value for it is overwritten, never read. Such a name is left out unless the template
-    asks whether it was given (`is defined`, `is not defined`, `| default(...)`), as a switch with a default does
-    (Llama 3's `date_string`)."""
+    The first are jinja2's undeclared variables: the messages, the special tokens, its own switches such as
+    Qwen3's `enable_thinking`. jinja2 counts a name the template sets itself (`{% set content = ... %}` in both
+    branches of an if) and then reads too: such a name, unless the template asks whether it was given (`is
+    defined`, `| default(...)`, as Llama 3's `date_string`), is the second kind, which only a render can tell
+    apart (`check_overwritten`)."""
     environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     try:
         tree = environment.parse(source)
     except TemplateSyntaxError:
         return None
+
     def names(target: nodes.Node) -> set[str]:  # `x`, or each name of `a, b`
         return {target.name} if isinstance(target, nodes.Name) else {n.name for n in target.find_all(nodes.Name)}
 
@@ -190,19 +192,38 @@ def template_variables(source: str) -> frozenset[str] | None:
              if test.name == "defined" and isinstance(test.node, nodes.Name)}
     asked |= {f.node.name for f in tree.find_all(nodes.Filter)
               if f.name in ("default", "d") and isinstance(f.node, nodes.Name)}
-    return frozenset(meta.find_undeclared_variables(tree) - (set_here - asked))
+    read = frozenset(meta.find_undeclared_variables(tree))
+    return read, read & frozenset(set_here - asked)
+
+
+def _unread(name: str, known: tuple[frozenset[str], frozenset[str]]) -> ValueError:
+    read, overwritten = known
+    own = sorted(n for n in read - overwritten - wire.RESERVED_TEMPLATE_KWARGS - _GIVEN_TO_TEMPLATES
+                 if not n.endswith("_token"))
+    return ValueError(f"{wire.CHAT_TEMPLATE_KWARGS}.{name}: this checkpoint's chat template has no variable "
+                      f"'{name}' (it would be ignored); its own variables: {', '.join(own) or 'none'}")
 
 
 def check_template_variables(template: Any, template_kwargs: dict[str, Any]) -> None:
     """Refuse a `chat_template_kwargs` entry the checkpoint's template never reads: a misspelt switch
     (`enable_thinkng`) would otherwise be ignored without a word, the prompt the same as without it."""
     known = template_variables(template) if isinstance(template, str) else None
-    if known is None or not (unread := sorted(set(template_kwargs) - known)):
-        return
-    own = sorted(name for name in known - wire.RESERVED_TEMPLATE_KWARGS - _GIVEN_TO_TEMPLATES
-                 if not name.endswith("_token"))
-    raise ValueError(f"{wire.CHAT_TEMPLATE_KWARGS}.{unread[0]}: this checkpoint's chat template has no variable "
-                     f"'{unread[0]}' (it would be ignored); its own variables: {', '.join(own) or 'none'}")
+    if known is not None and (unread := sorted(set(template_kwargs) - known[0])):
+        raise _unread(unread[0], known)
+
+
+def check_overwritten(template: Any, template_kwargs: dict[str, Any], render: Any) -> None:
+    """Refuse an entry the template may set itself before reading it (Qwen3's `content`) where it does: the prompt
+    is the same whatever the value (two renders with two different values). One it reads first (`{% if style %}{%
+    set style = style | upper %}`) changes the prompt, and stays."""
+    known = template_variables(template) if isinstance(template, str) else None
+    for name in sorted(set(template_kwargs) & known[1]) if known is not None else ():
+        try:
+            first, second = (render({**template_kwargs, name: f"\x00mstar-probe-{i}"}) for i in (1, 2))
+        except ValueError:  # the template refused a string there: it reads the value
+            continue
+        if first == second:
+            raise _unread(name, known)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:
@@ -226,10 +247,10 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
         raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
     check_template_variables(tokenizer.chat_template, template_kwargs)
 
-    def render(conversation: list[dict]) -> str:
+    def render(conversation: list[dict], variables: dict[str, Any] = template_kwargs) -> str:
         try:
             return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                 **template_kwargs)
+                                                 **variables)
         except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
             # The checkpoint's template rejected this conversation or these variables (its raise_exception, a bad
             # operand from a client value): the request's fault, said in the template's own words.
@@ -239,6 +260,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
     # Qwen3's drops a message of a role it does not know without a word
     messages = [{**msg, "role": "system"} if msg["role"] == "developer" else msg for msg in messages]
     text = render(messages)
+    check_overwritten(tokenizer.chat_template, template_kwargs, lambda variables: render(messages, variables))
     named = [i for i, msg in enumerate(messages) if msg.get("name") is not None]
     if named and render([{k: v for k, v in msg.items() if k != "name"} for msg in messages]) == text:
         # a participant's name the template drops would be ignored without a word

@@ -581,3 +581,7 @@ def test_a_variable_the_template_always_sets_itself_is_not_taken_as_one_of_its_s
         chat_prompt_ids(tokenizer, MESSAGES, {"enable_thinkng": False})
     assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"today": "2 Feb", "enable_thinking": False})) \
         == "user: Hi;2 Feb(no thinking)"  # the `-%}` before it strips the space
+    # a switch the template reads and then sets again changes the prompt: it stays (an AST rule alone refused it)
+    tokenizer.chat_template = ("{%- for m in messages -%}{{ m.content }}{%- endfor -%}"
+                               "{%- if style -%}{%- set style = style | upper -%}[{{ style }}]{%- endif -%}")
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"style": "x"})) == "Hi[X]"
