@@ -244,16 +244,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         mapping = super().construct_mapping(node, deep=deep)
         # a merged mapping's keys (`<<: {1: a}`) come in past the loop above
-        if stray := next((key for key in mapping if not isinstance(key, str)), None):
+        if stray := [key for key in mapping if not isinstance(key, str)]:  # (0, false and null are keys too)
             raise yaml.constructor.ConstructorError(
-                "while reading a mapping", node.start_mark, f"the key {stray!r} (merged in by '<<') is not a string "
-                "(every key is a name; quote it)", node.start_mark)
+                "while reading a mapping", node.start_mark, f"the key {stray[0]!r} (merged in by '<<') is not a "
+                "string (every key is a name; quote it)", node.start_mark)
         return mapping
 
     def construct_yaml_str(self, node: yaml.ScalarNode) -> str:
         """A string, refused where it holds a lone UTF-16 surrogate (a `"\\ud800"` escape): no file name, voice or
         model name can, and writing or printing it would fail later, far from the key."""
         value = super().construct_yaml_str(node)
+        if not wire.is_unicode_text(value):  # a pair escaped as two (`"\\ud83d\\ude00"`, as json.dump writes one)
+            try:
+                value = value.encode("utf-16", "surrogatepass").decode("utf-16")
+            except UnicodeDecodeError:
+                pass
         if not wire.is_unicode_text(value):
             raise yaml.constructor.ConstructorError(
                 None, None, f"the string {value!r} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape), which "

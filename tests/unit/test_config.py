@@ -251,6 +251,10 @@ def test_gpus_a_placement_names_must_be_visible(monkeypatch):
     # string failed where it was written or printed (UnicodeEncodeError)
     (b"name: x\n<<: {1: a}\nbogus: 1\n", r"(?s)not valid YAML: .*the key 1 \(merged in by '<<'\) is not a string"),
     (b'name: x\ncheckpoint: "\\ud800x"\n', r"(?s)not valid YAML: .*holds a lone UTF-16 surrogate.*line 2"),
+    # keys that are falsy passed the merged-key check
+    (b"name: x\n<<: {0: a}\nbogus: 1\n", r"(?s)not valid YAML: .*the key 0 \(merged in by '<<'\) is not a string"),
+    (b"name: x\n<<: {false: a}\n", r"(?s)not valid YAML: .*the key False \(merged in by '<<'\) is not a string"),
+    (b"name: x\n<<: {null: a}\n", r"(?s)not valid YAML: .*the key None \(merged in by '<<'\) is not a string"),
 ])
 def test_files_the_loader_cannot_read_are_one_line_refusals(tmp_path, body, rule):
     """Each gave a Python traceback from `mstar check` (a QA sweep, 2026-12-05)."""
@@ -260,6 +264,19 @@ def test_files_the_loader_cannot_read_are_one_line_refusals(tmp_path, body, rule
     bad.write_bytes(body)
     with pytest.raises(DeploymentError, match=rule):
         load_deployment(bad)
+
+
+def test_a_surrogate_pair_escaped_as_two_is_its_character(tmp_path):
+    """json.dump writes an emoji as `"\\ud83d\\ude00"`; PyYAML keeps the two halves apart, which the lone-surrogate
+    rule refused as one."""
+    from mstar_common.config import load_deployment
+
+    path = tmp_path / "pair.yaml"
+    from mstar_common.cli import CONFIGS
+
+    path.write_text((CONFIGS / "qwen3.yaml").read_text().replace("name: qwen3-tiny", 'name: "q\\ud83d\\ude00"'))
+    with pytest.raises(DeploymentError, match="^pair.yaml: name: must be 1-128 letters.*, got 'q\U0001F600'$"):
+        load_deployment(path)
 
 
 def test_yaml_merge_keys_work_and_own_keys_override_them(tmp_path):
