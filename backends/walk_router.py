@@ -53,7 +53,7 @@ from mstar_common import wire
 from mstar_common.config import env_switch
 from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
-from mstar_common.walk_api import ComponentError
+from mstar_common.walk_api import ComponentError, QueueWaitExpired
 
 logger = logging.getLogger(__name__)
 TIMINGS = env_switch("MSTAR_TIMINGS", False)  # log each hop's and each walk's wall time (stateless_node.py)
@@ -157,6 +157,7 @@ class TritonPythonModel:
                 responder.send_final()
             elif wire.error_class(exc.message) is not None:  # the client's: refused, or past its deadline there
                 self.num_refused += wire.error_class(exc.message) == wire.OVERLOADED_PREFIX  # a 429 the walk answers
+                self.num_expired += isinstance(exc, QueueWaitExpired)  # the walk's own queue wait (a 503)
                 responder.send_error(exc.message)
             else:
                 logger.error("[%s] %s", responder.request_id, exc)

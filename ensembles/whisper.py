@@ -51,7 +51,7 @@ from mstar_common.families.whisper.decoding import (
     split_segments,
 )
 from mstar_common.families.whisper.requests import TranscriptionRequest, parse_request
-from mstar_common.walk_api import Call, ComponentError
+from mstar_common.walk_api import Call, QueueWaitExpired
 
 CallStream = Callable[[str, dict[str, Any]], AsyncIterator[dict[str, Any]]]
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -192,7 +192,7 @@ class _Transcription:
             except TimeoutError:
                 if not self.is_admitted:
                     waited = self.walk.options.queue_timeout_s
-                    raise ComponentError("walk", f"{wire.UNAVAILABLE_PREFIX}the upload waited {waited:g} s for "
+                    raise QueueWaitExpired("walk", f"{wire.UNAVAILABLE_PREFIX}the upload waited {waited:g} s for "
                                                  f"admission (queue_timeout_s={waited:g}): every decoder slot of "
                                                  "this walk is busy; retry later") from None
                 await slots.acquire()  # another of its windows got in meanwhile: this one is served, and waits

@@ -28,3 +28,8 @@ class ComponentError(Exception):
     @property
     def is_invalid_request(self) -> bool:
         return wire.is_invalid_request(self.message)
+
+
+class QueueWaitExpired(ComponentError):
+    """A walk's own wait for admission ran past admission.queue_timeout_s (an `unavailable:` 503): the walk router
+    counts it with the deadlines (`mstar_requests_expired_total`), as a component counts its queue waits."""

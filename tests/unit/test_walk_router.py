@@ -62,6 +62,7 @@ def serve(module, walk, timeout_s=None, cancelled=False):
     model._caller = lambda responder, received, hops: hops
     responder = Responder(cancelled)
     asyncio.run(model._serve_admitted(object(), responder, timeout_s))
+    responder.model = model  # its counters
     return responder
 
 
@@ -98,3 +99,16 @@ def test_a_walk_that_trips_over_a_hop_its_gone_client_stopped_ends_quietly(route
     assert responder.sent == [("send_final",)]
     assert "client cancelled" in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
     assert board.is_posted("walk#1/decoder.1")
+
+
+def test_a_walks_own_queue_wait_past_its_limit_is_counted_with_the_expired(router):
+    """Whisper's upload that waited past queue_timeout_s for a window slot ended with its 503 but was counted in no
+    series (mstar_requests_expired_total counts the components' queue waits)."""
+    from mstar_common import wire
+    from mstar_common.walk_api import QueueWaitExpired
+
+    module, _ = router
+    waited = QueueWaitExpired("walk", f"{wire.UNAVAILABLE_PREFIX}the upload waited 60 s for admission")
+    responder = serve(module, Walk(waited))
+    assert responder.sent[0][0] == "send_error" and wire.error_class(responder.sent[0][1]) == wire.UNAVAILABLE_PREFIX
+    assert (responder.model.num_expired, responder.model.num_refused) == (1, 0)
