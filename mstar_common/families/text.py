@@ -212,18 +212,22 @@ def check_template_variables(template: Any, template_kwargs: dict[str, Any]) -> 
         raise _unread(unread[0], known)
 
 
-def check_overwritten(template: Any, template_kwargs: dict[str, Any], render: Any) -> None:
-    """Refuse an entry the template may set itself before reading it (Qwen3's `content`) where it does: the prompt
-    is the same whatever the value (two renders with two different values). One it reads first (`{% if style %}{%
-    set style = style | upper %}`) changes the prompt, and stays."""
+def check_overwritten(template: Any, template_kwargs: dict[str, Any], render: Any, text: str) -> None:
+    """Refuse an entry the template may set itself before reading it (Qwen3's `content`) where it does: `text` (the
+    prompt with the client's value) is the same with the variable null or two other strings. One the template reads
+    first (`{% if style %}{% set style = style | upper %}`, `{% set thinking = thinking or false %}`) changes the
+    prompt with some value, and stays; so does one whose probe the template cannot render (it reads the value)."""
     known = template_variables(template) if isinstance(template, str) else None
     for name in sorted(set(template_kwargs) & known[1]) if known is not None else ():
         try:
-            first, second = (render({**template_kwargs, name: f"\x00mstar-probe-{i}"}) for i in (1, 2))
-        except ValueError:  # the template refused a string there: it reads the value
+            if all(render({**template_kwargs, name: value}) == text
+                   for value in (None, "\x00mstar-probe-1", "\x00mstar-probe-2")):
+                raise _unread(name, known)
+        except ValueError as exc:
+            if str(exc).startswith(f"{wire.CHAT_TEMPLATE_KWARGS}.{name}: "):
+                raise
+        except Exception:  # noqa: BLE001 - a filter that takes no string (dictsort): the template reads the value
             continue
-        if first == second:
-            raise _unread(name, known)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:
@@ -260,7 +264,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
     # Qwen3's drops a message of a role it does not know without a word
     messages = [{**msg, "role": "system"} if msg["role"] == "developer" else msg for msg in messages]
     text = render(messages)
-    check_overwritten(tokenizer.chat_template, template_kwargs, lambda variables: render(messages, variables))
+    check_overwritten(tokenizer.chat_template, template_kwargs, lambda variables: render(messages, variables), text)
     named = [i for i, msg in enumerate(messages) if msg.get("name") is not None]
     if named and render([{k: v for k, v in msg.items() if k != "name"} for msg in messages]) == text:
         # a participant's name the template drops would be ignored without a word

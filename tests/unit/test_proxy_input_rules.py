@@ -585,3 +585,14 @@ def test_a_variable_the_template_always_sets_itself_is_not_taken_as_one_of_its_s
     tokenizer.chat_template = ("{%- for m in messages -%}{{ m.content }}{%- endfor -%}"
                                "{%- if style -%}{%- set style = style | upper -%}[{{ style }}]{%- endif -%}")
     assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"style": "x"})) == "Hi[X]"
+    # read only as true/false, or compared with a value, before it is set; and one no string can render (a 500)
+    for template, kwargs, prompt in (
+            ("{%- set thinking = thinking or false -%}{{ messages[0].content }}{%- if thinking -%}!{%- endif -%}",
+             {"thinking": True}, "Hi!"),
+            ("{%- if mode == 'formal' -%}Dear {% endif -%}{%- set mode = 'done' -%}{{ messages[0].content }}",
+             {"mode": "formal"}, "Dear Hi"),
+            ("{%- set opts = opts or {} -%}{{ messages[0].content }}"
+             "{%- for k, v in opts | dictsort -%}[{{ k }}={{ v }}]{%- endfor -%}",
+             {"opts": {"lang": "fr"}}, "Hi[lang=fr]")):
+        tokenizer.chat_template = template
+        assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, kwargs)) == prompt
