@@ -22,22 +22,36 @@ SCALING_KEYS = {  # rope_type -> the keys its frequencies need
 }
 
 
+DEFAULT_THETA = 10000.0  # transformers' base where a config names none (Llama 2's configs carry no rope_theta)
+
+
+def _rope_section(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the key, the contents) of the config's RoPE section: `rope_parameters` (transformers v5) or `rope_scaling`
+    (v4). A config with both is read as one where they agree (transformers takes `rope_scaling` over the other; a
+    silent pick where they differ would give other frequencies than it), refused where they do not."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = {("rope_type" if k == "type" else k): v for k, v in (config.get("rope_scaling") or {}).items()}
+    if params and scaling:
+        if clash := sorted(k for k in params.keys() & scaling.keys() if params[k] != scaling[k]):
+            raise ValueError(f"rope_scaling and rope_parameters disagree on {clash} ({scaling} against {params}): "
+                             "keep one section")
+        return "rope_parameters", {**params, **scaling}
+    return ("rope_parameters", params) if params else ("rope_scaling", scaling)
+
+
 def rope_theta_from_config(config: Mapping[str, Any]) -> float:
     """The RoPE base from an HF config dict: `rope_parameters` (transformers v5) or `rope_theta`/`rope_scaling`."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    for key, section in (("rope_parameters", params), ("rope_scaling", scaling)):
-        rope_type = section.get("rope_type", section.get("type"))
-        if rope_type not in _UNSCALED_ROPE_TYPES:
-            raise ValueError(f"{key}.rope_type={rope_type!r} is not supported: only unscaled ('default') RoPE is")
-    return _full_width_theta(config, params)
+    key, section = _rope_section(config)
+    rope_type = section.get("rope_type", section.get("type"))
+    if rope_type not in _UNSCALED_ROPE_TYPES:
+        raise ValueError(f"{key}.rope_type={rope_type!r} is not supported: only unscaled ('default') RoPE is")
+    return _full_width_theta(config, section)
 
 
 def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling or None) from an HF config dict; the scaling is `{"rope_type": ..., <its keys>}` for the
     types in `SCALING_KEYS`, and any other scaled type is refused, naming the key it came from."""
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    section = config.get(key) or {}
+    key, section = _rope_section(config)
     rope_type = section.get("rope_type", section.get("type"))
     if rope_type in _UNSCALED_ROPE_TYPES:
         return rope_theta_from_config(config), None
@@ -51,14 +65,13 @@ def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] |
 
 
 def _full_width_theta(config: Mapping[str, Any], section: Mapping[str, Any]) -> float:
-    """The base from the RoPE section (v5) or the top level (v4), refusing a rotation of part of each head."""
-    partial = section.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    """The base from the RoPE section (v5) or the top level (v4), else transformers' default; refusing a rotation
+    of part of each head (a null factor is transformers' full width)."""
+    partial = section.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported: only full-width RoPE is")
     theta = section.get("rope_theta", config.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
-    return float(theta)
+    return DEFAULT_THETA if theta is None else float(theta)
 
 
 def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:

@@ -603,6 +603,8 @@ def test_a_z_image_caption_encoder_its_component_would_refuse_is_refused_by_chec
     shutil.copytree(resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints), checkpoint)
     family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
     path = checkpoint / "text_encoder" / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(DeploymentError, match=r"^test.yaml: rope_scaling.rope_type='yarn' is not supported"):
+    config = json.loads(path.read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "yarn", "factor": 4.0}
+    path.write_text(json.dumps(config))
+    with pytest.raises(DeploymentError, match=r"^test.yaml: rope_parameters.rope_type='yarn' is not supported"):
         family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")

@@ -187,6 +187,39 @@ def test_rope_config_forms():
         rope_theta_from_config({"rope_theta": 1.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
+@pytest.mark.parametrize("rope", [
+    {},  # Llama 2's configs name no base: transformers takes 10,000 (it was refused)
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "default", "rope_theta": 500000.0}},  # the section's base
+    {"rope_theta": 500000.0, "partial_rotary_factor": None},  # null: full width (it was refused)
+    {"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8, "low_freq_factor": 1,
+                                              "high_freq_factor": 4, "original_max_position_embeddings": 8192},
+     "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},  # both, agreeing
+])
+def test_rope_frequencies_equal_transformers_for_the_configs_it_reads(rope):
+    from mstar_common.layers.rotary import RotaryEmbedding, rope_from_config
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, **rope}
+    theta, scaling = rope_from_config(config)
+    ours = RotaryEmbedding(64, theta, scaling)
+    positions = torch.tensor([0, 1, 8191, 8192, 8193, 20000, 131071])
+    cos, sin = ours(positions, torch.float32)
+    theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(transformers.LlamaConfig.from_dict(config))
+    their_cos, their_sin = theirs(torch.zeros(1, 7, 64), positions[None])
+    assert torch.equal(cos, their_cos[0]) and torch.equal(sin, their_sin[0])
+
+
+def test_rope_sections_that_disagree_are_refused_not_one_silently_picked():
+    """transformers reads rope_scaling over rope_parameters; this reader took rope_parameters: other frequencies."""
+    from mstar_common.layers.rotary import rope_from_config
+
+    with pytest.raises(ValueError, match=r"rope_scaling and rope_parameters disagree on \['factor', 'rope_type'\]"):
+        rope_from_config({"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                          "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
+
+
 def test_bfloat16_forward_tracks_float32(checkpoint, model):
     bf16, _ = load_qwen3(checkpoint, dtype="bfloat16")
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
