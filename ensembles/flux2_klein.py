@@ -87,6 +87,8 @@ class Flux2KleinWalk(ImageWalk):
         from PIL import Image
 
         image = decode_image(data, field)
+        if image.mode != "RGB":  # as diffusers' load_image: Pillow resizes a palette or 1-bit image nearest-neighbour
+            image = image.convert("RGB")
         width, height = image.size
         if width < MIN_REFERENCE_SIDE or height < MIN_REFERENCE_SIDE:
             raise ValueError(f"{field}: {width}x{height} is too small: both sides must be at least "
@@ -100,4 +102,4 @@ class Flux2KleinWalk(ImageWalk):
         crop_w, crop_h = width // self.multiple * self.multiple, height // self.multiple * self.multiple
         left, top = (width - crop_w) // 2, (height - crop_h) // 2
         image = image.crop((left, top, left + crop_w, top + crop_h))
-        return np.asarray(image.convert("RGB") if image.mode != "RGB" else image, dtype=np.uint8)
+        return np.asarray(image, dtype=np.uint8)

@@ -223,6 +223,8 @@ def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):
               "vae_max_batch": args.vae_max_batch, "capture_sizes": [size],
               "capture_batch_sizes": [b for b in (1, 2, 4, 8, 16) if b <= max(args.concurrency)],
               **FAMILIES[args.family].model_kwargs(checkpoint, args)}
+    if args.family == "flux2_klein":  # text to image only: references never larger than the outputs
+        kwargs.setdefault("max_reference_area", kwargs["max_image_area"])
     if args.vae_in_denoise:
         kwargs["vae_in_denoise"] = True
     if args.dit_fp8:

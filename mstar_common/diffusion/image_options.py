@@ -110,6 +110,11 @@ def check_relations(options: Any, where: str) -> None:
         raise DeploymentError(f"{where}.default_size: {options.default_size} = {width * height} pixels exceeds "
                               f"max_image_area={options.max_image_area} (every request without a size would be "
                               f"refused)")
+    reference_area = getattr(options, "max_reference_area", None)  # the families that take reference images
+    if reference_area is not None and reference_area > options.max_image_area:
+        raise DeploymentError(f"{where}.max_reference_area: {reference_area} exceeds max_image_area="
+                              f"{options.max_image_area} (an edit without a size takes its first reference's, "
+                              f"up to max_reference_area, and would be refused)")
     if any(b > options.max_batch_size for b in options.capture_batch_sizes):
         raise DeploymentError(f"{where}.capture_batch_sizes: {options.capture_batch_sizes} has sizes above "
                               f"max_batch_size={options.max_batch_size}; such graphs would never replay")

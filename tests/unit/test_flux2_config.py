@@ -148,6 +148,28 @@ def test_reference_images_follow_the_reference_pipelines_rules(walk):
         walk.prepare_reference(upload(640, 64), "image[0]")
 
 
+def test_a_palette_reference_is_resized_as_its_rgb_is_as_diffusers_load_image_gives_it(walk):
+    """Pillow resizes a palette ("P") or 1-bit image nearest-neighbour whatever filter is asked: a PNG-8 or GIF
+    reference over max_reference_area was shrunk that way (6.7 dB from the same picture saved as RGB), where
+    diffusers' load_image converts to RGB first and the pipeline resizes it with Lanczos."""
+    import numpy as np
+
+    lines = np.zeros((300, 400, 3), np.uint8)
+    lines[::3] = 255  # fine detail that nearest-neighbour and Lanczos shrink differently
+    lines[:, ::7, 1] = 200
+    palette = Image.fromarray(lines).quantize(16)
+    as_rgb = palette.convert("RGB")
+
+    def png(image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    ours = walk.prepare_reference(png(palette), "image[0]")
+    assert ours.shape == walk.prepare_reference(png(as_rgb), "image[0]").shape == (96, 144, 3)
+    assert np.array_equal(ours, walk.prepare_reference(png(as_rgb), "image[0]"))
+
+
 def test_kernel_switches_name_the_variable_and_the_rule(monkeypatch):
     """The diffusion kernels run on CUDA only, `MSTAR_DIFFUSION_KERNELS=0` turns them off, and a bad value of either
     switch names the variable and what it accepts (the CPU path never reads the attention switch)."""
@@ -221,3 +243,16 @@ def test_a_captured_denoise_step_may_capture_edits_alone():
     raw = yaml.safe_load((CONFIGS / "flux2_klein_4b_gpu.yaml").read_text())
     raw["model_kwargs"].update(capture_sizes=[], capture_edit_sizes=["1024x1024"])
     deployment_from_dict(raw, "flux2_klein_4b_gpu.yaml")
+
+
+def test_a_reference_area_over_the_image_area_is_refused_at_startup():
+    """An edit without a size takes its first reference's (up to max_reference_area): with the reference area over
+    max_image_area every such edit of a large reference was refused, naming a `size` the client never sent."""
+    from mstar_common.config import DeploymentError
+    from mstar_common.families.flux2_klein.options import options_from_kwargs
+
+    with pytest.raises(DeploymentError, match=r"max_reference_area: 1048576 exceeds max_image_area=262144"):
+        options_from_kwargs({"max_image_area": 512 * 512, "default_size": "512x512", "capture_sizes": ["512x512"]},
+                            "t.yaml")
+    options_from_kwargs({"max_image_area": 512 * 512, "max_reference_area": 512 * 512, "default_size": "512x512",
+                         "capture_sizes": ["512x512"]}, "t.yaml")
