@@ -707,3 +707,11 @@ def test_an_upload_that_waits_past_queue_timeout_for_a_window_slot_is_refused_as
         assert (await served)["finish_reason"] in ("stop", "length")
 
     asyncio.run(go())
+
+
+def test_a_segments_temperature_is_the_one_the_client_sent(local):
+    """The walk's temperature tensor is float32: a client's 0.2 came back in every segment as 0.20000000298023224,
+    where OpenAI Whisper (and this walk's own fallback ladder) report 0.2."""
+    out = asyncio.run(local.transcribe(audio=wav(clip(3, 17)), timestamps=True, temperature=0.2, seed=11))
+    segments = json.loads(out["segments"])
+    assert segments and {s["temperature"] for s in segments} == {0.2}

@@ -128,6 +128,8 @@ def _number(inputs: dict[str, np.ndarray], name: str) -> float | None:
         return None
     if not is_finite_number(value):
         raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if np.asarray(inputs[name]).dtype == np.float32:  # the client's 0.2, not 0.20000000298023224 (what it reports
+        return float(str(np.float32(value)))  # back, in a segment's temperature): the shortest float32 decimal
     return float(value)
 
 
