@@ -99,6 +99,9 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    # the openai package's obfuscation padding of stream events (random characters a client drops): none is added,
+    # whichever value, so the field is accepted without effect rather than refused as unknown
+    include_obfuscation: bool | None = None
 
 
 class OpenAIFields(SamplingFields):

@@ -596,3 +596,17 @@ def test_a_variable_the_template_always_sets_itself_is_not_taken_as_one_of_its_s
              {"opts": {"lang": "fr"}}, "Hi[lang=fr]")):
         tokenizer.chat_template = template
         assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, kwargs)) == prompt
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_the_openai_packages_include_obfuscation_is_accepted_without_effect(served, route):
+    """The openai package types stream_options with include_obfuscation; it was refused as an unknown field."""
+    client, _ = served
+    body = {"messages": MESSAGES} if route.endswith("chat/completions") else {"prompt": "hi"}
+    for value in (False, True, None):
+        reply = client.post(route, json={"model": "qwen3", **body, "stream": True,
+                                         "stream_options": {"include_usage": True, "include_obfuscation": value}})
+        assert reply.status_code == 200, reply.text
+        events = sse_events(reply.text)
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["total_tokens"] > 0
+        assert not any("obfuscation" in event for event in events[:-1])
