@@ -134,6 +134,7 @@ class TritonPythonModel:
     async def _serve_admitted(self, request, responder: Responder, timeout_s: float | None) -> None:
         started = time.perf_counter()
         hops = Hops(Budget(started, timeout_s))
+        answered = False  # the walk returned its outputs (its hops in flight, if any, are still wanted)
         watch = asyncio.ensure_future(watch_client(responder, hops))
         try:
             inputs = request_inputs(request, self.walk.input_names)
@@ -172,14 +173,14 @@ class TritonPythonModel:
             else:
                 responder.send_server_error(exc)
         else:
-            hops.is_answered = True
+            answered = True
             responder.send_final(outputs)
         finally:
             watch.cancel()
             # A walk that ended without its answer (an error, its deadline, its client gone) leaves its other hops
             # running shielded (send_hop): whisper's sibling windows decoded to their ends for nobody, holding
             # decoder and cross-KV slots. The board stops them as for a client gone (none live: nothing posted).
-            if not hops.is_answered:
+            if not answered:
                 hops.abandon()
         if TIMINGS:
             logger.info("[%s] timing walk: %.1f ms", responder.request_id, (time.perf_counter() - started) * 1e3)
@@ -310,14 +311,13 @@ class Hops:
     each is on the server's cancel board until it ends (mstar_common/walk_cancel.py). A stream's hop ends on its
     reader thread, hence the lock."""
 
-    __slots__ = ("budget", "_live", "_lock", "is_abandoned", "is_answered", "_count")
+    __slots__ = ("budget", "_live", "_lock", "is_abandoned", "_count")
 
     def __init__(self, budget: Budget):
         self.budget = budget
         self._live: set[str] = set()
         self._lock = threading.Lock()
         self.is_abandoned = False
-        self.is_answered = False  # the walk returned its outputs (its hops in flight, if any, are still wanted)
         self._count = itertools.count()
 
     def new_id(self, walk_id: str, component: str) -> str:

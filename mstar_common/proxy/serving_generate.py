@@ -34,7 +34,6 @@ from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
 router = APIRouter()
 
-_LIST_FIELDS = MODALITY_FIELDS
 TEXT_MODALITIES = ["text"]
 
 
@@ -56,7 +55,7 @@ async def _form_fields(request: Request, kind: str) -> dict[str, Any]:
         if any(isinstance(v, UploadFile) for v in values):
             raise invalid_request(f"'{key}': media uploads are not supported: the model is a {kind} model (uploads go "
                                   "to transcription and image models)", param=key)
-        if key in _LIST_FIELDS:
+        if key in MODALITY_FIELDS:
             fields[key] = form_modalities(values, key)
         elif len(values) > 1:
             raise invalid_request(f"'{key}' was sent {len(values)} times; send it once", param=key)
@@ -88,7 +87,7 @@ async def read_generate_request(request: Request, kind: str = "text") -> protoco
 
 
 def _check_modalities(req: protocol.GenerateRequest, model: str) -> None:
-    for field in _LIST_FIELDS:
+    for field in MODALITY_FIELDS:
         values = getattr(req, field)
         if values is not None and (not values or set(values) - set(TEXT_MODALITIES)):
             raise invalid_request(f"'{field}': model '{model}' supports only {TEXT_MODALITIES}, got {values}",

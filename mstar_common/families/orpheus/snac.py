@@ -288,12 +288,16 @@ def check_codec_readable(path: Path) -> None:
     files = codec_weight_files(path)
     if files[0].suffix == ".safetensors":
         check_readable(files)
-        return
-    with open(files[0], "rb") as f:
+    else:
+        _check_torch_file(files[0])
+
+
+def _check_torch_file(file: Path) -> None:
+    with open(file, "rb") as f:
         head = f.read(4)
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a legacy pickle
-        raise ValueError(f"{files[0]} is not a readable PyTorch checkpoint (it starts {head!r}); a Git LFS "
-                         "pointer or an unfinished download?")
+        raise ValueError(f"{file} is not a readable PyTorch checkpoint (it starts {head!r}); a Git LFS pointer or "
+                         "an unfinished download?")
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
@@ -306,7 +310,7 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
             with open_safetensors(file) as reader:
                 state.update({key: reader.get_tensor(key) for key in reader.keys()})  # noqa: SIM118
         return state
-    check_codec_readable(path)
+    _check_torch_file(files[0])
     try:
         return torch.load(files[0], map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a cut zip, a pickle of something else: the file's fault
