@@ -160,7 +160,7 @@ def main() -> int:
         try:
             time.sleep(2.0)
             if args.driver == "openai":
-                driver = OpenAIDriver(f"http://127.0.0.1:{port}", "m", lambda n: " the" * n, processes=setting)
+                driver = OpenAIDriver(f"http://127.0.0.1:{port}", "m", lambda ids: " the" * len(ids), processes=setting)
                 label = f"{setting} client process(es)"
             else:
                 driver, label = TritonDriver(f"127.0.0.1:{port}", "m"), f"{setting} tokens per response"

@@ -21,12 +21,14 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import shlex
 import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from pathlib import Path
 
 from mstar_common import wire
@@ -243,9 +245,16 @@ class ServerLatency:
             time.sleep(0.15)
 
 
+TAG_WORDS = (" the", " a", " of", " and", " to", " in", " is", " it")  # one token each, here and in real BPEs
+TAG_LEN = 8  # words that open each proxy prompt: 8**8 different starts
+
+
 def prompt_text_for(checkpoint: Path | None):
-    """Text prompts of an exact token length for the proxy (' the' is one token in the tiny tokenizer), counting the
-    tokens the tokenizer frames a text with (a Llama's BOS), as the component encodes `text_input`."""
+    """Text prompts for the proxy arm, as long in tokens as the request's ids and as different from each other:
+    `TAG_LEN` words picked by the ids' checksum, then " the" to the length. A prompt's first page thus differs
+    wherever its ids differ, so a server with the prefix cache on computes every prompt, as the Triton arm's
+    random ids make it. The tokens the tokenizer frames a text with (a Llama's BOS) are counted, as the component
+    encodes `text_input`; with a checkpoint each prompt's length is checked."""
     tokenizer, num_framing = None, 0
     if checkpoint is not None:
         from transformers import AutoTokenizer
@@ -253,10 +262,13 @@ def prompt_text_for(checkpoint: Path | None):
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
         num_framing = len(tokenizer.encode("", add_special_tokens=True))
 
-    def text(num_tokens: int) -> str:
-        prompt = " the" * (num_tokens - num_framing)
+    def text(input_ids: list[int]) -> str:
+        num_words = len(input_ids) - num_framing
+        rng = random.Random(zlib.crc32(",".join(map(str, input_ids)).encode()))
+        tag = "".join(rng.choice(TAG_WORDS) for _ in range(min(TAG_LEN, num_words)))
+        prompt = tag + " the" * (num_words - min(TAG_LEN, num_words))
         if tokenizer is not None:
-            assert len(tokenizer.encode(prompt, add_special_tokens=True)) == num_tokens
+            assert len(tokenizer.encode(prompt, add_special_tokens=True)) == len(input_ids)
         return prompt
 
     return text
@@ -553,7 +565,8 @@ def cmd_baseline(args) -> int:
                                                  "nothing to measure: pass --floor and/or --hf-baseline"):
             raise DeploymentError(problem)
         args.checkpoint = resolve_checkpoint(str(args.checkpoint), get_family(args.family).builtin_checkpoints)
-        model = _results_to_add_to(path) if path.is_file() else {"name": args.name}
+        # a new file records where and how it was measured, as a serve run's does (a merge keeps the run's own)
+        model = _results_to_add_to(path) if path.is_file() else {"name": args.name, "meta": meta(None)}
     except (DeploymentError, FileNotFoundError) as exc:
         print(f"mstar bench: error: {exc}", file=sys.stderr)
         return 2

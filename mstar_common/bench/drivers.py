@@ -219,7 +219,8 @@ def _drive(count: int, send, done: queue.Queue, concurrency: int | None, rate: f
 
 
 class OpenAIDriver:
-    """Streaming `/v1/completions` against the proxy; prompts are text of the workload's token length.
+    """Streaming `/v1/completions` against the proxy; prompts are text (`prompt_text(input_ids)`, as
+    `mstar_common.bench.cli.prompt_text_for` makes it: the request's token length, and as distinct as its ids).
 
     One client process (httpx on one event loop) saturates a core at ~17,000 SSE events/s on a CPU machine, and
     its own queueing then shows up as TTFT and lost throughput (docs/benchmarks.md, "The OpenAI proxy under
@@ -242,7 +243,7 @@ class OpenAIDriver:
         return client_processes(self.processes, count, concurrency, rate)
 
     def body(self, request: dict) -> dict:
-        return {"model": self.model, "prompt": self.prompt_text(len(request["input_ids"])), "stream": True,
+        return {"model": self.model, "prompt": self.prompt_text(request["input_ids"]), "stream": True,
                 "max_tokens": request["max_tokens"], "ignore_eos": request["ignore_eos"],
                 "temperature": request["temperature"],
                 # the tokens so far on every chunk, so each chunk's count is exact (as the Triton driver's)

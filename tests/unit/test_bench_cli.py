@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mstar_common.bench import cli as bench_cli
+from mstar_common.bench.workload import Workload
 from mstar_common.config import deployment_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,7 +287,7 @@ def test_greedy_workloads_send_top_p_and_top_k_only_when_set_and_sampled_ones_al
     tensors = {t.name(): t.datatype() for t in _triton_inputs(sampled[0])}
     assert tensors["top_p"] == "FP32" and tensors["top_k"] == "INT32" and tensors["temperature"] == "FP32"
     assert "top_p" not in {t.name() for t in _triton_inputs(greedy[0])}
-    body = OpenAIDriver("http://127.0.0.1:9", "m", lambda n: "x " * n).body(sampled[0])
+    body = OpenAIDriver("http://127.0.0.1:9", "m", lambda ids: "x " * len(ids)).body(sampled[0])
     assert body["top_p"] == 0.9 and body["top_k"] == 50 and body["temperature"] == 0.7
 
 
@@ -635,6 +636,13 @@ def test_the_hf_baseline_runs_on_the_cpu_and_adds_to_the_results_file(tmp_path, 
     assert saved["name"] == "tiny" and saved["runs"] == []
     (row,) = saved["hf_generate"]
     assert row["batch"] == 1 and row["output_tok_per_s"] > 0 and row["itl_ms"] >= 0
+    # into a new file: it records the machine, date and command, as README says every results file does
+    fresh = tmp_path / "new.json"
+    assert bench_cli.main(["baseline", "--checkpoint", "builtin:qwen3-tiny", "--hf-baseline", "--device", "cpu",
+                           "--dtype", "float32", "--prompt-len", "8", "--output-len", "4", "--hf-batch", "1",
+                           "--hf-repeats", "1", "--out", str(fresh)]) == 0
+    saved = json.loads(fresh.read_text())
+    assert saved["meta"]["hardware"].startswith("CPU only") and saved["meta"]["date"] and saved["hf_generate"]
 
 
 def test_the_report_refuses_two_files_of_one_name_and_files_it_cannot_render(tmp_path, capsys):
@@ -690,10 +698,11 @@ def test_a_failed_check_request_closes_its_stream(monkeypatch):
     assert calls == ["stop_stream", "close"]
 
 
-def test_the_proxys_text_prompts_count_the_bos_a_llama_tokenizer_adds(tmp_path):
+def test_the_proxys_text_prompts_count_the_bos_a_llama_tokenizer_adds_and_differ_as_the_ids_do(tmp_path):
     """The component encodes `text_input` (the proxy's completions prompt) as `tokenizer(text)` does, with a Llama
     tokenizer's BOS, so a proxy level's prompt is as long as the Triton level's token-id prompt only if the text is
-    one token shorter."""
+    one token shorter. The prompts differ from their start wherever the ids do: one text for every request made a
+    server with the prefix cache on serve all but the first from the cache."""
     from tokenizers import processors
 
     from mstar_common.families.qwen3.tiny import build_tokenizer
@@ -705,9 +714,16 @@ def test_the_proxys_text_prompts_count_the_bos_a_llama_tokenizer_adds(tmp_path):
     with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", special_tokens=[(bos, with_bos.convert_tokens_to_ids(bos))])
     with_bos.save_pretrained(tmp_path / "bos")
-    assert bench_cli.prompt_text_for(tmp_path / "plain")(32) == " the" * 32
-    assert bench_cli.prompt_text_for(tmp_path / "bos")(32) == " the" * 31
-    assert bench_cli.prompt_text_for(None)(32) == " the" * 32
+    requests = Workload("fixed", 32, 4).requests(20)
+    for checkpoint, num_words in ((tmp_path / "plain", 32), (tmp_path / "bos", 31), (None, 32)):
+        text = bench_cli.prompt_text_for(checkpoint)  # with a checkpoint it asserts each prompt's token count
+        prompts = [text(r["input_ids"]) for r in requests]
+        assert all(p.count(" ") == num_words and p.endswith(" the" * (num_words - 8)) for p in prompts)
+        # as distinct as the ids from their first words (a prefix cache must not serve one from another), and
+        # the same ids give the same prompt
+        assert len({p[:40] for p in prompts}) == len(prompts)
+        assert text(requests[3]["input_ids"]) == prompts[3]
+    assert bench_cli.prompt_text_for(None)([1, 2, 3]).count(" ") == 3
 
 
 @pytest.mark.parametrize("flags, message", [

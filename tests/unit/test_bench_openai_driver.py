@@ -103,7 +103,7 @@ def _requests(count: int) -> list[dict]:
 def test_every_request_is_recorded_in_order_by_one_or_several_processes(processes):
     requests = _requests(11)
     with SSEServer() as server:
-        driver = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=processes)
+        driver = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=processes)
         assert driver.num_processes(len(requests), 4, None) == processes
         records = driver.run(requests, concurrency=4)
     assert [r.error for r in records] == [None] * 11
@@ -115,7 +115,7 @@ def test_every_request_is_recorded_in_order_by_one_or_several_processes(processe
 def test_a_poisson_load_splits_its_rate_over_the_processes():
     requests = _requests(6)
     with SSEServer() as server:
-        driver = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=2)
+        driver = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=2)
         records = driver.run(requests, rate=200.0)
     assert [r.num_tokens for r in records] == [request["max_tokens"] for request in requests]
 
@@ -134,7 +134,7 @@ def test_auto_uses_a_process_per_streams_share_within_half_the_cpus(monkeypatch)
 
 
 def test_requests_failing_in_client_processes_come_back_as_errors():
-    driver = OpenAIDriver("http://127.0.0.1:9", "m", lambda n: " the" * n, processes=2)
+    driver = OpenAIDriver("http://127.0.0.1:9", "m", lambda ids: " the" * len(ids), processes=2)
     records = driver.run(_requests(2), concurrency=2, timeout_s=5)  # nothing listens: each request errs
     assert all(r.error for r in records)
 
@@ -145,7 +145,7 @@ def test_each_chunk_counts_the_tokens_the_usage_says_it_carried(tokens_per_chunk
     chunk, the empty finish chunk included) and the finish chunk counts none."""
     requests = _requests(5)
     with SSEServer(tokens_per_chunk=tokens_per_chunk) as server:
-        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
             requests, concurrency=2)
     for record, request in zip(records, requests, strict=True):
         n = request["max_tokens"]
@@ -157,7 +157,7 @@ def test_a_chunk_whose_text_holds_a_unicode_line_separator_is_one_event():
     """aiter_lines splits at U+2028 inside a JSON string (str.splitlines), and json.loads raised on each half: a
     server whose JSON leaves it unescaped failed every request whose text had one."""
     with SSEServer(text="a\u2028b\x85") as server:
-        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
             _requests(3), concurrency=1)
     assert [r.error for r in records] == [None] * 3
     assert [sum(k for _, k in r.chunks) for r in records] == [r["max_tokens"] for r in _requests(3)]
@@ -166,7 +166,7 @@ def test_a_chunk_whose_text_holds_a_unicode_line_separator_is_one_event():
 def test_a_stream_failing_after_its_200_is_an_error():
     """The proxy fails a started stream with a data: {"error": ...} event; that request was counted a success."""
     with SSEServer(fail_after=2) as server:
-        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
             _requests(3), concurrency=1)
     assert all(r.error and r.error.startswith("stream error: ") and "boom" in r.error for r in records)
     assert summarize(records)["num_errors"] == 3
@@ -196,7 +196,7 @@ def test_poisson_arrivals_keep_their_schedule_when_the_client_lags(monkeypatch):
     monkeypatch.setattr(drivers, "_one", busy)
     count, rate = 40, 100.0
     with SSEServer() as server:
-        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
             _requests(count), rate=rate, seed=7)
     rng = random.Random(7)
     scheduled = sum(rng.expovariate(rate) for _ in range(count - 1))
@@ -236,7 +236,7 @@ def test_an_open_loop_load_is_not_held_back_by_a_connection_cap():
     more than 64 requests."""
     count = 72
     with GatedSSEServer(gate=count) as server:
-        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda n: " the" * n, processes=1).run(
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
             _requests(count), rate=2000.0, seed=3)
         most = server.most
     assert [r.error for r in records] == [None] * count
