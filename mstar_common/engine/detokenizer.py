@@ -27,16 +27,18 @@ class IncrementalDetokenizer:
         """`context`: the ids before the stream (the prompt's), whose last few prime the window as already emitted,
         so that the first tokens decode as they do after the prompt: a SentencePiece decoder (Llama 2, Mistral)
         strips one leading space from a text's start, which would take the space off the first word. A context
-        that ends inside a character is not used (its text would not be a prefix of the text after it)."""
+        that ends inside a character is not used (its text would not be a prefix of the text after it); one whose
+        last few ids start inside a character is widened to the character's start, as `_advance` widens its own."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._window: list[int] = []
         self._num_read = 0  # leading window tokens whose text was already emitted
         self._read_text = ""  # their text (the context's), decoded once when the window is cut
         self._num_scanned = 0  # window ends up to here decode to an incomplete character (_push_complete_head)
-        tail = list(context[-_NUM_CONTEXT_TOKENS:]) if context else []
-        if tail and not (text := self._decode(tail)).endswith(_REPLACEMENT):
-            self._window, self._num_read, self._read_text = tail, len(tail), text
+        if context:
+            start, text = self._context(list(context), len(context))
+            if not text.endswith(_REPLACEMENT):
+                self._window, self._num_read, self._read_text = list(context[start:]), len(context) - start, text
 
     def push(self, token_ids: list[int]) -> str:
         self._window.extend(token_ids)
@@ -83,13 +85,19 @@ class IncrementalDetokenizer:
         SentencePiece byte-fallback decoder (Llama 2, TinyLlama) then turns its whole run of byte tokens into
         U+FFFD, in every later window of the run (held back, then flushed as U+FFFD). A character is at most 4
         bytes, so at most 3 tokens more are kept."""
-        start = max(0, end - _NUM_CONTEXT_TOKENS)
-        context = self._decode(self._window[start:end])
-        while start > 0 and context.startswith(_REPLACEMENT) and end - start < _NUM_CONTEXT_TOKENS + 3:
-            start -= 1
-            context = self._decode(self._window[start:end])
+        start, context = self._context(self._window, end)
         self._window = self._window[start:]
         self._num_read, self._read_text, self._num_scanned = end - start, context, 0
+
+    def _context(self, token_ids: list[int], end: int) -> tuple[int, str]:
+        """Where the context before `end` starts, and its text: `_NUM_CONTEXT_TOKENS` back, or up to 3 further
+        while that cut falls inside a character (`_advance`)."""
+        start = max(0, end - _NUM_CONTEXT_TOKENS)
+        text = self._decode(token_ids[start:end])
+        while start > 0 and text.startswith(_REPLACEMENT) and end - start < _NUM_CONTEXT_TOKENS + 3:
+            start -= 1
+            text = self._decode(token_ids[start:end])
+        return start, text
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:

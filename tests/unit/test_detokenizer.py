@@ -138,6 +138,20 @@ def test_a_context_that_ends_inside_a_character_is_not_used(tokenizer):
     assert "".join(_stream(detok, ids[split:], 1)) == tokenizer.decode(ids[split:])
 
 
+@pytest.mark.parametrize("prompt_text", ["The answer 你好", "안녕하세요", "ok 🎉"])
+def test_a_prompt_ending_in_a_byte_run_primes_the_window_from_its_characters_start(prompt_text):
+    """The prompt's last 4 ids started inside a character: a byte-fallback decoder turned the whole cut run into
+    U+FFFD, the context was dropped as if the prompt ended mid-character, and the first generated word lost its
+    space ("ok", not " ok")."""
+    tokenizer = _byte_fallback_tokenizer()
+    prompt = tokenizer.encode(prompt_text)
+    output = tokenizer.encode("ok ok", add_special_tokens=False)
+    want = tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)):]
+    assert want == " ok ok"
+    for chunk in (1, 2, len(output)):
+        assert "".join(_stream(IncrementalDetokenizer(tokenizer, context=prompt), output, chunk)) == want
+
+
 def _byte_fallback_tokenizer():
     """transformers' own Llama (SentencePiece) pipeline over a vocabulary of the 256 byte tokens: every character
     outside it falls back to its UTF-8 bytes, one token each, decoded by ByteFallback."""
