@@ -103,7 +103,17 @@ def parse_json(raw: str | bytes, what: str, param: str | None = None) -> Any:
     not UTF-8, a number longer than Python's 4,300-digit limit for ints (a ValueError of its own), arrays or
     objects nested past the parser's recursion limit (`[[[[...`: a RecursionError, once a 500), and a string that
     is not Unicode text (a lone surrogate escape, which failed at its first encode: a 500), naming its path under
-    `param`."""
+    `param`. Bytes must be UTF-8 (RFC 8259; a BOM is allowed): json.loads reads UTF-16 and UTF-32 too, whose lone
+    surrogates no search of the bytes finds, and which a route reading a body of any content type let through."""
+    if isinstance(raw, bytes):
+        offset = raw.find(b"\x00")  # no UTF-8 JSON holds a NUL byte (its strings escape control characters)
+        try:
+            raw = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            offset = exc.start if offset < 0 else min(offset, exc.start)
+        if offset >= 0:
+            raise invalid_request(f"{what} is not UTF-8 text (JSON must be UTF-8): invalid byte at offset {offset}",
+                                  param=param) from None
     try:
         value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -378,3 +378,14 @@ def test_a_deployment_cannot_ask_more_references_than_uploads_can_carry():
     assert options_from_kwargs({"max_reference_images": 2}, "x").max_reference_images == 2
     with pytest.raises(DeploymentError, match=r"x: model_kwargs.max_reference_images: at most 4"):
         options_from_kwargs({"max_reference_images": 5}, "x")
+
+
+@pytest.mark.parametrize("path, field", [("/v1/images/generations", "prompt"), ("/generate", "text")])
+def test_a_body_sent_as_text_plain_in_utf16_is_refused_not_a_server_error(path, field):
+    """The image routes read a body of any content type as JSON; json.loads decoded UTF-16 itself, and a lone
+    surrogate in the prompt failed at its encode (a 500)."""
+    http, fake = client()
+    raw = ('{"model": "klein", "%s": "a\ud800"}' % field).encode("utf-16-le", "surrogatepass")
+    reply = http.post(path, content=raw, headers={"content-type": "text/plain"})
+    assert reply.status_code == 400 and "not UTF-8 text" in reply.json()["error"]["message"], reply.text
+    assert fake.requests == []

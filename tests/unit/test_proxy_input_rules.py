@@ -154,6 +154,22 @@ def test_a_body_that_is_not_utf8_is_400_not_a_server_error(served, path, raw):
     assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/octet-stream"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_a_generate_body_of_another_content_type_must_be_utf8_too(served, content_type, encoding):
+    """/generate reads a body of any content type as JSON, where json.loads took UTF-16 and UTF-32 itself: a lone
+    surrogate in it reached the first encode (a 500), and one without went through (200), against api.md's rule."""
+    client, fake = served
+    for text in ("hi\ud800", "héllo"):
+        raw = json.dumps({"model": "qwen3", "text": text}, ensure_ascii=False).encode(encoding, "surrogatepass")
+        error = error_of(client.post("/generate", content=raw, headers={"content-type": content_type}))
+        assert "not UTF-8 text" in error["message"], error
+    assert fake.requests == []
+    raw = "\ufeff" + json.dumps({"model": "qwen3", "text": "héllo"}, ensure_ascii=False)  # a UTF-8 BOM is fine
+    reply = client.post("/generate", content=raw.encode(), headers={"content-type": content_type})
+    assert reply.status_code == 200, reply.text
+
+
 @pytest.mark.parametrize("form", [False, True])
 @pytest.mark.parametrize("fields, param", [
     ({"model_kwargs": json.dumps({"messages": [{"role": "user", "content": "a\ud800b"}]})},
