@@ -51,6 +51,8 @@ Any other error is a server fault whose message carries an error id that is also
 
 from __future__ import annotations
 
+import math
+
 TEXT_INPUT = "text_input"
 MESSAGES = "messages"
 INPUT_IDS = "input_ids"
@@ -172,6 +174,8 @@ def check_chat_template_kwargs(kwargs: object, field: str = CHAT_TEMPLATE_KWARGS
                              f"'{key}' is an argument of that call, not a template variable")
         if value is not None and not isinstance(value, (bool, int, float, str)):
             raise ValueError(f"{where}: must be a string, number, boolean or null, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):  # JSON has no NaN or Infinity to carry it in
+            raise ValueError(f"{where}: must be a finite number, got {value!r}")
         if isinstance(value, str) and not is_unicode_text(value):
             raise ValueError(f"{where}: {NOT_UNICODE_RULE}")
         if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:

@@ -161,8 +161,11 @@ def check_wire_number(value: int | float, np_dtype: str, param: str, minimum: in
     here unless `wrap_only`: then a value under it that the tensor holds goes on to the model, whose refusal states
     the field's whole range."""
     if np.dtype(np_dtype).kind == "f":
-        with np.errstate(over="ignore"):
-            held = np.float32(value)
+        try:
+            with np.errstate(over="ignore"):
+                held = np.float32(value)
+        except OverflowError:  # an int past float64's range (JSON's 1 followed by 400 zeros): no finite float32
+            held = np.float32("inf")
         if not np.isfinite(held):
             raise invalid_request(f"'{param}': must be finite as a 32-bit float (|x| < 3.4e38), got {value!r}",
                                   param=param)

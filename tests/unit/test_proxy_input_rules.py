@@ -65,6 +65,17 @@ def test_plain_template_variables_still_reach_the_wire(served):
     assert sent == {"enable_thinking": False, "persona": "terse", "n": 2}
 
 
+def test_a_template_variable_that_is_not_a_finite_number_is_refused(served):
+    """NaN and Infinity went on to the wire as JSON no other parser reads (RFC 8259 has no such numbers)."""
+    client, fake = served
+    for raw in ("NaN", "-Infinity"):
+        body = '{"model": "qwen3", "messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"w": %s}}'
+        error = error_of(client.post("/v1/chat/completions", content=(body % raw).encode(),
+                                     headers={"content-type": "application/json"}))
+        assert "chat_template_kwargs.w: must be a finite number" in error["message"], error
+    assert fake.requests == []
+
+
 def test_the_component_applies_the_same_rule_and_turns_template_errors_into_its_refusals():
     from mstar_common.families.qwen3.tiny import build_tokenizer
     from mstar_common.families.text import chat_prompt_ids

@@ -239,6 +239,18 @@ def test_a_lone_surrogate_in_an_uploads_model_kwargs_is_400_naming_it(app):
     assert fake.requests == []
 
 
+def test_an_integer_temperature_past_a_floats_range_is_400_naming_it(app):
+    """np.float32 of an int past float64's range raises OverflowError (1e400 as a float was refused already)."""
+    client, fake = app
+    for raw in ("1" + "0" * 400, "-" + "9" * 330, "1e400"):
+        response = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"temperature": %s}' % raw},
+                               files={"audio": ("a.wav", b"RIFF", "audio/wav")})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model_kwargs.temperature" and "must be finite as a 32-bit float" in error["message"]
+    assert fake.requests == []
+
+
 def test_a_forms_repeated_modalities_are_a_list_on_every_generate_path(app):
     """httpx sends a list in `data=` as the field repeated: the text models' /generate took it, the transcription
     and image paths refused it ("sent 2 times; send it once")."""
