@@ -12,7 +12,7 @@ import time
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from mstar_common import wire
 from mstar_common.engine.stop_strings import validate_stops
@@ -187,8 +187,22 @@ class CompletionRequest(OpenAIFields):
     best_of: int | None = None
 
 
+def _drop_nulls_of_defaulted(model: type[BaseModel], data: Any) -> Any:
+    """`null` means unset: a null field that has a default other than None is dropped before validation (a strict
+    bool or object field refused it, where the image models' /generate took it)."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items()
+                if not (v is None and k in model.model_fields and model.model_fields[k].default is not None)}
+    return data
+
+
 class GenerateKwargs(SamplingFields):
     """`model_kwargs` of native /generate."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return _drop_nulls_of_defaulted(cls, data)
 
     @classmethod
     def field_names(cls) -> dict[str, str]:
@@ -214,6 +228,11 @@ class GenerateRequest(BaseModel):
     input_modalities: list[str] | None = None
     output_modalities: list[str] | None = None
     model_kwargs: GenerateKwargs = GenerateKwargs()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return _drop_nulls_of_defaulted(cls, data)
 
 
 # refusals of OpenAI fields the server cannot honour

@@ -65,6 +65,16 @@ def test_plain_template_variables_still_reach_the_wire(served):
     assert sent == {"enable_thinking": False, "persona": "terse", "n": 2}
 
 
+def test_null_means_unset_on_generate_as_protocol_says(served):
+    """A null `streaming`, `model_kwargs` or `model_kwargs.return_token_ids` was a 400 on the text and speech
+    models' /generate ("Input should be a valid boolean"), where the image models' took it as unset."""
+    client, fake = served
+    for body in ({"streaming": None}, {"model_kwargs": None}, {"model_kwargs": {"return_token_ids": None}}):
+        reply = client.post("/generate", json={"model": "qwen3", "text": "hi", **body})
+        assert reply.status_code == 200, (body, reply.text)
+    assert len(fake.requests) == 3
+
+
 def test_a_template_variable_that_is_not_a_finite_number_is_refused(served):
     """NaN and Infinity went on to the wire as JSON no other parser reads (RFC 8259 has no such numbers)."""
     client, fake = served
