@@ -295,6 +295,13 @@ def _form_value(key: str, value: str) -> Any:
             return int(value.strip())
         except ValueError:
             raise invalid_request(f"'{key}' must be an integer, got {value!r}", param=key) from None
+    if key == "stream":  # read as the transcription routes read it (False, 0, no, off), so only `true` is refused
+        return form_bool(value, key)
+    if key in ("guidance_scale", "partial_images"):  # a number: 0.00 is the harmless 0
+        try:
+            return float(value.strip())
+        except ValueError:
+            return value  # refused as sent
     return value
 
 

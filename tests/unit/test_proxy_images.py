@@ -389,3 +389,19 @@ def test_a_body_sent_as_text_plain_in_utf16_is_refused_not_a_server_error(path, 
     reply = http.post(path, content=raw, headers={"content-type": "text/plain"})
     assert reply.status_code == 400 and "not UTF-8 text" in reply.json()["error"]["message"], reply.text
     assert fake.requests == []
+
+
+def test_an_edits_forms_harmless_values_pass_as_the_docs_list_them():
+    """Form values were compared as strings: `stream=False` (what `requests` sends for False), `stream=0` and
+    `guidance_scale=0.00` were refused as unsupported though flux2_klein.md lists false and 0 as accepted."""
+    http, fake = client()
+    files = [("image", ("a.png", png(), "image/png"))]
+    for fields in ({"stream": "False"}, {"stream": "0"}, {"stream": "off"}, {"guidance_scale": "0.00"},
+                   {"partial_images": "0"}):
+        reply = http.post("/v1/images/edits", data={"prompt": "blue", **fields}, files=files)
+        assert reply.status_code == 200, (fields, reply.text)
+    for fields, param in (({"stream": "true"}, "stream"), ({"guidance_scale": "3.5"}, "guidance_scale"),
+                          ({"guidance_scale": "nan"}, "guidance_scale"), ({"stream": "maybe"}, "stream")):
+        reply = http.post("/v1/images/edits", data={"prompt": "blue", **fields}, files=files)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (fields, reply.text)
+    assert len(fake.requests) == 5
