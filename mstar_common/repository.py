@@ -130,7 +130,8 @@ def not_replaceable(out_dir: Path) -> str | None:
     """Why generating into out_dir would destroy something that is not a generated repository, or None.
 
     The folder is replaced whole, so it must be missing, empty, or hold only what gen-repo writes: model folders
-    whose config.pbtxt starts with our header, and a README.md (kept across regenerations).
+    whose config.pbtxt starts with our header and that hold nothing beside it but `1/model.py` or `1/.keep` (and
+    the `__pycache__` the stub leaves beside model.py), and a README.md (kept across regenerations).
     """
     if out_dir.is_symlink():  # replaced whole, it would be the link, not the folder it names
         return f"{out_dir} is a symbolic link; name the folder it points to ({out_dir.resolve()})"
@@ -153,7 +154,19 @@ def not_replaceable(out_dir: Path) -> str | None:
         if not generated:
             return (f"{out_dir} holds {entry.name!r}, which gen-repo did not write; the folder is replaced whole, "
                     f"so name an empty or new folder, or one that holds a generated repository")
+        if foreign := next((p for p in sorted(entry.rglob("*")) if not _generated_file(p.relative_to(entry))),
+                           None):
+            return (f"{out_dir} holds {entry.name}/{foreign.relative_to(entry)}, which gen-repo did not write; the "
+                    f"folder is replaced whole, so move it out first")
     return None
+
+
+def _generated_file(rel: Path) -> bool:
+    """Whether `rel`, inside a model folder, is what gen-repo writes there (or the stub's compiled model.py)."""
+    parts = rel.parts
+    return (parts in (("config.pbtxt",), ("1",), ("1", "model.py"), ("1", ".keep"), ("1", "__pycache__"))
+            or (len(parts) == 3 and parts[:2] == ("1", "__pycache__") and parts[2].startswith("model.")
+                and parts[2].endswith(".pyc")))
 
 
 def _display_path(path: Path) -> str:

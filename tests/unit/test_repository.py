@@ -16,7 +16,10 @@ COMMITTED = PROJECT_ROOT / "model_repository"
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """The files under `root`, but the `__pycache__` a stub writes beside model.py (git ignores it: a repository
+    that README's `tritonserver --model-repository=model_repository` served is not stale)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
 
 
 def test_committed_repository_matches_configs(tmp_path, monkeypatch):
@@ -93,6 +96,19 @@ def test_gen_repo_replaces_only_a_generated_repository(tmp_path, monkeypatch):
     with pytest.raises(DeploymentError, match=r"--out: .*holds 'notes.txt', which gen-repo did not write"):
         generate_repository(deployment, out)
     assert (out / "notes.txt").read_text() == "mine\n"
+
+    # inside a model folder too (a checkpoint put in Triton's version folder was deleted without a word), but the
+    # __pycache__ a stub writes beside model.py when the repository is served
+    cache = out / "qwen3_llm" / "1" / "__pycache__"
+    cache.mkdir()
+    (cache / "model.cpython-311.pyc").write_bytes(b"\0")
+    (out / "notes.txt").unlink()
+    generate_repository(deployment, out)
+    (out / "qwen3_llm" / "1" / "weights").mkdir()
+    (out / "qwen3_llm" / "1" / "weights" / "model.safetensors").write_bytes(b"w")
+    with pytest.raises(DeploymentError, match=r"holds qwen3_llm/1/weights, which gen-repo did not write"):
+        generate_repository(deployment, out)
+    assert (out / "qwen3_llm" / "1" / "weights" / "model.safetensors").read_bytes() == b"w"
 
     work = tmp_path / "work"
     (work / "src").mkdir(parents=True)
