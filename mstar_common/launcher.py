@@ -149,12 +149,47 @@ class StopRequested(Exception):
     """A stop (Ctrl-C, SIGTERM) came while a start waited for its process to be ready."""
 
 
+class LogEcho:
+    """Echoes the start-up progress lines a server writes to its log (the CUDA-graph captures, which take minutes)
+    to the console while `mstar serve` or a benchmark waits for it: the lines added to `log_path` since this was
+    made that hold one of `MARKERS`, from the marker on, each once."""
+
+    MARKERS = ("[cuda graphs]",)
+
+    def __init__(self, log_path: Path, prefix: str = "[mstar] ", out=None) -> None:
+        self.log_path, self.prefix, self.out = log_path, prefix, out
+        try:
+            self._offset = log_path.stat().st_size  # a relaunch appends to the log of the launch before
+        except OSError:
+            self._offset = 0
+        self._partial = b""
+
+    def __call__(self) -> None:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._offset)
+                data = log.read(1 << 20)
+        except OSError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for raw in lines:
+            line = raw.decode("utf-8", "replace")
+            for marker in self.MARKERS:
+                if (at := line.find(marker)) >= 0:
+                    print(self.prefix + line[at:].rstrip(), file=self.out or sys.stdout, flush=True)
+                    break
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
-               stop: threading.Event | None = None) -> None:
+               stop: threading.Event | None = None, progress=None) -> None:
     """Until `url` answers 200; raises RuntimeError if `proc` exits first, TimeoutError after `timeout`, and
-    StopRequested as soon as `stop` is set (a start can take minutes: weight loads, graph captures)."""
+    StopRequested as soon as `stop` is set (a start can take minutes: weight loads, graph captures). `progress`
+    (a LogEcho) is called on each check, and once more when the server is ready."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if progress is not None:
+            progress()
         if stop is not None and stop.is_set():
             raise StopRequested(f"stopped while {what} was starting")
         if proc.poll() is not None:
@@ -162,6 +197,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
+                    if progress is not None:
+                        progress()
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mstar_common.config import Deployment
-from mstar_common.launcher import Ports, StopRequested, start_triton, wait_ready
+from mstar_common.launcher import LogEcho, Ports, StopRequested, start_triton, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -257,8 +257,9 @@ class TritonSupervisor:
             logger.info("[supervisor] removed %d shared-memory region(s) left by supervisors no longer running", stale)
         self._shm_prefix = f"mstar{os.getpid()}_{uuid.uuid4().hex[:6]}_"
         prefix_arg = f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}"
+        progress = LogEcho(self.log_path)  # the captures' progress on the console, as the docs promise
         self.proc = start_triton(self.repo, self.dep, self.ports, self.log_path, extra_args=(prefix_arg,))
-        wait_ready(self.ready_url, self.proc, self.ready_timeout_s, "tritonserver", stop=stop)
+        wait_ready(self.ready_url, self.proc, self.ready_timeout_s, "tritonserver", stop=stop, progress=progress)
         self.stubs = find_stubs(self.proc.pid)
         logger.info("[supervisor] tritonserver pid %d ready with %d of %d stub(s): %s", self.proc.pid,
                     len(self.stubs), self.num_expected, sorted({s.model for s in self.stubs.values()}))

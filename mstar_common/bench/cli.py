@@ -89,14 +89,15 @@ class Server:
         self.triton = self.proxy = None
 
     def __enter__(self) -> Server:
-        from mstar_common.launcher import start_proxy, start_triton, wait_ready
+        from mstar_common.launcher import LogEcho, start_proxy, start_triton, wait_ready
         from mstar_common.repository import write_repository
 
         repo = write_repository(self.dep, self.root / "model_repository", "bench-deployment")
         started = time.perf_counter()
+        progress = LogEcho(self.root / "tritonserver.log", prefix="[bench] ")
         self.triton = start_triton(repo, self.dep, self.ports, self.root / "tritonserver.log")
         try:
-            wait_ready(self.ports.triton_ready_url, self.triton, 1200, "tritonserver")
+            wait_ready(self.ports.triton_ready_url, self.triton, 1200, "tritonserver", progress=progress)
             self.startup_s = time.perf_counter() - started
             if self.with_proxy:
                 self.proxy = start_proxy(self.dep, self.entry, self.ports, self.root / "proxy.log")

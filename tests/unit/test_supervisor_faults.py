@@ -245,3 +245,42 @@ def test_a_port_another_serve_reserved_is_refused_until_that_serve_ends(tmp_path
     assert [p.name for p in tmp_path.glob("*.lock")] == ["40001.lock"]
     assert launcher.reserve_ports([40001], tmp_path) == {}
     launcher.release_ports([40001])
+
+
+def test_the_captures_progress_reaches_the_console_while_the_start_is_awaited(tmp_path):
+    """tritonserver's output goes to the run folder's log, so `mstar serve` showed nothing of a start that captured
+    CUDA graphs for minutes, though the docs promise their progress on the console. The lines written since the
+    launch that carry the marker are echoed, each once, the last ones too when the server turns ready."""
+    import io
+
+    from mstar_common.launcher import LogEcho, free_ports, wait_ready
+
+    log = tmp_path / "tritonserver.log"
+    log.write_text("I1207 model.py] [cuda graphs] 9/9 decode 1 captured (a launch before this one)\n")
+    echo_out = io.StringIO()
+    progress = LogEcho(log, out=echo_out)
+    (port,) = free_ports(1)
+    script = f"""
+import http.server, time
+log = open({str(log)!r}, "a")
+for i in range(1, 4):
+    log.write(f"I1207 model.py:61] [cuda graphs] {{i}}/3 decode {{i}} captured in 0.10 s\\n")
+    log.write("I1207 unrelated line\\n"); log.flush(); time.sleep(0.3)
+log.write("I1207 model.py] [cuda graphs] 3 of 3 graphs captured in 0.9 s"); log.flush()  # no newline yet
+time.sleep(0.3); log.write("\\n"); log.flush()
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", {port}), Ready).serve_forever()
+"""
+    server = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/", server, 30, "tritonserver", progress=progress)
+    finally:
+        server.kill()
+        server.wait(5)
+    assert echo_out.getvalue().splitlines() == [
+        "[mstar] [cuda graphs] 1/3 decode 1 captured in 0.10 s", "[mstar] [cuda graphs] 2/3 decode 2 captured in 0.10 s",
+        "[mstar] [cuda graphs] 3/3 decode 3 captured in 0.10 s", "[mstar] [cuda graphs] 3 of 3 graphs captured in 0.9 s"]
