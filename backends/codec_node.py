@@ -22,6 +22,7 @@ from backends.bls import release_stub_objects
 from backends.node_setup import install_stack_dumps, load_node
 from backends.responder import Responder
 from mstar_common import wire
+from mstar_common.devices import on_device
 from mstar_common.gc_policy import settle_heap
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ class TritonPythonModel:
         self.codec = setup.build()  # decode(np [N, ...]) -> np [N, S]; check(np) raises ValueError
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._is_running = True
-        self._thread = threading.Thread(target=self._loop, name=f"{self.model_name}-step", daemon=True)
+        self._thread = threading.Thread(target=on_device(self._loop, setup.device), name=f"{self.model_name}-step",
+                                        daemon=True)
         self._thread.start()
         install_stack_dumps()
         settle_heap(self.model_name)  # start-up objects out of the collector's reach

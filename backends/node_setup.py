@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from mstar_common.checkpoints import resolve_checkpoint
 from mstar_common.config import Deployment, deployment_from_dict
+from mstar_common.devices import use_device
 from mstar_common.families.base import Family
 from mstar_common.families.registry import get_family
 from mstar_common.gil import apply_switch_interval
@@ -122,4 +123,5 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
                                             f"component, not {kind!r}")
     checkpoint = resolve_checkpoint(deployment.checkpoint, family.builtin_checkpoints)
     device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
+    use_device(device)  # before anything is built: kernels, streams and graphs use the current device
     return NodeSetup(model_name, deployment, family, component, checkpoint, device, instance)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from mstar_common.devices import on_device
+
 logger = logging.getLogger(__name__)
 
 OnDone = Callable[[Any, BaseException | None], None]
@@ -90,7 +92,7 @@ class BatchingEngine:
         self._waiting: deque[WorkItem] = deque()
         self._cond = threading.Condition()
         self._is_stopped = False
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
+        self._thread = threading.Thread(target=on_device(self._loop), name=f"{name}-batcher", daemon=True)
         self.num_batches = 0
         self.num_rows_run = 0
         self.num_expired = 0  # requests dropped unrun at their deadline

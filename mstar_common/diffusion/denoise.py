@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mstar_common.devices import on_device
 from mstar_common.diffusion.batcher import Expired, OnDone, ShuttingDown, stop_error
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class DenoiseEngine:
         self._is_stopped = False
         self._iteration = 0
         self._num_admitted = 0
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-denoise", daemon=True)
+        self._thread = threading.Thread(target=on_device(self._loop, self.device), name=f"{name}-denoise",
+                                        daemon=True)
         self.num_steps = 0  # batched forwards run
         self.num_rows_stepped = 0  # rows advanced by them (num_rows_stepped / num_steps = mean batch)
         self.num_expired = 0  # jobs ended by their deadline (their is_cancelled a batcher.StopCheck)

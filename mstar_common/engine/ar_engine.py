@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mstar_common.config import DeploymentError
+from mstar_common.devices import on_device
 from mstar_common.engine import kv_sizing, loop_times
 from mstar_common.engine.admission import Admission, EngineUnavailable
 from mstar_common.engine.cuda_graph import CudaGraphRunner, GraphConfig
@@ -149,7 +150,8 @@ class AREngine:
         with self._cond:
             if self._thread is not None or self._is_closed:
                 raise RuntimeError("the engine's step loop was already started or shut down")
-            self._thread = threading.Thread(target=self._loop, name="ar-engine-step", daemon=True)
+            self._thread = threading.Thread(target=on_device(self._loop, self.device), name="ar-engine-step",
+                                            daemon=True)
             self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 from mstar_common import wire
 from mstar_common.config import env_switch
+from mstar_common.devices import on_device, use_device
 from mstar_common.engine.admission import Admission, AdmissionRefused, EngineUnavailable
 from mstar_common.engine.ar_engine import check_request
 from mstar_common.engine.sequence import OutputCallback
@@ -322,7 +323,7 @@ class _Outbox:
         self._conn, self._engine = conn, engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.is_broken = threading.Event()  # the stub is gone
-        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread = threading.Thread(target=on_device(self._run), name="engine-outbox", daemon=True)
         self._thread.start()
 
     def on_output(self, request_id: str, token_ids: list[int], finish: FinishReason | None, error: str | None) -> None:
@@ -376,6 +377,7 @@ class _Outbox:
 def _build(spec: EngineSpec) -> tuple[Any, EngineInfo]:
     from mstar_common.families.registry import get_family
 
+    use_device(spec.device)  # this process's threads and launches on the instance's GPU (mstar_common/devices.py)
     runtime = get_family(spec.family).build_component(spec.component, spec.deployment, spec.checkpoint, spec.device)
     engine = runtime.engine
     config = engine.config

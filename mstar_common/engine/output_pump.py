@@ -43,6 +43,7 @@ import numpy as np
 
 from mstar_common import wire
 from mstar_common.config import env_switch
+from mstar_common.devices import on_device
 from mstar_common.engine.admission import AdmissionRefused
 from mstar_common.engine.detokenizer import IncrementalDetokenizer
 from mstar_common.engine.stop_strings import StopStringMatcher
@@ -215,7 +216,7 @@ class OutputPump:
         self._streams: dict[str, TextStream] = {}
         self._lock = threading.Lock()
         self._is_running = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=on_device(self._run), name=name, daemon=True)
         self._next_cancel_poll = 0.0
         self._poll_cursor = 0  # where the next cancellation poll starts among the live streams
         # what the engine queued and the pump has not sent: request id -> (tokens, finish, error), oldest first

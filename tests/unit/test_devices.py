@@ -1,0 +1,80 @@
+"""The instance's GPU made each GPU thread's current CUDA device (mstar_common/devices.py), checked on the CPU with
+torch.cuda's device calls recorded: CUDA keeps the current device per thread, and a new one starts on device 0."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mstar_common import devices
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as on a host whose process has started CUDA, on device `current[0]`, per thread as CUDA keeps it."""
+    local = threading.local()
+    calls: list[tuple[str, int]] = []
+
+    def set_device(device):
+        index = torch.device(device).index
+        calls.append((threading.current_thread().name, index))
+        local.device = index
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", 0))
+    return calls
+
+
+def test_a_thread_target_runs_on_the_device_given_or_the_callers(fake_cuda):
+    seen = {}
+
+    def record(name):
+        seen[name] = torch.cuda.current_device()
+
+    devices.use_device("cuda:1")  # what node_setup.load_node does in the stub's thread
+    for name, target in (("given", devices.on_device(lambda: record("given"), "cuda:2")),
+                         ("caller's", devices.on_device(lambda: record("caller's"))),
+                         ("bare", lambda: record("bare"))):
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+    assert seen == {"given": 2, "caller's": 1, "bare": 0}  # a bare thread is on device 0: what went wrong
+
+
+def test_the_cpu_and_an_unstarted_cuda_leave_the_device_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    target = print
+    devices.use_device("cpu")
+    devices.use_device("cuda")  # no index: whatever is current
+    assert devices.on_device(target) is target and devices.on_device(target, "cpu") is target
+    assert calls == []
+
+
+def test_the_gpu_threads_of_the_engines_start_on_their_device(fake_cuda, tmp_path):
+    """The AR engine's step loop, the denoise loop and the batcher's (the diffusion components) each start on the
+    device they were built for (the batcher: its builder's), not on device 0 where a new thread starts."""
+    from mstar_common.diffusion.batcher import BatchingEngine
+    from mstar_common.diffusion.denoise import DenoiseEngine
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.types import EngineConfig
+    from mstar_common.families.qwen3.loader import load_qwen3
+    from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+    devices.use_device("cuda:3")  # the component's builder, in the stub's thread
+    batcher = BatchingEngine("vae", lambda payloads: payloads, max_rows=2)
+    denoise = DenoiseEngine("dit", stepper=None, max_rows=1, device="cuda:1")
+    model, config = load_qwen3(build_tiny_checkpoint(tmp_path / "qwen3"))
+    engine = AREngine(model, EngineConfig(num_kv_pages=16, page_size=4, max_num_seqs=2, max_batch_tokens=16),
+                      eos_token_ids=[], vocab_size=config["vocab_size"])
+    engine.device = torch.device("cuda:2")  # as built on that GPU (the model itself stays on the CPU here)
+    for started in (batcher, denoise, engine):
+        started.start()
+    for started in (batcher, denoise, engine):
+        started.shutdown()
+    assert {("vae-batcher", 3), ("dit-denoise", 1), ("ar-engine-step", 2)} <= set(fake_cuda), fake_cuda
