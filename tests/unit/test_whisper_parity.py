@@ -715,3 +715,45 @@ def test_a_segments_temperature_is_the_one_the_client_sent(local):
     out = asyncio.run(local.transcribe(audio=wav(clip(3, 17)), timestamps=True, temperature=0.2, seed=11))
     segments = json.loads(out["segments"])
     assert segments and {s["temperature"] for s in segments} == {0.2}
+
+
+@pytest.mark.parametrize("declared", ["language and task", "forced_decoder_ids"])
+def test_the_checkpoints_own_language_and_task_apply_to_a_request_without_them(checkpoint, tmp_path, declared):
+    """transformers' generate takes a request's missing language and task from the generation config's `language`
+    and `task` (or, where it sets neither, from its legacy forced_decoder_ids); they were read for the task alone,
+    so a fine-tune for one language had its language detected."""
+    import shutil
+
+    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    own = tmp_path / "own"
+    shutil.copytree(checkpoint, own)
+    gen = json.loads((own / "generation_config.json").read_text())
+    if declared == "language and task":
+        gen.update(language="fr", task="translate")
+    else:
+        gen["forced_decoder_ids"] = [[1, gen["lang_to_id"]["<|fr|>"]], [2, gen["task_to_id"]["translate"]]]
+    (own / "generation_config.json").write_text(json.dumps(gen))
+    reference = (WhisperForConditionalGeneration.from_pretrained(own).eval(),
+                 WhisperFeatureExtractor.from_pretrained(own), AutoTokenizer.from_pretrained(own))
+    pcm = clip(2, 9)
+    with LocalWhisper(own) as harness:
+        assert (harness.walk.tokens.default_language, harness.walk.tokens.default_task) == ("fr", "translate")
+        out = asyncio.run(harness.transcribe(audio=wav(pcm)))
+        assert our_sequences(harness) == [hf_sequence(reference, pcm)]
+        assert out["language"] == "fr"
+        harness.decoder_calls.clear()  # a request's own language and task still win
+        asyncio.run(harness.transcribe(audio=wav(pcm), language="de", task="transcribe"))
+        assert our_sequences(harness) == [hf_sequence(reference, pcm, language="de", task="transcribe")]
+
+
+def test_a_generation_configs_language_or_task_it_cannot_serve_is_refused():
+    from mstar_common.families.whisper.decoding import WhisperTokens
+
+    gen = {"decoder_start_token_id": 1, "eos_token_id": 2, "no_timestamps_token_id": 9, "lang_to_id": {"<|en|>": 3},
+           "task_to_id": {"transcribe": 4, "translate": 5}}
+    for extra, rule in (({"task": "summarize"}, "task must be one of"), ({"language": "xx"}, "language: 'xx' is not"),
+                        ({"language": ["en", "fr"]}, "language must be one language")):
+        with pytest.raises(ValueError, match=f"^generation_config.json: {rule}"):
+            WhisperTokens.from_generation_config({**gen, **extra}, 10, 448)
+    assert WhisperTokens.from_generation_config({**gen, "language": "English"}, 10, 448).default_language == "en"

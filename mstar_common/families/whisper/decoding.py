@@ -19,6 +19,7 @@ language (argmax over language tokens, as transformers' `detect_language`) and t
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ class WhisperTokens:
     max_initial_timestamp_index: int | None
     max_length: int  # decoder positions (prompt + output)
     default_task: str = "transcribe"
+    default_language: str | None = None  # the checkpoint's code a request without a language gets; None: detect
 
     @property
     def timestamp_begin(self) -> int:
@@ -65,8 +67,10 @@ class WhisperTokens:
         return bool(self.lang_to_id)
 
     @classmethod
-    def from_generation_config(cls, gen: dict[str, Any], vocab_size: int, max_target_positions: int) -> WhisperTokens:
-        """Refuses generation configs without the fields Whisper decoding needs, naming the key."""
+    def from_generation_config(cls, gen: dict[str, Any], vocab_size: int, max_target_positions: int,
+                               config_forced: list | None = None) -> WhisperTokens:
+        """Refuses generation configs without the fields Whisper decoding needs, naming the key. `config_forced`:
+        config.json's forced_decoder_ids, which transformers reads where the generation config has none."""
         for key in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id"):
             if gen.get(key) is None:
                 raise ValueError(f"generation_config.json: {key} is required for Whisper decoding")
@@ -76,7 +80,8 @@ class WhisperTokens:
         if gen.get("is_multilingual", bool(lang_to_id)) and not (lang_to_id and set(task_to_id) == set(TASKS)):
             raise ValueError("generation_config.json: a multilingual checkpoint needs lang_to_id and task_to_id "
                              f"({list(TASKS)})")
-        return cls(
+        language, task = _checkpoint_defaults(gen, lang_to_id, task_to_id, config_forced)
+        tokens = cls(
             vocab_size=vocab_size,
             eot=int(eos[0] if isinstance(eos, list) else eos),
             sot=int(gen["decoder_start_token_id"]),
@@ -88,8 +93,14 @@ class WhisperTokens:
             begin_suppress=tuple(int(t) for t in gen.get("begin_suppress_tokens") or ()),
             max_initial_timestamp_index=gen.get("max_initial_timestamp_index"),
             max_length=min(int(gen.get("max_length") or max_target_positions), max_target_positions),
-            default_task=_default_task(gen, task_to_id),
+            default_task=task,
         )
+        if language is None:
+            return tokens
+        try:
+            return dataclasses.replace(tokens, default_language=tokens.language_code(language))
+        except ValueError as exc:
+            raise ValueError(f"generation_config.json: {exc}") from None
 
     def language_code(self, value: str) -> str:
         """A language code, name or <|code|> token -> the checkpoint's code; ValueError naming `language`."""
@@ -118,13 +129,24 @@ class WhisperTokens:
         return [t for t in token_ids if t < self.eot]
 
 
-def _default_task(gen: dict[str, Any], task_to_id: dict[str, int]) -> str:
-    """The task the checkpoint's legacy forced_decoder_ids force (transcribe when they name none)."""
-    for _, token in gen.get("forced_decoder_ids") or ():
-        for task, tid in task_to_id.items():
-            if token == tid:
-                return task
-    return "transcribe"
+def _checkpoint_defaults(gen: dict[str, Any], lang_to_id: dict[str, int], task_to_id: dict[str, int],
+                         config_forced: list | None) -> tuple[str | None, str]:
+    """The language (None: detect) and task a request that names neither gets, as transformers' generate picks
+    them: the generation config's `language` and `task`; where it sets neither, its legacy forced_decoder_ids (else
+    config.json's): a language token at position 1 and a task token anywhere. ValueError naming the key."""
+    language, task = gen.get("language"), gen.get("task")
+    if language is not None and not isinstance(language, str):
+        raise ValueError(f"generation_config.json: language must be one language (a string), got {language!r}")
+    if task is not None and task not in TASKS:
+        raise ValueError(f"generation_config.json: task must be one of {list(TASKS)}, got {task!r}")
+    if language is None and task is None:
+        languages = {tid: code for code, tid in lang_to_id.items()}
+        tasks = {tid: name for name, tid in task_to_id.items()}
+        for position, token in gen.get("forced_decoder_ids") or config_forced or ():
+            if position == 1 and token in languages:
+                language = languages[token]
+            task = tasks.get(token, task)
+    return language, task or "transcribe"
 
 
 @dataclass(slots=True)

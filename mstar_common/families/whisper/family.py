@@ -157,8 +157,9 @@ def read_tokens(checkpoint: Path):
         raise DeploymentError(f"checkpoint {checkpoint.name}: generation_config.json is required (it declares "
                               "Whisper's special tokens and decoding rules)")
     try:
+        config_forced = json.loads((checkpoint / "config.json").read_text()).get("forced_decoder_ids")
         return WhisperTokens.from_generation_config(json.loads(gen_path.read_text()), config.vocab_size,
-                                                    config.max_target_positions)
+                                                    config.max_target_positions, config_forced)
     except ValueError as exc:
         raise DeploymentError(f"checkpoint {checkpoint.name}: {exc}") from None
 

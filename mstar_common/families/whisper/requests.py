@@ -37,7 +37,7 @@ def parse_request(inputs: dict[str, np.ndarray], tokenizer: Any, tokens: Whisper
     None: computed here from the tokenizer's vocabulary."""
     audio, pcm, rate = _audio(inputs)
     language = _text(inputs, g.LANGUAGE)
-    language = tokens.language_code(language) if language else None
+    language = tokens.language_code(language) if language else tokens.default_language
     task = (_text(inputs, g.TASK) or tokens.default_task).strip().lower()
     if task not in TASKS:
         raise ValueError(f"{g.TASK}: must be one of {list(TASKS)}, got {task!r}")
