@@ -757,3 +757,22 @@ def test_a_generation_configs_language_or_task_it_cannot_serve_is_refused():
         with pytest.raises(ValueError, match=f"^generation_config.json: {rule}"):
             WhisperTokens.from_generation_config({**gen, **extra}, 10, 448)
     assert WhisperTokens.from_generation_config({**gen, "language": "English"}, 10, 448).default_language == "en"
+
+
+def test_scale_embedding_changes_nothing_as_in_transformers(checkpoint, tmp_path):
+    """transformers' Whisper computes embed_scale from `scale_embedding` and never applies it (nor does OpenAI's
+    model): the decoder multiplied its token embeddings by sqrt(d_model), and its tokens left the reference's."""
+    import shutil
+
+    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    own = tmp_path / "scaled"
+    shutil.copytree(checkpoint, own)
+    config = json.loads((own / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**config, "scale_embedding": True}))
+    reference = (WhisperForConditionalGeneration.from_pretrained(own).eval(),
+                 WhisperFeatureExtractor.from_pretrained(own), AutoTokenizer.from_pretrained(own))
+    pcm = clip(1, 9)
+    with LocalWhisper(own) as harness:
+        asyncio.run(harness.transcribe(audio=wav(pcm), language="fr"))
+        assert our_sequences(harness) == [hf_sequence(reference, pcm, language="fr")]

@@ -53,7 +53,8 @@ class WhisperConfig:
     decoder_ffn_dim: int
     max_source_positions: int
     max_target_positions: int
-    scale_embedding: bool
+    # (scale_embedding is not read: transformers' Whisper computes embed_scale from it and never applies it, and
+    # OpenAI's model has no such factor)
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> WhisperConfig:
@@ -64,8 +65,7 @@ class WhisperConfig:
             raise ValueError(f"activation_function={config['activation_function']!r} is not supported: only 'gelu'")
         if config.get("tie_word_embeddings", True) is False:
             raise ValueError("tie_word_embeddings=false is not supported: Whisper ties proj_out to embed_tokens")
-        fields = {name: config[name] for name in cls.__dataclass_fields__ if name != "scale_embedding"}
-        out = cls(**fields, scale_embedding=bool(config.get("scale_embedding", False)))
+        out = cls(**{name: config[name] for name in cls.__dataclass_fields__})
         for name, heads in (("encoder", out.encoder_attention_heads), ("decoder", out.decoder_attention_heads)):
             if out.d_model % heads:
                 raise ValueError(f"d_model ({out.d_model}) must be a multiple of {name}_attention_heads ({heads})")
@@ -327,7 +327,6 @@ class WhisperDecoder(nn.Module):
         self.embed_positions = nn.Embedding(config.max_target_positions, d)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.decoder_layers))
         self.layer_norm = ResidualLayerNorm(d, eps=LAYER_NORM_EPS)
-        self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
 
 
 class WhisperDecoderLM(nn.Module):
@@ -435,7 +434,7 @@ class WhisperDecoderLM(nn.Module):
 
         Reads `attn_metadata.request_slots` (`[B]`, each row's cross-KV slot)."""
         decoder = self.model.decoder
-        hidden = decoder.embed_tokens(input_ids) * decoder.embed_scale + decoder.embed_positions(positions)
+        hidden = decoder.embed_tokens(input_ids) + decoder.embed_positions(positions)
         cross = self._cross_step(attn_metadata)
         residual = None
         for index, layer in enumerate(decoder.layers):
