@@ -135,14 +135,26 @@ class TritonPythonModel:
         started = time.perf_counter()
         hops = Hops(Budget(started, timeout_s))
         answered = False  # the walk returned its outputs (its hops in flight, if any, are still wanted)
-        watch = asyncio.ensure_future(watch_client(responder, hops))
+        running: asyncio.Future | None = None
+
+        def stop_the_walk() -> None:  # its client went: a walk waiting for anything (a window slot) waits no more
+            if running is not None:
+                running.cancel()
+
+        watch = asyncio.ensure_future(watch_client(responder, hops, stop_the_walk))
         try:
             inputs = request_inputs(request, self.walk.input_names)
             if hasattr(self.walk, "stream"):
                 work = self._stream(responder, inputs, hops)
             else:
                 work = self.walk.run(inputs, self._caller(responder, Received(), hops))
-            outputs = await asyncio.wait_for(work, timeout_s)
+            running = asyncio.ensure_future(asyncio.wait_for(work, timeout_s))
+            outputs = await running
+        except asyncio.CancelledError:
+            if not hops.is_abandoned or asyncio.current_task().cancelling():
+                raise  # the stub's own cancellation, not the watch's
+            logger.info("[%s] client cancelled; its walk stopped", responder.request_id)
+            responder.send_final()
         except TimeoutError as exc:
             if timeout_s is None or time.perf_counter() - started < timeout_s:  # the walk's own, not the deadline
                 responder.send_server_error(exc)
@@ -249,7 +261,11 @@ class TritonPythonModel:
 
     async def _send(self, component: str, inputs: dict, responder: Responder, received: Received, hops: Hops):
         """One decoupled BLS request to `component` with the walk's time left as its timeout: (its hop id, its
-        response iterator)."""
+        response iterator). None is sent once the walk is abandoned or its client gone: whisper's windows kept
+        opening decoder streams after their client left (their streaming hops had no check), each one prefilled
+        and decoded until the cancel poll saw it."""
+        if hops.is_abandoned or responder.is_cancelled():
+            raise ComponentError(component, "cancelled: the client went away, or the walk ended without its answer")
         hop_id = hops.new_id(responder.request_id, component)
         request = pb_utils.InferenceRequest(
             model_name=model_name(self.family, component),
@@ -263,8 +279,6 @@ class TritonPythonModel:
 
     def _caller(self, responder: Responder, received: Received, hops: Hops):
         async def call(component: str, inputs: dict) -> dict[str, np.ndarray]:
-            if responder.is_cancelled():
-                raise ComponentError(component, "cancelled: the client went away")
             spec = self.components[component]
             started = time.perf_counter()
             outputs: dict[str, np.ndarray] = {}
@@ -379,14 +393,17 @@ def _drain(sent: asyncio.Future, hops: Hops, hop_id: str) -> None:
         hops.ended(hop_id)
 
 
-async def watch_client(responder: Responder, hops: Hops) -> None:
-    """Until cancelled (the walk's end): once the walk's client has gone, its hops in flight are abandoned."""
+async def watch_client(responder: Responder, hops: Hops, on_gone=None) -> None:
+    """Until cancelled (the walk's end): once the walk's client has gone, its hops in flight are abandoned and
+    `on_gone()` stops the walk itself (one parked on a window slot held its place until a slot freed)."""
     while not hops.is_abandoned:
         await asyncio.sleep(WALK_CANCEL_POLL_S)
         if responder.is_cancelled():
             logger.info("[%s] client cancelled; its component requests in flight are cancelled",
                         responder.request_id)
             hops.abandon()
+            if on_gone is not None:
+                on_gone()
 
 
 class Received:

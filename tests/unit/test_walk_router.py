@@ -112,3 +112,58 @@ def test_a_walks_own_queue_wait_past_its_limit_is_counted_with_the_expired(route
     responder = serve(module, Walk(waited))
     assert responder.sent[0][0] == "send_error" and wire.error_class(responder.sent[0][1]) == wire.UNAVAILABLE_PREFIX
     assert (responder.model.num_expired, responder.model.num_refused) == (1, 0)
+
+
+@pytest.mark.parametrize("gone", ["client", "walk"])
+def test_no_hop_is_sent_once_the_client_is_gone_or_the_walk_abandoned(router, gone):
+    """`call` refused a hop once its client was gone; `call_stream`, whisper's only way to its decoder, did not:
+    windows whose encoder call, language or slot came after the client left opened decoder streams that prefilled
+    and decoded until the cancel poll saw them."""
+    module, _ = router
+    built = []
+    module.pb_utils.InferenceRequest = lambda **kwargs: built.append(kwargs)
+    model = object.__new__(module.TritonPythonModel)
+    model.family, model.components = "whisper", {"decoder": None, "encoder": None}
+    hops = module.Hops(module.Budget(0.0, None))
+    if gone == "walk":
+        hops.abandon()
+    responder = Responder(cancelled=gone == "client")
+
+    async def walk() -> None:
+        with pytest.raises(ComponentError, match="cancelled"):
+            async for _ in model._stream_caller(responder, module.Received(), hops)("decoder", {}):
+                pass
+        with pytest.raises(ComponentError, match="cancelled"):
+            await model._caller(responder, module.Received(), hops)("encoder", {})
+
+    asyncio.run(walk())
+    assert built == []
+
+
+def test_a_walk_waiting_when_its_client_goes_ends_then_not_when_its_wait_does(router, monkeypatch):
+    """Whisper's upload parked on a window slot (every slot busy) kept its place among the walk's requests, and its
+    audio, until another upload freed a slot: the watch posted its hops (none) and left the walk waiting."""
+    import time
+
+    module, _ = router
+    monkeypatch.setattr(module, "WALK_CANCEL_POLL_S", 0.02)
+
+    class Parked:
+        input_names = ()
+
+        async def run(self, inputs, hops):
+            await asyncio.Event().wait()  # a window slot that never frees
+
+    model = object.__new__(module.TritonPythonModel)
+    model.walk, model.num_refused, model.num_expired = Parked(), 0, 0
+    model._caller = lambda responder, received, hops: hops
+    responder = Responder()
+
+    async def main() -> float:
+        asyncio.get_running_loop().call_later(0.1, setattr, responder, "cancelled", True)
+        started = time.monotonic()
+        await asyncio.wait_for(model._serve_admitted(object(), responder, 30.0), 5)
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 1.0
+    assert responder.sent == [("send_final",)]
