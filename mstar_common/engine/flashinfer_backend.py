@@ -28,8 +28,9 @@ A wrapper's plan stages its work partition in a pinned host buffer and copies it
 so planning the same wrapper again must wait for that copy: each plan records an event and the next plan of the
 wrapper waits on it (with the engine's overlap the wait is normally already over).
 
-Limits: bf16/fp16 pools only (an fp8 pool is refused), decoder self-attention only (Whisper's cross-attention
-keeps its own backend), pages of any size FlashInfer accepts.
+Limits: bf16/fp16 pools only (an fp8 pool is refused), decoder self-attention of the text LMs only (Whisper's
+decoder refuses it: its cross-attention would run the self-attention's plan), pages of any size FlashInfer
+accepts, and the head dims the Triton prologue takes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import os
 import numpy as np
 import torch
 
-from mstar_common.engine.attention import AttentionMetadata, TritonPagedAttention
+from mstar_common.engine.attention import AttentionBackend, AttentionMetadata, TritonPagedAttention
 from mstar_common.engine.cuda_graph import DECODE, MIXED
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partials), shared by all wrappers
@@ -122,6 +123,11 @@ class FlashInferAttention(TritonPagedAttention):
         self._problem: dict | None = None  # heads, head dim, page size, scale, dtypes: from the first attend
         self._pending: tuple | None = None  # (wrapper, kind, inputs) to plan at the next attend
         self._active = None  # the wrapper `attend` runs
+
+    def prologue_attend(self, qkv, layer, rope, kv, metadata, scale) -> torch.Tensor:
+        """The prologue, then FlashInfer's kernel, at every row count: the Triton backend's rope-in-attention decode
+        (3-16 rows) would run in its place, so `flashinfer` against `triton` compared Triton with itself there."""
+        return AttentionBackend.prologue_attend(self, qkv, layer, rope, kv, metadata, scale)
 
     # ---- eager steps -------------------------------------------------------------------------------------------
 

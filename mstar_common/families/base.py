@@ -73,19 +73,28 @@ def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None
 
 
 def check_kernel_head_dim(dep: Deployment, checkpoint: Path, component: str, source: str) -> None:
-    """A GPU component on the Triton attention kernels needs a head dim they take: otherwise its first capture or
-    step fails, deep inside a kernel launch. The torch backends take any."""
+    """A GPU component on the Triton attention kernels (or flashinfer, whose KV write is their prologue) needs a
+    head dim they take, and an fp8 pool's 8-bit q.k dot one of at least 32: otherwise its first capture or step
+    fails, deep inside a kernel compile or launch. The torch backends take any."""
     from mstar_common.engine.attention import KERNEL_BACKENDS, KERNEL_HEAD_DIMS  # torch: not at import
 
     comp = dep.components[component]
-    if comp.placement.device != "gpu" or comp.attention_backend not in KERNEL_BACKENDS:
+    if comp.placement.device != "gpu" or comp.attention_backend not in (*KERNEL_BACKENDS, "flashinfer"):
         return
     head_dim = causal_lm_kv_shape(checkpoint)[2]
     if head_dim not in KERNEL_HEAD_DIMS:
         raise DeploymentError(
             f"{source}: components.{component}.attention_backend: {comp.attention_backend!r} runs the Triton "
-            f"attention kernels, which take head dims {list(KERNEL_HEAD_DIMS)}; the checkpoint's head_dim is "
-            f"{head_dim}: set attention_backend: torch_static (or torch)")
+            f"attention kernels (flashinfer: their KV write), which take head dims {list(KERNEL_HEAD_DIMS)}; the "
+            f"checkpoint's head_dim is {head_dim}: set attention_backend: torch_static (or torch)")
+    if dep.resources.kv_cache.dtype == "fp8_e4m3" and head_dim < FP8_MIN_HEAD_DIM:
+        raise DeploymentError(
+            f"{source}: resources.kv_cache.dtype: fp8_e4m3 reads the pool with 8-bit dots over the head dim, which "
+            f"Triton takes from {FP8_MIN_HEAD_DIM}; the checkpoint's head_dim is {head_dim}: use auto (or "
+            f"attention_backend: torch_static)")
+
+
+FP8_MIN_HEAD_DIM = 32  # Triton's 8-bit tl.dot needs K >= 32 (mstar_kernels/paged_decode_attention.py, qk_fp8)
 
 
 def causal_lm_kv_shape(checkpoint: Path) -> tuple[int, int, int]:

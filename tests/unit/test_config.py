@@ -543,11 +543,35 @@ def test_a_head_dim_the_attention_kernels_do_not_take_is_refused_before_serving(
     (checkpoint / "config.json").write_text(json.dumps({**config, "head_dim": 24}))
     on_gpu = {"placement": {"device": "gpu", "gpus": [0]}}
     with pytest.raises(DeploymentError, match=r"components.llm.attention_backend: 'auto' runs the Triton attention "
-                                              r"kernels, which take head dims \[16, 32, 64, 128, 256\]; the "
-                                              r"checkpoint's head_dim is 24: set attention_backend: torch_static"):
+                                              r"kernels \(flashinfer: their KV write\), which take head dims "
+                                              r"\[16, 32, 64, 128, 256\]; the checkpoint's head_dim is 24: set "
+                                              r"attention_backend: torch_static"):
         family.check_checkpoint(deployment_from_dict(_with(components__llm=on_gpu)), checkpoint, "test.yaml")
+    # flashinfer too: its KV write is the Triton prologue, which failed on a bare AssertionError
+    with pytest.raises(DeploymentError, match=r"attention_backend: 'flashinfer' runs the Triton attention kernels"):
+        family.check_checkpoint(deployment_from_dict(_with(components__llm={**on_gpu, "attention_backend":
+                                                                           "flashinfer"})), checkpoint, "test.yaml")
     for llm in ({**on_gpu, "attention_backend": "torch_static"}, {}):  # the torch backends, or the CPU: any
         family.check_checkpoint(deployment_from_dict(_with(components__llm=llm)), checkpoint, "test.yaml")
+
+
+def test_an_fp8_pool_under_the_kernels_needs_a_head_dim_of_32_or_more():
+    """The builtin tiny checkpoints (head_dim 16) with kv_cache.dtype fp8_e4m3 passed `mstar check`, then the decode
+    kernel's 8-bit q.k dot failed to compile (Triton's K >= 32) at the first capture or step."""
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.families.registry import get_family
+
+    family = get_family("qwen3")
+    checkpoint = resolve_checkpoint(BASE["checkpoint"], family.builtin_checkpoints)
+    on_gpu = {"placement": {"device": "gpu", "gpus": [0]}}
+    with pytest.raises(DeploymentError, match=r"resources.kv_cache.dtype: fp8_e4m3 reads the pool with 8-bit dots "
+                                              r"over the head dim, which Triton takes from 32; the checkpoint's "
+                                              r"head_dim is 16"):
+        family.check_checkpoint(deployment_from_dict(_with(components__llm=on_gpu, resources__kv_cache__dtype="fp8_e4m3")), checkpoint,
+                                "test.yaml")
+    for llm in ({**on_gpu, "attention_backend": "torch_static"}, {}):  # the torch backends read it in torch
+        family.check_checkpoint(deployment_from_dict(_with(components__llm=llm, resources__kv_cache__dtype="fp8_e4m3")), checkpoint,
+                                "test.yaml")
 
 
 @pytest.mark.parametrize("spoil, rule", [
@@ -608,3 +632,16 @@ def test_a_z_image_caption_encoder_its_component_would_refuse_is_refused_by_chec
     path.write_text(json.dumps(config))
     with pytest.raises(DeploymentError, match=r"^test.yaml: rope_parameters.rope_type='yarn' is not supported"):
         family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+
+
+def test_whisper_refuses_flashinfer_on_its_decoder():
+    """FlashInfer's `attend` runs the wrapper planned from the decoder's self-attention step: the cross-attention
+    over the audio read the cross pool at the self-attention's pages and lengths (wrong transcripts, no error)."""
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / "whisper_large_v3_gpu.yaml").read_text())
+    deployment_from_dict(copy.deepcopy(raw))
+    raw["components"]["decoder"]["attention_backend"] = "flashinfer"
+    with pytest.raises(DeploymentError, match=r"components.decoder.attention_backend: 'flashinfer' plans each step "
+                                              r"for the decoder's self-attention"):
+        deployment_from_dict(raw)

@@ -165,3 +165,21 @@ def test_decode_steps_on_the_same_pages_refresh_only_the_last_page_lengths(monke
     assert step([32, 16]) == [16, 16] and wrapper.plans == 1
     assert step([33, 17]) == [1, 1] and wrapper.plans == 2  # each row entered a new page: planned again
     assert step([34, 18]) == [2, 2] and wrapper.plans == 2
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 32])
+def test_a_decode_step_of_any_row_count_runs_the_prologue_then_flashinfers_kernel(rows):
+    """The Triton backend's rope-in-attention decode (3-16 rows) ran in place of FlashInfer's kernel: the backend
+    inherited `prologue_attend`, so `flashinfer` against `triton` compared Triton with itself at those rows."""
+    from types import SimpleNamespace
+
+    from mstar_common.engine.flashinfer_backend import FlashInferAttention
+
+    backend = object.__new__(FlashInferAttention)  # no FlashInfer on the CPU: its two halves stand in
+    backend.fused_prologue = True
+    calls = []
+    backend.prologue = lambda qkv, layer, rope, kv, metadata: calls.append("prologue") or qkv
+    backend.attend = lambda query, k, v, metadata, scale: calls.append("attend") or query
+    kv = (torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16))
+    backend.prologue_attend(torch.zeros(rows, 8 * 64), None, None, kv, SimpleNamespace(is_decode=True), 0.125)
+    assert calls == ["prologue", "attend"]

@@ -107,6 +107,10 @@ class WhisperFamily(Family):
         if body_cap is not None and max_audio_bytes(dep, options) > body_cap:  # only a cap the deployment set can be
             raise DeploymentError(f"{source}: model_kwargs.max_audio_bytes: {options.max_audio_bytes} exceeds "
                                   f"limits.max_body_bytes ({body_cap}); the proxy would refuse such uploads first")
+        if dep.components["decoder"].attention_backend == "flashinfer":
+            raise DeploymentError(f"{source}: components.decoder.attention_backend: 'flashinfer' plans each step for "
+                                  "the decoder's self-attention, and its cross-attention over the audio would run "
+                                  "that plan; use auto, triton or triton_unfused")
         if dep.resources.kv_cache.prefix_caching:
             raise DeploymentError(f"{source}: resources.kv_cache.prefix_caching: the decoder's KV depends on the "
                                   "audio as well as the token ids, so whisper cannot reuse prompt prefixes "
