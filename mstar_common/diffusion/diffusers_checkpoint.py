@@ -40,7 +40,14 @@ def check_pipeline_class(root: Path, classes: tuple[str, ...], family: str) -> d
     if index.get("_class_name") not in classes:
         raise ValueError(f"model_index.json _class_name={index.get('_class_name')!r}: {family} serves "
                          f"{list(classes)}")
+    scheduler = index.get("scheduler")  # the class diffusers builds, whatever scheduler_config.json says
+    if scheduler is not None and (not isinstance(scheduler, list) or scheduler[-1:] != [SCHEDULER_CLASS]):
+        raise ValueError(f"model_index.json scheduler={scheduler!r}: {family} samples with "
+                         f"{SCHEDULER_CLASS} (diffusers builds the class named here)")
     return index
+
+
+SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
 
 
 def qwen3_text_encoder_config(root: Path) -> Qwen3Config:

@@ -45,6 +45,7 @@ class ImageFamily(Family):
         LoRA adapters against the checkpoint's DiT."""
         try:
             self.check_pipeline(checkpoint)
+            family_module(self.name, "loader").scheduler_config(checkpoint)  # refused only as the denoise loaded
         except ValueError as exc:  # a pipeline this family does not serve
             raise DeploymentError(f"{source}: checkpoint {checkpoint}: {exc}") from None
         options = self.options_from_kwargs(dep.model_kwargs, source)

@@ -645,3 +645,43 @@ def test_whisper_refuses_flashinfer_on_its_decoder():
     with pytest.raises(DeploymentError, match=r"components.decoder.attention_backend: 'flashinfer' plans each step "
                                               r"for the decoder's self-attention"):
         deployment_from_dict(raw)
+
+
+@pytest.mark.parametrize("family_name", ["flux2_klein", "z_image_turbo"])
+@pytest.mark.parametrize("spoil, rule", [
+    # parsed only as the denoise component loaded, after the DiT's weights
+    ("use_karras_sigmas", r"use_karras_sigmas"),
+    # diffusers builds the scheduler model_index.json names, whatever scheduler_config.json says: Euler ran
+    ("model_index", r"model_index.json scheduler=\['diffusers', 'FlowMatchHeunDiscreteScheduler'\]"),
+])
+def test_an_image_checkpoints_scheduler_it_does_not_serve_is_refused_by_check(tmp_path, family_name, spoil, rule):
+    import json
+    import shutil
+
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / f"{family_name}.yaml").read_text())
+    family = get_family(family_name)
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints), checkpoint)
+    family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+    path = checkpoint / ("scheduler/scheduler_config.json" if spoil == "use_karras_sigmas" else "model_index.json")
+    config = json.loads(path.read_text())
+    if spoil == "use_karras_sigmas":
+        config["use_karras_sigmas"] = True
+    else:
+        config["scheduler"] = ["diffusers", "FlowMatchHeunDiscreteScheduler"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(DeploymentError, match=rf"^test.yaml: .*{rule}"):
+        family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+
+
+def test_a_z_image_vae_without_its_scaling_factor_is_refused():
+    """A missing scaling_factor was read as the FLUX.1 VAE's 0.3611, where diffusers' AutoencoderKL takes 0.18215:
+    every image decoded from latents divided by the wrong factor."""
+    from mstar_common.families.z_image_turbo.vae import Flux1VaeConfig
+
+    with pytest.raises(ValueError, match=r"vae scaling_factor is missing: the FLUX.1 VAE config has one \(0.3611\)"):
+        Flux1VaeConfig.from_diffusers({"shift_factor": 0.1159})

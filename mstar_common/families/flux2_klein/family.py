@@ -92,10 +92,11 @@ def _denoise(dep: Deployment, options: Flux2KleinOptions, checkpoint: Path, devi
     from mstar_common.families.flux2_klein.loader import load_transformer, scheduler_config
 
     limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
+    scheduler = scheduler_config(checkpoint)  # a refusal before the DiT's weights are read
     model = load_transformer(checkpoint, options.dtype_for(device), device, options.lora)  # folded before fp8
     if options.dit_fp8:  # the blocks' linears; the embedders, modulations and output projection stay
         image_family.quantize_dit_fp8([*model.transformer_blocks, *model.single_transformer_blocks], device)
-    runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
+    runtime = DenoiseComponent(model, scheduler, limits, device, options.max_batch_size)
     if image_family.captures(dep, "denoise", device):
         capture_denoise_graphs(runtime, options)
     if options.vae_in_denoise:

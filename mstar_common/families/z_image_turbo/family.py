@@ -86,12 +86,13 @@ def _denoise(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, dev
     from mstar_common.families.z_image_turbo.loader import load_transformer, scheduler_config
 
     limits = DenoiseLimits.from_options(options, multiple=_multiple(checkpoint))
+    scheduler = scheduler_config(checkpoint)  # a refusal before the DiT's weights are read
     model = load_transformer(checkpoint, options.dtype_for(device), device, options.lora)  # folded before fp8
     if options.dit_fp8:  # attention and MLP linears; the adaLN modulations and the embedders stay
         blocks = [*model.noise_refiner, *model.context_refiner, *model.layers]
         image_family.quantize_dit_fp8([part for block in blocks for part in (block.attention, block.feed_forward)],
                                       device)
-    runtime = DenoiseComponent(model, scheduler_config(checkpoint), limits, device, options.max_batch_size)
+    runtime = DenoiseComponent(model, scheduler, limits, device, options.max_batch_size)
     if image_family.captures(dep, "denoise", device):
         capture_denoise_graphs(runtime, options)
     if options.vae_in_denoise:

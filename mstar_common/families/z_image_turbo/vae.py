@@ -35,10 +35,11 @@ class Flux1VaeConfig:
         for key in ("latents_mean", "latents_std"):
             if config.get(key) is not None:
                 raise ValueError(f"vae {key} is set: per-channel latent statistics are not supported")
-        if config.get("shift_factor") is None:
-            raise ValueError("vae shift_factor is missing: the FLUX.1 VAE config has one (0.1159)")
+        for key, value in (("shift_factor", 0.1159), ("scaling_factor", 0.3611)):
+            if config.get(key) is None:  # diffusers' AutoencoderKL would take its own default (scaling 0.18215)
+                raise ValueError(f"vae {key} is missing: the FLUX.1 VAE config has one ({value})")
         return cls(network=Flux2VaeConfig.from_diffusers({**config, "patch_size": (2, 2)}),
-                   scaling_factor=float(config.get("scaling_factor", 0.3611)),
+                   scaling_factor=float(config["scaling_factor"]),
                    shift_factor=float(config["shift_factor"]))
 
     @property
