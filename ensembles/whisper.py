@@ -118,6 +118,7 @@ class WhisperWalk:
                      call_stream: CallStream) -> AsyncIterator[dict[str, np.ndarray]]:
         """Responses for one request: text deltas, then a last one with the metadata (and any remaining text)."""
         req = parse_request(inputs, self.tokenizer, self.tokens, self.max_prompt_tokens, self.max_prompt_bytes)
+        self._check_max_tokens(req)
         pcm = await asyncio.to_thread(self._load_audio, req)
         windows = split_windows(pcm, self.options.window_seconds)
         job = _Transcription(self, req, pcm, windows, call, call_stream)
@@ -131,6 +132,20 @@ class WhisperWalk:
             text.append(outputs[g.TEXT_OUTPUT][0].decode("utf-8"))
             last = outputs
         return {**last, g.TEXT_OUTPUT: _bytes("".join(text))}
+
+    def _check_max_tokens(self, req: TranscriptionRequest) -> None:
+        """A `max_tokens` past what a window's decoder positions leave after its prompt is refused, not cut to it
+        (ENGINE.md: refuse rather than truncate). Every window's prompt is as long: the language a window is
+        forced to stands where window 0's detected one does, and a retry keeps the prompt."""
+        if req.max_tokens is None:
+            return
+        prompt = build_prompt(self.tokens, language=None, task=req.task, timestamps=req.timestamps,
+                              prompt_ids=req.prompt_ids)
+        room = self.tokens.max_length - prompt.begin_index
+        if req.max_tokens > room:
+            raise ValueError(f"{g.MAX_TOKENS}: at most {room} tokens a window with this prompt (the decoder's "
+                             f"{self.tokens.max_length} positions less its {prompt.begin_index} prompt tokens), got "
+                             f"{req.max_tokens}")
 
     def _load_audio(self, req: TranscriptionRequest) -> np.ndarray:
         if req.audio is not None:
@@ -305,9 +320,8 @@ class _Transcription:
             g.TIMESTAMPS: np.array([self.req.timestamps]),
             g.TEMPERATURE: np.array([temperature], np.float32),
         }
-        if self.req.max_tokens is not None:  # a cap: past the window's room it is the room (the client cannot know it)
-            room = self.tokens.max_length - len(prompt.prompt) - len(prompt.forced)
-            inputs[g.MAX_TOKENS] = np.array([max(1, min(self.req.max_tokens, room))], np.int32)
+        if self.req.max_tokens is not None:  # within the window's room (`_check_max_tokens`)
+            inputs[g.MAX_TOKENS] = np.array([self.req.max_tokens], np.int32)
         if self.req.seed is not None and temperature > 0:
             inputs[g.SEED] = np.array([(self.req.seed + index) % 2**63], np.int64)
         tokens: list[int] = []

@@ -337,13 +337,21 @@ def test_the_fallback_thresholds_from_the_deployment(checkpoint):
             options_from_kwargs({key: value}, "test")
 
 
-def test_a_max_tokens_past_the_windows_room_is_that_room(local):
-    """A client cannot know how many decoder positions a window's prompt leaves: a larger `max_tokens` caps at
-    them (it used to reach the decoder and come back as `max_tokens: must be in [0, 124]`)."""
+def test_a_max_tokens_past_the_windows_room_is_refused_naming_the_room(local):
+    """ENGINE.md: refuse rather than truncate. A larger `max_tokens` was cut to what a window's decoder positions
+    leave after its prompt, silently (and before that came back as the decoder's `max_tokens: must be in [0, 124]`,
+    a cap the client never sent); now the 400 names that room."""
     data = wav(clip(1, 5))
+    room = local.walk.tokens.max_length - 4  # <|startoftranscript|>, the language, the task, <|notimestamps|>
     unset = asyncio.run(local.transcribe(audio=data, language="en"))
-    huge = asyncio.run(local.transcribe(audio=data, language="en", max_tokens=10**6))
-    assert huge["text_output"] == unset["text_output"] and huge["finish_reason"] == unset["finish_reason"]
+    at_room = asyncio.run(local.transcribe(audio=data, language="en", max_tokens=room))
+    assert at_room["text_output"] == unset["text_output"] and at_room["finish_reason"] == unset["finish_reason"]
+    for extra in ({}, {"prompt": "hello world"}):
+        with pytest.raises(ValueError, match=rf"^max_tokens: at most \d+ tokens a window with this prompt \(the "
+                                             rf"decoder's {room + 4} positions less its \d+ prompt tokens\), got "
+                                             rf"{room + 1}$"):
+            asyncio.run(local.transcribe(audio=data, language="en", max_tokens=room + 1, **extra))
+    asyncio.run(local.transcribe(audio=data, language="en", max_tokens=room + 1, timestamps=True))  # 3 tokens
 
 
 def test_streamed_deltas_join_to_the_final_text_and_batching_keeps_requests_apart(local):
@@ -615,13 +623,15 @@ def test_a_first_window_whose_decode_is_cancelled_does_not_leave_the_others_wait
 
 def test_the_walk_sizes_prompts_and_max_tokens_by_the_deployments_max_model_len(checkpoint):
     """With resources.max_model_len below the checkpoint's positions, the walk sized the prompt's half and each
-    window's max_tokens cap by the checkpoint's: max_tokens 1,000,000 was a 400 quoting a cap the client never sent
+    window's max_tokens room by the checkpoint's: max_tokens 1,000,000 was a 400 quoting a cap the client never sent
     (the decoder's), and a long prompt a 400 naming the internal input_ids instead of prompt."""
     dep = tiny_deployment(**{"resources.max_model_len": 64})
     with LocalWhisper(checkpoint, dep=dep) as harness:
         assert harness.walk.tokens.max_length == 64 and harness.walk.max_prompt_tokens == 31
-        out = asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", max_tokens=1_000_000))
+        out = asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", max_tokens=60))
         assert out["finish_reason"] in ("stop", "length")
+        with pytest.raises(ValueError, match=r"^max_tokens: at most 60 tokens a window .*decoder's 64 positions"):
+            asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", max_tokens=1_000_000))
         with pytest.raises(ValueError, match=r"^prompt: "):
             asyncio.run(harness.transcribe(audio=wav(clip(2, 5)), language="en", prompt=" the" * 200))
 
