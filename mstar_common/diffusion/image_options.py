@@ -115,6 +115,12 @@ def check_relations(options: Any, where: str) -> None:
         raise DeploymentError(f"{where}.max_reference_area: {reference_area} exceeds max_image_area="
                               f"{options.max_image_area} (an edit without a size takes its first reference's, "
                               f"up to max_reference_area, and would be refused)")
+    edit_sizes = getattr(options, "capture_edit_sizes", None)  # one reference of the output size, given
+    if edit_sizes and reference_area is not None:
+        if too_large := [s for s in edit_sizes if parse_size(s)[0] * parse_size(s)[1] > reference_area]:
+            raise DeploymentError(f"{where}.capture_edit_sizes: {too_large} exceed max_reference_area="
+                                  f"{reference_area}; an edit's references are resized to that area, so such graphs "
+                                  f"(one reference of the output size) would never replay")
     if any(b > options.max_batch_size for b in options.capture_batch_sizes):
         raise DeploymentError(f"{where}.capture_batch_sizes: {options.capture_batch_sizes} has sizes above "
                               f"max_batch_size={options.max_batch_size}; such graphs would never replay")

@@ -256,3 +256,18 @@ def test_a_reference_area_over_the_image_area_is_refused_at_startup():
                             "t.yaml")
     options_from_kwargs({"max_image_area": 512 * 512, "max_reference_area": 512 * 512, "default_size": "512x512",
                          "capture_sizes": ["512x512"]}, "t.yaml")
+
+
+def test_edit_buckets_larger_than_a_reference_can_be_are_never_captured():
+    """References are resized to max_reference_area before they are encoded, so an edit bucket of one reference of
+    a larger output size never replays: `capture_sizes: [1024x1024, 1536x1024]` captured 1536x1024 edit graphs
+    (minutes of start-up and ~1 GiB each) for nothing, and an explicit one passed every check."""
+    from mstar_common.families.flux2_klein.options import options_from_kwargs
+
+    options = options_from_kwargs({"capture_sizes": ["1024x1024", "1536x1024"]}, "test.yaml")
+    assert options.edit_sizes == ["1024x1024"]
+    smaller = options_from_kwargs({"capture_sizes": ["512x512"], "max_reference_area": 512 * 512}, "test.yaml")
+    assert smaller.edit_sizes == ["512x512"]
+    with pytest.raises(DeploymentError, match=r"^test.yaml: model_kwargs.capture_edit_sizes: \['1536x1024'\] exceed "
+                                              r"max_reference_area=1048576; .* would never replay"):
+        options_from_kwargs({"capture_edit_sizes": ["1024x1024", "1536x1024"]}, "test.yaml")

@@ -8,6 +8,7 @@ from typing import Any
 from mstar_common.config import DeploymentError
 from mstar_common.diffusion import image_options
 from mstar_common.diffusion.image_options import DTYPES, LoraAdapter, default_dtype, is_int
+from mstar_common.images import parse_size
 
 __all__ = ["DTYPES", "TEXT_TOKENS", "Flux2KleinOptions", "options_from_kwargs"]
 
@@ -43,10 +44,19 @@ class Flux2KleinOptions:
 
     @property
     def edit_sizes(self) -> list[str]:
-        return self.capture_sizes if self.capture_edit_sizes is None else self.capture_edit_sizes
+        """The edit buckets captured: `capture_edit_sizes`, else the `capture_sizes` whose area a reference can have
+        (references are resized to `max_reference_area`, so a larger bucket would never replay)."""
+        if self.capture_edit_sizes is not None:
+            return self.capture_edit_sizes
+        return [size for size in self.capture_sizes if _area(size) <= self.max_reference_area]
 
     def dtype_for(self, device: str) -> str:
         return default_dtype(self.dtype, device)
+
+
+def _area(size: str) -> int:
+    width, height = parse_size(size)
+    return width * height
 
 
 def options_from_kwargs(kwargs: dict[str, Any], source: str) -> Flux2KleinOptions:
