@@ -685,3 +685,25 @@ def test_a_z_image_vae_without_its_scaling_factor_is_refused():
 
     with pytest.raises(ValueError, match=r"vae scaling_factor is missing: the FLUX.1 VAE config has one \(0.3611\)"):
         Flux1VaeConfig.from_diffusers({"shift_factor": 0.1159})
+
+
+@pytest.mark.parametrize("kwargs, key", [({"default_size": "1024x1024"}, "default_size"),
+                                         ({"capture_sizes": ["1024x512"]}, "capture_sizes")])
+def test_z_image_sizes_past_the_checkpoints_rope_range_are_refused_by_check(kwargs, key):
+    """The denoise component holds every request to the DiT's RoPE tables (the tiny one's 512 px sides), but the
+    deployment's own sizes were held to the grid and max_image_area only: past the range, every request without
+    a size was a 400 naming `size`, which the client never sent, and a captured size never replayed."""
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / "z_image_turbo.yaml").read_text())
+    family = get_family("z_image_turbo")
+    checkpoint = resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints)
+    raw["model_kwargs"].update(kwargs, max_image_area=2048 * 2048)
+    if key == "capture_sizes":
+        raw["components"]["denoise"] = {**raw["components"].get("denoise", {}), "cuda_graphs": True,
+                                        "placement": {"device": "gpu", "gpus": [0]}}
+    with pytest.raises(DeploymentError, match=rf"^test.yaml: model_kwargs.{key}: 1024x\d+ exceeds this checkpoint's "
+                                              r"RoPE range of 512x512"):
+        family.check_checkpoint(deployment_from_dict(raw), checkpoint, "test.yaml")

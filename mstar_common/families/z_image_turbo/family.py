@@ -12,6 +12,7 @@ from mstar_common.diffusion import image_family
 from mstar_common.diffusion.image_family import Builder, ImageFamily, tiny_builder
 from mstar_common.families.z_image_turbo.graph import GRAPH
 from mstar_common.families.z_image_turbo.options import ZImageTurboOptions
+from mstar_common.images import parse_size
 
 
 class ZImageTurboFamily(ImageFamily):
@@ -30,6 +31,20 @@ class ZImageTurboFamily(ImageFamily):
             _check_text_encoder(checkpoint)
         except (ValueError, DeploymentError) as exc:
             raise DeploymentError(f"{source}: {exc}") from None
+        # the sizes the deployment sets, within the RoPE range every request is held to: past it, each request
+        # without a size was a 400 naming `size`, and a captured size never replayed
+        max_width, max_height = rope_max_sides(checkpoint)
+        options = self.options_from_kwargs(dep.model_kwargs, source)
+        sizes = {"default_size": [options.default_size]}
+        if dep.components["denoise"].cuda_graphs:
+            sizes["capture_sizes"] = options.capture_sizes
+        for key, values in sizes.items():
+            for size in values:
+                width, height = parse_size(size)
+                if width > max_width or height > max_height:
+                    raise DeploymentError(f"{source}: model_kwargs.{key}: {size} exceeds this checkpoint's RoPE "
+                                          f"range of {max_width}x{max_height} (transformer axes_lens), which every "
+                                          f"request is held to")
 
     def builders(self) -> dict[str, Builder]:
         return {"walk": _walk, "text_encoder": _text_encoder, "denoise": _denoise, "vae_decode": _vae_decode}
@@ -40,6 +55,15 @@ def _multiple(checkpoint: Path) -> int:
     from mstar_common.families.z_image_turbo.loader import transformer_config, vae_config
 
     return vae_config(checkpoint).scale_factor * transformer_config(checkpoint).patch_size
+
+
+def rope_max_sides(checkpoint: Path) -> tuple[int, int]:
+    """(width, height) in pixels the DiT's RoPE tables reach (`axes_lens`), as the denoise component holds them."""
+    from mstar_common.families.z_image_turbo.loader import transformer_config
+
+    _, rows, cols = transformer_config(checkpoint).axes_lens
+    multiple = _multiple(checkpoint)
+    return cols * multiple, rows * multiple
 
 
 def _check_text_encoder(checkpoint: Path) -> None:
@@ -53,12 +77,9 @@ def _check_text_encoder(checkpoint: Path) -> None:
 
 def _walk(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
     from ensembles.z_image_turbo import ZImageTurboWalk
-    from mstar_common.families.z_image_turbo.loader import transformer_config
 
-    multiple = _multiple(checkpoint)
-    _, rows, cols = transformer_config(checkpoint).axes_lens  # as the denoise component's rule: <= rows and cols
-    return ZImageTurboWalk(image_family.load_walk_tokenizer(checkpoint), options, multiple=multiple,
-                           max_sides=(cols * multiple, rows * multiple))
+    return ZImageTurboWalk(image_family.load_walk_tokenizer(checkpoint), options, multiple=_multiple(checkpoint),
+                           max_sides=rope_max_sides(checkpoint))  # as the denoise component's rule
 
 
 def _text_encoder(dep: Deployment, options: ZImageTurboOptions, checkpoint: Path, device: str):
