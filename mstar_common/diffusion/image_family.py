@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import AdmissionConfig, Deployment, DeploymentError, Resources
-from mstar_common.families.base import Family
+from mstar_common.families.base import Family, refuse_upload_limit
 from mstar_common.images import check_geometry, parse_size
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class ImageFamily(Family):
         family_module(self.name, "loader").check_pipeline(checkpoint)
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
+        refuse_upload_limit(dep, source)
         options = self.options_from_kwargs(dep.model_kwargs, source)
         if dep.components["denoise"].cuda_graphs:  # a capture list left empty would capture nothing, silently
             empty = [key for key in ("capture_batch_sizes", "capture_caption_tokens")

@@ -72,6 +72,16 @@ def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None
         check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
 
 
+def refuse_upload_limit(dep: Deployment, source: str) -> None:
+    """`limits.max_upload_s` on a family that takes no uploads: nothing reads it (ENGINE.md §16.3 refuses a
+    setting nothing reads, where it was accepted and ignored)."""
+    from mstar_common.config import DeploymentError, LimitsConfig
+
+    if dep.limits.max_upload_s != LimitsConfig().max_upload_s:
+        raise DeploymentError(f"{source}: limits.max_upload_s: the {dep.family} family takes no audio or video "
+                              f"uploads, so nothing would read it; remove it")
+
+
 def check_kernel_head_dim(dep: Deployment, checkpoint: Path, component: str, source: str) -> None:
     """A GPU component on the Triton attention kernels (or flashinfer, whose KV write is their prologue) needs a
     head dim they take, and an fp8 pool's 8-bit q.k dot one of at least 32: otherwise its first capture or step

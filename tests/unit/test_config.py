@@ -707,3 +707,17 @@ def test_z_image_sizes_past_the_checkpoints_rope_range_are_refused_by_check(kwar
     with pytest.raises(DeploymentError, match=rf"^test.yaml: model_kwargs.{key}: 1024x\d+ exceeds this checkpoint's "
                                               r"RoPE range of 512x512"):
         family.check_checkpoint(deployment_from_dict(raw), checkpoint, "test.yaml")
+
+
+@pytest.mark.parametrize("config", ["qwen3.yaml", "orpheus.yaml", "z_image_turbo.yaml", "flux2_klein.yaml"])
+def test_an_upload_limit_on_a_family_that_takes_no_uploads_is_refused(config):
+    """`limits.max_upload_s` is read by whisper's walk alone: elsewhere it was accepted and nothing enforced it."""
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / config).read_text())
+    raw.setdefault("limits", {})["max_upload_s"] = 5
+    with pytest.raises(DeploymentError, match=r"limits.max_upload_s: the \w+ family takes no audio or video uploads"):
+        deployment_from_dict(raw)
+    whisper = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    whisper.setdefault("limits", {})["max_upload_s"] = 5
+    assert deployment_from_dict(whisper).limits.max_upload_s == 5

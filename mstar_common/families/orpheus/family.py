@@ -14,6 +14,7 @@ from mstar_common.families.base import (
     check_kernel_head_dim,
     check_lm_checkpoint,
     check_position_limit,
+    refuse_upload_limit,
 )
 from mstar_common.families.orpheus.codes import FRAME_RULES
 from mstar_common.families.orpheus.graph import GRAPH
@@ -62,6 +63,7 @@ class OrpheusFamily(Family):
                                                       "orpheus-3b-random": _builtin("3b")}
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
+        refuse_upload_limit(dep, source)
         kw = dep.model_kwargs
         if unknown := sorted(set(kw) - set(MODEL_KWARGS)):
             raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: "

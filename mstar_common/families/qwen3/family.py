@@ -13,6 +13,7 @@ from mstar_common.families.base import (
     check_kernel_head_dim,
     check_lm_checkpoint,
     check_position_limit,
+    refuse_upload_limit,
 )
 from mstar_common.families.qwen3.graph import GRAPH
 from mstar_common.families.text import TextLMRuntime
@@ -41,6 +42,7 @@ class Qwen3Family(Family):
     builtin_checkpoints: ClassVar[dict[str, Any]] = {"qwen3-tiny": _build_tiny}
 
     def validate_deployment(self, dep: Deployment, source: str) -> None:
+        refuse_upload_limit(dep, source)
         if unknown := sorted(set(dep.model_kwargs) - set(MODEL_KWARGS)):
             raise DeploymentError(f"{source}: model_kwargs: unknown key(s) {unknown}; allowed: "
                                   f"{sorted(MODEL_KWARGS)} (docs/deployment.md)")
