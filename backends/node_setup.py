@@ -26,6 +26,7 @@ from mstar_common.native_backtrace import load_from_env as load_native_backtrace
 from mstar_common.orphan_watch import kill_when_orphaned
 from mstar_common.process_log import configure_logging
 from mstar_common.stall_watch import stack_dump_s
+from mstar_common.switches import check_switches
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
     kill_when_orphaned()  # a stub outlives a dead server by a few seconds at most, wedged or not
     try:
         interval = apply_switch_interval()
+        # a misspelt MSTAR_* switch refuses every model at load, not only the AR engines (an image walk loaded,
+        # then answered each PNG request with MSTAR_PNG_ENCODER's error as the client's 400)
+        check_switches()
     except ValueError as exc:
         raise pb_utils.TritonModelException(f"{model_name}: {exc}") from None
     logger.info("[%s] GIL switch interval %.3f ms", model_name, interval * 1e3)

@@ -78,3 +78,25 @@ def test_the_gpu_threads_of_the_engines_start_on_their_device(fake_cuda, tmp_pat
     for started in (batcher, denoise, engine):
         started.shutdown()
     assert {("vae-batcher", 3), ("dit-denoise", 1), ("ar-engine-step", 2)} <= set(fake_cuda), fake_cuda
+
+
+def test_every_node_refuses_a_misspelt_switch_at_load(monkeypatch):
+    """Only the AR engines checked the MSTAR_* switches at load: an image walk under a hand-started tritonserver
+    loaded with MSTAR_PNG_ENCODER=bogus, then answered every PNG request with that error as the client's 400.
+    load_node (every node's first step) now refuses the model, naming the switch."""
+    import sys
+    import types
+
+    fake = types.ModuleType("triton_python_backend_utils")
+    fake.TritonModelException = type("TritonModelException", (Exception,), {})
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    monkeypatch.delitem(sys.modules, "backends.node_setup", raising=False)
+    import backends.node_setup as node_setup
+
+    for name in ("configure_logging", "load_native_backtrace", "kill_when_orphaned"):
+        monkeypatch.setattr(node_setup, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(node_setup.faulthandler, "enable", lambda *args, **kwargs: None)
+    monkeypatch.setenv("MSTAR_PNG_ENCODER", "bogus")
+    with pytest.raises(fake.TritonModelException, match=r"^z_image_walk: environment switches refused .*"
+                                                        r"MSTAR_PNG_ENCODER='bogus'"):
+        node_setup.load_node({"model_name": "z_image_walk"}, kind="walk")
