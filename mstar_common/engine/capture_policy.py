@@ -34,15 +34,20 @@ class GraphCaptureError(RuntimeError):
     """A bucket could not be captured and `MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1` requires every bucket."""
 
 
-def capture_or_skip(what: str, capture: Callable[[], T]) -> T | None:
+def capture_or_skip(what: str, capture: Callable[[], T], kept: str | None = None) -> T | None:
     """`capture()`, or None (after a warning naming `what`) where it ran out of GPU memory; with
-    `MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1` a `GraphCaptureError` instead."""
+    `MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1` a `GraphCaptureError` instead. `kept`: `what` is an optional copy of a
+    bucket whose graph `kept` names was captured already (a faster form to time against it): its loss warns that
+    the bucket keeps that graph, and never stops a start."""
     try:
         return capture()
     except torch.OutOfMemoryError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # what the failed capture held goes back before the next (smaller) bucket
+    if kept is not None:
+        logger.warning("%s not captured: out of GPU memory (%s); the bucket keeps its %s graph", what, reason, kept)
+        return None
     if require_graphs():
         raise GraphCaptureError(
             f"{what}: CUDA graph capture ran out of GPU memory ({reason}), and MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1 "

@@ -254,7 +254,8 @@ class CudaGraphRunner:
         self.uncaptured = [key for key in keys if key not in self.graphs]
         logger.info("[cuda graphs] %d of %d graphs captured in %.1f s%s", len(self.graphs), len(keys),
                     time.perf_counter() - started, f"; not captured (out of GPU memory): "
-                    f"{[f'{kind} {size}' for kind, size, _ in self.uncaptured]}" if self.uncaptured else "")
+                    f"{[f'{kind} {size}{_VARIANT_NAMES[variant]}' for kind, size, variant in self.uncaptured]}"
+                    if self.uncaptured else "")
 
     def _mid_rows_to_time(self) -> set[int]:
         """With MSTAR_MID_GEMM=auto on a GPU: the decode buckets of `mid_gemm_rows()` rows with no stored choice for
@@ -290,14 +291,15 @@ class CudaGraphRunner:
         if cublas is None:
             return None
         set_mid_rows(self.model, rows, True)
-        mid = capture_or_skip(f"{what} (mid_gemm)", lambda: self._capture_one(key, pool))
+        mid = capture_or_skip(f"{what} (mid_gemm)", lambda: self._capture_one(key, pool), kept="cuBLAS")
         if mid is None:
             set_mid_rows(self.model, rows, False)
             return cublas
         graphs = [cublas, mid]
         if mid_fold_auto():
             set_mid_rows(self.model, rows, True, fold=True)
-            folded = capture_or_skip(f"{what} (mid_gemm with the folds)", lambda: self._capture_one(key, pool))
+            folded = capture_or_skip(f"{what} (mid_gemm with the folds)", lambda: self._capture_one(key, pool),
+                                     kept="cuBLAS and mid_gemm")
             set_mid_rows(self.model, rows, True)
             graphs += [folded] if folded is not None else []
         try:

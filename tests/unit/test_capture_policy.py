@@ -111,3 +111,62 @@ def test_an_out_of_memory_inside_a_capture_leaves_the_pool_and_the_gpu_usable():
     graph.replay()
     torch.cuda.synchronize()
     assert out.tolist() == [7.0] * 8
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_graphs(tmp_path_factory):
+    """The graph runner of a tiny Qwen3 engine on the CPU (static-shape attention: capturable there)."""
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.attention import TorchStaticAttention
+    from mstar_common.engine.cuda_graph import GraphConfig
+    from mstar_common.engine.types import EngineConfig
+    from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
+    from mstar_common.families.qwen3.tiny import build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("q") / "qwen3")
+    model, config = load_qwen3(checkpoint, attn_backend=TorchStaticAttention())
+    return model, config, checkpoint, lambda graphs: AREngine(
+        model, EngineConfig(num_kv_pages=128, page_size=4, max_num_seqs=8, max_batch_tokens=64, max_model_len=96),
+        eos_token_ids=read_eos_token_ids(checkpoint, config), vocab_size=config["vocab_size"], graphs=graphs,
+        overlap=False)
+
+
+@pytest.mark.parametrize("required", ["0", "1"])
+def test_a_faster_copy_of_a_captured_bucket_that_runs_out_of_memory_leaves_the_bucket_its_graph(
+        tiny_engine_graphs, monkeypatch, caplog, required):
+    """MSTAR_MID_GEMM=auto captures a decode bucket on cuBLAS, then a mid_gemm copy to time against it. The copy
+    running out of memory refused the start under MSTAR_REQUIRE_ACCELERATOR_GRAPHS=1 ("requires every configured
+    bucket", which was captured) and otherwise warned that the bucket's steps "take a larger bucket or run eager"."""
+    from mstar_common.engine.cuda_graph import DECODE, GREEDY, GraphConfig
+    from mstar_common.layers import linear
+
+    runner = tiny_engine_graphs[3](GraphConfig([1, 2], [16], False)).runner.graphs
+    mid_on = {"value": False}
+    monkeypatch.setattr(linear, "set_mid_rows", lambda model, rows, on, fold=False: mid_on.update(value=on))
+    monkeypatch.setattr(runner, "_capture_one", lambda key, pool: _raise(torch.OutOfMemoryError(OOM))
+                        if mid_on["value"] else "cublas graph")
+    monkeypatch.setenv("MSTAR_REQUIRE_ACCELERATOR_GRAPHS", required)
+    with caplog.at_level(logging.WARNING, logger="mstar_common.engine.capture_policy"):
+        assert runner._capture_choosing_mid((DECODE, 8, GREEDY), None, "[cuda graphs] decode 8") == "cublas graph"
+    assert "decode 8 (mid_gemm) not captured: out of GPU memory" in caplog.text
+    assert "the bucket keeps its cuBLAS graph" in caplog.text and "run eager" not in caplog.text
+
+
+def test_the_capture_summary_names_the_sampling_variants_it_lost(tiny_engine_graphs, monkeypatch, caplog):
+    """The summary listed `decode 4` twice where only its two sampling variants ran out of memory (its greedy
+    graph was captured), as if the whole bucket were missing."""
+    from mstar_common.engine.cuda_graph import PLAIN, SAMPLED, CudaGraphRunner, GraphConfig
+
+    real = CudaGraphRunner._capture_one
+
+    def capture(self, key, pool):
+        if key in {("decode", 4, SAMPLED), ("decode", 4, PLAIN)}:
+            raise torch.OutOfMemoryError(OOM)
+        return real(self, key, pool)
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture)
+    with caplog.at_level(logging.INFO, logger="mstar_common.engine.cuda_graph"):
+        graphs = tiny_engine_graphs[3](GraphConfig([1, 2, 4], [16], True)).runner.graphs
+    assert ("decode", 4, 0) in graphs.graphs
+    assert ("not captured (out of GPU memory): ['decode 4 (sampling)', 'decode 4 (sampling, temperature alone)']"
+            in caplog.text), caplog.text

@@ -721,3 +721,15 @@ def test_an_upload_limit_on_a_family_that_takes_no_uploads_is_refused(config):
     whisper = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
     whisper.setdefault("limits", {})["max_upload_s"] = 5
     assert deployment_from_dict(whisper).limits.max_upload_s == 5
+
+
+def test_whisper_refuses_capture_sampling_false_which_nothing_reads():
+    """Whisper's decoder graphs stop at the logits for every step; `capture_sampling: false` was accepted and
+    ignored, where docs/deployment.md says sampling steps then run eagerly."""
+    from mstar_common.cli import CONFIGS
+
+    raw = yaml.safe_load((CONFIGS / "whisper_large_v3_gpu.yaml").read_text())
+    raw["components"]["decoder"]["capture_sampling"] = False
+    with pytest.raises(DeploymentError, match=r"components.decoder.capture_sampling: the decoder's graphs stop at the "
+                                              r"logits"):
+        deployment_from_dict(raw)

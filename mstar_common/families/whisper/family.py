@@ -107,6 +107,10 @@ class WhisperFamily(Family):
         if body_cap is not None and max_audio_bytes(dep, options) > body_cap:  # only a cap the deployment set can be
             raise DeploymentError(f"{source}: model_kwargs.max_audio_bytes: {options.max_audio_bytes} exceeds "
                                   f"limits.max_body_bytes ({body_cap}); the proxy would refuse such uploads first")
+        if not dep.components["decoder"].capture_sampling:
+            raise DeploymentError(f"{source}: components.decoder.capture_sampling: the decoder's graphs stop at the "
+                                  "logits (its token rules and the sampler run after the replay, for greedy and "
+                                  "sampled steps alike), so there is no sampling variant to leave out; remove it")
         if dep.components["decoder"].attention_backend == "flashinfer":
             raise DeploymentError(f"{source}: components.decoder.attention_backend: 'flashinfer' plans each step for "
                                   "the decoder's self-attention, and its cross-attention over the audio would run "
