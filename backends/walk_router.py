@@ -17,7 +17,8 @@ Clients that go away: the walk asks every WALK_CANCEL_POLL_S (and after each str
 client is still there. Once it is gone, Triton 2.51 cannot cancel the walk's BLS requests, so the walk posts
 the ids of those in flight on the server's cancel board (mstar_common/walk_cancel.py); each component reads
 that as a cancel and stops the work (a denoise job at its next step, a batched item before it runs, an LLM
-row at its next step), and the walk ends with a flags-only FINAL once they have answered.
+row at its next step), and the walk itself is stopped and ends at once with a flags-only FINAL (what it was
+waiting for, a window slot included, waits no more; no new hop is sent).
 
 Deadlines: each component request carries the time the walk's client has left as its Triton timeout, so a
 component stops the walk's work at the same deadline, with `deadline_exceeded:`.

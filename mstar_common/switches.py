@@ -1,5 +1,6 @@
-"""The serving components' environment switches (docs/deployment.md), all checked when an autoregressive engine is
-built (the image families' two `0`/`1` switches with them: one environment serves a whole deployment).
+"""The serving components' environment switches (docs/deployment.md), all checked when any model loads
+(backends/node_setup.py `load_node`) and again when an autoregressive engine is built (one environment serves a
+whole deployment).
 
 Most of them are read where they act: at each launch, so at a graph's capture, or at a step of some row count. A
 misspelt value would then fail only there: on the CPU, or without captured graphs, at a user's request. The

@@ -73,8 +73,9 @@ def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None
 
 
 def refuse_upload_limit(dep: Deployment, source: str) -> None:
-    """`limits.max_upload_s` on a family that takes no uploads: nothing reads it (ENGINE.md §16.3 refuses a
-    setting nothing reads, where it was accepted and ignored)."""
+    """`limits.max_upload_s` set on a family that takes no uploads: nothing reads it (ENGINE.md §16.3 refuses a
+    setting nothing reads, where it was accepted and ignored). The parsed deployment cannot tell the default given
+    from the default left unset, so only another value is refused."""
     from mstar_common.config import DeploymentError, LimitsConfig
 
     if dep.limits.max_upload_s != LimitsConfig().max_upload_s:
@@ -97,6 +98,17 @@ def check_kernel_head_dim(dep: Deployment, checkpoint: Path, component: str, sou
             f"{source}: components.{component}.attention_backend: {comp.attention_backend!r} runs the Triton "
             f"attention kernels (flashinfer: their KV write), which take head dims {list(KERNEL_HEAD_DIMS)}; the "
             f"checkpoint's head_dim is {head_dim}: set attention_backend: torch_static (or torch)")
+    check_fp8_head_dim(dep, component, head_dim, source)
+
+
+def check_fp8_head_dim(dep: Deployment, component: str, head_dim: int, source: str) -> None:
+    """An fp8 pool read by the Triton kernels of a GPU component (its q.k an 8-bit dot over the head dim) needs a
+    head dim of at least `FP8_MIN_HEAD_DIM`: the builtin tiny checkpoints' 16 failed to compile at the first step."""
+    from mstar_common.engine.attention import KERNEL_BACKENDS  # torch: not at import
+
+    comp = dep.components[component]
+    if comp.placement.device != "gpu" or comp.attention_backend not in KERNEL_BACKENDS:
+        return
     if dep.resources.kv_cache.dtype == "fp8_e4m3" and head_dim < FP8_MIN_HEAD_DIM:
         raise DeploymentError(
             f"{source}: resources.kv_cache.dtype: fp8_e4m3 reads the pool with 8-bit dots over the head dim, which "

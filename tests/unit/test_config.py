@@ -733,3 +733,23 @@ def test_whisper_refuses_capture_sampling_false_which_nothing_reads():
     with pytest.raises(DeploymentError, match=r"components.decoder.capture_sampling: the decoder's graphs stop at the "
                                               r"logits"):
         deployment_from_dict(raw)
+
+
+
+def test_whisper_refuses_an_fp8_pool_its_decoders_head_dim_cannot_take(tmp_path):
+    """The fp8 head-dim rule lived in the text families' check alone: whisper's builtin tiny checkpoint (head dim
+    16) with an fp8 pool on the GPU passed `mstar check`, then its decoder's first step failed to compile."""
+    from mstar_common.checkpoints import resolve_checkpoint
+    from mstar_common.cli import CONFIGS
+    from mstar_common.families.registry import get_family
+
+    raw = yaml.safe_load((CONFIGS / "whisper.yaml").read_text())
+    family = get_family("whisper")
+    checkpoint = resolve_checkpoint(raw["checkpoint"], family.builtin_checkpoints)
+    for name in ("encoder", "decoder"):
+        raw["components"][name]["placement"] = {"device": "gpu", "gpus": [0]}
+    raw["resources"]["kv_cache"]["dtype"] = "fp8_e4m3"
+    with pytest.raises(DeploymentError, match=r"resources.kv_cache.dtype: fp8_e4m3 .* head_dim is 16"):
+        family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
+    raw["resources"]["kv_cache"]["dtype"] = "auto"
+    family.check_checkpoint(deployment_from_dict(raw), checkpoint, "test.yaml")

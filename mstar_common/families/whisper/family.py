@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mstar_common.config import Deployment, DeploymentError, check_kv_pool_holds_cap, is_finite_number
-from mstar_common.families.base import Family, check_max_model_len
+from mstar_common.families.base import Family, check_fp8_head_dim, check_max_model_len
 from mstar_common.families.whisper.graph import GRAPH
 from mstar_common.memory_plan import DTYPE_BYTES
 
@@ -126,6 +126,7 @@ class WhisperFamily(Family):
 
         config = read_config(checkpoint)[0]
         check_max_model_len(dep, config.max_target_positions, "max_target_positions", source)
+        check_fp8_head_dim(dep, "decoder", self.kv_shape(checkpoint)[2], source)
         # what the components would refuse at load, after the decoder's weights: known from the files now
         read_tokens(checkpoint)
         frontend_config(checkpoint, config.num_mel_bins)
