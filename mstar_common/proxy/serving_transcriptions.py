@@ -212,7 +212,7 @@ def _integer(one: dict[str, Any], key: str) -> int | None:
 # ---- the Triton request -------------------------------------------------------------------------------------
 
 
-def transcription_generation(audio: bytes, task: str, *, language: str | None = None, prompt: str | None = None,
+def transcription_generation(audio: bytes, task: str | None, *, language: str | None = None, prompt: str | None = None,
                              temperature: float | None = None, timestamps: bool = False, seed: int | None = None,
                              max_tokens: int | None = None, field_names: dict[str, str] | None = None
                              ) -> GenerationRequest:
@@ -225,8 +225,9 @@ def transcription_generation(audio: bytes, task: str, *, language: str | None = 
     def text(value: str) -> np.ndarray:
         return np.array([value.encode("utf-8")], dtype=np.object_)
 
-    tensors = [("audio", "BYTES", np.array([audio], dtype=np.object_)), ("task", "BYTES", text(task)),
-               ("timestamps", "BOOL", np.array([timestamps]))]
+    tensors = [("audio", "BYTES", np.array([audio], dtype=np.object_)), ("timestamps", "BOOL", np.array([timestamps]))]
+    if task:  # else the checkpoint's own (the walk fills it as transformers' generate does)
+        tensors.append(("task", "BYTES", text(task)))
     if language:
         tensors.append(("language", "BYTES", text(language)))
     if prompt:
@@ -364,7 +365,7 @@ async def generate_native(request: Request, ctx: ServingContext, served):
                               param="model_kwargs.prompt")
     prompt = kwargs.get("prompt", one.get("text"))
     gen = transcription_generation(
-        audio, kwargs.get("task", "transcribe"), language=kwargs.get("language"), prompt=prompt,
+        audio, kwargs.get("task"), language=kwargs.get("language"), prompt=prompt,
         temperature=kwargs.get("temperature"), timestamps=bool(kwargs.get("timestamps", False)),
         seed=kwargs.get("seed"), max_tokens=kwargs.get("max_tokens"),
         field_names={name: f"model_kwargs.{name}" for name in kwargs},

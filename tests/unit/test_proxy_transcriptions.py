@@ -146,6 +146,14 @@ def test_native_generate_with_an_audio_upload(app):
     assert body["segments"] == SEGMENTS and body["duration"] == 3.2
     sent = fake.requests[-1].tensors
     assert sent["prompt"][2][0] == b"names: Kenobi" and sent["timestamps"][2][0]
+    # no task given, none sent: the walk fills the checkpoint's own, as transformers' generate does (the proxy sent
+    # transcribe, so a checkpoint whose generation config translates never did through /generate)
+    assert "task" not in sent
+    client.post("/generate", data={**data, "model_kwargs": '{"task": "translate"}'},
+                files={"audio": ("a.flac", b"fLaC", "audio/flac")})
+    assert fake.requests[-1].tensors["task"][2][0] == b"translate"
+    client.post("/v1/audio/transcriptions", data={"model": "whisper"}, files={"file": ("a.flac", b"fLaC", "audio/flac")})
+    assert fake.requests[-1].tensors["task"][2][0] == b"transcribe"  # the route names its task
     refused = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"voice": "tara"}'},
                           files={"audio": ("a.wav", b"x", "audio/wav")})
     assert refused.status_code == 400 and "model_kwargs.voice" in refused.text

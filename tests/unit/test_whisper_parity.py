@@ -748,13 +748,17 @@ def test_the_checkpoints_own_language_and_task_apply_to_a_request_without_them(c
                  WhisperFeatureExtractor.from_pretrained(own), AutoTokenizer.from_pretrained(own))
     pcm = clip(2, 9)
     with LocalWhisper(own) as harness:
-        assert (harness.walk.tokens.default_language, harness.walk.tokens.default_task) == ("fr", "translate")
+        assert harness.walk.tokens.defaults(None, None) == ("fr", "translate")
         out = asyncio.run(harness.transcribe(audio=wav(pcm)))
         assert our_sequences(harness) == [hf_sequence(reference, pcm)]
         assert out["language"] == "fr"
-        harness.decoder_calls.clear()  # a request's own language and task still win
-        asyncio.run(harness.transcribe(audio=wav(pcm), language="de", task="transcribe"))
-        assert our_sequences(harness) == [hf_sequence(reference, pcm, language="de", task="transcribe")]
+        # a request naming one of them: the generation config's fields still fill the other, each alone, but the
+        # legacy forced_decoder_ids are read only for a request that names neither (the language is then detected
+        # and the task is transcribe), as generate does
+        for ours in ({"task": "transcribe"}, {"language": "de"}, {"language": "de", "task": "transcribe"}):
+            harness.decoder_calls.clear()
+            asyncio.run(harness.transcribe(audio=wav(pcm), **ours))
+            assert our_sequences(harness) == [hf_sequence(reference, pcm, **ours)], ours
 
 
 def test_a_generation_configs_language_or_task_it_cannot_serve_is_refused():
@@ -766,7 +770,7 @@ def test_a_generation_configs_language_or_task_it_cannot_serve_is_refused():
                         ({"language": ["en", "fr"]}, "language must be one language")):
         with pytest.raises(ValueError, match=f"^generation_config.json: {rule}"):
             WhisperTokens.from_generation_config({**gen, **extra}, 10, 448)
-    assert WhisperTokens.from_generation_config({**gen, "language": "English"}, 10, 448).default_language == "en"
+    assert WhisperTokens.from_generation_config({**gen, "language": "English"}, 10, 448).config_language == "en"
 
 
 def test_scale_embedding_changes_nothing_as_in_transformers(checkpoint, tmp_path):

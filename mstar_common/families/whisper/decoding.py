@@ -50,8 +50,21 @@ class WhisperTokens:
     begin_suppress: tuple[int, ...]
     max_initial_timestamp_index: int | None
     max_length: int  # decoder positions (prompt + output)
-    default_task: str = "transcribe"
-    default_language: str | None = None  # the checkpoint's code a request without a language gets; None: detect
+    # the checkpoint's own language and task (`defaults`): the generation config's `language` and `task` fields,
+    # and the legacy forced_decoder_ids' (read only where the generation config sets neither)
+    config_language: str | None = None
+    config_task: str | None = None
+    legacy_language: str | None = None
+    legacy_task: str | None = None
+
+    def defaults(self, language: str | None, task: str | None) -> tuple[str | None, str]:
+        """A request's language (None: detected) and task, with what it leaves out filled as transformers' generate
+        fills it: from the generation config's `language` and `task`, each alone; from the legacy
+        forced_decoder_ids only for a request that names neither (generate reads them only when both are unset).
+        Else the language is detected and the task is transcribe."""
+        legacy = language is None and task is None
+        language = language or self.config_language or (self.legacy_language if legacy else None)
+        return language, task or self.config_task or (self.legacy_task if legacy else None) or "transcribe"
 
     @property
     def timestamp_begin(self) -> int:
@@ -80,7 +93,7 @@ class WhisperTokens:
         if gen.get("is_multilingual", bool(lang_to_id)) and not (lang_to_id and set(task_to_id) == set(TASKS)):
             raise ValueError("generation_config.json: a multilingual checkpoint needs lang_to_id and task_to_id "
                              f"({list(TASKS)})")
-        language, task = _checkpoint_defaults(gen, lang_to_id, task_to_id, config_forced)
+        defaults = _checkpoint_defaults(gen, lang_to_id, task_to_id, config_forced)
         tokens = cls(
             vocab_size=vocab_size,
             eot=int(eos[0] if isinstance(eos, list) else eos),
@@ -93,12 +106,10 @@ class WhisperTokens:
             begin_suppress=tuple(int(t) for t in gen.get("begin_suppress_tokens") or ()),
             max_initial_timestamp_index=gen.get("max_initial_timestamp_index"),
             max_length=min(int(gen.get("max_length") or max_target_positions), max_target_positions),
-            default_task=task,
         )
-        if language is None:
-            return tokens
         try:
-            return dataclasses.replace(tokens, default_language=tokens.language_code(language))
+            return dataclasses.replace(tokens, **{key: tokens.language_code(value) if value and "language" in key
+                                                  else value for key, value in defaults.items()})
         except ValueError as exc:
             raise ValueError(f"generation_config.json: {exc}") from None
 
@@ -130,23 +141,25 @@ class WhisperTokens:
 
 
 def _checkpoint_defaults(gen: dict[str, Any], lang_to_id: dict[str, int], task_to_id: dict[str, int],
-                         config_forced: list | None) -> tuple[str | None, str]:
-    """The language (None: detect) and task a request that names neither gets, as transformers' generate picks
-    them: the generation config's `language` and `task`; where it sets neither, its legacy forced_decoder_ids (else
+                         config_forced: list | None) -> dict[str, str | None]:
+    """WhisperTokens' config_language, config_task, legacy_language and legacy_task (`WhisperTokens.defaults`):
+    the generation config's `language` and `task`; where it sets neither, its legacy forced_decoder_ids (else
     config.json's): a language token at position 1 and a task token anywhere. ValueError naming the key."""
     language, task = gen.get("language"), gen.get("task")
     if language is not None and not isinstance(language, str):
         raise ValueError(f"generation_config.json: language must be one language (a string), got {language!r}")
     if task is not None and task not in TASKS:
         raise ValueError(f"generation_config.json: task must be one of {list(TASKS)}, got {task!r}")
+    legacy_language = legacy_task = None
     if language is None and task is None:
         languages = {tid: code for code, tid in lang_to_id.items()}
         tasks = {tid: name for name, tid in task_to_id.items()}
         for position, token in gen.get("forced_decoder_ids") or config_forced or ():
             if position == 1 and token in languages:
-                language = languages[token]
-            task = tasks.get(token, task)
-    return language, task or "transcribe"
+                legacy_language = languages[token]
+            legacy_task = tasks.get(token, legacy_task)
+    return {"config_language": language, "config_task": task, "legacy_language": legacy_language,
+            "legacy_task": legacy_task}
 
 
 @dataclass(slots=True)

@@ -37,8 +37,8 @@ def parse_request(inputs: dict[str, np.ndarray], tokenizer: Any, tokens: Whisper
     None: computed here from the tokenizer's vocabulary."""
     audio, pcm, rate = _audio(inputs)
     language = _text(inputs, g.LANGUAGE)
-    language = tokens.language_code(language) if language else tokens.default_language
-    task = (_text(inputs, g.TASK) or tokens.default_task).strip().lower()
+    language, task = tokens.defaults(tokens.language_code(language) if language else None,
+                                     (_text(inputs, g.TASK) or "").strip().lower() or None)
     if task not in TASKS:
         raise ValueError(f"{g.TASK}: must be one of {list(TASKS)}, got {task!r}")
     if task == "translate" and not tokens.is_multilingual:
