@@ -44,10 +44,11 @@ class TranscriptionMethods:
     """Mixed into MStarClient: uses its `_model`, `_post`, `_open_stream` and `_json`."""
 
     def transcribe(self, audio: str | os.PathLike | bytes | BinaryIO, *, stream: bool = False, model: str | None = None,
-                   language: str | None = None, task: str = "transcribe", prompt: str | None = None,
+                   language: str | None = None, task: str | None = None, prompt: str | None = None,
                    temperature: float | None = None, timestamps: bool = False, max_tokens: int | None = None,
                    seed: int | None = None) -> TranscriptionResult | EventStream[TranscriptionEvent]:
-        """Speech to text (`task="translate"`: to English). `audio`: a file path, an open binary file or the file's
+        """Speech to text (`task="translate"`: to English; None: the checkpoint's own task, transcribe unless its
+        generation config says otherwise). `audio`: a file path, an open binary file or the file's
         bytes (WAV, FLAC, OGG, MP3, ...). Uploads over 30 s are cut at quiet moments and transcribed in parallel."""
         data = read_file_input(audio, "audio")
         kwargs = {"language": language, "task": task, "prompt": prompt, "temperature": temperature,

@@ -347,6 +347,21 @@ def test_a_streamed_transcription_ends_with_the_same_metadata_as_the_whole_one()
     assert last.usage == whole.usage == {"completion_tokens": 3}
 
 
+def test_the_sdks_transcribe_leaves_the_task_to_the_checkpoint_unless_given():
+    """It sent task=transcribe by default, so a checkpoint whose generation config translates never did."""
+    from mstar_common.proxy.app import ServedModel
+    from tests.unit.test_proxy_transcriptions import script
+
+    fake = FakeTriton(script=script())
+    app, _ = make_app(fake, models=[ServedModel("whisper", "whisper_walk", "transcription")])
+    client = MStarClient(http_client=TestClient(app))
+    client.transcribe(b"RIFF....")
+    assert "task" not in fake.requests[-1].tensors
+    fake.script = script()
+    client.transcribe(b"RIFF....", task="translate")
+    assert fake.requests[-1].tensors["task"][2][0] == b"translate"
+
+
 def _speech_app(script: list):
     from mstar_common.proxy.app import ServedModel
 
