@@ -337,7 +337,7 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    from mstar_common.launcher import Ports, start_triton, stop_process, wait_ready
+    from mstar_common.launcher import LogEcho, Ports, start_triton, stop_process, wait_ready
     from mstar_common.repository import entry_model, write_repository
 
     dep = deployment(checkpoint, args, "cpu" if device == "cpu" else "gpu")
@@ -346,10 +346,11 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
     repo = write_repository(dep, root / "repo", "bench")
     ports = Ports.free(proxy=False)
     log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR") or root) / f"{short}_tritonserver.log"
+    progress = LogEcho(log, prefix="[bench_flux2] ")  # the captures' progress
     server = start_triton(repo, dep, ports, log)
     print(f"[bench] tritonserver log: {log}", flush=True)
     try:
-        wait_ready(ports.triton_ready_url, server, 900, "tritonserver")
+        wait_ready(ports.triton_ready_url, server, 900, "tritonserver", progress=progress)
         url, model = ports.grpc_url, entry_model(dep)
 
         def run(c: int, total: int) -> list[float]:

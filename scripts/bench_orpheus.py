@@ -279,7 +279,7 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
                  first_chunk_frames: int | str | None = None, model_kwargs: dict | None = None,
                  prefix_caching: bool = False):
     from mstar_common.config import deployment_from_dict
-    from mstar_common.launcher import Ports, start_triton, wait_ready
+    from mstar_common.launcher import LogEcho, Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, write_repository
 
     raw = yaml.safe_load(config.read_text())
@@ -302,8 +302,9 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
     ports = Ports.free(proxy=False)
     log = Path(os.environ.get("MSTAR_BENCH_LOG_DIR", workdir)) / "orpheus_tritonserver.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    progress = LogEcho(log, prefix="[bench_orpheus] ")  # the captures' progress
     proc = start_triton(repo, dep, ports, log)
-    wait_ready(ports.triton_ready_url, proc, 1800, "tritonserver")
+    wait_ready(ports.triton_ready_url, proc, 1800, "tritonserver", progress=progress)
     return proc, ports.grpc_url, entry_model(dep), dep
 
 

@@ -171,7 +171,7 @@ def bench_rtfx(url: str, model: str, uploads: list[bytes], seconds: float, token
 
 def start_server(config: Path, checkpoint: str | None, max_concurrency: int, workdir: Path):
     from mstar_common.config import deployment_from_dict
-    from mstar_common.launcher import Ports, start_triton, wait_ready
+    from mstar_common.launcher import LogEcho, Ports, start_triton, wait_ready
     from mstar_common.repository import entry_model, write_repository
 
     raw = yaml.safe_load(config.read_text())
@@ -183,8 +183,9 @@ def start_server(config: Path, checkpoint: str | None, max_concurrency: int, wor
               "queues the rest", file=sys.stderr)
     repo = write_repository(dep, workdir / "model_repository", config.name)
     ports = Ports.free(proxy=False)
+    progress = LogEcho(workdir / "tritonserver.log", prefix="[bench_whisper] ")  # the captures' progress
     proc = start_triton(repo, dep, ports, workdir / "tritonserver.log")
-    wait_ready(ports.triton_ready_url, proc, 1800, "tritonserver")
+    wait_ready(ports.triton_ready_url, proc, 1800, "tritonserver", progress=progress)
     return proc, ports.grpc_url, entry_model(dep)
 
 
