@@ -181,6 +181,11 @@ class LogEcho:
                     break
 
 
+# Readiness is asked of our own servers, never through the environment's http_proxy: urllib sends even a loopback
+# request there on Linux, and a start on a host with a proxy set never saw its server ready.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
                stop: threading.Event | None = None, progress=None) -> None:
     """Until `url` answers 200; raises RuntimeError if `proc` exits first, TimeoutError after `timeout`, and
@@ -195,7 +200,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with _DIRECT.open(url, timeout=2) as resp:
                 if resp.status == 200:
                     if progress is not None:
                         progress()

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as exc:  # a usage error, not a traceback
         parser.error(re.sub(r"ProxySettings\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc)))
-    serve = dict(host=args.host, port=args.port, log_level=args.log_level,
+    serve = dict(host=bind_host(args.host), port=args.port, log_level=args.log_level,
                  timeout_graceful_shutdown=args.drain_timeout_s)
     if args.workers == 1:
         uvicorn.run(create_app(settings), **serve)
@@ -93,6 +93,12 @@ class _Workers(Multiprocess):
         for sock in self.sockets:
             sock.close()
         super().terminate_all()
+
+
+def bind_host(host: str) -> str:
+    """`--host` as both asyncio and a bound socket read it: "*" (every address) is "", since uvicorn's workers bind
+    ("*", port) on a socket of their own, which no resolver takes (the proxy failed to start after the load)."""
+    return "" if host == "*" else host
 
 
 def run_workers(app: str, workers: int, **serve) -> None:

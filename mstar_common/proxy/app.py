@@ -7,6 +7,8 @@ or SSE.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -93,9 +95,10 @@ class ProxySettings:
 class RequestContext:
     """ASGI middleware: request id (honoured or generated, echoed), body size cap, last-resort 500."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, retry_after_s: int = 1):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -135,6 +138,14 @@ class RequestContext:
         except ClientDisconnect:  # the client left while its body was being read: nobody to answer
             logger.info("[%s] %s %s -> client disconnected (499) in %.1f ms", request_id, scope.get("method"),
                         scope.get("path"), 1e3 * (time.monotonic() - start))
+        except asyncio.CancelledError:
+            # the server stopping: uvicorn cancels what still runs when its drain ends, and answered a request not
+            # yet answered with its own text 500; it gets the 503 docs/reliability.md promises instead
+            if not is_started:
+                with contextlib.suppress(Exception):
+                    await reply(APIError(503, "the server stopped before this request finished; retry it",
+                                         headers={"Retry-After": str(self.retry_after_s)}))
+            raise
         except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error id
             if is_started:
                 raise
@@ -208,7 +219,7 @@ def create_app(settings: ProxySettings, triton: TritonClient | None = None) -> F
     app = FastAPI(title="M* on Triton", lifespan=lifespan)
     app.state.serving = ServingContext(settings, client)
     install_error_handlers(app)
-    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s)
     for module in (serving_chat, serving_completions, serving_generate, serving_speech, serving_images,
                    serving_transcriptions):
         app.include_router(module.router)

@@ -52,7 +52,8 @@ def channel_args() -> list[tuple[str, int]]:
             ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
             ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
-            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+            ("grpc.enable_http_proxy", 0)]  # Triton is ours to reach directly, whatever http_proxy says
 
 
 @dataclass(slots=True)

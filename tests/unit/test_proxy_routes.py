@@ -383,3 +383,41 @@ def test_a_bug_in_a_route_is_a_scrubbed_500(monkeypatch, caplog):
         r = client.post("/v1/chat/completions", json={"model": "qwen3", "messages": MESSAGES})
     assert r.status_code == 500 and "secret" not in r.text and r.headers["x-request-id"]
     assert any(r.json()["error"]["code"] in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_a_request_the_stopping_server_cancels_before_its_answer_gets_a_503():
+    """uvicorn cancels the requests still running when its drain ends; the middleware let the CancelledError through
+    and uvicorn answered a request not yet answered with its own text/plain 500 (no error shape, no id, no
+    Retry-After), where docs/reliability.md promises a 503."""
+    fake = FakeTriton(script=[HANG])
+    fake.started = asyncio.Event()
+    app, _ = make_app(fake)
+    sent: list[dict] = []
+    pending = [{"type": "http.request", "body": json.dumps({"model": "qwen3", "prompt": "hi"}).encode(),
+                "more_body": False}]
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                               (b"x-request-id", b"stop-1")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    task = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.wait_for(fake.started.wait(), 5)
+    task.cancel()  # as uvicorn does at the end of its drain
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    headers = dict(start["headers"])
+    assert start["status"] == 503 and headers[b"retry-after"] == b"1" and headers[b"x-request-id"] == b"stop-1"
+    body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert body["error"]["message"].startswith("the server stopped before this request finished")
+    assert fake.cancelled == ["stop-1"]

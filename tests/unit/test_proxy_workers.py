@@ -138,3 +138,15 @@ def test_a_draining_multi_worker_proxy_refuses_new_connections(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def test_every_address_binds_with_several_workers_too(monkeypatch):
+    """`mstar serve --host '*'` (every address) started one worker, but with server.proxy_workers > 1 uvicorn binds
+    ("*", port) on a socket of its own, which no resolver takes: the proxy exited after the models had loaded."""
+    import uvicorn
+
+    _, kwargs = _run(monkeypatch, "--workers", "2", "--host", "*")
+    assert kwargs["host"] == ""
+    sock = uvicorn.Config("x:y", host=kwargs["host"], port=0).bind_socket()
+    sock.close()
+    assert _run(monkeypatch, "--host", "10.1.2.3")[1]["host"] == "10.1.2.3"

@@ -284,3 +284,35 @@ http.server.HTTPServer(("127.0.0.1", {port}), Ready).serve_forever()
     assert echo_out.getvalue().splitlines() == [
         "[mstar] [cuda graphs] 1/3 decode 1 captured in 0.10 s", "[mstar] [cuda graphs] 2/3 decode 2 captured in 0.10 s",
         "[mstar] [cuda graphs] 3/3 decode 3 captured in 0.10 s", "[mstar] [cuda graphs] 3 of 3 graphs captured in 0.9 s"]
+
+
+def test_readiness_is_asked_directly_whatever_http_proxy_says(monkeypatch):
+    """urllib sends even a loopback request through the environment's http_proxy on Linux: on a host with one set,
+    `mstar serve` never saw its servers ready and gave up after --timeout."""
+    import http.server
+    import threading
+    import urllib.request
+
+    from mstar_common.launcher import wait_ready
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's opener, built anew from this environment
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        wait_ready(f"http://127.0.0.1:{server.server_port}/", sleeper, 5, "tritonserver")
+    finally:
+        sleeper.kill()
+        sleeper.wait(5)
+        server.shutdown()
