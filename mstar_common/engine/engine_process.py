@@ -137,7 +137,9 @@ def start_engine_process(spec: EngineSpec, ready_timeout_s: float | None = None,
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env[_LOG_NAME_ENV] = f"{spec.instance or spec.model_name} engine"
-    command = [child_python(), "-m", "mstar_common.engine.engine_process", str(theirs.fileno())]
+    # the stub's pid goes with it: a stub that dies while the child still imports torch leaves it another parent
+    # before it could ask for its own (it then built the whole engine, holding the device, for nobody)
+    command = [child_python(), "-m", "mstar_common.engine.engine_process", str(theirs.fileno()), str(os.getpid())]
     process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
     theirs.close()
     conn = Connection(ours.detach())
@@ -447,8 +449,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(argv[1]))
+    parent = int(argv[2]) if len(argv) > 2 else os.getppid()
+    if os.getppid() != parent:  # the stub died while this process started (imports take seconds)
+        logger.error("the stub (pid %d) is gone before the engine was built: exiting", parent)
+        return 1
     built = threading.Event()  # from `ready` on, the socket's end stops this process (`_serve`)
-    watch_parent(os.getppid(), built)
+    watch_parent(parent, built)
     try:
         spec: EngineSpec = conn.recv()
     except EOFError:

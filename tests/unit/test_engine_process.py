@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -255,3 +256,22 @@ def test_the_engine_process_exits_when_its_caller_dies_during_the_build(tmp_path
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)
     assert _gone_after_killing(caller, within_s=10), "the building engine process outlived its caller"
+
+
+def test_an_engine_process_whose_stub_died_while_it_started_exits_at_once():
+    """The child asked for its parent only once its imports were done (torch: seconds): a stub that died before
+    then left it another parent, which it then watched, and it built the whole engine for nobody. It now takes the
+    stub's pid from its command line and exits if its parent is not that one."""
+    ours, theirs = socket.socketpair()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    child = subprocess.Popen([sys.executable, "-m", "mstar_common.engine.engine_process", str(theirs.fileno()),
+                              str(dead.pid)], pass_fds=[theirs.fileno()], cwd=ROOT, stderr=subprocess.PIPE,
+                             text=True)
+    theirs.close()
+    try:
+        assert child.wait(60) == 1  # without the check it waited in recv() for a spec, its parent alive
+        assert f"the stub (pid {dead.pid}) is gone before the engine was built" in child.stderr.read()
+    finally:
+        child.kill()
+        ours.close()
