@@ -262,7 +262,7 @@ class TritonPythonModel:
 
     async def _send(self, component: str, inputs: dict, responder: Responder, received: Received, hops: Hops):
         """One decoupled BLS request to `component` with the walk's time left as its timeout: (its hop id, its
-        response iterator). None is sent once the walk is abandoned or its client gone: whisper's windows kept
+        response iterator). No request is sent once the walk is abandoned or its client gone: whisper's windows kept
         opening decoder streams after their client left (their streaming hops had no check), each one prefilled
         and decoded until the cancel poll saw it."""
         if hops.is_abandoned or responder.is_cancelled():
