@@ -15,8 +15,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = "builtin-v2"  # under cache_dir(): v2 since the builders vary the norm weights and the zero biases
 
 
 def cache_dir() -> Path:
@@ -36,7 +38,7 @@ def resolve_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -
         name = spec[len(BUILTIN_PREFIX):]
         if name not in builtins:
             raise FileNotFoundError(f"checkpoint: unknown builtin {name!r}; available: {sorted(builtins)}")
-        out = cache_dir() / "builtin" / name
+        out = cache_dir() / BUILTIN_DIR / name
         if _is_checkpoint_dir(out):  # builders rename a finished build into place, so present means complete
             return out
         return builtins[name](out)
@@ -62,7 +64,7 @@ def find_checkpoint(spec: str, builtins: dict[str, Callable[[Path], Path]]) -> P
         name = spec[len(BUILTIN_PREFIX):]
         if name not in builtins:
             raise FileNotFoundError(f"checkpoint: unknown builtin {name!r}; available: {sorted(builtins)}")
-        out = cache_dir() / "builtin" / name
+        out = cache_dir() / BUILTIN_DIR / name
         return out if _is_checkpoint_dir(out) else None
     try:
         return resolve_checkpoint(spec, builtins)
@@ -117,3 +119,25 @@ def write_once(out_dir: str | Path, write: Callable[[Path], object], required: S
 
 def _has_all(path: Path, required: Sequence[str]) -> bool:
     return all((path / name).exists() for name in required)
+
+
+
+def vary_norms_and_biases(model: Any, scale: float = 0.2) -> Any:
+    """Make a freshly initialised random model's normalisation weights and zero biases vary: transformers and
+    diffusers initialise every norm weight to 1 and every norm (and Whisper's linear) bias to 0, so a parity test on
+    such a checkpoint passed with norm weights ignored or swapped, and with biases dropped. Norm weights are scaled
+    by 1 + `scale` x N(0, 1), norm biases and all-zero biases get `scale` / 2 x N(0, 1). Draws from the global torch
+    RNG (seed it first); returns the model."""
+    import torch
+    from torch import nn
+
+    with torch.no_grad():
+        for module in model.modules():
+            is_norm = isinstance(module, nn.LayerNorm | nn.GroupNorm) or type(module).__name__.endswith("RMSNorm")
+            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+            if is_norm and isinstance(weight, torch.Tensor):
+                weight.mul_(1 + scale * torch.randn_like(weight))
+            if isinstance(bias, torch.Tensor) and bias.dim() == 1 and (is_norm or not bias.any()):
+                bias.add_(scale / 2 * torch.randn_like(bias))
+    return model
+

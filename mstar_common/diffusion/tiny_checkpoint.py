@@ -16,14 +16,15 @@ def tiny_qwen3(model_class: type, tokenizer: Any, dims: dict[str, int]) -> Any:
     Draws from the global torch RNG: seed it first."""
     from transformers import Qwen3Config
 
+    from mstar_common.checkpoints import vary_norms_and_biases
     from mstar_common.families.qwen3.tiny import VOCAB_MULTIPLE
 
     endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    return model_class(Qwen3Config(
+    return vary_norms_and_biases(model_class(Qwen3Config(
         vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, max_position_embeddings=1024,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=endoftext,
         initializer_range=0.2, **dims,
-    )).eval()
+    )).eval())
 
 
 def save_pipeline_once(out_dir: str | Path, build: Callable[[], Any]) -> Path:

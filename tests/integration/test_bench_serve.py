@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from mstar_common.checkpoints import BUILTIN_DIR
 from mstar_common.cli import main
 
 pytestmark = pytest.mark.server
@@ -22,7 +23,7 @@ def test_bench_serve_measures_its_own_server_and_checks_it_against_eager(tmp_pat
                  "--output-len", "5", "--warmup", "1", "--check-eager", "2", "--check-len", "6",
                  "--triton-outputs", "token_ids", "--triton-client-processes", "2", "--out", str(out)]) == 0
     model = json.loads(out.read_text())
-    assert model["checkpoint"] == str(tmp_path / "cache" / "builtin" / "qwen3-tiny") and model["startup_s"] > 0
+    assert model["checkpoint"] == str(tmp_path / "cache" / BUILTIN_DIR / "qwen3-tiny") and model["startup_s"] > 0
     served = model["deployment"]  # the deployment as served, defaults filled in
     assert served["resources"]["max_batch_tokens"] == 2048 and served["resources"]["max_model_len"] == 512
     assert served["components"]["llm"]["placement"]["device"] == "cpu"

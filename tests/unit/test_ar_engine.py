@@ -348,17 +348,23 @@ def test_engine_config_refusals(loaded):
 
 
 def test_stop_token_ids_and_ignore_eos(loaded, prompts, reference):
-    index = next(i for i, r in enumerate(reference) if len(set(r[:-1])) >= 4 and r[-1] == 2)
-    expected = reference[index]
+    """A stop token ends the output (included); ignore_eos runs past the EOS to max_tokens. The EOS is a token the
+    greedy output reaches after the stop token (the tiny checkpoint's own EOS ids need not come up at all)."""
+    index, expected = next((i, r) for i, r in enumerate(reference) if len(set(r[:8])) >= 6)
     stop = expected[3]
     cut = expected.index(stop) + 1
-    engine, collector = make_engine(loaded), Collector()
+    eos = next(t for t in expected[cut:] if expected.index(t) >= cut)
+    first = expected.index(eos)
+    config = EngineConfig(num_kv_pages=128, page_size=4, max_num_seqs=8, max_batch_tokens=64)
+    engine, collector = AREngine(loaded[0], config, eos_token_ids=[eos], vocab_size=loaded[2]), Collector()
     engine.add_request("stop", prompts[index], greedy(stop_token_ids=[stop]), collector)
+    engine.add_request("eos", prompts[index], greedy(), collector)
     engine.add_request("ignore_eos", prompts[index], greedy(max_tokens=MAX_TOKENS + 5, ignore_eos=True), collector)
     engine.add_request("short", prompts[index], greedy(max_tokens=2), collector)
     run_until_idle(engine)
     assert collector.streams["stop"].tokens == expected[:cut]  # the stop token is included
     assert collector.reason("stop") is FinishReason.STOP
+    assert collector.streams["eos"].tokens == expected[:first + 1] and collector.reason("eos") is FinishReason.STOP
     ignore = collector.streams["ignore_eos"]
     assert ignore.tokens[: len(expected)] == expected and len(ignore.tokens) == MAX_TOKENS + 5
     assert collector.reason("ignore_eos") is FinishReason.LENGTH

@@ -103,7 +103,8 @@ def _requests(count: int) -> list[dict]:
 def test_every_request_is_recorded_in_order_by_one_or_several_processes(processes):
     requests = _requests(11)
     with SSEServer() as server:
-        driver = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=processes)
+        driver = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids),
+                              processes=processes)
         assert driver.num_processes(len(requests), 4, None) == processes
         records = driver.run(requests, concurrency=4)
     assert [r.error for r in records] == [None] * 11

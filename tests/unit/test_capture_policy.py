@@ -118,7 +118,6 @@ def tiny_engine_graphs(tmp_path_factory):
     """The graph runner of a tiny Qwen3 engine on the CPU (static-shape attention: capturable there)."""
     from mstar_common.engine.ar_engine import AREngine
     from mstar_common.engine.attention import TorchStaticAttention
-    from mstar_common.engine.cuda_graph import GraphConfig
     from mstar_common.engine.types import EngineConfig
     from mstar_common.families.qwen3.loader import load_qwen3, read_eos_token_ids
     from mstar_common.families.qwen3.tiny import build_tiny_checkpoint

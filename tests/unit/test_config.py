@@ -567,10 +567,12 @@ def test_an_fp8_pool_under_the_kernels_needs_a_head_dim_of_32_or_more():
     with pytest.raises(DeploymentError, match=r"resources.kv_cache.dtype: fp8_e4m3 reads the pool with 8-bit dots "
                                               r"over the head dim, which Triton takes from 32; the checkpoint's "
                                               r"head_dim is 16"):
-        family.check_checkpoint(deployment_from_dict(_with(components__llm=on_gpu, resources__kv_cache__dtype="fp8_e4m3")), checkpoint,
+        family.check_checkpoint(deployment_from_dict(_with(components__llm=on_gpu,
+                                                           resources__kv_cache__dtype="fp8_e4m3")), checkpoint,
                                 "test.yaml")
     for llm in ({**on_gpu, "attention_backend": "torch_static"}, {}):  # the torch backends read it in torch
-        family.check_checkpoint(deployment_from_dict(_with(components__llm=llm, resources__kv_cache__dtype="fp8_e4m3")), checkpoint,
+        family.check_checkpoint(deployment_from_dict(_with(components__llm=llm,
+                                                           resources__kv_cache__dtype="fp8_e4m3")), checkpoint,
                                 "test.yaml")
 
 

@@ -188,7 +188,10 @@ def test_whole_pipeline_equals_diffusers_text_to_image_and_edit(checkpoint, pipe
                       generator=torch.Generator().manual_seed(3))
     got = decode(edit["images"][0])
     assert got.shape == (80, 96, 3)  # the first reference's size, cropped to the 16-px grid
-    assert psnr(got, want[0]) == float("inf")
+    # equal but for float rounding at a uint8 boundary (since the tiny VAE's GroupNorm weights vary, 2026-12-07:
+    # one value of 23,040 one level apart); a wrong reference encode differs everywhere
+    diff = np.abs(got.astype(np.int16) - want[0].astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff.max(), (diff > 0).mean())
 
 
 def test_batched_requests_match_their_solo_images(checkpoint):

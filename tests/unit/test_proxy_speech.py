@@ -45,9 +45,18 @@ def test_whole_wav_and_the_fields_sent():
 
 @pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
 def test_compressed_formats(fmt):
+    """Each format is the container and codec its media type names, at the clip's rate (a 200 with any bytes
+    passed before: a WAV served as opus would have)."""
+    from mstar_common.proxy.serving_speech import FORMATS
+
     http, _ = client()
     reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": fmt})
-    assert reply.status_code == 200 and len(reply.content) > 0
+    container, subtype, media_type = FORMATS[fmt]
+    assert reply.status_code == 200 and reply.headers["content-type"] == media_type
+    info = soundfile.info(io.BytesIO(reply.content))
+    assert (info.format, info.subtype, info.samplerate, info.channels) == (container, subtype, 24000, 1)
+    if fmt == "flac":  # lossless: the samples themselves
+        assert soundfile.read(io.BytesIO(reply.content), dtype="int16")[0].tolist() == list(range(10))
 
 
 def test_streamed_pcm_and_sse():

@@ -152,7 +152,8 @@ def test_native_generate_with_an_audio_upload(app):
     client.post("/generate", data={**data, "model_kwargs": '{"task": "translate"}'},
                 files={"audio": ("a.flac", b"fLaC", "audio/flac")})
     assert fake.requests[-1].tensors["task"][2][0] == b"translate"
-    client.post("/v1/audio/transcriptions", data={"model": "whisper"}, files={"file": ("a.flac", b"fLaC", "audio/flac")})
+    client.post("/v1/audio/transcriptions", data={"model": "whisper"},
+                files={"file": ("a.flac", b"fLaC", "audio/flac")})
     assert fake.requests[-1].tensors["task"][2][0] == b"transcribe"  # the route names its task
     refused = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"voice": "tara"}'},
                           files={"audio": ("a.wav", b"x", "audio/wav")})

@@ -282,8 +282,10 @@ http.server.HTTPServer(("127.0.0.1", {port}), Ready).serve_forever()
         server.kill()
         server.wait(5)
     assert echo_out.getvalue().splitlines() == [
-        "[mstar] [cuda graphs] 1/3 decode 1 captured in 0.10 s", "[mstar] [cuda graphs] 2/3 decode 2 captured in 0.10 s",
-        "[mstar] [cuda graphs] 3/3 decode 3 captured in 0.10 s", "[mstar] [cuda graphs] 3 of 3 graphs captured in 0.9 s"]
+        "[mstar] [cuda graphs] 1/3 decode 1 captured in 0.10 s",
+        "[mstar] [cuda graphs] 2/3 decode 2 captured in 0.10 s",
+        "[mstar] [cuda graphs] 3/3 decode 3 captured in 0.10 s",
+        "[mstar] [cuda graphs] 3 of 3 graphs captured in 0.9 s"]
 
 
 def test_readiness_is_asked_directly_whatever_http_proxy_says(monkeypatch):

@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mstar_common import cli, wire
+from mstar_common.checkpoints import vary_norms_and_biases
 from mstar_common.config import load_deployment
 from mstar_common.engine.ar_engine import AREngine
 from mstar_common.engine.types import EngineConfig, FinishReason, SamplingParams
@@ -46,7 +47,9 @@ def build(path: Path, family: str, model_cls: type | None = None, config_cls: ty
     config = (config_cls or hf_config)(**{**BASE, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = (model_cls or hf_model)(config).eval()
+        # norm weights varied and the zero-initialised biases random: with 1s and 0s a variant whose biases or norm
+        # weights the loader dropped still matched transformers exactly
+        model = vary_norms_and_biases((model_cls or hf_model)(config).eval())
     model.save_pretrained(path)
     TOKENIZER.save_pretrained(path)
     return path

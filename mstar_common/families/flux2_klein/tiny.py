@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mstar_common.checkpoints import vary_norms_and_biases
 from mstar_common.diffusion.tiny_checkpoint import save_pipeline_once, tiny_qwen3
 
 TINY_TAPS = (1, 2, 3)
@@ -43,8 +44,8 @@ def build_tiny_pipeline(seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_encoder = tiny_qwen3(Qwen3ForCausalLM, tokenizer, _TEXT)
-        transformer = Flux2Transformer2DModel(**TRANSFORMER).eval()
-        vae = AutoencoderKLFlux2(**VAE).eval()
+        transformer = vary_norms_and_biases(Flux2Transformer2DModel(**TRANSFORMER).eval())
+        vae = vary_norms_and_biases(AutoencoderKLFlux2(**VAE).eval())  # GroupNorm weights not all 1
         channels = vae.bn.running_mean.shape[0]  # non-trivial latent statistics, so (de)normalisation is tested
         vae.bn.running_mean.copy_(torch.randn(channels) * 0.1)
         vae.bn.running_var.copy_(torch.rand(channels) + 0.5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from mstar_common.checkpoints import write_once
+from mstar_common.checkpoints import vary_norms_and_biases, write_once
 from mstar_common.families.qwen3.tiny import VOCAB_MULTIPLE, build_tokenizer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -33,7 +33,7 @@ def _build(out: Path, seed: int, llama3_rope: bool) -> None:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
+        model = vary_norms_and_biases(LlamaForCausalLM(config).eval())  # norm weights not all 1
     model.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
                                                pad_token_id=endoftext, do_sample=False)
     model.save_pretrained(out)

@@ -22,7 +22,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from mstar_common.checkpoints import write_once
+from mstar_common.checkpoints import vary_norms_and_biases, write_once
 from mstar_common.families.orpheus.snac import SNAC_24KHZ
 from mstar_common.families.orpheus.tokens import CUSTOM_TOKEN, END_OF_SPEECH, NUM_AUDIO_TOKENS, NUM_MARKERS
 from mstar_common.families.qwen3.tiny import CORPUS
@@ -106,7 +106,8 @@ def _build_lm(preset: Preset, tokenizer_size: int) -> LlamaForCausalLM:
     )
     device = "cuda" if preset.hidden_size > 1024 and torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+        model = vary_norms_and_biases(LlamaForCausalLM(config)).to(
+            torch.bfloat16 if device == "cuda" else torch.float32).eval()
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
                                                eos_token_id=text + END_OF_SPEECH, do_sample=False)
     return model

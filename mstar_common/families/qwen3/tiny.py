@@ -16,7 +16,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from mstar_common.checkpoints import write_once
+from mstar_common.checkpoints import vary_norms_and_biases, write_once
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
@@ -96,7 +96,7 @@ def _build_model(tokenizer_size: int, tokenizer: PreTrainedTokenizerFast, seed: 
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).eval()
+        model = vary_norms_and_biases(Qwen3ForCausalLM(config).eval())  # norm weights not all 1
     model.generation_config = GenerationConfig(
         bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=endoftext, do_sample=False,
     )

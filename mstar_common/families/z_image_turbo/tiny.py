@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mstar_common.checkpoints import vary_norms_and_biases
 from mstar_common.diffusion.tiny_checkpoint import save_pipeline_once, tiny_qwen3
 
 TEXT = {"hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
@@ -47,7 +48,7 @@ def build_tiny_pipeline(seed: int = 0):
                     param.mul_(1 + 0.2 * torch.randn_like(param))
                 elif "pad_token" in name:
                     param.copy_(torch.randn_like(param))
-        vae = AutoencoderKL(**VAE).eval()
+        vae = vary_norms_and_biases(AutoencoderKL(**VAE).eval())  # GroupNorm weights not all 1
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                           transformer=transformer)
