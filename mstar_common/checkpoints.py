@@ -121,7 +121,6 @@ def _has_all(path: Path, required: Sequence[str]) -> bool:
     return all((path / name).exists() for name in required)
 
 
-
 def vary_norms_and_biases(model: Any, scale: float = 0.2) -> Any:
     """Make a freshly initialised random model's normalisation weights and zero biases vary: transformers and
     diffusers initialise every norm weight to 1 and every norm (and Whisper's linear) bias to 0, so a parity test on
@@ -140,4 +139,3 @@ def vary_norms_and_biases(model: Any, scale: float = 0.2) -> Any:
             if isinstance(bias, torch.Tensor) and bias.dim() == 1 and (is_norm or not bias.any()):
                 bias.add_(scale / 2 * torch.randn_like(bias))
     return model
-
