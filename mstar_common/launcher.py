@@ -181,9 +181,15 @@ class LogEcho:
                     break
 
 
-# Readiness is asked of our own servers, never through the environment's http_proxy: urllib sends even a loopback
-# request there on Linux, and a start on a host with a proxy set never saw its server ready.
+# Readiness (and a benchmark's metrics) are asked of our own servers, never through the environment's http_proxy:
+# urllib sends even a loopback request there on Linux, and a start on a host with a proxy set never saw its server
+# ready.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def open_direct(url: str, timeout: float):
+    """`urllib.request.urlopen(url, timeout)`, bypassing any http_proxy (our own servers, on this host)."""
+    return _DIRECT.open(url, timeout=timeout)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
@@ -200,7 +206,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str,
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
         try:
-            with _DIRECT.open(url, timeout=2) as resp:
+            with open_direct(url, timeout=2) as resp:
                 if resp.status == 200:
                     if progress is not None:
                         progress()

@@ -385,9 +385,9 @@ _COUNTER = re.compile(r'^(mstar_engine_steps_total|mstar_graph_steps_total|mstar
 
 def step_counters(metrics_url: str) -> dict[tuple[str, str], float]:
     """Triton's /metrics -> {(model, series): value} for the engines' step counters, summed over instances."""
-    import urllib.request
+    from mstar_common.launcher import open_direct
 
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+    with open_direct(metrics_url, timeout=10) as response:  # the bench's own server: never through http_proxy
         return parse_step_counters(response.read().decode())
 
 

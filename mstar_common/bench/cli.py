@@ -132,8 +132,10 @@ ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache
 def _metrics_text(url: str, what: str) -> str | None:
     """Triton's metrics page, or None (reported) if the endpoint cannot be read: a finished sweep is never lost
     to it."""
+    from mstar_common.launcher import open_direct
+
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with open_direct(url, timeout=10) as response:  # the bench's own server: never through http_proxy
             return response.read().decode()
     except OSError as exc:
         print(f"[bench] metrics endpoint unreadable ({exc}); no {what} recorded", flush=True)
