@@ -54,7 +54,7 @@ class ImageFamily(Family):
                 family_module(self.name, "loader").check_lora(checkpoint, options.lora)
             except ValueError as exc:
                 raise DeploymentError(f"{source}: model_kwargs.lora: {exc}") from None
-        multiple = self.grid_multiple(checkpoint)
+        multiple, max_sides = self.grid_multiple(checkpoint), self.max_sides(checkpoint)
         sizes = {"default_size": [options.default_size]}
         if dep.components["denoise"].cuda_graphs:
             sizes["capture_sizes"] = options.capture_sizes
@@ -65,6 +65,17 @@ class ImageFamily(Family):
                     check_geometry(*parse_size(size), multiple, options.max_image_area, field=f"model_kwargs.{key}")
                 except ValueError as exc:
                     raise DeploymentError(f"{source}: {exc}") from None
+                width, height = parse_size(size)
+                if max_sides is not None and (width > max_sides[0] or height > max_sides[1]):
+                    # every request is held to them: past them, each request without a size was a 400 naming
+                    # `size`, which its client never sent, and a captured size never replayed
+                    raise DeploymentError(f"{source}: model_kwargs.{key}: {size} exceeds this checkpoint's RoPE "
+                                          f"range of {max_sides[0]}x{max_sides[1]} (transformer axes_lens), which "
+                                          f"every request is held to")
+
+    def max_sides(self, checkpoint: Path) -> tuple[int, int] | None:
+        """(width, height) in pixels past which this checkpoint's DiT refuses an image (its RoPE range), or None."""
+        return None
 
     def check_pipeline(self, checkpoint: Path) -> None:
         """Refuse a checkpoint this family does not serve (model_index.json)."""

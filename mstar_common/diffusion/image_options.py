@@ -4,6 +4,7 @@ family's options dataclass is filled from YAML here, unknown keys refused, and e
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -117,7 +118,7 @@ def check_relations(options: Any, where: str) -> None:
                               f"up to max_reference_area, and would be refused)")
     edit_sizes = getattr(options, "capture_edit_sizes", None)  # one reference of the output size, given
     if edit_sizes and reference_area is not None:
-        if too_large := [s for s in edit_sizes if parse_size(s)[0] * parse_size(s)[1] > reference_area]:
+        if too_large := [s for s in edit_sizes if math.prod(parse_size(s)) > reference_area]:
             raise DeploymentError(f"{where}.capture_edit_sizes: {too_large} exceed max_reference_area="
                                   f"{reference_area}; an edit's references are resized to that area, so such graphs "
                                   f"(one reference of the output size) would never replay")

@@ -187,12 +187,13 @@ class CompletionRequest(OpenAIFields):
     best_of: int | None = None
 
 
-def _drop_nulls_of_defaulted(model: type[BaseModel], data: Any) -> Any:
+def drop_nulls_of_defaulted(model: type[BaseModel], data: Any) -> Any:
     """`null` means unset: a null field that has a default other than None is dropped before validation (a strict
     bool or object field refused it, where the image models' /generate took it)."""
+    fields = model.model_fields
     if isinstance(data, dict):
-        return {k: v for k, v in data.items()
-                if not (v is None and k in model.model_fields and model.model_fields[k].default is not None)}
+        return {k: v for k, v in data.items() if not (v is None and k in fields and not fields[k].is_required()
+                                                      and fields[k].default is not None)}
     return data
 
 
@@ -202,7 +203,7 @@ class GenerateKwargs(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        return _drop_nulls_of_defaulted(cls, data)
+        return drop_nulls_of_defaulted(cls, data)
 
     @classmethod
     def field_names(cls) -> dict[str, str]:
@@ -232,7 +233,7 @@ class GenerateRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        return _drop_nulls_of_defaulted(cls, data)
+        return drop_nulls_of_defaulted(cls, data)
 
 
 # refusals of OpenAI fields the server cannot honour

@@ -62,10 +62,8 @@ class SpeechRequest(protocol.SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        """`null` means unset (protocol.py): these two have defaults, so a null one is dropped before validation."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (k in ("stream", "stream_format") and v is None)}
-        return data
+        """`null` means unset (protocol.py): a null `stream` or `stream_format` takes its default."""
+        return protocol.drop_nulls_of_defaulted(cls, data)
 
 
 @dataclass(slots=True)

@@ -813,26 +813,8 @@ def test_the_log_copies_of_an_org_name_deployment_are_files_not_folders(tmp_path
 def test_the_bench_reads_its_own_servers_metrics_whatever_http_proxy_says(monkeypatch):
     """urllib sends even a loopback request through the environment's http_proxy: on a host with one set, the bench
     recorded no engine counters or server-side latency ("metrics endpoint unreadable")."""
-    import http.server
-    import threading
-    import urllib.request
+    from tests.unit.local_http import answering, behind_unreachable_proxy
 
-    class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"mstar_up 1\n")
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
-    monkeypatch.delenv("no_proxy", raising=False)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's opener, built anew from this environment
-    try:
-        assert bench_cli._metrics_text(f"http://127.0.0.1:{server.server_port}/metrics", "counters") == "mstar_up 1\n"
-    finally:
-        server.shutdown()
+    behind_unreachable_proxy(monkeypatch)
+    with answering(b"mstar_up 1\n") as url:
+        assert bench_cli._metrics_text(f"{url}/metrics", "counters") == "mstar_up 1\n"

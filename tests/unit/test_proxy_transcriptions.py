@@ -240,22 +240,24 @@ def test_a_lone_surrogate_in_an_uploads_model_kwargs_is_400_naming_it(app):
     """The SDK sends model_kwargs as a JSON string, escaping the surrogate: it got past the body's check and
     failed at its first encode (a 500)."""
     client, fake = app
-    response = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"prompt": "a\\ud800"}'},
-                           files={"audio": ("a.wav", b"RIFF", "audio/wav")})
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
+    error = _generate_refusal(client, '{"prompt": "a\\ud800"}')
     assert error["param"] == "model_kwargs.prompt" and "surrogate" in error["message"]
     assert fake.requests == []
+
+
+def _generate_refusal(client, model_kwargs: str) -> dict:
+    """The 400's error of an upload to /generate with these `model_kwargs`."""
+    response = client.post("/generate", data={"model": "whisper", "model_kwargs": model_kwargs},
+                           files={"audio": ("a.wav", b"RIFF", "audio/wav")})
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
 
 
 def test_an_integer_temperature_past_a_floats_range_is_400_naming_it(app):
     """np.float32 of an int past float64's range raises OverflowError (1e400 as a float was refused already)."""
     client, fake = app
     for raw in ("1" + "0" * 400, "-" + "9" * 330, "1e400"):
-        response = client.post("/generate", data={"model": "whisper", "model_kwargs": '{"temperature": %s}' % raw},
-                               files={"audio": ("a.wav", b"RIFF", "audio/wav")})
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
+        error = _generate_refusal(client, '{"temperature": %s}' % raw)
         assert error["param"] == "model_kwargs.temperature" and "must be finite as a 32-bit float" in error["message"]
     assert fake.requests == []
 

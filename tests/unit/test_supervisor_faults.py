@@ -291,30 +291,14 @@ http.server.HTTPServer(("127.0.0.1", {port}), Ready).serve_forever()
 def test_readiness_is_asked_directly_whatever_http_proxy_says(monkeypatch):
     """urllib sends even a loopback request through the environment's http_proxy on Linux: on a host with one set,
     `mstar serve` never saw its servers ready and gave up after --timeout."""
-    import http.server
-    import threading
-    import urllib.request
-
     from mstar_common.launcher import wait_ready
+    from tests.unit.local_http import answering, behind_unreachable_proxy
 
-    class Ready(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Ready)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
-    monkeypatch.delenv("no_proxy", raising=False)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's opener, built anew from this environment
+    behind_unreachable_proxy(monkeypatch)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        wait_ready(f"http://127.0.0.1:{server.server_port}/", sleeper, 5, "tritonserver")
+        with answering() as url:
+            wait_ready(f"{url}/", sleeper, 5, "tritonserver")
     finally:
         sleeper.kill()
         sleeper.wait(5)
-        server.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,15 +49,10 @@ class Flux2KleinOptions:
         (references are resized to `max_reference_area`, so a larger bucket would never replay)."""
         if self.capture_edit_sizes is not None:
             return self.capture_edit_sizes
-        return [size for size in self.capture_sizes if _area(size) <= self.max_reference_area]
+        return [size for size in self.capture_sizes if math.prod(parse_size(size)) <= self.max_reference_area]
 
     def dtype_for(self, device: str) -> str:
         return default_dtype(self.dtype, device)
-
-
-def _area(size: str) -> int:
-    width, height = parse_size(size)
-    return width * height
 
 
 def options_from_kwargs(kwargs: dict[str, Any], source: str) -> Flux2KleinOptions:

@@ -12,7 +12,6 @@ from mstar_common.diffusion import image_family
 from mstar_common.diffusion.image_family import Builder, ImageFamily, tiny_builder
 from mstar_common.families.z_image_turbo.graph import GRAPH
 from mstar_common.families.z_image_turbo.options import ZImageTurboOptions
-from mstar_common.images import parse_size
 
 
 class ZImageTurboFamily(ImageFamily):
@@ -31,20 +30,9 @@ class ZImageTurboFamily(ImageFamily):
             _check_text_encoder(checkpoint)
         except (ValueError, DeploymentError) as exc:
             raise DeploymentError(f"{source}: {exc}") from None
-        # the sizes the deployment sets, within the RoPE range every request is held to: past it, each request
-        # without a size was a 400 naming `size`, and a captured size never replayed
-        max_width, max_height = rope_max_sides(checkpoint)
-        options = self.options_from_kwargs(dep.model_kwargs, source)
-        sizes = {"default_size": [options.default_size]}
-        if dep.components["denoise"].cuda_graphs:
-            sizes["capture_sizes"] = options.capture_sizes
-        for key, values in sizes.items():
-            for size in values:
-                width, height = parse_size(size)
-                if width > max_width or height > max_height:
-                    raise DeploymentError(f"{source}: model_kwargs.{key}: {size} exceeds this checkpoint's RoPE "
-                                          f"range of {max_width}x{max_height} (transformer axes_lens), which every "
-                                          f"request is held to")
+
+    def max_sides(self, checkpoint: Path) -> tuple[int, int]:
+        return rope_max_sides(checkpoint)
 
     def builders(self) -> dict[str, Builder]:
         return {"walk": _walk, "text_encoder": _text_encoder, "denoise": _denoise, "vae_decode": _vae_decode}
