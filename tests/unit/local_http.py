@@ -29,6 +29,7 @@ def answering(body: bytes = b"") -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_port}"
     finally:
         server.shutdown()
+        server.server_close()
 
 
 def behind_unreachable_proxy(monkeypatch) -> None:

@@ -185,8 +185,7 @@ def test_workload_prompts_are_distinct_across_a_run_and_share_only_the_asked_sta
 
 def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
     """`engine_metrics` reads Triton's metrics text: each counter summed over its labelled series, 0 when absent."""
-    import http.server
-    import threading
+    from tests.unit.local_http import answering
 
     text = ("# HELP mstar_prefix_cache_hit_tokens_total prompt tokens\n"
             'mstar_prefix_cache_hit_tokens_total{model="qwen3_llm",instance="0"} 448\n'
@@ -194,24 +193,8 @@ def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
             'mstar_prefix_cache_queried_tokens_total{model="qwen3_llm",instance="0"} 1024\n'
             'nv_inference_count{model="qwen3_llm"} 9\n').encode()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(text)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    try:
-        got = bench.engine_metrics(url)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with answering(text) as url:
+        got = bench.engine_metrics(f"{url}/metrics")
     assert got == {"mstar_prefix_cache_queried_tokens_total": 1024.0, "mstar_prefix_cache_hit_tokens_total": 512.0,
                    "mstar_kv_pages_cached": 0.0}
     assert bench.engine_metrics(url) == {}  # the server is gone: reported, not raised
