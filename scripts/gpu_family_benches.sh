@@ -46,7 +46,7 @@ if has gpu-tests; then
   stage "GPU tests: kernels (incl. fp8 KV, SNAC) and the GPU-marked unit tests, under the image's Python"
   ensure_soundfile
   timeout ${GPU_TESTS_TIMEOUT:-360} $IMAGE_PY -m pytest -q -m gpu tests/kernels tests/gpu tests/unit/test_orpheus_snac.py tests/unit/test_flux2_parity.py \
-    tests/unit/test_whisper_parity.py tests/unit/test_diffusion_engines.py tests/unit/test_png.py \
+    tests/unit/test_whisper_parity.py tests/unit/test_whisper_parity_varied.py tests/unit/test_diffusion_engines.py tests/unit/test_png.py \
     tests/unit/test_fp8_linear.py tests/unit/test_capture_policy.py tests/unit/test_step_buffers.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1 || failed "gpu tests"
   tail -5 "$OUT/gpu_tests.log"
 fi

@@ -92,7 +92,7 @@ ensure_soundfile
 # Named one by one: the other unit-test files import what the device's Python lacks (fastapi, ...).
 GPU_UNIT_TESTS="tests/unit/test_capture_policy.py tests/unit/test_diffusion_engines.py tests/unit/test_flux2_parity.py
   tests/unit/test_fp8_linear.py tests/unit/test_orpheus_snac.py tests/unit/test_png.py tests/unit/test_step_buffers.py
-  tests/unit/test_whisper_parity.py"
+  tests/unit/test_whisper_parity.py tests/unit/test_whisper_parity_varied.py"
 MSTAR_GPU_QWEN3=$WORK/qwen3-0.6b timeout 540 $IMAGE_PY scripts/parallel_pytest.py --jobs "${SUITE_JOBS:-4}" \
   --logs "$OUT/test_logs" -- -q -m gpu ${SUITE_TESTS:-tests/kernels tests/gpu $GPU_UNIT_TESTS} -p no:cacheprovider \
   || failed "gpu tests"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mstar_common.checkpoints import write_once
+from mstar_common.checkpoints import vary_norms_and_biases, write_once
 from mstar_common.families.qwen3.tiny import CORPUS
 
 # The 100 language codes of Whisper large-v3, in token order (the language token of code i is sot + 1 + i).
@@ -52,9 +52,13 @@ _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
                    "preprocessor_config.json")
 
 
-def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, num_mel_bins: int = 80) -> Path:
-    """Write the tiny checkpoint + tokenizer to `out_dir` (if not already there) and return its path."""
-    return write_once(out_dir, lambda tmp: _build(tmp, seed, num_mel_bins, TINY_SHAPE, None, True), _REQUIRED_FILES)
+def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, num_mel_bins: int = 80, varied: bool = False) -> Path:
+    """Write the tiny checkpoint + tokenizer to `out_dir` (if not already there) and return its path. `varied`:
+    with its norm weights and zero biases drawn at random too (`vary_norms_and_biases`), for parity tests that
+    must notice a norm or a bias ignored; the default keeps transformers' init there, whose decoder emits the
+    timestamps the segment tests need."""
+    return write_once(out_dir, lambda tmp: _build(tmp, seed, num_mel_bins, TINY_SHAPE, None, True, varied),
+                      _REQUIRED_FILES)
 
 
 def build_large_v3_random(out_dir: str | Path, seed: int = 0) -> Path:
@@ -100,17 +104,17 @@ def _merges(bpe: Tokenizer) -> list:
 
 
 def _build(out: Path, seed: int, num_mel_bins: int, shape: dict, num_text_tokens: int | None,
-           is_tiny: bool) -> None:
+           is_tiny: bool, varied: bool = False) -> None:
     from transformers import WhisperFeatureExtractor
 
     tokenizer = build_tokenizer(num_text_tokens)
-    model = _build_model(tokenizer, seed, num_mel_bins, shape, is_tiny)
+    model = _build_model(tokenizer, seed, num_mel_bins, shape, is_tiny, varied)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(out)
 
 
-def _build_model(tokenizer, seed: int, num_mel_bins: int, shape: dict, is_tiny: bool):
+def _build_model(tokenizer, seed: int, num_mel_bins: int, shape: dict, is_tiny: bool, varied: bool = False):
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special_tokens()[: 2 + len(LANGUAGE_CODES) + 6]}
@@ -133,6 +137,8 @@ def _build_model(tokenizer, seed: int, num_mel_bins: int, shape: dict, is_tiny: 
         device = "cpu" if is_tiny or not torch.cuda.is_available() else "cuda"  # a large init is faster there
         with torch.device(device):
             model = WhisperForConditionalGeneration(config).eval()
+        if varied:
+            vary_norms_and_biases(model)
     if is_tiny:
         with torch.no_grad():
             # Random weights make a decoder that barely listens and mostly emits timestamps (1501 of ~2200 ids):
