@@ -10,9 +10,10 @@ Refusals: a ValueError from the walk or an `invalid_request:` error from a compo
 request's `invalid_request:` error (HTTP 400); anything else is a server error with an id in the log.
 
 Streaming walks (whisper): a walk with `stream(inputs, call, call_stream)` yields several responses; each is
-sent as it comes and the last one carries the FINAL flag. `call_stream` is a decoupled BLS request whose
-responses arrive as an async iterator: Triton 2.51's response iterator blocks, so a thread per stream reads
-it and hands each response to the event loop, which keeps serving the instance's other requests meanwhile.
+sent as it comes, and the last one, a `LastResponse`, carries the FINAL flag. `call_stream` is a decoupled BLS
+request whose responses arrive as an async iterator: Triton 2.51's response iterator blocks, so a thread per
+stream reads it and hands each response to the event loop, which keeps serving the instance's other requests
+meanwhile.
 Clients that go away: the walk asks every WALK_CANCEL_POLL_S (and after each streamed response) whether its
 client is still there. Once it is gone, Triton 2.51 cannot cancel the walk's BLS requests, so the walk posts
 the ids of those in flight on the server's cancel board (mstar_common/walk_cancel.py); each component reads
@@ -54,7 +55,7 @@ from mstar_common import wire
 from mstar_common.config import env_switch
 from mstar_common.gc_policy import settle_heap
 from mstar_common.repository import model_name
-from mstar_common.walk_api import ComponentError, QueueWaitExpired
+from mstar_common.walk_api import ComponentError, LastResponse, QueueWaitExpired
 
 logger = logging.getLogger(__name__)
 TIMINGS = env_switch("MSTAR_TIMINGS", False)  # log each hop's and each walk's wall time (stateless_node.py)
@@ -199,17 +200,20 @@ class TritonPythonModel:
             logger.info("[%s] timing walk: %.1f ms", responder.request_id, (time.perf_counter() - started) * 1e3)
 
     async def _stream(self, responder: Responder, inputs: dict, hops: Hops) -> dict[str, np.ndarray] | None:
-        """Send every response of a streaming walk but the last, which is returned (the FINAL); None when
-        the client went away (a flags-only FINAL then ends the request)."""
+        """Send each response of a streaming walk as it is yielded, but its `LastResponse`, which is returned (the
+        FINAL); None when the client went away or the walk marked no last one (a flags-only FINAL then ends the
+        request). (Holding each response until the next, to flag the last, held whisper's text deltas: a window's
+        last delta waited for the next window's first, which may wait for a window slot.)"""
         last = None
         received = Received()
         stream = self.walk.stream(inputs, self._caller(responder, received, hops),
                                   self._stream_caller(responder, received, hops))
         try:
             async for outputs in stream:
-                if last is not None:
-                    responder.send_chunk(last)
-                last = outputs
+                if isinstance(outputs, LastResponse):
+                    last = outputs
+                else:
+                    responder.send_chunk(outputs)
                 if hops.is_abandoned or responder.is_cancelled():
                     logger.info("[%s] client cancelled; stopping its walk", responder.request_id)
                     hops.abandon()

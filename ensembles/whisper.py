@@ -51,7 +51,7 @@ from mstar_common.families.whisper.decoding import (
     split_segments,
 )
 from mstar_common.families.whisper.requests import TranscriptionRequest, parse_request
-from mstar_common.walk_api import Call, QueueWaitExpired
+from mstar_common.walk_api import Call, LastResponse, QueueWaitExpired
 
 CallStream = Callable[[str, dict[str, Any]], AsyncIterator[dict[str, Any]]]
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -192,6 +192,7 @@ class _Transcription:
         queue_timeout_s = walk.options.queue_timeout_s
         self.queue_deadline = time.monotonic() + queue_timeout_s if queue_timeout_s else None
         self.is_admitted = False  # one of its windows has had a slot: it is served, no longer waiting
+        self.failure: BaseException | None = None  # the first window's failure, which ends the request (`_fail`)
 
     @contextlib.asynccontextmanager
     async def _window_slot(self) -> AsyncIterator[None]:
@@ -211,6 +212,9 @@ class _Transcription:
                                                  f"admission (queue_timeout_s={waited:g}): every decoder slot of "
                                                  "this walk is busy; retry later") from None
                 await slots.acquire()  # another of its windows got in meanwhile: this one is served, and waits
+        if self.failure is not None:  # another window failed while this one waited: no more hops for the request
+            slots.release()
+            raise self.failure
         self.is_admitted = True
         try:
             yield
@@ -301,10 +305,23 @@ class _Transcription:
             result.events.put_nowait(_DONE)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer in window order
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
             if not self.language.done():
                 self.language.set_exception(exc)
-            result.events.put_nowait(exc)
+            self._fail(result, exc)
+
+    def _fail(self, result: _WindowResult, exc: BaseException) -> None:
+        """A window's failure ends the request at once (docs/reliability.md: the walk ends its stream at the first
+        error a component returns): it goes to every window's queue, so `run` raises it after the text already
+        queued where it reads, not once the earlier windows have decoded to their ends; the window slots refuse
+        the request's later hops. It queued for the consumer only in its own window: a 429 of window 1 reached the
+        client after window 0's whole decode, or became a 504 at the deadline, while windows 2.. still started."""
+        if self.failure is None:
+            self.failure = exc
+            for other in self.results:
+                if other is not result:
+                    other.events.put_nowait(exc)
+        result.events.put_nowait(exc)
 
     def _temperatures(self) -> tuple[float, ...]:
         if self.req.temperature is not None:
@@ -363,13 +380,14 @@ class _Transcription:
                 g.DURATION: np.array([0.0], np.float32), g.SEGMENTS: _bytes(""),
                 g.COMPLETION_TOKENS: np.array([self.num_tokens], np.int32)}
 
-    def _final(self) -> dict[str, np.ndarray]:
+    def _final(self) -> LastResponse:
         finish = "length" if any(r.finish_reason == "length" for r in self.results) else "stop"
         language = self.language.result() if self.language.done() and not self.language.cancelled() else ""
-        return {g.TEXT_OUTPUT: _bytes(""), g.FINISH_REASON: _bytes(finish), g.DETECTED_LANGUAGE: _bytes(language),
-                g.DURATION: np.array([self.pcm.shape[0] / TARGET_RATE], np.float32),
-                g.SEGMENTS: _bytes(json.dumps(self._segments(), ensure_ascii=False)),
-                g.COMPLETION_TOKENS: np.array([self.num_tokens], np.int32)}
+        return LastResponse({
+            g.TEXT_OUTPUT: _bytes(""), g.FINISH_REASON: _bytes(finish), g.DETECTED_LANGUAGE: _bytes(language),
+            g.DURATION: np.array([self.pcm.shape[0] / TARGET_RATE], np.float32),
+            g.SEGMENTS: _bytes(json.dumps(self._segments(), ensure_ascii=False)),
+            g.COMPLETION_TOKENS: np.array([self.num_tokens], np.int32)})
 
     def _segments(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

@@ -33,3 +33,9 @@ class ComponentError(Exception):
 class QueueWaitExpired(ComponentError):
     """A walk's own wait for admission ran past admission.queue_timeout_s (an `unavailable:` 503): the walk router
     counts it with the deadlines (`mstar_requests_expired_total`), as a component counts its queue waits."""
+
+
+class LastResponse(dict):
+    """A streaming walk's last response (`stream(...)` yields it at its end): the walk router sends it with the FINAL
+    flag and every other response as soon as it is yielded. A stream that ends without one is closed by a FINAL
+    without outputs."""

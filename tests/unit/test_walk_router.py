@@ -167,3 +167,57 @@ def test_a_walk_waiting_when_its_client_goes_ends_then_not_when_its_wait_does(ro
 
     assert asyncio.run(main()) < 1.0
     assert responder.sent == [("send_final",)]
+
+
+def test_a_streaming_walks_responses_are_sent_as_they_come_and_its_last_with_the_final(router):
+    """The router held each response until the walk yielded the next (to flag the last one FINAL): whisper's first
+    text delta waited for the decoder's next response, and a window's last delta for the next window's first text,
+    which may wait for a window slot. Each is now sent when yielded; the walk's `LastResponse` goes with the FINAL."""
+    import time
+
+    from mstar_common.walk_api import LastResponse
+
+    module, _ = router
+    sent_at = {}
+
+    class Streaming:
+        input_names = ()
+
+        async def stream(self, inputs, call, call_stream):
+            yield {"text": "a"}
+            await asyncio.sleep(0.5)
+            yield {"text": "b"}
+            yield LastResponse({"text": "", "finish_reason": "stop"})
+
+    class Timed(Responder):
+        def send_chunk(self, outputs):
+            sent_at[outputs["text"]] = time.monotonic() - started
+            self.sent.append(("send_chunk", outputs))
+
+    model = object.__new__(module.TritonPythonModel)
+    model.walk, model.num_refused, model.num_expired = Streaming(), 0, 0
+    model._caller = model._stream_caller = lambda responder, received, hops: None
+    responder = Timed()
+    started = time.monotonic()
+    asyncio.run(model._serve_admitted(object(), responder, None))
+    assert sent_at["a"] < 0.25 <= sent_at["b"]
+    assert responder.sent == [("send_chunk", {"text": "a"}), ("send_chunk", {"text": "b"}),
+                              ("send_final", {"text": "", "finish_reason": "stop"})]
+    assert isinstance(responder.sent[-1][1], LastResponse)
+
+
+def test_a_streaming_walk_that_marks_no_last_response_ends_with_a_flags_only_final(router):
+    module, _ = router
+
+    class Unmarked:
+        input_names = ()
+
+        async def stream(self, inputs, call, call_stream):
+            yield {"text": "a"}
+
+    model = object.__new__(module.TritonPythonModel)
+    model.walk, model.num_refused, model.num_expired = Unmarked(), 0, 0
+    model._caller = model._stream_caller = lambda responder, received, hops: None
+    responder = Responder()
+    asyncio.run(model._serve_admitted(object(), responder, None))
+    assert responder.sent == [("send_chunk", {"text": "a"}), ("send_final", None)]

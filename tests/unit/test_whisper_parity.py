@@ -668,6 +668,48 @@ def test_a_window_that_fails_while_window_0_detects_the_language_apart_gives_its
             asyncio.run(asyncio.wait_for(transcribe(**extra), timeout=10))
 
 
+def test_a_windows_failure_ends_the_request_at_once_and_starts_no_more_hops(local):
+    """A window's error queued for the client in that window's turn only: a 429 of window 1 reached the client after
+    window 0 had decoded to its end (or became a 504 at the deadline), while windows 2.. still opened decoder
+    streams for a request that had failed (docs/reliability.md: the walk ends its stream at the first error)."""
+    import time
+
+    from mstar_common import wire
+    from mstar_common.families.whisper import graph as g
+    from mstar_common.walk_api import ComponentError
+
+    token = local.walk.tokens.text_ids(list(range(40)))[5]
+    opened = []
+
+    async def call(component, inputs):
+        return {g.ENCODER_OUTPUT: np.zeros((1, 4, 8), np.float32)}
+
+    async def call_stream(component, inputs):
+        opened.append(time.monotonic() - started)
+        if len(opened) == 2:  # window 1's decoder refuses it
+            raise ComponentError("decoder", wire.OVERLOADED_PREFIX + "64 requests in whisper_decoder already")
+        yield {"token_ids": np.array([token], np.int32)}
+        await asyncio.sleep(3)  # window 0 decodes on
+        yield {"token_ids": np.array([token], np.int32), "finish_reason": np.array([b"stop"], object)}
+
+    async def transcribe():
+        inputs = {g.AUDIO_PCM: clip(1, 140), g.SAMPLE_RATE: np.array([SR], np.int32),
+                  g.LANGUAGE: np.array([b"en"], object)}
+        return [out async for out in local.walk.stream(inputs, call, call_stream)]
+
+    options = local.walk.options
+    local.walk.options = dataclasses.replace(options, max_parallel_windows=2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ComponentError, match="64 requests"):
+            asyncio.run(asyncio.wait_for(transcribe(), timeout=10))
+        failed_after = time.monotonic() - started
+    finally:
+        local.walk.options = options
+    assert failed_after < 1.0, failed_after
+    assert len(opened) == 2, opened  # windows 2.. (5 in all) never reached the decoder
+
+
 def test_the_encoder_buckets_give_the_encoders_output_and_transformers(local, reference):
     """The GPU deployment runs the encoder through captured batch buckets (`cuda_graphs: true`); on the CPU the same
     buckets replay eagerly over their static inputs. Batches of 1 and 3 windows (3 pads to the 4-row bucket) through
