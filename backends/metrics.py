@@ -1,14 +1,21 @@
 """Per-component metrics on Triton's Prometheus endpoint (/metrics), next to Triton's own `nv_*` series.
 
-A background thread samples `engine.stats()` every PERIOD_S into gauges and counters, and drains the
+A background thread samples `engine.stats()` every PERIOD_S into gauges and counters, and takes the
 latency samples the output thread collected into histograms, so the step loop and the output thread never
 make a metrics IPC call themselves. Every series carries the labels `model` and `instance` (one per Triton
 instance). docs/metrics.md lists the series and what they mean.
+
+The latency histograms are Prometheus counters in a histogram's shape (`BucketCounters`): a `pb_utils`
+histogram takes one IPC round trip to the server per observed value, and with an ITL sample per token (20,000 a
+second at c=64) those round trips took the stub's message path from its response sends: a thread observing
+beside a sender halved the sender's rate (`scripts/probe_metric_ipc.py`), and the exporter fell behind the pump.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import os
 import threading
 import time
@@ -57,15 +64,52 @@ HISTOGRAMS = {
 }
 
 
+def bound_label(bound: float) -> str:
+    """A bucket's `le` label as Prometheus clients write it: 0.0025, 1.0, +Inf."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+class BucketCounters:
+    """A latency histogram as counters: `<name>_bucket{le=...}` (cumulative), `<name>_sum` and `<name>_count`,
+    the series a Prometheus histogram exposes (so `histogram_quantile` and the benchmark read them as one),
+    incremented once a sampling period with what its samples added: at most len(buckets) + 3 IPC calls a period
+    however many tokens were sent, where a `pb_utils` histogram took one per sample."""
+
+    def __init__(self, metric, name: str, help_text: str, labels: dict[str, str], buckets: list[float]) -> None:
+        self.bounds = [*sorted(buckets), math.inf]
+        counter = pb_utils.MetricFamily.COUNTER
+        self.buckets = [metric(f"{name}_bucket", help_text, counter, {**labels, "le": bound_label(b)})
+                        for b in self.bounds]
+        self.sum = metric(f"{name}_sum", f"{help_text} (seconds, summed)", counter, labels)
+        self.count = metric(f"{name}_count", f"{help_text} (samples)", counter, labels)
+
+    def add(self, samples: list[tuple[float, int]]) -> None:
+        """Record (seconds, how many samples of that value) pairs."""
+        counts = [0] * len(self.bounds)
+        for value, count in samples:
+            counts[bisect.bisect_left(self.bounds, value)] += count  # the first bucket whose bound >= value
+        total = sum(counts)
+        if total == 0:
+            return
+        cumulative = 0
+        for bucket, count in zip(self.buckets, counts, strict=True):
+            cumulative += count
+            if cumulative:
+                bucket.increment(float(cumulative))
+        self.sum.increment(float(sum(value * count for value, count in samples)))
+        self.count.increment(float(total))
+
+
 class ComponentMetrics:
     def __init__(self, engine, latency, labels: dict[str, str]):
         self._engine, self._latency = engine, latency
         self._stop = threading.Event()
-        self._families = []  # a MetricFamily must outlive its Metrics
+        self._families = {}  # name -> MetricFamily (a family must outlive its Metrics)
+        self._metrics = []  # every Metric, dropped before the families at stop
         self._gauges = {k: self._metric(n, h, pb_utils.MetricFamily.GAUGE, labels) for k, (n, h) in GAUGES.items()}
         self._counters = {k: self._metric(n, h, pb_utils.MetricFamily.COUNTER, labels)
                           for k, (n, h) in COUNTERS.items()}
-        self._histograms = {k: self._metric(n, h, pb_utils.MetricFamily.HISTOGRAM, labels, LATENCY_BUCKETS)
+        self._histograms = {k: BucketCounters(self._metric, n, h, labels, LATENCY_BUCKETS)
                             for k, (n, h) in HISTOGRAMS.items() if hasattr(latency, k)}
         self._steps_per_s = self._metric("mstar_engine_steps_per_second", "engine steps per second, last second",
                                          pb_utils.MetricFamily.GAUGE, labels)
@@ -73,10 +117,13 @@ class ComponentMetrics:
         self._step_window: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._run, name="component-metrics", daemon=True)
 
-    def _metric(self, name: str, help_text: str, kind, labels: dict[str, str], buckets=None):
-        family = pb_utils.MetricFamily(name=name, description=help_text, kind=kind)
-        self._families.append(family)
-        return family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+    def _metric(self, name: str, help_text: str, kind, labels: dict[str, str]):
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = pb_utils.MetricFamily(name=name, description=help_text, kind=kind)
+        metric = family.Metric(labels=labels)
+        self._metrics.append(metric)
+        return metric
 
     def start(self) -> None:
         self._thread.start()
@@ -86,13 +133,15 @@ class ComponentMetrics:
         family (left to interpreter teardown, their destructors ran after the stub's IPC was gone and
         segfaulted every stub on server shutdown)."""
         self._stop.set()
-        self._thread.join(2)
+        if self._thread.ident is not None:  # (started)
+            self._thread.join(2)
         if self._thread.is_alive():
             return  # a sample still running holds them; leave them to the interpreter rather than race it
         self._gauges.clear()
         self._counters.clear()
         self._histograms.clear()
         self._steps_per_s = None
+        self._metrics.clear()
         self._families.clear()
 
     def _run(self) -> None:
@@ -116,8 +165,7 @@ class ComponentMetrics:
                 counter.increment(float(total - self._totals[key]))
                 self._totals[key] = total
         for key, histogram in self._histograms.items():
-            for value in self._latency.drain(key):
-                histogram.observe(value)
+            histogram.add(self._latency.take(key))
         self._sample_step_rate(int(stats.get("num_steps", 0)))
 
     def _sample_step_rate(self, num_steps: int) -> None:

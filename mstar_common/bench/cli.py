@@ -229,7 +229,8 @@ class ServerLatency:
 
     def stop(self, first_tokens: int) -> dict | None:
         """The level's server-side figures, once the components have exported `first_tokens` TTFT samples (or
-        after `EXPORT_WAIT_S`) and the step counters read the same twice an export period apart: the latency means,
+        after `EXPORT_WAIT_S`) and the step counters and latency totals read the same twice an export period apart
+        (the ITL samples of a level's last steps were still being exported): the latency means,
         and under `steps` what the engines' steps were (`server_steps`); None without a metrics endpoint."""
         if self._before is None:
             return None
@@ -240,7 +241,8 @@ class ServerLatency:
             if after is None:
                 return None
             latency = server_latency(self._before[0], after[0])
-            settled = previous is not None and after[1] == previous[1]
+            # the latency totals too: the components export a period's samples after its counters (ITL's lagged)
+            settled = previous is not None and after == previous
             if (latency["ttft_samples"] >= first_tokens and settled) or time.monotonic() > deadline:
                 steps = server_steps(self._before[1], after[1])
                 return latency if steps is None else {**latency, "steps": steps}

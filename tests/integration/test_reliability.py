@@ -104,6 +104,21 @@ def test_component_metrics_are_exported(capped):
                    "nv_inference_request_success{"):
         assert series in text, series
     assert 'instance="qwen3_llm_0_0"' in text
+    # the latency histograms are bucket counters in a histogram's shape (backends/metrics.py): cumulative
+    # buckets whose +Inf one is the count, 3 ITL samples (4 tokens) at least, and one TTFT sample a request
+
+    def value(prefix: str, *parts: str) -> float:
+        [line] = [x for x in text.splitlines() if x.startswith(prefix) and 'model="qwen3_llm"' in x
+                  and all(p in x for p in parts)]
+        return float(line.rsplit(" ", 1)[1])
+
+    itl = "mstar_inter_token_latency_seconds"
+    count = value(f"{itl}_count{{")
+    assert count >= 3 and value(f"{itl}_bucket{{", 'le="+Inf"') == count
+    assert value(f"{itl}_bucket{{", 'le="0.001"') <= value(f"{itl}_bucket{{", 'le="1.0"') <= count
+    assert value(f"{itl}_sum{{") > 0
+    assert value("mstar_time_to_first_token_seconds_bucket{", 'le="+Inf"') == value(
+        "mstar_time_to_first_token_seconds_count{") >= 1
 
 
 def _raw_input(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput:
