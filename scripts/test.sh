@@ -30,6 +30,12 @@ for arg in "$@"; do
 done
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then
   jobs=${KERNEL_TEST_JOBS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
-  TRITON_INTERPRET=1 exec .venv/bin/python scripts/parallel_pytest.py --jobs "$jobs" \
-    --logs "${TMPDIR:-/tmp}/mstar-kernel-tests" -- -m "$marker" ${rest[@]+"${rest[@]}"} tests/kernels
+  status=0
+  TRITON_INTERPRET=1 .venv/bin/python scripts/parallel_pytest.py --jobs "$jobs" \
+    --logs "${TMPDIR:-/tmp}/mstar-kernel-tests" -- -m "$marker" ${rest[@]+"${rest[@]}"} tests/kernels || status=$?
+  if [ "$status" = 5 ]; then  # pytest's "no tests collected": the caller's -k/-m selects no kernel test
+    echo "test.sh: no kernel test matches this selection; the interpreter stage has nothing to run"
+    status=0
+  fi
+  exit "$status"
 fi

@@ -83,9 +83,9 @@ def test_a_failing_process_fails_the_run_and_prints_its_log(tmp_path):
     assert "FAILED" in done.stdout and "test_c" in done.stdout and "-----" in done.stdout
 
 
-def _run_test_sh(tmp_path: Path, *args: str) -> list[str]:
+def _run_test_sh(tmp_path: Path, *args: str, stage_rc: int = 0, rc: int = 0) -> list[str]:
     """scripts/test.sh in a copy of the layout it expects, with setup.sh a no-op and a .venv python that logs each
-    call (and reports no GPU): the calls it made."""
+    call (and reports no GPU), its kernel stage exiting `stage_rc`: the calls it made (test.sh exiting `rc`)."""
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
     (root / "scripts" / "test.sh").write_text((SCRIPTS / "test.sh").read_text())
@@ -93,12 +93,22 @@ def _run_test_sh(tmp_path: Path, *args: str) -> list[str]:
     (root / "scripts" / "setup.sh").chmod(0o755)
     python = root / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../../calls.log"\n')
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../../calls.log"\n'
+                      f'case "$*" in *parallel_pytest*) exit {stage_rc};; esac\n')
     python.chmod(0o755)
     for folder in ("configs", "tests/unit"):
         (root / folder).mkdir(parents=True)
-    subprocess.run(["bash", str(root / "scripts" / "test.sh"), *args], check=True, timeout=60)
+    done = subprocess.run(["bash", str(root / "scripts" / "test.sh"), *args], timeout=60)
+    assert done.returncode == rc, done.returncode
     return (root / "calls.log").read_text().splitlines()
+
+
+def test_a_selection_that_matches_no_kernel_test_passes_the_test_script(tmp_path):
+    """`test.sh -k prefix_cache` exited 5 after a green run: the interpreter stage took the caller's -k, matched no
+    kernel test, and pytest's "no tests collected" (5) became the script's status. A failing stage still fails."""
+    calls = _run_test_sh(tmp_path / "none", "-k", "prefix_cache", stage_rc=5, rc=0)
+    assert any("scripts/parallel_pytest.py" in call for call in calls)
+    _run_test_sh(tmp_path / "failed", "-k", "prefix_cache", stage_rc=1, rc=1)
 
 
 def test_the_test_scripts_kernel_stage_runs_unless_test_paths_are_given(tmp_path):
