@@ -24,9 +24,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from mstar_common.config import number_switch
-
-DEFAULT_HOLD_S = 5.0
+from mstar_common.config import bls_hold_s
 
 
 def cpu_output_memory() -> dict:
@@ -45,8 +43,7 @@ class ResponseKeeper:
 
     def __init__(self, hold_s: float | None = None, clock=time.monotonic) -> None:
         if hold_s is None:
-            hold_s = number_switch("MSTAR_BLS_HOLD_S", DEFAULT_HOLD_S, lambda s: 0 <= s < math.inf,
-                                   "expected seconds >= 0")
+            hold_s = bls_hold_s()
         if not 0 <= hold_s < math.inf:
             raise ValueError(f"ResponseKeeper: hold_s must be seconds >= 0, got {hold_s}")
         self.hold_s = hold_s

@@ -22,7 +22,8 @@ BUILTIN_DIR = "builtin-v2"  # under cache_dir(): v2 since the builders vary the 
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MSTAR_CACHE_DIR", Path.home() / ".cache" / "mstar"))
+    """`MSTAR_CACHE_DIR`, unset or empty: ~/.cache/mstar (an empty value was the current directory)."""
+    return Path(os.environ.get("MSTAR_CACHE_DIR", "").strip() or Path.home() / ".cache" / "mstar")
 
 
 def expand_home(spec: str) -> Path:

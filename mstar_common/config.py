@@ -33,6 +33,15 @@ def env_switch(name: str, default: bool) -> bool:
     return flag == "1"
 
 
+DEFAULT_BLS_HOLD_S = 5.0
+
+
+def bls_hold_s() -> float:
+    """`MSTAR_BLS_HOLD_S`: how long backends/bls.py's ResponseKeeper keeps a finished BLS response iterator (read
+    here, where `mstar serve` checks it before tritonserver starts, not only in the stubs)."""
+    return number_switch("MSTAR_BLS_HOLD_S", DEFAULT_BLS_HOLD_S, lambda s: 0 <= s < math.inf, "expected seconds >= 0")
+
+
 def number_switch(name: str, default: float, is_valid: Callable[[float], bool], rule: str) -> float:
     """A numeric environment switch (`MSTAR_STALL_EXIT_S`, ...); unset or empty is `default`, a value that is no
     number or breaks `is_valid` is refused with the switch's name and `rule`."""

@@ -49,7 +49,8 @@ def build_library(source: Path, name: str) -> ctypes.CDLL:
     major, minor = torch.cuda.get_device_capability(0)
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
     digest = source_digest(source, arch)
-    library = Path(os.environ.get("MSTAR_CACHE_DIR", tempfile.gettempdir())) / name / f"{source.stem}_{digest}.so"
+    cache = os.environ.get("MSTAR_CACHE_DIR", "").strip() or tempfile.gettempdir()  # empty: unset, as every switch
+    library = Path(cache) / name / f"{source.stem}_{digest}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")

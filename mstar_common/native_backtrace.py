@@ -70,12 +70,25 @@ def build(out: str | Path) -> Path:
     return out
 
 
+def library_path() -> str | None:
+    """The library MSTAR_NATIVE_BACKTRACE names (None: unset or empty); a path to no file is refused naming it
+    (`mstar serve` checks it before tritonserver starts: every model's load failed on an OSError naming a path)."""
+    path = os.environ.get(ENV, "").strip()
+    if path and not os.path.isfile(path):
+        raise ValueError(f"{ENV}={path!r}: no such file; expected the library `python -m mstar_common.native_backtrace "
+                         "OUT` builds")
+    return path or None
+
+
 def load_from_env() -> bool:
     """Load the library named by MSTAR_NATIVE_BACKTRACE (its constructor installs the handlers)."""
-    path = os.environ.get(ENV)
-    if not path:
+    path = library_path()
+    if path is None:
         return False
-    ctypes.CDLL(path)
+    try:
+        ctypes.CDLL(path)
+    except OSError as exc:
+        raise ValueError(f"{ENV}={path!r}: not a loadable library ({exc})") from None
     return True
 
 

@@ -85,8 +85,8 @@ def ahead_of() -> frozenset[str]:
     + down 0.7127, + gate_up and down 0.7060; two rows 0.955-0.958 for each set against 1.0012 without;
     Llama-3.2-3B one row 2.2514 -> 2.2151 ms with the prologue (o and gate_up added: 2.2151 / 2.2212); timed alone
     later that day, the default set 2.1855 ms, the prologue alone 2.2084, none 2.2425."""
-    raw = os.environ.get("MSTAR_PDL_AHEAD_OF")
-    if raw is None:
+    raw = os.environ.get("MSTAR_PDL_AHEAD_OF", "").strip()
+    if not raw:  # unset or empty (as every switch): the default set; `none` names no kernel
         return DEFAULT_AHEAD_OF
     kinds = (kind.strip() for kind in raw.replace("+", ",").split(","))
     return frozenset(kind for kind in kinds if kind and kind != "none")
@@ -114,7 +114,7 @@ def unknown_kinds(projections: set[str]) -> list[str]:
     known = FIXED_KINDS | projections | {f"mid:{name}" for name in projections}
     found = []
     for switch, kinds in (("MSTAR_PDL_AHEAD_OF", ahead_of()), ("MSTAR_PDL_SKIP", skipped())):
-        if os.environ.get(switch) is None:
+        if not os.environ.get(switch, "").strip():
             continue
         found += [f"{switch}: {kind}" for kind in sorted(kinds)
                   if kind not in known and not re.fullmatch(r"gemv:\d+x\d+", kind)]

@@ -57,9 +57,9 @@ BOOLEAN_SWITCHES = {
 
 def _parsers() -> list[Callable[[], object]]:
     """The parsers of the switches that take more than 0 or 1, as the code calls them."""
-    from mstar_common import gc_policy, gil, images, pdl_switches, stall_watch
+    from mstar_common import config, gc_policy, gil, images, native_backtrace, pdl_switches, stall_watch
     from mstar_common.diffusion import attention as dit_attention
-    from mstar_common.engine import flashinfer_backend, output_pump
+    from mstar_common.engine import engine_process, flashinfer_backend, output_pump
     from mstar_common.layers import decoder, linear
 
     parsers = [gil.switch_interval_s, dit_attention.sdpa_backends, stall_watch.stall_exit_s, stall_watch.stack_dump_s,
@@ -67,7 +67,7 @@ def _parsers() -> list[Callable[[], object]]:
                linear.mid_gemm_kinds, linear.mid_gemm_folds, linear.gemv_max_rows, linear.forced_gemv_settings,
                decoder.fused_mlp_rows, decoder.fused_mlp_options, decoder.norm_gemv_mode,
                flashinfer_backend.prefill_kernel_family, output_pump.pump_shards, images.png_encoder,
-               gc_policy.gc_log_ms]
+               gc_policy.gc_log_ms, config.bls_hold_s, native_backtrace.library_path, engine_process.chosen_python]
     try:
         import triton  # noqa: F401
     except ImportError:

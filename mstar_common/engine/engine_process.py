@@ -109,10 +109,22 @@ class EngineInfo:
 # ---- the stub's side -----------------------------------------------------------------------------------------------
 
 
+def chosen_python() -> str | None:
+    """`MSTAR_ENGINE_PYTHON` (None: unset or empty): an executable file, or a command on PATH; anything else is
+    refused naming it (the engine process's start failed on a FileNotFoundError naming a path)."""
+    chosen = os.environ.get("MSTAR_ENGINE_PYTHON", "").strip()
+    if not chosen:
+        return None
+    if (os.path.isfile(chosen) and os.access(chosen, os.X_OK)) or (os.sep not in chosen and shutil.which(chosen)):
+        return chosen
+    raise ValueError(f"MSTAR_ENGINE_PYTHON={chosen!r}: expected a Python interpreter (an executable file, or a "
+                     "command on PATH); there is none")
+
+
 def child_python() -> str:
     """The interpreter for the engine process: `MSTAR_ENGINE_PYTHON`, else the stub's own (its `sys.executable` when
     that is a Python, else `pythonX.Y` beside `sys.executable` or on PATH)."""
-    chosen = os.environ.get("MSTAR_ENGINE_PYTHON", "").strip()
+    chosen = chosen_python()
     if chosen:
         return chosen
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"

@@ -37,10 +37,15 @@ REFUSED = {
     "MSTAR_PNG_ENCODER": ("PIL", "expected one of parallel, pil"),
     "MSTAR_STACK_DUMP_S": ("abc", "expected 0 (off) or seconds in [1, 86400]"),
     "MSTAR_GC_LOG_MS": ("fifty", "expected milliseconds >= 0"),
+    # read by the BLS scripts at import, so before this check every model failed to load
+    "MSTAR_BLS_HOLD_S": ("abc", "expected seconds >= 0"),
+    # paths: an OSError or FileNotFoundError naming a path, not the variable, at every load or engine start
+    "MSTAR_NATIVE_BACKTRACE": ("/nonexistent/mstar_backtrace.so", "no such file"),
+    "MSTAR_ENGINE_PYTHON": ("/nonexistent/python3", "expected a Python interpreter"),
 }
 # parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
 # already), and by the BLS scripts
-NOT_THE_ENGINES = {"MSTAR_DECODE_FORM", "MSTAR_BLS_HOLD_S"}
+NOT_THE_ENGINES = {"MSTAR_DECODE_FORM"}
 
 
 @pytest.fixture
@@ -198,3 +203,26 @@ def test_an_empty_switch_is_its_default(clean_env):
     assert linear.gemv_max_rows() == 4
     assert flashinfer_backend.prefill_kernel_family() == "auto"
     assert images.png_encoder() == "parallel"
+
+
+def test_empty_path_and_kind_switches_are_their_defaults(clean_env):
+    """MSTAR_PDL_AHEAD_OF="" meant no kernel (not the default set: scripts/ab_serve_env.sh's "" arm timed `none`
+    against `none`), and MSTAR_CACHE_DIR="" put the caches in the current directory."""
+    from mstar_common import pdl_switches
+    from mstar_common.checkpoints import cache_dir
+
+    clean_env.setenv("MSTAR_PDL_AHEAD_OF", "")
+    clean_env.setenv("MSTAR_CACHE_DIR", "")
+    assert pdl_switches.ahead_of() == pdl_switches.DEFAULT_AHEAD_OF and not pdl_switches.unknown_kinds(set())
+    assert cache_dir() == Path.home() / ".cache" / "mstar"
+    clean_env.setenv("MSTAR_PDL_AHEAD_OF", "none")
+    assert pdl_switches.ahead_of() == frozenset()
+
+
+def test_a_native_backtrace_file_that_is_no_library_is_refused_naming_the_switch(clean_env, tmp_path):
+    from mstar_common.native_backtrace import load_from_env
+
+    (tmp_path / "lib.so").write_text("not a library")
+    clean_env.setenv("MSTAR_NATIVE_BACKTRACE", str(tmp_path / "lib.so"))
+    with pytest.raises(ValueError, match="MSTAR_NATIVE_BACKTRACE=.*not a loadable library"):
+        load_from_env()
