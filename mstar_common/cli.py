@@ -418,7 +418,7 @@ def _print_urls(dep, ports, args, run_dir: Path) -> None:
     print("\n".join(line for line in lines if line), flush=True)
 
 
-def _tcp_port(value: str) -> int:
+def tcp_port_arg(value: str) -> int:
     """An argparse type: a TCP port in [1, 65535] (the deployment's `server.*_port` rule)."""
     try:
         port = int(value)
@@ -429,7 +429,7 @@ def _tcp_port(value: str) -> int:
     return port
 
 
-def _bind_host(value: str) -> str:
+def bind_host_arg(value: str) -> str:
     """An argparse type: the proxy's bind address, an IP address (v4 or v6, or "" / "*" for every address) or a
     host name; anything else failed only after the load, at the first readiness check, with a traceback."""
     if value in ("", "*"):
@@ -467,11 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="deployment YAML to serve (a key given too must be its family's)")
     p.add_argument("--gpus", type=parse_gpus, default=None, metavar="0,1,...",
                    help="place every GPU component of the deployment on these GPUs (instances per GPU kept)")
-    p.add_argument("--host", type=_bind_host, default="127.0.0.1", help="proxy bind address")
-    p.add_argument("--port", type=_tcp_port, default=None, help="proxy port (default: server.proxy_port)")
-    p.add_argument("--http-port", type=_tcp_port, default=None, help="Triton HTTP port (default: server.http_port)")
-    p.add_argument("--grpc-port", type=_tcp_port, default=None, help="Triton gRPC port (default: server.grpc_port)")
-    p.add_argument("--metrics-port", type=_tcp_port, default=None,
+    p.add_argument("--host", type=bind_host_arg, default="127.0.0.1", help="proxy bind address")
+    p.add_argument("--port", type=tcp_port_arg, default=None, help="proxy port (default: server.proxy_port)")
+    p.add_argument("--http-port", type=tcp_port_arg, default=None, help="Triton HTTP port (default: server.http_port)")
+    p.add_argument("--grpc-port", type=tcp_port_arg, default=None, help="Triton gRPC port (default: server.grpc_port)")
+    p.add_argument("--metrics-port", type=tcp_port_arg, default=None,
                    help="Triton metrics port (default: server.metrics_port)")
     p.add_argument("--no-proxy", action="store_true", help="start tritonserver only")
     p.add_argument("--timeout", type=_positive_seconds, default=600.0, help="seconds to wait for readiness")

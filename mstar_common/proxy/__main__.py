@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -14,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.supervisors import Multiprocess
 
+from mstar_common.cli import bind_host_arg, tcp_port_arg
 from mstar_common.config import env_switch
 from mstar_common.proxy.app import MODEL_KINDS, ProxySettings, ServedModel, create_app
 
@@ -34,12 +36,28 @@ def parse_model(spec: str) -> ServedModel:
     return ServedModel(name=name, triton_model=triton_model, kind=kind or "text")
 
 
+# uvicorn's log levels, and each one's for `logging` (trace: uvicorn's own level 5)
+LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
+              "debug": logging.DEBUG, "trace": 5}
+
+
+def seconds_arg(value: str) -> float:
+    """An argparse type: seconds >= 0 (a negative drain timeout was no drain on SIGTERM at all)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0, got {value!r}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mstar_common.proxy",
                                      description="OpenAI-compatible proxy in front of Triton")
     parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton gRPC host:port")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", type=bind_host_arg, default="127.0.0.1")
+    parser.add_argument("--port", type=tcp_port_arg, default=8000)
     parser.add_argument("--model", type=parse_model, action="append", required=True, metavar="NAME=TRITON_MODEL",
                         help="serve Triton entry model TRITON_MODEL as OpenAI model NAME (repeatable)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0, help="0: no limit")
@@ -51,17 +69,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     parser.add_argument("--allow-remote-urls", action="store_true", default=allow_remote,
                         help="fetch media given as http(s) URLs (default: MSTAR_ALLOW_REMOTE=1)")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+    parser.add_argument("--drain-timeout-s", type=seconds_arg, default=30.0,
                         help="on SIGTERM, in-flight requests get this long to finish")
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes sharing the port, each with its own event loop and Triton channel "
                              "(1: one process)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = parser.parse_args(argv)
     if not 1 <= args.workers <= 64:
         parser.error(f"--workers must be in [1, 64], got {args.workers}")
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=LOG_LEVELS[args.log_level], format=LOG_FORMAT)
     try:
         settings = ProxySettings(
             triton_url=args.triton_url,

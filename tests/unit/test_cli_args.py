@@ -77,7 +77,7 @@ def test_a_bad_host_or_timeout_is_refused_before_anything_starts(capsys, flag, v
 
 @pytest.mark.parametrize("value", ["127.0.0.1", "::", "::1", "fe80::1", "", "*", "localhost", "gpu-7.lab.example"])
 def test_good_hosts_pass(value):
-    assert cli._bind_host(value) == value
+    assert cli.bind_host_arg(value) == value
 
 
 def test_no_proxy_lets_the_unused_proxy_port_equal_a_triton_port(tmp_path, monkeypatch):

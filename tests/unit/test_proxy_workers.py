@@ -82,6 +82,24 @@ def test_a_timeout_that_is_no_number_of_seconds_is_a_usage_error(monkeypatch, ca
     assert info.value.code == 2 and f"{flag} must be seconds in (0, 604800]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--port", "70000", "must be a TCP port in [1, 65535]"), ("--port", "-1", "must be a TCP port"),
+    ("--drain-timeout-s", "-1", "must be seconds >= 0"), ("--drain-timeout-s", "nan", "must be seconds >= 0"),
+    ("--log-level", "nope", "invalid choice: 'nope'"), ("--host", "not a host!", "--host"),
+])
+def test_the_standalone_proxys_bind_drain_and_log_flags_are_checked(monkeypatch, capsys, flag, value, rule):
+    """`mstar serve` checks these; `python -m mstar_common.proxy` passed them on: a traceback for a log level
+    logging does not know, a port 70000 that a host name's resolver wrapped to 4464, no drain at all for -1."""
+    with pytest.raises(SystemExit) as info:
+        _run(monkeypatch, flag, value)
+    assert info.value.code == 2 and rule in capsys.readouterr().err
+
+
+def test_uvicorns_trace_level_is_taken(monkeypatch):
+    _, kwargs = _run(monkeypatch, "--log-level", "trace", "--port", "8123")
+    assert kwargs["log_level"] == "trace" and kwargs["port"] == 8123
+
+
 def test_a_draining_multi_worker_proxy_refuses_new_connections(tmp_path):
     """With --workers 2, uvicorn's parent kept its copy of the listening socket open until every worker had drained:
     the kernel accepted new connections that no worker would take, and they hung until the parent exited. A worker
