@@ -228,19 +228,22 @@ def create_app(settings: ProxySettings, triton: TritonClient | None = None) -> F
 
 
 def _add_info_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    # GET and HEAD (RFC 9110: a general-purpose server supports both; `curl -I` and HEAD readiness probes got 405)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
         ctx: ServingContext = request.app.state.serving
         if await ctx.triton.is_ready([m.triton_model for m in ctx.models.values()]):
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models(request: Request):
         ctx: ServingContext = request.app.state.serving
         return {"object": "list", "data": [protocol.model_card(name, ctx.created) for name in ctx.models]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def get_model(model_id: str, request: Request):
+        if not model_id:  # `/v1/models/`: the list (it was "model '' does not exist")
+            return await list_models(request)
         ctx: ServingContext = request.app.state.serving
         return protocol.model_card(ctx.resolve(model_id, kinds=MODEL_KINDS).name, ctx.created)

@@ -287,7 +287,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return server_error(str(exc.detail), status=exc.status_code).response()
         if exc.status_code == 400 and exc.detail == _FASTAPI_BODY_ERROR:
             return invalid_request(_BODY_UNPARSED).response()
-        return APIError(exc.status_code, str(exc.detail), param=getattr(exc, "param", None)).response()
+        # Starlette's 405 names the methods the route takes in `Allow` (RFC 9110 requires it): kept
+        return APIError(exc.status_code, str(exc.detail), param=getattr(exc, "param", None),
+                        headers=getattr(exc, "headers", None)).response()
 
 
 # FastAPI's words when json.loads raises what is not a JSONDecodeError, as parse_json names them

@@ -184,7 +184,7 @@ async def create_speech(body: SpeechRequest, request: Request):
                     headers={FINISH_REASON_HEADER: speech.finish})
 
 
-@router.get("/v1/audio/voices")
+@router.api_route("/v1/audio/voices", methods=["GET", "HEAD"])
 async def list_voices(request: Request, model: str | None = None):
     ctx: ServingContext = request.app.state.serving
     served = ctx.resolve(model, kinds=SPEECH_KINDS)

@@ -168,6 +168,23 @@ def test_models_and_health():
     assert client.get("/health").status_code == 503
 
 
+def test_the_info_routes_answer_head_and_a_trailing_slash_and_a_405_says_what_is_allowed():
+    """HEAD on /health (a probe, `curl -I`) was a 405, a 405 lost Starlette's `Allow` header (RFC 9110 requires it),
+    and `/v1/models/` answered "model '' does not exist" where every other route's trailing slash redirects."""
+    fake = FakeTriton()
+    client, _ = client_for(fake)
+    for path in ("/health", "/v1/models", "/v1/models/qwen3", "/v1/audio/voices"):
+        head = client.head(path)
+        assert head.status_code == client.get(path).status_code and head.content == b"", path
+    assert [m["id"] for m in client.get("/v1/models/").json()["data"]] == ["qwen3"]
+    refused = client.delete("/v1/models/qwen3")
+    assert refused.status_code == 405 and set(refused.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert client.get("/v1/chat/completions").headers["allow"] == "POST"
+    fake.is_server_ready = False
+    assert client.head("/health").status_code == 503
+
+
 # error mapping
 
 
