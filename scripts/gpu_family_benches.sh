@@ -2,7 +2,8 @@
 # Family benchmarks on the device, in one call: Orpheus TTS (served, then the HF-generate + snac baseline under
 # the image's Python), FLUX.2 klein (engine + diffusers baseline), Z-Image-Turbo, Whisper. Pick with arguments
 # (default: all).
-# Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site. Results land in $OUT.
+# Carried wheels (snac, diffusers) in .whl/ are installed to /tmp/site (diffusers cut by scripts/trim_diffusers_wheel.py:
+# the whole wheel does not fit a call's 64 MiB carry beside .device/). Results land in $OUT.
 # Usage (device): source .device/prepare.sh && bash scripts/gpu_family_benches.sh [orpheus] [orpheus-served]
 #   [gpu-tests] [sweeps] [attention-variants] [gemv-sweep] [profile] [pdl] [persistent] [gemv-chain] [ab] [orpheus-probe] [orpheus-baseline] [orpheus-inproc] [dit-kernels] [flux2] [flux2-served] [z-image] [whisper]
 #   [whisper-probe] [stub-health] [orpheus-pyspy]
