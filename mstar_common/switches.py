@@ -67,7 +67,8 @@ def _parsers() -> list[Callable[[], object]]:
                linear.mid_gemm_kinds, linear.mid_gemm_folds, linear.gemv_max_rows, linear.forced_gemv_settings,
                decoder.fused_mlp_rows, decoder.fused_mlp_options, decoder.norm_gemv_mode,
                flashinfer_backend.prefill_kernel_family, output_pump.pump_shards, images.png_encoder,
-               gc_policy.gc_log_ms, config.bls_hold_s, native_backtrace.library_path, engine_process.chosen_python]
+               gc_policy.gc_log_ms, config.bls_hold_s, native_backtrace.library_path,
+               lambda: engine_process.chosen_python() if engine_process.enabled() else None]
     try:
         import triton  # noqa: F401
     except ImportError:

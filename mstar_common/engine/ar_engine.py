@@ -185,6 +185,7 @@ class AREngine:
             "num_reserved_pages": self.allocator.num_reserved_pages,
             "num_free_pages": self.allocator.num_free_pages,
             "num_cached_pages": self.allocator.num_cached_pages,
+            "num_used_state_slots": hooks.num_used_request_slots if (hooks := self.scheduler.request_hooks) else 0,
             "prefix_cache_queried_tokens": self.allocator.num_prefix_queried_tokens,
             "prefix_cache_hit_tokens": self.allocator.num_prefix_hit_tokens,
             "prefix_cache_evicted_pages": self.allocator.num_evicted_pages,

@@ -115,7 +115,11 @@ def chosen_python() -> str | None:
     chosen = os.environ.get("MSTAR_ENGINE_PYTHON", "").strip()
     if not chosen:
         return None
-    if (os.path.isfile(chosen) and os.access(chosen, os.X_OK)) or (os.sep not in chosen and shutil.which(chosen)):
+    # a bare name is looked up as the stubs will: tritonserver runs them with the server's bin folder (the venv's,
+    # mstar_common/triton_env.py) ahead of PATH, so `python` names the venv's though no `python` is on PATH here
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    is_file = os.path.isfile(chosen) and os.access(chosen, os.X_OK)
+    if is_file or os.sep not in chosen and shutil.which(chosen, path=path):
         return chosen
     raise ValueError(f"MSTAR_ENGINE_PYTHON={chosen!r}: expected a Python interpreter (an executable file, or a "
                      "command on PATH); there is none")

@@ -41,7 +41,7 @@ REFUSED = {
     "MSTAR_BLS_HOLD_S": ("abc", "expected seconds >= 0"),
     # paths: an OSError or FileNotFoundError naming a path, not the variable, at every load or engine start
     "MSTAR_NATIVE_BACKTRACE": ("/nonexistent/mstar_backtrace.so", "no such file"),
-    "MSTAR_ENGINE_PYTHON": ("/nonexistent/python3", "expected a Python interpreter"),
+    "MSTAR_ENGINE_PYTHON": ("/nonexistent/python3", "expected a Python interpreter"),  # (with MSTAR_ENGINE_PROCESS=1)
 }
 # parsed, but not the engine's to check: read when mstar_common/engine/attention.py is imported (so at load
 # already), and by the BLS scripts
@@ -99,6 +99,8 @@ def test_a_clean_environment_passes(clean_env):
 def test_each_parsed_switch_is_read(clean_env, name):
     value, rule = REFUSED[name]
     clean_env.setenv(name, value)
+    if name == "MSTAR_ENGINE_PYTHON":  # read only where the engine runs in a process of its own
+        clean_env.setenv("MSTAR_ENGINE_PROCESS", "1")
     with pytest.raises(ValueError, match=re.escape(rule)) as raised:
         check_switches()
     assert name in str(raised.value)
@@ -226,3 +228,25 @@ def test_a_native_backtrace_file_that_is_no_library_is_refused_naming_the_switch
     clean_env.setenv("MSTAR_NATIVE_BACKTRACE", str(tmp_path / "lib.so"))
     with pytest.raises(ValueError, match="MSTAR_NATIVE_BACKTRACE=.*not a loadable library"):
         load_from_env()
+
+
+def test_the_engine_python_is_looked_up_as_the_stubs_will_and_only_where_it_is_used(clean_env, tmp_path):
+    """`MSTAR_ENGINE_PYTHON=python` worked under `.venv/bin/mstar serve` on a host with no `python` on PATH (the
+    stubs run with the venv's bin folder first) but was refused by the check; and without MSTAR_ENGINE_PROCESS=1
+    nothing reads it, so a bad value must not stop the server."""
+    import sys
+
+    venv_bin = tmp_path / "bin"
+    venv_bin.mkdir()
+    (venv_bin / "python").write_text("#!/bin/sh\n")
+    (venv_bin / "python").chmod(0o755)
+    clean_env.setattr(sys, "executable", str(venv_bin / "python3"))
+    clean_env.setenv("PATH", str(tmp_path / "elsewhere"))
+    clean_env.setenv("MSTAR_ENGINE_PROCESS", "1")
+    clean_env.setenv("MSTAR_ENGINE_PYTHON", "python")
+    check_switches()
+    clean_env.setenv("MSTAR_ENGINE_PYTHON", "no-such-python")
+    with pytest.raises(ValueError, match="MSTAR_ENGINE_PYTHON='no-such-python'"):
+        check_switches()
+    clean_env.delenv("MSTAR_ENGINE_PROCESS")
+    check_switches()

@@ -50,3 +50,21 @@ def test_an_admission_that_fails_while_it_writes_the_slot_gives_the_slot_back(de
     assert sorted(slots) == [0, 1] and not decoder.can_admit_request()
     for slot in slots:
         decoder.release_request(slot)
+
+
+def test_the_slots_held_are_the_components_state_slots_gauge(decoder):
+    """`mstar_state_slots_used` read 0 on Whisper's decoder whatever it held (the engine reported no count), so the
+    fuzz and soak scripts' "nothing held" check could not see a slot that never came back."""
+    from mstar_common.engine.ar_engine import AREngine
+    from mstar_common.engine.types import EngineConfig
+
+    engine = AREngine(decoder, EngineConfig(num_kv_pages=16, page_size=16, max_num_seqs=2, max_batch_tokens=64,
+                                            device="cpu"), eos_token_ids=[0], vocab_size=decoder.config.vocab_size)
+    try:
+        assert engine.stats()["num_used_state_slots"] == 0
+        slot = decoder.admit_request(_state(decoder))
+        assert engine.stats()["num_used_state_slots"] == 1
+        decoder.release_request(slot)
+        assert engine.stats()["num_used_state_slots"] == 0
+    finally:
+        engine.shutdown()

@@ -397,6 +397,10 @@ class WhisperDecoderLM(nn.Module):
     def release_request(self, slot: int) -> None:
         self.cross_kv.free(slot)
 
+    @property
+    def num_used_request_slots(self) -> int:
+        return 0 if self.cross_kv is None else self.cross_kv.num_slots - self.cross_kv.num_free_slots
+
     def process_logits(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         return logits if self.rules is None else self.rules.process(logits, seqs)
 
