@@ -159,7 +159,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 def check_chat_template_kwargs(kwargs: object, field: str = CHAT_TEMPLATE_KWARGS) -> dict:
     """Refuse (ValueError naming `field.key` and the rule) template variables that are not plain named values:
     apply_chat_template's own arguments, non-identifier names, nested values, long strings, a non-boolean
-    `enable_thinking`. Returns the kwargs unchanged."""
+    `enable_thinking`. Returns the kwargs, less a null `enable_thinking` (unset, as null is everywhere: passed on,
+    a template's `{% if enable_thinking %}` would read it as false)."""
     if not isinstance(kwargs, dict):
         raise ValueError(f"{field}: must be a JSON object")
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
@@ -180,9 +181,9 @@ def check_chat_template_kwargs(kwargs: object, field: str = CHAT_TEMPLATE_KWARGS
             raise ValueError(f"{where}: {NOT_UNICODE_RULE}")
         if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
             raise ValueError(f"{where}: at most {MAX_TEMPLATE_KWARG_CHARS} characters, got {len(value)}")
-        if key == "enable_thinking" and not isinstance(value, bool):
-            raise ValueError(f"{where}: must be a boolean, got {value!r}")
-    return kwargs
+        if key == "enable_thinking" and value is not None and not isinstance(value, bool):
+            raise ValueError(f"{where}: must be a boolean or null, got {value!r}")
+    return {key: value for key, value in kwargs.items() if key != "enable_thinking" or value is not None}
 
 
 NOT_UNICODE_RULE = "not Unicode text: it holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair)"

@@ -128,7 +128,7 @@ class TextLMRuntime:
             return list(self.tokenizer.encode(_scalar_text(inputs, wire.TEXT_INPUT), add_special_tokens=True))
         messages = _json(inputs, wire.MESSAGES)
         template_kwargs = _json(inputs, wire.CHAT_TEMPLATE_KWARGS) if wire.CHAT_TEMPLATE_KWARGS in inputs else {}
-        wire.check_chat_template_kwargs(template_kwargs)
+        template_kwargs = wire.check_chat_template_kwargs(template_kwargs)
         return chat_prompt_ids(self.tokenizer, messages, template_kwargs)
 
     def _check_prompt_size(self, inputs: dict[str, np.ndarray]) -> None:
@@ -246,7 +246,10 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
             if isinstance(msg.get(key), str) and not wire.is_unicode_text(msg[key]):
                 raise ValueError(f"messages[{i}].{key}: {wire.NOT_UNICODE_RULE}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("messages: this checkpoint has no chat template; send text_input instead")
+        # (named for every client: the proxy's `text_input` is `/v1/completions`' `prompt`, a Triton client's the
+        # tensor; `/generate`'s `text` is always a chat message, so the route to name is /v1/completions)
+        raise ValueError("messages: this checkpoint has no chat template, so it takes a raw prompt only: "
+                         "/v1/completions' `prompt` (or the `text_input` tensor, sent to Triton directly)")
     check_template_variables(tokenizer.chat_template, template_kwargs)
 
     def render(conversation: list[dict], variables: dict[str, Any] = template_kwargs) -> str:

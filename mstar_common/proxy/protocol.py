@@ -362,9 +362,8 @@ def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None,
                     field: str = "chat_template_kwargs") -> dict[str, Any] | None:
     """chat_template_kwargs, checked by the component's rule (`wire.check_chat_template_kwargs`), with the
     `enable_thinking` shortcut folded in (a conflict is a 400). `field` is the client's name for the object."""
-    merged = dict(kwargs or {})
     try:
-        wire.check_chat_template_kwargs(merged, field)
+        merged = wire.check_chat_template_kwargs(dict(kwargs or {}), field)
     except ValueError as error:
         message = str(error)
         raise invalid_request(message, param=message.split(":", 1)[0]) from None

@@ -647,3 +647,24 @@ def test_the_openai_packages_include_obfuscation_is_accepted_without_effect(serv
         events = sse_events(reply.text)
         assert events[-1] == "[DONE]" and events[-2]["usage"]["total_tokens"] > 0
         assert not any("obfuscation" in event for event in events[:-1])
+
+
+def test_a_null_enable_thinking_is_unset_wherever_it_is_sent():
+    """`chat_template_kwargs.enable_thinking: null` was a 400 ("must be a boolean") where null is unset everywhere
+    else, the top-level shortcut's null included; passed on as None, a template's `{% if enable_thinking %}` would
+    have read it as false."""
+    from mstar_common.families.qwen3.tiny import build_tokenizer
+    from mstar_common.families.text import chat_prompt_ids
+
+    assert wire.check_chat_template_kwargs({"enable_thinking": None, "persona": None}) == {"persona": None}
+    with pytest.raises(ValueError, match=r"enable_thinking: must be a boolean or null, got 'no'"):
+        wire.check_chat_template_kwargs({"enable_thinking": "no"})
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}{% if enable_thinking %}(think){% else %}(quick){% endif %}"
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"enable_thinking": None})) == "Hi(quick)"
+    app, fake = make_app()
+    unset = {"model": "qwen3", "messages": MESSAGES}
+    assert TestClient(app).post("/v1/chat/completions", json=unset).status_code == 200
+    for body in ({"chat_template_kwargs": {"enable_thinking": None}}, {"enable_thinking": None}):
+        assert TestClient(app).post("/v1/chat/completions", json={**unset, **body}).status_code == 200
+        assert wire.CHAT_TEMPLATE_KWARGS not in fake.requests[-1].tensors

@@ -246,7 +246,8 @@ def test_the_chat_template_is_found_in_chat_template_jinja_or_tokenizer_config(t
     (path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
     assert _messages_prompt(_runtime(path, "qwen3"), messages) == _messages_prompt(runtime, messages)
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    with pytest.raises(ValueError, match=r"^messages: this checkpoint has no chat template; send text_input instead"):
+    with pytest.raises(ValueError, match=r"^messages: this checkpoint has no chat template, so it takes a raw "
+                                         r"prompt only: /v1/completions' `prompt`"):
         _messages_prompt(_runtime(path, "qwen3"), messages)
 
 
