@@ -15,7 +15,9 @@ coalesce (~30 a response). A stream's first tokens, its last ones and errors do 
 (`MSTAR_PUMP_FIRST_LAST=1`, the default): they go ahead of it, also when they arrive while it runs (the queue is
 drained between two sends). A first token then waits for one send instead of a round (time to first token), and
 so does a last one, which in a closed loop is what frees the client to send its next request (an idle row until
-it arrives). `MSTAR_PUMP_FIRST_LAST=0` sends each round in arrival order, as before.
+it arrives). At most `URGENT_RUN` of them go in a row before one of the round's own streams, and a round that has
+sent its own ends (those still urgent lead the next), so a steady stream of short requests cannot hold the other
+streams' tokens, or the round, for ever. `MSTAR_PUMP_FIRST_LAST=0` sends each round in arrival order, as before.
 
 `MSTAR_PUMP_SHARDS=N` (default 1) splits the streams over N pumps, each its own thread and round (a stream's
 outputs stay in one pump, so their order holds). A send waits for the server process with the GIL released, so N
@@ -151,6 +153,9 @@ def pump_shards() -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_SHARDS:
         raise ValueError(f"MSTAR_PUMP_SHARDS={raw!r}: expected a whole number of pumps in [1, {MAX_SHARDS}]")
     return int(raw)
+
+
+URGENT_RUN = 8  # firsts, lasts and errors a send round takes in a row before one of its own streams' tokens
 
 
 class LatencySamples:
@@ -322,18 +327,22 @@ class OutputPump:
 
     def _send_round(self) -> None:
         """One response to each stream with output pending now, oldest first; firsts, lasts and errors ahead of
-        the round, including those queued while it runs (module docstring)."""
+        the round, including those queued while it runs (module docstring), at most `URGENT_RUN` of them in a row
+        before one of the round's own, and the round ends with its own: the urgent ones left go first in the next.
+        (Served for as long as they came, a saturated pump serving short requests never left the round, each
+        final's client sending its next request's first token into it, and the other streams' tokens waited: the
+        stall watch, beaten only between rounds, ended a stub that was answering ~900 requests a second.)"""
         if not self._first_last:
             self._send_all()
             return
         due = list(self._pending)
         urgent = dict.fromkeys(rid for rid in due if self._is_urgent(rid))
-        index = 0
+        index = run = 0
         while self._is_running:
-            if urgent:
-                request_id = next(iter(urgent))
+            if urgent and (run < URGENT_RUN or index >= len(due)):
+                request_id, run = next(iter(urgent)), run + 1
             elif index < len(due):
-                request_id, index = due[index], index + 1
+                request_id, index, run = due[index], index + 1, 0
             else:
                 return
             urgent.pop(request_id, None)
@@ -341,7 +350,10 @@ class OutputPump:
             if item is None:
                 continue  # sent already, ahead of the round
             self._deliver({request_id: item})
-            urgent.update(dict.fromkeys(rid for rid in self._drain() if self._is_urgent(rid)))
+            if self._watch is not None:
+                self._watch.beat()  # a round of slow sends is progress too (StallWatch re-arms once a second)
+            if index < len(due):  # (once its own are sent, the round takes no more: it ends)
+                urgent.update(dict.fromkeys(rid for rid in self._drain() if self._is_urgent(rid)))
             self._poll_cancellations()
 
     def _log_times(self) -> None:
@@ -360,9 +372,11 @@ class OutputPump:
             # A CANCELLED finish that reaches a stream still registered: a client's cancel unregisters its stream
             # first (the cancel poll, a stop string), so the engine stopped (shutdown). Its client gets a retryable
             # 503 rather than a normal end with a finish reason no OpenAI client knows.
+            # Likewise for an error (its deadline, a failed step) after tokens that complete a stop string: the
+            # answer was whole before it, and whether the pump had sent them first was only a race.
+            if (finish is FinishReason.CANCELLED or error is not None) and self._ends_at_a_stop(stream, new_ids):
+                continue
             if finish is FinishReason.CANCELLED and error is None:
-                if self._ends_at_a_stop(stream, new_ids):
-                    continue
                 error = wire.SERVER_STOPPED
             if error is not None:
                 self.unregister(request_id)

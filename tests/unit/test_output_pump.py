@@ -480,3 +480,63 @@ def test_the_itl_samples_are_the_tokens_sent_when_a_stop_string_cuts_a_response(
     kind, outputs = stream.sink.sent[-1]
     assert kind == "final" and outputs[wire.TOKEN_IDS].tolist() == [1, 2] and engine.cancelled == ["r"]
     assert len(pump.latency.ttft) == 1 and len(list(pump.latency.drain("itl"))) == 2
+
+
+def test_a_pump_saturated_by_short_requests_keeps_beating_its_stall_watch(monkeypatch):
+    """Each final freed a client whose next request's first token was urgent again, so under steady load of short
+    requests a send round never ended: the stall watch, beaten between rounds, saw no beat and ended a stub that was
+    answering ~900 requests a second (MSTAR_STALL_EXIT_S, 120 s by default)."""
+    import itertools
+
+    monkeypatch.setenv("MSTAR_PUMP_FIRST_LAST", "1")
+    watch = _CountingWatch()
+    pump = OutputPump(FakeEngine(), watch=watch)
+    ids = itertools.count()
+    answered = []
+
+    class ClosedLoop(FakeSink):  # a client that sends its next request as soon as its answer is in
+        def send_final(self, outputs=None):
+            time.sleep(0.001)
+            super().send_final(outputs)
+            answered.append(1)
+            if pump._is_running:
+                request_id = f"r{next(ids)}"
+                pump.register(_stream(request_id, ClosedLoop()))
+                pump.on_output(request_id, [1], FinishReason.LENGTH, None)
+
+    for _ in range(4):
+        request_id = f"r{next(ids)}"
+        pump.register(_stream(request_id, ClosedLoop()))
+        pump.on_output(request_id, [1], FinishReason.LENGTH, None)
+    pump.start()
+    try:
+        time.sleep(1.0)
+        beats = watch.beats
+    finally:
+        pump.stop()
+    assert len(answered) > 100 and beats >= 10, (len(answered), beats)
+
+
+def test_tokens_that_complete_a_stop_before_an_error_end_the_stream_normally():
+    """A stop string completed by tokens the engine made before its deadline (or a failed step) passed: when the pump
+    had fallen behind, the tokens and the error were merged and the client got a 504 for an answer that was whole,
+    where a pump that kept up sent it with finish_reason stop. Tokens that complete nothing still end in the error."""
+    engine, done, cut = FakeEngine(), FakeSink(), FakeSink()
+    pump = OutputPump(engine)
+    for request_id, sink in {"done": done, "cut": cut}.items():
+        stream = _stop_stream("cd")
+        stream.request_id, stream.sink = request_id, sink
+        pump.register(stream)
+    late = wire.DEADLINE_PREFIX + "the request did not finish within 1 s"
+    pump.on_output("done", [0, 1, 2, 3], None, None)  # "abcd": "cd" completes at the fourth
+    pump.on_output("done", [4], FinishReason.ERROR, late)
+    pump.on_output("cut", [0, 1, 4], None, None)  # "abe"
+    pump.on_output("cut", [], FinishReason.ERROR, late)
+    pump.start()
+    try:
+        _run(pump, lambda: done.is_closed and cut.is_closed)
+    finally:
+        pump.stop()
+    assert [kind for kind, _ in done.sent] == ["final"]
+    assert _sent(done.sent[0][1])[:3] == ("ab", [0, 1, 2, 3], "stop")
+    assert cut.sent[-1] == ("error", late) and engine.cancelled == []
