@@ -35,7 +35,9 @@ GAUGES = {
     "num_reserved_pages": ("mstar_kv_pages_reserved", "paged-KV pages reserved by admitted requests"),
     "num_free_pages": ("mstar_kv_pages_free", "paged-KV pages free"),
     "num_cached_pages": ("mstar_kv_pages_cached", "paged-KV pages no request holds, kept for the prefix cache"),
-    "num_used_state_slots": ("mstar_state_slots_used", "recurrent-state pool slots held (0: no state pool)"),
+    "num_used_state_slots": ("mstar_state_slots_used",
+                             "per-request state slots held beside the paged KV (Whisper's decoder: its cross-attention "
+                             "slots; 0 elsewhere)"),
     "num_codec_streams": ("mstar_codec_streams",
                           "speech streams open on the codec edge, queued ones included (0: no codec edge)"),
 }

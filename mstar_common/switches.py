@@ -55,6 +55,16 @@ BOOLEAN_SWITCHES = {
 }
 
 
+def _engine_process_on() -> bool:
+    """MSTAR_ENGINE_PROCESS (a bad value is refused by the boolean loop already: not named twice)."""
+    from mstar_common.engine import engine_process
+
+    try:
+        return engine_process.enabled()
+    except ValueError:
+        return False
+
+
 def _parsers() -> list[Callable[[], object]]:
     """The parsers of the switches that take more than 0 or 1, as the code calls them."""
     from mstar_common import config, gc_policy, gil, images, native_backtrace, pdl_switches, stall_watch
@@ -68,7 +78,7 @@ def _parsers() -> list[Callable[[], object]]:
                decoder.fused_mlp_rows, decoder.fused_mlp_options, decoder.norm_gemv_mode,
                flashinfer_backend.prefill_kernel_family, output_pump.pump_shards, images.png_encoder,
                gc_policy.gc_log_ms, config.bls_hold_s, native_backtrace.library_path,
-               lambda: engine_process.chosen_python() if engine_process.enabled() else None]
+               lambda: engine_process.chosen_python() if _engine_process_on() else None]
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -339,6 +339,8 @@ class OutputPump:
         urgent = dict.fromkeys(rid for rid in due if self._is_urgent(rid))
         index = run = 0
         while self._is_running:
+            while index < len(due) and due[index] not in self._pending:
+                index += 1  # sent already, ahead of the round (an urgent one): not one of its own sends
             if urgent and (run < URGENT_RUN or index >= len(due)):
                 request_id, run = next(iter(urgent)), run + 1
             elif index < len(due):

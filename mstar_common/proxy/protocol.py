@@ -379,7 +379,7 @@ def thinking_shortcut_names(kwargs: dict[str, Any] | None, enable_thinking: bool
                             shortcut: str) -> dict[str, str]:
     """`field_names` for a refusal of `chat_template_kwargs.enable_thinking` (a template without that variable)
     where the client sent it as the `shortcut` field alone: named as the client sent it."""
-    if enable_thinking is None or "enable_thinking" in (kwargs or {}):
+    if enable_thinking is None or (kwargs or {}).get("enable_thinking") is not None:  # (null: unset)
         return {}
     return {f"{wire.CHAT_TEMPLATE_KWARGS}.enable_thinking": shortcut}
 

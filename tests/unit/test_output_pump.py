@@ -540,3 +540,49 @@ def test_tokens_that_complete_a_stop_before_an_error_end_the_stream_normally():
     assert [kind for kind, _ in done.sent] == ["final"]
     assert _sent(done.sent[0][1])[:3] == ("ab", [0, 1, 2, 3], "stop")
     assert cut.sent[-1] == ("error", late) and engine.cancelled == []
+
+
+def test_a_round_started_with_many_firsts_and_lasts_still_sends_its_own_streams_within_the_urgent_run(monkeypatch):
+    """The round's own entries already sent as urgent each reset the run without a send: with 20 short requests in
+    the round, each final starting the client's next request, a decoding stream's chunk waited 168 sends."""
+    import itertools
+
+    from mstar_common.engine.output_pump import URGENT_RUN
+
+    monkeypatch.setenv("MSTAR_PUMP_FIRST_LAST", "1")
+    pump = OutputPump(FakeEngine())
+    ids = itertools.count()
+    order: list[str] = []
+
+    class ClosedLoop(FakeSink):
+        def __init__(self, request_id):
+            super().__init__()
+            self.request_id = request_id
+
+        def send_chunk(self, outputs):
+            order.append(self.request_id)
+            super().send_chunk(outputs)
+
+        def send_final(self, outputs=None):
+            order.append(self.request_id)
+            super().send_final(outputs)
+            request_id = f"new{next(ids)}"
+            pump.register(_stream(request_id, ClosedLoop(request_id)))
+            pump.on_output(request_id, [1], FinishReason.LENGTH, None)
+
+    for k in range(20):
+        pump.register(_stream(f"short{k}", ClosedLoop(f"short{k}")))
+        pump.on_output(f"short{k}", [1], FinishReason.LENGTH, None)
+    long_stream = _stream("long", ClosedLoop("long"))
+    long_stream.last_output = time.monotonic()  # decoding: its next tokens are not urgent
+    pump.register(long_stream)
+    pump.on_output("long", [1, 2], None, None)
+    pump._is_running = True
+    pump._drain()
+    pump._send_round()
+    own = {f"short{k}" for k in range(20)} | {"long"}
+    last_own = max(i for i, rid in enumerate(order) if rid in own)
+    # the new requests' firsts sent before the round's last own send: each run of them delays an own stream
+    runs = [len(list(group)) for is_new, group in itertools.groupby(order[:last_own], key=lambda rid: rid not in own)
+            if is_new]
+    assert "long" in order and max(runs, default=0) <= URGENT_RUN, (runs, order.index("long"))

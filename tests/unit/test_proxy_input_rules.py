@@ -668,3 +668,10 @@ def test_a_null_enable_thinking_is_unset_wherever_it_is_sent():
     for body in ({"chat_template_kwargs": {"enable_thinking": None}}, {"enable_thinking": None}):
         assert TestClient(app).post("/v1/chat/completions", json={**unset, **body}).status_code == 200
         assert wire.CHAT_TEMPLATE_KWARGS not in fake.requests[-1].tensors
+
+
+def test_a_null_enable_thinking_beside_the_shortcut_is_named_as_the_shortcut():
+    from mstar_common.proxy.protocol import thinking_shortcut_names
+
+    assert thinking_shortcut_names({"enable_thinking": None}, True, "enable_thinking") == thinking_shortcut_names(
+        {}, True, "enable_thinking") == {"chat_template_kwargs.enable_thinking": "enable_thinking"}

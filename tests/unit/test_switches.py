@@ -250,3 +250,10 @@ def test_the_engine_python_is_looked_up_as_the_stubs_will_and_only_where_it_is_u
         check_switches()
     clean_env.delenv("MSTAR_ENGINE_PROCESS")
     check_switches()
+
+
+def test_a_bad_engine_process_switch_is_named_once(clean_env):
+    clean_env.setenv("MSTAR_ENGINE_PROCESS", "yes")
+    with pytest.raises(ValueError) as raised:
+        check_switches()
+    assert str(raised.value).count("MSTAR_ENGINE_PROCESS") == 1
