@@ -271,3 +271,37 @@ def test_edit_buckets_larger_than_a_reference_can_be_are_never_captured():
     with pytest.raises(DeploymentError, match=r"^test.yaml: model_kwargs.capture_edit_sizes: \['1536x1024'\] exceed "
                                               r"max_reference_area=1048576; .* would never replay"):
         options_from_kwargs({"capture_edit_sizes": ["1024x1024", "1536x1024"]}, "test.yaml")
+
+
+def test_the_dit_attention_order_is_set_once_for_the_process_not_around_each_call():
+    """`sdpa_kernel` around every call set and restored torch's process-wide SDPA priority: with Z-Image's caption
+    refiner and the eager denoise steps on two threads, one thread's exit put the default order back under the
+    other's call (flash first, not cuDNN), and the last exit left its saved order set for good. Run in a child
+    process: the order is the process's."""
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.attention as nn_attention
+from mstar_common.diffusion import attention
+
+default = torch._C._get_sdp_priority_order()
+def no_context(*args, **kwargs):
+    raise AssertionError("no per-call sdpa_kernel context")
+nn_attention.sdpa_kernel = no_context
+threads = [threading.Thread(target=attention.use_backend_order) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+order = torch._C._get_sdp_priority_order()
+assert order[0] == int(SDPBackend.CUDNN_ATTENTION) and order != default, (order, default)
+attention.use_backend_order()
+assert torch._C._get_sdp_priority_order() == order
+assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+print("ok")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MSTAR_DIT_ATTENTION"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
