@@ -182,7 +182,9 @@ def test_asked_processes_never_exceed_the_concurrency():
 
 def test_poisson_arrivals_keep_their_schedule_when_the_client_lags(monkeypatch):
     """Each arrival slept its interval after the previous wake-up, so a busy event loop (it also parses every
-    stream) pushed every later arrival back: 4 ms of work a request made 40 arrivals at 100 req/s ~0.16 s late."""
+    stream) pushed every later arrival back: 20 ms of work a request makes 40 arrivals at 20 req/s ~0.78 s late.
+    (The margin is wide: on a loaded 2-core CI machine the fake server's thread alone delayed the last start by
+    up to 0.2 s.)"""
     import random
     import time
 
@@ -191,18 +193,18 @@ def test_poisson_arrivals_keep_their_schedule_when_the_client_lags(monkeypatch):
     real = drivers._one
 
     async def busy(client, base_url, body, rec):
-        time.sleep(0.004)  # the event loop held, as by parsing other streams' events
+        time.sleep(0.02)  # the event loop held, as by parsing other streams' events
         await real(client, base_url, body, rec)
 
     monkeypatch.setattr(drivers, "_one", busy)
-    count, rate = 40, 100.0
+    count, rate = 40, 20.0
     with SSEServer() as server:
         records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
             _requests(count), rate=rate, seed=7)
     rng = random.Random(7)
     scheduled = sum(rng.expovariate(rate) for _ in range(count - 1))
     starts = sorted(r.start for r in records)
-    assert starts[-1] - starts[0] < scheduled + 0.08, (starts[-1] - starts[0], scheduled)  # late by 0.156 s before
+    assert starts[-1] - starts[0] < scheduled + 0.4, (starts[-1] - starts[0], scheduled)
 
 
 class GatedSSEServer(SSEServer):

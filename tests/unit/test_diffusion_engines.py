@@ -329,7 +329,10 @@ def test_a_shutdown_answers_the_running_jobs_and_the_ones_that_came_during_the_l
     engine.submit(late)  # waits in the queue for the next iteration, which never comes
     stopper = threading.Thread(target=engine.shutdown)
     stopper.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while not engine._is_stopped:  # the shutdown has begun (a fixed sleep was a guess on a loaded machine)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     stepper.release.set()
     stopper.join(10)
     assert running_done.done.wait(5) and late_done.done.wait(5)

@@ -689,7 +689,7 @@ def test_a_windows_failure_ends_the_request_at_once_and_starts_no_more_hops(loca
         if len(opened) == 2:  # window 1's decoder refuses it
             raise ComponentError("decoder", wire.OVERLOADED_PREFIX + "64 requests in whisper_decoder already")
         yield {"token_ids": np.array([token], np.int32)}
-        await asyncio.sleep(3)  # window 0 decodes on
+        await asyncio.Event().wait()  # window 0 decodes on, never to end: the failure must not wait for it
         yield {"token_ids": np.array([token], np.int32), "finish_reason": np.array([b"stop"], object)}
 
     async def transcribe():
@@ -699,14 +699,12 @@ def test_a_windows_failure_ends_the_request_at_once_and_starts_no_more_hops(loca
 
     options = local.walk.options
     local.walk.options = dataclasses.replace(options, max_parallel_windows=2)
-    try:
-        started = time.monotonic()
+    started = time.monotonic()
+    try:  # (window 0 never ends: a failure that waited for it would time out here instead)
         with pytest.raises(ComponentError, match="64 requests"):
-            asyncio.run(asyncio.wait_for(transcribe(), timeout=10))
-        failed_after = time.monotonic() - started
+            asyncio.run(asyncio.wait_for(transcribe(), timeout=30))
     finally:
         local.walk.options = options
-    assert failed_after < 1.0, failed_after
     assert len(opened) == 2, opened  # windows 2.. (5 in all) never reached the decoder
 
 
