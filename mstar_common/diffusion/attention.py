@@ -25,13 +25,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> to
     """`[B, S, heads, D]` in and out (flattened heads), SDPA (on a GPU, the backend `MSTAR_DIT_ATTENTION` names)."""
     query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
     if query.is_cuda:
-        use_backend_order()
+        use_backend_order(query.device)
     out = F.scaled_dot_product_attention(query, key, value)
     return out.permute(0, 2, 1, 3).flatten(2, 3).to(query.dtype)
 
 
-def use_backend_order() -> None:
-    """Make `sdpa_backends()` torch's SDPA priority order for this process, once (every backend stays enabled)."""
+def use_backend_order(device: torch.device | None = None) -> None:
+    """Make `sdpa_backends()` torch's SDPA priority order for this process, once (cuDNN, flash, efficient and math
+    stay enabled; torch's `overrideable` slot, which no CUDA build fills, is left off). On `device`, one tiny SDPA
+    call first: torch sets its own default order at the first CUDA call, over any set before it on builds that
+    prefer cuDNN."""
     global _order_is_set
     if _order_is_set:
         return
@@ -41,6 +44,9 @@ def use_backend_order() -> None:
             if backends:
                 from torch.nn.attention import _sdpa_kernel  # what `sdpa_kernel` sets on entry, without the restore
 
+                if device is not None and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                    probe = torch.zeros(1, 1, 1, 64, device=device, dtype=torch.bfloat16)
+                    F.scaled_dot_product_attention(probe, probe, probe)
                 _sdpa_kernel(backends, True)
             _order_is_set = True
 

@@ -182,29 +182,37 @@ def test_asked_processes_never_exceed_the_concurrency():
 
 def test_poisson_arrivals_keep_their_schedule_when_the_client_lags(monkeypatch):
     """Each arrival slept its interval after the previous wake-up, so a busy event loop (it also parses every
-    stream) pushed every later arrival back: 20 ms of work a request makes 40 arrivals at 20 req/s ~0.78 s late.
-    (The margin is wide: on a loaded 2-core CI machine the fake server's thread alone delayed the last start by
-    up to 0.2 s.)"""
+    stream) pushed every later arrival back. On a fake clock, 20 ms of loop-holding work a request at 20 req/s: on
+    the absolute schedule the last of 40 arrivals starts within one request's work of its time; sleeping each
+    interval anew it would start 39 x 20 ms = 0.78 s late. (Real time gave this test a margin a loaded 2-core CI
+    machine could eat, and the relative schedule lost less than the work per arrival there.)"""
     import random
-    import time
+    import types
 
     from mstar_common.bench import drivers
 
-    real = drivers._one
+    clock = [100.0]
+    real_sleep = asyncio.sleep
+    work, count, rate = 0.02, 40, 20.0
+
+    async def fake_sleep(seconds):
+        clock[0] += max(0.0, seconds)
+        await real_sleep(0)  # the tasks created meanwhile run now, each holding the loop for `work`
 
     async def busy(client, base_url, body, rec):
-        time.sleep(0.02)  # the event loop held, as by parsing other streams' events
-        await real(client, base_url, body, rec)
+        rec.start = clock[0]
+        clock[0] += work
 
+    monkeypatch.setattr(drivers, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(drivers.asyncio, "sleep", fake_sleep)
     monkeypatch.setattr(drivers, "_one", busy)
-    count, rate = 40, 20.0
-    with SSEServer() as server:
-        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids), processes=1).run(
-            _requests(count), rate=rate, seed=7)
+    records = asyncio.run(drivers._run_bodies("http://127.0.0.1:9", [{}] * count, None, rate, 7, 10.0))
     rng = random.Random(7)
-    scheduled = sum(rng.expovariate(rate) for _ in range(count - 1))
-    starts = sorted(r.start for r in records)
-    assert starts[-1] - starts[0] < scheduled + 0.4, (starts[-1] - starts[0], scheduled)
+    scheduled = sum(rng.expovariate(rate) for _ in range(count))  # the last arrival's offset after the loop starts
+    starts = [r.start for r in records]
+    assert starts == sorted(starts)
+    late = starts[-1] - (100.0 + scheduled)
+    assert -1e-9 <= late <= work + 1e-9, late
 
 
 class GatedSSEServer(SSEServer):
