@@ -8,7 +8,8 @@ instance). docs/metrics.md lists the series and what they mean.
 The latency histograms are Prometheus counters in a histogram's shape (`BucketCounters`): a `pb_utils`
 histogram takes one IPC round trip to the server per observed value, and with an ITL sample per token (20,000 a
 second at c=64) those round trips took the stub's message path from its response sends: a thread observing
-beside a sender halved the sender's rate (`scripts/probe_metric_ipc.py`), and the exporter fell behind the pump.
+beside a sender cut the sender's rate by more than half (`scripts/probe_send_rate.py --observer`), and the exporter
+fell behind the pump.
 """
 
 from __future__ import annotations

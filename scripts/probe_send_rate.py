@@ -1,14 +1,17 @@
 #!/usr/bin/env python
 """How fast one Python-backend instance can send decoupled responses, by outputs per response and sender threads.
 
-    python scripts/probe_send_rate.py [--streams 64] [--rounds 40] [--outputs 1 2 5] [--threads 1 2 4]
+    python scripts/probe_send_rate.py [--streams 64] [--rounds 40] [--outputs 1 2 5] [--threads 1 2 4] [--observer]
 
 One throwaway decoupled model `fan` in a temporary repository, served by a real tritonserver. The client opens
 `--streams` gRPC streams with one request each; once the model holds them all, `THREADS` sender threads share the
 streams and send `--rounds` responses to each (the output pump's pattern at c=streams: one response per stream
 per cycle), each response carrying `OUTPUTS` small tensors (a text output and four int32 ones, as a text chunk
 does), then a final response with the stub's own timing. Prints responses per second as the stub saw them, and
-the mean time inside one `send` call.
+the mean time inside one `send` call. `--observer`: each setting again with a thread beside the senders that calls
+`observe` on a metrics histogram as fast as it can (one IPC round trip to the server a call: what the component
+metrics did with one ITL sample a token before backends/metrics.py kept its histograms as bucket counters), and
+its calls a second.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ CONFIG = '''name: "fan"
 backend: "python"
 max_batch_size: 0
 model_transaction_policy { decoupled: true }
-input [ { name: "PLAN", data_type: TYPE_INT32, dims: [ 4 ] } ]
+input [ { name: "PLAN", data_type: TYPE_INT32, dims: [ 5 ] } ]
 output [
   { name: "TEXT", data_type: TYPE_STRING, dims: [ 1 ] },
   { name: "IDS", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "A", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "B", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "C", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "STATS", data_type: TYPE_FP64, dims: [ 2 ] }
+  { name: "STATS", data_type: TYPE_FP64, dims: [ 3 ] }
 ]
 instance_group [ { kind: KIND_CPU, count: 1 } ]
 '''
@@ -60,6 +63,9 @@ class TritonPythonModel:
     def initialize(self, args):
         self.held = []
         self.lock = threading.Lock()
+        self.family = pb_utils.MetricFamily(name="probe_seconds", description="probe",
+                                            kind=pb_utils.MetricFamily.HISTOGRAM)
+        self.histogram = self.family.Metric(labels={"probe": "1"}, buckets=[0.001, 0.01, 0.1, 1.0])
 
     def execute(self, requests):
         for request in requests:
@@ -71,8 +77,14 @@ class TritonPythonModel:
                     threading.Thread(target=self.fan, args=(senders, *plan[1:]), daemon=True).start()
         return None
 
-    def fan(self, senders, rounds, count, threads):
+    def fan(self, senders, rounds, count, threads, observe):
         in_send = [0.0] * threads
+        stop, observed = threading.Event(), [0]
+
+        def observer():
+            while not stop.is_set():
+                self.histogram.observe(0.002)
+                observed[0] += 1
 
         def work(k):
             mine = senders[k::threads]
@@ -83,6 +95,9 @@ class TritonPythonModel:
                     sender.send(response)
                     in_send[k] += time.perf_counter() - t
 
+        watcher = threading.Thread(target=observer)
+        if observe:
+            watcher.start()
         start = time.perf_counter()
         workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
         for w in workers:
@@ -90,14 +105,19 @@ class TritonPythonModel:
         for w in workers:
             w.join()
         elapsed = time.perf_counter() - start
-        stats = np.array([len(senders) * rounds / elapsed, 1e3 * sum(in_send) / (len(senders) * rounds)])
+        stop.set()
+        if observe:
+            watcher.join()
+        stats = np.array([len(senders) * rounds / elapsed, 1e3 * sum(in_send) / (len(senders) * rounds),
+                          observed[0] / elapsed])
         for sender in senders:
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("STATS", stats)]),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 '''
 
 
-def measure(url: str, streams: int, rounds: int, count: int, threads: int) -> tuple[float, float]:
+def measure(url: str, streams: int, rounds: int, count: int, threads: int,
+            observe: bool = False) -> tuple[float, float, float]:
     import tritonclient.grpc as grpcclient
 
     clients, finals = [], queue.Queue()
@@ -121,8 +141,8 @@ def measure(url: str, streams: int, rounds: int, count: int, threads: int) -> tu
             client.start_stream(callback=callback)
             clients.append(client)
         for client in clients:
-            plan = grpcclient.InferInput("PLAN", [4], "INT32")
-            plan.set_data_from_numpy(np.array([streams, rounds, count, threads], np.int32))
+            plan = grpcclient.InferInput("PLAN", [5], "INT32")
+            plan.set_data_from_numpy(np.array([streams, rounds, count, threads, int(observe)], np.int32))
             client.async_stream_infer("fan", [plan])
         got = [finals.get(timeout=300) for _ in range(streams)]
     finally:
@@ -134,7 +154,7 @@ def measure(url: str, streams: int, rounds: int, count: int, threads: int) -> tu
             raise RuntimeError(str(item))
     if received[0] != streams * rounds:
         raise RuntimeError(f"received {received[0]} of {streams * rounds} responses")
-    return float(got[0][0]), float(got[0][1])
+    return float(got[0][0]), float(got[0][1]), float(got[0][2])
 
 
 def main() -> None:
@@ -144,21 +164,26 @@ def main() -> None:
     parser.add_argument("--outputs", type=int, nargs="+", default=[1, 2, 5], help="tensors per response (1-5)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4], help="sender threads")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--observer", action="store_true", help="each setting also beside an observing thread")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="probe-send-") as tmp:
         repo = Path(tmp) / "repo"
         (repo / "fan" / "1").mkdir(parents=True)
         (repo / "fan" / "config.pbtxt").write_text(CONFIG)
         (repo / "fan" / "1" / "model.py").write_text(MODEL)
-        with bare_triton(repo, Path(tmp) / "tritonserver.log") as url:
+        with bare_triton(repo, Path(tmp) / "tritonserver.log", ("--allow-metrics=true",)) as url:
             measure(url, args.streams, 4, 5, 1)  # warm-up
             for count in args.outputs:
                 for threads in args.threads:
-                    runs = [measure(url, args.streams, args.rounds, count, threads) for _ in range(args.repeats)]
-                    best = max(runs)
-                    print(f"outputs {count} threads {threads}: {best[0]:,.0f} responses/s "
-                          f"(runs {', '.join(f'{r[0]:,.0f}' for r in runs)}); {best[1]:.3f} ms per send", flush=True)
-                    time.sleep(0.2)
+                    for observe in (False, True) if args.observer else (False,):
+                        runs = [measure(url, args.streams, args.rounds, count, threads, observe)
+                                for _ in range(args.repeats)]
+                        best = max(runs)
+                        beside = f"; beside {best[2]:,.0f} observe calls/s" if observe else ""
+                        print(f"outputs {count} threads {threads}: {best[0]:,.0f} responses/s (runs "
+                              f"{', '.join(f'{r[0]:,.0f}' for r in runs)}); {best[1]:.3f} ms per send{beside}",
+                              flush=True)
+                        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import contextlib
 import threading
 import time
 
+import pytest
+
 from mstar_common import wire
 from mstar_common.engine.output_pump import OutputPump, TextStream
 from mstar_common.engine.types import FinishReason
@@ -418,20 +420,25 @@ def test_sharded_watch_beats_only_when_every_pump_has_beaten():
     assert watch.stops == 1
 
 
-def test_tokens_queued_with_the_shutdown_that_complete_a_stop_end_the_stream_normally():
-    """The engine's shutdown ends a request CANCELLED; tokens it made before that, still queued for a stream that
-    fell behind, may complete a stop string: that stream was done, and its client gets the answer, not a 503.
-    Tokens that complete nothing still end in the retryable error."""
+LATE = wire.DEADLINE_PREFIX + "the request did not finish within 1 s"
+
+
+@pytest.mark.parametrize("finish, error", [(FinishReason.CANCELLED, None), (FinishReason.ERROR, LATE)])
+def test_tokens_queued_with_the_end_that_complete_a_stop_end_the_stream_normally(finish, error):
+    """The engine's shutdown ends a request CANCELLED, its deadline or a failed step with an error; tokens it made
+    before that, still queued for a stream that fell behind, may complete a stop string: that stream was done, and
+    its client gets the answer, not a 503 (or a 504: whether the pump had sent them first was only a race). Tokens
+    that complete nothing still end in the retryable error, or in the error."""
     engine, done, cut = FakeEngine(), FakeSink(), FakeSink()
     pump = OutputPump(engine)
     for request_id, sink in {"done": done, "cut": cut}.items():
         stream = _stop_stream("cd")
         stream.request_id, stream.sink = request_id, sink
         pump.register(stream)
-    pump.on_output("done", [0, 1, 2, 3, 4], None, None)  # "abcde": "cd" completes at the fourth
-    pump.on_output("done", [], FinishReason.CANCELLED, None)
+    pump.on_output("done", [0, 1, 2, 3], None, None)  # "abcd": "cd" completes at the fourth
+    pump.on_output("done", [4], finish, error)
     pump.on_output("cut", [0, 1, 4], None, None)  # "abe"
-    pump.on_output("cut", [], FinishReason.CANCELLED, None)
+    pump.on_output("cut", [], finish, error)
     pump.start()
     try:
         _run(pump, lambda: done.is_closed and cut.is_closed)
@@ -440,7 +447,7 @@ def test_tokens_queued_with_the_shutdown_that_complete_a_stop_end_the_stream_nor
     assert [kind for kind, _ in done.sent] == ["final"]
     assert _sent(done.sent[0][1]) == ("ab", [0, 1, 2, 3], "stop", 4)
     kind, message = cut.sent[-1]
-    assert kind == "error" and wire.error_class(message) == wire.UNAVAILABLE_PREFIX
+    assert kind == "error" and (message == error if error else wire.error_class(message) == wire.UNAVAILABLE_PREFIX)
     assert pump.num_streams == 0 and engine.cancelled == []
 
 
@@ -515,36 +522,11 @@ def test_a_pump_saturated_by_short_requests_keeps_beating_its_stall_watch(monkey
         pump.on_output(request_id, [1], FinishReason.LENGTH, None)
     pump.start()
     try:
-        time.sleep(1.0)
+        _run(pump, lambda: len(answered) >= 200, timeout=60)  # (a count, not a time: CI machines are loaded)
         beats = watch.beats
     finally:
         pump.stop()
-    assert len(answered) > 100 and beats >= 10, (len(answered), beats)
-
-
-def test_tokens_that_complete_a_stop_before_an_error_end_the_stream_normally():
-    """A stop string completed by tokens the engine made before its deadline (or a failed step) passed: when the pump
-    had fallen behind, the tokens and the error were merged and the client got a 504 for an answer that was whole,
-    where a pump that kept up sent it with finish_reason stop. Tokens that complete nothing still end in the error."""
-    engine, done, cut = FakeEngine(), FakeSink(), FakeSink()
-    pump = OutputPump(engine)
-    for request_id, sink in {"done": done, "cut": cut}.items():
-        stream = _stop_stream("cd")
-        stream.request_id, stream.sink = request_id, sink
-        pump.register(stream)
-    late = wire.DEADLINE_PREFIX + "the request did not finish within 1 s"
-    pump.on_output("done", [0, 1, 2, 3], None, None)  # "abcd": "cd" completes at the fourth
-    pump.on_output("done", [4], FinishReason.ERROR, late)
-    pump.on_output("cut", [0, 1, 4], None, None)  # "abe"
-    pump.on_output("cut", [], FinishReason.ERROR, late)
-    pump.start()
-    try:
-        _run(pump, lambda: done.is_closed and cut.is_closed)
-    finally:
-        pump.stop()
-    assert [kind for kind, _ in done.sent] == ["final"]
-    assert _sent(done.sent[0][1])[:3] == ("ab", [0, 1, 2, 3], "stop")
-    assert cut.sent[-1] == ("error", late) and engine.cancelled == []
+    assert beats >= 20, (len(answered), beats)  # 0 before: the round never ended
 
 
 def test_a_round_started_with_many_firsts_and_lasts_still_sends_its_own_streams_within_the_urgent_run(monkeypatch):

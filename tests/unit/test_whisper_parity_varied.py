@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_whisper_parity import (  # noqa: F401 - collected here with this module's fixtures
+# its tests, collected here, and its `reference` and `local` fixtures, both on this module's `checkpoint`
+from tests.unit.test_whisper_parity import (  # noqa: F401
+    local,
+    reference,
     test_captured_decode_steps_equal_transformers,
     test_greedy_tokens_equal_transformers_generate,
     test_initial_prompt_and_language_detection,
@@ -20,7 +23,6 @@ from tests.unit.test_whisper_parity import (  # noqa: F401 - collected here with
     test_window_scores_equal_transformers,
 )
 from tests.unit.test_whisper_parity import test_gpu_decoder_fused_ops_keep_the_tokens as fused_ops_keep_the_tokens
-from tests.whisper_local import LocalWhisper
 
 
 @pytest.fixture(scope="module")
@@ -30,21 +32,7 @@ def checkpoint(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("whisper") / "tiny-varied", varied=True)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
-
-    return (WhisperForConditionalGeneration.from_pretrained(checkpoint).eval(),
-            WhisperFeatureExtractor.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint))
-
-
-@pytest.fixture(scope="module")
-def local(checkpoint):
-    with LocalWhisper(checkpoint) as harness:
-        yield harness
-
-
-def test_the_checkpoints_norms_and_biases_vary(reference):
+def test_the_checkpoints_norms_and_biases_vary(reference):  # noqa: F811 - the fixture
     """(So the checks above see them: no LayerNorm of weight 1 and bias 0, no all-zero bias.)"""
     import torch
 
