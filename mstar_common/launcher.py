@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -294,11 +295,17 @@ _HELD_PORT_LOCKS: dict[int, tuple[int, Path]] = {}  # port -> (the open lock fil
 
 def _lock_file(path: Path) -> tuple[int | None, str | None]:
     """(fd holding `path`'s lock, None), or (None, who holds it); (None, None) where it cannot be opened. A file
-    its holder unlinked while this one waited on it is opened again (the lock must be on the file the path names)."""
+    its holder unlinked while this one waited on it is opened again (the lock must be on the file the path names).
+    Never through a symlink, and only a regular file of this user's is written (the folder is shared: another
+    user's link there made a serve truncate and overwrite the file it named)."""
     for _ in range(5):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError:
+            return None, None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(fd)
             return None, None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -307,7 +314,7 @@ def _lock_file(path: Path) -> tuple[int | None, str | None]:
             os.close(fd)
             return None, f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
         try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(path).st_ino == info.st_ino:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, str(os.getpid()).encode(), 0)
                 return fd, None
@@ -333,7 +340,16 @@ def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> dict[int, s
     folder = PORT_LOCK_DIR if lock_dir is None else lock_dir
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
-        folder.chmod(0o1777)  # every user's servers share it; each lock file stays its owner's
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return {}
+    if not stat.S_ISDIR(info.st_mode):  # a symlink (or a file) where the folder should be: not followed, unchecked
+        logger.warning("%s is not a folder (a symlink?): the ports are not locked against a second serve", folder)
+        return {}
+    if info.st_uid == os.geteuid():
+        with contextlib.suppress(OSError):
+            folder.chmod(0o1777)  # every user's servers share it; each lock file stays its owner's
     taken: dict[int, tuple[int, Path]] = {}
     held: dict[int, str] = {}
     for port in ports:

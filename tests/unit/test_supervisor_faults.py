@@ -302,3 +302,29 @@ def test_readiness_is_asked_directly_whatever_http_proxy_says(monkeypatch):
     finally:
         sleeper.kill()
         sleeper.wait(5)
+
+
+def test_a_port_lock_never_writes_through_a_symlink_nor_chmods_a_linked_folder(tmp_path):
+    """The lock folder is shared in $TMPDIR: another user's `8000.lock -> ~/.bashrc` there made a serve truncate the
+    file it named and write its pid into it, and a folder that was itself a link to a private one was made 1777."""
+    import stat as stat_module
+
+    from mstar_common import launcher
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    (locks / "40010.lock").symlink_to(victim)
+    assert launcher.reserve_ports([40010], locks) == {}
+    launcher.release_ports([40010])
+    assert victim.read_text() == "keep" and (locks / "40010.lock").is_symlink()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (tmp_path / "linked").symlink_to(private)
+    assert launcher.reserve_ports([40011], tmp_path / "linked") == {}
+    launcher.release_ports([40011])
+    assert stat_module.S_IMODE(private.stat().st_mode) == 0o700 and not list(private.iterdir())
+    assert launcher.reserve_ports([40012], locks) == {}  # a real folder of this user's still locks
+    assert (locks / "40012.lock").read_text() == str(os.getpid())
+    launcher.release_ports([40012])
