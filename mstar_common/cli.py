@@ -169,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if busy := [f"{what} {port} ({flag})" for what, port, flag in wanted if port_in_use(port)]:
         raise DeploymentError(f"port(s) already in use: {', '.join(busy)}; stop what listens there or choose others")
     run_folders.usable_root()  # refused before anything is written there (the port locks live in it too)
+    _check_stub_folder()
     if held := reserve_ports([port for _, port, _ in wanted]):  # a serve still loading has not bound them yet
         named = [f"{what} {port} ({flag}: {held[port]})" for what, port, flag in wanted if port in held]
         raise DeploymentError(f"port(s) taken by a server still starting: {', '.join(named)}; stop it or choose "
@@ -416,6 +417,21 @@ def _print_urls(dep, ports, args, run_dir: Path) -> None:
         "  Ctrl-C stops both servers.",
     ]
     print("\n".join(line for line in lines if line), flush=True)
+
+
+def _check_stub_folder() -> None:
+    """The Python backend's own folder goes through the same unquoted shell as the repository (every stub is started
+    as `bash -c "exec <its folder>/triton_python_backend_stub <model folder> ..."`): a venv or TRITONSERVER_HOME at a
+    path with a space passed every check and no stub ever started."""
+    from mstar_common.triton_env import find_triton, shell_unsafe
+
+    try:
+        install = find_triton()
+    except FileNotFoundError:
+        return  # no tritonserver: refused where it is started, with the install hint
+    if reason := shell_unsafe(install.backend_dir / "python"):
+        raise DeploymentError(f"tritonserver's Python backend folder: {reason}; install the project (its venv, or "
+                              "TRITONSERVER_HOME) at a path without them")
 
 
 def tcp_port_arg(value: str) -> int:

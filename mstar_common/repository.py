@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ from mstar_common.config import Deployment, DeploymentError, load_deployment
 from mstar_common.families.registry import get_family
 from mstar_common.graph import MODEL_DTYPE, Component, FamilyGraph, Step, TensorSpec, Walk, components_in, is_static_dag
 from mstar_common.graph.walk import Sequential
+from mstar_common.triton_env import shell_unsafe
 
 NODE_MODULES = {
     # component kind -> the backends/ module whose TritonPythonModel runs it
@@ -79,21 +79,6 @@ def write_repository(dep: Deployment, repo: str | Path, source: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     return repo
-
-
-# tritonserver's Python backend starts each stub through a shell with the model's folder unquoted: a space splits it
-# (the stub dies parsing its arguments and the server never becomes ready) and `$(...)` in it runs
-_SHELL_SAFE = re.compile(r"[A-Za-z0-9._/+,:@%=-]")
-
-
-def shell_unsafe(path: str | Path) -> str | None:
-    """Why tritonserver's Python backend cannot start stubs from a repository at `path` (its absolute form holds a
-    character a shell splits or expands), or None."""
-    text = str(Path(path).absolute())
-    if bad := sorted({c for c in text if not _SHELL_SAFE.fullmatch(c)}):
-        return (f"{text} holds {' '.join(repr(c) for c in bad)}: tritonserver's Python backend starts its stubs "
-                f"through a shell with this path unquoted, so it must be letters, digits and . _ / + , : @ % = - only")
-    return None
 
 
 def generate_repository(deployment_path: str | Path, out_dir: str | Path, dep: Deployment | None = None) -> Deployment:

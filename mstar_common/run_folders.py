@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from mstar_common.config import DeploymentError
-from mstar_common.repository import shell_unsafe
+from mstar_common.triton_env import shell_unsafe
 
 OWNER = "owner.pid"
 _SUFFIX = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkdtemp adds to the prefix

@@ -9,6 +9,7 @@ the server runs with this environment's bin directory first on PATH.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -23,6 +24,21 @@ class TritonInstall:
     binary: Path
     backend_dir: Path  # holds python/ with libtriton_python.so, the utils module and the stub
     lib_dirs: tuple[Path, ...]
+
+
+# tritonserver's Python backend starts each stub through a shell with the model's folder unquoted: a space splits it
+# (the stub dies parsing its arguments and the server never becomes ready) and `$(...)` in it runs
+_SHELL_SAFE = re.compile(r"[A-Za-z0-9._/+,:@%=-]")
+
+
+def shell_unsafe(path: str | Path) -> str | None:
+    """Why tritonserver's Python backend cannot start stubs from a repository at `path` (its absolute form holds a
+    character a shell splits or expands), or None."""
+    text = str(Path(path).absolute())
+    if bad := sorted({c for c in text if not _SHELL_SAFE.fullmatch(c)}):
+        return (f"{text} holds {' '.join(repr(c) for c in bad)}: tritonserver's Python backend starts its stubs "
+                f"through a shell with this path unquoted, so it must be letters, digits and . _ / + , : @ % = - only")
+    return None
 
 
 def find_triton() -> TritonInstall:

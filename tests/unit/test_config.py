@@ -755,3 +755,23 @@ def test_whisper_refuses_an_fp8_pool_its_decoders_head_dim_cannot_take(tmp_path)
         family.check_checkpoint(deployment_from_dict(copy.deepcopy(raw)), checkpoint, "test.yaml")
     raw["resources"]["kv_cache"]["dtype"] = "auto"
     family.check_checkpoint(deployment_from_dict(raw), checkpoint, "test.yaml")
+
+
+def test_a_python_backend_folder_a_shell_would_split_is_refused_before_serving(tmp_path, monkeypatch):
+    """Each stub is started as `bash -c "exec <backend folder>/triton_python_backend_stub ..."`: a venv or
+    TRITONSERVER_HOME at a path with a space passed every check of `mstar serve`, and no stub ever started."""
+    from mstar_common import cli
+    from mstar_common.config import DeploymentError
+    from mstar_common.triton_env import STUB
+
+    for home, refused in ((tmp_path / "tri ton", True), (tmp_path / "triton", False)):
+        (home / "bin").mkdir(parents=True)
+        (home / "bin" / "tritonserver").write_text("")
+        (home / "backends" / "python").mkdir(parents=True)
+        (home / "backends" / "python" / STUB).write_text("")
+        monkeypatch.setenv("TRITONSERVER_HOME", str(home))
+        if refused:
+            with pytest.raises(DeploymentError, match=r"Python backend folder: .*tri ton.* holds ' '"):
+                cli._check_stub_folder()
+        else:
+            cli._check_stub_folder()
