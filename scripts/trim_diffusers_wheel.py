@@ -7,10 +7,10 @@
 The device's Python lacks diffusers, and a device call carries at most 64 MiB with the working tree and `.device/`
 (~49 MiB): the 6.4 MB wheel did not fit, its 2.0 MB cut (2.2 MB by hand, the first time) does. This drops the
 pipelines, modular pipelines, ControlNets and schedulers the FLUX.2 and Z-Image benchmarks do not use, then puts
-back each module that the imports below
-still need (diffusers' package `__init__`s load some submodules eagerly), until they import, and writes the wheel
-with its RECORD cut to the files kept. Checked here: tests/unit/test_flux2_parity.py, test_z_image_parity.py,
-test_bench_flux2.py and test_diffusion_engines.py pass with it first on PYTHONPATH.
+back each module that the imports below still need (diffusers' package `__init__`s load some submodules eagerly),
+until they import, and writes the wheel with its RECORD cut to the files kept. Checked here:
+tests/unit/test_flux2_parity.py, test_z_image_parity.py, test_bench_flux2.py and test_diffusion_engines.py pass
+with it first on PYTHONPATH.
 """
 
 from __future__ import annotations
