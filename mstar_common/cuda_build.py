@@ -1,7 +1,8 @@
 """Build a CUDA C++ source into a shared library that ctypes loads, for this machine's first GPU
 (the probes' CUDA forms: scripts/probe_persistent_step.cu, scripts/probe_staged_gemv.cu).
 Built once per hash of the source, the local files it includes (`#include "..."`) and the architecture, under the
-mstar cache directory (`MSTAR_CACHE_DIR`, else the temp directory)."""
+mstar cache directory (`MSTAR_CACHE_DIR`, else ~/.cache/mstar: a library at a predictable path in the shared temp
+directory, built by anyone, would be loaded as is)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from mstar_common.checkpoints import cache_dir
 
 
 def nvcc() -> str:
@@ -49,8 +51,7 @@ def build_library(source: Path, name: str) -> ctypes.CDLL:
     major, minor = torch.cuda.get_device_capability(0)
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
     digest = source_digest(source, arch)
-    cache = os.environ.get("MSTAR_CACHE_DIR", "").strip() or tempfile.gettempdir()  # empty: unset, as every switch
-    library = Path(cache) / name / f"{source.stem}_{digest}.so"
+    library = cache_dir() / name / f"{source.stem}_{digest}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
