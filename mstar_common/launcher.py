@@ -301,12 +301,15 @@ def _lock_file(path: Path) -> tuple[int | None, str | None]:
     for _ in range(5):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError:
-            return None, None
+        except OSError:  # another user's (0644), or a symlink: only asked
+            return None, _holder(path)
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             return None, None
+        if info.st_uid != os.geteuid():  # another user's (root opens it read-write): asked, never written
+            os.close(fd)
+            return None, _holder(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -324,6 +327,26 @@ def _lock_file(path: Path) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _holder(path: Path) -> str | None:
+    """Who holds the lock on another user's lock file (read only, not followed), or None where no one does or it
+    cannot be asked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            return f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
+        return None
+    finally:
+        os.close(fd)
+
+
 def _unlock_file(fd: int, path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()  # while still locked, so a later serve never locks a file no path names
@@ -336,7 +359,7 @@ def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> dict[int, s
     ports only after the load, so `port_in_use` sees nothing), is refused instead of loading the models again and
     then taking the first one's readiness answer for its own. Returns {port: who holds it} for the ports another
     process holds, having taken none; {} when all are now this process's (`release_ports` lets them go and removes
-    the files). Best effort: a lock file that cannot be opened (another user's) is not checked."""
+    the files). Another user's lock file is asked (read, never written), a symlink never followed."""
     folder = PORT_LOCK_DIR if lock_dir is None else lock_dir
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)

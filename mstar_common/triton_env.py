@@ -35,7 +35,8 @@ def shell_unsafe(path: str | Path) -> str | None:
     """Why tritonserver's Python backend cannot start stubs from a repository at `path` (its absolute form holds a
     character a shell splits or expands), or None."""
     text = str(Path(path).absolute())
-    if bad := sorted({c for c in text if not _SHELL_SAFE.fullmatch(c)}):
+    # (a non-ASCII letter is neither split nor expanded: its UTF-8 bytes are all >= 0x80, none a shell's)
+    if bad := sorted({c for c in text if c.isascii() and not _SHELL_SAFE.fullmatch(c)}):
         return (f"{text} holds {' '.join(repr(c) for c in bad)}: tritonserver's Python backend starts its stubs "
                 f"through a shell with this path unquoted, so it must be letters, digits and . _ / + , : @ % = - only")
     return None

@@ -764,7 +764,7 @@ def test_a_python_backend_folder_a_shell_would_split_is_refused_before_serving(t
     from mstar_common.config import DeploymentError
     from mstar_common.triton_env import STUB
 
-    for home, refused in ((tmp_path / "tri ton", True), (tmp_path / "triton", False)):
+    for home, refused in ((tmp_path / "tri ton", True), (tmp_path / "triton", False), (tmp_path / "tést", False)):
         (home / "bin").mkdir(parents=True)
         (home / "bin" / "tritonserver").write_text("")
         (home / "backends" / "python").mkdir(parents=True)

@@ -328,3 +328,26 @@ def test_a_port_lock_never_writes_through_a_symlink_nor_chmods_a_linked_folder(t
     assert launcher.reserve_ports([40012], locks) == {}  # a real folder of this user's still locks
     assert (locks / "40012.lock").read_text() == str(os.getpid())
     launcher.release_ports([40012])
+
+
+def test_another_users_loading_serve_is_seen_without_its_lock_file_being_written(tmp_path, monkeypatch):
+    """The lock folder is shared by every user's serves: another user's lock file is asked (read only), so a serve
+    of theirs still loading is seen; since the symlink fix, root skipped such a file and loaded a second server.
+    (This process plays the other user: its uid as the launcher sees it is not the lock file's owner's.)"""
+    from mstar_common import launcher
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from mstar_common.launcher import reserve_ports; "
+        f"assert reserve_ports([41011], Path({str(tmp_path)!r})) == {{}}; print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = (tmp_path / "41011.lock").read_text()
+        monkeypatch.setattr(launcher.os, "geteuid", lambda: os.getuid() + 4242)
+        assert launcher.reserve_ports([41011], tmp_path) == {41011: f"mstar serve pid {holder.pid}"}
+        assert (tmp_path / "41011.lock").read_text() == before
+    finally:
+        holder.kill()
+        holder.wait(5)
+    assert launcher.reserve_ports([41011], tmp_path) == {}  # no holder left: another user's file is left unchecked
+    assert 41011 not in launcher._HELD_PORT_LOCKS and (tmp_path / "41011.lock").read_text() == before
