@@ -310,12 +310,9 @@ def _lock_file(path: Path) -> tuple[int | None, str | None]:
         if info.st_uid != os.geteuid():  # another user's (root opens it read-write): asked, never written
             os.close(fd)
             return None, _holder(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if (holder := _lock_or_holder(fd)) is not None:
             os.close(fd)
-            return None, f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
+            return None, holder
         try:
             if os.lstat(path).st_ino == info.st_ino:
                 os.ftruncate(fd, 0)
@@ -335,16 +332,19 @@ def _holder(path: Path) -> str | None:
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            return f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
-        return None
+        return _lock_or_holder(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     finally:
         os.close(fd)
+
+
+def _lock_or_holder(fd: int) -> str | None:
+    """Take the lock on `fd` (None), or who holds it: the pid its holder wrote there."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        return f"mstar serve pid {owner}" if owner.isdigit() else "another mstar serve"
+    return None
 
 
 def _unlock_file(fd: int, path: Path) -> None:
