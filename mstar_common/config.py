@@ -91,7 +91,7 @@ class ComponentConfig:
     cuda_graphs: bool = False  # capture decode/prefill graphs at startup (GPU only)
     # Autoregressive components (engine/cuda_graph.py); None = the engine's default ladder.
     decode_buckets: list[int] | None = None  # rows captured for decode steps (default 1, 2, 4, 8, 16, 24, 32, ...)
-    prefill_token_buckets: list[int] | None = None  # packed tokens captured for prefill/mixed steps (64 ... 4096)
+    prefill_token_buckets: list[int] | None = None  # prefill/mixed steps (64, 128, ... max_batch_tokens)
     capture_sampling: bool = True  # also capture the on-device sampling variant of each bucket
     attention_backend: str = "auto"  # auto | triton | triton_unfused | torch | torch_static | flashinfer
     fused_ops: bool = True  # Triton kernels for residual-add+RMSNorm and SiLU*up on the GPU

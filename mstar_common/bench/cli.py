@@ -280,22 +280,30 @@ def prompt_text_for(checkpoint: Path | None):
 
 
 def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Path | None,
-          metrics: str | None = None, on_run=None) -> list[dict]:
+          metrics: str | None = None, on_run=None, prefix_cache: bool | None = None) -> list[dict]:
     """Every level of the run, each with its client-side summary and, where Triton's `metrics` page (URL) is
     given, the server-side latency the components recorded over it (`server`). `on_run(runs)` is called after
     each level with the levels so far (the serve command writes its results file there, so a run cut short by a
-    time limit keeps the levels it measured)."""
+    time limit keeps the levels it measured). `prefix_cache`: whether the server's prefix cache is on (None: not
+    known); with it on (or not known), a level that resends a prompt of an --input-data file that wrapped round
+    records how many (`repeated_prompts`) and says so, since those prefills are cache hits."""
     workload = workload_from_args(args)
     given = args.input_requests  # main() read --input-data
     described = _describe(args.input_data, given) if given else describe_workload(workload)
     runs = []
     issued = 0
+    sent: set[tuple[int, ...]] = set()  # the file's prompts sent so far (warm-ups included)
+    repeats = 0  # of the last batch, prompts sent before
 
     def requests(count: int) -> list[dict]:  # new prompts for every level (none repeats within a run)
-        nonlocal issued
+        nonlocal issued, repeats
         issued += count
         if given is not None:  # the file's requests in order, from where the last level stopped, wrapping round
-            return [dict(given[(issued - count + i) % len(given)]) for i in range(count)]
+            batch = [dict(given[(issued - count + i) % len(given)]) for i in range(count)]
+            prompts = [tuple(req["input_ids"]) for req in batch]
+            repeats = sum(1 for i, p in enumerate(prompts) if p in sent or p in prompts[:i])
+            sent.update(prompts)
+            return batch
         return workload.requests(count, first=issued - count)
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms) if args.slo_ttft_ms or args.slo_tpot_ms else None
@@ -307,6 +315,14 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
         run = {"target": target, **load, "workload": described, "summary": summary}
         if target == "triton":
             run["outputs"] = args.triton_outputs  # what its client asked for (--triton-outputs)
+        if repeats and prefix_cache is not False:
+            run["repeated_prompts"] = repeats
+            print(f"[bench] warning: {target} {load}: {repeats} of {len(records)} prompts were sent before in this "
+                  f"run (--input-data holds {len(given)} requests and wrapped round), and the server's prefix cache "
+                  f"is {'on' if prefix_cache else 'perhaps on (its deployment could not be read)'}: their "
+                  f"prefills were served from it, so TTFT and tok/s are not full prefills. Serve with "
+                  f"resources.kv_cache.prefix_caching: false, or write more prompts (`mstar bench "
+                  f"perf-analyzer-data --num-prompts`)", flush=True)
         latency = server.stop(sum(r.ttft is not None for r in records))
         if latency is not None:
             run["server"] = latency
@@ -365,11 +381,25 @@ def describe_workload(workload: Workload) -> dict:
 
 
 def _describe(path: str, requests: list[dict]) -> dict:
-    """A file workload's record: its path and the range of its lengths."""
+    """A file workload's record: its path, the range of its lengths, and the values its entries give
+    `ignore_eos` and `temperature` (None for an entry that leaves one to the server's default)."""
     prompts = [len(r["input_ids"]) for r in requests]
     outputs = [r["max_tokens"] for r in requests]
     return {"input_data": str(path), "requests": len(requests), "prompt_len": [min(prompts), max(prompts)],
-            "output_len": [min(outputs), max(outputs)]}
+            "output_len": [min(outputs), max(outputs)],
+            **{knob: sorted({r.get(knob) for r in requests}, key=repr) for knob in ("ignore_eos", "temperature")}}
+
+
+def hf_lengths(args) -> tuple[int, int]:
+    """The prompt and output lengths `--hf-baseline` runs HF generate at: an --input-data file's, where all its
+    requests have one prompt length and one max_tokens (else --prompt-len and --output-len, and the report
+    compares no level with HF); --hf-output-len over either."""
+    prompt, output = args.prompt_len, args.output_len
+    if given := getattr(args, "input_requests", None):
+        prompts, outputs = {len(r["input_ids"]) for r in given}, {r["max_tokens"] for r in given}
+        if len(prompts) == 1 and len(outputs) == 1:
+            (prompt,), (output,) = prompts, outputs
+    return prompt, args.hf_output_len or output
 
 
 def _ms(value: float | None) -> str:
@@ -420,7 +450,8 @@ def _serve(args) -> int:
         try:
             model["runs"] = sweep(args, server.ports.grpc_url, server.entry,
                                   server.ports.proxy_url if with_proxy else None, args.checkpoint,
-                                  server.ports.metrics_url, on_run=_saver(model, args.out))
+                                  server.ports.metrics_url, on_run=_saver(model, args.out),
+                                  prefix_cache=args.prefix_caching)
         finally:
             memory["peak"] = sampler.stop()
         line = gpu_memory.report_line(memory)
@@ -553,8 +584,8 @@ def add_baselines(model: dict, args) -> None:
 
         from mstar_common.bench.baseline import hf_generate
 
-        model["hf_generate"] = hf_generate(args.checkpoint, args.prompt_len, args.hf_output_len or args.output_len,
-                                           args.hf_batch, device="cuda" if args.device == "gpu" else "cpu",
+        model["hf_generate"] = hf_generate(args.checkpoint, *hf_lengths(args), args.hf_batch,
+                                           device="cuda" if args.device == "gpu" else "cpu",
                                            repeats=args.hf_repeats, dtype=getattr(torch, args.dtype))
 
 
@@ -617,6 +648,15 @@ def served_deployment(grpc_url: str, model: str) -> dict | None:
     return None
 
 
+def served_prefix_cache(dep: dict | None) -> bool | None:
+    """Whether a served deployment (`served_deployment`) has its prefix cache on: unset is on for the text LLMs
+    that `mstar bench url` measures (docs/deployment.md); None where the deployment is not known."""
+    if dep is None:
+        return None
+    setting = ((dep.get("resources") or {}).get("kv_cache") or {}).get("prefix_caching")
+    return True if setting is None else bool(setting)
+
+
 def check_targets(grpc_url: str, model: str, proxy_url: str | None, name: str) -> str | None:
     """Why the running server cannot be measured (unreachable, the entry model not ready, the proxy not healthy
     or not serving `name`), or None."""
@@ -661,7 +701,8 @@ def cmd_url(args) -> int:
         model["deployment"] = deployment_served
     host = args.grpc.rpartition(":")[0] or "127.0.0.1"
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
-    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics, on_run=_saver(model, args.out))
+    model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics, on_run=_saver(model, args.out),
+                          prefix_cache=served_prefix_cache(deployment_served))
     Path(args.out).write_text(json.dumps(model, indent=1))
     print(f"[bench] wrote {args.out}")
     return _exit_status(model["runs"])

@@ -243,12 +243,12 @@ class OpenAIDriver:
         return client_processes(self.processes, count, concurrency, rate)
 
     def body(self, request: dict) -> dict:
+        """The /v1/completions body of one request: its prompt as text and every knob it holds, the same knobs
+        the Triton driver sends as tensors (one it leaves out takes the server's default on both routes)."""
         return {"model": self.model, "prompt": self.prompt_text(request["input_ids"]), "stream": True,
-                "max_tokens": request["max_tokens"], "ignore_eos": request["ignore_eos"],
-                "temperature": request["temperature"],
                 # the tokens so far on every chunk, so each chunk's count is exact (as the Triton driver's)
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                **{name: request[name] for name in ("top_p", "top_k", wire.STOP, wire.STOP_TOKEN_IDS)
+                **{name: request[name] for name in (*wire.SAMPLING_INPUTS, wire.STOP, wire.STOP_TOKEN_IDS)
                    if name in request}}
 
 

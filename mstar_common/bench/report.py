@@ -65,7 +65,8 @@ def markdown(results: dict) -> str:
         for hf in model.get("hf_generate", []):
             lines.append(f"| HF generate | batch {hf['batch']} | {hf['batch']} | - | {_fmt(hf['output_tok_per_s'], 0)} "
                          f"| - | {_fmt(hf['itl_ms'], 3)} (mean) | - | 0 |")
-        lines += [""] + [f"- {line}" for line in comparisons(model) + slo_lines(model) + server_lines(model)] + [""]
+        lines += [""] + [f"- {line}" for line in comparisons(model) + repeat_lines(model) + slo_lines(model)
+                         + server_lines(model)] + [""]
     return "\n".join(lines)
 
 
@@ -121,6 +122,14 @@ def serving_line(dep: dict) -> str:
     return "Serving: " + "; ".join(parts) + "."
 
 
+def repeat_lines(model: dict) -> list[str]:
+    """Levels that resent prompts of an --input-data file with the server's prefix cache on (or not known): those
+    prefills were cache hits, not the full prefills the figures would otherwise be."""
+    return [f"{run['target']} {_load(run)}: {run['repeated_prompts']} of {run['summary']['num_requests']} prompts "
+            f"were sent before in the run (the input-data file wrapped round) with the prefix cache on or not known: "
+            f"their prefills were cache hits" for run in model.get("runs", []) if run.get("repeated_prompts")]
+
+
 def slo_lines(model: dict) -> list[str]:
     """Per level run with an SLO (`mstar bench --slo-ttft-ms/--slo-tpot-ms`): the share that met it, the goodput."""
     out = []
@@ -168,7 +177,16 @@ def _not_hf_like(workload: dict | None, hf: dict, prefix_caching: bool | None = 
         return None
     fixed = f"HF ran {hf['prompt_len']}-token prompts and exactly {hf['output_len']} output tokens"
     if "input_data" in workload:
-        return f"the served prompts came from {workload['input_data']}; {fixed}"
+        source = f"the served prompts came from {workload['input_data']}"
+        (p_lo, p_hi), (o_lo, o_hi) = workload["prompt_len"], workload["output_len"]
+        if "ignore_eos" not in workload or (p_lo, p_hi, o_lo, o_hi) != (hf["prompt_len"], hf["prompt_len"],
+                                                                          hf["output_len"], hf["output_len"]):
+            return f"{source} ({p_lo}-{p_hi} tokens, max_tokens {o_lo}-{o_hi}); {fixed}"
+        if workload["ignore_eos"] != [True]:
+            return f"{source}, and not every entry sets ignore_eos true (a request could stop at an EOS); {fixed}"
+        if any(t is None or t != 0 for t in workload["temperature"]):
+            return f"{source}, and not every entry sets temperature 0 (greedy); HF ran greedy"
+        return None
     served = (workload.get("prompt_len"), workload.get("prompt_len_max") or workload.get("prompt_len"),
               workload.get("output_len"), workload.get("output_len_max") or workload.get("output_len"))
     if served != (hf["prompt_len"], hf["prompt_len"], hf["output_len"], hf["output_len"]):

@@ -7,7 +7,8 @@ come from the seed and `i`), and a sweep numbers its requests across levels, so 
 a prompt; with `shared_prefix_len` every prompt starts with the same that many tokens (a system prompt, for the
 prefix cache). The same requests are written as perf_analyzer input-data JSON
 (`perf_analyzer_configs/`), and `requests_from_file` reads such a file back into requests (`mstar bench
---input-data`), so our harness and perf_analyzer send the same thing.
+--input-data`): the tensors an entry holds and nothing more, so our harness and perf_analyzer send the same thing
+(a knob an entry leaves out takes the server's default under both).
 """
 
 from __future__ import annotations
@@ -112,9 +113,12 @@ def load_perf_analyzer_data(path: str | Path) -> list[dict]:
 
 
 def requests_from_file(path: str | Path) -> list[dict]:
-    """The requests of a perf_analyzer input-data file (`--input-data`), checked: each needs `input_ids` (a
-    non-empty list of token ids) and `max_tokens` (>= 1); `ignore_eos` defaults to true (fixed output lengths, as
-    the generated workloads) and `temperature` to 0 (greedy). Raises ValueError naming the entry and the field."""
+    """The requests of a perf_analyzer input-data file (`--input-data`), checked as the entry model's config would
+    have perf_analyzer check them: each needs `input_ids` (a non-empty list of token ids) and `max_tokens` (>= 1);
+    every other name must be one of the text-LM entry's inputs (`FILE_INPUTS`), a knob one value of its type.
+    Nothing is filled in: a knob an entry leaves out takes the server's default, as under perf_analyzer (the
+    generated files state `ignore_eos` and `temperature` in every entry). Raises ValueError naming the entry and
+    the field."""
     try:
         requests = load_perf_analyzer_data(path)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -122,16 +126,39 @@ def requests_from_file(path: str | Path) -> list[dict]:
     if not requests:
         raise ValueError(f"{path}: data: no requests")
     for index, req in enumerate(requests):
+        if unknown := [name for name in req if name not in FILE_INPUTS]:
+            raise ValueError(f"{path}: data[{index}].{unknown[0]}: not an input of the text-LM entry model "
+                             f"(its inputs: {', '.join(FILE_INPUTS)})")
         ids, max_tokens = req.get("input_ids"), req.get("max_tokens")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"{path}: data[{index}].input_ids: must be a non-empty list of token ids (ints >= 0)")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if not _is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"{path}: data[{index}].max_tokens: must be an integer >= 1, got {max_tokens!r}")
         if scalars := [name for name, value in req.items() if name not in LIST_INPUTS and isinstance(value, list)]:
             raise ValueError(f"{path}: data[{index}].{scalars[0]}: one value per request, got "
                              f"{len(req[scalars[0]])}")
+        for name, value in req.items():
+            if name in wire.SAMPLING_INPUTS and (rule := _type_rule(wire.SAMPLING_INPUTS[name][0], value)):
+                raise ValueError(f"{path}: data[{index}].{name}: {rule}, got {value!r}")
         if not all(isinstance(s, str) for s in req.get(wire.STOP, [])):
             raise ValueError(f"{path}: data[{index}].{wire.STOP}: must be a list of strings")
-        req.setdefault("ignore_eos", True)
-        req.setdefault("temperature", 0.0)
+        if not all(_is_int(i) for i in req.get(wire.STOP_TOKEN_IDS, [])):
+            raise ValueError(f"{path}: data[{index}].{wire.STOP_TOKEN_IDS}: must be a list of token ids (ints)")
     return requests
+
+
+FILE_INPUTS = (wire.INPUT_IDS, *wire.SAMPLING_INPUTS, wire.STOP, wire.STOP_TOKEN_IDS)  # what an entry may hold
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_rule(dtype: str, value) -> str | None:
+    """The JSON type perf_analyzer needs for a knob of Triton type `dtype` (a BOOL is a JSON bool, an integer an
+    integer, a float any number), where `value` is not of it; None where it is."""
+    if dtype == "BOOL":
+        return None if isinstance(value, bool) else "must be true or false"
+    if dtype.startswith("INT"):
+        return None if _is_int(value) else "must be an integer"
+    return None if isinstance(value, int | float) and not isinstance(value, bool) else "must be a number"

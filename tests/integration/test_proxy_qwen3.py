@@ -314,8 +314,8 @@ def test_mstar_bench_url_replays_an_input_data_file(served, tmp_path):
     from mstar_common.cli import main
 
     lengths = [(8, 3), (20, 5), (13, 4)]  # (prompt tokens, max_tokens)
-    data = {"data": [{"input_ids": {"content": list(range(10, 10 + n)), "shape": [n]}, "max_tokens": [m]}
-                     for n, m in lengths]}
+    data = {"data": [{"input_ids": {"content": list(range(10, 10 + n)), "shape": [n]}, "max_tokens": [m],
+                      "ignore_eos": [True], "temperature": [0.0]} for n, m in lengths]}
     (tmp_path / "mixed.json").write_text(json.dumps(data))
     out = tmp_path / "mixed_run.json"
     assert main(["bench", "url", "--grpc", served.grpc_url, "--model", served.entry, "--proxy", served.proxy_url,
@@ -326,7 +326,10 @@ def test_mstar_bench_url_replays_an_input_data_file(served, tmp_path):
     assert triton["summary"]["output_tokens"] == 5 + 4 + 3 + 5 and triton["summary"]["num_errors"] == 0
     assert proxy["summary"]["output_tokens"] == 3 + 5 + 4 + 3 and proxy["summary"]["num_errors"] == 0
     assert triton["workload"] == {"input_data": str(tmp_path / "mixed.json"), "requests": 3, "prompt_len": [8, 20],
-                                  "output_len": [3, 5]}
+                                  "output_len": [3, 5], "ignore_eos": [True], "temperature": [0.0]}
+    # the demo's prefix cache is on (unset), so the prompts sent before in the run are counted: file 0 (the
+    # warm-up's) and the level's second file 1; every one of the proxy level's
+    assert (triton["repeated_prompts"], proxy["repeated_prompts"]) == (2, 4)
 
 
 def test_mstar_bench_url_sends_sampled_requests_through_triton_and_the_proxy(served, tmp_path):

@@ -60,6 +60,14 @@ def test_a_level_is_compared_with_hf_only_at_the_lengths_hf_ran():
     assert "not compared" in line({**fixed, "prompt_len_max": 1024})
     assert "could stop at an EOS" in line({**fixed, "ignore_eos": False})
     assert "came from f.json" in line({"input_data": "f.json", "prompt_len": [512, 512], "output_len": [256, 256]})
+    # a file's workload is compared where every entry is HF's: one length each, ignore_eos true, greedy
+    same = {"input_data": "f.json", "prompt_len": [512, 512], "output_len": [256, 256], "ignore_eos": [True],
+            "temperature": [0.0]}
+    assert line(same).endswith("= 25.0x")
+    assert "came from f.json (500-512 tokens" in line({**same, "prompt_len": [500, 512]})
+    assert "not every entry sets ignore_eos" in line({**same, "ignore_eos": [None, True]})
+    assert "not every entry sets temperature 0" in line({**same, "temperature": [None]})
+    assert "not every entry sets temperature 0" in line({**same, "temperature": [0.0, 0.7]})
     assert line(None).endswith("= 25.0x")  # a results file from before the lengths were recorded
 
 
@@ -118,3 +126,15 @@ def test_the_floors_bytes_are_what_a_decode_step_reads(tmp_path):
     ids = _safetensors(tmp_path / "ids", {"model.norm.weight": torch.zeros(8, dtype=torch.bfloat16),
                                           "position_ids": torch.zeros(3, dtype=torch.int64)}, tied=None)
     assert weight_bytes(ids, "float32") == 8 * 4 + 3 * 8  # an integer buffer keeps its size (it raised KeyError)
+
+
+def test_levels_that_resent_an_input_data_files_prompts_say_so():
+    """perf_analyzer files hold 16 prompts; a level past them resends prompts, and with the server's prefix cache
+    on their prefills are cache hits: the report says which levels, not full prefills as the figures suggest."""
+    from mstar_common.bench.report import repeat_lines
+
+    summary = {"num_requests": 128}
+    model = {"runs": [{"target": "triton", "concurrency": 1, "summary": {"num_requests": 12}},
+                      {"target": "triton", "concurrency": 64, "summary": summary, "repeated_prompts": 128}]}
+    (only,) = repeat_lines(model)
+    assert only.startswith("triton c=64: 128 of 128 prompts were sent before") and "cache hits" in only

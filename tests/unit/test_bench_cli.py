@@ -200,7 +200,10 @@ def test_engine_metrics_sums_the_prefix_cache_counters_over_instances(bench):
     assert bench.engine_metrics(url) == {}  # the server is gone: reported, not raised
 
 
-def test_input_data_files_round_trip_and_fill_the_defaults(tmp_path):
+def test_input_data_files_round_trip_and_send_only_what_an_entry_holds(tmp_path):
+    """An entry that leaves a knob out sends none, as perf_analyzer does (the server's default applies under
+    both); `ignore_eos` and `temperature` were filled in, so the two ran different workloads from one file."""
+    from mstar_common.bench.drivers import OpenAIDriver, _triton_inputs
     from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
 
     written = Workload("fixed", 12, 5, temperature=0.5).requests(3)
@@ -208,8 +211,28 @@ def test_input_data_files_round_trip_and_fill_the_defaults(tmp_path):
     path.write_text(json.dumps(perf_analyzer_data(written)))
     assert requests_from_file(path) == written
     path.write_text(json.dumps({"data": [{"input_ids": {"content": [5, 6, 7], "shape": [3]}, "max_tokens": [4]}]}))
-    assert requests_from_file(path) == [{"input_ids": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
-                                         "temperature": 0.0}]
+    (bare,) = requests_from_file(path)
+    assert bare == {"input_ids": [5, 6, 7], "max_tokens": 4}
+    assert {t.name() for t in _triton_inputs(bare)} == {"input_ids", "max_tokens"}
+    body = OpenAIDriver("http://127.0.0.1:9", "m", lambda ids: "x " * len(ids)).body(bare)
+    assert "ignore_eos" not in body and "temperature" not in body and body["max_tokens"] == 4
+
+
+def test_the_proxy_arm_sends_every_knob_of_an_input_data_entry(tmp_path):
+    """`seed`, `min_p` and `repetition_penalty` reached Triton as tensors and were dropped from the proxy's body,
+    so the two arms of one run served different requests."""
+    from mstar_common.bench.drivers import OpenAIDriver, _triton_inputs
+    from mstar_common.bench.workload import requests_from_file
+
+    knobs = {"ignore_eos": [True], "temperature": [0.7], "top_p": [0.9], "top_k": [20], "min_p": [0.05],
+             "repetition_penalty": [1.1], "seed": [7], "stop": ["END"], "stop_token_ids": [11]}
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"data": [{"input_ids": [5, 6, 7], "max_tokens": [4], **knobs}]}))
+    (request,) = requests_from_file(path)
+    body = OpenAIDriver("http://127.0.0.1:9", "m", lambda ids: "x " * len(ids)).body(request)
+    sent = {name for name in body if name not in ("model", "prompt", "stream", "stream_options")}
+    assert sent == {t.name() for t in _triton_inputs(request)} - {"input_ids"} == set(knobs) | {"max_tokens"}
+    assert (body["seed"], body["min_p"], body["repetition_penalty"]) == (7, 0.05, 1.1)
 
 
 def test_input_data_keeps_the_list_inputs_whole_and_sends_them_as_one_tensor(tmp_path):
@@ -238,6 +261,17 @@ def test_input_data_keeps_the_list_inputs_whole_and_sends_them_as_one_tensor(tmp
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "temperature": [0.5, 0.7]}]},
      "data[0].temperature: one value per request, got 2"),
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "stop": [5]}]}, "data[0].stop: must be a list of strings"),
+    # perf_analyzer refuses a name the entry model lacks; the harness sent it as a BYTES tensor the server refused
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "ignore_eso": [True]}]},
+     "data[0].ignore_eso: not an input of the text-LM entry model"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "ignore_eos": [1]}]},
+     "data[0].ignore_eos: must be true or false, got 1"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "seed": [1.5]}]}, "data[0].seed: must be an integer"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "temperature": ["0.5"]}]},
+     "data[0].temperature: must be a number"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [True]}]}, "data[0].max_tokens: must be an integer >= 1"),
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "stop_token_ids": [1.5]}]},
+     "data[0].stop_token_ids: must be a list of token ids"),
 ])
 def test_bad_input_data_is_refused_before_anything_runs(tmp_path, capsys, data, fragment):
     path = tmp_path / "bad.json"
@@ -801,3 +835,24 @@ def test_the_bench_reads_its_own_servers_metrics_whatever_http_proxy_says(monkey
     behind_unreachable_proxy(monkeypatch)
     with answering(b"mstar_up 1\n") as url:
         assert bench_cli._metrics_text(f"{url}/metrics", "counters") == "mstar_up 1\n"
+
+
+def test_the_hf_baseline_runs_at_an_input_data_files_lengths_where_it_has_one_of_each():
+    """`--hf-baseline --input-data F` timed HF at --prompt-len/--output-len (512/256) whatever F held, and the
+    report then declined every comparison."""
+    args = argparse.Namespace(prompt_len=512, output_len=256, hf_output_len=None, input_requests=None)
+    assert bench_cli.hf_lengths(args) == (512, 256)
+    args.input_requests = [{"input_ids": [5] * 128, "max_tokens": 64}] * 3
+    assert bench_cli.hf_lengths(args) == (128, 64)
+    args.hf_output_len = 32
+    assert bench_cli.hf_lengths(args) == (128, 32)
+    args.hf_output_len, args.input_requests = None, [{"input_ids": [5] * 128, "max_tokens": 64},
+                                                     {"input_ids": [5] * 100, "max_tokens": 64}]
+    assert bench_cli.hf_lengths(args) == (512, 256)  # not one length: the flags', and no level is compared
+
+
+def test_a_served_deployment_says_whether_its_prefix_cache_is_on():
+    assert bench_cli.served_prefix_cache(None) is None
+    assert bench_cli.served_prefix_cache({"resources": {"kv_cache": {"prefix_caching": None}}}) is True
+    assert bench_cli.served_prefix_cache({"resources": {"kv_cache": {"prefix_caching": False}}}) is False
+    assert bench_cli.served_prefix_cache({"resources": {"kv_cache": {"prefix_caching": True}}}) is True

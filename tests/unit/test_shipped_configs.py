@@ -38,3 +38,29 @@ def test_whisper_refuses_an_explicit_prefix_cache():
     dep.resources.kv_cache = dataclasses.replace(dep.resources.kv_cache, prefix_caching=True)
     with pytest.raises(DeploymentError, match="resources.kv_cache.prefix_caching"):
         validate_deployment(dep, "whisper.yaml")
+
+
+def test_the_bench_deployment_is_what_bench_serve_serves_for_the_suite():
+    """configs/qwen3_0_6b_gpu_bench.yaml is for replaying perf_analyzer_configs/text_lm against a running server:
+    it must serve as `mstar bench serve` does in docs/benchmarks.md (scripts/gpu_suite.sh's flags), above all with
+    the prefix cache off, since those files' 16 prompts repeat."""
+    import argparse
+
+    from mstar_common.bench import cli as bench_cli
+    from mstar_common.config import deployment_from_dict
+
+    args = argparse.Namespace(
+        name="qwen3-0.6b", family="qwen3", checkpoint="Qwen/Qwen3-0.6B", device="gpu", no_graphs=False,
+        instances=1, attention_backend="auto", no_fused_ops=False, no_capture_sampling=False,
+        decode_buckets=[1, 2, 4, 8, 16, 32, 64], token_buckets=[512, 1024, 2048], num_pages=1024, page_size=64,
+        kv_dtype="auto", prefix_caching=False, max_model_len=1024, max_batch_tokens=2048, max_concurrent=64,
+        dtype="bfloat16", output_len=256, proxy_workers=1)
+    served = deployment_from_dict(bench_cli.deployment(args), source="bench")
+    shipped = load_deployment(Path(CONFIGS[0]).parent / "qwen3_0_6b_gpu_bench.yaml")
+    validate_deployment(shipped, "qwen3_0_6b_gpu_bench.yaml")
+    assert shipped.resources.kv_cache.prefix_caching is False
+    assert shipped.resources == served.resources
+    assert shipped.max_concurrent_requests == served.max_concurrent_requests == 64
+    for key in ("cuda_graphs", "decode_buckets", "prefill_token_buckets", "attention_backend", "fused_ops"):
+        assert getattr(shipped.components["llm"], key) == getattr(served.components["llm"], key), key
+    assert shipped.model_kwargs["generation_config"] == served.model_kwargs["generation_config"] == "ignore"
