@@ -170,6 +170,29 @@ def test_bad_uploads_are_400s_and_the_server_keeps_serving(asr, oai, data, kwarg
     assert transcribe(oai, asr, wav(clip(0, 2)), language="en", temperature=0.0).text is not None
 
 
+def test_m4a_and_webm_uploads_are_transcribed_through_ffmpeg(asr, oai, tmp_path):
+    """An M4A holding the WAV's own 16-bit samples (ALAC, lossless) is transcribed to the same text and segments;
+    a browser's WebM/Opus is transcribed; a cut M4A is a 400 naming the file, and the server keeps serving."""
+    pytest.importorskip("av")
+    from tests.unit.test_whisper_containers import container_bytes
+
+    pcm = np.round(clip(2, 4) * 32767).astype(np.float32) / 32767  # what PCM_16 and ALAC both hold exactly
+    want = transcribe(oai, asr, wav(pcm), language="en", temperature=0.0, response_format="verbose_json")
+    m4a = container_bytes(tmp_path, "ipod", "alac", pcm[:, None], SR)
+    got = oai.audio.transcriptions.create(model=asr.dep.name, file=("memo.m4a", m4a, "audio/mp4"), language="en",
+                                          temperature=0.0, response_format="verbose_json")
+    assert got.text == want.text and got.duration == pytest.approx(want.duration)
+    assert [(s.start, s.end, s.text) for s in got.segments] == [(s.start, s.end, s.text) for s in want.segments]
+    webm = container_bytes(tmp_path, "webm", "libopus", np.repeat(pcm[:, None], 3, axis=0), 48_000)
+    heard = oai.audio.transcriptions.create(model=asr.dep.name, file=("rec.webm", webm, "audio/webm"),
+                                            temperature=0.0, response_format="verbose_json")
+    assert heard.duration == pytest.approx(4.0, abs=0.05) and isinstance(heard.text, str)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.audio.transcriptions.create(model=asr.dep.name, file=("memo.m4a", m4a[: len(m4a) // 2], "audio/mp4"))
+    assert "file: not a readable MP4/M4A file" in str(info.value), str(info.value)
+    assert transcribe(oai, asr, wav(clip(0, 2)), language="en", temperature=0.0).text is not None
+
+
 def test_a_text_route_refuses_the_transcription_model(asr):
     response = httpx.post(asr.proxy_url + "/v1/chat/completions",
                           json={"model": asr.dep.name, "messages": [{"role": "user", "content": "hi"}]})

@@ -1,8 +1,11 @@
 """Uploads -> 16 kHz mono float32 PCM, with the caps checked, and long audio cut into windows at quiet moments.
 
-Decoding uses libsndfile (soundfile): WAV, FLAC, OGG/Vorbis, MP3, AIFF and the other formats it reads; no
-FFmpeg. A file it cannot read, or one without samples, is the client's fault (ValueError naming the field);
-resampling runs here (windowed-sinc, no torchaudio), so a failed resample is a server fault.
+Decoding uses libsndfile (soundfile) for WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF and the other formats it reads,
+and FFmpeg's libraries (PyAV, `av`) for the containers it does not: MP4/M4A (AAC, ALAC, ...), WebM/Matroska (Opus,
+Vorbis, ...) and raw AAC in ADTS frames, each opened with its own demuxer alone (never FFmpeg's probe of every
+format, some of which follow references to other files or URLs). A file neither reads, or one without samples, is
+the client's fault (ValueError naming the field); a missing PyAV and a failed resample are server faults
+(resampling runs here: windowed-sinc, no torchaudio).
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.
         raise ValueError(f"{field}: the upload is {len(data)} bytes; this deployment accepts at most "
                          f"{limits.max_bytes} bytes")
     data = wav_with_measured_length(data)
+    if (container := ffmpeg_container(data)) is not None:
+        return decode_with_ffmpeg(data, container, limits, field)
     try:
         info = soundfile.info(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - libsndfile raises several types for unreadable input
-        raise ValueError(f"{field}: not a readable audio file (supported: WAV, FLAC, OGG/Vorbis, MP3, AIFF and the "
-                         "other formats libsndfile reads)") from None
+        raise ValueError(f"{field}: not a readable audio file (supported: WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF and "
+                         "the other formats libsndfile reads; MP4/M4A, WebM/Matroska and ADTS AAC)") from None
     if info.samplerate > 0:
         _check_rate(info.samplerate, field)  # ahead of the length, which a wild rate would make absurd
     if info.frames > 0 and info.samplerate > 0:  # the header's length, when it has one
@@ -72,6 +77,95 @@ def decode_upload(data: bytes, limits: AudioLimits, field: str = "audio") -> np.
         raise ValueError(f"{field}: the audio file is damaged or truncated: its header declares {declared} sample "
                          f"frames and {samples.shape[0]} could be decoded")
     return to_model_pcm(samples, rate, limits, field)
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    demuxer: str  # the FFmpeg input format that alone may open the upload
+    label: str  # how an error names it
+    has_duration: bool  # whether a duration in its header is a claim (ADTS's is estimated from the bitrate)
+
+
+FFMPEG_CONTAINERS = {
+    "mp4": Container("mp4", "MP4/M4A", True),  # FFmpeg's mov,mp4,m4a,3gp demuxer
+    "matroska": Container("matroska", "WebM/Matroska", True),  # its matroska,webm demuxer
+    "aac": Container("aac", "AAC (ADTS)", False),
+}
+TRUNCATION_SLACK_S = 0.1  # what a decoder may fall short of a declared duration by (priming, pre-skip, padding)
+
+
+def ffmpeg_container(data: bytes) -> Container | None:
+    """The container of an upload that libsndfile does not read, by its first bytes: ISO BMFF (`ftyp` at byte 4:
+    MP4, M4A, MOV, 3GP), EBML (WebM, Matroska), or an ADTS frame header (raw AAC: 12 sync bits, layer 0; an MP3
+    frame has a layer of 1-3). None for any other upload."""
+    if data[4:8] == b"ftyp":
+        return FFMPEG_CONTAINERS["mp4"]
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return FFMPEG_CONTAINERS["matroska"]
+    if len(data) > 1 and data[0] == 0xFF and data[1] & 0xF6 == 0xF0:
+        return FFMPEG_CONTAINERS["aac"]
+    return None
+
+
+def decode_with_ffmpeg(data: bytes, container: Container, limits: AudioLimits, field: str = "audio") -> np.ndarray:
+    """An MP4/M4A, WebM/Matroska or ADTS AAC upload -> 16 kHz mono float32 PCM through PyAV, with the caps checked
+    from the header before decoding (rate, channels, a declared duration) and the duration again as it decodes,
+    which stops at the cap. Only the first audio track is decoded (a video's picture is skipped). A file cut short
+    of the duration its header declares is refused, as a cut WAV is; one with no duration (a recorder's WebM) is
+    measured. ValueError naming `field` for the upload's faults; RuntimeError when PyAV is not installed."""
+    try:
+        import av
+    except ImportError:
+        raise RuntimeError(f"decoding {container.label} uploads needs PyAV (FFmpeg's libraries), which is not "
+                           "installed in the server's Python: pip install av") from None
+    damaged = f"{field}: the {container.label} file is damaged or truncated and could not be decoded"
+    try:
+        source = av.open(io.BytesIO(data), mode="r", format=container.demuxer)
+    except av.FFmpegError:
+        raise ValueError(f"{field}: not a readable {container.label} file (damaged, truncated, or its index is "
+                         "missing)") from None
+    with source:
+        if not source.streams.audio:
+            raise ValueError(f"{field}: the {container.label} file holds no audio track")
+        stream = source.streams.audio[0]
+        rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
+        if not rate:
+            raise ValueError(damaged)
+        _check_rate(rate, field)
+        if channels > MAX_CHANNELS:
+            raise ValueError(f"{field}: {channels} channels; at most {MAX_CHANNELS} (mono or stereo) are accepted")
+        declared = None
+        if container.has_duration:
+            if stream.duration and stream.time_base:
+                declared = float(stream.duration * stream.time_base)
+            elif source.duration:
+                declared = source.duration / 1e6  # av.time_base: microseconds
+        if declared is not None:
+            _check_duration(declared, limits, field)
+        resampler = av.AudioResampler(format="fltp", layout="mono" if channels <= 1 else "stereo", rate=rate)
+        cap = math.floor(limits.max_seconds * rate)
+        parts, total = [], 0
+        try:
+            for packet in source.demux(stream):
+                for frame in packet.decode():
+                    for out in resampler.resample(frame):
+                        parts.append(out.to_ndarray())
+                        total += parts[-1].shape[1]
+                    if total > cap:  # stop here: the rest need not be decoded to refuse it
+                        raise ValueError(f"{field}: the audio is longer than {limits.max_seconds:g} s (decoding "
+                                         f"stopped at {total / rate:.2f} s); this deployment accepts at most "
+                                         f"{limits.max_seconds:g} s")
+            for out in resampler.resample(None):
+                parts.append(out.to_ndarray())
+                total += parts[-1].shape[1]
+        except av.FFmpegError:
+            raise ValueError(damaged) from None
+    if total == 0:
+        raise ValueError(f"{field}: the audio holds no samples")
+    if declared is not None and total / rate < declared - TRUNCATION_SLACK_S:
+        raise ValueError(f"{field}: the {container.label} file is damaged or truncated: its header declares "
+                         f"{declared:.2f} s and {total / rate:.2f} s could be decoded")
+    return to_model_pcm(np.concatenate(parts, axis=1).T, rate, limits, field)
 
 
 def declared_frames(data: bytes, info_frames: int) -> tuple[int, int] | None:

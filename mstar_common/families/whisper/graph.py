@@ -1,8 +1,8 @@
 """Whisper speech recognition (WhisperForConditionalGeneration, tiny … large-v3): a walk over two components.
 
     client ─audio file (or PCM) + language, task, prompt, temperature, timestamps─▶ walk (entry; CPU)
-        decode (libsndfile), downmix, resample to 16 kHz, check the caps; cut uploads over 30 s into windows
-        at quiet moments (≤ 30 s each)
+        decode (libsndfile; FFmpeg for MP4/M4A, WebM), downmix, resample to 16 kHz, check the caps; cut uploads
+        over 30 s into windows at quiet moments (≤ 30 s each)
         per window, all windows at once:
         ├─▶ encoder   PCM ≤ 30 s ─▶ log-mel [n_mels, 3000] ─▶ encoder_output [1500, d]
         │             (front end + encoder on the device, batched across every waiting window; CUDA graphs
@@ -24,7 +24,7 @@ from mstar_common.families.text import TEXT_LM_OUTPUTS
 from mstar_common.graph import Component, FamilyGraph, Loop, Sequential, Step, TensorSpec, Walk
 
 # walk (entry) wire tensors: inputs
-AUDIO = "audio"  # BYTES [1]: an encoded audio file (WAV, FLAC, OGG/Vorbis, MP3: what libsndfile reads)
+AUDIO = "audio"  # BYTES [1]: an encoded audio file (audio.decode_upload: WAV, FLAC, OGG, MP3, MP4/M4A, WebM, ...)
 AUDIO_PCM = "audio_pcm"  # FP32 [-1]: mono samples in [-1, 1] (instead of `audio`)
 SAMPLE_RATE = "sample_rate"  # INT32 [1]: Hz of audio_pcm
 LANGUAGE = "language"  # BYTES [1]: ISO-639-1 code or English name; absent: detected
