@@ -1,7 +1,7 @@
 """Speech: POST /v1/audio/speech (OpenAI), GET /v1/audio/voices, and /generate with output_modalities=["audio"].
 
 /v1/audio/speech body: `model`, `input`, `voice`, `response_format` (mp3 (default; wav when `stream`) | wav | pcm |
-flac | opus),
+flac | opus | aac),
 `stream` (extra field: audio bytes sent as they are decoded; wav and pcm only), `stream_format` ("audio" or
 "sse": `speech.audio.delta` events with base64 PCM16, then `speech.audio.done`), and the sampling knobs as
 extra fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, ignore_eos). `speed`
@@ -38,13 +38,15 @@ router = APIRouter()
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit; the entry model also caps the input's tokens
 FINISH_REASON_HEADER = "X-Finish-Reason"  # a whole clip's finish: "length" when max_tokens cut it short
-FORMATS = {  # response_format -> (soundfile format, subtype, media type); pcm is raw PCM16 LE
+FORMATS = {  # response_format -> (soundfile format, subtype, media type); pcm is raw PCM16 LE; aac: FFmpeg's
     "wav": ("WAV", "PCM_16", "audio/wav"),
     "flac": ("FLAC", "PCM_16", "audio/flac"),
     "mp3": ("MP3", "MPEG_LAYER_III", "audio/mpeg"),
     "opus": ("OGG", "OPUS", "audio/opus"),
+    "aac": ("ADTS", "AAC", "audio/aac"),  # libsndfile writes no AAC: FFmpeg's encoder through PyAV
     "pcm": (None, None, "audio/pcm"),
 }
+AAC_BIT_RATE = 64_000  # bits a second of mono speech, as a 24 kHz clip needs no more
 STREAM_FORMATS = ("wav", "pcm")
 SPEECH_KINDS = ("speech",)
 
@@ -111,6 +113,8 @@ def encode_audio(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     container, subtype, _ = FORMATS[fmt]
     if container is None:
         return pcm.astype("<i2").tobytes()
+    if container == "ADTS":
+        return encode_aac(pcm, sample_rate)
     import soundfile
 
     if not pcm.size and container in ("FLAC", "MP3", "OGG"):
@@ -120,6 +124,26 @@ def encode_audio(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
 
     out = io.BytesIO()
     soundfile.write(out, pcm, sample_rate, format=container, subtype=subtype)
+    return out.getvalue()
+
+
+def encode_aac(pcm: np.ndarray, sample_rate: int) -> bytes:
+    """Mono PCM16 -> AAC-LC in ADTS frames (what OpenAI's `aac` returns), by FFmpeg's own encoder through PyAV; a
+    clip with no audio is one silent sample, as the other compressed formats'. RuntimeError without PyAV."""
+    try:
+        import av
+    except ImportError:
+        raise RuntimeError("response_format 'aac' needs PyAV (FFmpeg's libraries), which is not installed in the "
+                           "proxy's Python: pip install av") from None
+    samples = pcm.astype(np.int16, copy=False) if pcm.size else np.zeros(1, np.int16)
+    out = io.BytesIO()
+    with av.open(out, "w", format="adts") as container:
+        stream = container.add_stream("aac", rate=sample_rate, layout="mono")
+        stream.bit_rate = AAC_BIT_RATE
+        frame = av.AudioFrame.from_ndarray(samples[None, :], format="s16", layout="mono")
+        frame.sample_rate, frame.pts = sample_rate, 0
+        for packet in [*stream.encode(frame), *stream.encode(None)]:  # the encoder cuts its own frames
+            container.mux(packet)
     return out.getvalue()
 
 

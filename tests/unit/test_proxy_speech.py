@@ -59,6 +59,39 @@ def test_compressed_formats(fmt):
         assert soundfile.read(io.BytesIO(reply.content), dtype="int16")[0].tolist() == list(range(10))
 
 
+def test_aac_is_adts_framed_aac_of_the_clip():
+    """OpenAI's `aac`: AAC-LC in ADTS frames (libsndfile writes none; FFmpeg's encoder through PyAV), served as
+    audio/aac; it decodes to the clip (within the codec's loss, after the encoder's one-frame delay), and a clip
+    with no audio is still a file of silence."""
+    av = pytest.importorskip("av")
+    from mstar_common.proxy.serving_speech import encode_audio
+
+    http, _ = client()
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": "aac"})
+    assert reply.status_code == 200 and reply.headers["content-type"] == "audio/aac"
+    assert reply.content[0] == 0xFF and reply.content[1] & 0xF6 == 0xF0  # an ADTS frame header
+
+    def decoded(data: bytes) -> tuple[np.ndarray, int, int, str]:
+        with av.open(io.BytesIO(data), format="aac") as container:
+            stream = container.streams.audio[0]
+            context = stream.codec_context
+            rate, channels, codec = context.sample_rate, context.channels, context.name
+            samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(stream)])
+        return samples, rate, channels, codec
+
+    assert decoded(reply.content)[1:] == (24000, 1, "aac")
+    t = np.arange(24000 * 2) / 24000
+    clip = (8000 * np.sin(2 * np.pi * (200 * t + 300 * t * t))).astype(np.int16)
+    got, rate, _, _ = decoded(encode_audio(clip, 24000, "aac"))
+    want = clip / 32768.0
+    assert rate == 24000 and clip.shape[0] <= got.shape[0] <= clip.shape[0] + 3 * 1024
+    lag = max(range(2048), key=lambda k: float(np.dot(got[k:k + 30000], want[:30000])))
+    a, b = got[lag:lag + 30000], want[:30000]
+    assert np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b)) > 0.99
+    silent, _, _, _ = decoded(encode_audio(np.zeros(0, np.int16), 24000, "aac"))
+    assert 0 < silent.shape[0] <= 3 * 1024 and np.abs(silent).max() < 1e-3
+
+
 def test_streamed_pcm_and_sse():
     http, _ = client()
     reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm", "stream": True})
@@ -95,7 +128,8 @@ def test_a_clip_with_no_audio_is_still_a_file_of_its_format(fmt):
 @pytest.mark.parametrize(("body", "message"), [
     ({"input": ""}, "'input' must not be empty"),
     ({"input": "x" * 5000}, "the limit is 4096"),
-    ({"input": "hi", "response_format": "aac"}, "response_format"),
+    ({"input": "hi", "response_format": "m4a"}, "response_format"),
+    ({"input": "hi", "stream": True, "response_format": "aac"}, "to stream"),
     ({"input": "hi", "speed": 2.0}, "speed"),
     ({"input": "hi", "instructions": "whisper"}, "instructions"),
     ({"input": "hi", "stream": True, "response_format": "mp3"}, "to stream"),
