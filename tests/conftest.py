@@ -10,7 +10,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The test extras (pyproject's [test]) behind `pytest.importorskip` guards: they skip a module on the GPU device,
 # whose Python lacks some of them, but scripts/test.sh installs them all, so there a missing or broken one fails the
 # run (PYTEST_REQUIRE_EXTRAS, which it sets) instead of turning whole parity modules into skips on a green CI.
-TEST_EXTRAS = ("diffusers", "peft", "snac", "schemathesis", "matplotlib", "isal", "openai", "transformers", "triton")
+TEST_EXTRAS = ("diffusers", "peft", "snac", "schemathesis", "matplotlib", "isal", "openai", "transformers", "triton",
+               "av")
 
 
 def pytest_configure(config):
