@@ -787,6 +787,13 @@ def meta(command: str | None) -> dict:
 def cmd_perf_analyzer_data(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.family != "text_lm":
+        from mstar_common.bench.pa_files import family_file
+
+        name, data = family_file(args.family, args.num_prompts or 4, args.max_tokens, args.audio_seconds)
+        (out / f"{name}.json").write_text(json.dumps(data))
+        print(f"[bench] wrote {out / name}.json")
+        return 0
     workload = workload_from_args(args)
     prompts = f"{args.prompt_len}-{args.prompt_len_max}" if args.prompt_len_max else f"{args.prompt_len}"
     outputs = f"{args.output_len}-{args.output_len_max}" if args.output_len_max else f"{args.output_len}"
@@ -797,7 +804,7 @@ def cmd_perf_analyzer_data(args) -> int:
         name += f"_temp{workload.temperature:g}"
         name += f"_topp{workload.top_p:g}" if workload.top_p < 1 else ""
         name += f"_topk{workload.top_k}" if workload.top_k else ""
-    (out / f"{name}.json").write_text(json.dumps(perf_analyzer_data(workload.requests(args.num_prompts))))
+    (out / f"{name}.json").write_text(json.dumps(perf_analyzer_data(workload.requests(args.num_prompts or 16))))
     print(f"[bench] wrote {out / name}.json")
     return 0
 
@@ -1028,7 +1035,14 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p = sub.add_parser("perf-analyzer-data", help="write the workload as perf_analyzer --input-data JSON")
     p.add_argument("--out", required=True)
     add_length_args(p)
-    p.add_argument("--num-prompts", type=_at_least(1), default=16)
+    p.add_argument("--num-prompts", type=_at_least(1), default=None,
+                   help="requests in the file (default: 16 for text_lm, 4 for the speech, transcription and image "
+                        "files)")
+    p.add_argument("--family", default="text_lm", choices=("text_lm", "orpheus", "whisper", "image"),
+                   help="whose entry model the file feeds; the length and sampling flags are text_lm's")
+    p.add_argument("--max-tokens", type=_at_least(1), default=None,
+                   help="orpheus: audio tokens a request (default 1200); whisper: text tokens a window (128)")
+    p.add_argument("--audio-seconds", type=_above_zero("seconds"), default=30.0, help="whisper: each clip's length")
     p.set_defaults(func=cmd_perf_analyzer_data)
     args = parser.parse_args(argv)
     if hasattr(args, "output_len_max"):  # the lengths' rules, before a server starts or a level runs

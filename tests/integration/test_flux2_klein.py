@@ -88,6 +88,15 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
+def test_the_perf_analyzer_prompts_file_replays(served_images):
+    """perf_analyzer_configs/image_walk: its entries fit the served walk, and one makes an image at the
+    deployment's default size and steps."""
+    from tests.integration.pa_replay import replay
+
+    walk = "flux2_klein_walk"
+    names, count = replay(served_images.grpc_url, walk, "perf_analyzer_configs/image_walk/prompts.json")
+    assert "images" in names and count >= 1
+
 def test_openai_generate_equals_the_diffusers_pipeline_and_is_seeded(served_images, oai):
     from diffusers import Flux2KleinPipeline
 

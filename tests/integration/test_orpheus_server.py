@@ -258,6 +258,15 @@ def test_sdk_tts_and_native_generate(tts, tmp_path):
     assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
 
 
+def test_the_perf_analyzer_speech_file_replays(tts):
+    """perf_analyzer_configs/orpheus: its entries fit the served entry model and one streams audio to its end (at
+    28 tokens, not the file's 1200, on this CPU)."""
+    from tests.integration.pa_replay import replay
+
+    names, count = replay(tts.grpc_url, tts.entry, "perf_analyzer_configs/orpheus/speech_1200tok.json",
+                          max_tokens=[28])
+    assert "audio_chunk" in names and count >= 1
+
 def test_bad_requests_are_400s_and_voices_are_listed(tts, oai):
     cases = [({"input": ""}, "'input' must not be empty"),
              ({"input": "hi", "voice": "bob"}, "available voices: ['tara'"),

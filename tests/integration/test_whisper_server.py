@@ -193,6 +193,15 @@ def test_m4a_and_webm_uploads_are_transcribed_through_ffmpeg(asr, oai, tmp_path)
     assert transcribe(oai, asr, wav(clip(0, 2)), language="en", temperature=0.0).text is not None
 
 
+def test_the_perf_analyzer_clips_file_replays(asr):
+    """perf_analyzer_configs/whisper: its entries fit the served walk, and a 30 s Opus clip of it (the audio as
+    perf_analyzer sends a b64 STRING input: its serialized bytes) is transcribed (at 16 tokens on this CPU)."""
+    from tests.integration.pa_replay import replay
+
+    names, count = replay(asr.grpc_url, asr.entry, "perf_analyzer_configs/whisper/clips_30s_opus_128tok.json",
+                          max_tokens=[16])
+    assert {"text_output", "duration"} <= names and count >= 1
+
 def test_a_text_route_refuses_the_transcription_model(asr):
     response = httpx.post(asr.proxy_url + "/v1/chat/completions",
                           json={"model": asr.dep.name, "messages": [{"role": "user", "content": "hi"}]})

@@ -40,6 +40,15 @@ def pixels(b64: str) -> np.ndarray:
     return np.array(Image.open(io.BytesIO(base64.b64decode(b64))))
 
 
+def test_the_perf_analyzer_prompts_file_replays(served_images):
+    """perf_analyzer_configs/image_walk: its entries fit the served walk, and one makes an image at the
+    deployment's default size and steps."""
+    from tests.integration.pa_replay import replay
+
+    walk = "z_image_turbo_walk"
+    names, count = replay(served_images.grpc_url, walk, "perf_analyzer_configs/image_walk/prompts.json")
+    assert "images" in names and count >= 1
+
 def test_openai_generate_equals_the_diffusers_pipeline(served_images, oai):
     from diffusers import ZImagePipeline
 

@@ -1,0 +1,56 @@
+"""Replay a perf_analyzer input-data entry against a running server as perf_analyzer would: the file checked
+against the entry model's config as served, the entry's tensors sent on a gRPC stream, every response read."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from mstar_common.bench.pa_files import check_against_config, infer_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def served_config(url: str, model: str) -> dict:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return client.get_model_config(model, as_json=True)["config"]
+    finally:
+        client.close()
+
+
+def replay(url: str, model: str, path: str | Path, index: int = 0, timeout: float = 300.0,
+           **override) -> tuple[set[str], int]:
+    """(the outputs its responses carried, how many responses) of entry `index` of `path` (`override`: inputs
+    replaced, as values of the entry's own JSON form); AssertionError on a server error."""
+    data = json.loads((ROOT / path).read_text())
+    config = served_config(url, model)
+    check_against_config(data, config)
+    entry = {**data["data"][index], **override}
+    tensors = []
+    for name, (array, datatype) in infer_inputs(entry, config).items():
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    names, count = set(), 0
+    try:
+        client.async_stream_infer(model, tensors, request_id="pa-0", enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert error is None, str(error)
+            response = result.get_response()
+            names |= {output.name for output in response.outputs}
+            count += bool(response.outputs)
+            if response.parameters["triton_final_response"].bool_param:
+                return names, count
+    finally:
+        client.stop_stream()
+        client.close()
