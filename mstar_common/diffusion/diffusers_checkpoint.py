@@ -16,6 +16,7 @@ from torch import nn
 
 from mstar_common.config import env_switch
 from mstar_common.families.qwen3.modeling import Qwen3Config
+from mstar_common.layers.rotary import rope_theta_from_config
 from mstar_common.safetensors_io import format_names, iter_tensors
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ def qwen3_text_encoder_config(root: Path) -> Qwen3Config:
     raw = read_json(root / "text_encoder" / "config.json")
     if raw.get("model_type") != "qwen3":
         raise ValueError(f"text_encoder/config.json model_type={raw.get('model_type')!r}: only 'qwen3' is supported")
+    rope_theta_from_config(raw)  # the caption encoders rotate with plain RoPE: a scaled one is refused, not ignored
     return Qwen3Config.from_hf(raw)
 
 

@@ -63,13 +63,19 @@ def check_max_model_len(dep: Deployment, limit: int, name: str, source: str) -> 
 
 
 def check_position_limit(dep: Deployment, checkpoint: Path, source: str) -> None:
-    """An HF causal LM's `max_position_embeddings` (config.json), where it declares one, bounds max_model_len."""
+    """An HF causal LM's `max_position_embeddings` (config.json), where it declares one, bounds max_model_len; with
+    YaRN RoPE, the context it scales to where that is longer (`rotary.position_limit`)."""
+    from mstar_common.layers.rotary import position_limit
+
     try:
         config = json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise DeploymentError(f"checkpoint {checkpoint}: cannot read config.json: {exc}") from None
-    if "max_position_embeddings" in config:
-        check_max_model_len(dep, int(config["max_position_embeddings"]), "max_position_embeddings", source)
+    limit = position_limit(config)
+    if limit is not None:
+        name = "max_position_embeddings" if limit == config.get("max_position_embeddings") else \
+            "YaRN context (original_max_position_embeddings x factor)"
+        check_max_model_len(dep, int(limit), name, source)
 
 
 def refuse_upload_limit(dep: Deployment, source: str) -> None:

@@ -31,7 +31,14 @@ from mstar_common.layers.decoder import (
 from mstar_common.layers.embedding import TokenEmbedding
 from mstar_common.layers.mlp import GatedMLP
 from mstar_common.layers.norm import RMSNorm
-from mstar_common.layers.rotary import RopeInputs, RotaryEmbedding, rope_from_config, rope_theta_from_config
+from mstar_common.layers.rotary import (
+    RopeInputs,
+    RotaryEmbedding,
+    attention_factor,
+    position_limit,
+    rope_from_config,
+    rope_theta_from_config,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,7 @@ class DenseLMConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # Llama-3 or linear scaling (rotary.rope_from_config), or None for plain RoPE
+    rope_scaling: dict[str, Any] | None  # Llama-3, linear or YaRN (rotary.rope_from_config), or None for plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -73,7 +80,7 @@ class DenseLMConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=config["max_position_embeddings"],
+            max_position_embeddings=position_limit(config) if scaling else config["max_position_embeddings"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
@@ -103,6 +110,10 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(layer) for _ in range(num_layers))
         self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
         self.rotary = RotaryEmbedding(layer.head_dim, rope_theta, rope_scaling)
+        if (factor := attention_factor(rope_scaling)) != 1.0:
+            # transformers multiplies cos and sin by it, so q.k by its square: the softmax scale takes that instead
+            for decoder_layer in self.layers:
+                decoder_layer.self_attn.scale *= factor * factor
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, kv_cache: KVCache,
                 gather: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""Rotary position embedding (RoPE), rotate-half layout: default frequencies, and the scalings that change only
-the frequencies: Llama-3's bands and linear (position interpolation).
+"""Rotary position embedding (RoPE), rotate-half layout: default frequencies, and the static scalings: Llama-3's
+bands, linear (position interpolation), and YaRN (NTK-by-parts frequencies, and an attention factor that
+transformers multiplies into cos and sin; here it multiplies the attention's softmax scale, squared, since q and k
+both carry it: the same scores, and the fused kernels' in-kernel angles need no change).
 
-Other scaled variants (dynamic, yarn, longrope, ...) change the frequencies with the sequence's length or scale
-the attention; serving such a checkpoint with these frequencies would give silently wrong answers, so the config
-readers refuse them by name (`rope_theta_from_config` refuses every scaling, `rope_from_config` all but these).
+The variants that change the frequencies with the sequence's length (dynamic, longrope, ...) would give silently
+wrong answers with these, so the config readers refuse them by name (`rope_theta_from_config` refuses every
+scaling, `rope_from_config` all but these).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ _UNSCALED_ROPE_TYPES = ("default", None)
 SCALING_KEYS = {  # rope_type -> the keys its frequencies need
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
+    "yarn": ("factor",),  # and `yarn_scaling`'s optional keys
 }
 
 
@@ -61,7 +64,57 @@ def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] |
     if missing := [k for k in SCALING_KEYS[rope_type] if k not in section]:
         raise ValueError(f"{key}: rope_type={rope_type!r} needs {missing}")
     theta = _full_width_theta(config, section)
+    if rope_type == "yarn":
+        return theta, yarn_scaling(config, key, section)
     return theta, {"rope_type": rope_type, **{k: float(section[k]) for k in SCALING_KEYS[rope_type]}}
+
+
+def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]) -> dict[str, Any]:
+    """A YaRN section read as transformers reads it: `original_max_position_embeddings` from the config's top level
+    first (as Phi-3 stores it), then the section, then `max_position_embeddings`; `beta_fast` 32 and `beta_slow` 1
+    unless given, `truncate` on unless false; `attention_factor` as given, else 0.1 ln(factor) + 1, or the ratio
+    of that with `mscale` and with `mscale_all_dim` where both are given."""
+    factor = float(section["factor"])
+    if not factor >= 1.0:
+        raise ValueError(f"{key}.factor must be >= 1 for rope_type 'yarn', got {section['factor']!r}")
+    original = (config.get("original_max_position_embeddings") or section.get("original_max_position_embeddings")
+                or config.get("max_position_embeddings"))
+    if not original:
+        raise ValueError(f"{key}: rope_type 'yarn' needs original_max_position_embeddings")
+    attention_factor = section.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = section.get("mscale"), section.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    if not float(attention_factor) > 0:
+        raise ValueError(f"{key}.attention_factor must be > 0, got {attention_factor!r}")
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": float(original),
+            "beta_fast": float(section.get("beta_fast") or 32), "beta_slow": float(section.get("beta_slow") or 1),
+            "truncate": bool(section.get("truncate", True)), "attention_factor": float(attention_factor)}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """What a scaling multiplies cos and sin by (YaRN's attention factor; 1 for the others)."""
+    return float(scaling.get("attention_factor", 1.0)) if scaling else 1.0
+
+
+def position_limit(config: Mapping[str, Any]) -> int | None:
+    """The longest context an HF config's positions serve: `max_position_embeddings`, or for YaRN the longer of
+    that and `original_max_position_embeddings` x `factor`, the context the scaling was made for (Qwen3's configs
+    keep 40,960 and scale 32,768 by 4 to 131,072); None where the config declares neither."""
+    limit = config.get("max_position_embeddings")
+    try:
+        _, scaling = rope_from_config(config)
+    except ValueError:
+        return limit
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaled = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return scaled if limit is None else max(int(limit), scaled)
+    return limit
 
 
 def _full_width_theta(config: Mapping[str, Any], section: Mapping[str, Any]) -> float:
@@ -74,11 +127,35 @@ def _full_width_theta(config: Mapping[str, Any], section: Mapping[str, Any]) -> 
     return DEFAULT_THETA if theta is None else float(theta)
 
 
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
-    """The frequencies of a scaling from `rope_from_config`."""
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any], theta: float | None = None) -> torch.Tensor:
+    """The frequencies of a scaling from `rope_from_config` (YaRN's needs the base, `theta`)."""
     if scaling["rope_type"] == "linear":  # position interpolation: every frequency slows down by `factor`
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        if theta is None:
+            raise ValueError("yarn frequencies need the RoPE base (theta)")
+        return yarn_inv_freq(2 * inv_freq.shape[0], theta, scaling)
     return llama3_inv_freq(inv_freq, scaling)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN's NTK-by-parts frequencies, in transformers' fp32 arithmetic: the dimensions that turn more than
+    `beta_fast` times over the original context keep their frequency, those that turn fewer than `beta_slow`
+    times are interpolated (divided by `factor`), and a linear ramp blends the ones between."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original` positions
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling["beta_fast"]), dim_of(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, float]) -> torch.Tensor:
@@ -117,7 +194,7 @@ class RotaryEmbedding(nn.Module):
             exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
             inv_freq = 1.0 / (self.theta**exponent)
             if self.scaling is not None:
-                inv_freq = scaled_inv_freq(inv_freq, self.scaling)
+                inv_freq = scaled_inv_freq(inv_freq, self.scaling, self.theta)
             self._inv_freq = inv_freq.to(device)
         return self._inv_freq
 

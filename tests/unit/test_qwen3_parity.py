@@ -170,14 +170,49 @@ def test_loader_refuses_a_wrong_shape(checkpoint, tmp_path):
         load_qwen3(path)
 
 
-def test_loader_refuses_scaled_rope(checkpoint, tmp_path):
-    path = tmp_path / "yarn"
+def test_loader_refuses_a_rope_that_scales_with_the_length(checkpoint, tmp_path):
+    path = tmp_path / "dynamic"
     shutil.copytree(checkpoint, path)
     config = json.loads((path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"rope_parameters.rope_type='yarn' is not supported"):
+    with pytest.raises(ValueError, match=r"rope_parameters.rope_type='dynamic' is not supported"):
         load_qwen3(path)
+
+
+@pytest.mark.parametrize("section", [
+    {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's model cards
+    {"factor": 4.0},  # original from max_position_embeddings
+    {"factor": 8.0, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"factor": 2.0, "original_max_position_embeddings": 8192, "attention_factor": 1.25, "beta_fast": 8,
+     "beta_slow": 2, "truncate": False},
+    {"factor": 1.0, "original_max_position_embeddings": 8192},  # no scaling: an attention factor of 1
+])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(section):
+    """The NTK-by-parts frequencies bit for bit, and the factor transformers multiplies cos and sin by."""
+    from mstar_common.layers.rotary import RotaryEmbedding, attention_factor, rope_from_config
+
+    config = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **section}}
+    theta, scaling = rope_from_config(config)
+    theirs = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(transformers.Qwen3Config.from_dict(config))
+    assert torch.equal(RotaryEmbedding(128, theta, scaling).inv_freq(torch.device("cpu")), theirs.inv_freq)
+    assert attention_factor(scaling) == pytest.approx(theirs.attention_scaling, rel=1e-12)
+
+
+def test_yarn_serves_the_context_it_scales_to():
+    """Qwen3's configs keep max_position_embeddings 40,960 and scale 32,768 by 4: 131,072 positions, as vLLM
+    derives them; the other RoPEs keep max_position_embeddings."""
+    from mstar_common.layers.rotary import position_limit
+
+    yarn = {"max_position_embeddings": 40960, "rope_theta": 1e6,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert position_limit(yarn) == 131072
+    assert position_limit({**yarn, "rope_scaling": None}) == 40960
+    assert position_limit({"max_position_embeddings": 8192, "rope_theta": 1e4,
+                           "rope_scaling": {"rope_type": "linear", "factor": 4.0}}) == 8192
 
 
 def test_rope_config_forms():

@@ -108,6 +108,16 @@ SERVED = {
     "qwen3-untied": ("qwen3", {"tie_word_embeddings": False}),
     "qwen3-head_dim-apart-from-hidden/heads": ("qwen3", {"head_dim": 32}),
     "qwen3-attention_bias": ("qwen3", {"attention_bias": True}),
+    # YaRN as Qwen3's model cards enable it (original small, so the tiny prompts cross the ramp), and with every
+    # optional key; the attention factor goes into the softmax scale, transformers' into cos and sin
+    "qwen3-yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                 "original_max_position_embeddings": 32}}),
+    "qwen3-yarn-every-key": ("qwen3", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "original_max_position_embeddings": 64,
+        "attention_factor": 1.3, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),
+    "llama-yarn-mscale": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e4,
+                                                        "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                        "mscale_all_dim": 0.5}}),
 }
 
 
@@ -121,7 +131,9 @@ def test_a_variant_is_served_as_transformers_runs_it(variant, tmp_path):
     ("llama", {"rope_parameters": {"rope_theta": 500_000.0, **LLAMA31_ROPE}}),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}),
     ("qwen3", {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 28}),
-], ids=["llama3.1", "linear", "qwen3"])
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                   "original_max_position_embeddings": 32}}),
+], ids=["llama3.1", "linear", "qwen3", "qwen3-yarn"])
 def test_a_config_json_in_the_transformers_v4_layout_is_read_the_same(family, overrides, tmp_path):
     assert_matches_transformers(as_transformers_v4(build(tmp_path / "ckpt", family, **overrides)), family)
 
@@ -148,14 +160,15 @@ REFUSED = {
                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), {},
                   r"model_type='qwen3_moe' \(architectures \['Qwen3MoeForCausalLM'\]\) is not supported: only "
                   r"\['qwen3'\]"),
-    "qwen3-yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                                 "original_max_position_embeddings": 128}}, {},
-                   r"rope_parameters.rope_type='yarn' is not supported"),
+    "qwen3-longrope": ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6,
+                                                     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                     "original_max_position_embeddings": 128}}, {},
+                       r"rope_parameters.rope_type='longrope' is not supported"),
     "qwen3-sliding-window": ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {},
                              r"use_sliding_window=true is not supported"),
     "llama-dynamic-rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
                            {}, r"rope_parameters.rope_type='dynamic' is not supported: only 'default', 'llama3', "
-                               r"'linear' RoPE are"),
+                               r"'linear', 'yarn' RoPE are"),
     "llama-under-family-qwen3": ("llama", {}, {"family": "qwen3"}, r"model_type='llama' .* only \['qwen3'\]"),
     "a-classifier-head": ("llama", {}, {"architectures": ["LlamaForSequenceClassification"]},
                           r"architectures=\['LlamaForSequenceClassification'\] is not supported"),
@@ -377,3 +390,27 @@ def test_a_prompt_refusal_names_the_input_that_held_it(tmp_path):
             runtime.parse_request({wire.TEXT_INPUT: long_text})
     finally:
         runtime.engine.shutdown()
+
+
+def test_a_yarn_checkpoint_serves_the_context_it_scales_to(tmp_path):
+    """max_model_len may reach original_max_position_embeddings x factor (it was refused past
+    max_position_embeddings, which Qwen3's configs keep at 40,960 under a 131,072 YaRN context), and not past it."""
+    import yaml
+
+    from mstar_common.cli import CONFIGS
+    from mstar_common.config import DeploymentError, deployment_from_dict
+    from mstar_common.families.base import check_position_limit
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 256}
+    path = build(tmp_path / "ckpt", "qwen3", rope_parameters=rope)  # max_position_embeddings 512: 1,024 served
+    raw = yaml.safe_load((CONFIGS / "qwen3.yaml").read_text())
+    for length, refused in ((1024, False), (1025, True)):
+        resources = {**raw["resources"], "max_model_len": length,
+                     "kv_cache": {**raw["resources"]["kv_cache"], "num_pages": 2048}}
+        dep = deployment_from_dict({**raw, "checkpoint": str(path), "resources": resources}, source="t.yaml")
+        if refused:
+            with pytest.raises(DeploymentError, match=r"max_model_len: 1025 exceeds the checkpoint's YaRN context"):
+                check_position_limit(dep, path, "t.yaml")
+        else:
+            check_position_limit(dep, path, "t.yaml")
+    assert load_qwen3(path)[0].max_position_embeddings == 1024

@@ -23,7 +23,7 @@ class Qwen3Config(DenseLMConfig):
     def from_hf(cls, config: Mapping[str, Any]) -> Qwen3Config:
         if config.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported: only full attention is")
-        return cls.read_hf(config, qk_norm=True, scaled_rope=False)
+        return cls.read_hf(config, qk_norm=True, scaled_rope=True)
 
 
 class Qwen3ForCausalLM(DenseCausalLM):
