@@ -292,17 +292,19 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
     described = _describe(args.input_data, given) if given else describe_workload(workload)
     runs = []
     issued = 0
-    sent: set[tuple[int, ...]] = set()  # the file's prompts sent so far (warm-ups included)
-    repeats = 0  # of the last batch, prompts sent before
+    # the file's prompts each target has sent so far (warm-ups included): the proxy sends a prompt as text, which
+    # tokenizes otherwise than the ids Triton was sent, so only its own earlier prompts are cache hits for it
+    sent: dict[str, set[tuple[int, ...]]] = {}
+    repeats = 0  # of the last batch, prompts its target sent before
 
-    def requests(count: int) -> list[dict]:  # new prompts for every level (none repeats within a run)
+    def requests(count: int, target: str) -> list[dict]:  # new prompts for every level (none repeats in a run)
         nonlocal issued, repeats
         issued += count
         if given is not None:  # the file's requests in order, from where the last level stopped, wrapping round
             batch = [dict(given[(issued - count + i) % len(given)]) for i in range(count)]
-            prompts = [tuple(req["input_ids"]) for req in batch]
-            repeats = sum(1 for i, p in enumerate(prompts) if p in sent or p in prompts[:i])
-            sent.update(prompts)
+            prompts, seen = [tuple(req["input_ids"]) for req in batch], sent.setdefault(target, set())
+            repeats = sum(1 for i, p in enumerate(prompts) if p in seen or p in prompts[:i])
+            seen.update(prompts)
             return batch
         return workload.requests(count, first=issued - count)
 
@@ -348,13 +350,13 @@ def sweep(args, grpc_url: str, entry: str, proxy_url: str | None, checkpoint: Pa
 
     def levels(target: str, driver, concurrencies: list[int], rates: list[float]) -> None:
         if args.warmup:  # warm-up, not recorded (the proxy's: its channel)
-            driver.run(requests(args.warmup), concurrency=args.warmup)
+            driver.run(requests(args.warmup, target), concurrency=args.warmup)
         for conc in concurrencies:
             count = max(args.min_requests, args.requests_per_level * conc)
-            record(target, measured(driver, requests(count), concurrency=conc), concurrency=conc)
+            record(target, measured(driver, requests(count, target), concurrency=conc), concurrency=conc)
         for rate in rates:
             count = max(args.min_requests, int(rate * args.poisson_seconds))
-            record(target, measured(driver, requests(count), rate=rate), rate=rate)
+            record(target, measured(driver, requests(count, target), rate=rate), rate=rate)
 
     outputs = [wire.TOKEN_IDS] if args.triton_outputs == "token_ids" else None
     levels("triton", TritonDriver(grpc_url, entry, outputs=outputs, processes=args.triton_client_processes),
@@ -387,7 +389,8 @@ def _describe(path: str, requests: list[dict]) -> dict:
     outputs = [r["max_tokens"] for r in requests]
     return {"input_data": str(path), "requests": len(requests), "prompt_len": [min(prompts), max(prompts)],
             "output_len": [min(outputs), max(outputs)],
-            **{knob: sorted({r.get(knob) for r in requests}, key=repr) for knob in ("ignore_eos", "temperature")}}
+            **{knob: sorted({r.get(knob) for r in requests}, key=repr) for knob in ("ignore_eos", "temperature")},
+            "stops": any(r.get(wire.STOP) or r.get(wire.STOP_TOKEN_IDS) for r in requests)}
 
 
 def hf_lengths(args) -> tuple[int, int]:

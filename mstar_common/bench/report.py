@@ -156,8 +156,12 @@ def comparisons(model: dict) -> list[str]:
         floor = model.get("floor_ms")
         ratio = f" = {itl / floor:.2f}x the floor" if floor else ""
         out.append(f"c=1 decode ITL p50 through Triton: {itl:.3f} ms{ratio}")
+    repeated = {r["concurrency"]: r.get("repeated_prompts") for r in triton}
     for conc in sorted(closed):
-        if conc in hf and (why := _not_hf_like(workloads[conc], hf[conc], model.get("prefix_caching"))):
+        if conc in hf and repeated.get(conc):
+            out.append(f"c={conc}: not compared with HF generate batch {conc}: {repeated[conc]} of its prompts were "
+                       f"sent before in the run with the prefix cache on, so their prefills were cache hits")
+        elif conc in hf and (why := _not_hf_like(workloads[conc], hf[conc], model.get("prefix_caching"))):
             out.append(f"c={conc}: not compared with HF generate batch {conc}: {why}")
         elif conc in hf:
             ours, theirs = closed[conc]["output_tok_per_s"], hf[conc]["output_tok_per_s"]
@@ -186,6 +190,8 @@ def _not_hf_like(workload: dict | None, hf: dict, prefix_caching: bool | None = 
             return f"{source}, and not every entry sets ignore_eos true (a request could stop at an EOS); {fixed}"
         if any(t is None or t != 0 for t in workload["temperature"]):
             return f"{source}, and not every entry sets temperature 0 (greedy); HF ran greedy"
+        if workload.get("stops"):
+            return f"{source}, and some entries stop at a string or token (ignore_eos does not stop that); {fixed}"
         return None
     served = (workload.get("prompt_len"), workload.get("prompt_len_max") or workload.get("prompt_len"),
               workload.get("output_len"), workload.get("output_len_max") or workload.get("output_len"))

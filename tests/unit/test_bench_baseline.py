@@ -68,6 +68,12 @@ def test_a_level_is_compared_with_hf_only_at_the_lengths_hf_ran():
     assert "not every entry sets ignore_eos" in line({**same, "ignore_eos": [None, True]})
     assert "not every entry sets temperature 0" in line({**same, "temperature": [None]})
     assert "not every entry sets temperature 0" in line({**same, "temperature": [0.0, 0.7]})
+    assert "some entries stop at a string or token" in line({**same, "stops": True})
+    # a level that resent prompts with the prefix cache on: cached prefills, not HF's whole ones
+    model = {"runs": [{"target": "triton", "concurrency": 1, "summary": summary, "workload": same,
+                       "repeated_prompts": 3}], "hf_generate": hf}
+    (only,) = [line for line in comparisons(model) if line.startswith("c=1:")]
+    assert "not compared" in only and "3 of its prompts were sent before" in only
     assert line(None).endswith("= 25.0x")  # a results file from before the lengths were recorded
 
 

@@ -856,3 +856,38 @@ def test_a_served_deployment_says_whether_its_prefix_cache_is_on():
     assert bench_cli.served_prefix_cache({"resources": {"kv_cache": {"prefix_caching": None}}}) is True
     assert bench_cli.served_prefix_cache({"resources": {"kv_cache": {"prefix_caching": False}}}) is False
     assert bench_cli.served_prefix_cache({"resources": {"kv_cache": {"prefix_caching": True}}}) is True
+
+
+def test_a_targets_repeated_prompts_are_its_own(monkeypatch):
+    """The proxy sends a prompt as text, which tokenizes otherwise than the ids Triton was sent: a file's prompt
+    that only the Triton levels had sent was counted as a cache hit for the proxy's levels too."""
+    class Record:
+        ttft, error = 0.01, None
+
+    class Driver:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def run(self, batch, **load):
+            return [Record() for _ in batch]
+
+    monkeypatch.setattr(bench_cli, "TritonDriver", Driver)
+    monkeypatch.setattr(bench_cli, "OpenAIDriver", Driver)
+    monkeypatch.setattr(bench_cli, "summarize", lambda records, slo: {
+        "num_requests": len(records), "output_tok_per_s": 0.0, "num_errors": 0,
+        "ttft_ms": {"p50": None, "mean": None}, "itl_ms": {"p50": None, "p99": None}})
+    given = [{"input_ids": [i, 5, 6], "max_tokens": 4} for i in range(16)]
+    args = argparse.Namespace(
+        input_requests=given, input_data="f.json", slo_ttft_ms=None, slo_tpot_ms=None, triton_outputs="all",
+        warmup=2, min_requests=4, requests_per_level=2, concurrency=[1, 8], rates=[], proxy_concurrency=[1, 8],
+        proxy_rates=[], triton_client_processes=1, client_processes=1, name="m", prompt_len=3, output_len=4,
+        temperature=0.0, top_p=1.0, top_k=0, shared_prefix_len=0, prompt_len_max=None, output_len_max=None,
+        no_ignore_eos=False)
+    runs = bench_cli.sweep(args, "grpc", "entry", "http://proxy", None, None, prefix_cache=True)
+    # requests 0-1 warm-up, 2-5 c=1, 6-21 c=8 (file 6..15, then 0..5: six resent); the proxy: 22-23 warm-up
+    # (files 6, 7), 24-27 c=1 (8-11), 28-43 c=8 (12-15, 0-11: 6-11 resent by the proxy itself)
+    assert [(r["target"], r.get("repeated_prompts")) for r in runs] == [
+        ("triton", None), ("triton", 6), ("openai", None), ("openai", 6)]
+    # and with the cache off nothing is counted
+    runs = bench_cli.sweep(args, "grpc", "entry", "http://proxy", None, None, prefix_cache=False)
+    assert not any(r.get("repeated_prompts") for r in runs)

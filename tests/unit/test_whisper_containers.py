@@ -27,16 +27,20 @@ def _signal(rate: int, seconds: float, channels: int, seed: int = 0) -> np.ndarr
 
 
 def container_bytes(tmp_path, fmt: str, codec: str, samples: np.ndarray, rate: int, options: dict | None = None,
-               video: bool = False, audio_track: bool = True) -> bytes:
+                    video: bool = False, audio_track: bool = True, video_codec: str = "mpeg4",
+                    video_seconds: float | None = None, title: str | None = None) -> bytes:
     """`samples` [frames, channels] written by FFmpeg's own muxer and encoder (a file, as `faststart` rewrites it)."""
     path = tmp_path / f"upload.{fmt}"
     layout = {1: "mono", 2: "stereo", 3: "2.1"}[samples.shape[1]]
     with av.open(str(path), "w", format=fmt, options=options or {}) as out:
-        picture = out.add_stream("mpeg4", rate=10) if video else None
+        if title is not None:
+            out.metadata["title"] = title
+        picture = out.add_stream(video_codec, rate=10) if video else None
         sound = out.add_stream(codec, rate=rate, layout=layout) if audio_track else None  # all before the 1st mux
         if video:
             picture.width, picture.height, picture.pix_fmt = 32, 32, "yuv420p"
-            for i in range(int(samples.shape[0] / rate * 10)):
+            seconds = samples.shape[0] / rate if video_seconds is None else video_seconds
+            for i in range(int(seconds * 10)):
                 frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 8 % 256, np.uint8), format="rgb24")
                 frame.pts = i
                 for packet in picture.encode(frame):
@@ -155,3 +159,52 @@ def test_without_pyav_such_an_upload_is_a_server_fault_that_says_what_to_install
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
     with pytest.raises(RuntimeError, match="needs PyAV .*pip install av"):
         decode_upload(data, LIMITS)
+
+
+def test_a_codec_ffmpeg_cannot_decode_is_a_400_not_a_500(tmp_path):
+    """PyAV gives such a track no codec context: reading its rate raised AttributeError, a server fault."""
+    webm = container_bytes(tmp_path, "webm", "libopus", _signal(48_000, 1.0, 1), 48_000)
+    assert b"A_OPUS" in webm
+    with pytest.raises(ValueError, match=r"^file: the WebM/Matroska file's audio codec cannot be decoded$"):
+        decode_upload(webm.replace(b"A_OPUS", b"A_OPUX"), LIMITS, field="file")
+
+
+@pytest.mark.parametrize("fmt, codec", [("ipod", "aac"), ("webm", "libopus"), ("matroska", "flac")])
+def test_tags_in_another_encoding_do_not_refuse_the_audio(tmp_path, fmt, codec):
+    """A Latin-1 title raised UnicodeDecodeError (a ValueError: a 400 naming no field) for a playable file."""
+    data = container_bytes(tmp_path, fmt, codec, _signal(48_000, 1.0, 1), 48_000, title="QQQQQQQQ")
+    assert data.count(b"QQQQQQQQ") == 1
+    latin = data.replace(b"QQQQQQQQ", b"\xe9t\xe9 \xff\xfeQQ")
+    assert abs(decode_upload(latin, LIMITS).shape[0] - 16_000) <= 500
+
+
+def test_a_webm_video_with_shorter_sound_is_its_sound(tmp_path):
+    """The segment's duration is the longest track's: 10 s of video over 2 s of sound was refused as a cut file,
+    and a long video with short sound as too long."""
+    webm = container_bytes(tmp_path, "webm", "libopus", _signal(48_000, 2.0, 1), 48_000, video=True,
+                           video_codec="libvpx", video_seconds=10.0)
+    assert av.open(io.BytesIO(webm)).duration / 1e6 > 9
+    assert abs(decode_upload(webm, LIMITS).shape[0] - 32_000) <= 500
+    assert abs(decode_upload(webm, AudioLimits(5.0, LIMITS.max_bytes)).shape[0] - 32_000) <= 500
+    # a cut one is still caught, by the audio track's own DURATION tag
+    with pytest.raises(ValueError, match="damaged or truncated"):
+        decode_upload(webm[: len(webm) // 4], LIMITS)
+
+
+def test_adts_after_an_id3_tag_is_aac_and_an_mp3_after_one_is_not(tmp_path):
+    adts = container_bytes(tmp_path, "adts", "aac", _signal(48_000, 1.0, 1), 48_000)
+    body = b"TIT2" + (9).to_bytes(4, "big") + b"\x00\x00" + b"\x03a title"  # one text frame, 19 bytes
+    tag = b"ID3\x04\x00\x00" + bytes([0, 0, 0, len(body)]) + body
+    assert audio.ffmpeg_container(tag + adts).label == "AAC (ADTS)"
+    assert abs(decode_upload(tag + adts, LIMITS).shape[0] - 16_000) <= 1000
+    assert audio.ffmpeg_container(tag + b"\xff\xfb\x90\x00" + b"\x00" * 64) is None
+
+
+def test_a_stream_that_changes_its_rate_or_channels_mid_way_keeps_its_timing(tmp_path):
+    """PyAV's resampler passed every frame through once its first needed nothing: 2 s at 16 kHz then 2 s at 48 kHz
+    decoded to 8.2 s (the second half slowed 3x), and mono then stereo failed in numpy."""
+    low = container_bytes(tmp_path, "adts", "aac", _signal(16_000, 2.0, 1), 16_000)
+    high = container_bytes(tmp_path, "adts", "aac", _signal(48_000, 2.0, 1, seed=1), 48_000)
+    stereo = container_bytes(tmp_path, "adts", "aac", _signal(16_000, 2.0, 2, seed=2), 16_000)
+    for data in (low + high, high + low, low + stereo):
+        assert abs(decode_upload(data, LIMITS).shape[0] / 16_000 - 4.0) < 0.3  # each part: AAC priming, padding

@@ -97,14 +97,36 @@ TRUNCATION_SLACK_S = 0.1  # what a decoder may fall short of a declared duration
 def ffmpeg_container(data: bytes) -> Container | None:
     """The container of an upload that libsndfile does not read, by its first bytes: ISO BMFF (`ftyp` at byte 4:
     MP4, M4A, MOV, 3GP), EBML (WebM, Matroska), or an ADTS frame header (raw AAC: 12 sync bits, layer 0; an MP3
-    frame has a layer of 1-3). None for any other upload."""
+    frame has a layer of 1-3), also after an ID3v2 tag (as HLS audio segments and many .aac files start; an MP3
+    after one stays libsndfile's). None for any other upload."""
     if data[4:8] == b"ftyp":
         return FFMPEG_CONTAINERS["mp4"]
     if data[:4] == b"\x1a\x45\xdf\xa3":
         return FFMPEG_CONTAINERS["matroska"]
-    if len(data) > 1 and data[0] == 0xFF and data[1] & 0xF6 == 0xF0:
+    head = data[_id3_size(data):]
+    if len(head) > 1 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:
         return FFMPEG_CONTAINERS["aac"]
     return None
+
+
+def _id3_size(data: bytes) -> int:
+    """The bytes of an ID3v2 tag at the upload's start (its 10-byte header, its syncsafe size, a footer where its
+    flag says so); 0 where there is none."""
+    if len(data) < 10 or data[:3] != b"ID3" or any(b & 0x80 for b in data[6:10]):
+        return 0
+    size = (data[6] << 21) | (data[7] << 14) | (data[8] << 7) | data[9]
+    return 10 + size + (10 if data[5] & 0x10 else 0)
+
+
+def _matroska_track_seconds(stream) -> float | None:
+    """The duration a Matroska/WebM track's `DURATION` tag states (`HH:MM:SS.nnnnnnnnn`, as FFmpeg and most muxers
+    write it), or None where it has none or an unreadable one."""
+    text = (stream.metadata or {}).get("DURATION") or (stream.metadata or {}).get("duration")
+    try:
+        hours, minutes, seconds = str(text).split(":")
+        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    except (AttributeError, ValueError):
+        return None
 
 
 def decode_with_ffmpeg(data: bytes, container: Container, limits: AudioLimits, field: str = "audio") -> np.ndarray:
@@ -119,8 +141,8 @@ def decode_with_ffmpeg(data: bytes, container: Container, limits: AudioLimits, f
         raise RuntimeError(f"decoding {container.label} uploads needs PyAV (FFmpeg's libraries), which is not "
                            "installed in the server's Python: pip install av") from None
     damaged = f"{field}: the {container.label} file is damaged or truncated and could not be decoded"
-    try:
-        source = av.open(io.BytesIO(data), mode="r", format=container.demuxer)
+    try:  # tags in another encoding than UTF-8 are the file's business, not a reason to refuse its audio
+        source = av.open(io.BytesIO(data), mode="r", format=container.demuxer, metadata_errors="replace")
     except av.FFmpegError:
         raise ValueError(f"{field}: not a readable {container.label} file (damaged, truncated, or its index is "
                          "missing)") from None
@@ -128,36 +150,43 @@ def decode_with_ffmpeg(data: bytes, container: Container, limits: AudioLimits, f
         if not source.streams.audio:
             raise ValueError(f"{field}: the {container.label} file holds no audio track")
         stream = source.streams.audio[0]
+        if stream.codec_context is None:  # FFmpeg has no decoder for the track's codec
+            raise ValueError(f"{field}: the {container.label} file's audio codec cannot be decoded")
         rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
         if not rate:
             raise ValueError(damaged)
         _check_rate(rate, field)
         if channels > MAX_CHANNELS:
             raise ValueError(f"{field}: {channels} channels; at most {MAX_CHANNELS} (mono or stereo) are accepted")
-        declared = None
-        if container.has_duration:
-            if stream.duration and stream.time_base:
-                declared = float(stream.duration * stream.time_base)
-            elif source.duration:
-                declared = source.duration / 1e6  # av.time_base: microseconds
+        declared = _declared_seconds(source, stream, container)
         if declared is not None:
             _check_duration(declared, limits, field)
-        resampler = av.AudioResampler(format="fltp", layout="mono" if channels <= 1 else "stereo", rate=rate)
+        layout = "mono" if channels <= 1 else "stereo"
+        resamplers: dict[tuple, av.AudioResampler] = {}  # one per input (rate, layout, format): see below
         cap = math.floor(limits.max_seconds * rate)
         parts, total = [], 0
+
+        def take(frames) -> None:
+            nonlocal total
+            for out in frames:
+                parts.append(out.to_ndarray())
+                total += parts[-1].shape[1]
+
         try:
             for packet in source.demux(stream):
                 for frame in packet.decode():
-                    for out in resampler.resample(frame):
-                        parts.append(out.to_ndarray())
-                        total += parts[-1].shape[1]
+                    # PyAV's resampler passes every frame through unchanged once its first one needed nothing, so
+                    # a stream that changes its rate or channels mid-way (concatenated ADTS) needs one per input
+                    key = (frame.sample_rate, frame.layout.name, frame.format.name)
+                    if key not in resamplers:
+                        resamplers[key] = av.AudioResampler(format="fltp", layout=layout, rate=rate)
+                    take(resamplers[key].resample(frame))
                     if total > cap:  # stop here: the rest need not be decoded to refuse it
                         raise ValueError(f"{field}: the audio is longer than {limits.max_seconds:g} s (decoding "
                                          f"stopped at {total / rate:.2f} s); this deployment accepts at most "
                                          f"{limits.max_seconds:g} s")
-            for out in resampler.resample(None):
-                parts.append(out.to_ndarray())
-                total += parts[-1].shape[1]
+            for resampler in resamplers.values():
+                take(resampler.resample(None))
         except av.FFmpegError:
             raise ValueError(damaged) from None
     if total == 0:
@@ -166,6 +195,21 @@ def decode_with_ffmpeg(data: bytes, container: Container, limits: AudioLimits, f
         raise ValueError(f"{field}: the {container.label} file is damaged or truncated: its header declares "
                          f"{declared:.2f} s and {total / rate:.2f} s could be decoded")
     return to_model_pcm(np.concatenate(parts, axis=1).T, rate, limits, field)
+
+
+def _declared_seconds(source, stream, container: Container) -> float | None:
+    """The audio track's duration as the file states it, where that is a claim: the track's own (MP4's), or a
+    Matroska track's `DURATION` tag, or the whole file's where the audio is its only track (a video's may be
+    longer than its sound); None for ADTS (an estimate from the bitrate) and a file that states none."""
+    if not container.has_duration:
+        return None
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if (tagged := _matroska_track_seconds(stream)) is not None:
+        return tagged
+    if source.duration and len(source.streams) == 1:
+        return source.duration / 1e6  # av.time_base: microseconds
+    return None
 
 
 def declared_frames(data: bytes, info_frames: int) -> tuple[int, int] | None:
