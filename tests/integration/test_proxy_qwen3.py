@@ -326,7 +326,7 @@ def test_mstar_bench_url_replays_an_input_data_file(served, tmp_path):
     assert triton["summary"]["output_tokens"] == 5 + 4 + 3 + 5 and triton["summary"]["num_errors"] == 0
     assert proxy["summary"]["output_tokens"] == 3 + 5 + 4 + 3 and proxy["summary"]["num_errors"] == 0
     assert triton["workload"] == {"input_data": str(tmp_path / "mixed.json"), "requests": 3, "prompt_len": [8, 20],
-                                  "output_len": [3, 5], "ignore_eos": [True], "temperature": [0.0]}
+                                  "output_len": [3, 5], "ignore_eos": [True], "temperature": [0.0], "stops": False}
     # the demo's prefix cache is on (unset), so the prompts a target sent before in the run are counted: Triton's
     # file 0 (its warm-up's) and its level's second file 1; the proxy's file 2 (its warm-up's) and its second 0
     # (the proxy's text prompts are not Triton's ids, so what only Triton sent does not count for it)
