@@ -122,11 +122,33 @@ def check_against_config(data: dict, config: dict) -> None:
             spec = inputs[name]
             values = _values(value, spec["data_type"], where)
             dims = [int(d) for d in spec["dims"]]
-            if -1 not in dims and len(values) != int(np.prod(dims)):
-                raise ValueError(f"{where}: {len(values)} elements for dims {dims}")
+            shape = _shape(value, dims, where)
+            if len(values) != int(np.prod(shape)):
+                raise ValueError(f"{where}: {len(values)} elements for shape {shape}")
             kind = _JSON_TYPES[spec["data_type"]]
             if not all(isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values):
                 raise ValueError(f"{where}: {spec['data_type']} takes JSON {getattr(kind, '__name__', 'numbers')}")
+            if (bounds := _INT_RANGES.get(spec["data_type"])) and not all(bounds[0] <= v <= bounds[1] for v in values):
+                raise ValueError(f"{where}: a value outside {spec['data_type']}'s range")
+
+
+_INT_RANGES = {"TYPE_INT32": (-2**31, 2**31 - 1), "TYPE_INT64": (-2**63, 2**63 - 1)}
+
+
+def _shape(value, dims: list[int], where: str) -> list[int]:
+    """The shape an entry's input is sent at: its `"shape"` where it gives one (of the config's rank, equal to it
+    on every fixed dim), else the config's dims, which must then be fixed (perf_analyzer refuses a variable dim
+    with no shape unless --shape names one, and no flags.txt here does)."""
+    given = value.get("shape") if isinstance(value, dict) else None
+    if given is None:
+        if -1 in dims:
+            raise ValueError(f"{where}: dims {dims} are variable: the entry must give a \"shape\"")
+        return dims
+    if not isinstance(given, list) or len(given) != len(dims) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 and d in (-1, g)
+            for g, d in zip(given, dims, strict=True)):
+        raise ValueError(f"{where}: shape {given} does not fit dims {dims}")
+    return given
 
 
 def _values(value, data_type: str, where: str) -> list:
@@ -155,4 +177,6 @@ def infer_inputs(entry: dict, config: dict) -> dict[str, tuple[np.ndarray, str]]
             dtype = {"TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
                      "TYPE_FP32": np.float32}[data_type]
             out[name] = (np.array(content, dtype=dtype), data_type.removeprefix("TYPE_"))
+        if isinstance(value, dict) and "shape" in value:
+            out[name] = (out[name][0].reshape(value["shape"]), out[name][1])
     return out

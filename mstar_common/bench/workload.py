@@ -127,8 +127,12 @@ def requests_from_file(path: str | Path) -> list[dict]:
         raise ValueError(f"{path}: data: no requests")
     for index, req in enumerate(requests):
         if unknown := [name for name in req if name not in FILE_INPUTS]:
+            if unknown[0] in TEXT_PROMPT_INPUTS:
+                raise ValueError(f"{path}: data[{index}].{unknown[0]}: the harness replays token-id prompts "
+                                 f"(input_ids); the entry's text prompts ({', '.join(TEXT_PROMPT_INPUTS)}) are "
+                                 "perf_analyzer's alone")
             raise ValueError(f"{path}: data[{index}].{unknown[0]}: not an input of the text-LM entry model "
-                             f"(its inputs: {', '.join(FILE_INPUTS)})")
+                             f"(the ones replayed: {', '.join(FILE_INPUTS)})")
         ids, max_tokens = req.get("input_ids"), req.get("max_tokens")
         if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"{path}: data[{index}].input_ids: must be a non-empty list of token ids (ints >= 0)")
@@ -148,6 +152,7 @@ def requests_from_file(path: str | Path) -> list[dict]:
 
 
 FILE_INPUTS = (wire.INPUT_IDS, *wire.SAMPLING_INPUTS, wire.STOP, wire.STOP_TOKEN_IDS)  # what an entry may hold
+TEXT_PROMPT_INPUTS = ("text_input", "messages", "chat_template_kwargs")  # the entry's too, not replayed here
 
 
 def _is_int(value) -> bool:

@@ -49,7 +49,8 @@ class TranscriptionMethods:
                    seed: int | None = None) -> TranscriptionResult | EventStream[TranscriptionEvent]:
         """Speech to text (`task="translate"`: to English; None: the checkpoint's own task, transcribe unless its
         generation config says otherwise). `audio`: a file path, an open binary file or the file's
-        bytes (WAV, FLAC, OGG, MP3, ...). Uploads over 30 s are cut at quiet moments and transcribed in parallel."""
+        bytes (WAV, FLAC, OGG, MP3, M4A/MP4, WebM, AAC, ...). Uploads over 30 s are cut at quiet moments and
+        transcribed in parallel."""
         data = read_file_input(audio, "audio")
         kwargs = {"language": language, "task": task, "prompt": prompt, "temperature": temperature,
                   "timestamps": timestamps, "max_tokens": max_tokens, "seed": seed}

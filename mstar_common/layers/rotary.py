@@ -74,13 +74,18 @@ def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]
     first (as Phi-3 stores it), then the section, then `max_position_embeddings`; `beta_fast` 32 and `beta_slow` 1
     unless given, `truncate` on unless false; `attention_factor` as given, else 0.1 ln(factor) + 1, or the ratio
     of that with `mscale` and with `mscale_all_dim` where both are given."""
-    factor = float(section["factor"])
-    if not factor >= 1.0:
-        raise ValueError(f"{key}.factor must be >= 1 for rope_type 'yarn', got {section['factor']!r}")
-    original = (config.get("original_max_position_embeddings") or section.get("original_max_position_embeddings")
-                or config.get("max_position_embeddings"))
-    if not original:
-        raise ValueError(f"{key}: rope_type 'yarn' needs original_max_position_embeddings")
+    original = next((where[name] for where, name in ((config, "original_max_position_embeddings"),
+                                                     (section, "original_max_position_embeddings"),
+                                                     (config, "max_position_embeddings"))
+                     if where.get(name) is not None), None)
+    if not isinstance(original, int | float) or isinstance(original, bool) or not original > 0:
+        raise ValueError(f"{key}: rope_type 'yarn' needs original_max_position_embeddings > 0, got {original!r}")
+    factor = section["factor"]
+    if factor is None and config.get("max_position_embeddings"):  # transformers: the ratio of the two lengths
+        factor = config["max_position_embeddings"] / original
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor >= 1.0:
+        raise ValueError(f"{key}.factor must be a number >= 1 for rope_type 'yarn', got {section['factor']!r}")
+    factor = float(factor)
     attention_factor = section.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = section.get("mscale"), section.get("mscale_all_dim")

@@ -264,6 +264,9 @@ def test_input_data_keeps_the_list_inputs_whole_and_sends_them_as_one_tensor(tmp
     # perf_analyzer refuses a name the entry model lacks; the harness sent it as a BYTES tensor the server refused
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "ignore_eso": [True]}]},
      "data[0].ignore_eso: not an input of the text-LM entry model"),
+    # the entry's text prompts are real inputs: refused as not replayed here, not as missing from the entry
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "text_input": ["hi"]}]},
+     "data[0].text_input: the harness replays token-id prompts (input_ids)"),
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "ignore_eos": [1]}]},
      "data[0].ignore_eos: must be true or false, got 1"),
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "seed": [1.5]}]}, "data[0].seed: must be an integer"),

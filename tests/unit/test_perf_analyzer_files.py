@@ -98,13 +98,28 @@ def test_bytes_are_serialized_as_triton_lays_them_out():
     ({"prompt": ["x"], "steps": [4]}, r"data\[0\]\.steps: not an input of flux2_klein_walk"),
     ({"prompt": ["x"], "seed": ["7"]}, r"data\[0\]\.seed: TYPE_INT64 takes JSON int"),
     ({"prompt": ["x"], "seed": [True]}, r"data\[0\]\.seed: TYPE_INT64 takes JSON int"),
-    ({"prompt": ["x", "y"]}, r"data\[0\]\.prompt: 2 elements for dims \[1\]"),
+    ({"prompt": ["x", "y"]}, r"data\[0\]\.prompt: 2 elements for shape \[1\]"),
     ({"prompt": ["x"], "width": {"b64": "AAAA"}}, r"data\[0\]\.width: only a STRING input is given as b64"),
     ({"prompt": 5}, r"data\[0\]\.prompt: a list of values"),
+    ({"prompt": ["x"], "seed": [2**63]}, r"data\[0\]\.seed: a value outside TYPE_INT64's range"),
+    ({"prompt": ["x"], "width": [2**40]}, r"data\[0\]\.width: a value outside TYPE_INT32's range"),
+    ({"prompt": ["x"], "reference_images": {"content": ["a"], "shape": [3]}},
+     r"data\[0\]\.reference_images: 1 elements for shape \[3\]"),
+    ({"prompt": {"content": ["x"], "shape": [3]}}, r"data\[0\]\.prompt: shape \[3\] does not fit dims \[1\]"),
+    ({"prompt": {"content": ["x"], "shape": [1, 1]}}, r"data\[0\]\.prompt: shape \[1, 1\] does not fit dims \[1\]"),
+    ({"prompt": ["x"], "reference_images": ["a"]}, r"data\[0\]\.reference_images: dims \[-1\] are variable"),
 ])
 def test_the_checker_refuses_what_perf_analyzer_refuses(entry, rule):
     with pytest.raises(ValueError, match=rule):
         pa_files.check_against_config({"data": [entry]}, entry_config("flux2_klein"))
+
+
+def test_a_variable_input_with_its_shape_is_checked_and_sent_at_it():
+    config = entry_config("flux2_klein")
+    entry = {"prompt": ["x"], "reference_images": {"content": ["a", "b"], "shape": [2]}}
+    pa_files.check_against_config({"data": [entry]}, config)
+    array, datatype = pa_files.infer_inputs(entry, config)["reference_images"]
+    assert datatype == "BYTES" and array.shape == (2,) and array.tolist() == [b"a", b"b"]
 
 
 @pytest.mark.parametrize("folder", ["text_lm", "orpheus", "whisper", "image_walk"])

@@ -187,6 +187,7 @@ def test_loader_refuses_a_rope_that_scales_with_the_length(checkpoint, tmp_path)
     {"factor": 2.0, "original_max_position_embeddings": 8192, "attention_factor": 1.25, "beta_fast": 8,
      "beta_slow": 2, "truncate": False},
     {"factor": 1.0, "original_max_position_embeddings": 8192},  # no scaling: an attention factor of 1
+    {"factor": None, "original_max_position_embeddings": 10240},  # the ratio of the two lengths, as transformers
 ])
 def test_yarn_frequencies_and_attention_factor_equal_transformers(section):
     """The NTK-by-parts frequencies bit for bit, and the factor transformers multiplies cos and sin by."""
@@ -335,3 +336,16 @@ def test_fused_mlp_switch(checkpoint, monkeypatch):
         monkeypatch.setenv("MSTAR_FUSED_MLP_ROWS", bad)
         with pytest.raises(ValueError, match="MSTAR_FUSED_MLP_ROWS"):
             model.enable_fused_ops(True)
+
+
+@pytest.mark.parametrize("section, rule", [
+    ({"factor": 0.5}, r"rope_parameters.factor must be a number >= 1 for rope_type 'yarn', got 0.5"),
+    ({"factor": "4"}, r"rope_parameters.factor must be a number >= 1"),
+    ({"factor": 4.0, "original_max_position_embeddings": 0}, r"needs original_max_position_embeddings > 0"),
+])
+def test_a_yarn_section_that_cannot_be_served_is_refused_naming_the_key(section, rule):
+    from mstar_common.layers.rotary import rope_from_config
+
+    with pytest.raises(ValueError, match=rule):
+        rope_from_config({"max_position_embeddings": 4096,
+                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **section}})

@@ -208,3 +208,13 @@ def test_a_stream_that_changes_its_rate_or_channels_mid_way_keeps_its_timing(tmp
     stereo = container_bytes(tmp_path, "adts", "aac", _signal(16_000, 2.0, 2, seed=2), 16_000)
     for data in (low + high, high + low, low + stereo):
         assert abs(decode_upload(data, LIMITS).shape[0] / 16_000 - 4.0) < 0.3  # each part: AAC priming, padding
+
+
+@pytest.mark.parametrize("tag", ["9" * 400 + ":00:00", "nan:00:00", "-1:00:00", "00:00:inf", "an hour"])
+def test_a_nonsense_duration_tag_is_no_claim(tag):
+    """A tag whose hours overflow a float raised OverflowError (a 500); NaN, negative or infinite ones are no
+    claim either, so the track is measured."""
+    from types import SimpleNamespace
+
+    assert audio._matroska_track_seconds(SimpleNamespace(metadata={"DURATION": tag})) is None
+    assert audio._matroska_track_seconds(SimpleNamespace(metadata={"DURATION": "00:01:02.500000000"})) == 62.5

@@ -123,10 +123,11 @@ def _matroska_track_seconds(stream) -> float | None:
     write it), or None where it has none or an unreadable one."""
     text = (stream.metadata or {}).get("DURATION") or (stream.metadata or {}).get("duration")
     try:
-        hours, minutes, seconds = str(text).split(":")
-        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
-    except (AttributeError, ValueError):
+        hours, minutes, seconds = (float(part) for part in str(text).split(":"))
+        total = hours * 3600 + minutes * 60 + seconds
+    except (AttributeError, ValueError, OverflowError):
         return None
+    return total if math.isfinite(total) and total >= 0 else None  # a tag's nonsense is no claim
 
 
 def decode_with_ffmpeg(data: bytes, container: Container, limits: AudioLimits, field: str = "audio") -> np.ndarray:
