@@ -2,7 +2,8 @@
 
 /v1/audio/speech body: `model`, `input`, `voice`, `response_format` (mp3 (default; wav when `stream`) | wav | pcm |
 flac | opus | aac),
-`stream` (extra field: audio bytes sent as they are decoded; wav and pcm only), `stream_format` ("audio" or
+`stream` (extra field: audio bytes sent as they are decoded; wav and pcm raw, mp3, aac and opus encoded chunk by
+chunk), `stream_format` ("audio" or
 "sse": `speech.audio.delta` events with base64 PCM16, then `speech.audio.done`), and the sampling knobs as
 extra fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, ignore_eos). `speed`
 other than 1 and `instructions` are refused (Orpheus takes emotion tags inline in `input`).
@@ -47,7 +48,12 @@ FORMATS = {  # response_format -> (soundfile format, subtype, media type); pcm i
     "pcm": (None, None, "audio/pcm"),
 }
 AAC_BIT_RATE = 64_000  # bits a second of mono speech, as a 24 kHz clip needs no more
-STREAM_FORMATS = ("wav", "pcm")
+STREAM_FORMATS = ("wav", "pcm", "mp3", "aac", "opus")  # wav and pcm as they come; the others encoded as they come
+ENCODED_STREAMS = {  # response_format -> (FFmpeg muxer, encoder, bits a second, muxer options) of a streamed clip
+    "mp3": ("mp3", "libmp3lame", 64_000, {}),  # on an unseekable output the muxer writes no Xing header
+    "aac": ("adts", "aac", 64_000, {}),
+    "opus": ("ogg", "libopus", 32_000, {"page_duration": "100000"}),  # a page each 100 ms (its default: 1 s)
+}
 SPEECH_KINDS = ("speech",)
 
 
@@ -145,6 +151,63 @@ def encode_aac(pcm: np.ndarray, sample_rate: int) -> bytes:
         for packet in [*stream.encode(frame), *stream.encode(None)]:  # the encoder cuts its own frames
             container.mux(packet)
     return out.getvalue()
+
+
+class _Sink:
+    """The write-only file a streamed clip's muxer writes to (no seek: a streaming muxer then writes nothing it
+    would go back to fix); `take` hands over what it wrote since the last call."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out = b"".join(self.parts)
+        self.parts.clear()
+        return out
+
+
+class StreamEncoder:
+    """A clip encoded as its PCM16 chunks come (mp3, aac in ADTS frames, opus in Ogg: FFmpeg's encoders through
+    PyAV): `encode` returns the bytes each chunk completes (the encoder holds back less than one of its frames),
+    `finish` the rest. A clip that brought no audio is one silent sample, as a whole file's."""
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        import av
+
+        muxer, codec, bit_rate, options = ENCODED_STREAMS[fmt]
+        self.sample_rate, self.samples, self._av = sample_rate, 0, av
+        self.sink = _Sink()
+        self.container = av.open(self.sink, "w", format=muxer, options=options)
+        self.stream = self.container.add_stream(codec, rate=sample_rate, layout="mono")
+        self.stream.bit_rate = bit_rate
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        if pcm.size:
+            frame = self._av.AudioFrame.from_ndarray(pcm.astype(np.int16, copy=False)[None, :], format="s16",
+                                                     layout="mono")
+            frame.sample_rate, frame.pts = self.sample_rate, self.samples
+            self.samples += pcm.size
+            for packet in self.stream.encode(frame):
+                self.container.mux(packet)
+        return self.sink.take()
+
+    def finish(self) -> bytes:
+        head = self.encode(np.zeros(1, np.int16)) if not self.samples else b""
+        for packet in self.stream.encode(None):
+            self.container.mux(packet)
+        self.container.close()
+        return head + self.sink.take()
+
+    def close(self) -> None:
+        """Frees the encoder of a clip that ended early (a client that left, an error)."""
+        try:
+            self.container.close()
+        except Exception:  # noqa: BLE001 - the clip is abandoned; nothing reads what closing would write
+            pass
 
 
 def streaming_wav_header(sample_rate: int) -> bytes:
@@ -247,14 +310,25 @@ class AudioStreamResponse(SSEResponse):
 
 
 async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> AsyncIterator[bytes]:
-    is_started = False
+    is_started, encoder, rate = False, None, 24000
     try:
         async for response in stream:
+            rate = response.sample_rate or rate
             if fmt == "wav" and not is_started:
-                yield streaming_wav_header(response.sample_rate or 24000)
+                yield streaming_wav_header(rate)
             is_started = True
-            if response.audio is not None and response.audio.size:
+            if response.audio is None or not response.audio.size:
+                continue
+            if fmt in ENCODED_STREAMS:  # encoded here, chunk by chunk (~0.1-0.3 ms a 2,048-sample chunk)
+                encoder = encoder or StreamEncoder(fmt, rate)
+                if data := encoder.encode(response.audio):
+                    yield data
+            else:
                 yield response.audio.astype("<i2").tobytes()
+        if fmt in ENCODED_STREAMS:
+            encoder = encoder or StreamEncoder(fmt, rate)
+            tail, encoder = encoder.finish(), None
+            yield tail
     except Exception as exc:
         # Mid-stream there is no status left to send. Logged (a server fault under an error id), then raised: the
         # connection closes without the body's last chunk, so the client reads an incomplete response instead of
@@ -262,6 +336,8 @@ async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> Async
         from_exception(exc)
         raise
     finally:
+        if encoder is not None:
+            encoder.close()
         await stream.aclose()
 
 
