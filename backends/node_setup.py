@@ -105,10 +105,11 @@ def load_node(args: dict, *, kind: str) -> NodeSetup:
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # a fatal signal leaves every stack in the log
     kill_when_orphaned()  # a stub outlives a dead server by a few seconds at most, wedged or not
     try:
-        interval = apply_switch_interval()
         # a misspelt MSTAR_* switch refuses every model at load, not only the AR engines (an image walk loaded,
-        # then answered each PNG request with MSTAR_PNG_ENCODER's error as the client's 400)
+        # then answered each PNG request with MSTAR_PNG_ENCODER's error as the client's 400); every bad one named
+        # at once, the switch interval among them (applied after: a bad one of it alone hid the others)
         check_switches()
+        interval = apply_switch_interval()
     except ValueError as exc:
         raise pb_utils.TritonModelException(f"{model_name}: {exc}") from None
     logger.info("[%s] GIL switch interval %.3f ms", model_name, interval * 1e3)

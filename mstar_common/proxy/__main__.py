@@ -9,6 +9,8 @@ import logging
 import math
 import os
 import re
+import socket
+import sys
 import time
 
 import uvicorn
@@ -120,9 +122,46 @@ def bind_host(host: str) -> str:
 
 
 def run_workers(app: str, workers: int, **serve) -> None:
-    """`uvicorn.run(app, factory=True, workers=workers, **serve)`, with `_Workers` as the supervisor."""
+    """`uvicorn.run(app, factory=True, workers=workers, **serve)`, with `_Workers` as the supervisor and the
+    listening socket `listening_socket`'s (uvicorn's own is AF_INET unless the host has a ':', so "every address"
+    was IPv4 alone with several workers, where one worker's asyncio server listens on IPv6 too)."""
     config = uvicorn.Config(app, factory=True, workers=workers, **serve)
-    _Workers(config, sockets=[config.bind_socket()]).run()
+    try:
+        sock = listening_socket(config.host, config.port)
+    except OSError as exc:
+        logging.getLogger("uvicorn.error").error("cannot listen on %r port %s: %s", config.host, config.port, exc)
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE, as its own bind_socket exits
+    _Workers(config, sockets=[sock]).run()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, inheritable TCP socket for the workers: for "" (every address) one IPv6 socket that takes IPv4
+    too (IPV6_V6ONLY off), or IPv4 alone where the host has no IPv6; for a name or address, the first of its
+    addresses that binds (an IPv6-only name binds as one worker's server would)."""
+    if host == "":
+        candidates = [(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("", port))]
+    else:
+        candidates = [(family, address) for family, _, _, _, address in
+                      socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
+    error: OSError | None = None
+    for family, address in candidates:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:  # no IPv6 on this host
+            error = exc
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and host == "":
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        sock.set_inheritable(True)
+        return sock
+    raise error or OSError(f"no address to listen on for {host!r}")
 
 
 def settings_from_json(text: str) -> tuple[ProxySettings, str]:

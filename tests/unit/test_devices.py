@@ -100,3 +100,10 @@ def test_every_node_refuses_a_misspelt_switch_at_load(monkeypatch):
     with pytest.raises(fake.TritonModelException, match=r"^z_image_walk: environment switches refused .*"
                                                         r"MSTAR_PNG_ENCODER='bogus'"):
         node_setup.load_node({"model_name": "z_image_walk"}, kind="walk")
+    # a bad switch interval is named with the others, not alone (it was applied first, and its error hid them)
+    monkeypatch.setenv("MSTAR_SWITCH_INTERVAL_MS", "0")
+    with pytest.raises(fake.TritonModelException) as refused:
+        node_setup.load_node({"model_name": "z_image_walk"}, kind="walk")
+    message = str(refused.value)
+    assert message.startswith("z_image_walk: environment switches refused")
+    assert "MSTAR_SWITCH_INTERVAL_MS='0'" in message and "MSTAR_PNG_ENCODER='bogus'" in message

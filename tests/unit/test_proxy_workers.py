@@ -168,3 +168,25 @@ def test_every_address_binds_with_several_workers_too(monkeypatch):
     sock = uvicorn.Config("x:y", host=kwargs["host"], port=0).bind_socket()
     sock.close()
     assert _run(monkeypatch, "--host", "10.1.2.3")[1]["host"] == "10.1.2.3"
+
+
+def test_every_address_is_ipv6_too_with_several_workers():
+    """One worker's asyncio server listens on IPv4 and IPv6 for "" (`--host '*'`); with several, uvicorn's own
+    socket was AF_INET, so the same deployment refused IPv6 clients once server.proxy_workers > 1."""
+    import socket
+
+    from mstar_common.proxy.__main__ import listening_socket
+
+    sock = listening_socket("", 0)
+    try:
+        sock.listen(4)
+        port = sock.getsockname()[1]
+        for address in ("127.0.0.1", "::1"):
+            with socket.create_connection((address, port), timeout=5):
+                pass
+        assert sock.get_inheritable()
+    finally:
+        sock.close()
+    named = listening_socket("127.0.0.1", 0)
+    assert named.family == socket.AF_INET and named.getsockname()[0] == "127.0.0.1"
+    named.close()
