@@ -6,7 +6,8 @@ flac | opus | aac),
 chunk), `stream_format` ("audio" or
 "sse": `speech.audio.delta` events with base64 PCM16, then `speech.audio.done`), and the sampling knobs as
 extra fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, ignore_eos). `speed`
-other than 1 and `instructions` are refused (Orpheus takes emotion tags inline in `input`).
+(0.25-4.0, OpenAI's range) changes the clip's pace, its pitch kept (FFmpeg's atempo, chunk by chunk when
+streamed); `instructions` are refused (Orpheus takes emotion tags inline in `input`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,64 @@ def encode_aac(pcm: np.ndarray, sample_rate: int) -> bytes:
     return out.getvalue()
 
 
+SPEED_RANGE = (0.25, 4.0)  # OpenAI's
+
+
+class Tempo:
+    """PCM16 mono at `speed` times its pace with its pitch kept (FFmpeg's atempo filter through PyAV; one stage
+    takes 0.5-100, so a speed below 0.5 runs through stages of 0.5 first): `push` returns what each chunk completes,
+    `finish` the rest (the filter holds back ~tens of ms)."""
+
+    def __init__(self, speed: float, sample_rate: int) -> None:
+        import av
+        from av.filter import Graph
+
+        self._av, self.sample_rate, self.samples = av, sample_rate, 0
+        self.graph = Graph()
+        node = self.graph.add_abuffer(format="s16", sample_rate=sample_rate, layout="mono",
+                                      time_base=f"1/{sample_rate}")
+        stages, rest = [], float(speed)
+        while rest < 0.5:
+            stages.append(0.5)
+            rest /= 0.5
+        for stage in [*stages, rest]:
+            tempo = self.graph.add("atempo", repr(stage))
+            node.link_to(tempo)
+            node = tempo
+        shape = self.graph.add("aformat", "sample_fmts=s16:channel_layouts=mono")
+        node.link_to(shape)
+        shape.link_to(self.graph.add("abuffersink"))
+        self.graph.configure()
+
+    def push(self, pcm: np.ndarray) -> np.ndarray:
+        frame = self._av.AudioFrame.from_ndarray(pcm.astype(np.int16, copy=False)[None, :], format="s16",
+                                                 layout="mono")
+        frame.sample_rate, frame.pts = self.sample_rate, self.samples
+        self.samples += pcm.size
+        self.graph.push(frame)
+        return self._pull()
+
+    def finish(self) -> np.ndarray:
+        self.graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> np.ndarray:
+        out = []
+        while True:
+            try:
+                out.append(self.graph.pull().to_ndarray().reshape(-1))
+            except (self._av.BlockingIOError, self._av.EOFError):
+                return np.concatenate(out) if out else np.zeros(0, np.int16)
+
+
+def change_speed(pcm: np.ndarray, sample_rate: int, speed: float) -> np.ndarray:
+    """A whole clip at `speed` times its pace (the same clip at 1)."""
+    if speed == 1.0 or not pcm.size:
+        return pcm
+    tempo = Tempo(speed, sample_rate)
+    return np.concatenate([tempo.push(pcm), tempo.finish()])
+
+
 class _Sink:
     """The write-only file a streamed clip's muxer writes to (no seek: a streaming muxer then writes nothing it
     would go back to fix); `take` hands over what it wrote since the last call."""
@@ -229,8 +288,9 @@ def _speech_generation(body: SpeechRequest) -> GenerationRequest:
     if body.response_format not in FORMATS:
         raise invalid_request(f"'response_format' must be one of {list(FORMATS)}, got {body.response_format!r}",
                               param="response_format")
-    if body.speed not in (None, 1, 1.0):
-        raise invalid_request(f"'speed' is not supported: only 1.0, got {body.speed}", param="speed")
+    if body.speed is not None and not SPEED_RANGE[0] <= body.speed <= SPEED_RANGE[1]:
+        raise invalid_request(f"'speed' must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {body.speed}",
+                              param="speed")
     if body.instructions:
         raise invalid_request("'instructions' is not supported: put emotion tags such as <laugh> in 'input'",
                               param="instructions")
@@ -258,15 +318,18 @@ async def create_speech(body: SpeechRequest, request: Request):
     ctx: ServingContext = request.app.state.serving
     served = ctx.resolve(body.model, kinds=SPEECH_KINDS)
     gen = _speech_generation(body)
+    speed = float(body.speed or 1.0)
     if body.stream_format == "sse":
         stream = await ctx.stream(request, served, gen)
-        return SSEResponse(sse_body(_speech_events(stream), ctx.settings.request_timeout_s))
+        return SSEResponse(sse_body(_speech_events(stream, speed), ctx.settings.request_timeout_s))
     if body.stream:
         stream = await ctx.stream(request, served, gen)
-        return AudioStreamResponse(_audio_bytes(stream, body.response_format), FORMATS[body.response_format][2])
+        return AudioStreamResponse(_audio_bytes(stream, body.response_format, speed),
+                                   FORMATS[body.response_format][2])
     speech = await collect(ctx, request, served, gen)
     # in a thread: an mp3 or opus encode of a long clip takes 0.1-0.7 s, which would stall every other stream here
-    data = await asyncio.to_thread(encode_audio, speech.pcm, speech.sample_rate, body.response_format)
+    data = await asyncio.to_thread(lambda: encode_audio(change_speed(speech.pcm, speech.sample_rate, speed),
+                                                        speech.sample_rate, body.response_format))
     return Response(data, media_type=FORMATS[body.response_format][2],
                     headers={FINISH_REASON_HEADER: speech.finish})
 
@@ -309,8 +372,18 @@ class AudioStreamResponse(SSEResponse):
         super().__init__(content)
 
 
-async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> AsyncIterator[bytes]:
-    is_started, encoder, rate = False, None, 24000
+async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str, speed: float = 1.0) -> AsyncIterator[bytes]:
+    is_started, encoder, tempo, rate = False, None, None, 24000
+
+    def out(pcm: np.ndarray) -> bytes:  # PCM of the clip, as the format sends it
+        nonlocal encoder
+        if not pcm.size:
+            return b""
+        if fmt in ENCODED_STREAMS:  # encoded here, chunk by chunk (~0.1-0.3 ms a 2,048-sample chunk)
+            encoder = encoder or StreamEncoder(fmt, rate)
+            return encoder.encode(pcm)
+        return pcm.astype("<i2").tobytes()
+
     try:
         async for response in stream:
             rate = response.sample_rate or rate
@@ -319,12 +392,14 @@ async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> Async
             is_started = True
             if response.audio is None or not response.audio.size:
                 continue
-            if fmt in ENCODED_STREAMS:  # encoded here, chunk by chunk (~0.1-0.3 ms a 2,048-sample chunk)
-                encoder = encoder or StreamEncoder(fmt, rate)
-                if data := encoder.encode(response.audio):
-                    yield data
-            else:
-                yield response.audio.astype("<i2").tobytes()
+            pcm = response.audio
+            if speed != 1.0:
+                tempo = tempo or Tempo(speed, rate)
+                pcm = tempo.push(pcm)
+            if data := out(pcm):
+                yield data
+        if tempo is not None and (data := out(tempo.finish())):
+            yield data
         if fmt in ENCODED_STREAMS:
             encoder = encoder or StreamEncoder(fmt, rate)
             tail, encoder = encoder.finish(), None
@@ -341,14 +416,24 @@ async def _audio_bytes(stream: AsyncIterator[StreamResponse], fmt: str) -> Async
         await stream.aclose()
 
 
-async def _speech_events(stream: AsyncIterator[StreamResponse]) -> AsyncIterator[dict[str, Any]]:
-    speech = Speech()
+async def _speech_events(stream: AsyncIterator[StreamResponse], speed: float = 1.0) -> AsyncIterator[dict[str, Any]]:
+    speech, tempo = Speech(), None
+
+    def delta(pcm: np.ndarray) -> dict[str, Any]:
+        return {"type": "speech.audio.delta", "audio": base64.b64encode(pcm.astype("<i2").tobytes()).decode()}
+
     try:
         async for response in stream:
             speech.add(response)
             if response.audio is not None and response.audio.size:
-                pcm = response.audio.astype("<i2").tobytes()
-                yield {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
+                pcm = response.audio
+                if speed != 1.0:
+                    tempo = tempo or Tempo(speed, response.sample_rate or 24000)
+                    pcm = tempo.push(pcm)
+                if pcm.size:
+                    yield delta(pcm)
+        if tempo is not None and (rest := tempo.finish()).size:
+            yield delta(rest)
         # OpenAI's event carries usage alone; finish_reason added: "length" is a clip cut at max_tokens
         yield {"type": "speech.audio.done", "usage": speech.speech_usage,
                "finish_reason": speech.finish}

@@ -218,6 +218,11 @@ def test_openai_streamed_speech_is_valid_wav_and_pcm(tts, oai):
     a, b = mp3[lag:lag + want.shape[0] - 2304], want[:-2304]
     # random weights make noise-like audio, much of which a 64 kbit/s mp3 drops (0.87 here); another clip: ~0
     assert np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b)) > 0.75
+    # OpenAI's speed: the same clip at twice the pace, half as long
+    fast = oai.audio.speech.create(model=tts.dep.name, input="Hi there", voice="leah", response_format="wav",
+                                   speed=2.0, extra_body={k: v for k, v in extra.items() if k != "stream"})
+    quick, rate = soundfile.read(io.BytesIO(fast.content), dtype="int16")
+    assert rate == 24000 and abs(quick.size - want.shape[0] / 2) <= 0.03 * want.shape[0] / 2
 
 
 def test_eight_concurrent_streams(tts, oai):

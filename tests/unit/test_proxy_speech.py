@@ -127,6 +127,60 @@ def test_encoded_formats_stream_chunk_by_chunk(fmt):
         assert sum(f.samples for f in container.decode(audio=0)) >= 1
 
 
+def _tone_script(seconds: float = 1.0, hz: float = 300.0):
+    t = np.arange(int(24000 * seconds)) / 24000
+    tone = (8000 * np.sin(2 * np.pi * hz * t)).astype(np.int16)
+    chunks = [tone[i:i + 2048] for i in range(0, tone.size, 2048)]
+    return tone, [StreamResponse(audio=c, sample_rate=24000, token_ids=[1], prompt_tokens=7, completion_tokens=1 + i)
+                  for i, c in enumerate(chunks)] + [StreamResponse(is_final=True)]
+
+
+def _peak_hz(pcm: np.ndarray) -> float:
+    spectrum = np.abs(np.fft.rfft(pcm[:8192].astype(np.float64)))
+    return float(np.argmax(spectrum) * 24000 / 8192)
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 1.5, 2.0, 4.0])
+def test_speed_changes_the_pace_and_keeps_the_pitch(speed):
+    """OpenAI's `speed` (0.25-4.0) was refused past 1.0: the clip is now that many times as fast, at its pitch, in
+    a whole file, a raw stream and SSE deltas alike."""
+    pytest.importorskip("av")
+    from mstar_common.proxy.serving_speech import Tempo, change_speed
+
+    tone, script = _tone_script(2.0)
+    whole = change_speed(tone, 24000, speed)
+    assert abs(whole.size - tone.size / speed) <= 0.03 * tone.size / speed
+    assert _peak_hz(whole) == pytest.approx(300, abs=5)
+    tempo = Tempo(speed, 24000)
+    pieces = [tempo.push(tone[i:i + 2048]) for i in range(0, tone.size, 2048)] + [tempo.finish()]
+    assert sum(p.size for p in pieces[:-1]) > 0 and abs(sum(p.size for p in pieces) - whole.size) <= 2048
+    fake = FakeTriton(script=script)
+    app, fake = make_app(fake, models=[ServedModel("orpheus", "orpheus_lm", kind="speech")])
+    http = TestClient(app)
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": "wav", "speed": speed})
+    audio, rate = soundfile.read(io.BytesIO(reply.content), dtype="int16")
+    want = int(tone.size / speed)
+    assert rate == 24000 and abs(audio.size - want) <= 0.03 * want
+    fake.script = _tone_script(2.0)[1]
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm", "stream": True,
+                                                "speed": speed})
+    streamed = np.frombuffer(reply.content, "<i2")
+    assert abs(streamed.size - want) <= 0.03 * want and _peak_hz(streamed) == pytest.approx(300, abs=5)
+    fake.script = _tone_script(2.0)[1]
+    reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse", "speed": speed})
+    deltas = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    heard = np.concatenate([np.frombuffer(base64.b64decode(e["audio"]), "<i2") for e in deltas
+                            if e["type"] == "speech.audio.delta"])
+    assert abs(heard.size - want) <= 0.03 * want
+
+
+def test_speed_one_is_the_clip_itself():
+    from mstar_common.proxy.serving_speech import change_speed
+
+    tone, _ = _tone_script(0.5)
+    assert change_speed(tone, 24000, 1.0) is tone
+
+
 def test_streamed_pcm_and_sse():
     http, _ = client()
     reply = http.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm", "stream": True})
@@ -164,7 +218,8 @@ def test_a_clip_with_no_audio_is_still_a_file_of_its_format(fmt):
     ({"input": ""}, "'input' must not be empty"),
     ({"input": "x" * 5000}, "the limit is 4096"),
     ({"input": "hi", "response_format": "m4a"}, "response_format"),
-    ({"input": "hi", "speed": 2.0}, "speed"),
+    ({"input": "hi", "speed": 5.0}, "'speed' must be between 0.25 and 4.0, got 5.0"),
+    ({"input": "hi", "speed": 0.1}, "'speed' must be between 0.25 and 4.0, got 0.1"),
     ({"input": "hi", "instructions": "whisper"}, "instructions"),
     ({"input": "hi", "stream": True, "response_format": "flac"}, "to stream"),
     ({"input": "hi", "stop": ["x"]}, "'stop' does not apply to speech"),
