@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -123,45 +124,66 @@ def bind_host(host: str) -> str:
 
 def run_workers(app: str, workers: int, **serve) -> None:
     """`uvicorn.run(app, factory=True, workers=workers, **serve)`, with `_Workers` as the supervisor and the
-    listening socket `listening_socket`'s (uvicorn's own is AF_INET unless the host has a ':', so "every address"
-    was IPv4 alone with several workers, where one worker's asyncio server listens on IPv6 too)."""
+    listening sockets `listening_sockets`' (uvicorn's own is one AF_INET socket unless the host has a ':', so
+    "every address" was IPv4 alone with several workers, where one worker's asyncio server listens on IPv6 too)."""
     config = uvicorn.Config(app, factory=True, workers=workers, **serve)
+    log = logging.getLogger("uvicorn.error")
     try:
-        sock = listening_socket(config.host, config.port)
+        sockets = listening_sockets(config.host, config.port)
     except OSError as exc:
-        logging.getLogger("uvicorn.error").error("cannot listen on %r port %s: %s", config.host, config.port, exc)
+        log.error("cannot listen on %r port %s: %s", config.host, config.port, exc)
         sys.exit(3)  # uvicorn's STARTUP_FAILURE, as its own bind_socket exits
-    _Workers(config, sockets=[sock]).run()
+    for sock in sockets:  # uvicorn logs where it listens only for a socket it bound itself
+        host, port = sock.getsockname()[:2]
+        log.info("listening on %s port %d (%d workers)", f"[{host}]" if ":" in host else host, port, workers)
+    _Workers(config, sockets=sockets).run()
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, inheritable TCP socket for the workers: for "" (every address) one IPv6 socket that takes IPv4
-    too (IPV6_V6ONLY off), or IPv4 alone where the host has no IPv6; for a name or address, the first of its
-    addresses that binds (an IPv6-only name binds as one worker's server would)."""
+_NO_IPV6 = (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL)
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, inheritable TCP sockets for the workers, where one worker's asyncio server would listen: for ""
+    (every address) one IPv6 socket that takes IPv4 too (IPV6_V6ONLY off), or IPv4 alone where the host has no
+    IPv6 (not where the port's IPv6 side is taken: that refuses, as one worker's start does); for a name or
+    address, every address it resolves to (a name with A and AAAA records listens on both)."""
     if host == "":
-        candidates = [(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("", port))]
-    else:
-        candidates = [(family, address) for family, _, _, _, address in
-                      socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
-    error: OSError | None = None
-    for family, address in candidates:
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError as exc:  # no IPv6 on this host
-            error = exc
-            continue
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6 and host == "":
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind(address)
+            return [_bound(socket.AF_INET6, ("::", port), dual_stack=True)]
         except OSError as exc:
+            if exc.errno not in _NO_IPV6:
+                raise
+        return [_bound(socket.AF_INET, ("", port))]
+    addresses = []
+    for family, _, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE):
+        if (family, address[:2]) not in [(f, a[:2]) for f, a in addresses]:
+            addresses.append((family, address))
+    sockets: list[socket.socket] = []
+    try:
+        for family, address in addresses:
+            if not port and sockets:  # port 0: every address on the port the first one got
+                port = sockets[0].getsockname()[1]
+            sockets.append(_bound(family, (address[0], port, *address[2:])))
+    except OSError:
+        for sock in sockets:
             sock.close()
-            error = exc
-            continue
-        sock.set_inheritable(True)
-        return sock
-    raise error or OSError(f"no address to listen on for {host!r}")
+        raise
+    return sockets
+
+
+def _bound(family: int, address: tuple, dual_stack: bool = False) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def settings_from_json(text: str) -> tuple[ProxySettings, str]:

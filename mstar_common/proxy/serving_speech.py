@@ -53,7 +53,8 @@ STREAM_FORMATS = ("wav", "pcm", "mp3", "aac", "opus")  # wav and pcm as they com
 ENCODED_STREAMS = {  # response_format -> (FFmpeg muxer, encoder, bits a second, muxer options) of a streamed clip
     "mp3": ("mp3", "libmp3lame", 64_000, {}),  # on an unseekable output the muxer writes no Xing header
     "aac": ("adts", "aac", 64_000, {}),
-    "opus": ("ogg", "libopus", 32_000, {"page_duration": "100000"}),  # a page each 100 ms (its default: 1 s)
+    # a page each 40 ms (its default: 1 s); the muxer writes a page once the next is done, so ~80 ms are held back
+    "opus": ("ogg", "libopus", 32_000, {"page_duration": "40000"}),
 }
 SPEECH_KINDS = ("speech",)
 
@@ -231,8 +232,9 @@ class _Sink:
 
 class StreamEncoder:
     """A clip encoded as its PCM16 chunks come (mp3, aac in ADTS frames, opus in Ogg: FFmpeg's encoders through
-    PyAV): `encode` returns the bytes each chunk completes (the encoder holds back less than one of its frames),
-    `finish` the rest. A clip that brought no audio is one silent sample, as a whole file's."""
+    PyAV): `encode` returns the bytes each chunk completes (mp3 and aac hold back less than one codec frame; Ogg
+    one to two 40 ms pages), `finish` the rest. A clip that brought no audio is one silent sample, as a whole
+    file's."""
 
     def __init__(self, fmt: str, sample_rate: int) -> None:
         import av

@@ -104,6 +104,9 @@ def test_encoded_formats_stream_chunk_by_chunk(fmt):
     encoder = StreamEncoder(fmt, 24000)
     pieces = [encoder.encode(clip[i:i + 2048]) for i in range(0, clip.size, 2048)]
     assert pieces[0] and sum(map(len, pieces[:3])) > 0  # bytes go out before the clip ends
+    # and playable audio from the first two chunks (Ogg with 100 ms pages held back ~250 ms: none after two)
+    with av.open(io.BytesIO(b"".join(pieces[:2])), format={"mp3": "mp3", "aac": "aac", "opus": "ogg"}[fmt]) as early:
+        assert sum(f.samples for f in early.decode(audio=0)) > 0
     data = b"".join(pieces) + encoder.finish()
     with av.open(io.BytesIO(data), format={"mp3": "mp3", "aac": "aac", "opus": "ogg"}[fmt]) as container:
         stream = container.streams.audio[0]

@@ -175,9 +175,9 @@ def test_every_address_is_ipv6_too_with_several_workers():
     socket was AF_INET, so the same deployment refused IPv6 clients once server.proxy_workers > 1."""
     import socket
 
-    from mstar_common.proxy.__main__ import listening_socket
+    from mstar_common.proxy.__main__ import listening_sockets
 
-    sock = listening_socket("", 0)
+    (sock,) = listening_sockets("", 0)
     try:
         sock.listen(4)
         port = sock.getsockname()[1]
@@ -187,6 +187,47 @@ def test_every_address_is_ipv6_too_with_several_workers():
         assert sock.get_inheritable()
     finally:
         sock.close()
-    named = listening_socket("127.0.0.1", 0)
+    (named,) = listening_sockets("127.0.0.1", 0)
     assert named.family == socket.AF_INET and named.getsockname()[0] == "127.0.0.1"
     named.close()
+
+
+def test_a_taken_ipv6_side_refuses_and_a_dual_name_listens_on_both(monkeypatch):
+    """Any bind error fell back to IPv4: with [::]:PORT taken the proxy listened on 0.0.0.0 alone and IPv6 clients
+    reached the other process (one worker's start refuses). A name with A and AAAA records bound its first
+    address only (one worker's server binds both)."""
+    import errno
+    import socket
+
+    from mstar_common.proxy import __main__ as proxy_main
+
+    taken = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    taken.bind(("::", 0))
+    taken.listen(1)
+    try:
+        with pytest.raises(OSError) as refused:
+            proxy_main.listening_sockets("", taken.getsockname()[1])
+        assert refused.value.errno == errno.EADDRINUSE
+    finally:
+        taken.close()
+    real = socket.getaddrinfo
+
+    def dual(host, *args, **kwargs):
+        if host == "dualname":
+            return real("::1", *args, **kwargs) + real("127.0.0.1", *args, **kwargs)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(proxy_main.socket, "getaddrinfo", dual)
+    sockets = proxy_main.listening_sockets("dualname", 0)
+    try:
+        assert {s.family for s in sockets} == {socket.AF_INET6, socket.AF_INET}
+        assert len({s.getsockname()[1] for s in sockets}) == 1
+        for sock in sockets:
+            sock.listen(2)
+        for address in ("::1", "127.0.0.1"):
+            with socket.create_connection((address, sockets[0].getsockname()[1]), timeout=5):
+                pass
+    finally:
+        for sock in sockets:
+            sock.close()
