@@ -711,6 +711,30 @@ def cmd_url(args) -> int:
     return _exit_status(model["runs"])
 
 
+def cmd_replay(args) -> int:
+    from mstar_common.bench.replay import replay
+
+    try:
+        result = replay(args.grpc, args.model, args.replay_data, args.concurrency, args.requests_per_level,
+                        args.min_requests, args.warmup, args.timeout_s)
+    except ValueError as exc:  # the file does not fit the served entry model
+        print(f"mstar bench: error: --input-data: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - the server did not answer: said, not a traceback
+        print(f"mstar bench: error: {args.model} at {args.grpc}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    result["meta"] = meta(None)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"[bench] wrote {args.out}")
+    failed = [level for level in result["levels"] if level["num_requests"] and not
+              level["num_requests"] - level["num_errors"]]
+    if failed:
+        print(f"mstar bench: error: {len(failed)} level(s) had no request succeed; the first error: "
+              f"{failed[0]['errors'][:1]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _exit_status(runs: list[dict]) -> int:
     """1 (with a line saying so) when a level had no request succeed: its figures measure nothing."""
     if failed := [run for run in runs if run.get("all_failed")]:
@@ -1030,6 +1054,18 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
                    help="Triton's metrics port on the --grpc host: each level also records the mean TTFT and ITL "
                         "the serving component saw (Triton's default is 8002)")
     p.set_defaults(func=cmd_url)
+    p = sub.add_parser("replay", help="replay a perf_analyzer input-data file against any running entry model")
+    p.add_argument("--grpc", default="127.0.0.1:8001")
+    p.add_argument("--model", required=True, help="the entry model (orpheus_lm, whisper_walk, flux2_klein_walk, ...)")
+    p.add_argument("--input-data", dest="replay_data", required=True,
+                   help="a perf_analyzer input-data file (perf_analyzer_configs/<family>/*.json)")
+    p.add_argument("--concurrency", type=_at_least(1), nargs="+", default=[1, 4])
+    p.add_argument("--requests-per-level", type=_at_least(1), default=2, help="requests per unit of concurrency")
+    p.add_argument("--min-requests", type=_at_least(1), default=4)
+    p.add_argument("--warmup", type=_at_least(0), default=1)
+    p.add_argument("--timeout-s", type=_above_zero("seconds"), default=600.0, help="the longest a level may take")
+    p.add_argument("--out", required=True, help="the results JSON")
+    p.set_defaults(func=cmd_replay)
     p = sub.add_parser("report", help="merge model JSONs into results.json/.md and plots")
     p.add_argument("inputs", nargs="+")
     p.add_argument("--out", required=True)

@@ -74,8 +74,14 @@ class TritonDriver:
     c=256 measured the same tok/s and ITL percentiles as one, alternated on one server (docs/benchmarks.md,
     2026-12-06 late night)."""
 
-    def __init__(self, url: str, model: str, outputs: list[str] | None = None, processes: int | str = 1) -> None:
+    def __init__(self, url: str, model: str, outputs: list[str] | None = None, processes: int | str = 1,
+                 inputs=None, counts=None) -> None:
+        """`inputs(request)`: its tensors (default: a text-LM request's, `_triton_inputs`); `counts(result)`: what a
+        response carries, as the records count it (default: its token ids). Other than the defaults, one process."""
         self.url, self.model, self.outputs, self.processes = url, model, outputs, processes
+        self.inputs, self.counts = inputs or _triton_inputs, counts
+        if (inputs or counts) and processes != 1:
+            raise ValueError("a driver with its own inputs or counts runs in one client process")
 
     def num_processes(self, count: int, concurrency: int | None, rate: float | None) -> int:
         return client_processes(self.processes, count, concurrency, rate)
@@ -113,8 +119,10 @@ class TritonDriver:
                 rec.error, is_final, broken = str(error), True, getattr(error, "status", lambda: None)() is not None
             else:
                 response = result.get_response()
-                ids = result.as_numpy(wire.TOKEN_IDS)
-                if ids is not None:
+                if self.counts is not None:
+                    if count := self.counts(result):
+                        rec.chunks.append((now, count))
+                elif (ids := result.as_numpy(wire.TOKEN_IDS)) is not None:
                     rec.chunks.append((now, int(ids.size)))
                 is_final = response.parameters["triton_final_response"].bool_param
             if is_final:
@@ -150,7 +158,7 @@ class TritonDriver:
 
             def send(index: int) -> None:
                 rid = f"r{index}"
-                inputs = _triton_inputs(requests[index])
+                inputs = self.inputs(requests[index])
                 k = stream_for(rid)
                 with lock:
                     records[rid] = RequestRecord(start=time.perf_counter())

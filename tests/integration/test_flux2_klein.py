@@ -88,6 +88,18 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
+def test_mstar_bench_replay_runs_the_prompts_file(served_images, tmp_path):
+    import json as jsonlib
+
+    from mstar_common.cli import main
+
+    out = tmp_path / "replay.json"
+    assert main(["bench", "replay", "--grpc", served_images.grpc_url, "--model", "flux2_klein_walk", "--input-data",
+                 "perf_analyzer_configs/image_walk/prompts.json", "--concurrency", "2", "--warmup", "1",
+                 "--out", str(out)]) == 0
+    (level,) = jsonlib.loads(out.read_text())["levels"]
+    assert level["num_errors"] == 0 and level["num_requests"] == 4 and level["requests_per_s"] > 0
+
 def test_the_perf_analyzer_prompts_file_replays(served_images):
     """perf_analyzer_configs/image_walk: its entries fit the served walk, and one makes an image at the
     deployment's default size and steps."""

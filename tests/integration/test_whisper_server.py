@@ -202,6 +202,25 @@ def test_the_perf_analyzer_clips_file_replays(asr):
                           max_tokens=[16])
     assert {"text_output", "duration"} <= names and count >= 1
 
+def test_mstar_bench_replay_runs_the_clips_file(asr, tmp_path):
+    """`mstar bench replay`: the perf_analyzer file through Triton at two levels, every request answered."""
+    import json as jsonlib
+
+    from mstar_common.cli import main
+
+    # the committed file's 128 tokens a window are more than the tiny decoder's 124: a file of its own size
+    assert main(["bench", "perf-analyzer-data", "--family", "whisper", "--audio-seconds", "5", "--max-tokens", "16",
+                 "--out", str(tmp_path)]) == 0
+    out = tmp_path / "replay.json"
+    assert main(["bench", "replay", "--grpc", asr.grpc_url, "--model", asr.entry, "--input-data",
+                 str(tmp_path / "clips_5s_opus_16tok.json"), "--concurrency", "1", "2",
+                 "--requests-per-level", "1", "--min-requests", "2", "--warmup", "0", "--out", str(out)]) == 0
+    result = jsonlib.loads(out.read_text())
+    assert [level["concurrency"] for level in result["levels"]] == [1, 2] and result["entries"] == 4
+    for level in result["levels"]:
+        assert level["num_errors"] == 0 and level["num_requests"] == 2 and level["responses_per_request"] >= 1
+        assert 0 < level["first_response_ms"]["p50"] <= level["latency_ms"]["p50"]
+
 def test_a_text_route_refuses_the_transcription_model(asr):
     response = httpx.post(asr.proxy_url + "/v1/chat/completions",
                           json={"model": asr.dep.name, "messages": [{"role": "user", "content": "hi"}]})

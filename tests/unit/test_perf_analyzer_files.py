@@ -132,3 +132,21 @@ def test_each_folders_flags_name_its_own_file_and_stream(folder):
     assert data.parent == Path("perf_analyzer_configs") / folder and (ROOT / data).is_file()
     readme = (ROOT / "perf_analyzer_configs" / folder / "README.md").read_text()
     assert f"`{data.name}`" in readme and "mstar bench perf-analyzer-data" in readme
+
+
+def test_replay_refuses_a_file_the_served_entry_would_refuse(tmp_path, monkeypatch, capsys):
+    """`mstar bench replay` checks the file against the served entry model's config before sending anything."""
+    from mstar_common.bench import replay
+
+    monkeypatch.setattr(replay, "served_config", lambda url, model: entry_config("flux2_klein"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"data": [{"prompt": ["x"], "steps": [4]}]}))
+    out = tmp_path / "r.json"
+    assert bench_cli.main(["replay", "--model", "flux2_klein_walk", "--input-data", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--input-data:" in err and "data[0].steps: not an input of flux2_klein_walk" in err
+    assert not out.exists()
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"data": []}))
+    assert bench_cli.main(["replay", "--model", "m", "--input-data", str(empty), "--out", str(out)]) == 2
+    assert "a non-empty list of entries" in capsys.readouterr().err
