@@ -164,7 +164,13 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
         for family, address in addresses:
             if not port and sockets:  # port 0: every address on the port the first one got
                 port = sockets[0].getsockname()[1]
-            sockets.append(_bound(family, (address[0], port, *address[2:])))
+            try:
+                sockets.append(_bound(family, (address[0], port, *address[2:])))
+            except OSError as exc:  # a family this kernel lacks is skipped, as asyncio's server skips it
+                if exc.errno not in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT) or family != socket.AF_INET6:
+                    raise
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, f"no address of {host!r} to listen on")
     except OSError:
         for sock in sockets:
             sock.close()

@@ -48,7 +48,6 @@ FORMATS = {  # response_format -> (soundfile format, subtype, media type); pcm i
     "aac": ("ADTS", "AAC", "audio/aac"),  # libsndfile writes no AAC: FFmpeg's encoder through PyAV
     "pcm": (None, None, "audio/pcm"),
 }
-AAC_BIT_RATE = 64_000  # bits a second of mono speech, as a 24 kHz clip needs no more
 STREAM_FORMATS = ("wav", "pcm", "mp3", "aac", "opus")  # wav and pcm as they come; the others encoded as they come
 ENCODED_STREAMS = {  # response_format -> (FFmpeg muxer, encoder, bits a second, muxer options) of a streamed clip
     "mp3": ("mp3", "libmp3lame", 64_000, {}),  # on an unseekable output the muxer writes no Xing header
@@ -138,21 +137,8 @@ def encode_audio(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
 def encode_aac(pcm: np.ndarray, sample_rate: int) -> bytes:
     """Mono PCM16 -> AAC-LC in ADTS frames (what OpenAI's `aac` returns), by FFmpeg's own encoder through PyAV; a
     clip with no audio is one silent sample, as the other compressed formats'. RuntimeError without PyAV."""
-    try:
-        import av
-    except ImportError:
-        raise RuntimeError("response_format 'aac' needs PyAV (FFmpeg's libraries), which is not installed in the "
-                           "proxy's Python: pip install av") from None
-    samples = pcm.astype(np.int16, copy=False) if pcm.size else np.zeros(1, np.int16)
-    out = io.BytesIO()
-    with av.open(out, "w", format="adts") as container:
-        stream = container.add_stream("aac", rate=sample_rate, layout="mono")
-        stream.bit_rate = AAC_BIT_RATE
-        frame = av.AudioFrame.from_ndarray(samples[None, :], format="s16", layout="mono")
-        frame.sample_rate, frame.pts = sample_rate, 0
-        for packet in [*stream.encode(frame), *stream.encode(None)]:  # the encoder cuts its own frames
-            container.mux(packet)
-    return out.getvalue()
+    encoder = StreamEncoder("aac", sample_rate)
+    return encoder.encode(pcm) + encoder.finish()
 
 
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's
@@ -161,7 +147,7 @@ SPEED_RANGE = (0.25, 4.0)  # OpenAI's
 class Tempo:
     """PCM16 mono at `speed` times its pace with its pitch kept (FFmpeg's atempo filter through PyAV; one stage
     takes 0.5-100, so a speed below 0.5 runs through stages of 0.5 first): `push` returns what each chunk completes,
-    `finish` the rest (the filter holds back ~tens of ms)."""
+    `finish` the rest (the filter holds back its window, tens of ms of output)."""
 
     def __init__(self, speed: float, sample_rate: int) -> None:
         import av
@@ -184,13 +170,21 @@ class Tempo:
         shape.link_to(self.graph.add("abuffersink"))
         self.graph.configure()
 
+    PIECE = 256  # samples a frame handed to the filter: atempo sizes its output frames from its input ones
+
     def push(self, pcm: np.ndarray) -> np.ndarray:
-        frame = self._av.AudioFrame.from_ndarray(pcm.astype(np.int16, copy=False)[None, :], format="s16",
-                                                 layout="mono")
-        frame.sample_rate, frame.pts = self.sample_rate, self.samples
-        self.samples += pcm.size
-        self.graph.push(frame)
-        return self._pull()
+        """What `pcm` completes, handed to the filter in small pieces (a whole 2,048-sample chunk came out only
+        with the next one: a frame's delay, two below 0.5, before a stream's first audio)."""
+        pcm = pcm.astype(np.int16, copy=False)
+        out = []
+        for start in range(0, pcm.size, self.PIECE):
+            piece = pcm[start:start + self.PIECE]
+            frame = self._av.AudioFrame.from_ndarray(piece[None, :], format="s16", layout="mono")
+            frame.sample_rate, frame.pts = self.sample_rate, self.samples
+            self.samples += piece.size
+            self.graph.push(frame)
+            out.append(self._pull())
+        return np.concatenate(out) if out else np.zeros(0, np.int16)
 
     def finish(self) -> np.ndarray:
         self.graph.push(None)
@@ -237,8 +231,11 @@ class StreamEncoder:
     file's."""
 
     def __init__(self, fmt: str, sample_rate: int) -> None:
-        import av
-
+        try:
+            import av
+        except ImportError:
+            raise RuntimeError(f"response_format {fmt!r} needs PyAV (FFmpeg's libraries), which is not installed in "
+                               "the proxy's Python: pip install av") from None
         muxer, codec, bit_rate, options = ENCODED_STREAMS[fmt]
         self.sample_rate, self.samples, self._av = sample_rate, 0, av
         self.sink = _Sink()

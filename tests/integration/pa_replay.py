@@ -1,5 +1,6 @@
-"""Replay a perf_analyzer input-data entry against a running server as perf_analyzer would: the file checked
-against the entry model's config as served, the entry's tensors sent on a gRPC stream, every response read."""
+"""Replay one perf_analyzer input-data entry against a running server as perf_analyzer would: the file checked
+against the entry model's config as served, the entry's tensors sent on a gRPC stream, every response read
+(mstar_common/bench/replay.py's pieces, with an entry's inputs overridable to fit a tiny checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,10 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from mstar_common.bench.pa_files import check_against_config, infer_inputs
+from mstar_common.bench.pa_files import check_against_config
+from mstar_common.bench.replay import EntryInputs, served_config
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def served_config(url: str, model: str) -> dict:
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        return client.get_model_config(model, as_json=True)["config"]
-    finally:
-        client.close()
 
 
 def replay(url: str, model: str, path: str | Path, index: int = 0, timeout: float = 300.0,
@@ -30,12 +24,7 @@ def replay(url: str, model: str, path: str | Path, index: int = 0, timeout: floa
     data = json.loads((ROOT / path).read_text())
     config = served_config(url, model)
     check_against_config(data, config)
-    entry = {**data["data"][index], **override}
-    tensors = []
-    for name, (array, datatype) in infer_inputs(entry, config).items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
+    tensors = EntryInputs(config)({**data["data"][index], **override})
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))

@@ -334,3 +334,32 @@ def test_streamed_generate_sends_every_token_id_and_null_stream_fields_are_unset
     assert reply.status_code == 200 and reply.headers["content-type"] == "audio/wav"
     reply = http.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse", "stream": None})
     assert reply.status_code == 200 and '"speech.audio.done"' in reply.text
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 1.25, 2.0])
+def test_a_streams_first_audio_leaves_with_the_first_chunk_at_any_speed(speed):
+    """A whole 2,048-sample chunk pushed into atempo came out only with the next (two below 0.5): an 85-171 ms
+    later first audio than at speed 1 on every streamed form."""
+    import asyncio
+
+    pytest.importorskip("av")
+    from mstar_common.proxy.serving_speech import _audio_bytes, _speech_events
+
+    _, script = _tone_script(1.0)
+    consumed = []
+
+    async def responses():
+        for response in script:
+            consumed.append(response)
+            yield response
+
+    async def first(gen) -> int:
+        async for item in gen:
+            if item and (not isinstance(item, dict) or item["type"] == "speech.audio.delta"):
+                await gen.aclose()
+                return len(consumed)
+        return -1
+
+    assert asyncio.run(first(_audio_bytes(responses(), "pcm", speed))) == 1
+    consumed.clear()
+    assert asyncio.run(first(_speech_events(responses(), speed))) == 1

@@ -231,3 +231,28 @@ def test_a_taken_ipv6_side_refuses_and_a_dual_name_listens_on_both(monkeypatch):
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_a_name_listens_where_the_kernel_has_its_family(monkeypatch):
+    """With IPv6 off in the kernel, `localhost` may still resolve to ::1: socket(AF_INET6) fails, and the whole
+    multi-worker start was refused where one worker's asyncio server skips that address and listens on the rest."""
+    import errno
+    import socket
+
+    from mstar_common.proxy import __main__ as proxy_main
+
+    real_socket, real_getaddrinfo = socket.socket, socket.getaddrinfo
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_socket(family, *args, **kwargs)
+
+    def dual(host, *args, **kwargs):
+        return real_getaddrinfo("::1", *args, **kwargs) + real_getaddrinfo("127.0.0.1", *args, **kwargs)
+
+    monkeypatch.setattr(proxy_main.socket, "getaddrinfo", dual)
+    monkeypatch.setattr(proxy_main.socket, "socket", no_ipv6)
+    (only,) = proxy_main.listening_sockets("localhost", 0)
+    assert only.getsockname()[0] == "127.0.0.1"
+    only.close()
