@@ -91,8 +91,8 @@ def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]
         mscale, mscale_all_dim = section.get("mscale"), section.get("mscale_all_dim")
         attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else _yarn_mscale(factor))
-    if not float(attention_factor) > 0:
-        raise ValueError(f"{key}.attention_factor must be > 0, got {attention_factor!r}")
+    if not isinstance(attention_factor, int | float) or isinstance(attention_factor, bool) or not attention_factor > 0:
+        raise ValueError(f"{key}.attention_factor must be a number > 0, got {attention_factor!r}")
     return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": float(original),
             "beta_fast": float(section.get("beta_fast") or 32), "beta_slow": float(section.get("beta_slow") or 1),
             "truncate": bool(section.get("truncate", True)), "attention_factor": float(attention_factor)}

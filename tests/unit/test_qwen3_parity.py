@@ -342,6 +342,8 @@ def test_fused_mlp_switch(checkpoint, monkeypatch):
     ({"factor": 0.5}, r"rope_parameters.factor must be a number >= 1 for rope_type 'yarn', got 0.5"),
     ({"factor": "4"}, r"rope_parameters.factor must be a number >= 1"),
     ({"factor": 4.0, "original_max_position_embeddings": 0}, r"needs original_max_position_embeddings > 0"),
+    ({"factor": 4.0, "attention_factor": "big"}, r"rope_parameters.attention_factor must be a number > 0"),
+    ({"factor": 4.0, "attention_factor": 0}, r"rope_parameters.attention_factor must be a number > 0"),
 ])
 def test_a_yarn_section_that_cannot_be_served_is_refused_naming_the_key(section, rule):
     from mstar_common.layers.rotary import rope_from_config
