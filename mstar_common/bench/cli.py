@@ -714,9 +714,12 @@ def cmd_url(args) -> int:
 def cmd_replay(args) -> int:
     from mstar_common.bench.replay import replay
 
+    if not (args.concurrency or args.rates):
+        print("mstar bench: error: nothing to run: --concurrency and --rates are both empty", file=sys.stderr)
+        return 2
     try:
         result = replay(args.grpc, args.model, args.replay_data, args.concurrency, args.requests_per_level,
-                        args.min_requests, args.warmup, args.timeout_s)
+                        args.min_requests, args.warmup, args.timeout_s, args.rates, args.poisson_seconds)
     except ValueError as exc:  # the file does not fit the served entry model
         print(f"mstar bench: error: --input-data: {exc}", file=sys.stderr)
         return 2
@@ -1059,7 +1062,11 @@ def main(argv: list[str] | None = None, prog: str = "mstar bench") -> int:
     p.add_argument("--model", required=True, help="the entry model (orpheus_lm, whisper_walk, flux2_klein_walk, ...)")
     p.add_argument("--input-data", dest="replay_data", required=True,
                    help="a perf_analyzer input-data file (perf_analyzer_configs/<family>/*.json)")
-    p.add_argument("--concurrency", type=_at_least(1), nargs="+", default=[1, 4])
+    p.add_argument("--concurrency", type=_at_least(1), nargs="*", default=[1, 4], help="closed-loop levels")
+    p.add_argument("--rates", type=_above_zero("requests a second"), nargs="*", default=[],
+                   help="Poisson arrival levels, requests a second (perf_analyzer's --request-rate-range)")
+    p.add_argument("--poisson-seconds", type=_above_zero("seconds"), default=10.0,
+                   help="each rate level sends rate x this many requests (at least --min-requests)")
     p.add_argument("--requests-per-level", type=_at_least(1), default=2, help="requests per unit of concurrency")
     p.add_argument("--min-requests", type=_at_least(1), default=4)
     p.add_argument("--warmup", type=_at_least(0), default=1)

@@ -66,7 +66,7 @@ def load_checked(path: str | Path, config: dict) -> list[dict]:
     return entries
 
 
-def summarize_level(records: list[RequestRecord], concurrency: int) -> dict:
+def summarize_level(records: list[RequestRecord], concurrency: int | None, rate: float | None = None) -> dict:
     ok = [r for r in records if r.error is None and r.end is not None]
     latency = [(r.end - r.start) * 1e3 for r in ok]
     first = [r.ttft * 1e3 for r in ok if r.ttft is not None]
@@ -75,7 +75,8 @@ def summarize_level(records: list[RequestRecord], concurrency: int) -> dict:
     def pcts(values: list[float]) -> dict:
         return {f"p{q}": float(np.percentile(values, q)) if values else None for q in (50, 90, 99)}
 
-    return {"concurrency": concurrency, "num_requests": len(records), "num_errors": len(records) - len(ok),
+    return {"concurrency": concurrency, "rate": rate, "num_requests": len(records),
+            "num_errors": len(records) - len(ok),
             "errors": sorted({r.error for r in records if r.error})[:3], "duration_s": duration,
             "requests_per_s": len(ok) / duration if duration else 0.0, "latency_ms": pcts(latency),
             "first_response_ms": pcts(first),
@@ -83,9 +84,12 @@ def summarize_level(records: list[RequestRecord], concurrency: int) -> dict:
 
 
 def replay(url: str, model: str, path: str | Path, concurrency: list[int], requests_per_level: int = 2,
-           min_requests: int = 4, warmup: int = 1, timeout_s: float = 600.0) -> dict:
+           min_requests: int = 4, warmup: int = 1, timeout_s: float = 600.0, rates: list[float] = (),
+           poisson_seconds: float = 10.0) -> dict:
     """Every level of the replay: the file's entries in order, wrapping round, `max(min_requests,
-    requests_per_level * c)` requests at concurrency c after `warmup` unrecorded ones."""
+    requests_per_level * c)` requests at concurrency c, then `max(min_requests, rate * poisson_seconds)` Poisson
+    arrivals at each rate (perf_analyzer's --request-rate-range with --request-distribution poisson), after `warmup`
+    unrecorded ones."""
     config = served_config(url, model)
     entries = load_checked(path, config)
     driver = TritonDriver(url, model, inputs=EntryInputs(config), counts=one_per_response)
@@ -99,12 +103,14 @@ def replay(url: str, model: str, path: str | Path, concurrency: list[int], reque
     if warmup:
         driver.run(batch(warmup), concurrency=warmup, timeout_s=timeout_s)
     levels = []
-    for conc in concurrency:
-        records = driver.run(batch(max(min_requests, requests_per_level * conc)), concurrency=conc,
-                             timeout_s=timeout_s)
-        levels.append(summarize_level(records, conc))
+    loads = [({"concurrency": c}, max(min_requests, requests_per_level * c)) for c in concurrency] + \
+        [({"rate": r}, max(min_requests, int(r * poisson_seconds))) for r in rates]
+    for load, count in loads:
+        records = driver.run(batch(count), timeout_s=timeout_s, **load)
+        levels.append(summarize_level(records, load.get("concurrency"), load.get("rate")))
         s = levels[-1]
-        print(f"[bench] replay {model} c={conc}: {s['num_requests']} req, {s['requests_per_s']:.2f} req/s, latency "
+        label = f"c={load['concurrency']}" if "concurrency" in load else f"{load['rate']:g} req/s Poisson"
+        print(f"[bench] replay {model} {label}: {s['num_requests']} req, {s['requests_per_s']:.2f} req/s, latency "
               f"p50/p90 {_ms(s['latency_ms']['p50'])}/{_ms(s['latency_ms']['p90'])} ms, first response p50 "
               f"{_ms(s['first_response_ms']['p50'])} ms, errors {s['num_errors']}", flush=True)
     return {"model": model, "input_data": str(path), "entries": len(entries), "levels": levels}

@@ -99,6 +99,12 @@ def test_mstar_bench_replay_runs_the_prompts_file(served_images, tmp_path):
                  "--out", str(out)]) == 0
     (level,) = jsonlib.loads(out.read_text())["levels"]
     assert level["num_errors"] == 0 and level["num_requests"] == 4 and level["requests_per_s"] > 0
+    # Poisson arrivals, as perf_analyzer's --request-rate-range with --request-distribution poisson
+    assert main(["bench", "replay", "--grpc", served_images.grpc_url, "--model", "flux2_klein_walk", "--input-data",
+                 "perf_analyzer_configs/image_walk/prompts.json", "--concurrency", "--rates", "4",
+                 "--poisson-seconds", "1", "--min-requests", "3", "--warmup", "0", "--out", str(out)]) == 0
+    (level,) = jsonlib.loads(out.read_text())["levels"]
+    assert (level["rate"], level["concurrency"], level["num_requests"], level["num_errors"]) == (4.0, None, 4, 0)
 
 def test_the_perf_analyzer_prompts_file_replays(served_images):
     """perf_analyzer_configs/image_walk: its entries fit the served walk, and one makes an image at the

@@ -150,3 +150,9 @@ def test_replay_refuses_a_file_the_served_entry_would_refuse(tmp_path, monkeypat
     empty.write_text(json.dumps({"data": []}))
     assert bench_cli.main(["replay", "--model", "m", "--input-data", str(empty), "--out", str(out)]) == 2
     assert "a non-empty list of entries" in capsys.readouterr().err
+
+
+def test_replay_with_no_level_is_refused(tmp_path, capsys):
+    assert bench_cli.main(["replay", "--model", "m", "--input-data", "x.json", "--concurrency",
+                           "--out", str(tmp_path / "r.json")]) == 2
+    assert "nothing to run: --concurrency and --rates are both empty" in capsys.readouterr().err
