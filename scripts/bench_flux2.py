@@ -63,6 +63,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mstar_common.bench.pa_files import IMAGE_PROMPTS  # noqa: E402
+
 TRANSFORMER_4B = {"in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
                   "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256,
                   "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6,
@@ -204,7 +206,7 @@ def _json(path: Path, value: dict) -> None:
 
 # systems under test
 
-PROMPT = "a photograph of a red fox standing in fresh snow, golden hour"
+PROMPT = IMAGE_PROMPTS[0]  # the perf_analyzer file's first request
 
 
 def deployment(checkpoint: Path, args: argparse.Namespace, device_kind: str):

@@ -35,12 +35,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mstar_common.bench.pa_files import SPEECH_TEXTS  # noqa: E402
+
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 2048
 MAX_STALL_S = 0.010
 READY = "READY"  # a load process's line once its streams are connected
 START_LEAD_S = 0.2  # from the last load process ready to the common send instant
-TEXT = "Hey there, my name is Tara, and I'm a speech generation model that can sound like a person."
+TEXT = SPEECH_TEXTS[0]  # the perf_analyzer file's first request
 
 
 @dataclass

@@ -40,6 +40,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mstar_common.bench.pa_files import whisper_clip as clip  # noqa: E402 - the perf_analyzer file's clips too
+
 SR = 16_000
 
 
@@ -53,13 +55,6 @@ class Result:
     audio_s: float
     tokens: int  # text tokens decoded (all requests)
     errors: int
-
-
-def clip(index: int, seconds: float) -> np.ndarray:
-    t = np.arange(int(SR * seconds)) / SR
-    wave = np.sin(2 * np.pi * (150 + 37 * index) * t * (1 + 0.3 * np.sin(2 * np.pi * 0.5 * t)))
-    noise = 0.02 * np.random.default_rng(index).standard_normal(t.shape[0])
-    return (0.3 * wave * (0.5 + 0.5 * np.sin(2 * np.pi * (1 + index % 5) * t)) + noise).astype(np.float32)
 
 
 def wav(pcm: np.ndarray) -> bytes:

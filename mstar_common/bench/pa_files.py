@@ -18,14 +18,14 @@ import numpy as np
 
 from mstar_common import wire
 
-# what scripts/bench_orpheus.py speaks, and three more of about its length (each request its own text and seed)
+# the first is what scripts/bench_orpheus.py speaks; three more of about its length (a text and seed a request)
 SPEECH_TEXTS = (
     "Hey there, my name is Tara, and I'm a speech generation model that can sound like a person.",
     "The weather today is mild, with a light breeze from the west and clear skies expected by evening.",
     "Please remember to bring your notes to the meeting, since we will go through the plan step by step.",
     "A good story needs a beginning that pulls you in, a middle that surprises you, and an ending that lands.",
 )
-IMAGE_PROMPTS = (  # the first is scripts/bench_flux2.py's
+IMAGE_PROMPTS = (  # the first is scripts/bench_flux2.py's (it takes it from here)
     "a photograph of a red fox standing in fresh snow, golden hour",
     "a watercolor painting of a lighthouse on a rocky coast at dawn",
     "a close-up photograph of dew drops on a green leaf, shallow depth of field",
@@ -33,8 +33,6 @@ IMAGE_PROMPTS = (  # the first is scripts/bench_flux2.py's
 )
 WHISPER_RATE = 16_000
 
-# JSON types of the Triton types these entry models take
-_JSON_TYPES = {"TYPE_STRING": str, "TYPE_BOOL": bool, "TYPE_INT32": int, "TYPE_INT64": int, "TYPE_FP32": (int, float)}
 
 
 def speech_data(max_tokens: int = 1200, num: int = 4, voice: str = "tara") -> dict:
@@ -45,7 +43,8 @@ def speech_data(max_tokens: int = 1200, num: int = 4, voice: str = "tara") -> di
 
 
 def whisper_clip(index: int, seconds: float) -> np.ndarray:
-    """scripts/bench_whisper.py's clip: a gliding tone under an envelope and a little noise, 16 kHz float32."""
+    """The Whisper benchmark's clip (scripts/bench_whisper.py takes it from here): a gliding tone under an envelope
+    and a little noise, 16 kHz float32."""
     t = np.arange(int(WHISPER_RATE * seconds)) / WHISPER_RATE
     wave = np.sin(2 * np.pi * (150 + 37 * index) * t * (1 + 0.3 * np.sin(2 * np.pi * 0.5 * t)))
     noise = 0.02 * np.random.default_rng(index).standard_normal(t.shape[0])
@@ -90,23 +89,21 @@ ENTRY_MODELS = {"orpheus": ("orpheus_lm",), "whisper": ("whisper_walk",),
 
 
 def serialized_bytes(elements: list[bytes]) -> str:
-    """A BYTES tensor's elements in Triton's serialized form (each a 4-byte little-endian length, then its
-    bytes), base64: what perf_analyzer's `{"b64": ...}` holds for a STRING input."""
-    return base64.b64encode(b"".join(struct.pack("<I", len(e)) + e for e in elements)).decode()
+    """A BYTES tensor's elements in Triton's serialized form (tritonclient's: each a 4-byte little-endian length,
+    then its bytes), base64: what perf_analyzer's `{"b64": ...}` holds for a STRING input."""
+    from tritonclient.utils import serialize_byte_tensor
+
+    return base64.b64encode(serialize_byte_tensor(np.array(elements, dtype=np.object_)).item()).decode()
 
 
 def deserialized_bytes(text: str) -> list[bytes]:
     """`serialized_bytes` undone; ValueError where the lengths do not add up to the bytes."""
-    raw, out, at = base64.b64decode(text, validate=True), [], 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise ValueError("a serialized BYTES element is cut in its 4-byte length")
-        (size,) = struct.unpack_from("<I", raw, at)
-        if at + 4 + size > len(raw):
-            raise ValueError(f"a serialized BYTES element declares {size} bytes past the data's end")
-        out.append(raw[at + 4:at + 4 + size])
-        at += 4 + size
-    return out
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    try:
+        return list(deserialize_bytes_tensor(base64.b64decode(text, validate=True)))
+    except struct.error:
+        raise ValueError("serialized BYTES data cut short of the lengths it declares") from None
 
 
 def check_against_config(data: dict, config: dict) -> None:
@@ -125,11 +122,28 @@ def check_against_config(data: dict, config: dict) -> None:
             shape = _shape(value, dims, where)
             if len(values) != int(np.prod(shape)):
                 raise ValueError(f"{where}: {len(values)} elements for shape {shape}")
-            kind = _JSON_TYPES[spec["data_type"]]
-            if not all(isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values):
-                raise ValueError(f"{where}: {spec['data_type']} takes JSON {getattr(kind, '__name__', 'numbers')}")
+            dtype = spec["data_type"].removeprefix("TYPE_")
+            if rule := next((r for v in values if (r := json_type_rule(dtype, v))), None):
+                raise ValueError(f"{where}: {spec['data_type']}: {rule}")
             if (bounds := _INT_RANGES.get(spec["data_type"])) and not all(bounds[0] <= v <= bounds[1] for v in values):
                 raise ValueError(f"{where}: a value outside {spec['data_type']}'s range")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def json_type_rule(dtype: str, value) -> str | None:
+    """The JSON type perf_analyzer needs for a value of Triton type `dtype` (BOOL, INT32, FP32, STRING, ...: a BOOL
+    is a JSON bool, an integer an integer, a float any number, a STRING a string), where `value` is not of it; None
+    where it is."""
+    if dtype == "BOOL":
+        return None if isinstance(value, bool) else "must be true or false"
+    if dtype.startswith(("INT", "UINT")):
+        return None if is_int(value) else "must be an integer"
+    if dtype in ("STRING", "BYTES"):
+        return None if isinstance(value, str) else "must be a string"
+    return None if isinstance(value, int | float) and not isinstance(value, bool) else "must be a number"
 
 
 _INT_RANGES = {"TYPE_INT32": (-2**31, 2**31 - 1), "TYPE_INT64": (-2**63, 2**63 - 1)}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mstar_common import wire
+from mstar_common.bench.pa_files import is_int, json_type_rule
 
 PROMPT_ID_RANGE = (3, 400)  # ids every checkpoint here knows (the tiny tokenizer has ~400 tokens)
 
@@ -134,36 +135,22 @@ def requests_from_file(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}: data[{index}].{unknown[0]}: not an input of the text-LM entry model "
                              f"(the ones replayed: {', '.join(FILE_INPUTS)})")
         ids, max_tokens = req.get("input_ids"), req.get("max_tokens")
-        if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+        if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"{path}: data[{index}].input_ids: must be a non-empty list of token ids (ints >= 0)")
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"{path}: data[{index}].max_tokens: must be an integer >= 1, got {max_tokens!r}")
         if scalars := [name for name, value in req.items() if name not in LIST_INPUTS and isinstance(value, list)]:
             raise ValueError(f"{path}: data[{index}].{scalars[0]}: one value per request, got "
                              f"{len(req[scalars[0]])}")
         for name, value in req.items():
-            if name in wire.SAMPLING_INPUTS and (rule := _type_rule(wire.SAMPLING_INPUTS[name][0], value)):
+            if name in wire.SAMPLING_INPUTS and (rule := json_type_rule(wire.SAMPLING_INPUTS[name][0], value)):
                 raise ValueError(f"{path}: data[{index}].{name}: {rule}, got {value!r}")
         if not all(isinstance(s, str) for s in req.get(wire.STOP, [])):
             raise ValueError(f"{path}: data[{index}].{wire.STOP}: must be a list of strings")
-        if not all(_is_int(i) for i in req.get(wire.STOP_TOKEN_IDS, [])):
+        if not all(is_int(i) for i in req.get(wire.STOP_TOKEN_IDS, [])):
             raise ValueError(f"{path}: data[{index}].{wire.STOP_TOKEN_IDS}: must be a list of token ids (ints)")
     return requests
 
 
 FILE_INPUTS = (wire.INPUT_IDS, *wire.SAMPLING_INPUTS, wire.STOP, wire.STOP_TOKEN_IDS)  # what an entry may hold
 TEXT_PROMPT_INPUTS = ("text_input", "messages", "chat_template_kwargs")  # the entry's too, not replayed here
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _type_rule(dtype: str, value) -> str | None:
-    """The JSON type perf_analyzer needs for a knob of Triton type `dtype` (a BOOL is a JSON bool, an integer an
-    integer, a float any number), where `value` is not of it; None where it is."""
-    if dtype == "BOOL":
-        return None if isinstance(value, bool) else "must be true or false"
-    if dtype.startswith("INT"):
-        return None if _is_int(value) else "must be an integer"
-    return None if isinstance(value, int | float) and not isinstance(value, bool) else "must be a number"
