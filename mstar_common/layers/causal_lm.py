@@ -69,6 +69,10 @@ class DenseLMConfig:
             raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported: only 'silu' is")
         heads = config["num_attention_heads"]
         theta, scaling = rope_from_config(config) if scaled_rope else (rope_theta_from_config(config), None)
+        limit = position_limit(config) if scaling else config.get("max_position_embeddings")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"max_position_embeddings must be an integer >= 1 (the longest context the checkpoint's "
+                             f"positions serve), got {config.get('max_position_embeddings')!r}")
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -80,7 +84,7 @@ class DenseLMConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=position_limit(config) if scaling else config["max_position_embeddings"],
+            max_position_embeddings=limit,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),

@@ -11,7 +11,7 @@ scaling, `rope_from_config` all but these).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 _UNSCALED_ROPE_TYPES = ("default", None)
 SCALING_KEYS = {  # rope_type -> the keys its frequencies need
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),  # and the original context (`_original_context`)
     "linear": ("factor",),
     "yarn": ("factor",),  # and `yarn_scaling`'s optional keys
 }
@@ -66,7 +66,33 @@ def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] |
     theta = _full_width_theta(config, section)
     if rope_type == "yarn":
         return theta, yarn_scaling(config, key, section)
-    return theta, {"rope_type": rope_type, **{k: float(section[k]) for k in SCALING_KEYS[rope_type]}}
+    factor = _number(key, "factor", section["factor"], "a number >= 1", lambda v: v >= 1.0)
+    if rope_type == "linear":
+        return theta, {"rope_type": "linear", "factor": factor}
+    low = _number(key, "low_freq_factor", section["low_freq_factor"], "a number > 0", lambda v: v > 0)
+    high = _number(key, "high_freq_factor", section["high_freq_factor"], f"a number > low_freq_factor ({low:g})",
+                   lambda v: v > low)
+    return theta, {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                   "original_max_position_embeddings": _original_context(config, key, section, "llama3")}
+
+
+def _number(key: str, name: str, value: Any, rule: str, holds: Callable[[float], bool]) -> float:
+    """A RoPE section's number, refused naming the key where it is none (a bool or a string included) or breaks
+    `rule` (a factor of 0 would give infinite frequencies and NaN attention on every request)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not holds(value):
+        raise ValueError(f"{key}.{name} must be {rule}, got {value!r}")
+    return float(value)
+
+
+def _original_context(config: Mapping[str, Any], key: str, section: Mapping[str, Any], rope_type: str) -> float:
+    """The context a llama3 or YaRN scaling was made from, where transformers takes it: the config's top level
+    first (as Phi-3 stores it), then the section, then `max_position_embeddings`."""
+    original = next((where[name] for where, name in ((config, "original_max_position_embeddings"),
+                                                     (section, "original_max_position_embeddings"),
+                                                     (config, "max_position_embeddings"))
+                     if where.get(name) is not None), None)
+    return _number(key, "original_max_position_embeddings", original, f"a number > 0 for rope_type {rope_type!r}",
+                   lambda v: v > 0)
 
 
 def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,12 +100,7 @@ def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]
     first (as Phi-3 stores it), then the section, then `max_position_embeddings`; `beta_fast` 32 and `beta_slow` 1
     unless given, `truncate` on unless false; `attention_factor` as given, else 0.1 ln(factor) + 1, or the ratio
     of that with `mscale` and with `mscale_all_dim` where both are given."""
-    original = next((where[name] for where, name in ((config, "original_max_position_embeddings"),
-                                                     (section, "original_max_position_embeddings"),
-                                                     (config, "max_position_embeddings"))
-                     if where.get(name) is not None), None)
-    if not isinstance(original, int | float) or isinstance(original, bool) or not original > 0:
-        raise ValueError(f"{key}: rope_type 'yarn' needs original_max_position_embeddings > 0, got {original!r}")
+    original = _original_context(config, key, section, "yarn")
     factor = section["factor"]
     if factor is None and config.get("max_position_embeddings"):  # transformers: the ratio of the two lengths
         factor = config["max_position_embeddings"] / original
@@ -88,13 +109,16 @@ def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]
     factor = float(factor)
     attention_factor = section.get("attention_factor")
     if attention_factor is None:
-        mscale, mscale_all_dim = section.get("mscale"), section.get("mscale_all_dim")
+        mscale, mscale_all_dim = (None if section.get(name) is None else
+                                  _number(key, name, section[name], "a number", lambda v: True)
+                                  for name in ("mscale", "mscale_all_dim"))
         attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else _yarn_mscale(factor))
     if not isinstance(attention_factor, int | float) or isinstance(attention_factor, bool) or not attention_factor > 0:
         raise ValueError(f"{key}.attention_factor must be a number > 0, got {attention_factor!r}")
     return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": float(original),
-            "beta_fast": float(section.get("beta_fast") or 32), "beta_slow": float(section.get("beta_slow") or 1),
+            **{name: _number(key, name, section.get(name) or default, "a number > 0", lambda v: v > 0)
+               for name, default in (("beta_fast", 32), ("beta_slow", 1))},
             "truncate": bool(section.get("truncate", True)), "attention_factor": float(attention_factor)}
 
 

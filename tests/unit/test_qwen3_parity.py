@@ -341,7 +341,10 @@ def test_fused_mlp_switch(checkpoint, monkeypatch):
 @pytest.mark.parametrize("section, rule", [
     ({"factor": 0.5}, r"rope_parameters.factor must be a number >= 1 for rope_type 'yarn', got 0.5"),
     ({"factor": "4"}, r"rope_parameters.factor must be a number >= 1"),
-    ({"factor": 4.0, "original_max_position_embeddings": 0}, r"needs original_max_position_embeddings > 0"),
+    ({"factor": 4.0, "original_max_position_embeddings": 0},
+     r"rope_parameters.original_max_position_embeddings must be a number > 0 for rope_type 'yarn', got 0"),
+    ({"factor": 4.0, "mscale": "1", "mscale_all_dim": 1.0}, r"rope_parameters.mscale must be a number, got '1'"),
+    ({"factor": 4.0, "beta_fast": -2}, r"rope_parameters.beta_fast must be a number > 0, got -2"),
     ({"factor": 4.0, "attention_factor": "big"}, r"rope_parameters.attention_factor must be a number > 0"),
     ({"factor": 4.0, "attention_factor": 0}, r"rope_parameters.attention_factor must be a number > 0"),
 ])
@@ -351,3 +354,57 @@ def test_a_yarn_section_that_cannot_be_served_is_refused_naming_the_key(section,
     with pytest.raises(ValueError, match=rule):
         rope_from_config({"max_position_embeddings": 4096,
                           "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **section}})
+
+
+@pytest.mark.parametrize("section, rule", [
+    # a factor of 0 gave infinite frequencies: NaN attention on every request, accepted at load
+    ({"rope_type": "linear", "factor": 0}, r"rope_scaling.factor must be a number >= 1, got 0"),
+    ({"rope_type": "linear", "factor": None}, r"rope_scaling.factor must be a number >= 1, got None"),
+    ({"rope_type": "llama3", "factor": 0, "low_freq_factor": 1, "high_freq_factor": 4},
+     r"rope_scaling.factor must be a number >= 1, got 0"),
+    ({"rope_type": "llama3", "factor": 8, "low_freq_factor": None, "high_freq_factor": 4},
+     r"rope_scaling.low_freq_factor must be a number > 0, got None"),  # was float()'s own TypeError
+    ({"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4},  # a zero-width band: 0/0
+     r"rope_scaling.high_freq_factor must be a number > low_freq_factor \(4\), got 4"),
+    ({"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": True},
+     r"rope_scaling.high_freq_factor must be a number > low_freq_factor \(1\), got True"),
+])
+def test_a_linear_or_llama3_section_that_cannot_be_served_is_refused_naming_the_key(section, rule):
+    from mstar_common.layers.rotary import rope_from_config
+
+    with pytest.raises(ValueError, match=rule):
+        rope_from_config({"max_position_embeddings": 8192, "rope_theta": 5e5, "rope_scaling": section})
+
+
+@pytest.mark.parametrize("top_level, section", [
+    (2048, {"original_max_position_embeddings": 1024}),  # transformers takes the top level's (it read the section's)
+    (None, {}),  # neither: max_position_embeddings, as transformers (it was refused)
+])
+def test_llama3_original_context_is_read_where_transformers_reads_it(top_level, section):
+    from mstar_common.layers.rotary import RotaryEmbedding, rope_from_config
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               **section}}
+    if top_level is not None:
+        config["original_max_position_embeddings"] = top_level
+    theta, scaling = rope_from_config(config)
+    theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(transformers.LlamaConfig.from_dict(config))
+    assert torch.equal(RotaryEmbedding(64, theta, scaling).inv_freq(torch.device("cpu")), theirs.inv_freq)
+
+
+@pytest.mark.parametrize("rope", [{"rope_theta": 1e6}, {"rope_theta": 5e5, "rope_scaling": {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}}])
+def test_a_config_without_max_position_embeddings_is_refused_at_read(rope):
+    """It was a KeyError (unscaled) or None reaching the engine's max_model_len check as a TypeError (llama3)."""
+    from mstar_common.layers.causal_lm import DenseLMConfig
+
+    config = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, **rope}
+    with pytest.raises(ValueError, match=r"max_position_embeddings must be an integer >= 1 .*got None"):
+        DenseLMConfig.read_hf(config, qk_norm=False, scaled_rope=True)
+    assert DenseLMConfig.read_hf({**config, "max_position_embeddings": 4096}, qk_norm=False,
+                                 scaled_rope=True).max_position_embeddings == 4096

@@ -4,7 +4,8 @@
                                     ▸ residual ▸ RMSNorm ▸ gated SiLU MLP ▸ residual) ─ norm ─▶ hidden [T, H]
     hidden [B, H] (one row per sampled sequence) ─ lm_head (tied to embed_tokens when configured) ─▶ logits [B, V]
 
-The shared dense decoder (`layers/causal_lm.py`) with per-head q/k norm and unscaled RoPE. Module names mirror HF
+The shared dense decoder (`layers/causal_lm.py`) with per-head q/k norm; RoPE unscaled or with the static scalings
+`layers/rotary.py` reads (YaRN, as Qwen3's long-context configs set it). Module names mirror HF
 `Qwen3ForCausalLM`, so checkpoint tensors load by name (see `loader.py`).
 """
 
