@@ -40,27 +40,31 @@ def test_whisper_refuses_an_explicit_prefix_cache():
         validate_deployment(dep, "whisper.yaml")
 
 
-def test_the_bench_deployment_is_what_bench_serve_serves_for_the_suite():
+def test_the_bench_deployment_is_what_bench_serve_serves_for_the_suite(monkeypatch):
     """configs/qwen3_0_6b_gpu_bench.yaml is for replaying perf_analyzer_configs/text_lm against a running server:
-    it must serve as `mstar bench serve` does in docs/benchmarks.md (scripts/gpu_suite.sh's flags), above all with
-    the prefix cache off, since those files' 16 prompts repeat."""
-    import argparse
+    it must serve as `mstar bench serve` does in docs/benchmarks.md, with scripts/gpu_suite.sh's own flags read
+    through the real argument parser (a hand-built copy of them left out --no-capture-sampling, so the shipped
+    file captured sampling graphs the benchmarks never had), above all with the prefix cache off, since those
+    files' 16 prompts repeat."""
+    import re
+    import shlex
 
     from mstar_common.bench import cli as bench_cli
     from mstar_common.config import deployment_from_dict
 
-    args = argparse.Namespace(
-        name="qwen3-0.6b", family="qwen3", checkpoint="Qwen/Qwen3-0.6B", device="gpu", no_graphs=False,
-        instances=1, attention_backend="auto", no_fused_ops=False, no_capture_sampling=False,
-        decode_buckets=[1, 2, 4, 8, 16, 32, 64], token_buckets=[512, 1024, 2048], num_pages=1024, page_size=64,
-        kv_dtype="auto", prefix_caching=False, max_model_len=1024, max_batch_tokens=2048, max_concurrent=64,
-        dtype="bfloat16", output_len=256, proxy_workers=1)
-    served = deployment_from_dict(bench_cli.deployment(args), source="bench")
+    suite = (Path(__file__).parents[2] / "scripts" / "gpu_suite.sh").read_text()
+    load = shlex.split(re.search(r"^LOAD=\((.*?)\)$", suite, re.M | re.S).group(1).replace("\\\n", " "))
+    seen = []
+    monkeypatch.setattr(bench_cli, "cmd_serve", lambda args: seen.append(args) or 0)
+    assert bench_cli.main(["serve", "--family", "qwen3", "--checkpoint", "Qwen/Qwen3-0.6B", "--name", "qwen3-0.6b",
+                           "--out", "unused.json", *load]) == 0
+    served = deployment_from_dict(bench_cli.deployment(seen[0]), source="bench")
     shipped = load_deployment(Path(CONFIGS[0]).parent / "qwen3_0_6b_gpu_bench.yaml")
     validate_deployment(shipped, "qwen3_0_6b_gpu_bench.yaml")
     assert shipped.resources.kv_cache.prefix_caching is False
     assert shipped.resources == served.resources
     assert shipped.max_concurrent_requests == served.max_concurrent_requests == 64
-    for key in ("cuda_graphs", "decode_buckets", "prefill_token_buckets", "attention_backend", "fused_ops"):
+    for key in ("cuda_graphs", "decode_buckets", "prefill_token_buckets", "attention_backend", "fused_ops",
+                "capture_sampling"):
         assert getattr(shipped.components["llm"], key) == getattr(served.components["llm"], key), key
     assert shipped.model_kwargs["generation_config"] == served.model_kwargs["generation_config"] == "ignore"
