@@ -147,13 +147,20 @@ SPEED_RANGE = (0.25, 4.0)  # OpenAI's
 class Tempo:
     """PCM16 mono at `speed` times its pace with its pitch kept (FFmpeg's atempo filter through PyAV; one stage
     takes 0.5-100, so a speed below 0.5 runs through stages of 0.5 first): `push` returns what each chunk completes,
-    `finish` the rest (the filter holds back its window, tens of ms of output)."""
+    `finish` the rest (the filter holds back its window, tens of ms of output). The whole output is
+    round(samples given / speed) long: atempo's own end-of-input flush is off by a near-fixed amount (a one-frame
+    clip at 1.25 came back at its own length), so `finish` flushes with silence and keeps what the count allows."""
+
+    FLUSH = 4096  # silent samples behind the last ones given, enough to push them through every stage's window
 
     def __init__(self, speed: float, sample_rate: int) -> None:
         import av
         from av.filter import Graph
 
-        self._av, self.sample_rate, self.samples = av, sample_rate, 0
+        self._av, self.sample_rate, self.speed = av, sample_rate, float(speed)
+        self.samples = self.made = 0  # samples handed to the filter (the flush's included); samples returned
+        self.given = 0  # samples the caller gave
+        self._carry = np.zeros(0, np.int16)  # a last lone sample, held for the next piece (see `push`)
         self.graph = Graph()
         node = self.graph.add_abuffer(format="s16", sample_rate=sample_rate, layout="mono",
                                       time_base=f"1/{sample_rate}")
@@ -176,6 +183,16 @@ class Tempo:
         """What `pcm` completes, handed to the filter in small pieces (a whole 2,048-sample chunk came out only
         with the next one: a frame's delay, two below 0.5, before a stream's first audio)."""
         pcm = pcm.astype(np.int16, copy=False)
+        self.given += pcm.size
+        out = self._feed(pcm)
+        self.made += out.size
+        return out
+
+    def _feed(self, pcm: np.ndarray) -> np.ndarray:
+        pcm = np.concatenate([self._carry, pcm]) if self._carry.size else pcm
+        # atempo at 3x and up grows without bound on a one-sample frame (MemoryError): such a sample waits
+        lone = 1 if pcm.size % self.PIECE == 1 else 0
+        pcm, self._carry = pcm[:pcm.size - lone], pcm[pcm.size - lone:].copy()
         out = []
         for start in range(0, pcm.size, self.PIECE):
             piece = pcm[start:start + self.PIECE]
@@ -187,8 +204,12 @@ class Tempo:
         return np.concatenate(out) if out else np.zeros(0, np.int16)
 
     def finish(self) -> np.ndarray:
+        out = self._feed(np.zeros(self.FLUSH, np.int16))  # a lone sample carried is the last given: fed first
         self.graph.push(None)
-        return self._pull()
+        want = round(self.given / self.speed) - self.made  # (the filter never ran ahead of the count before this)
+        out = np.concatenate([out, self._pull()])[:max(0, want)]
+        self.made += out.size
+        return np.concatenate([out, np.zeros(want - out.size, np.int16)]) if want > out.size else out
 
     def _pull(self) -> np.ndarray:
         out = []

@@ -3,6 +3,8 @@
 import base64
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -175,6 +177,49 @@ def test_speed_changes_the_pace_and_keeps_the_pitch(speed):
     heard = np.concatenate([np.frombuffer(base64.b64decode(e["audio"]), "<i2") for e in deltas
                             if e["type"] == "speech.audio.delta"])
     assert abs(heard.size - want) <= 0.03 * want
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3, 6])
+@pytest.mark.parametrize("speed", [0.25, 0.75, 1.25, 2.0, 4.0])
+def test_speed_gives_a_short_clip_its_length_over_speed(frames, speed):
+    """atempo's end-of-input flush is off by a near-fixed amount: a one-frame clip (2,048 samples) at 1.25 came
+    back at 2,048 samples, not 1,638, and two to six frames were 3-19% off. Exact now, whole and streamed alike,
+    with the chirp's last sound kept."""
+    pytest.importorskip("av")
+    from mstar_common.proxy.serving_speech import Tempo, change_speed
+
+    t = np.arange(2048 * frames) / 24000
+    chirp = (8000 * np.sin(2 * np.pi * (200 + 400 * t) * t)).astype(np.int16)
+    whole = change_speed(chirp, 24000, speed)
+    assert whole.size == round(chirp.size / speed)
+    tail = whole[-whole.size // 8:]
+    assert np.abs(tail.astype(np.int32)).max() > 1000  # the clip's end, not the flush's silence
+    tempo = Tempo(speed, 24000)
+    streamed = np.concatenate([tempo.push(chirp[i:i + 2048]) for i in range(0, chirp.size, 2048)] + [tempo.finish()])
+    assert np.array_equal(streamed, whole)
+
+
+@pytest.mark.parametrize("sizes", [(1,), (2048, 1), (2049, 1, 300)])
+def test_speed_takes_lone_samples_at_any_speed(sizes):
+    """atempo at 3x and up grew without bound on a one-sample frame (a MemoryError after gigabytes; one run took
+    24 GB). In a child process under a 3 GiB address-space cap, so a regression fails instead of taking the host."""
+    pytest.importorskip("av")
+    code = f"""
+import resource, numpy as np
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from mstar_common.proxy.serving_speech import Tempo
+for speed in (3.0, 4.0):
+    tempo = Tempo(speed, 24000)
+    given = 0
+    for n in {sizes!r}:
+        tempo.push(np.full(n, 1000, np.int16))
+        given += n
+    tempo.finish()
+    assert tempo.made == round(given / speed), (tempo.made, given)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_speed_one_is_the_clip_itself():
