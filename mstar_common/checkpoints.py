@@ -126,7 +126,8 @@ def vary_norms_and_biases(model: Any, scale: float = 0.2) -> Any:
     """Make a freshly initialised random model's normalisation weights and zero biases vary: transformers and
     diffusers initialise every norm weight to 1 and every norm (and Whisper's linear) bias to 0, so a parity test on
     such a checkpoint passed with norm weights ignored or swapped, and with biases dropped. Norm weights are scaled
-    by 1 + `scale` x N(0, 1), norm biases and all-zero biases get `scale` / 2 x N(0, 1). Draws from the global torch
+    by 1 + `scale` x N(0, 1), norm biases and all-zero biases get `scale` / 2 x N(0, 1). Snake activations' `alpha`
+    (SNAC's codec), which start at 1 as well, are scaled by |1 + `scale` x N(0, 1)|. Draws from the global torch
     RNG (seed it first); returns the model."""
     import torch
     from torch import nn
@@ -139,4 +140,7 @@ def vary_norms_and_biases(model: Any, scale: float = 0.2) -> Any:
                 weight.mul_(1 + scale * torch.randn_like(weight))
             if isinstance(bias, torch.Tensor) and bias.dim() == 1 and (is_norm or not bias.any()):
                 bias.add_(scale / 2 * torch.randn_like(bias))
+            alpha = getattr(module, "alpha", None)
+            if isinstance(alpha, nn.Parameter) and bool((alpha == 1).all()):  # x + sin(ax)^2 / a; a = 1 hid a swap
+                alpha.mul_((1 + scale * torch.randn_like(alpha)).abs())
     return model

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from mstar_common.checkpoints import vary_norms_and_biases
 from mstar_common.families.orpheus.codec import SnacCodec, window_codes
 from mstar_common.families.orpheus.codes import SpeechChunker
 from mstar_common.families.orpheus.snac import SNAC_24KHZ, ResidualUnit, Snake1d, load_snac_decoder
@@ -23,7 +24,7 @@ SAMPLES_PER_FRAME = 2048
 
 def _save(tmp_path, config, seed, old_naming=False):
     torch.manual_seed(seed)
-    model = snac.SNAC(**config).eval()
+    model = vary_norms_and_biases(snac.SNAC(**config).eval())  # Snake alphas not all 1, conv biases not all 0
     state = model.state_dict()
     if old_naming:  # the published checkpoint's `weight_g`/`weight_v` (torch.nn.utils.weight_norm) names
         state = {k.replace(".parametrizations.weight.original0", ".weight_g")
@@ -49,6 +50,16 @@ def _reference_window(reference, window: np.ndarray) -> np.ndarray:
              torch.tensor([[frame[7 * j + k] for j in range(4) for k in (2, 3, 5, 6)]])]
     with torch.inference_mode():
         return reference.decode(codes)[0, 0, 2048:4096].numpy()
+
+
+def test_the_checkpoints_snake_alphas_and_biases_vary(full):
+    """As SNAC initialises them, every Snake alpha is 1 and every conv bias 0: a decoder that ignored or swapped the
+    alphas (x + sin(x)^2) matched the reference exactly. (So the checks below see them.)"""
+    reference, _ = full
+    alphas = [m.alpha for m in reference.decoder.modules() if hasattr(m, "alpha")]
+    biases = [p for name, p in reference.decoder.named_parameters() if name.endswith(".bias")]
+    assert len(alphas) > 20 and biases
+    assert all(not torch.all(a == 1) for a in alphas) and all(b.any() for b in biases)
 
 
 def test_decoder_equals_snac_decode(full):

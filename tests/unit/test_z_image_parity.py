@@ -52,6 +52,14 @@ def tiny_deployment(checkpoint, **model_kwargs):
 # components
 
 
+def test_the_checkpoints_norm_weights_vary(pipe):
+    """(So the bit-exact checks see them: diffusers initialises every RMSNorm weight to 1, and the caption
+    embedder's, `cap_embedder.0`, stayed 1: a transformer that ignored it passed bit for bit.)"""
+    norms = [m for m in pipe.transformer.modules() if type(m).__name__.endswith("RMSNorm") and m.weight is not None]
+    assert len(norms) > 10 and pipe.transformer.cap_embedder[0] in norms
+    assert all(not torch.all(m.weight == 1) for m in norms)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("height,width,caption_len,batch", [(4, 6, 20, 1), (3, 5, 32, 1), (4, 6, 45, 2), (8, 8, 7, 3)],
                          ids=["pad-both", "image-pad-only", "batch2", "batch3-unpadded-image"])

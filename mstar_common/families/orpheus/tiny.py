@@ -114,11 +114,13 @@ def _build_lm(preset: Preset, tokenizer_size: int) -> LlamaForCausalLM:
 
 
 def save_snac_checkpoint(out: Path, config: dict) -> Path:
-    """A random SNAC in the published layout (config.json + pytorch_model.bin), built with the `snac` package."""
+    """A random SNAC in the published layout (config.json + pytorch_model.bin), built with the `snac` package, its
+    Snake alphas and zero conv biases drawn at random (`vary_norms_and_biases`: as initialised they are 1 and 0, so a
+    decoder that ignored or swapped them passed the parity checks)."""
     from snac import SNAC
 
     out.mkdir(parents=True, exist_ok=True)
-    model = SNAC(**config).eval()
+    model = vary_norms_and_biases(SNAC(**config).eval())
     (out / "config.json").write_text(json.dumps(config, indent=2))
     torch.save(model.state_dict(), out / "pytorch_model.bin")
     return out

@@ -42,9 +42,11 @@ def build_tiny_pipeline(seed: int = 0):
         torch.manual_seed(seed)
         text_encoder = tiny_qwen3(Qwen3Model, tokenizer, TEXT)
         transformer = ZImageTransformer2DModel(**TRANSFORMER).eval()
+        rms_norms = {f"{name}.weight" for name, module in transformer.named_modules()
+                     if type(module).__name__.endswith("RMSNorm")}  # cap_embedder.0 has no "norm" in its name
         with torch.no_grad():
             for name, param in transformer.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name in rms_norms:
                     param.mul_(1 + 0.2 * torch.randn_like(param))
                 elif "pad_token" in name:
                     param.copy_(torch.randn_like(param))
