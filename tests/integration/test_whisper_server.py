@@ -172,8 +172,11 @@ def test_bad_uploads_are_400s_and_the_server_keeps_serving(asr, oai, data, kwarg
 
 def test_m4a_and_webm_uploads_are_transcribed_through_ffmpeg(asr, oai, tmp_path):
     """An M4A holding the WAV's own 16-bit samples (ALAC, lossless) is transcribed to the same text and segments;
-    a browser's WebM/Opus is transcribed; a cut M4A is a 400 naming the file, and the server keeps serving."""
+    a browser's WebM/Opus is transcribed as its decoded audio is, sent as a float WAV (not only some text: a walk
+    that decoded the file and then transcribed other audio passed); a cut M4A is a 400 naming the file, and the
+    server keeps serving."""
     pytest.importorskip("av")
+    from mstar_common.families.whisper.audio import AudioLimits, decode_upload
     from tests.unit.test_whisper_containers import container_bytes
 
     pcm = np.round(clip(2, 4) * 32767).astype(np.float32) / 32767  # what PCM_16 and ALAC both hold exactly
@@ -186,7 +189,13 @@ def test_m4a_and_webm_uploads_are_transcribed_through_ffmpeg(asr, oai, tmp_path)
     webm = container_bytes(tmp_path, "webm", "libopus", np.repeat(pcm[:, None], 3, axis=0), 48_000)
     heard = oai.audio.transcriptions.create(model=asr.dep.name, file=("rec.webm", webm, "audio/webm"),
                                             temperature=0.0, response_format="verbose_json")
-    assert heard.duration == pytest.approx(4.0, abs=0.05) and isinstance(heard.text, str)
+    assert heard.duration == pytest.approx(4.0, abs=0.05)
+    decoded = io.BytesIO()
+    soundfile.write(decoded, decode_upload(webm, AudioLimits(max_seconds=60.0, max_bytes=len(webm))), SR,
+                    format="WAV", subtype="FLOAT")
+    same = transcribe(oai, asr, decoded.getvalue(), temperature=0.0, response_format="verbose_json")
+    assert heard.text == same.text and heard.duration == pytest.approx(same.duration)
+    assert [(s.start, s.end, s.text) for s in heard.segments] == [(s.start, s.end, s.text) for s in same.segments]
     with pytest.raises(openai.BadRequestError) as info:
         oai.audio.transcriptions.create(model=asr.dep.name, file=("memo.m4a", m4a[: len(m4a) // 2], "audio/mp4"))
     assert "file: not a readable MP4/M4A file" in str(info.value), str(info.value)
