@@ -452,3 +452,46 @@ def test_a_finish_that_raises_fails_its_request_at_once():
     finally:
         component.engine.shutdown()
     assert result.value is None and "illegal memory access" in str(result.error)
+
+
+@pytest.mark.gpu
+def test_dit_attention_calls_on_two_threads_keep_the_order_and_set_no_context():
+    """test_flux2_config.py's order test on the GPU, through `attention.attention` itself (on the CPU it picks no
+    backend, so that test could not see a per-call `sdpa_kernel` put back inside it): calls from eight threads with
+    the context manager made to raise, the outputs equal to SDPA's own, and cuDNN first afterwards."""
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+import torch.nn.attention as nn_attention
+
+def no_context(*args, **kwargs):
+    raise AssertionError("no per-call sdpa_kernel context")
+nn_attention.sdpa_kernel = no_context  # before the import: a module-level `from ... import sdpa_kernel` sees it too
+from mstar_common.diffusion import attention
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 96, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+want = F.scaled_dot_product_attention(*(t.permute(0, 2, 1, 3) for t in (q, k, v))).permute(0, 2, 1, 3).flatten(2, 3)
+errors, outs = [], []
+def call():
+    try:
+        for _ in range(20):
+            outs.append(attention.attention(q, k, v))
+        torch.cuda.synchronize()
+    except BaseException as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=call) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert not errors, errors[:2]
+assert len(outs) == 160 and all((o.float() - want.float()).abs().max().item() < 2e-2 for o in outs)
+assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+print("ok")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MSTAR_DIT_ATTENTION"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
