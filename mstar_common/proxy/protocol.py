@@ -22,6 +22,7 @@ from mstar_common.proxy.triton_stream import GenerationRequest
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 MEDIA_PART_TYPES = ("image_url", "input_audio", "audio_url", "video_url", "image", "audio", "video", "file")
+_ZERO_REFUSED = ("top_p", "repetition_penalty")  # FP32 knobs whose rule leaves out 0 (SamplingParams.validate)
 
 
 class SamplingFields(BaseModel):
@@ -65,8 +66,9 @@ class SamplingFields(BaseModel):
                     held[name] = float(np.float32(value))
                     if held[name] == 0.0 and value != 0:  # e.g. a temperature of 1e-46 would decode greedily
                         field = (field_names or {}).get(name, name)
+                        advice = "a larger value" if name in _ZERO_REFUSED else "0 or a larger value"
                         raise invalid_request(f"{field}: {value!r} is 0 as a 32-bit float (the smallest non-zero "
-                                              "is about 1.4e-45); send 0 or a larger value", param=field)
+                                              f"is about 1.4e-45); send {advice}", param=field)
         try:
             # the values sent, then as held: a top_p of 1.00000001 is 1.0 as 32 bits, and still not in (0, 1]
             SamplingParams(**knobs, stop_token_ids=list(self.stop_token_ids or [])).validate()

@@ -40,6 +40,25 @@ def form_bool(value: str, field: str) -> bool:
     raise invalid_request(f"'{field}' must be true or false, got {value!r}", param=field)
 
 
+# ASCII spellings only: int() and float() also read "1_0" as 10 and other scripts' digits ("٥" is 5), which no
+# JSON route takes, so a typo would become another request
+_FORM_INT = re.compile(r"[+-]?[0-9]+")
+_FORM_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)", re.I)
+
+
+def form_int(value: str, field: str) -> int:
+    """A form field's integer in ASCII digits (an optional sign, spaces around); else a 400 naming `field`."""
+    if not _FORM_INT.fullmatch(text := value.strip()):
+        raise invalid_request(f"'{field}' must be an integer, got {value!r}", param=field)
+    return int(text)
+
+
+def form_float(value: str, field: str) -> float | None:
+    """A form field's number as a JSON or C float is written (inf and nan included, for the caller's own finite
+    rule to name); None where it is none."""
+    return float(text) if _FORM_FLOAT.fullmatch(text := value.strip()) else None
+
+
 async def read_utf8_form(request: Request) -> FormData:
     """The request's form, refused (400 naming the field) where a text field is not UTF-8. Starlette decodes such
     a multipart field as latin-1, and a urlencoded body as latin-1 before its %XX escapes (so raw UTF-8 there

@@ -43,6 +43,8 @@ from mstar_common.proxy.serving_common import (
     MODALITY_FIELDS,
     ServingContext,
     form_bool,
+    form_float,
+    form_int,
     form_modalities,
     read_utf8_form,
     until_disconnect,
@@ -291,17 +293,12 @@ async def _form(request: Request, file_fields: tuple[str, ...]) -> tuple[dict[st
 
 def _form_value(key: str, value: str) -> Any:
     if key in ("n", "seed", "num_inference_steps"):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise invalid_request(f"'{key}' must be an integer, got {value!r}", param=key) from None
+        return form_int(value, key)
     if key == "stream":  # read as the transcription routes read it (False, 0, no, off), so only `true` is refused
         return form_bool(value, key)
     if key in ("guidance_scale", "partial_images"):  # a number: 0.00 is the harmless 0
-        try:
-            return float(value.strip())
-        except ValueError:
-            return value  # refused as sent
+        number = form_float(value, key)
+        return value if number is None else number  # none: refused as sent
     return value
 
 
@@ -370,9 +367,10 @@ def _native_fields(raw: dict[str, Any], kwargs: dict[str, Any]) -> ImageFields:
     if width is not None:
         if "size" in kwargs:
             raise invalid_request("model_kwargs: give 'width'/'height' or 'size', not both", param="model_kwargs.size")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (width, height)):
-            raise invalid_request(f"model_kwargs.width/height: must be integers >= 1, got {width!r} and {height!r}",
-                                  param="model_kwargs.width")
+        # (above six digits a size string is no longer one: no model's area comes near it)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 999_999 for v in (width, height)):
+            raise invalid_request(f"model_kwargs.width/height: must be integers in [1, 999999], got {width!r} and "
+                                  f"{height!r}", param="model_kwargs.width")
         kwargs["size"] = f"{width}x{height}"
     try:
         return ImageFields.model_validate({"prompt": raw["text"], **kwargs})

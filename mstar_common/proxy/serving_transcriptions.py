@@ -29,6 +29,8 @@ from mstar_common.proxy.serving_common import (
     MODALITY_FIELDS,
     ServingContext,
     form_bool,
+    form_float,
+    form_int,
     form_modalities,
     read_utf8_form,
     until_disconnect,
@@ -190,10 +192,8 @@ def _number(one: dict[str, Any], key: str) -> float | None:
     raw = one.get(key)
     if raw is None or not str(raw).strip():
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise invalid_request(f"'{key}' must be a number, got {raw!r}", param=key) from None
+    if (value := form_float(str(raw), key)) is None:
+        raise invalid_request(f"'{key}' must be a number, got {raw!r}", param=key)
     if not math.isfinite(value):
         raise invalid_request(f"'{key}' must be finite, got {raw!r}", param=key)
     return value
@@ -203,10 +203,7 @@ def _integer(one: dict[str, Any], key: str) -> int | None:
     raw = one.get(key)
     if raw is None or not str(raw).strip():
         return None
-    try:
-        return int(str(raw).strip())
-    except ValueError:
-        raise invalid_request(f"'{key}' must be an integer, got {raw!r}", param=key) from None
+    return form_int(str(raw), key)
 
 
 # ---- the Triton request -------------------------------------------------------------------------------------
@@ -222,6 +219,15 @@ def transcription_generation(audio: bytes, task: str | None, *, language: str | 
                                            ("max_tokens", max_tokens, "int32", 1)):
         if value is not None:
             check_wire_number(value, np_dtype, (field_names or {}).get(name, name), minimum)
+    if temperature is not None:  # checked as sent and as the FP32 tensor holds it (1e-46 would decode greedily)
+        field = (field_names or {}).get("temperature", "temperature")
+        held = float(np.float32(temperature))
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise invalid_request(f"'{field}' must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}", param=field)
+        if held == 0.0 and temperature != 0:
+            raise invalid_request(f"'{field}': {temperature!r} is 0 as a 32-bit float (the smallest non-zero is "
+                                  "about 1.4e-45); send 0 or a larger value", param=field)
+
     def text(value: str) -> np.ndarray:
         return np.array([value.encode("utf-8")], dtype=np.object_)
 

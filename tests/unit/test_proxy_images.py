@@ -61,6 +61,19 @@ def test_edits_send_references_in_order():
     assert sent(fake)["reference_images"] == [png(), png(64, 64)] and sent(fake)["seed"] == [5]
 
 
+@pytest.mark.parametrize("field, value", [("n", "1_0"), ("seed", "\u0665"), ("num_inference_steps", "2_0"),
+                                          ("n", "0x2")])
+def test_an_edits_form_number_is_ascii_digits(field, value):
+    """int() read "1_0" as 10 and Arabic-Indic digits as theirs, so a typo became another request; the JSON routes
+    take no such spelling."""
+    http, fake = client()
+    reply = http.post("/v1/images/edits", data={"prompt": "blue", field: value},
+                      files=[("image", ("a.png", png(), "image/png"))])
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field and f"'{field}' must be an integer" in reply.text
+    assert fake.requests == []
+
+
 def test_edits_keep_the_upload_order_across_image_and_image_brackets():
     """Uploads were grouped by form key, so A (image), B (image[]), C (image) reached the model as A, C, B; the
     order sets each reference's position ids, so the result changed."""
@@ -299,7 +312,10 @@ def test_native_generate_names_its_own_fields_in_the_proxys_refusals():
     for kwargs, param, fragment in (
         ({"text": " "}, "text", "'text' (the prompt) must not be empty"),
         ({"text": "x", "model_kwargs": {"width": -64, "height": 64}}, "model_kwargs.width",
-         "model_kwargs.width/height: must be integers >= 1, got -64 and 64"),
+         "model_kwargs.width/height: must be integers in [1, 999999], got -64 and 64"),
+        # over six digits it was refused as a size string the client never sent
+        ({"text": "x", "model_kwargs": {"width": 1000000, "height": 64}}, "model_kwargs.width",
+         "model_kwargs.width/height: must be integers in [1, 999999], got 1000000 and 64"),
         ({"text": "x", "model_kwargs": {"size": "64"}}, "model_kwargs.size",
          "model_kwargs.size: must be 'WIDTHxHEIGHT'"),
         ({"text": "x", "model_kwargs": {"quality": "hd"}}, "model_kwargs.quality", "'model_kwargs.quality' is not"),

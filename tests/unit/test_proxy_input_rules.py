@@ -222,8 +222,12 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):
 
 @pytest.mark.parametrize("body, param, shown", [
     ({"temperature": 1e39}, "temperature", "1e+39 was sent"),
-    ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 is 0 as a 32-bit float"),
-    ({"temperature": 1e-46}, "temperature", "1e-46 is 0 as a 32-bit float"),  # was served greedily
+    # (not "send 0": 0 is outside top_p's and repetition_penalty's own rules)
+    ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 is 0 as a 32-bit float (the smallest non-zero is "
+                                                          "about 1.4e-45); send a larger value"),
+    ({"top_p": 1e-46}, "top_p", "send a larger value"),
+    ({"temperature": 1e-46}, "temperature", "1e-46 is 0 as a 32-bit float (the smallest non-zero is about 1.4e-45); "
+                                            "send 0 or a larger value"),  # was served greedily
     ({"min_p": 0.99999999999}, "min_p", "0.99999999999 was sent"),
     ({"top_p": 1.00000001}, "top_p", "got 1.00000001"),  # 1.0 as 32 bits: was served as top_p 1
     ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),

@@ -83,6 +83,11 @@ def test_stream_events_add_up(app):
     ({"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "0.5"}, None, "chunking_strategy"),
     ({"temperature": "1.5"}, None, "temperature"),
     ({"temperature": "hot"}, None, "temperature"),
+    # int() and float() read these spellings too ("1_0" as 10, Arabic-Indic digits), which no JSON route takes
+    ({"max_tokens": "1_0"}, None, "max_tokens"),
+    ({"seed": "\u0665"}, None, "seed"),
+    ({"temperature": "0_5"}, None, "temperature"),
+    ({"temperature": "1e-46"}, None, "temperature"),  # 0 as the FP32 tensor holds it: was decoded greedily
     ({"stream": "true", "response_format": "vtt"}, None, "stream"),
     ({"known_speaker_names[]": "Ben"}, None, "known_speaker_names"),
     ({"frobnicate": "1"}, None, "frobnicate"),
@@ -259,6 +264,18 @@ def test_an_integer_temperature_past_a_floats_range_is_400_naming_it(app):
     for raw in ("1" + "0" * 400, "-" + "9" * 330, "1e400"):
         error = _generate_refusal(client, '{"temperature": %s}' % raw)
         assert error["param"] == "model_kwargs.temperature" and "must be finite as a 32-bit float" in error["message"]
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("model_kwargs, shown", [
+    ('{"temperature": 1.00000001}', "must be in [0, 1], got 1.00000001"),  # 1.0 as 32 bits: was accepted
+    ('{"temperature": 2147483647}', "must be in [0, 1], got 2147483647"),  # the walk named 2147483648.0
+    ('{"temperature": 1e-46}', "1e-46 is 0 as a 32-bit float"),
+])
+def test_generate_checks_the_temperature_as_sent_and_as_held(app, model_kwargs, shown):
+    client, fake = app
+    error = _generate_refusal(client, model_kwargs)
+    assert error["param"] == "model_kwargs.temperature" and shown in error["message"], error
     assert fake.requests == []
 
 
