@@ -181,9 +181,9 @@ class PageAllocator:
         if table.pages:
             raise RuntimeError("prefix matching needs an empty page table")
         size = self.page_size
-        self.num_prefix_queried_tokens += len(token_ids)
-        if not self.prefix_caching:
+        if not self.prefix_caching:  # nothing is looked up (the queried counter said prompt tokens were)
             return 0
+        self.num_prefix_queried_tokens += len(token_ids)
         parent = 0
         for index in range(min(max_pages, table.num_reserved, len(token_ids) // size)):
             node = self._index.get((parent, tuple(token_ids[index * size:(index + 1) * size])))

@@ -38,6 +38,15 @@ def test_a_repeated_prompt_reuses_its_full_pages_but_the_last_token():
     assert allocator.num_prefix_queried_tokens == 14 + 14 + 12 and allocator.num_prefix_hit_tokens == 20
 
 
+def test_with_the_cache_off_nothing_is_matched_or_counted_as_looked_up():
+    """mstar_prefix_cache_queried_tokens_total ("prompt tokens looked up in the prefix cache") grew with it off."""
+    allocator = PageAllocator(16, P, prefix_caching=False)
+    prompt = list(range(100, 114))
+    _run(allocator, prompt)
+    _, matched = _run(allocator, prompt)
+    assert matched == 0 and allocator.num_prefix_queried_tokens == allocator.num_prefix_hit_tokens == 0
+
+
 def test_a_diverging_prompt_shares_only_the_common_full_pages():
     allocator = PageAllocator(16, P, prefix_caching=True)
     first, _ = _run(allocator, list(range(20)))
