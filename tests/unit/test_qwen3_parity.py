@@ -408,3 +408,21 @@ def test_a_config_without_max_position_embeddings_is_refused_at_read(rope):
         DenseLMConfig.read_hf(config, qk_norm=False, scaled_rope=True)
     assert DenseLMConfig.read_hf({**config, "max_position_embeddings": 4096}, qk_norm=False,
                                  scaled_rope=True).max_position_embeddings == 4096
+
+
+def test_generation_stops_at_the_tokenizers_eos_beside_the_checkpoints(checkpoint, tmp_path):
+    """As vLLM: a generation_config.json naming only another id (an older Llama-3 fine-tune's <|end_of_text|>, its
+    turns ending in <|eot_id|>) ran past the turn's end to max_tokens."""
+    from transformers import AutoTokenizer
+
+    from mstar_common.families.qwen3.family import _eos_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert _eos_ids(checkpoint, config, tokenizer) == [2, 0]  # the tokenizer's 2 listed already: no repeat
+    path = tmp_path / "other_eos"
+    shutil.copytree(checkpoint, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    assert _eos_ids(path, config, tokenizer) == [0, 2]
+    (path / "generation_config.json").unlink()
+    assert _eos_ids(path, {**config, "eos_token_id": None}, tokenizer) == [2]

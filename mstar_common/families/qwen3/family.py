@@ -150,8 +150,12 @@ def sampling_defaults(dep: Deployment, checkpoint: Path, source: str) -> dict[st
 
 
 def _eos_ids(checkpoint: Path, hf_config: dict, tokenizer: Any) -> list[int]:
-    """EOS ids from generation_config.json (what `generate` stops on), else config.json, else the tokenizer."""
+    """EOS ids from generation_config.json (what `generate` stops on), else config.json, and the tokenizer's
+    `eos_token` beside them, as vLLM stops: a fine-tune whose generation_config names only <|end_of_text|> while
+    its tokenizer ends turns with <|eot_id|> ran on past the turn's end to max_tokens."""
     from mstar_common.families.qwen3.loader import read_eos_token_ids
 
-    ids = read_eos_token_ids(checkpoint, hf_config) or [tokenizer.eos_token_id]
-    return [int(i) for i in ids if i is not None]
+    ids = [int(i) for i in read_eos_token_ids(checkpoint, hf_config) if i is not None]
+    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return ids
