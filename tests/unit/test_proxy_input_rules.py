@@ -102,6 +102,43 @@ def test_the_component_applies_the_same_rule_and_turns_template_errors_into_its_
     assert tokenizer.decode(chat_prompt_ids(tokenizer, MESSAGES, {"width": 50})) == "HiHi"
 
 
+def test_a_bos_adding_tokenizer_gets_one_bos_in_a_chat_and_in_a_text_prompt():
+    """A Llama-3 tokenizer adds <|begin_of_text|> to whatever it encodes, and its chat template writes one too: the
+    rendered chat encoded with the tokenizer's special tokens would start with two (the tiny checkpoints' ChatML
+    tokenizer adds none, so no other test would see it). Ids equal transformers' apply_chat_template's."""
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from mstar_common.families.qwen3.tiny import CORPUS
+    from mstar_common.families.text import TextLMRuntime, chat_prompt_ids
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    bpe.train_from_iterator(CORPUS.splitlines(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = bpe.token_to_id("<|begin_of_text|>")
+    bpe.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[(specials[0], bos)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=specials[0], eos_token="<|eot_id|>")
+    tokenizer.chat_template = (
+        "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+        "m['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ours = chat_prompt_ids(tokenizer, messages, {})
+    theirs = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+    assert ours == theirs and ours.count(bos) == 1 and ours[0] == bos
+    runtime = TextLMRuntime(engine=None, tokenizer=tokenizer, vocab_size=448, max_model_len=256,
+                            default_max_tokens=None)
+    text = runtime._prompt_ids({wire.TEXT_INPUT: np.array([b"Hello there"], dtype=object)})
+    assert text[0] == bos and text.count(bos) == 1 and text[1:] == tokenizer.encode("Hello there",
+                                                                                   add_special_tokens=False)
+
+
 def test_a_developer_message_sent_to_the_component_is_rendered_as_the_system_message():
     """The `messages` tensor took `developer` and handed it to the template as it was: Qwen3's, which has branches
     for system, user, assistant and tool only, dropped the message without a word (the proxy maps it already)."""
