@@ -48,9 +48,13 @@ _FORM_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?
 
 def form_int(value: str, field: str) -> int:
     """A form field's integer in ASCII digits (an optional sign, spaces around); else a 400 naming `field`."""
-    if not _FORM_INT.fullmatch(text := value.strip()):
-        raise invalid_request(f"'{field}' must be an integer, got {value!r}", param=field)
-    return int(text)
+    if _FORM_INT.fullmatch(text := value.strip()):
+        try:
+            return int(text)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits(), 4,300)
+            pass
+    raise invalid_request(f"'{field}' must be an integer, got {value[:40]!r}{'...' if len(value) > 40 else ''}",
+                          param=field)
 
 
 def form_float(value: str, field: str) -> float | None:

@@ -62,7 +62,7 @@ def test_edits_send_references_in_order():
 
 
 @pytest.mark.parametrize("field, value", [("n", "1_0"), ("seed", "\u0665"), ("num_inference_steps", "2_0"),
-                                          ("n", "0x2")])
+                                          ("n", "0x2"), ("seed", "1" * 5000)])  # (past int()'s 4,300 digits)
 def test_an_edits_form_number_is_ascii_digits(field, value):
     """int() read "1_0" as 10 and Arabic-Indic digits as theirs, so a typo became another request; the JSON routes
     take no such spelling."""

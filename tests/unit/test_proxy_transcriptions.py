@@ -85,6 +85,7 @@ def test_stream_events_add_up(app):
     ({"temperature": "hot"}, None, "temperature"),
     # int() and float() read these spellings too ("1_0" as 10, Arabic-Indic digits), which no JSON route takes
     ({"max_tokens": "1_0"}, None, "max_tokens"),
+    ({"max_tokens": "9" * 5000}, None, "max_tokens"),  # past int()'s 4,300 digits: was a 500 for a moment
     ({"seed": "\u0665"}, None, "seed"),
     ({"temperature": "0_5"}, None, "temperature"),
     ({"temperature": "1e-46"}, None, "temperature"),  # 0 as the FP32 tensor holds it: was decoded greedily
