@@ -57,9 +57,9 @@ def form_int(value: str, field: str) -> int:
                           param=field)
 
 
-def form_float(value: str, field: str) -> float | None:
+def form_float(value: str) -> float | None:
     """A form field's number as a JSON or C float is written (inf and nan included, for the caller's own finite
-    rule to name); None where it is none."""
+    rule to name); None where it is none (the caller names the field)."""
     return float(text) if _FORM_FLOAT.fullmatch(text := value.strip()) else None
 
 

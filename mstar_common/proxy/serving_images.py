@@ -297,7 +297,7 @@ def _form_value(key: str, value: str) -> Any:
     if key == "stream":  # read as the transcription routes read it (False, 0, no, off), so only `true` is refused
         return form_bool(value, key)
     if key in ("guidance_scale", "partial_images"):  # a number: 0.00 is the harmless 0
-        number = form_float(value, key)
+        number = form_float(value)
         return value if number is None else number  # none: refused as sent
     return value
 

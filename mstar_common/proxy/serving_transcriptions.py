@@ -192,7 +192,7 @@ def _number(one: dict[str, Any], key: str) -> float | None:
     raw = one.get(key)
     if raw is None or not str(raw).strip():
         return None
-    if (value := form_float(str(raw), key)) is None:
+    if (value := form_float(str(raw))) is None:
         raise invalid_request(f"'{key}' must be a number, got {raw!r}", param=key)
     if not math.isfinite(value):
         raise invalid_request(f"'{key}' must be finite, got {raw!r}", param=key)
