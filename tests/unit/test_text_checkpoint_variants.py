@@ -218,8 +218,8 @@ def _runtime(path: Path, family: str = "llama"):
 
 @pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
 def test_an_eos_token_id_list_stops_generation_at_any_of_its_ids(where, tmp_path):
-    """Llama 3 instruct lists [128001, 128008, 128009] in both files; generation stops at any of them, where
-    transformers' generate stops."""
+    """Llama 3 instruct lists [128001, 128008, 128009] in both files; generation stops at any of them, and at the
+    tokenizer's eos_token beside them (as vLLM), where transformers' generate stops given that set."""
     path = build(tmp_path / "ckpt", "llama")
     prompt = _prompt(20)
     free_run, _ = _greedy(_runtime(path).engine, prompt, 12)
@@ -233,11 +233,14 @@ def test_an_eos_token_id_list_stops_generation_at_any_of_its_ids(where, tmp_path
         generation = json.loads((path / "generation_config.json").read_text())
         (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
     runtime = _runtime(path)
-    assert sorted(runtime.engine.eos_token_ids) == sorted(eos)
+    stops = sorted({*eos, transformers.AutoTokenizer.from_pretrained(path).eos_token_id})
+    assert sorted(runtime.engine.eos_token_ids) == stops and len(stops) == 4
     tokens, finish = _greedy(runtime.engine, prompt, 12, ignore_eos=False)
-    assert tokens == free_run[:stop_at + 1] and finish == FinishReason.STOP
+    end = next(i for i, token in enumerate(free_run) if token in stops)  # at stop_at, or at the tokenizer's before
+    assert end <= stop_at and tokens == free_run[:end + 1] and finish == FinishReason.STOP
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 20:].tolist() == tokens
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=stops)
+    assert theirs[0, 20:].tolist() == tokens
 
 
 def _messages_prompt(runtime, messages: list[dict]) -> list[int]:
