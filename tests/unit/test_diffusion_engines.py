@@ -495,3 +495,68 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                           cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_thread_sends_at_most_a_bounded_number_of_new_shapes_to_cudnn(monkeypatch):
+    """cuDNN keeps a plan per exact shape in a thread-local cache nothing bounds (and builds each for ~0.4 s):
+    clients choose image sizes, so past CUDNN_EAGER_SHAPES new ones a thread goes to FlashAttention instead; a
+    shape it sent before still goes to cuDNN, and another thread has its own count, as cuDNN's cache is per thread."""
+    from mstar_common.diffusion import attention
+
+    monkeypatch.setattr(attention, "_cudnn_shapes", threading.local())  # (this test's counts, not the process's)
+
+    def shape(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(1, 4, n, 64, dtype=torch.bfloat16), torch.empty(1, 4, n + 512, 64, dtype=torch.bfloat16)
+
+    def run() -> list[bool]:
+        return [attention.cudnn_may_plan(*shape(n)) for n in range(attention.CUDNN_EAGER_SHAPES + 10)]
+
+    verdicts, other = run(), []
+    assert verdicts == [True] * attention.CUDNN_EAGER_SHAPES + [False] * 10
+    assert attention.cudnn_may_plan(*shape(3)) and not attention.cudnn_may_plan(*shape(1000))
+    thread = threading.Thread(target=lambda: other.extend(run()))
+    thread.start()
+    thread.join()
+    assert other == verdicts
+    q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16)
+    assert attention.flash_can_run(q, q, q)
+    assert not attention.flash_can_run(q.float(), q.float(), q.float())  # flash takes half precision only
+    wide = torch.empty(1, 4, 8, 320, dtype=torch.bfloat16)
+    assert not attention.flash_can_run(wide, wide, wide)
+
+
+@pytest.mark.gpu
+def test_dit_attention_past_the_cudnn_shape_budget_runs_flash_with_the_same_result(monkeypatch):
+    """On the GPU: the first CUDNN_EAGER_SHAPES new shapes of a thread go through SDPA (cuDNN first), the later
+    ones through FlashAttention, each equal to an fp32 reference; a captured call keeps SDPA's order."""
+    from mstar_common.diffusion import attention
+
+    monkeypatch.setattr(attention, "CUDNN_EAGER_SHAPES", 4)
+    monkeypatch.setattr(attention, "_cudnn_shapes", threading.local())  # earlier GPU tests' shapes not counted
+    flashed = []
+    flash = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda *a: flashed.append(a[0].shape) or flash(*a))
+    torch.manual_seed(0)
+    for n in range(1, 9):
+        q, k, v = (torch.randn(2, 16 * n, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        got = attention.attention(q, k, v).float()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / 8.0
+        want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).flatten(2, 3)
+        assert (got - want).abs().max().item() < 3e-2, n
+    assert len(flashed) == 4  # shapes 5-8 (the budget's 4 spent by 1-4; torch's probe call is no DiT shape)
+    # a captured step at a shape new to the thread, past the budget, keeps SDPA (as start-up captures: warmed first)
+    q, k, v = (torch.randn(2, 16 * 9, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.nn.functional.scaled_dot_product_attention(*(t.permute(0, 2, 1, 3) for t in (q, k, v)))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention.attention(q, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(flashed) == 4
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / 8.0
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).flatten(2, 3)
+    assert (captured.float() - want).abs().max().item() < 3e-2
