@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_DIR = "builtin-v2"  # under cache_dir(): v2 since the builders vary the norm weights and the zero biases
+BUILTIN_DIR = "builtin-v3"  # under cache_dir(): v3 since the builders vary SNAC's Snake alphas too (v2: norms, biases)
 
 
 def cache_dir() -> Path:

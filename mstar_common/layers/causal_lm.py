@@ -69,10 +69,10 @@ class DenseLMConfig:
             raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported: only 'silu' is")
         heads = config["num_attention_heads"]
         theta, scaling = rope_from_config(config) if scaled_rope else (rope_theta_from_config(config), None)
-        limit = position_limit(config) if scaling else config.get("max_position_embeddings")
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ValueError(f"max_position_embeddings must be an integer >= 1 (the longest context the checkpoint's "
-                             f"positions serve), got {config.get('max_position_embeddings')!r}")
+        limit = position_limit(config)  # max_position_embeddings checked there; YaRN's context may stand in for it
+        if limit is None:
+            raise ValueError("max_position_embeddings: missing (the longest context the checkpoint's positions "
+                             "serve)")
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],

@@ -48,7 +48,7 @@ def rope_theta_from_config(config: Mapping[str, Any]) -> float:
     rope_type = section.get("rope_type", section.get("type"))
     if rope_type not in _UNSCALED_ROPE_TYPES:
         raise ValueError(f"{key}.rope_type={rope_type!r} is not supported: only unscaled ('default') RoPE is")
-    return _full_width_theta(config, section)
+    return _full_width_theta(config, key, section)
 
 
 def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -63,7 +63,7 @@ def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] |
                          f"{', '.join(repr(t) for t in SCALING_KEYS)} RoPE are")
     if missing := [k for k in SCALING_KEYS[rope_type] if k not in section]:
         raise ValueError(f"{key}: rope_type={rope_type!r} needs {missing}")
-    theta = _full_width_theta(config, section)
+    theta = _full_width_theta(config, key, section)
     if rope_type == "yarn":
         return theta, yarn_scaling(config, key, section)
     factor = _number(key, "factor", section["factor"], "a number >= 1", lambda v: v >= 1.0)
@@ -76,11 +76,11 @@ def rope_from_config(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] |
                    "original_max_position_embeddings": _original_context(config, key, section, "llama3")}
 
 
-def _number(key: str, name: str, value: Any, rule: str, holds: Callable[[float], bool]) -> float:
+def _number(key: str | None, name: str, value: Any, rule: str, holds: Callable[[float], bool]) -> float:
     """A RoPE section's number, refused naming the key where it is none (a bool or a string included) or breaks
     `rule` (a factor of 0 would give infinite frequencies and NaN attention on every request)."""
     if not isinstance(value, int | float) or isinstance(value, bool) or not holds(value):
-        raise ValueError(f"{key}.{name} must be {rule}, got {value!r}")
+        raise ValueError(f"{f'{key}.' if key else ''}{name} must be {rule}, got {value!r}")
     return float(value)
 
 
@@ -136,6 +136,9 @@ def position_limit(config: Mapping[str, Any]) -> int | None:
     that and `original_max_position_embeddings` x `factor`, the context the scaling was made for (Qwen3's configs
     keep 40,960 and scale 32,768 by 4 to 131,072); None where the config declares neither."""
     limit = config.get("max_position_embeddings")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"max_position_embeddings must be an integer >= 1 (the longest context the checkpoint's "
+                         f"positions serve), got {limit!r}")
     try:
         _, scaling = rope_from_config(config)
     except ValueError:
@@ -146,14 +149,16 @@ def position_limit(config: Mapping[str, Any]) -> int | None:
     return limit
 
 
-def _full_width_theta(config: Mapping[str, Any], section: Mapping[str, Any]) -> float:
+def _full_width_theta(config: Mapping[str, Any], key: str, section: Mapping[str, Any]) -> float:
     """The base from the RoPE section (v5) or the top level (v4), else transformers' default; refusing a rotation
     of part of each head (a null factor is transformers' full width)."""
     partial = section.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if partial is not None and partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported: only full-width RoPE is")
     theta = section.get("rope_theta", config.get("rope_theta"))
-    return DEFAULT_THETA if theta is None else float(theta)
+    # (a base of 0 gave infinite frequencies: NaN attention on every request)
+    return DEFAULT_THETA if theta is None else _number(key if "rope_theta" in section else None, "rope_theta",
+                                                       theta, "a number > 0", lambda v: v > 0)
 
 
 def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any], theta: float | None = None) -> torch.Tensor:

@@ -404,10 +404,38 @@ def test_a_config_without_max_position_embeddings_is_refused_at_read(rope):
 
     config = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
               "num_attention_heads": 4, "num_key_value_heads": 2, **rope}
-    with pytest.raises(ValueError, match=r"max_position_embeddings must be an integer >= 1 .*got None"):
+    with pytest.raises(ValueError, match=r"^max_position_embeddings: missing"):
         DenseLMConfig.read_hf(config, qk_norm=False, scaled_rope=True)
+    for bad in ("abc", 0, True, 4096.5):  # "abc" was int()'s own message under YaRN, naming no key
+        with pytest.raises(ValueError, match=rf"^max_position_embeddings must be an integer >= 1 .*got {bad!r}"):
+            DenseLMConfig.read_hf({**config, "max_position_embeddings": bad}, qk_norm=False, scaled_rope=True)
     assert DenseLMConfig.read_hf({**config, "max_position_embeddings": 4096}, qk_norm=False,
                                  scaled_rope=True).max_position_embeddings == 4096
+
+
+def test_a_yarn_section_stands_in_for_a_missing_max_position_embeddings():
+    from mstar_common.layers.causal_lm import DenseLMConfig
+
+    config = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "rope_theta": 1e6, "rope_scaling": {
+                  "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert DenseLMConfig.read_hf(config, qk_norm=True, scaled_rope=True).max_position_embeddings == 131072
+
+
+@pytest.mark.parametrize("where, theta, shown", [
+    ("top", 0, r"^rope_theta must be a number > 0, got 0"),  # a base of 0: infinite frequencies, NaN attention
+    ("top", True, r"^rope_theta must be a number > 0, got True"),  # was read as 1.0
+    ("top", "abc", r"^rope_theta must be a number > 0, got 'abc'"),  # was float()'s own message, naming no key
+    ("section", -1.0, r"^rope_parameters.rope_theta must be a number > 0, got -1.0"),
+])
+def test_a_rope_base_that_is_no_positive_number_is_refused_naming_it(where, theta, shown):
+    from mstar_common.layers.rotary import rope_from_config, rope_theta_from_config
+
+    config = ({"max_position_embeddings": 4096, "rope_theta": theta} if where == "top" else
+              {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": theta}})
+    for read in (rope_from_config, rope_theta_from_config):
+        with pytest.raises(ValueError, match=shown):
+            read(config)
 
 
 def test_generation_stops_at_the_tokenizers_eos_beside_the_checkpoints(checkpoint, tmp_path):

@@ -16,7 +16,8 @@ On a GPU, `use_fused_kernels()` (the loader turns it on; `MSTAR_DIFFUSION_KERNEL
 elementwise glue through mstar_kernels/dit.py and mstar_kernels/silu_mul.py: AdaLN modulation, gated residuals,
 q/k RMSNorm + RoPE written straight into the joint sequence, SwiGLU written into the output projection's input.
 The GEMMs and the attention are unchanged; the kernels round where the eager ops round. SDPA runs cuDNN's fused
-attention on a GPU by default (`MSTAR_DIT_ATTENTION`).
+attention on a GPU by default (`MSTAR_DIT_ATTENTION`), for captured steps and a thread's first 64 uncaptured
+shapes; newer shapes go to FlashAttention (`diffusion/attention.py`).
 """
 
 from __future__ import annotations
