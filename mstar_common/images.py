@@ -113,24 +113,39 @@ def check_geometry(width: int, height: int, multiple: int, max_area: int, field:
                          f"of {multiple} (nearest valid: {' or '.join(fits)})")
 
 
+# The formats an upload may be (OpenAI's edits take png, webp and jpg): decoding cost follows the declared size in
+# these. Pillow's others do not bound it so: a 64x64 TIFF declaring one 46,336-pixel-square deflated tile made
+# libtiff fill 2 GiB from a 2 MB file, and EPS runs Ghostscript.
+UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "AVIF", "BMP")
+MAX_JPEG_SCANS = 256  # progressive JPEGs have ~10; each scan walks every block (8192x8192: ~3 ms a scan, ~124 bytes)
+
+
 def decode_image(data: bytes, field: str):
     """Uploaded bytes -> an RGB-convertible PIL image, fully decoded; unreadable data is a ValueError naming `field`.
-    Pillow's decoders fail on damaged data in many ways besides OSError (a ValueError from a PPM header, a
-    NotImplementedError from unknown DDS flags, an EOFError, a struct.error ...): every one of them is the upload's
-    fault, so all are caught."""
+    Pillow's decoders fail on damaged data in many ways besides OSError (a ValueError from a PNG chunk, an
+    EOFError, a struct.error ...): every one of them is the upload's fault, so all are caught."""
     from PIL import Image, ImageOps
 
     if not data:
         raise ValueError(f"{field}: the upload is empty")
+    Image.init()
+    formats = [name for name in UPLOAD_FORMATS if name in Image.OPEN]  # (AVIF where this Pillow has it)
     try:
-        with Image.open(io.BytesIO(data)) as probe:
-            width, height = probe.size
+        with Image.open(io.BytesIO(data), formats=formats) as probe:
+            width, height, kind = *probe.size, probe.format
+    except Image.DecompressionBombError as exc:  # past twice Pillow's own cap: its message gives the size
+        raise ValueError(f"{field}: the image exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit ({exc})") from None
     except Exception as exc:  # noqa: BLE001 (see the docstring)
-        raise ValueError(f"{field}: not a readable image ({type(exc).__name__})") from None
+        raise ValueError(f"{field}: not a readable image in a format this server takes "
+                         f"({', '.join(formats)}; {type(exc).__name__})") from None
     if width * height > MAX_UPLOAD_PIXELS:
         raise ValueError(f"{field}: {width}x{height} exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit")
+    # start-of-scan markers (entropy-coded data cannot hold FF DA): a file repeating a scan thousands of times
+    # passes the size cap and takes minutes of CPU that no deadline can stop
+    if kind == "JPEG" and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+        raise ValueError(f"{field}: a JPEG of {scans} scans; this server decodes at most {MAX_JPEG_SCANS}")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=formats)
         image.load()
         # upright, as it displays: a phone photo stores its pixels sideways and says so in EXIF Orientation
         return ImageOps.exif_transpose(image)

@@ -268,17 +268,67 @@ def _dds_with_unknown_flags() -> bytes:
     return bytes(data)
 
 
-@pytest.mark.parametrize("data, raised", [
-    (b"P6\n9x 80\n255\n" + bytes(96 * 80 * 3), "ValueError"),  # a PPM header that is not a number
-    (_dds_with_unknown_flags(), "NotImplementedError"),
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, IHDR and an empty IDAT: Pillow reads the size from it without decoding anything."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def _tiff_with_one_huge_tile(side: int) -> bytes:
+    """A 64x64 TIFF whose one deflated tile is `side` pixels square: libtiff fills the whole tile to decode it."""
+    buffer = io.BytesIO()
+    Image.new("L", (64, 64)).save(buffer, "TIFF", compression="tiff_adobe_deflate", tile=(side, side))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("data, shown", [
+    (b"P6\n9x 80\n255\n" + bytes(96 * 80 * 3), "UnidentifiedImageError"),  # PPM: Pillow read it, failing its own way
+    (_dds_with_unknown_flags(), "UnidentifiedImageError"),  # DDS: a NotImplementedError (a 500) once
+    (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", "UnidentifiedImageError"),  # EPS: Ghostscript
 ])
-def test_a_damaged_upload_that_pillow_fails_on_in_its_own_way_is_refused_naming_the_image(data, raised):
-    """Pillow's decoders raise more than OSError on damaged data: such an upload was a 400 in Pillow's words with no
-    field named (a ValueError), or a 500 (NotImplementedError, which the walk router takes for a server fault)."""
-    with pytest.raises(ValueError, match=rf"^image\[0\]: not a readable image \({raised}\)$"):
+def test_an_upload_in_a_format_the_routes_do_not_take_is_refused_before_pillow_decodes_it(data, shown):
+    """Pillow's other formats do not bound their decoding by the declared size (a TIFF tile, EPS's Ghostscript)."""
+    with pytest.raises(ValueError, match=rf"^image\[0\]: not a readable image in a format this server takes "
+                                         rf"\(PNG, JPEG, WEBP, GIF, (AVIF, )?BMP; {shown}\)$"):
         images.decode_image(data, "image[0]")
-    with pytest.raises(ValueError, match="pixel upload limit"):  # its own refusal is not re-worded
-        images.decode_image(b"P5\n9000 9000\n255\n", "image[0]")
+
+
+def test_a_tiff_tile_bomb_is_refused_before_it_allocates():
+    """2 MB of TIFF made libtiff fill a 2 GiB tile, then passed as a 64x64 reference (here a 4,096-pixel tile)."""
+    pytest.importorskip("PIL.TiffImagePlugin")
+    with pytest.raises(ValueError, match=r"^image\[0\]: not a readable image in a format this server takes"):
+        images.decode_image(_tiff_with_one_huge_tile(4096), "image[0]")
+
+
+def test_oversized_images_are_named_by_the_upload_limit_however_large():
+    with pytest.raises(ValueError, match=r"^image\[0\]: 9000x9000 exceeds the 67108864-pixel upload limit$"):
+        images.decode_image(_png_header(9000, 9000), "image[0]")
+    # past twice Pillow's own cap it raised first, and the image was called "not a readable image"
+    with pytest.raises(ValueError, match=r"^image\[0\]: the image exceeds the 67108864-pixel upload limit \(Image "
+                                         r"size \(3600000000 pixels\)"):
+        images.decode_image(_png_header(60000, 60000), "image[0]")
+
+
+def test_a_jpeg_of_more_scans_than_any_encoder_writes_is_refused_before_decoding():
+    """Each progressive scan walks every block: a file repeating one scan thousands of times passed the size cap and
+    took minutes of CPU in a thread no deadline stops. The count is of start-of-scan markers in the bytes."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), "red").save(buffer, "JPEG", progressive=True)
+    progressive = buffer.getvalue()
+    assert 2 <= progressive.count(b"\xff\xda") <= 20 and images.decode_image(progressive, "image[0]").size == (64, 64)
+    sos = progressive.index(b"\xff\xda")
+    end = progressive.index(b"\xff", sos + 4 + int.from_bytes(progressive[sos + 2:sos + 4], "big"))  # one scan's end
+    while progressive[end + 1] == 0 or 0xD0 <= progressive[end + 1] <= 0xD7:  # stuffed bytes and restart markers
+        end = progressive.index(b"\xff", end + 2)
+    bomb = progressive[:end] + progressive[sos:end] * 300 + progressive[end:]
+    with pytest.raises(ValueError, match=r"^image\[0\]: a JPEG of 310 scans; this server decodes at most 256$"):
+        images.decode_image(bomb, "image[0]")
 
 
 def test_encode_round_trips_each_format():
