@@ -17,8 +17,10 @@ start-up) keep cuDNN.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +50,22 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value)[0]
 
 
+@contextlib.contextmanager
+def for_capture() -> Iterator[None]:
+    """Calls on this thread inside are a graph's warm-ups and capture (`step_graphs.capture_graph`): they keep
+    SDPA's order whatever the budget, so a captured step's cuDNN plan is built in its warm-up, not in the capture."""
+    _cudnn_shapes.capture = getattr(_cudnn_shapes, "capture", 0) + 1
+    try:
+        yield
+    finally:
+        _cudnn_shapes.capture -= 1
+
+
 def _flash_instead_of_cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether this call should skip cuDNN: cuDNN is first in the order, the call is not being captured, flash can
-    run it, and it is a shape new to this thread after `CUDNN_EAGER_SHAPES` others."""
-    if torch.cuda.is_current_stream_capturing() or not flash_can_run(query, key, value):
+    """Whether this call should skip cuDNN: cuDNN is first in the order, the call is no capture (nor its warm-up),
+    flash can run it, and it is a shape new to this thread after `CUDNN_EAGER_SHAPES` others."""
+    if getattr(_cudnn_shapes, "capture", 0) or torch.cuda.is_current_stream_capturing() \
+            or not flash_can_run(query, key, value):
         return False
     from torch.nn.attention import SDPBackend
 

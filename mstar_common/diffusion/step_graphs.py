@@ -37,16 +37,19 @@ StepFn = Callable[..., torch.Tensor]  # step_fn(latents, prompt_embeds, ref_toke
 
 def capture_graph(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """`fn()` (over static buffers) warmed up twice on a side stream, then captured into `pool`: (graph, the
-    output tensor each replay rewrites)."""
+    output tensor each replay rewrites). The DiT attention keeps cuDNN throughout, past its eager shape budget."""
+    from mstar_common.diffusion.attention import for_capture
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm up allocator and kernels off the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    with for_capture():
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up allocator and kernels off the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out
 
 

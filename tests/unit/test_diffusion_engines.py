@@ -523,6 +523,11 @@ def test_a_thread_sends_at_most_a_bounded_number_of_new_shapes_to_cudnn(monkeypa
     assert not attention.flash_can_run(q.float(), q.float(), q.float())  # flash takes half precision only
     wide = torch.empty(1, 4, 8, 320, dtype=torch.bfloat16)
     assert not attention.flash_can_run(wide, wide, wide)
+    # a graph's warm-ups and capture keep SDPA's order past the budget (spent above), nested or not
+    new_shape = torch.empty(1, 4, 999, 64, dtype=torch.bfloat16)
+    with attention.for_capture(), attention.for_capture():
+        assert not attention._flash_instead_of_cudnn(new_shape, new_shape, new_shape)
+    assert attention._cudnn_shapes.capture == 0
 
 
 @pytest.mark.gpu
@@ -544,16 +549,12 @@ def test_dit_attention_past_the_cudnn_shape_budget_runs_flash_with_the_same_resu
         want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).flatten(2, 3)
         assert (got - want).abs().max().item() < 3e-2, n
     assert len(flashed) == 4  # shapes 5-8 (the budget's 4 spent by 1-4; torch's probe call is no DiT shape)
-    # a captured step at a shape new to the thread, past the budget, keeps SDPA (as start-up captures: warmed first)
+    # a step captured as start-up captures (warm-ups and capture), at a shape new to the thread past the budget,
+    # keeps SDPA's order throughout: its cuDNN plan is built in the warm-up, not inside the capture
+    from mstar_common.diffusion.step_graphs import capture_graph
+
     q, k, v = (torch.randn(2, 16 * 9, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.nn.functional.scaled_dot_product_attention(*(t.permute(0, 2, 1, 3) for t in (q, k, v)))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = attention.attention(q, k, v)
+    graph, captured = capture_graph(lambda: attention.attention(q, k, v), None)
     graph.replay()
     torch.cuda.synchronize()
     assert len(flashed) == 4
