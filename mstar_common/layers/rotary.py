@@ -87,11 +87,13 @@ def _number(key: str | None, name: str, value: Any, rule: str, holds: Callable[[
 def _original_context(config: Mapping[str, Any], key: str, section: Mapping[str, Any], rope_type: str) -> float:
     """The context a llama3 or YaRN scaling was made from, where transformers takes it: the config's top level
     first (as Phi-3 stores it), then the section, then `max_position_embeddings`."""
-    original = next((where[name] for where, name in ((config, "original_max_position_embeddings"),
-                                                     (section, "original_max_position_embeddings"),
-                                                     (config, "max_position_embeddings"))
-                     if where.get(name) is not None), None)
-    return _number(key, "original_max_position_embeddings", original, f"a number > 0 for rope_type {rope_type!r}",
+    where, name = next(((where, name) for where, name in ((None, "original_max_position_embeddings"),
+                                                          (key, "original_max_position_embeddings"),
+                                                          (None, "max_position_embeddings"))
+                        if (config if where is None else section).get(name) is not None),
+                       (key, "original_max_position_embeddings"))  # none: named as the section's
+    original = (config if where is None else section).get(name)
+    return _number(where, name, original, f"a number > 0 (the context rope_type {rope_type!r} scales)",
                    lambda v: v > 0)
 
 

@@ -342,7 +342,8 @@ def test_fused_mlp_switch(checkpoint, monkeypatch):
     ({"factor": 0.5}, r"rope_parameters.factor must be a number >= 1 for rope_type 'yarn', got 0.5"),
     ({"factor": "4"}, r"rope_parameters.factor must be a number >= 1"),
     ({"factor": 4.0, "original_max_position_embeddings": 0},
-     r"rope_parameters.original_max_position_embeddings must be a number > 0 for rope_type 'yarn', got 0"),
+     r"rope_parameters.original_max_position_embeddings must be a number > 0 \(the context rope_type 'yarn' scales\), "
+     r"got 0"),
     ({"factor": 4.0, "mscale": "1", "mscale_all_dim": 1.0}, r"rope_parameters.mscale must be a number, got '1'"),
     ({"factor": 4.0, "beta_fast": -2}, r"rope_parameters.beta_fast must be a number > 0, got -2"),
     ({"factor": 4.0, "attention_factor": "big"}, r"rope_parameters.attention_factor must be a number > 0"),
@@ -411,6 +412,21 @@ def test_a_config_without_max_position_embeddings_is_refused_at_read(rope):
             DenseLMConfig.read_hf({**config, "max_position_embeddings": bad}, qk_norm=False, scaled_rope=True)
     assert DenseLMConfig.read_hf({**config, "max_position_embeddings": 4096}, qk_norm=False,
                                  scaled_rope=True).max_position_embeddings == 4096
+
+
+def test_a_yarn_context_taken_from_max_position_embeddings_is_named_as_that_key():
+    """It was named rope_scaling.original_max_position_embeddings, a key the config never had."""
+    from mstar_common.layers.rotary import rope_from_config
+
+    for bad in (0, "abc"):
+        with pytest.raises(ValueError, match=rf"^max_position_embeddings must be a number > 0 .*got {bad!r}"):
+            rope_from_config({"max_position_embeddings": bad, "rope_theta": 1e6,
+                              "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"^rope_scaling.original_max_position_embeddings must be .*got None"):
+        rope_from_config({"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"^original_max_position_embeddings must be .*got -1"):  # the top level's
+        rope_from_config({"max_position_embeddings": 4096, "original_max_position_embeddings": -1, "rope_theta": 1e6,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 def test_a_yarn_section_stands_in_for_a_missing_max_position_embeddings():
