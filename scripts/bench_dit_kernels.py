@@ -14,6 +14,7 @@ whether a graph replay equals the eager call; the last line names the fastest at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -77,35 +78,49 @@ def bench_transformer(batches: list[int], iters: int, backends: list[str]) -> di
             row["eager_glue_auto_ms"] = _time(forward, iters)
             model.use_fused_kernels(True)
             for backend in backends:
-                os.environ["MSTAR_DIT_ATTENTION"] = backend
-                try:
-                    out = forward()
-                    row[f"fused_{backend}_ms"] = _time(forward, iters)
-                    row[f"fused_{backend}_rel_err"] = round(_rel(out, ref), 5)
-                except Exception as exc:  # a backend this build or shape does not support
-                    row[f"fused_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    continue
-                graph = torch.cuda.CUDAGraph()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    forward()
-                torch.cuda.current_stream().wait_stream(stream)
-                try:
-                    with torch.cuda.graph(graph):
-                        captured = forward()
-                except Exception as exc:
-                    row[f"graph_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    continue
-                graph.replay()
-                torch.cuda.synchronize()
-                row[f"graph_{backend}_ms"] = _time(graph.replay, iters)
-                row[f"graph_{backend}_equals_eager"] = bool(torch.equal(captured, out))
-                del graph, captured
+                with backend_order(backend):
+                    try:
+                        out = forward()
+                        row[f"fused_{backend}_ms"] = _time(forward, iters)
+                        row[f"fused_{backend}_rel_err"] = round(_rel(out, ref), 5)
+                    except Exception as exc:  # a backend this build or shape does not support
+                        row[f"fused_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        continue
+                    graph = torch.cuda.CUDAGraph()
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        forward()
+                    torch.cuda.current_stream().wait_stream(stream)
+                    try:
+                        with torch.cuda.graph(graph):
+                            captured = forward()
+                    except Exception as exc:
+                        row[f"graph_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        continue
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    row[f"graph_{backend}_ms"] = _time(graph.replay, iters)
+                    row[f"graph_{backend}_equals_eager"] = bool(torch.equal(captured, out))
+                    del graph, captured
         results[f"batch_{batch}"] = row
         print(f"transformer batch {batch}: {row}", flush=True)
     os.environ["MSTAR_DIT_ATTENTION"] = "auto"
     return results
+
+
+def backend_order(backend: str):
+    """SDPA with `backend`'s order (MSTAR_DIT_ATTENTION's values) for the calls inside. The served attention sets its
+    order once per process (`attention.use_backend_order`), so setting the variable between forwards measured
+    torch's default order under every name; torch's own context sets it here, where no other thread runs
+    attention (its race is between threads)."""
+    from torch.nn.attention import sdpa_kernel
+
+    from mstar_common.diffusion.attention import sdpa_backends
+
+    os.environ["MSTAR_DIT_ATTENTION"] = backend
+    order = sdpa_backends()
+    return sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
 
 
 def bench_gemm(batches: list[int], iters: int) -> dict:
