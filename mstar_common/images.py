@@ -142,7 +142,7 @@ def decode_image(data: bytes, field: str):
         raise ValueError(f"{field}: {width}x{height} exceeds the {MAX_UPLOAD_PIXELS}-pixel upload limit")
     # start-of-scan markers (entropy-coded data cannot hold FF DA): a file repeating a scan thousands of times
     # passes the size cap and takes minutes of CPU that no deadline can stop
-    if kind == "JPEG" and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+    if kind in ("JPEG", "MPO") and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:  # MPO: a camera's JPEGs
         raise ValueError(f"{field}: a JPEG of {scans} scans; this server decodes at most {MAX_JPEG_SCANS}")
     try:
         image = Image.open(io.BytesIO(data), formats=formats)

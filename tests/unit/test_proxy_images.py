@@ -327,6 +327,12 @@ def test_a_jpeg_of_more_scans_than_any_encoder_writes_is_refused_before_decoding
     while progressive[end + 1] == 0 or 0xD0 <= progressive[end + 1] <= 0xD7:  # stuffed bytes and restart markers
         end = progressive.index(b"\xff", end + 2)
     bomb = progressive[:end] + progressive[sos:end] * 300 + progressive[end:]
+    # a camera's multi-picture JPEG (Pillow's MPO, opened through the JPEG entry) decodes, under the same count
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(buffer, "MPO", save_all=True, append_images=[Image.new("RGB", (64, 48))])
+    assert images.decode_image(buffer.getvalue(), "image[0]").size == (64, 48)
+    with pytest.raises(ValueError, match=r"^image\[0\]: a JPEG of 302 scans"):
+        images.decode_image(buffer.getvalue() + b"\xff\xda" * 300, "image[0]")  # (MPO was not counted)
     with pytest.raises(ValueError, match=r"^image\[0\]: a JPEG of 310 scans; this server decodes at most 256$"):
         images.decode_image(bomb, "image[0]")
 
