@@ -87,14 +87,13 @@ def _number(key: str | None, name: str, value: Any, rule: str, holds: Callable[[
 def _original_context(config: Mapping[str, Any], key: str, section: Mapping[str, Any], rope_type: str) -> float:
     """The context a llama3 or YaRN scaling was made from, where transformers takes it: the config's top level
     first (as Phi-3 stores it), then the section, then `max_position_embeddings`."""
-    where, name = next(((where, name) for where, name in ((None, "original_max_position_embeddings"),
-                                                          (key, "original_max_position_embeddings"),
-                                                          (None, "max_position_embeddings"))
-                        if (config if where is None else section).get(name) is not None),
-                       (key, "original_max_position_embeddings"))  # none: named as the section's
-    original = (config if where is None else section).get(name)
-    return _number(where, name, original, f"a number > 0 (the context rope_type {rope_type!r} scales)",
-                   lambda v: v > 0)
+    rule = f"a number > 0 (the context rope_type {rope_type!r} scales)"
+    for where, source, name in ((None, config, "original_max_position_embeddings"),
+                                (key, section, "original_max_position_embeddings"),
+                                (None, config, "max_position_embeddings")):
+        if source.get(name) is not None:  # named by the key it came from
+            return _number(where, name, source[name], rule, lambda v: v > 0)
+    return _number(key, "original_max_position_embeddings", None, rule, lambda v: v > 0)  # none: refused
 
 
 def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,9 +105,7 @@ def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]
     factor = section["factor"]
     if factor is None and config.get("max_position_embeddings"):  # transformers: the ratio of the two lengths
         factor = config["max_position_embeddings"] / original
-    if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor >= 1.0:
-        raise ValueError(f"{key}.factor must be a number >= 1 for rope_type 'yarn', got {section['factor']!r}")
-    factor = float(factor)
+    factor = _number(key, "factor", factor, "a number >= 1 for rope_type 'yarn'", lambda v: v >= 1.0)
     attention_factor = section.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = (None if section.get(name) is None else
@@ -116,12 +113,11 @@ def yarn_scaling(config: Mapping[str, Any], key: str, section: Mapping[str, Any]
                                   for name in ("mscale", "mscale_all_dim"))
         attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else _yarn_mscale(factor))
-    if not isinstance(attention_factor, int | float) or isinstance(attention_factor, bool) or not attention_factor > 0:
-        raise ValueError(f"{key}.attention_factor must be a number > 0, got {attention_factor!r}")
-    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": float(original),
+    attention_factor = _number(key, "attention_factor", attention_factor, "a number > 0", lambda v: v > 0)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
             **{name: _number(key, name, section.get(name) or default, "a number > 0", lambda v: v > 0)
                for name, default in (("beta_fast", 32), ("beta_slow", 1))},
-            "truncate": bool(section.get("truncate", True)), "attention_factor": float(attention_factor)}
+            "truncate": bool(section.get("truncate", True)), "attention_factor": attention_factor}
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

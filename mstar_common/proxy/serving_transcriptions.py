@@ -176,9 +176,6 @@ def _check(form: TranscriptionForm, values: dict[str, list[Any]], one: dict[str,
                               param="include")
     if one.get("chunking_strategy", "auto").strip() not in ("auto", ""):
         raise invalid_request(CHUNKING_RULE, param="chunking_strategy")
-    if form.temperature is not None and not 0.0 <= form.temperature <= MAX_TEMPERATURE:
-        raise invalid_request(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {form.temperature}",
-                              param="temperature")
     if form.stream and form.response_format not in STREAM_FORMATS:
         raise invalid_request(f"'stream' needs response_format {' or '.join(STREAM_FORMATS)}, got "
                               f"{form.response_format!r}", param="stream")

@@ -1,7 +1,8 @@
 """Llama dense causal LMs (LlamaForCausalLM: Llama-3.x, and backbones built on it such as Orpheus).
 
 The same decoder as Qwen3 (`layers/causal_lm.py`) without the per-head q/k norm, with RoPE frequency scaling
-when the config asks for it (`rope_type: llama3`, `linear` or `yarn`). Module names mirror HF, so checkpoints load by name.
+when the config asks for it (`rope_type: llama3`, `linear` or `yarn`). Module names mirror HF, so checkpoints load
+by name.
 """
 
 from __future__ import annotations
