@@ -4,6 +4,7 @@ PCM against the `snac` package decoding the served tokens (tolerance: 1 PCM16 LS
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import queue
@@ -149,17 +150,24 @@ def check_cancel_frees(tts, oai) -> None:
         model=tts.dep.name, input="A long story", voice="tara", response_format="pcm",
         extra_body={"stream": True, "max_tokens": 1200, "ignore_eos": True},
     ) as response:
-        first = next(response.iter_bytes())
-        assert first
-        # The gauges are sampled (every 0.1 s), not read at the request. Once, on a 2-core box at load 7, 2 s passed
-        # without them showing both (which one lagged went unrecorded: the message now says).
-        held = time.monotonic() + 10
+        # the iterator is kept: httpx's, once collected, closes the connection, which the server takes for the
+        # client leaving (a dropped `next(response.iter_bytes())` cancelled the stream whenever the cyclic GC ran
+        # before the gauges were read)
+        chunks = response.iter_bytes()
+        assert next(chunks)
+        gc.collect()  # a dropped iterator would close the connection here, not at some later collection
+        # The gauges are sampled (every 0.1 s), not read at the request.
+        start = time.monotonic()
+        readings = []  # (seconds since the first audio, codec streams, KV pages used, engine steps so far)
         while True:
             streams, pages = _metric(tts, "mstar_codec_streams"), _metric(tts, "mstar_kv_pages_used")
+            readings.append((round(time.monotonic() - start, 2), streams, pages,
+                             _metric(tts, "mstar_engine_steps_total")))
             if streams == 1 and pages > 0:
                 break
-            assert time.monotonic() < held, ("the live stream's codec state and pages never showed in the metrics: "
-                                             f"codec streams {streams:g}, KV pages used {pages:g}")
+            assert time.monotonic() < start + 10, (
+                "the live stream's codec state and pages never showed in the metrics; (s, codec streams, KV pages "
+                f"used, engine steps) read: {readings[:8]} ... {readings[-4:]}")
             time.sleep(0.02)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
