@@ -58,6 +58,11 @@ COUNTERS = {
     "prefix_cache_hit_tokens": ("mstar_prefix_cache_hit_tokens_total",
                                 "prompt tokens whose KV the prefix cache supplied (their prefill skipped)"),
 }
+# the samples this exporter has finished, counted after each one's values: a sample begun after a reader's first read
+# has ended once the count is 2 past what that read saw (the one it counted next may have been under way), so
+# everything recorded before that read is on the page (the benchmark brackets a level by it: bench/cli.py)
+SAMPLES_SERIES = "mstar_metrics_samples_total"
+SAMPLES_HELP = "metric samples this instance has exported (each counted after its values)"
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 # LatencySamples attribute -> (series, help)
 HISTOGRAMS = {
@@ -116,6 +121,7 @@ class ComponentMetrics:
                             for k, (n, h) in HISTOGRAMS.items() if hasattr(latency, k)}
         self._steps_per_s = self._metric("mstar_engine_steps_per_second", "engine steps per second, last second",
                                          pb_utils.MetricFamily.GAUGE, labels)
+        self._samples = self._metric(SAMPLES_SERIES, SAMPLES_HELP, pb_utils.MetricFamily.COUNTER, labels)
         self._totals = dict.fromkeys(COUNTERS, 0)
         self._step_window: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._run, name="component-metrics", daemon=True)
@@ -143,7 +149,7 @@ class ComponentMetrics:
         self._gauges.clear()
         self._counters.clear()
         self._histograms.clear()
-        self._steps_per_s = None
+        self._steps_per_s = self._samples = None
         self._metrics.clear()
         self._families.clear()
 
@@ -170,6 +176,7 @@ class ComponentMetrics:
         for key, histogram in self._histograms.items():
             histogram.add(self._latency.take(key))
         self._sample_step_rate(int(stats.get("num_steps", 0)))
+        self._samples.increment(1.0)  # last: a reader that sees it 2 past its first read has all recorded before
 
     def _sample_step_rate(self, num_steps: int) -> None:
         now = time.monotonic()

@@ -202,6 +202,22 @@ def server_steps(before: dict[str, float], after: dict[str, float]) -> dict | No
             "padding_share": round(delta["padding"] / computed, 4) if computed > 0 else None}
 
 
+# each component instance's count of finished metric samples (backends/metrics.py): a read's figures hold everything
+# recorded before an earlier read once every instance's count is 2 past that read's
+SAMPLES_SERIES = "mstar_metrics_samples_total"
+
+
+def sample_counts(text: str) -> dict[str, float]:
+    """Each instance's `SAMPLES_SERIES` count on a metrics page, by its label set (empty on a server without it)."""
+    return {labels: float(v) for labels, v in re.findall(rf"^{SAMPLES_SERIES}{{([^}}]*)}} (\S+)$", text, re.M)}
+
+
+def sampled_since(earlier: dict[str, float], later: dict[str, float]) -> bool:
+    """Whether every instance of the `earlier` read has since finished a sample it began after that read: its count
+    2 past (the next one may have been under way at the read; one not sampling blocks it)."""
+    return all(later.get(labels, 0.0) >= count + 2 for labels, count in earlier.items())
+
+
 class ServerLatency:
     """Brackets a level with two reads of the components' latency histograms, so the run records what the
     server itself saw (component arrival -> first token sent, and its inter-token gaps) beside what the client
@@ -211,38 +227,44 @@ class ServerLatency:
         self.url = url
         self._before = None
 
-    def _totals(self) -> tuple[dict, dict] | None:
+    def _totals(self) -> tuple[dict, dict, dict] | None:
+        """(latency totals, step totals, sample counts) read now; None without a readable metrics page."""
         text = _metrics_text(self.url, "server-side latency") if self.url is not None else None
-        return None if text is None else (latency_totals(text), step_totals(text))
+        return None if text is None else (latency_totals(text), step_totals(text), sample_counts(text))
 
     def start(self) -> None:
-        """Read the histograms once the samples of what ran before (the warm-up) have been exported: two reads
-        an export period apart that agree."""
-        self._before = self._totals()
+        """Read the histograms once the samples of what ran before (the warm-up) have been exported: every
+        instance has finished a metrics sample begun after this call (`sampled_since`), and two reads an export
+        period apart agree. Reads that merely agreed let a sample the sampler had not yet taken (a period stretched
+        past the reads' gap on a loaded box) land in the level."""
+        first = self._before = self._totals()
         deadline = time.monotonic() + EXPORT_WAIT_S
         while self._before is not None and time.monotonic() < deadline:
             time.sleep(0.15)
             again = self._totals()
-            if again == self._before:
-                break
+            settled = again is not None and again[:2] == self._before[:2] and sampled_since(first[2], again[2])
             self._before = again
+            if settled:
+                break
 
     def stop(self, first_tokens: int) -> dict | None:
-        """The level's server-side figures, once the components have exported `first_tokens` TTFT samples (or
-        after `EXPORT_WAIT_S`) and the step counters and latency totals read the same twice an export period apart
-        (the ITL samples of a level's last steps were still being exported): the latency means,
-        and under `steps` what the engines' steps were (`server_steps`); None without a metrics endpoint."""
+        """The level's server-side figures, once the components have exported `first_tokens` TTFT samples, every
+        instance has finished a metrics sample begun after this call, and the step counters and latency totals read
+        the same twice an export period apart (the ITL samples of a level's last steps were still being exported),
+        or after `EXPORT_WAIT_S`: the latency means, and under `steps` what the engines' steps were
+        (`server_steps`); None without a metrics endpoint."""
         if self._before is None:
             return None
         deadline = time.monotonic() + EXPORT_WAIT_S
-        previous = None
+        first = previous = None
         while True:
             after = self._totals()
             if after is None:
                 return None
+            first = first or after
             latency = server_latency(self._before[0], after[0])
             # the latency totals too: the components export a period's samples after its counters (ITL's lagged)
-            settled = previous is not None and after == previous
+            settled = previous is not None and after[:2] == previous[:2] and sampled_since(first[2], after[2])
             if (latency["ttft_samples"] >= first_tokens and settled) or time.monotonic() > deadline:
                 steps = server_steps(self._before[1], after[1])
                 return latency if steps is None else {**latency, "steps": steps}

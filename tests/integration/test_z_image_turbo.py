@@ -186,12 +186,21 @@ def test_the_walk_applies_its_cap_and_its_deadline(tmp_path_factory):
         # 128x128, 4x the pixels of 64x64: each runs long enough for the 16 to overlap on a fast box too (a CI run of
         # 809ae1e got 7 refusals with 64x64)
         light = {"model": served.dep.name, "prompt": "x", "size": "128x128", "num_inference_steps": 8}
-        threads = [threading.Thread(target=lambda: burst.append(httpx.post(url, json=light, timeout=60).status_code))
-                   for _ in range(16)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        # one client (httpx.post made one a call, whose SSL context took 10-100 ms: the 16 reached the server over
+        # ~140 ms on a loaded box, and each one that finished meanwhile let another in), released at once
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=20)) as client:
+            gate = threading.Barrier(16)
+
+            def one() -> None:
+                client.get(served.proxy_url + "/v1/models")  # a connection open before the burst
+                gate.wait(30)
+                burst.append(client.post(url, json=light).status_code)
+
+            threads = [threading.Thread(target=one) for _ in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
         assert burst.count(429) >= 8 and set(burst) <= {200, 429}, burst
         log = (served.log_dir / "tritonserver.log").read_text(errors="replace")
         assert "Cannot remove future from background" not in log

@@ -97,7 +97,7 @@ def test_a_period_takes_only_the_samples_queued_when_it_starts(metrics):
     counters went unsampled and the benchmark read a level's ITL before its samples were out."""
     from mstar_common.engine.output_pump import LatencySamples
 
-    module, families, _ = metrics
+    module, families, calls = metrics
 
     class Appending(LatencySamples):  # the pump appends while the exporter takes
         def take(self, name):
@@ -116,6 +116,9 @@ def test_a_period_takes_only_the_samples_queued_when_it_starts(metrics):
     exporter.sample()
     assert families["mstar_inter_token_latency_seconds_count"].metrics[0].value == 1 and len(latency.itl) == 1
     assert families["mstar_requests_running"].metrics[0].value == 3
+    # the sample is counted once, after every value it exported (the benchmark's bracket reads by it)
+    assert calls[-1] == ("increment", "mstar_metrics_samples_total", 1.0)
+    assert [c[1] for c in calls].count("mstar_metrics_samples_total") == 1
     exporter.stop()
 
 
@@ -126,12 +129,48 @@ def test_the_bench_reads_a_levels_server_latency_once_its_itl_samples_stop_arriv
 
     monkeypatch.setattr(cli.time, "sleep", lambda s: None)
     steps = {"steps": 10.0}
-    reads = iter([({"ttft": (1.0, 128.0), "itl": (0.1 * n, 28_167.0 + 1_500 * n)}, steps)
-                  for n in (0, 1, 2, 3, 3, 3, 3)])
+    reads = iter([({"ttft": (1.0, 128.0), "itl": (0.1 * n, 28_167.0 + 1_500 * n)}, steps, {"m_0": float(k)})
+                  for k, n in enumerate((0, 1, 2, 3, 3, 3, 3))])
     latency = cli.ServerLatency("http://127.0.0.1:1/metrics")
-    latency._before = ({"ttft": (0.0, 0.0), "itl": (0.0, 0.0)}, {"steps": 0.0})
+    latency._before = ({"ttft": (0.0, 0.0), "itl": (0.0, 0.0)}, {"steps": 0.0}, {})
     monkeypatch.setattr(latency, "_totals", lambda: next(reads))
     monkeypatch.setattr(cli, "server_latency", lambda before, after: {
         "ttft_samples": int(after["ttft"][1]), "itl_samples": int(after["itl"][1])})
     monkeypatch.setattr(cli, "server_steps", lambda before, after: None)
     assert latency.stop(128)["itl_samples"] == 28_167 + 4_500
+
+
+PAGE = """mstar_time_to_first_token_seconds_count{{instance="m_0_0",model="m"}} {ttft}
+mstar_time_to_first_token_seconds_sum{{instance="m_0_0",model="m"}} {ttft_s}
+mstar_engine_steps_total{{instance="m_0_0",model="m"}} {steps}
+mstar_metrics_samples_total{{instance="m_0_0",model="m"}} {samples}
+"""
+
+
+def test_the_bench_brackets_a_level_by_samples_the_exporter_began_after_each_read(monkeypatch):
+    """Two reads 0.15 s apart that agreed were taken as settled; on a loaded box whose sampler took longer than
+    that between samples, the warm-up's TTFT sample (recorded, not yet exported) landed in the level, which then
+    counted 3 first tokens for 2 requests, and `stop` could read a level's last steps before they were out."""
+    from mstar_common.bench import cli
+
+    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+    # (first tokens, steps, the sampler's finished samples) a read: the sampler moves slower than the reads. The
+    # warm-up's first token shows at start()'s third read; the level's last 4 steps after two of stop()'s that agree
+    pages = iter(PAGE.format(ttft=t, ttft_s=0.002 * t, steps=st, samples=n) for t, st, n in [
+        (0, 4, 5), (0, 4, 5), (1, 4, 6), (1, 4, 7),  # start(): settled at the 4th read (2 samples past the 1st)
+        (1, 4, 7), (3, 44, 8), (3, 44, 8), (3, 48, 9), (3, 48, 9)])  # stop(2): settled at the 5th
+    monkeypatch.setattr(cli, "_metrics_text", lambda url, what: next(pages))
+    latency = cli.ServerLatency("http://127.0.0.1:1/metrics")
+    latency.start()
+    assert latency._before[0]["ttft"][1] == 1.0  # the warm-up's sample is in the baseline, not the level
+    got = latency.stop(2)
+    assert got["ttft_samples"] == 2 and got["ttft_ms_mean"] == pytest.approx(2.0)
+    assert got["steps"]["steps"] == 44  # the last steps counted, and nothing left unread
+    assert next(pages, None) is None
+    # a server without the series (an older one): two agreeing reads settle, as before
+    old = iter(PAGE.format(ttft=t, ttft_s=0.0, steps=1, samples=0).replace("mstar_metrics_samples_total", "other")
+               for t in (0, 0, 1, 1))
+    monkeypatch.setattr(cli, "_metrics_text", lambda url, what: next(old))
+    latency = cli.ServerLatency("http://127.0.0.1:1/metrics")
+    latency.start()
+    assert latency._before[0]["ttft"][1] == 0.0 and latency.stop(1)["ttft_samples"] == 1
