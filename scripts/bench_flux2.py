@@ -364,10 +364,8 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
         metrics_url = ports.metrics_url
         for c in _warm(args, lambda: run(1, 2)):
             offset = log.stat().st_size
-            time.sleep(2 * METRICS_PERIOD_S)  # the warm-up's (or the last level's) steps are published first
-            before = step_counters(metrics_url)
+            before = step_counters(metrics_url)  # the warm-up's (or the last level's) steps all published
             rows.append(_level(c, args, device, lambda c=c: run(c, args.requests(c)), served=True))
-            time.sleep(2 * METRICS_PERIOD_S)  # the components' metrics threads publish their last steps
             rows[-1]["steps"] = step_deltas(before, step_counters(metrics_url))
             print(f"[bench]         steps {rows[-1]['steps']}", flush=True)
             if os.environ.get("MSTAR_TIMINGS") == "1":  # the server's per-hop log lines of this level
@@ -380,17 +378,27 @@ def bench_served(checkpoint: Path, args: argparse.Namespace, device: str) -> lis
         stop_process(server)
 
 
-METRICS_PERIOD_S = 0.1  # backends/metrics.PERIOD_S
+EXPORT_WAIT_S = 5.0  # the most step_counters waits for the components' metrics threads
 _COUNTER = re.compile(r'^(mstar_engine_steps_total|mstar_graph_steps_total|mstar_engine_rows_stepped_total)'
                       r'\{[^}]*model="([^"]+)"[^}]*\} ([0-9.e+]+)$', re.M)
 
 
 def step_counters(metrics_url: str) -> dict[tuple[str, str], float]:
-    """Triton's /metrics -> {(model, series): value} for the engines' step counters, summed over instances."""
+    """Triton's /metrics -> {(model, series): value} for the engines' step counters, summed over instances, read
+    once every component instance has finished a metrics sample begun after this call (`sampled_since`; at most
+    `EXPORT_WAIT_S`), so every step before the call is counted: a fixed 0.2 s wait left a level's last steps out
+    whenever load stretched the sampler's 0.1 s period."""
+    from mstar_common.bench.cli import sample_counts, sampled_since
     from mstar_common.launcher import open_direct
 
-    with open_direct(metrics_url, timeout=10) as response:  # the bench's own server: never through http_proxy
-        return parse_step_counters(response.read().decode())
+    def page() -> str:
+        with open_direct(metrics_url, timeout=10) as response:  # the bench's own server: never through http_proxy
+            return response.read().decode()
+
+    first, deadline = sample_counts(page()), time.monotonic() + EXPORT_WAIT_S
+    while not sampled_since(first, sample_counts(text := page())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return parse_step_counters(text)
 
 
 def parse_step_counters(text: str) -> dict[tuple[str, str], float]:

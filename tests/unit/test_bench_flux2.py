@@ -168,3 +168,23 @@ def test_step_deltas_give_each_engines_steps_and_rows_per_step():
     # 40 more steps (two instances), 10 of them from graphs, 400 more rows; the text encoder did not step
     assert bench.step_deltas(before, after) == {
         "flux2_klein_denoise": {"steps": 40, "graph_share": 0.25, "rows_per_step": 10.0}}
+
+
+def test_step_counters_wait_for_a_metrics_sample_begun_after_the_call(monkeypatch):
+    """The served levels read the step counters after a fixed 0.2 s; a sampler slowed past that by load left a
+    level's last steps out. The read now waits until every instance has finished a sample begun after the call."""
+    import contextlib
+    import io
+
+    import mstar_common.launcher as launcher
+
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    page = ('mstar_engine_steps_total{{instance="{i}",model="flux2_klein_denoise"}} {steps}\n'
+            'mstar_metrics_samples_total{{instance="{i}",model="flux2_klein_denoise"}} {samples}\n')
+    # (steps, samples) of two instances a read: instance 1's sampler is slow; its last 4 steps show at its 9th sample
+    reads = iter("".join(page.format(i=i, steps=st, samples=n) for i, (st, n) in enumerate(pair)) for pair in [
+        ((10, 5), (6, 7)), ((10, 6), (6, 7)), ((10, 7), (6, 8)), ((10, 8), (10, 9))])
+    monkeypatch.setattr(launcher, "open_direct",
+                        lambda url, timeout: contextlib.nullcontext(io.BytesIO(next(reads).encode())))
+    got = bench.step_counters("http://127.0.0.1:1/metrics")
+    assert got[("flux2_klein_denoise", "mstar_engine_steps_total")] == 20 and next(reads, None) is None
