@@ -40,6 +40,24 @@ class Served:
         return self.ports.metrics_url
 
 
+def metrics_after_a_sample(url: str, timeout_s: float = 10) -> str:
+    """Triton's metrics page once every component instance has finished a metrics sample begun after this call, so
+    it holds everything recorded before it (the components export every 0.1 s, a period load stretches)."""
+    import time
+
+    import httpx
+
+    from mstar_common.bench.cli import sample_counts, sampled_since
+
+    counts = sample_counts(httpx.get(url, timeout=5).text)
+    assert counts, "mstar_metrics_samples_total not exported"
+    deadline = time.monotonic() + timeout_s
+    while not sampled_since(counts, sample_counts(text := httpx.get(url, timeout=5).text)):
+        assert time.monotonic() < deadline, f"no component finished a metrics sample in {timeout_s} s"
+        time.sleep(0.05)
+    return text
+
+
 def print_logs(root: Path) -> None:
     print(server_logs(root))
 

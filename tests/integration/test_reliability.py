@@ -21,13 +21,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from mstar_common.bench.cli import sample_counts, sampled_since
 from mstar_common.cli import DEFAULT_DEPLOYMENT
 from mstar_common.config import deployment_from_dict
 from mstar_common.launcher import Ports, start_proxy, stop_process, wait_ready
 from mstar_common.repository import entry_model, write_repository
 from mstar_common.supervisor import TritonSupervisor, find_stubs
-from tests.integration.conftest import Served, print_logs
+from tests.integration.conftest import Served, metrics_after_a_sample, print_logs
 from tests.integration.triton_stream import make_inputs, run_stream
 from tests.scripts import load_script
 
@@ -96,12 +95,7 @@ def test_component_metrics_are_exported(capped):
     assert _completion(capped).status_code == 200
     # the request's samples are on the page once the metrics thread has finished a sample begun after it (its
     # period, 0.1 s, stretches on a loaded box: a fixed 0.3 s wait could read the histograms before them)
-    counts = sample_counts(httpx.get(capped.metrics_url).text)
-    assert counts, "mstar_metrics_samples_total not exported"
-    deadline = time.monotonic() + 10
-    while not sampled_since(counts, sample_counts(text := httpx.get(capped.metrics_url).text)):
-        assert time.monotonic() < deadline, "the metrics thread finished no sample in 10 s"
-        time.sleep(0.05)
+    text = metrics_after_a_sample(capped.metrics_url)
     for series in ("mstar_requests_running{", "mstar_requests_waiting{", "mstar_kv_pages_used{",
                    "mstar_state_slots_used{", "mstar_engine_steps_total{", "mstar_graph_steps_total{",
                    "mstar_engine_rows_stepped_total{", "mstar_engine_tokens_stepped_total{",

@@ -17,7 +17,7 @@ from PIL import Image
 
 from mstar_common.cli import CONFIGS
 from mstar_common.config import deployment_from_dict
-from tests.integration.conftest import serve_deployment
+from tests.integration.conftest import metrics_after_a_sample, serve_deployment
 
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.server
@@ -267,7 +267,7 @@ def test_clients_that_leave_stop_the_components_work(served_images):
     while denoise("mstar_requests_running") > 0 and time.monotonic() - started < 60:
         time.sleep(0.05)
     stopped_after_s = time.monotonic() - started
-    time.sleep(0.3)  # a metrics period: the last steps' count is in
+    metrics_after_a_sample(served_images.metrics_url)  # the last steps' count is in
     stepped = denoise("mstar_engine_rows_stepped_total") - before
     assert outcomes == ["left"] * 4
     assert denoise("mstar_requests_running") == 0
