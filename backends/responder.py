@@ -209,3 +209,9 @@ def request_timeout_s(request) -> float | None:
         given = request_parameters(request).get("timeout")
         timeout_us = given if isinstance(given, int) and not isinstance(given, bool) else 0
     return timeout_us / 1e6 if timeout_us > 0 else None
+
+
+def deadline_s(request, ceiling_s: float | None) -> float | None:
+    """The request's Triton timeout in seconds, at most `ceiling_s` (the deployment's `admission.request_timeout_s`;
+    either may be None: none)."""
+    return min((t for t in (request_timeout_s(request), ceiling_s) if t is not None), default=None)

@@ -7,9 +7,10 @@ Threads: `execute` parses each request (a ValueError is refused at once) and han
 the engine's loop (one background thread) batches every waiting request of the same shapes into one
 forward and calls back per request, and the callback sends the response through backends/responder.py.
 A request cancelled before its batch runs is dropped unrun; so is one past its deadline (the request's Triton
-timeout, which the walk router sets to the time its client has left), answered `deadline_exceeded:` and counted
-in `mstar_requests_expired_total`. With `MSTAR_TIMINGS=1` each request's time from
-arrival to its response being sent is logged (with the walk router's per-hop times: where a walk's time goes).
+timeout, which the walk router sets to the time its client has left, at most the deployment's
+`admission.request_timeout_s`, which is also the deadline of a call with none), answered `deadline_exceeded:` and
+counted in `mstar_requests_expired_total`. With `MSTAR_TIMINGS=1` each request's time from arrival to its response
+being sent is logged (with the walk router's per-hop times: where a walk's time goes).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from backends.bls import release_stub_objects
 from backends.metrics import ComponentMetrics
 from backends.node_setup import load_node
-from backends.responder import Responder, client_request_id, request_inputs, request_timeout_s
+from backends.responder import Responder, client_request_id, deadline_s, request_inputs
 from mstar_common import wire
 from mstar_common.config import env_switch
 from mstar_common.diffusion.batcher import Cancelled, Expired, ShuttingDown, StopCheck
@@ -43,6 +44,9 @@ class ComponentNode:
         self.model_name = setup.model_name
         self.input_names = [spec.name for spec in setup.component.inputs]
         self.wire_dtypes = wire_dtypes(setup)  # MODEL_DTYPE outputs -> the torch dtype they are sent in
+        # a request's deadline: its Triton timeout (a walk's hop carries the time its client has left), at most the
+        # deployment's, which also stands in for none (a direct call had no deadline at all)
+        self.request_timeout_s = setup.deployment.admission.request_timeout_s
         self.runtime = setup.build()  # .submit(request_id, inputs, on_done, is_cancelled); .engine
         self.runtime.engine.start()
         self._ids = itertools.count()
@@ -69,7 +73,7 @@ class ComponentNode:
             inputs = {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
                       for name, value in request_inputs(request, self.input_names).items()}
             on_done = _on_done(responder, self.wire_dtypes, self.model_name if TIMINGS else None)
-            stop = StopCheck(responder.is_cancelled, request_timeout_s(request))
+            stop = StopCheck(responder.is_cancelled, deadline_s(request, self.request_timeout_s))
             self.runtime.submit(responder.request_id, inputs, on_done, stop)
         except ValueError as exc:
             responder.send_invalid(str(exc))

@@ -45,8 +45,8 @@ from backends.node_setup import load_node
 from backends.responder import (
     Responder,
     client_request_id,
+    deadline_s,
     request_inputs,
-    request_timeout_s,
     tensor_value,
     to_pb_tensor,
     walk_board,
@@ -72,11 +72,6 @@ class WalkLimits:
     @property
     def cap(self) -> int:
         return self.running + self.queued
-
-
-def deadline_s(request, ceiling_s: float | None) -> float | None:
-    """The request's Triton timeout in seconds, at most `ceiling_s` (either may be None: none)."""
-    return min((t for t in (request_timeout_s(request), ceiling_s) if t is not None), default=None)
 
 
 class TritonPythonModel:
