@@ -117,20 +117,25 @@ class WhisperWalk:
     async def stream(self, inputs: dict[str, np.ndarray], call: Call,
                      call_stream: CallStream) -> AsyncIterator[dict[str, np.ndarray]]:
         """Responses for one request: text deltas, then a last one with the metadata (and any remaining text)."""
+        arrival = time.monotonic()  # the queue wait counts from here: the upload's decode is part of it
         req = parse_request(inputs, self.tokenizer, self.tokens, self.max_prompt_tokens, self.max_prompt_bytes)
         self._check_max_tokens(req)
         pcm = await asyncio.to_thread(self._load_audio, req)
         windows = split_windows(pcm, self.options.window_seconds)
-        job = _Transcription(self, req, pcm, windows, call, call_stream)
-        async for outputs in job.run():
-            yield outputs
+        job = _Transcription(self, req, pcm, windows, call, call_stream, arrival)
+        # closed here when this stream is (its client left): the window tasks and their decoder hops are cancelled
+        # then, not when the collector or asyncio's finalizer hook gets to the dropped generator
+        async with contextlib.aclosing(job.run()) as events:
+            async for outputs in events:
+                yield outputs
 
     async def run(self, inputs: dict[str, np.ndarray], call: Call, call_stream: CallStream) -> dict[str, np.ndarray]:
         """The whole transcription as one response (the streamed deltas joined)."""
         text, last = [], None
-        async for outputs in self.stream(inputs, call, call_stream):
-            text.append(outputs[g.TEXT_OUTPUT][0].decode("utf-8"))
-            last = outputs
+        async with contextlib.aclosing(self.stream(inputs, call, call_stream)) as events:
+            async for outputs in events:
+                text.append(outputs[g.TEXT_OUTPUT][0].decode("utf-8"))
+                last = outputs
         return {**last, g.TEXT_OUTPUT: _bytes("".join(text))}
 
     def _check_max_tokens(self, req: TranscriptionRequest) -> None:
@@ -176,7 +181,7 @@ class _Transcription:
     """One request's windows in flight: decode tasks feed per-window queues that `run` drains in order."""
 
     def __init__(self, walk: WhisperWalk, req: TranscriptionRequest, pcm: np.ndarray, windows: list[Window],
-                 call: Call, call_stream: CallStream) -> None:
+                 call: Call, call_stream: CallStream, arrival: float) -> None:
         self.walk, self.tokens, self.req, self.pcm = walk, walk.tokens, req, pcm
         self.call, self.call_stream = call, call_stream
         self.results = [_WindowResult(w) for w in windows]
@@ -190,7 +195,8 @@ class _Transcription:
         self.any_text = False
         self.num_tokens = 0
         queue_timeout_s = walk.options.queue_timeout_s
-        self.queue_deadline = time.monotonic() + queue_timeout_s if queue_timeout_s else None
+        # from the request's arrival at the walk (`arrival`, monotonic), its upload's decode included
+        self.queue_deadline = arrival + queue_timeout_s if queue_timeout_s else None
         self.is_admitted = False  # one of its windows has had a slot: it is served, no longer waiting
         self.failure: BaseException | None = None  # the first window's failure, which ends the request (`_fail`)
 

@@ -830,3 +830,70 @@ def test_scale_embedding_changes_nothing_as_in_transformers(checkpoint, tmp_path
     with LocalWhisper(own) as harness:
         asyncio.run(harness.transcribe(audio=wav(pcm), language="fr"))
         assert our_sequences(harness) == [hf_sequence(reference, pcm, language="fr")]
+
+
+def test_a_stream_closed_after_its_first_text_cancels_its_windows_decoder_hops_at_once(local):
+    """The walk's stream left its transcription's generator to asyncio's finalizer hook when its client left: the
+    window tasks and their decoder hops ran on until the dropped generator was collected. Here nothing collects it
+    (the hook keeps what it is given), so only an explicit close ends the hop."""
+    import sys
+
+    from tests.whisper_local import _wire
+
+    opened, closed = [], []
+
+    async def call_stream(component, inputs):  # the real decoder's outputs, but the hop never ends by itself
+        opened.append(component)
+        try:
+            async for out in local.call_stream(component, inputs):
+                if "finish_reason" in out:
+                    await asyncio.Event().wait()
+                yield out
+        finally:
+            closed.append(component)
+
+    async def go():
+        kept = []
+        sys.set_asyncgen_hooks(firstiter=None, finalizer=kept.append)  # a dropped generator is never closed
+        stream = local.walk.stream(_wire({"audio": wav(clip(2, 20)), "language": "en"}), local.call, call_stream)
+        first = await asyncio.wait_for(anext(stream), 30)
+        assert first["text_output"][0] and opened == ["decoder"]
+        await stream.aclose()
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+        assert closed == ["decoder"]
+
+    asyncio.run(go())
+
+
+def test_an_uploads_queue_wait_counts_from_its_arrival_its_decode_included(local, monkeypatch):
+    """docs/whisper.md: an upload none of whose windows has had a slot within `admission.queue_timeout_s` of its
+    arrival ends with a 503. The clock started after the upload was decoded, so a slow decode (or a wait for a
+    decoding thread) was added to the limit."""
+    import time
+    from dataclasses import replace
+
+    from mstar_common import wire
+    from mstar_common.walk_api import ComponentError
+
+    monkeypatch.setattr(local.walk, "options", replace(local.walk.options, queue_timeout_s=1.0))
+    load = local.walk._load_audio
+
+    def slow_load(req):  # a 1 s decode
+        time.sleep(1.0)
+        return load(req)
+
+    monkeypatch.setattr(local.walk, "_load_audio", slow_load)
+
+    async def go():
+        slots = asyncio.Semaphore(1)
+        monkeypatch.setattr(local.walk, "windows", slots)
+        await slots.acquire()  # another upload holds the walk's only window slot
+        began = time.monotonic()
+        with pytest.raises(ComponentError) as info:
+            await asyncio.wait_for(local.transcribe(audio=wav(clip(0, 10))), 10)
+        waited = time.monotonic() - began
+        assert wire.error_class(info.value.message) == wire.UNAVAILABLE_PREFIX
+        assert 1.0 <= waited < 1.6, waited  # the limit from arrival (2 s: the decode and then the whole limit)
+
+    asyncio.run(go())
