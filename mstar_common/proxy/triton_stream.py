@@ -182,8 +182,8 @@ def build_request(
 ) -> service_pb2.ModelInferRequest:
     """`timeout_s` becomes the request's Triton `timeout`, which the component enforces as its deadline."""
     request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    if timeout_s:
-        request.parameters[_TIMEOUT_PARAM].int64_param = int(timeout_s * 1e6)
+    if timeout_s:  # at least 1 us: a shorter one truncated to 0, which Triton and the components read as none
+        request.parameters[_TIMEOUT_PARAM].int64_param = max(1, round(timeout_s * 1e6))
     for name, datatype, array in build_inputs(gen):
         request.inputs.append(
             service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=list(array.shape))

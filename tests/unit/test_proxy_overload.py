@@ -86,6 +86,12 @@ def test_the_proxy_deadline_travels_as_the_triton_request_timeout():
     request = build_request("m", "r", GenerationRequest(text="x"), timeout_s=2.5)
     assert request.parameters["timeout"].int64_param == 2_500_000
     assert "timeout" not in build_request("m", "r", GenerationRequest(text="x")).parameters
+    # a deadline under 1 us is 1 us, not 0 (none); one not a whole number of us in binary is not cut short (4.1 s
+    # was 4,099,999 us)
+    def timeout_us(timeout_s):
+        return build_request("m", "r", GenerationRequest(text="x"), timeout_s=timeout_s).parameters["timeout"]
+
+    assert timeout_us(4e-7).int64_param == 1 and timeout_us(4.1).int64_param == 4_100_000
     app, fake = make_app(FakeTriton(), request_timeout_s=7.0)
     TestClient(app).post("/v1/completions", json=BODY)
     assert fake.requests[-1].timeout_s == 7.0
