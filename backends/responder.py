@@ -75,7 +75,7 @@ class Responder:
 
     def send_invalid(self, detail: str) -> None:
         """The client's fault: the proxy turns this prefix into an HTTP 400."""
-        logger.info("[%s] refused: %s", self.request_id, detail)
+        logger.info("[%s] refused: %s", self.request_id, wire.loggable(detail))
         self.send_error(wire.invalid_request_message(detail))
 
     def send_server_error(self, exc: BaseException | str) -> str:
@@ -180,8 +180,8 @@ def check_no_parameters(request) -> None:
     """ValueError naming the first request parameter that is not Triton's own (`TRITON_PARAMETERS`, `triton_...`)."""
     params = request_parameters(request)
     if unknown := sorted(key for key in params if not key.startswith("triton_") and key not in TRITON_PARAMETERS):
-        raise ValueError(f"parameters.{unknown[0]}: unknown request parameter; the knobs are input tensors "
-                         f"(docs/api.md lists them)")
+        raise ValueError(f"parameters.{wire.loggable(unknown[0], 64)}: unknown request parameter; the knobs are "
+                         f"input tensors (docs/api.md lists them)")
     # an HTTP generate body's `timeout` is the request's deadline (request_timeout_s): a string, a float or a
     # negative one was dropped without a word, leaving the deployment's ceiling
     if "timeout" in params and (isinstance(timeout := params["timeout"], bool) or not isinstance(timeout, int)
@@ -190,12 +190,14 @@ def check_no_parameters(request) -> None:
 
 
 def client_request_id(request) -> str:
-    """The client's id of the request: Triton's request id, or the `id` of an HTTP generate body ('' if none)."""
+    """The client's id of the request: Triton's request id, or the `id` of an HTTP generate body ('' if none), as
+    the component's log lines carry it (at most 128 characters, control characters escaped: a direct client's id
+    is not checked as the proxy checks its header)."""
     rid = request.request_id()
     if not rid:
         given = request_parameters(request).get("id")
         rid = given if isinstance(given, str) else ""
-    return rid
+    return wire.loggable(rid, 128)
 
 
 def request_timeout_s(request) -> float | None:

@@ -121,8 +121,32 @@ CLIENT_FACING_PREFIXES = (INVALID_REQUEST_PREFIX, OVERLOADED_PREFIX, UNAVAILABLE
 SERVER_STOPPED = f"{UNAVAILABLE_PREFIX}the server stopped before the request finished; send it again"
 
 
+# What of a client's text an error message or a log line carries: an error that quoted a value in full (a voice, a
+# model name, an unknown key) echoed up to the body cap (16 MB) into the response, and into a component's log on
+# every refused request; a percent-decoded path or a direct client's request id wrote a newline into a log line
+MAX_MESSAGE_CHARS = 2000  # an error's message (the rule is kept: its start and end)
+MAX_LOGGED_CHARS = 500  # a client's text in a log line
+
+
+def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` if it has at most `limit` characters, else its start and end with how much was left out between."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit // 2 - 20, 1)
+    return f"{text[:keep]} ...[{len(text) - 2 * keep:,} characters]... {text[-keep:]}"
+
+
+def loggable(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
+    """A client's text for a log line: clipped, its control characters (newlines, ESC ...) escaped, so it cannot
+    start a line of its own or move a terminal's cursor."""
+    text = clipped(text, limit)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def invalid_request_message(detail: str) -> str:
-    return INVALID_REQUEST_PREFIX + detail
+    return INVALID_REQUEST_PREFIX + clipped(detail)
 
 
 def is_invalid_request(message: str) -> bool:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mstar_common import wire
 from mstar_common.config import MAX_TIMEOUT_S
 from mstar_common.proxy import (
     protocol,
@@ -108,6 +109,11 @@ class RequestContext:
         id_header = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
         is_started = False
         start = time.monotonic()
+        # the path as the client sent it (percent-encoded: ASGI's `path` is decoded, so a %0A in it wrote a line of
+        # the client's into the log), bounded
+        raw_path = scope.get("raw_path")
+        path = raw_path.decode("latin-1") if raw_path else scope["path"]
+        target = f"{scope.get('method')} {wire.loggable(path, 200)}"
 
         async def send_with_id(message: Message) -> None:
             nonlocal is_started
@@ -115,8 +121,8 @@ class RequestContext:
                 is_started = True
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
                 # One line per request, keyed by the id that Triton and the component logs also carry.
-                logger.info("[%s] %s %s -> %d in %.1f ms", request_id, scope.get("method"), scope.get("path"),
-                            message["status"], 1e3 * (time.monotonic() - start))
+                logger.info("[%s] %s -> %d in %.1f ms", request_id, target, message["status"],
+                            1e3 * (time.monotonic() - start))
             await send(message)
 
         async def reply(error: APIError) -> None:
@@ -136,8 +142,8 @@ class RequestContext:
         try:
             await self.app(scope, self._capped(receive, check_text=is_json), send_with_id)
         except ClientDisconnect:  # the client left while its body was being read: nobody to answer
-            logger.info("[%s] %s %s -> client disconnected (499) in %.1f ms", request_id, scope.get("method"),
-                        scope.get("path"), 1e3 * (time.monotonic() - start))
+            logger.info("[%s] %s -> client disconnected (499) in %.1f ms", request_id, target,
+                        1e3 * (time.monotonic() - start))
         except asyncio.CancelledError:
             # the server stopping: uvicorn cancels what still runs when its drain ends, and answered a request not
             # yet answered with its own text 500; it gets the 503 docs/reliability.md promises instead
@@ -149,8 +155,7 @@ class RequestContext:
         except Exception as exc:  # noqa: BLE001 - a bug must still answer with an error id
             if is_started:
                 raise
-            where = f"{scope.get('method')} {scope.get('path')}"
-            await reply(server_error(f"unhandled {type(exc).__name__} in {where}: {exc}", exc_info=exc))
+            await reply(server_error(f"unhandled {type(exc).__name__} in {target}: {exc}", exc_info=exc))
         finally:
             REQUEST_ID.reset(context)
 

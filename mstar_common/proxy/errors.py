@@ -53,10 +53,11 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
+        message = wire.clipped(message)  # a quoted value of any size echoed the body back (wire.MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else wire.clipped(param, 200)
         self.code = code
         self.headers = headers
 

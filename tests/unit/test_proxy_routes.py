@@ -333,6 +333,39 @@ def test_a_refused_request_id_stays_out_of_the_log(caplog):
     assert "FAKE" not in caplog.text and "[invalid] POST /v1/completions -> 400" in caplog.text
 
 
+def test_a_path_with_an_encoded_newline_stays_one_log_line(caplog):
+    """The access line carried ASGI's percent-decoded path: a %0A in it wrote a line of the client's (a forged ERROR
+    line), a %1b a terminal escape. The line now carries the path as sent, bounded."""
+    client, _ = client_for()
+    forged = "/v1/x%0A2099-01-01 00:00:00,000 ERROR mstar_common.proxy.errors FORGED%1b[2J" + "y" * 5000
+    with caplog.at_level(logging.INFO, logger="mstar_common.proxy.app"):
+        assert client.get(forged).status_code == 404
+    [line] = [r.getMessage() for r in caplog.records if "-> 404" in r.getMessage()]
+    assert "\n" not in line and "\x1b" not in line and "%0A" in line and len(line) < 400, line
+
+
+def test_an_error_quoting_a_huge_value_is_bounded():
+    """A 404 or 400 quoted the client's value whole: a 1 MB model name or unknown key came back in the body (an
+    unknown key twice: the message and the param), up to the 16 MB body cap."""
+    client, _ = client_for()
+    r = client.post("/v1/completions", json={"model": "m" * 1_000_000, "prompt": "x"})
+    error = r.json()["error"]
+    assert r.status_code == 404 and len(r.content) < 3000
+    assert error["message"].startswith("model 'mmm") and "characters]" in error["message"]
+    assert error["message"].endswith(wire.clipped(error["message"])[-40:])  # its end (the served models) is kept
+    r = client.post("/v1/completions", json={"model": "qwen3", "prompt": "x", "k" * 1_000_000: 1})
+    assert r.status_code == 400 and len(r.content) < 3000 and len(r.json()["error"]["param"]) <= 200
+
+
+def test_clipped_and_loggable_text():
+    assert wire.clipped("short") == "short" and wire.clipped("x" * 2000) == "x" * 2000
+    long = "a" * 1500 + "b" * 1500
+    cut = wire.clipped(long)
+    assert len(cut) <= 2000 and cut.startswith("a" * 900) and cut.endswith("b" * 900) and "1," in cut
+    assert wire.loggable("a\nb\x1b[2J\u2028c") == "a\\nb\\x1b[2J\\u2028c"
+    assert wire.loggable("héllo 中文") == "héllo 中文" and len(wire.loggable("x" * 10**6)) <= 500
+
+
 # client disconnects, driven at the ASGI level so the disconnect lands at a known point
 
 

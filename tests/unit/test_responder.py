@@ -177,3 +177,35 @@ def test_a_malformed_timeout_parameter_is_refused_not_dropped(responder, timeout
     ok = type("Ok", (WithParameters,), {"parameters": lambda self: '{"timeout": 5000000}'})([])
     responder.check_no_parameters(ok)
     assert responder.request_timeout_s(ok) == 5.0
+
+
+def test_a_direct_clients_text_is_bounded_and_escaped_in_the_component_log(responder, caplog, monkeypatch):
+    """A direct Triton client's request id, an unknown parameter's name and a refused value (an unknown voice of a
+    megabyte) went into the component's log as sent: a newline in them forged a log line, and every refused request
+    wrote the whole value."""
+    import json
+    import logging
+
+    forged = "x\n2099-01-01 00:00:00,000 ERROR backends.responder FORGED"
+
+    class Direct(Request):
+        def request_id(self):
+            return ""
+
+        def parameters(self):
+            return json.dumps({"id": forged, "k" * 100_000 + "\nFORGED": 1})
+
+    request = Direct([])
+    rid = responder.client_request_id(request)
+    assert "\n" not in rid and rid.startswith("x\\n2099") and len(rid) <= 128
+    with pytest.raises(ValueError) as info:
+        responder.check_no_parameters(request)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 200
+    monkeypatch.setattr(responder.pb_utils, "InferenceResponse", lambda output_tensors, error=None: error)
+    r = responder.Responder(request, rid)
+    with caplog.at_level(logging.INFO, logger="backends.responder"):
+        r.send_invalid(f"voice: unknown voice {'v' * 1_000_000!r}\nFORGED")
+    [record] = caplog.records
+    assert "\n" not in record.getMessage() and len(record.getMessage()) < 1000
+    [(error, _)] = request.sender.sent  # the error message sent, which the proxy relays
+    assert error.startswith("invalid_request: voice: unknown voice 'vvv") and len(error) < 2100
