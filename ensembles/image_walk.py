@@ -29,6 +29,10 @@ from mstar_common.images import (
 from mstar_common.walk_api import Call
 
 MAX_SEED = 2**63 - 1
+# a seed the walk draws (none given) is below 2**53, so the one the response returns survives any JSON reader:
+# JavaScript's JSON.parse (openai-node) reads a number as a double, and 99% of seeds drawn below 2**63 came back
+# rounded, a different seed that made a different image when sent again (RFC 8259 section 6)
+DRAWN_SEED_BOUND = 2**53
 TIMINGS = env_switch("MSTAR_TIMINGS", False)  # log the walk's own parts beside the router's hop times
 logger = logging.getLogger(__name__)
 
@@ -90,8 +94,9 @@ class ImageWalk:
         if width is not None:
             self.check_size(width, height)
             check_format_size(width, height, output.format, field=g.WIDTH)
-        return ImageRequest(prompt, width, height, num_images, secrets.randbelow(MAX_SEED) if seed is None else seed,
-                            steps, output)
+        if seed is None:
+            seed = secrets.randbelow(DRAWN_SEED_BOUND)
+        return ImageRequest(prompt, width, height, num_images, seed, steps, output)
 
     def check_size(self, width: int, height: int) -> None:
         """A family's own size rule beyond the grid and the area (none here)."""

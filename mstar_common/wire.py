@@ -89,7 +89,8 @@ CODEC_AUDIO = "codec_audio"  # FP32 [N, S]: each window's played frame, S sample
 # but the prompt, shape [1]: prompt BYTES, width/height INT32 (pixels), num_images INT32 (OpenAI n), seed INT64,
 # num_inference_steps INT32, output_format BYTES (png | jpeg | webp), png_compress_level INT32,
 # output_compression INT32; reference_images BYTES [-1] (encoded uploads, in order: editing). One response:
-# images BYTES [-1] (encoded, in output_format) and seed INT64 [1] (the seed used, drawn when none was given).
+# images BYTES [-1] (encoded, in output_format) and seed INT64 [1] (the seed used; drawn below 2**53 when none was
+# given).
 IMAGE_INPUTS = {  # name: (Triton dtype, numpy dtype string)
     "prompt": ("BYTES", "object"),
     "width": ("INT32", "int32"),

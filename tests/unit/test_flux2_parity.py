@@ -241,3 +241,16 @@ def test_dit_fp8_must_be_a_boolean(checkpoint):
 
     with pytest.raises(DeploymentError, match=r"model_kwargs.dit_fp8: must be true or false, got 'yes'"):
         Flux2KleinFamily().build_component("denoise", tiny_deployment(checkpoint, dit_fp8="yes"), checkpoint, "cpu")
+
+
+def test_a_drawn_seed_survives_a_json_reader_that_reads_doubles(checkpoint, monkeypatch):
+    """With no seed the walk drew one below 2**63 and returned it; 99% of those are past 2**53, where JavaScript's
+    JSON.parse rounds them: sent back, the rounded seed made a different image. The draw is below 2**53 now."""
+    import ensembles.image_walk as image_walk
+
+    monkeypatch.setattr(image_walk.secrets, "randbelow", lambda bound: bound - 1)  # the largest draw
+    walk = LocalWalk(Flux2KleinFamily(), tiny_deployment(checkpoint), checkpoint).walk
+    inputs = request("a fox", 64, 64)
+    del inputs["seed"]
+    seed = walk.parse_common(inputs).seed
+    assert seed == 2**53 - 1 and float(seed) == seed
