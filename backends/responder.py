@@ -191,13 +191,14 @@ def check_no_parameters(request) -> None:
 
 def client_request_id(request) -> str:
     """The client's id of the request: Triton's request id, or the `id` of an HTTP generate body ('' if none), as
-    the component's log lines carry it (at most 128 characters, control characters escaped: a direct client's id
-    is not checked as the proxy checks its header)."""
+    the component's log lines carry it: control characters escaped and at most 256 characters (a direct client's id
+    is not checked as the proxy checks its header; a walk's hop id, `<proxy id of up to 128>#<pid>.<n>/<component>`,
+    fits whole)."""
     rid = request.request_id()
     if not rid:
         given = request_parameters(request).get("id")
         rid = given if isinstance(given, str) else ""
-    return wire.loggable(rid, 128)
+    return wire.loggable(rid, 256)
 
 
 def request_timeout_s(request) -> float | None:

@@ -140,10 +140,10 @@ def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 def loggable(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
     """A client's text for a log line: clipped, its control characters (newlines, ESC ...) escaped, so it cannot
     start a line of its own or move a terminal's cursor."""
-    text = clipped(text, limit)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    text = clipped(text, 8 * limit)  # bounded before the escape's pass over each character (which lengthens it)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return clipped(text, limit)
 
 
 def invalid_request_message(detail: str) -> str:

@@ -22,7 +22,8 @@ Messages are pickled tuples (`multiprocessing.connection`):
     engine -> stub: ("ready", EngineInfo) | ("failed", traceback), then ("out", outputs, stats) ... ("bye",)
 
 `outputs` is every `on_output` call the step loop made since the last message, in order (one message a step when
-the stub keeps up), `stats` the engine's `stats()` every STATS_S (None between; sent alone when idle).
+the stub keeps up), `stats` the engine's `stats()` every STATS_S and with every message that ends a request (None
+otherwise; sent alone when idle).
 
 Admission. The stub checks each request against the engine's rules (`check_request`) and its capacity itself (it
 knows every live request), so `RemoteEngine.add_request` raises what `AREngine.add_request` raises, at once, with
@@ -368,7 +369,11 @@ class _Outbox:
                     batch.append(item)
             now = time.monotonic()
             stats = None
-            if now >= next_stats:
+            # due, or the batch ends a request: its stats (taken after its step counted itself) then reach the stub
+            # with its final, before the client can see that final, so a reader of the metrics after a level's
+            # last final (bench/cli.py's bracket) finds the level's steps in the next sample (they came up to
+            # STATS_S later)
+            if now >= next_stats or any(item[2] is not None or item[3] is not None for item in batch):
                 stats, next_stats = self._engine.stats(), now + STATS_S
             if not (batch or stats):
                 continue

@@ -275,3 +275,37 @@ def test_an_engine_process_whose_stub_died_while_it_started_exits_at_once():
     finally:
         child.kill()
         ours.close()
+
+
+def test_the_message_that_ends_a_request_carries_the_engines_stats():
+    """The engine sent its stats every STATS_S only: a level's last steps reached the stub's metrics up to 0.1 s after
+    its last final, so a reader that saw that final and then two samples could read the level without them. The
+    message that carries a final (or an error) now carries the stats taken after it."""
+    sent = []
+
+    class Conn:
+        def send(self, message):
+            sent.append(message)
+
+    class Engine:
+        num_steps = 0
+
+        def stats(self):
+            return {"num_steps": self.num_steps}
+
+    engine = Engine()
+    outbox = engine_process._Outbox(Conn(), engine)
+    try:
+        outbox.on_output("a", [1], None, None)  # the first message carries stats (due at once)
+        deadline = time.monotonic() + 5
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.001)
+        engine.num_steps = 7  # a step within STATS_S of the last stats: a token, then the request's final
+        outbox.on_output("a", [2], None, None)
+        outbox.on_output("a", [3], FinishReason.LENGTH, None)
+        while sum(len(m[1]) for m in sent if m[0] == "out") < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        outbox.close()
+    final = next(m for m in sent if m[0] == "out" and any(out[2] is not None for out in m[1]))
+    assert final[2] == {"num_steps": 7}
