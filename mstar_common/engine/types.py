@@ -18,6 +18,12 @@ INT64_MAX = 2**63 - 1
 # temperatures below this sample greedily: 1e-5 as the FP32 wire carries it (9.99999975e-06), so a request's 1e-5
 # samples whether it came as a Python float or through a Triton tensor
 GREEDY_TEMPERATURE = float(struct.unpack("f", struct.pack("f", 1e-5))[0])
+# Limits past which the samplers' FP32 arithmetic breaks, refused rather than served wrong. A temperature above
+# MAX_TEMPERATURE made distinct logits' exp(gap / T) round to 1.0 in the GPU top-k filter, which then kept ties it
+# should have cut (top_k 1 at 1e8 kept 8 tokens); a repetition penalty below MIN_REPETITION_PENALTY sent a seen
+# token's logit / penalty to +inf, and the GPU sampler then drew id 0 at every step (2e-38 passed "> 0").
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 1e-3
 
 
 class FinishReason(str, Enum):
@@ -39,7 +45,7 @@ class SamplingParams:
     top_k: int = 0  # 0, -1 or >= vocab: no filter
     top_p: float = 1.0  # (0, 1]
     min_p: float = 0.0  # [0, 1)
-    repetition_penalty: float = 1.0  # > 0; 1.0 is off; HF semantics over prompt + output tokens
+    repetition_penalty: float = 1.0  # >= MIN_REPETITION_PENALTY; 1.0 is off; HF semantics over prompt + output tokens
     seed: int | None = None  # per-request generator; None draws from the engine's generator
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
@@ -51,7 +57,7 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field and the rule; call before scheduling."""
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
-        _check_float("temperature", self.temperature, 0.0, None)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_int("top_k", self.top_k, -1, INT32_MAX)  # -1 (vLLM's "off") and 0 both leave the filter off
         # one message per rule, whichever side the value misses it on
         _check_float("top_p", self.top_p, None, None)
@@ -61,8 +67,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p: must be in [0, 1), got {self.min_p}")
         _check_float("repetition_penalty", self.repetition_penalty, None, None)
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty: must be >= {MIN_REPETITION_PENALTY:g} (1.0 is off), got "
+                             f"{self.repetition_penalty}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, INT64_MAX)
         if not isinstance(self.ignore_eos, bool):

@@ -129,7 +129,7 @@ def test_wrong_types_are_400_naming_the_field(served, body, field):
     ({"top_p": 0}, "top_p", "(0, 1]"), ({"temperature": -1}, "temperature", ">= 0"),
     ({"max_tokens": 0}, "max_tokens", "[1,"), ({"seed": 2**63}, "seed", "]"), ({"top_k": 2**31}, "top_k", "]"),
     ({"top_k": -2}, "top_k", "[-1,"),
-    ({"min_p": 1.0}, "min_p", "[0, 1)"), ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"min_p": 1.0}, "min_p", "[0, 1)"), ({"repetition_penalty": 0}, "repetition_penalty", ">= 0.001"),
 ])
 def test_out_of_range_knobs_use_the_server_rules(served, body, field, rule):
     client, _ = served

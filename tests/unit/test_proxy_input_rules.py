@@ -438,7 +438,11 @@ def _inputs(**values) -> dict:
      "chat_template_kwargs.x: not Unicode text"),
     ({"top_p": -0.5}, "top_p: must be in (0, 1], got -0.5"),
     ({"top_p": 0.0}, "top_p: must be in (0, 1], got 0.0"),
-    ({"repetition_penalty": -1.0}, "repetition_penalty: must be > 0, got -1.0"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty: must be >= 0.001 (1.0 is off), got -1.0"),
+    # a normal FP32 that overflowed a seen logit to +inf: the GPU sampler then drew id 0 at every step
+    ({"repetition_penalty": 2e-38}, "repetition_penalty: must be >= 0.001 (1.0 is off), got 2.00000001"),
+    # exp(gap / T) rounded to 1.0 for distinct logits: the GPU top-k kept 8 tokens for top_k 1
+    ({"temperature": 1e8, "top_k": 1}, "temperature: must be <= 100.0, got 100000000.0"),
     ({"min_p": -0.25}, "min_p: must be in [0, 1), got -0.25"),
     ({"stop": [b"\xff\xfe"]}, "stop: must be UTF-8 text"),
     ({"text_input": b"\xff"}, "text_input: must be UTF-8 text"),
