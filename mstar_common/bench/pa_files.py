@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import struct
 
 import numpy as np
@@ -143,7 +144,10 @@ def json_type_rule(dtype: str, value) -> str | None:
         return None if is_int(value) else "must be an integer"
     if dtype in ("STRING", "BYTES"):
         return None if isinstance(value, str) else "must be a string"
-    return None if isinstance(value, int | float) and not isinstance(value, bool) else "must be a number"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "must be a number"
+    # NaN and Infinity, which Python's json reads, are not JSON (perf_analyzer's reader refuses them)
+    return None if math.isfinite(value) else "must be a finite number"
 
 
 _INT_RANGES = {"TYPE_INT32": (-2**31, 2**31 - 1), "TYPE_INT64": (-2**63, 2**63 - 1)}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mstar_common import wire
 from mstar_common.bench.pa_files import is_int, json_type_rule
+from mstar_common.engine.types import MAX_TEMPERATURE
 
 PROMPT_ID_RANGE = (3, 400)  # ids every checkpoint here knows (the tiny tokenizer has ~400 tokens)
 
@@ -45,8 +46,9 @@ class Workload:
             high = getattr(self, name)
             if high is not None and high < low:
                 raise ValueError(f"{name} must be >= {name.removesuffix('_max')} ({low}), got {high}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # (NaN fails it too: it passed `< 0`)
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (the server's range), got "
+                             f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

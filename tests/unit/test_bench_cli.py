@@ -272,6 +272,9 @@ def test_input_data_keeps_the_list_inputs_whole_and_sends_them_as_one_tensor(tmp
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "seed": [1.5]}]}, "data[0].seed: must be an integer"),
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "temperature": ["0.5"]}]},
      "data[0].temperature: must be a number"),
+    # Python's json reads NaN (not JSON); it was accepted, and every request refused by the server at run time
+    ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "temperature": [float("nan")]}]},
+     "data[0].temperature: must be a finite number"),
     ({"data": [{"input_ids": [1, 2], "max_tokens": [True]}]}, "data[0].max_tokens: must be an integer >= 1"),
     ({"data": [{"input_ids": [1, 2], "max_tokens": [2], "stop_token_ids": [1.5]}]},
      "data[0].stop_token_ids: must be a list of token ids"),
@@ -343,7 +346,10 @@ def test_length_ranges_and_natural_eos_are_drawn_the_same_every_run(tmp_path):
     (["--output-len", "8", "--output-len-max", "3"], "--output-len-max must be >= --output-len (8), got 3"),
     (["--prompt-len", "8", "--shared-prefix-len", "9"], "--shared-prefix-len must be in [0, --prompt-len=8]"),
     (["--prompt-len", "0"], "--prompt-len and --output-len must be >= 1"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be in [0, 100] (the server's range), got -1.0"),
+    # NaN passed `< 0`: a perf_analyzer file of `[NaN]` (not JSON) and a run whose every request the server refused
+    (["--temperature", "nan"], "--temperature must be in [0, 100] (the server's range), got nan"),
+    (["--temperature", "inf"], "--temperature must be in [0, 100]"),
     (["--temperature", "0.7", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
     (["--temperature", "0.7", "--top-k", "-2"], "--top-k must be >= 0 (0: off), got -2"),
 ])
