@@ -140,10 +140,17 @@ def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 def loggable(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
     """A client's text for a log line: clipped, its control characters (newlines, ESC ...) escaped, so it cannot
     start a line of its own or move a terminal's cursor."""
-    text = clipped(text, 8 * limit)  # bounded before the escape's pass over each character (which lengthens it)
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-    return clipped(text, limit)
+    if text.isprintable():
+        return clipped(text, limit)
+    if len(text) <= limit:
+        return clipped(_escaped(text), limit)  # (an escape lengthens it)
+    keep = max(limit // 2 - 20, 1)  # as `clipped`, each end escaped and cut back to its share
+    head, tail = _escaped(text[:keep])[:keep], _escaped(text[-keep:])[-keep:]
+    return f"{head} ...[{len(text) - 2 * keep:,} characters]... {tail}"
+
+
+def _escaped(text: str) -> str:
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def invalid_request_message(detail: str) -> str:

@@ -235,7 +235,8 @@ class RemoteEngine:
         return int(self._stats.get("num_steps", 0))
 
     def stats(self) -> dict:
-        """The engine's stats() as it last sent them (every STATS_S), with the stub's refusals added."""
+        """The engine's stats() as it last sent them (every STATS_S and with each message that ends a request), with
+        the stub's refusals added."""
         stats = dict(self._stats)
         stats["num_refused"] = stats.get("num_refused", 0) + self.admission.num_refused
         return stats

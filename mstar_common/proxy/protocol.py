@@ -7,7 +7,6 @@ refused by `refuse_unsupported_*` unless they carry their harmless value. `null`
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal
 
@@ -17,12 +16,13 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from mstar_common import wire
 from mstar_common.engine.stop_strings import validate_stops
 from mstar_common.engine.types import SamplingParams
-from mstar_common.proxy.errors import invalid_request
+from mstar_common.proxy.errors import APIError, invalid_request
 from mstar_common.proxy.triton_stream import GenerationRequest
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 MEDIA_PART_TYPES = ("image_url", "input_audio", "audio_url", "video_url", "image", "audio", "video", "file")
-_ZERO_REFUSED = ("top_p", "repetition_penalty")  # FP32 knobs whose rule leaves out 0 (SamplingParams.validate)
+# FP32 knobs whose rule leaves out 0 (SamplingParams.validate; a penalty below 0.001 is refused as sent)
+_ZERO_REFUSED = ("top_p",)
 
 
 class SamplingFields(BaseModel):
@@ -59,6 +59,18 @@ class SamplingFields(BaseModel):
         0.99999999999 is refused here with the value the client sent. `field_names` renames a field for the
         client (/generate's `model_kwargs.`)."""
         knobs = {name: getattr(self, name) for name in wire.SAMPLING_INPUTS if getattr(self, name) is not None}
+        stop_ids = list(self.stop_token_ids or [])
+
+        def refuse(error: ValueError, suffix: str = "") -> APIError:
+            name, rule = str(error).split(": ", 1)
+            field = (field_names or {}).get(name, name)
+            return invalid_request(f"{field}: {rule}{suffix.format(sent=knobs.get(name))}", param=field)
+
+        try:  # the values sent: a value that breaks the rule as sent is told so, with no word of rounding
+            SamplingParams(**knobs, stop_token_ids=stop_ids).validate()
+            validate_stops(self.stop)
+        except ValueError as error:
+            raise refuse(error) from None
         held = dict(knobs)
         with np.errstate(over="ignore", under="ignore"):
             for name, value in knobs.items():
@@ -69,17 +81,10 @@ class SamplingFields(BaseModel):
                         advice = "a larger value" if name in _ZERO_REFUSED else "0 or a larger value"
                         raise invalid_request(f"{field}: {value!r} is 0 as a 32-bit float (the smallest non-zero "
                                               f"is about 1.4e-45); send {advice}", param=field)
-        try:
-            # the values sent, then as held: a top_p of 1.00000001 is 1.0 as 32 bits, and still not in (0, 1]
-            SamplingParams(**knobs, stop_token_ids=list(self.stop_token_ids or [])).validate()
-            SamplingParams(**held, stop_token_ids=list(self.stop_token_ids or [])).validate()
-            validate_stops(self.stop)
+        try:  # then as held: a top_p of 1.00000001 is 1.0 as 32 bits, and not in (0, 1]
+            SamplingParams(**held, stop_token_ids=stop_ids).validate()
         except ValueError as error:
-            name, rule = str(error).split(": ", 1)
-            if name in knobs and held[name] != knobs[name] and not math.isnan(knobs[name]):
-                rule += f" (as a 32-bit float; {knobs[name]!r} was sent)"
-            field = (field_names or {}).get(name, name)
-            raise invalid_request(f"{field}: {rule}", param=field) from None
+            raise refuse(error, " (as a 32-bit float; {sent!r} was sent)") from None
         return knobs
 
     @classmethod

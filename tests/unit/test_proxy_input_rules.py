@@ -258,11 +258,11 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):
 
 
 @pytest.mark.parametrize("body, param, shown", [
-    ({"temperature": 1e39}, "temperature", "1e+39 was sent"),
-    # (not "send 0": 0 is outside top_p's and repetition_penalty's own rules)
-    ({"repetition_penalty": 1e-50}, "repetition_penalty", "1e-50 is 0 as a 32-bit float (the smallest non-zero is "
-                                                          "about 1.4e-45); send a larger value"),
-    ({"top_p": 1e-46}, "top_p", "send a larger value"),
+    # a value that breaks the rule as sent is refused as sent, without a word of rounding
+    ({"temperature": 1e39}, "temperature", "must be <= 100.0, got 1e+39"),
+    ({"temperature": 150.3}, "temperature", "must be <= 100.0, got 150.3"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty", "must be >= 0.001 (1.0 is off), got 1e-50"),
+    ({"top_p": 1e-46}, "top_p", "send a larger value"),  # (not "send 0": 0 is outside top_p's rule)
     ({"temperature": 1e-46}, "temperature", "1e-46 is 0 as a 32-bit float (the smallest non-zero is about 1.4e-45); "
                                             "send 0 or a larger value"),  # was served greedily
     ({"min_p": 0.99999999999}, "min_p", "0.99999999999 was sent"),
@@ -275,6 +275,7 @@ def test_knobs_are_checked_as_the_server_holds_them(served, body, param, shown):
     client, fake = served
     error = error_of(chat(client, **body))
     assert error["param"] == param and error["message"].startswith(f"{param}: ") and shown in error["message"]
+    assert ("was sent" in error["message"]) == ("was sent" in shown)
     assert fake.requests == []
 
 

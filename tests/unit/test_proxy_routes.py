@@ -365,6 +365,7 @@ def test_clipped_and_loggable_text():
     assert wire.loggable("a\nb\x1b[2J\u2028c") == "a\\nb\\x1b[2J\\u2028c"
     assert wire.loggable("héllo 中文") == "héllo 中文" and len(wire.loggable("x" * 10**6)) <= 500
     assert len(wire.loggable("\x00" * 1000, 128)) <= 128 and len(wire.loggable("\u2028" * 10**6)) <= 500
+    assert "999,540 characters" in wire.loggable("x" * 10**6) and "999,540 characters" in wire.loggable("\n" * 10**6)
 
 
 # client disconnects, driven at the ASGI level so the disconnect lands at a known point
