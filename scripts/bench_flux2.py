@@ -385,20 +385,17 @@ _COUNTER = re.compile(r'^(mstar_engine_steps_total|mstar_graph_steps_total|mstar
 
 def step_counters(metrics_url: str) -> dict[tuple[str, str], float]:
     """Triton's /metrics -> {(model, series): value} for the engines' step counters, summed over instances, read
-    once every component instance has finished a metrics sample begun after this call (`sampled_since`; at most
+    once every component instance has finished a metrics sample begun after this call (`page_after_a_sample`; at most
     `EXPORT_WAIT_S`), so every step before the call is counted: a fixed 0.2 s wait left a level's last steps out
     whenever load stretched the sampler's 0.1 s period."""
-    from mstar_common.bench.cli import sample_counts, sampled_since
+    from mstar_common.bench.cli import page_after_a_sample
     from mstar_common.launcher import open_direct
 
     def page() -> str:
         with open_direct(metrics_url, timeout=10) as response:  # the bench's own server: never through http_proxy
             return response.read().decode()
 
-    first, deadline = sample_counts(page()), time.monotonic() + EXPORT_WAIT_S
-    while not sampled_since(first, sample_counts(text := page())) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return parse_step_counters(text)
+    return parse_step_counters(page_after_a_sample(page, EXPORT_WAIT_S))
 
 
 def parse_step_counters(text: str) -> dict[tuple[str, str], float]:

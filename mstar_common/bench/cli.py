@@ -218,6 +218,15 @@ def sampled_since(earlier: dict[str, float], later: dict[str, float]) -> bool:
     return all(later.get(labels, 0.0) >= count + 2 for labels, count in earlier.items())
 
 
+def page_after_a_sample(read, timeout_s: float) -> str:
+    """The metrics page `read()` returns, read once every component instance has finished a metrics sample begun
+    after this call (so it holds everything recorded before it), or the last one read after `timeout_s`."""
+    first, deadline = sample_counts(read()), time.monotonic() + timeout_s
+    while not sampled_since(first, sample_counts(text := read())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return text
+
+
 class ServerLatency:
     """Brackets a level with two reads of the components' latency histograms, so the run records what the
     server itself saw (component arrival -> first token sent, and its inter-token gaps) beside what the client

@@ -43,18 +43,13 @@ class Served:
 def metrics_after_a_sample(url: str, timeout_s: float = 10) -> str:
     """Triton's metrics page once every component instance has finished a metrics sample begun after this call, so
     it holds everything recorded before it (the components export every 0.1 s, a period load stretches)."""
-    import time
-
     import httpx
 
-    from mstar_common.bench.cli import sample_counts, sampled_since
+    from mstar_common.bench.cli import page_after_a_sample, sample_counts, sampled_since
 
-    counts = sample_counts(httpx.get(url, timeout=5).text)
-    assert counts, "mstar_metrics_samples_total not exported"
-    deadline = time.monotonic() + timeout_s
-    while not sampled_since(counts, sample_counts(text := httpx.get(url, timeout=5).text)):
-        assert time.monotonic() < deadline, f"no component finished a metrics sample in {timeout_s} s"
-        time.sleep(0.05)
+    first = sample_counts(httpx.get(url, timeout=5).text)
+    text = page_after_a_sample(lambda: httpx.get(url, timeout=5).text, timeout_s)
+    assert first and sampled_since(first, sample_counts(text)), f"no component finished a metrics sample: {first}"
     return text
 
 
