@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mstar_common import wire
 from mstar_common.bench import gpu_memory
-from mstar_common.bench.drivers import OpenAIDriver, TritonDriver
+from mstar_common.bench.drivers import OpenAIDriver, TritonDriver, triton_grpc_client
 from mstar_common.bench.metrics import Slo, summarize
 from mstar_common.bench.report import comparisons, markdown, write_report
 from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
@@ -521,14 +521,12 @@ def served_tokens(grpc_url: str, entry: str, args) -> list[list[int]]:
     """Greedy tokens through Triton, one request at a time (decode bucket 1: no padding)."""
     import queue
 
-    import tritonclient.grpc as grpcclient
-
     from mstar_common.bench.drivers import _triton_inputs
 
     out = []
     for request in _check_requests(args):
         responses: queue.Queue = queue.Queue()
-        client = grpcclient.InferenceServerClient(grpc_url)
+        client = triton_grpc_client(grpc_url)
         try:
             client.start_stream(callback=lambda result, error, q=responses: q.put((result, error)))
             client.async_stream_infer(entry, _triton_inputs(request), request_id="check",
@@ -663,10 +661,8 @@ def served_deployment(grpc_url: str, model: str) -> dict | None:
     """The deployment a running server was generated from, as its model configs carry it (the `deployment`
     parameter of each component model; an ensemble entry has none, so the repository's other models are asked).
     None for a repository that is not ours or a server that does not answer."""
-    import tritonclient.grpc as grpcclient
-
     try:
-        client = grpcclient.InferenceServerClient(grpc_url)
+        client = triton_grpc_client(grpc_url)
         try:
             index = client.get_model_repository_index(as_json=True).get("models", [])
             names = [model] + sorted(m["name"] for m in index if m.get("state") == "READY" and m["name"] != model)
@@ -694,10 +690,8 @@ def served_prefix_cache(dep: dict | None) -> bool | None:
 def check_targets(grpc_url: str, model: str, proxy_url: str | None, name: str) -> str | None:
     """Why the running server cannot be measured (unreachable, the entry model not ready, the proxy not healthy
     or not serving `name`), or None."""
-    import tritonclient.grpc as grpcclient
-
     try:
-        client = grpcclient.InferenceServerClient(grpc_url)
+        client = triton_grpc_client(grpc_url)
         try:
             if not client.is_server_ready(client_timeout=10):
                 return f"Triton at {grpc_url} is up but not ready"

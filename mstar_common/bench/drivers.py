@@ -18,6 +18,7 @@ import queue
 import random
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 
@@ -132,7 +133,7 @@ class TritonDriver:
                 done.put(rid)
 
         def open_stream(rid: str | None) -> int:
-            client = grpcclient.InferenceServerClient(self.url)
+            client = triton_grpc_client(self.url)
             with lock:
                 k = len(clients)
                 clients.append(client)
@@ -320,6 +321,23 @@ def _client_process(job, items, concurrency, rate, seed, timeout_s, barrier, res
         results.put((index, f"{type(exc).__name__}: {exc}"))
 
 
+def is_local(url: str) -> bool:
+    """Whether `url` (`host:port` or an http URL) names this host. The load sent there goes direct: httpx, urllib and
+    gRPC send even a loopback request through the environment's http_proxy, and `bench serve` on a host with one set
+    measured (or lost) its own server's load through that proxy."""
+    host = urllib.parse.urlsplit(url if "://" in url else f"//{url}").hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def triton_grpc_client(url: str):
+    """A tritonclient gRPC client for `url`, with the proxy's channel options (no http_proxy) where it is local."""
+    import tritonclient.grpc as grpcclient
+
+    from mstar_common.proxy.triton_stream import channel_args
+
+    return grpcclient.InferenceServerClient(url, channel_args=channel_args() if is_local(url) else None)
+
+
 async def _run_bodies(base_url: str, bodies: list[dict], concurrency: int | None, rate: float | None, seed: int,
                       timeout_s: float) -> list[RequestRecord]:
     import httpx
@@ -329,7 +347,7 @@ async def _run_bodies(base_url: str, bodies: list[dict], concurrency: int | None
     # pace are sent as they come (a pool cap would hold them in the client, and count that wait as their TTFT)
     limits = httpx.Limits(max_connections=max(len(bodies), 1) if rate is not None else max(concurrency or 1, 1),
                           max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=not is_local(base_url)) as client:
         if rate is not None:  # arrivals on an absolute schedule: a late wake-up sends at once and does not shift
             rng = random.Random(seed)  # the arrivals after it (the event loop also parses every stream's events)
             tasks = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mstar_common.bench.drivers import TritonDriver
+from mstar_common.bench.drivers import TritonDriver, triton_grpc_client
 from mstar_common.bench.metrics import RequestRecord
 from mstar_common.bench.pa_files import check_against_config, infer_inputs
 
@@ -41,9 +41,7 @@ def one_per_response(result) -> int:
 
 
 def served_config(url: str, model: str) -> dict:
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
+    client = triton_grpc_client(url)
     try:
         return client.get_model_config(model, as_json=True)["config"]
     finally:

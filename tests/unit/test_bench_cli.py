@@ -702,7 +702,7 @@ def test_a_failed_check_request_closes_its_stream(monkeypatch):
     calls = []
 
     class FakeClient:
-        def __init__(self, url):
+        def __init__(self, url, channel_args=None):
             pass
 
         def start_stream(self, callback):

@@ -252,3 +252,20 @@ def test_an_open_loop_load_is_not_held_back_by_a_connection_cap():
         most = server.most
     assert [r.error for r in records] == [None] * count
     assert most == count
+
+
+def test_a_local_servers_load_goes_direct_on_a_host_with_a_proxy_set(monkeypatch):
+    """httpx sent even a loopback request through the environment's http_proxy: `bench serve` on such a host lost
+    (or measured through the proxy) every request to its own server."""
+    from tests.unit.local_http import behind_unreachable_proxy
+
+    behind_unreachable_proxy(monkeypatch)
+    requests = _requests(3)
+    with SSEServer() as server:
+        records = OpenAIDriver(f"http://127.0.0.1:{server.port}", "m", lambda ids: " the" * len(ids)).run(
+            requests, concurrency=2)
+    assert [r.error for r in records] == [None] * 3
+    from mstar_common.bench.drivers import is_local
+
+    assert [is_local(u) for u in ("http://127.0.0.1:8000", "localhost:8001", "http://[::1]:80", "127.0.0.2:1",
+                                  "http://example.com:8000", "10.0.0.5:8001")] == [True] * 4 + [False] * 2

@@ -36,7 +36,7 @@ class FakeClient:
     opened: list[FakeClient] = []
     broken = False
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, channel_args=None):
         self.callback, self.sent, self.dead = None, [], False
         FakeClient.opened.append(self)
 
@@ -173,3 +173,15 @@ def test_auto_spreads_a_large_closed_loop_over_processes(monkeypatch):
     assert [driver.num_processes(1000, c, None) for c in (1, 8, 16, 17, 64)] == [1, 1, 1, 2, 4]
     assert driver.num_processes(1000, None, 8.0) == 1  # Poisson: one unless asked
     assert TritonDriver("x:1", "m", processes=3).num_processes(1000, 2, None) == 2  # no more than the streams
+
+
+def test_a_local_servers_triton_load_goes_direct_on_a_host_with_a_proxy_set(monkeypatch):
+    """gRPC reads http_proxy and has no loopback exemption: the Triton arm's streams to the bench's own server went
+    to the proxy."""
+    from tests.unit.local_http import behind_unreachable_proxy
+
+    behind_unreachable_proxy(monkeypatch)
+    requests = [{wire.INPUT_IDS: [1, 2, 3], "max_tokens": 3} for _ in range(3)]
+    with _GrpcServer() as server:
+        records = TritonDriver(f"127.0.0.1:{server.port}", "m").run(requests, concurrency=2, timeout_s=30)
+    assert [r.error for r in records] == [None] * 3 and [r.num_tokens for r in records] == [3] * 3
