@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import json
 import multiprocessing
 import os
@@ -326,7 +327,10 @@ def is_local(url: str) -> bool:
     gRPC send even a loopback request through the environment's http_proxy, and `bench serve` on a host with one set
     measured (or lost) its own server's load through that proxy."""
     host = urllib.parse.urlsplit(url if "://" in url else f"//{url}").hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return False
 
 
 def triton_grpc_client(url: str):

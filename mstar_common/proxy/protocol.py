@@ -61,10 +61,12 @@ class SamplingFields(BaseModel):
         knobs = {name: getattr(self, name) for name in wire.SAMPLING_INPUTS if getattr(self, name) is not None}
         stop_ids = list(self.stop_token_ids or [])
 
-        def refuse(error: ValueError, suffix: str = "") -> APIError:
+        def refuse(error: ValueError, rounded: bool = False) -> APIError:
             name, rule = str(error).split(": ", 1)
+            if rounded:
+                rule += f" (as a 32-bit float; {knobs.get(name)!r} was sent)"
             field = (field_names or {}).get(name, name)
-            return invalid_request(f"{field}: {rule}{suffix.format(sent=knobs.get(name))}", param=field)
+            return invalid_request(f"{field}: {rule}", param=field)
 
         try:  # the values sent: a value that breaks the rule as sent is told so, with no word of rounding
             SamplingParams(**knobs, stop_token_ids=stop_ids).validate()
@@ -84,7 +86,7 @@ class SamplingFields(BaseModel):
         try:  # then as held: a top_p of 1.00000001 is 1.0 as 32 bits, and not in (0, 1]
             SamplingParams(**held, stop_token_ids=stop_ids).validate()
         except ValueError as error:
-            raise refuse(error, " (as a 32-bit float; {sent!r} was sent)") from None
+            raise refuse(error, rounded=True) from None
         return knobs
 
     @classmethod
