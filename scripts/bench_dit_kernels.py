@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mstar_common.bench.gpu_timing import event_time_ms  # noqa: E402
+from mstar_common.bench.report import json_text  # noqa: E402
 from scripts.bench_flux2 import TRANSFORMER_4B, VAE  # noqa: E402
 
 
@@ -218,7 +218,7 @@ def main() -> None:
     if not args.skip_transformer:
         report["transformer"] = bench_transformer(batches, args.iters, backends)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
+    args.json.write_text(json_text(report, indent=1))
     if not args.skip_transformer:
         first = report["transformer"][f"batch_{batches[0]}"]
         timed = [(first.get(f"graph_{b}_ms", float("inf")), b) for b in backends]

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import statistics
@@ -64,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mstar_common.bench.pa_files import IMAGE_PROMPTS  # noqa: E402
+from mstar_common.bench.report import json_text  # noqa: E402
 
 TRANSFORMER_4B = {"in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
                   "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256,
@@ -201,7 +201,7 @@ def _random(state: dict[str, torch.Tensor], device: str, ones: set[str] = frozen
 
 def _json(path: Path, value: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=2))
+    path.write_text(json_text(value, indent=2))
 
 
 # systems under test
@@ -439,8 +439,10 @@ def _grpc_client(url: str, model: str, args: argparse.Namespace, seeds) -> list[
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
+    from mstar_common.bench.drivers import triton_grpc_client
+
     results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
+    client = triton_grpc_client(url)
     client.start_stream(callback=lambda result, error: results.put(error))
     latencies = []
     try:
@@ -875,8 +877,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["fp8_quality"] = fp8_quality(checkpoint, args, device)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+        Path(args.json).write_text(json_text(report, indent=2))
+    print(json_text(report, indent=2))
     return report
 
 

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mstar_common.bench.pa_files import SPEECH_TEXTS  # noqa: E402
+from mstar_common.bench.report import json_text  # noqa: E402
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 2048
@@ -146,6 +147,7 @@ class _Stream:
         import tritonclient.grpc as grpcclient
 
         from mstar_common import wire
+        from mstar_common.bench.drivers import triton_grpc_client
 
         values = {wire.TEXT_INPUT: (np.array([TEXT.encode()], dtype=np.object_), "BYTES"),
                   "max_tokens": (np.array([self.tokens], np.int32), "INT32"),
@@ -154,7 +156,7 @@ class _Stream:
             tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
             tensor.set_data_from_numpy(arr)
             self.inputs.append(tensor)
-        self.client = grpcclient.InferenceServerClient(self.url)
+        self.client = triton_grpc_client(self.url)
         self.client.start_stream(callback=lambda result, error: self.results.put((time.perf_counter(), result, error)))
 
     def run(self, log: StreamLog) -> None:
@@ -447,14 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"tokens": args.tokens, "config": str(args.config), "checkpoint": args.checkpoint, "device": device,
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "date": time.strftime("%Y-%m-%d")}
-    args.out.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+    args.out.write_text(json_text({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
     _print_table(results)
     return 0
 
 
 def _brief(result: Result) -> str:
     """One JSON line without the per-stream records (those go to --out only)."""
-    return json.dumps({k: v for k, v in asdict(result).items() if k != "streams"})
+    return json_text({k: v for k, v in asdict(result).items() if k != "streams"})
 
 
 def _print_table(results: list[Result]) -> None:

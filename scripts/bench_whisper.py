@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import queue
 import sys
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mstar_common.bench.pa_files import whisper_clip as clip  # noqa: E402 - the perf_analyzer file's clips too
+from mstar_common.bench.report import json_text  # noqa: E402
 
 SR = 16_000
 
@@ -81,10 +81,10 @@ def _inputs(values: dict[str, tuple[np.ndarray, str]]):
 
 def _stream(url: str, model: str, values: dict, on_result) -> str | None:
     """One request on its own gRPC stream; `on_result(time, result)` per response; returns an error or None."""
-    import tritonclient.grpc as grpcclient
+    from mstar_common.bench.drivers import triton_grpc_client
 
     results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
+    client = triton_grpc_client(url)
     client.start_stream(callback=lambda result, error: results.put((time.perf_counter(), result, error)))
     try:
         client.async_stream_infer(model, _inputs(values), enable_empty_final_response=True)
@@ -260,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             if concurrencies and args.itl_runs:
                 source = encoder_output(url, "whisper", clips[0])
                 results.append(bench_itl(url, source, prompt, args.tokens, args.itl_runs))
-                print(json.dumps(asdict(results[-1])), flush=True)
+                print(json_text(asdict(results[-1])), flush=True)
             for c in concurrencies:
                 results.append(bench_rtfx(url, model, uploads[:c], args.seconds, args.tokens))
-                print(json.dumps(asdict(results[-1])), flush=True)
+                print(json_text(asdict(results[-1])), flush=True)
         finally:
             stop_process(proc)
     import torch
@@ -271,12 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for c in baseline:
         results.append(bench_pipeline(checkpoint, clips[:c], args.seconds, args.tokens, device))
-        print(json.dumps(asdict(results[-1])), flush=True)
+        print(json_text(asdict(results[-1])), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"seconds": args.seconds, "tokens": args.tokens, "config": str(args.config), "checkpoint": args.checkpoint,
             "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
             "date": time.strftime("%Y-%m-%d")}
-    args.out.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+    args.out.write_text(json_text({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
     _print_table(results)
     return 0
 

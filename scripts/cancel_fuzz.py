@@ -18,11 +18,12 @@ import random
 import re
 import sys
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+
+from mstar_common.bench.drivers import is_local, open_url
 
 HELD = ("mstar_kv_pages_used", "mstar_kv_pages_reserved", "mstar_state_slots_used", "mstar_requests_running",
         "mstar_requests_waiting")
@@ -30,7 +31,8 @@ HELD = ("mstar_kv_pages_used", "mstar_kv_pages_reserved", "mstar_state_slots_use
 
 def read_metrics(url: str, names=HELD) -> dict[str, float]:
     """Sum of each named series over its label sets (a missing series is an error: it must be exported)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    with open_url(url, timeout=5) as response:
+        text = response.read().decode()
     out = {}
     for name in names:
         values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
@@ -139,7 +141,7 @@ async def fuzz(proxy: str, grpc_url: str, metrics: str, model: str, entry: str, 
                 await _via_proxy(client, proxy, model, random.Random(rng.random()), res)
 
     start = time.monotonic()
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=60, limits=limits, trust_env=not is_local(proxy)) as client:
         await asyncio.gather(*(one(i, client) for i in range(n)))
     res.elapsed_s = time.monotonic() - start
     await triton.close()

@@ -34,6 +34,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from cancel_fuzz import read_metrics  # noqa: E402
 
+from mstar_common.bench.drivers import is_local  # noqa: E402
+
 GAUGES = ("mstar_kv_pages_used", "mstar_kv_pages_reserved", "mstar_state_slots_used", "mstar_requests_running",
           "mstar_requests_waiting")
 
@@ -177,7 +179,7 @@ async def soak(args, proxy: str, model: str, metrics: str, pid_source, out_dir: 
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         limits = httpx.Limits(max_connections=args.concurrency + 4)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=not is_local(proxy)) as client:
             clients = [client_loop(client, proxy, model, random.Random(rng.random()), stop_at, counts)
                        for _ in range(args.concurrency)]
             await asyncio.gather(sample_loop(metrics, pid_source, stop_at, args.sample_s, counts, writer, rows),

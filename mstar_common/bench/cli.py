@@ -27,15 +27,14 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 import zlib
 from pathlib import Path
 
 from mstar_common import wire
 from mstar_common.bench import gpu_memory
-from mstar_common.bench.drivers import OpenAIDriver, TritonDriver, triton_grpc_client
+from mstar_common.bench.drivers import OpenAIDriver, TritonDriver, open_url, triton_grpc_client
 from mstar_common.bench.metrics import Slo, summarize
-from mstar_common.bench.report import comparisons, markdown, write_report
+from mstar_common.bench.report import comparisons, json_text, markdown, write_report
 from mstar_common.bench.workload import Workload, perf_analyzer_data, requests_from_file
 from mstar_common.config import DeploymentError, Resources
 
@@ -132,10 +131,8 @@ ENGINE_METRICS = ("mstar_prefix_cache_queried_tokens_total", "mstar_prefix_cache
 def _metrics_text(url: str, what: str) -> str | None:
     """Triton's metrics page, or None (reported) if the endpoint cannot be read: a finished sweep is never lost
     to it."""
-    from mstar_common.launcher import open_direct
-
     try:
-        with open_direct(url, timeout=10) as response:  # the bench's own server: never through http_proxy
+        with open_url(url, timeout=10) as response:
             return response.read().decode()
     except OSError as exc:
         print(f"[bench] metrics endpoint unreadable ({exc}); no {what} recorded", flush=True)
@@ -462,7 +459,7 @@ def _saver(model: dict, out: str):
 
     def save(runs: list[dict]) -> None:
         model["runs"] = runs
-        Path(out).write_text(json.dumps(model, indent=1))
+        Path(out).write_text(json_text(model, indent=1))
 
     return save
 
@@ -504,11 +501,11 @@ def _serve(args) -> int:
         served_as = "graphs, overlap, fused kernels" if args.device == "gpu" and not args.no_graphs else "the server"
         model["checks"] = {f"served greedy tokens ({served_as}) == in-process eager engine":
                            f"{same}/{len(served)} requests identical ({args.check_len} tokens each, c=1)"}
-    Path(args.out).write_text(json.dumps(model, indent=1))  # the sweep and the check, kept if a baseline fails
+    Path(args.out).write_text(json_text(model, indent=1))  # the sweep and the check, kept if a baseline fails
     add_baselines(model, args)
     for line in comparisons(model):
         print(f"[bench] {args.name}: {line}", flush=True)
-    Path(args.out).write_text(json.dumps(model, indent=1))
+    Path(args.out).write_text(json_text(model, indent=1))
     return _exit_status(model.get("runs", []))
 
 
@@ -641,7 +638,7 @@ def cmd_baseline(args) -> int:
     add_baselines(model, args)
     for line in comparisons(model):
         print(f"[bench] {model.get('name', args.name)}: {line}", flush=True)
-    path.write_text(json.dumps(model, indent=1))
+    path.write_text(json_text(model, indent=1))
     return 0
 
 
@@ -704,10 +701,10 @@ def check_targets(grpc_url: str, model: str, proxy_url: str | None, name: str) -
         return f"Triton's gRPC endpoint at {grpc_url} did not answer ({type(exc).__name__}: {exc}); see --grpc"
     if proxy_url is not None:
         try:
-            with urllib.request.urlopen(f"{proxy_url.rstrip('/')}/health", timeout=10) as response:
+            with open_url(f"{proxy_url.rstrip('/')}/health", timeout=10) as response:
                 if response.status != 200:
                     return f"the proxy at {proxy_url} answered /health with {response.status}"
-            with urllib.request.urlopen(f"{proxy_url.rstrip('/')}/v1/models", timeout=10) as response:
+            with open_url(f"{proxy_url.rstrip('/')}/v1/models", timeout=10) as response:
                 served = [card["id"] for card in json.loads(response.read())["data"]]
         except OSError as exc:
             return f"the proxy at {proxy_url} did not answer /health ({exc}); see --proxy"
@@ -731,7 +728,7 @@ def cmd_url(args) -> int:
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     model["runs"] = sweep(args, args.grpc, args.model, args.proxy, None, metrics, on_run=_saver(model, args.out),
                           prefix_cache=served_prefix_cache(deployment_served))
-    Path(args.out).write_text(json.dumps(model, indent=1))
+    Path(args.out).write_text(json_text(model, indent=1))
     print(f"[bench] wrote {args.out}")
     return _exit_status(model["runs"])
 
@@ -752,7 +749,7 @@ def cmd_replay(args) -> int:
         print(f"mstar bench: error: {args.model} at {args.grpc}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     result["meta"] = meta(None)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json_text(result, indent=1))
     print(f"[bench] wrote {args.out}")
     failed = [level for level in result["levels"] if level["num_requests"] and not
               level["num_requests"] - level["num_errors"]]

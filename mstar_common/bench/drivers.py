@@ -20,6 +20,7 @@ import random
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 import numpy as np
 
@@ -331,6 +332,16 @@ def is_local(url: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name
         return False
+
+
+def open_url(url: str, timeout: float):
+    """`urllib.request.urlopen(url, timeout)`, direct (not through the environment's http_proxy) where `url` is on
+    this host."""
+    if is_local(url):
+        from mstar_common.launcher import open_direct
+
+        return open_direct(url, timeout)
+    return urllib.request.urlopen(url, timeout=timeout)
 
 
 def triton_grpc_client(url: str):

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
 from mstar_common.bench import gpu_memory
 
 logger = logging.getLogger(__name__)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def json_text(value, indent: int | None = None) -> str:
+    """`value` as JSON that other programs can read: a NaN or an infinity (a figure with no samples, a PSNR of
+    identical images), which json.dumps writes as the bare words NaN and Infinity that JSON does not have, is null."""
+    return json.dumps(_finite(value), indent=indent, allow_nan=False)
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -294,7 +311,7 @@ def write_report(results: dict, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.md"]
-    written[0].write_text(json.dumps(results, indent=1))
+    written[0].write_text(json_text(results, indent=1))
     written[1].write_text(markdown(results))
     for name, model in results["models"].items():
         path = out / f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)}.png"  # an org/name id is one file, not a folder

@@ -900,3 +900,25 @@ def test_a_targets_repeated_prompts_are_its_own(monkeypatch):
     # and with the cache off nothing is counted
     runs = bench_cli.sweep(args, "grpc", "entry", "http://proxy", None, None, prefix_cache=False)
     assert not any(r.get("repeated_prompts") for r in runs)
+
+
+def test_the_bench_asks_a_local_proxy_directly_whatever_http_proxy_says(monkeypatch):
+    """`check_targets` asked the proxy's /health and /v1/models with urllib's urlopen, which sends even a loopback
+    request through the environment's http_proxy: `mstar bench url` on such a host refused its own local server."""
+    from tests.unit.local_http import answering, behind_unreachable_proxy
+
+    class Ready:
+        def is_server_ready(self, client_timeout):
+            return True
+
+        def is_model_ready(self, model, client_timeout):
+            return True
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_cli, "triton_grpc_client", lambda url: Ready())
+    behind_unreachable_proxy(monkeypatch)
+    with answering(json.dumps({"data": [{"id": "qwen3-tiny"}]}).encode()) as url:
+        assert bench_cli.check_targets("127.0.0.1:1", "qwen3_llm", url, "qwen3-tiny") is None
+        assert "serves ['qwen3-tiny'], not 'other'" in bench_cli.check_targets("127.0.0.1:1", "qwen3_llm", url, "other")

@@ -85,3 +85,11 @@ def test_a_model_named_org_slash_name_gets_one_figure_file(tmp_path):
     written = write_report({"meta": {}, "models": {"Qwen/Qwen3-0.6B": _model(poisson=False)}}, tmp_path)
     assert [p.name for p in written] == ["results.json", "results.md", "Qwen_Qwen3-0_6B.png"]
     assert written[2].parent == tmp_path and written[2].is_file()
+
+
+def test_a_results_file_has_no_nan_or_infinity():
+    """json.dumps writes NaN and Infinity as bare words, which JSON does not have; the results files carry null."""
+    from mstar_common.bench.report import json_text
+
+    text = json_text({"a": [float("nan"), float("inf"), 1.5, (2, "x")], "b": {"c": float("-inf"), "d": None}})
+    assert json.loads(text) == {"a": [None, None, 1.5, [2, "x"]], "b": {"c": None, "d": None}}

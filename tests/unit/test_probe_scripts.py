@@ -72,6 +72,15 @@ def test_orpheus_bench_playback_stalls():
     assert bench.summarize("x", [steady, failed], wall=1.0).streams[1] is None
 
 
+def test_a_level_whose_streams_all_failed_is_written_as_json(tmp_path):
+    """A level with no stream that finished has no first-audio or stall figures: they are NaN, which json.dumps
+    wrote as the bare word NaN (not JSON: jq, JavaScript and strict parsers refuse the results file); now null."""
+    bench = _load("bench_orpheus")
+    result = bench.summarize("x", [bench.StreamLog(0.0, error="boom")], wall=1.0)
+    line = json.loads(bench._brief(result), parse_constant=lambda word: pytest.fail(f"{word} in the JSON"))
+    assert line["errors"] == 1 and line["stall_p50_ms"] is None and line["first_audio_p50_ms"] is None
+
+
 def test_orpheus_streams_places_the_stalled_streams(tmp_path, capsys):
     """scripts/orpheus_streams.py on bench_orpheus.py's per-stream records: stalled streams counted per tenth of
     the streams ordered by first audio, their first gaps, the worst first; failed streams skipped."""
@@ -152,3 +161,14 @@ def test_step_host_probe_runs_the_engine_without_a_model():
     probe = _load("probe_step_host")
     results = [probe.measure(rows, 20, 64) for rows in (1, 4)]
     assert [r["rows"] for r in results] == [1, 4] and all(r["host_us_per_step"] > 0 for r in results)
+
+
+def test_the_fuzz_and_soak_scripts_read_a_local_servers_metrics_whatever_http_proxy_says(monkeypatch):
+    """cancel_fuzz's (and soak's) metrics read used urllib's urlopen, which sends even a loopback request through the
+    environment's http_proxy: on a host with one set, the fuzz and the soak could not read their own server."""
+    from tests.unit.local_http import answering, behind_unreachable_proxy
+
+    fuzz = _load("cancel_fuzz")
+    behind_unreachable_proxy(monkeypatch)
+    with answering(b'mstar_kv_pages_used{model="m"} 3\nmstar_kv_pages_used{model="n"} 4\n') as url:
+        assert fuzz.read_metrics(f"{url}/metrics", ("mstar_kv_pages_used",)) == {"mstar_kv_pages_used": 7.0}
