@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mstar_common.checkpoints import resolve_checkpoint
-from mstar_common.cli import DEFAULT_DEPLOYMENT
+from mstar_common.cli import DEFAULT_DEPLOYMENT, check_shm_size
 from mstar_common.config import Deployment, deployment_from_dict
 from mstar_common.families.registry import get_family
 from mstar_common.launcher import Ports, start_proxy, start_triton, stop_process, wait_ready
@@ -85,6 +85,7 @@ def serve_deployment(dep: Deployment, root: Path, source: str, ready_timeout_s: 
     clean = False
     try:
         checkpoint = resolve_checkpoint(dep.checkpoint, get_family(dep.family).builtin_checkpoints)
+        check_shm_size(dep, source)  # as `mstar serve` does: a small /dev/shm fails a load with no key named
         repo = write_repository(dep, root / "model_repository", source)
         ports = Ports.free()
         triton = start_triton(repo, dep, ports, root / "tritonserver.log")

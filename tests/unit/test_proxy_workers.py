@@ -14,6 +14,20 @@ from mstar_common.launcher import proxy_limit_args
 from mstar_common.proxy import __main__ as proxy_main
 
 
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:  # IPv6 off in the kernel, or no ::1 on lo (some containers)
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs IPv6 loopback (::1) on this host")
+
+
 def _run(monkeypatch, *args):
     calls = []
     monkeypatch.setattr(proxy_main.uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
@@ -170,6 +184,7 @@ def test_every_address_binds_with_several_workers_too(monkeypatch):
     assert _run(monkeypatch, "--host", "10.1.2.3")[1]["host"] == "10.1.2.3"
 
 
+@needs_ipv6
 def test_every_address_is_ipv6_too_with_several_workers():
     """One worker's asyncio server listens on IPv4 and IPv6 for "" (`--host '*'`); with several, uvicorn's own
     socket was AF_INET, so the same deployment refused IPv6 clients once server.proxy_workers > 1."""
@@ -192,6 +207,7 @@ def test_every_address_is_ipv6_too_with_several_workers():
     named.close()
 
 
+@needs_ipv6
 def test_a_taken_ipv6_side_refuses_and_a_dual_name_listens_on_both(monkeypatch):
     """Any bind error fell back to IPv4: with [::]:PORT taken the proxy listened on 0.0.0.0 alone and IPv6 clients
     reached the other process (one worker's start refuses). A name with A and AAAA records bound its first
