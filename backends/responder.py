@@ -66,7 +66,8 @@ class Responder:
             self._send(response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def send_error(self, message: str) -> None:
-        error = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+        # TritonError takes a std::string: a message quoting a client's lone surrogate raised out of execute()
+        error = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(wire.encodable(message)))
         with self._lock:
             if self.is_closed:
                 return

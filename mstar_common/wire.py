@@ -221,6 +221,12 @@ def check_chat_template_kwargs(kwargs: object, field: str = CHAT_TEMPLATE_KWARGS
 NOT_UNICODE_RULE = "not Unicode text: it holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair)"
 
 
+def encodable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (a lone surrogate, which a client's JSON \\ud800 escape or a form in an
+    odd charset brings) written as its backslash escape: an error that quotes a client's text must still be sent."""
+    return text if is_unicode_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def is_unicode_text(value: str) -> bool:
     """Whether `value` can be encoded (JSON's \\ud800 escape decodes to a lone surrogate, which cannot)."""
     try:

@@ -239,7 +239,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Any, template_kwargs: dict[str, An
         if extra := sorted(set(msg) - {"role", "content", "name"}):
             rule = "tool calling is not available" if extra[0] in ("tool_calls", "tool_call_id") else \
                 "a message is its role, content and name only"
-            raise ValueError(f"messages[{i}].{extra[0]}: not accepted ({rule})")
+            raise ValueError(f"messages[{i}].{wire.loggable(extra[0], 100)}: not accepted ({rule})")
         if not isinstance(msg.get("content"), str):
             raise ValueError(f"messages[{i}].content: must be a string for a text-only model")
         for key in ("content", "name"):

@@ -104,7 +104,9 @@ class RequestContext:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers: dict[str, str] = {}
+        for key, value in scope["headers"]:  # a header sent twice: its first value, which Starlette's routes read
+            headers.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
         request_id = headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         id_header = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
         is_started = False

@@ -53,11 +53,13 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
-        message = wire.clipped(message)  # a quoted value of any size echoed the body back (wire.MAX_MESSAGE_CHARS)
+        # a quoted value of any size echoed the body back (wire.MAX_MESSAGE_CHARS), and one that is not Unicode text
+        # (a lone surrogate) failed the response's encode: a 500
+        message = wire.encodable(wire.clipped(message))
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = None if param is None else wire.clipped(param, 200)
+        self.param = None if param is None else wire.encodable(wire.clipped(param, 200))
         self.code = code
         self.headers = headers
 

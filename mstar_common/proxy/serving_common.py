@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -15,6 +14,7 @@ from urllib.parse import parse_qsl, unquote_plus
 from fastapi import Request
 from starlette.datastructures import FormData
 
+from mstar_common import wire
 from mstar_common.proxy.errors import APIError, from_exception, invalid_request, parse_json
 from mstar_common.proxy.triton_stream import GenerationRequest, StreamResponse
 
@@ -73,10 +73,20 @@ async def read_utf8_form(request: Request) -> FormData:
     if content_type == "application/x-www-form-urlencoded":
         return FormData(_urlencoded_pairs(body))
     _check_multipart_closed(body, request.headers.get("content-type", ""))
+    # Starlette decodes the parts' names and text in the charset the Content-Type names (utf-7 and unicode_escape
+    # make lone surrogates of plain ASCII, which failed at their first encode: a 500); the fields are UTF-8
+    charset = re.search(r';\s*charset="?([^";\s]+)"?', request.headers.get("content-type", ""), flags=re.IGNORECASE)
+    if charset and charset.group(1).lower() not in ("utf-8", "utf8", "us-ascii", "ascii"):
+        raise invalid_request(f"a multipart/form-data body's charset must be utf-8, not "
+                              f"'{wire.loggable(charset.group(1), 40)}'")
     # parsed from the body read above (which the proxy's middleware capped); a text field's size is checked here,
     # where its name is known (Starlette's own part cap answers with a message that names no field)
     form = await request.form(max_part_size=max(len(body), 1))
     for key, value in form.multi_items():
+        if not wire.is_unicode_text(key):
+            raise invalid_request(f"the form field name '{wire.loggable(key, 100)}' is not UTF-8 text")
+        if isinstance(value, str) and not wire.is_unicode_text(value):
+            raise invalid_request(f"'{key}' is not UTF-8 text", param=key)
         if isinstance(value, str) and len(value) > MAX_TEXT_FIELD_BYTES // 4 \
                 and len(value.encode("utf-8")) > MAX_TEXT_FIELD_BYTES:
             raise invalid_request(f"'{key}' is a text field of {len(value.encode('utf-8'))} bytes; the limit is "
@@ -127,9 +137,9 @@ async def requested_model(request: Request) -> Any:
     if content_type in FORM_TYPES:
         return (await read_utf8_form(request)).get("model")
     try:
-        body = json.loads(await request.body())
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, a number past the int digit limit, or nested past
-        # the parser's depth: the route's parse says which
+        body = parse_json(await request.body(), "request body")
+    except APIError:  # not JSON, not UTF-8, not Unicode text, a number past the int digit limit, or nested past the
+        # parser's depth: the route's parse says which
         return None
     return body.get("model") if isinstance(body, dict) else None
 

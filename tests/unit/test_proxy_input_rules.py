@@ -170,6 +170,9 @@ def test_a_participant_name_the_template_drops_is_refused_and_one_it_uses_is_ser
     for key, rule in (("tool_calls", "tool calling is not available"), ("reasoning_content", "a message is its role")):
         with pytest.raises(ValueError, match=rf"^messages\[0\]\.{key}: not accepted \({rule}"):
             chat_prompt_ids(tokenizer, [{"role": "user", "content": "Hi", key: []}], {})
+    with pytest.raises(ValueError) as refused:  # a direct client's key, quoted escaped (TritonError takes UTF-8)
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "Hi", "x\ud800\n": []}], {})
+    assert str(refused.value).startswith("messages[0].x\\ud800\\n: not accepted")
 
 
 # lone UTF-16 surrogates: valid JSON, not text
@@ -244,6 +247,53 @@ def test_a_lone_surrogate_in_model_kwargs_sent_as_a_string_is_400_naming_it(serv
     error = error_of(reply)
     assert error["param"] == param and "surrogate" in error["message"], error
     assert fake.requests == []
+
+
+def test_a_generate_body_of_another_content_type_naming_a_surrogate_model_is_400(served):
+    """/generate's look-up of the model a body names read it with a bare json.loads: a lone surrogate there (in a
+    text/plain body, past the middleware's JSON check) went into the 404's message, whose encode failed: a 500."""
+    client, fake = served
+    raw = b'{"model": "\\ud800", "text": "hi"}'
+    error = error_of(client.post("/generate", content=raw, headers={"content-type": "text/plain"}))
+    assert error["param"] == "model" and "surrogate" in error["message"], error
+    assert fake.requests == []
+
+
+def test_a_content_type_sent_twice_is_read_as_the_routes_read_it(served):
+    """The middleware kept a header's last value, the routes its first: `application/json` then `text/plain` skipped
+    the body's text check while FastAPI still read it as JSON, and its lone surrogate reached the first encode."""
+    client, fake = served
+    raw = b'{"model": "qwen3", "prompt": "hi \\ud800"}'
+    error = error_of(client.post("/v1/completions", content=raw,
+                                 headers=[("content-type", "application/json"), ("content-type", "text/plain")]))
+    assert error["param"] == "prompt" and "surrogate" in error["message"], error
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("charset, text", [("unicode_escape", b"\\ud800"), ("utf-7", b"+2AA-"),
+                                           ("latin-1", b"caf\xe9")])
+def test_a_multipart_body_in_another_charset_is_400(served, charset, text):
+    """Starlette decodes a multipart body's names and fields in the charset its Content-Type names: utf-7 and
+    unicode_escape made lone surrogates of ASCII (a 500 at the first encode, in a field's value or its name)."""
+    client, fake = served
+    boundary = "b0undary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nqwen3\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode() + text + (
+            f"\r\n--{boundary}--\r\n").encode()
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}; charset={charset}"}
+    error = error_of(client.post("/generate", content=body, headers=headers))
+    assert f"charset must be utf-8, not '{charset}'" in error["message"], error
+    assert fake.requests == []
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}; charset=UTF-8"}
+    assert client.post("/generate", content=body.replace(text, b"hi"), headers=headers).status_code == 200
+
+
+def test_an_error_quoting_a_lone_surrogate_is_rendered():
+    from mstar_common.proxy.errors import APIError
+
+    error = APIError(404, "model 'x\ud800' is not served", param="model.\udfff")
+    body = json.loads(error.response().body)["error"]  # (its encode raised: a 500 in place of the 404)
+    assert body["message"] == "model 'x\\ud800' is not served" and body["param"] == "model.\\udfff"
 
 
 def test_a_surrogate_pair_and_an_escaped_backslash_are_text(served):

@@ -211,3 +211,18 @@ def test_a_direct_clients_text_is_bounded_and_escaped_in_the_component_log(respo
     assert "\n" not in record.getMessage() and len(record.getMessage()) < 1000
     [(error, _)] = request.sender.sent  # the error message sent, which the proxy relays
     assert error.startswith("invalid_request: voice: unknown voice 'vvv") and len(error) < 2100
+
+
+def test_a_refusal_quoting_a_lone_surrogate_is_still_sent(responder, monkeypatch):
+    """TritonError takes a std::string: a refusal quoting a direct client's lone surrogate (a message key sent as
+    "\\ud800") raised UnicodeEncodeError out of execute(), and the client got Triton's generic failure instead."""
+    def triton_error(message):
+        message.encode("utf-8")  # as pybind11's conversion to std::string
+        return message
+
+    monkeypatch.setattr(responder.pb_utils, "TritonError", triton_error)
+    monkeypatch.setattr(responder.pb_utils, "InferenceResponse", lambda output_tensors, error=None: error)
+    request = Request([])
+    responder.Responder(request, "r").send_invalid("messages[0].x\ud800: not accepted")
+    [(error, _)] = request.sender.sent
+    assert error == "invalid_request: messages[0].x\\ud800: not accepted"
