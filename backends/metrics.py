@@ -99,13 +99,17 @@ class BucketCounters:
         total = sum(counts)
         if total == 0:
             return
-        cumulative = 0
-        for bucket, count in zip(self.buckets, counts, strict=True):
-            cumulative += count
-            if cumulative:
-                bucket.increment(float(cumulative))
-        self.sum.increment(float(sum(value * count for value, count in samples)))
+        # Top down: +Inf and the count first, then each lower bucket, then the sum. A scrape can land between any
+        # two of these calls, and added in this order a lower bucket never shows more than a higher one (bottom up,
+        # one sample's first calls showed le=0.001 above le=0.0025, which the histogram's rules forbid).
+        self.buckets[-1].increment(float(total))
         self.count.increment(float(total))
+        above = total
+        for bucket, count in zip(self.buckets[-2::-1], counts[:0:-1], strict=True):
+            above -= count  # the samples in this bucket or below it
+            if above:
+                bucket.increment(float(above))
+        self.sum.increment(float(sum(value * count for value, count in samples)))
 
 
 class ComponentMetrics:

@@ -92,6 +92,32 @@ def test_a_latency_histogram_is_bucket_counters_filled_once_a_period(metrics):
     assert not [c for c in calls if "latency" in c[1] or "first_token" in c[1]]
 
 
+def test_a_scrape_between_any_two_calls_sees_cumulative_buckets(metrics):
+    """A scrape can come between any two of a period's IPC calls. Added bottom up, one period's first calls showed
+    le=0.001 above le=0.0025 (and the +Inf bucket below the count), against the histogram's rules."""
+    from mstar_common.engine.output_pump import LatencySamples
+
+    module, families, calls = metrics
+    latency = LatencySamples()
+    exporter = module.ComponentMetrics(type("Engine", (), {"stats": lambda self: {}})(), latency, {"model": "m"})
+    itl = "mstar_inter_token_latency_seconds"
+    seen = []
+    for metric in families[f"{itl}_bucket"].metrics + families[f"{itl}_count"].metrics:
+        def increment(value, metric=metric, real=metric.increment):
+            real(value)
+            seen.append(([m.value for m in families[f"{itl}_bucket"].metrics],
+                         families[f"{itl}_count"].metrics[0].value))
+        metric.increment = increment
+    for period in ([(0.0005, 10), (0.2, 5)], [(0.002, 3), (99.0, 1), (0.0001, 2)]):
+        latency.itl.extend(period)
+        exporter.sample()
+    assert len(seen) > 10
+    for buckets, count in seen:
+        assert buckets == sorted(buckets), buckets
+        assert buckets[-1] >= count  # the +Inf bucket is never behind the count
+    assert seen[-1][0][-1] == seen[-1][1] == 21
+
+
 def test_a_period_takes_only_the_samples_queued_when_it_starts(metrics):
     """The exporter drained while the pump appended, so under load one `sample` did not return: the gauges and
     counters went unsampled and the benchmark read a level's ITL before its samples were out."""
