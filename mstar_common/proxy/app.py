@@ -137,6 +137,11 @@ class RequestContext:
                                              "[A-Za-z0-9._:-]", param=REQUEST_ID_HEADER))
         if _content_length(headers) > self.max_body_bytes:
             return await reply(APIError(413, str(BodyTooLarge(self.max_body_bytes).detail)))
+        encoding = headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):  # a compressed body was parsed as it came: a 400 blaming its bytes
+            return await reply(APIError(415, f"Content-Encoding '{wire.loggable(encoding, 40)}' is not accepted: send "
+                                             "the body uncompressed", param="content-encoding",
+                                        headers={"Accept-Encoding": "identity"}))
         scope.setdefault("state", {})["request_id"] = request_id
         context = REQUEST_ID.set(request_id)  # the fault lines logged while this request is served carry its id
         is_json = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()

@@ -38,6 +38,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_exceeded",
     499: "invalid_request_error",
     503: "service_unavailable",

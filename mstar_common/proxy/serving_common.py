@@ -72,13 +72,17 @@ async def read_utf8_form(request: Request) -> FormData:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/x-www-form-urlencoded":
         return FormData(_urlencoded_pairs(body))
-    _check_multipart_closed(body, request.headers.get("content-type", ""))
+    # the boundary and charset as Starlette's parser reads them (python-multipart's: spaces around ';' and '=', the
+    # last of a parameter sent twice), so that what is checked here is what it decodes with
+    from python_multipart.multipart import parse_options_header  # (Starlette's form parser: only forms need it)
+
+    _, params = parse_options_header(request.headers.get("content-type", ""))
+    _check_multipart_closed(body, params.get(b"boundary"))
     # Starlette decodes the parts' names and text in the charset the Content-Type names (utf-7 and unicode_escape
     # make lone surrogates of plain ASCII, which failed at their first encode: a 500); the fields are UTF-8
-    charset = re.search(r';\s*charset="?([^";\s]+)"?', request.headers.get("content-type", ""), flags=re.IGNORECASE)
-    if charset and charset.group(1).lower() not in ("utf-8", "utf8", "us-ascii", "ascii"):
-        raise invalid_request(f"a multipart/form-data body's charset must be utf-8, not "
-                              f"'{wire.loggable(charset.group(1), 40)}'")
+    charset = params.get(b"charset", b"utf-8").decode("latin-1")
+    if charset.lower() not in ("utf-8", "utf8", "us-ascii", "ascii"):
+        raise invalid_request(f"a multipart/form-data body's charset must be utf-8, not '{wire.loggable(charset, 40)}'")
     # parsed from the body read above (which the proxy's middleware capped); a text field's size is checked here,
     # where its name is known (Starlette's own part cap answers with a message that names no field)
     form = await request.form(max_part_size=max(len(body), 1))
@@ -98,13 +102,12 @@ async def read_utf8_form(request: Request) -> FormData:
     return form
 
 
-def _check_multipart_closed(body: bytes, content_type: str) -> None:
+def _check_multipart_closed(body: bytes, boundary: bytes | None) -> None:
     """A multipart body must hold its closing delimiter (`--boundary--`): Starlette reads a truncated one as the
     parts it got so far, or none, so the route would blame a missing field for a cut-off upload."""
-    match = re.search(r';\s*boundary="?([^";]+)"?', content_type, flags=re.IGNORECASE)
-    if match is None:
+    if not boundary:
         raise invalid_request("a multipart/form-data body needs a boundary parameter in its Content-Type")
-    if b"--" + match.group(1).encode("latin-1") + b"--" not in body:
+    if b"--" + boundary + b"--" not in body:
         raise invalid_request("the multipart body is truncated or malformed: its closing boundary is missing")
 
 

@@ -270,6 +270,12 @@ def test_a_content_type_sent_twice_is_read_as_the_routes_read_it(served):
     assert fake.requests == []
 
 
+def _two_fields(boundary: str, text: bytes) -> bytes:
+    return (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nqwen3\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode() + text + (
+            f"\r\n--{boundary}--\r\n").encode()
+
+
 @pytest.mark.parametrize("charset, text", [("unicode_escape", b"\\ud800"), ("utf-7", b"+2AA-"),
                                            ("latin-1", b"caf\xe9")])
 def test_a_multipart_body_in_another_charset_is_400(served, charset, text):
@@ -277,9 +283,7 @@ def test_a_multipart_body_in_another_charset_is_400(served, charset, text):
     unicode_escape made lone surrogates of ASCII (a 500 at the first encode, in a field's value or its name)."""
     client, fake = served
     boundary = "b0undary"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nqwen3\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode() + text + (
-            f"\r\n--{boundary}--\r\n").encode()
+    body = _two_fields(boundary, text)
     headers = {"content-type": f"multipart/form-data; boundary={boundary}; charset={charset}"}
     error = error_of(client.post("/generate", content=body, headers=headers))
     assert f"charset must be utf-8, not '{charset}'" in error["message"], error
@@ -771,3 +775,43 @@ def test_a_null_enable_thinking_beside_the_shortcut_is_named_as_the_shortcut():
 
     assert thinking_shortcut_names({"enable_thinking": None}, True, "enable_thinking") == thinking_shortcut_names(
         {}, True, "enable_thinking") == {"chat_template_kwargs.enable_thinking": "enable_thinking"}
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("multipart/form-data; boundary=XX; charset=utf-8; charset=utf-7", 400),  # Starlette decodes with the last
+    ("multipart/form-data; boundary=XX; charset =utf-7", 400),
+    ("multipart/form-data; boundary=XX ; charset=utf-8", 200),  # a space before ';' is legal (RFC 9110 5.6.6)
+    ("multipart/form-data; boundary=A; boundary=XX", 200),
+    ('multipart/form-data; boundary="XX"', 200),
+])
+def test_a_multipart_content_types_parameters_are_read_as_the_form_parser_reads_them(served, content_type, status):
+    """The charset and boundary checks read the Content-Type with regexes of their own (first match, no space before
+    '='): a second or spaced charset=utf-7 was decoded as UTF-7 past the refusal, and legal headers were refused as
+    a truncated body."""
+    client, fake = served
+    reply = client.post("/generate", content=_two_fields("XX", b"+AGgAaQ- there"),
+                        headers={"content-type": content_type})
+    assert reply.status_code == status, reply.text
+    if status == 400:
+        assert "charset must be utf-8, not 'utf-7'" in reply.json()["error"]["message"]
+    else:
+        assert json.loads(fake.requests[-1].tensors[wire.MESSAGES][2][0])[0]["content"] == "+AGgAaQ- there"
+
+
+def test_a_compressed_body_is_415_naming_the_coding(served):
+    """Content-Encoding was ignored: a gzip'd JSON body got a 400 blaming its bytes ("not UTF-8 text"), a urlencoded
+    one echoed compressed bytes as a field name, and a plain body labelled gzip was served."""
+    import gzip
+
+    client, fake = served
+    body = json.dumps({"model": "qwen3", "prompt": "hi"}).encode()
+    for coding, raw in (("gzip", gzip.compress(body)), ("br", body)):
+        reply = client.post("/v1/completions", content=raw,
+                            headers={"content-type": "application/json", "content-encoding": coding})
+        assert reply.status_code == 415 and reply.headers["accept-encoding"] == "identity", reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "content-encoding" and f"'{coding}'" in error["message"], error
+    assert fake.requests == []
+    reply = client.post("/v1/completions", content=body,
+                        headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert reply.status_code == 200, reply.text
