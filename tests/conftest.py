@@ -8,8 +8,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Every server a test talks to is on this host, and httpx, urllib, requests and gRPC send even a loopback request
 # through the environment's http_proxy: on a host with one set, the tests' own clients (tritonclient, httpx, the
 # openai package) would fail. Their servers and scripts inherit the exemption.
-for _key in ("no_proxy", "NO_PROXY"):
-    os.environ[_key] = ",".join(filter(None, (os.environ.get(_key), "127.0.0.1,localhost,::1")))
+_exempt = [os.environ.get(key, "").strip() for key in ("no_proxy", "NO_PROXY")]
+if "*" not in _exempt:  # (urllib honours a `*` only as the whole value)
+    _exempt = [*dict.fromkeys(filter(None, _exempt)), "127.0.0.1,localhost,::1"]
+    os.environ["no_proxy"] = os.environ["NO_PROXY"] = ",".join(_exempt)
 
 
 # The test extras (pyproject's [test]) behind `pytest.importorskip` guards: they skip a module on the GPU device,

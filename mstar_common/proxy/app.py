@@ -105,8 +105,12 @@ class RequestContext:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers: dict[str, str] = {}
+        codings = []  # Content-Encoding's lines, all of them (RFC 9110: repeated lines are one list)
         for key, value in scope["headers"]:  # a header sent twice: its first value, which Starlette's routes read
-            headers.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
+            name = key.decode("latin-1").lower()
+            headers.setdefault(name, value.decode("latin-1"))
+            if name == "content-encoding":
+                codings += [c.strip().lower() for c in value.decode("latin-1").split(",") if c.strip()]
         request_id = headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         id_header = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
         is_started = False
@@ -137,8 +141,8 @@ class RequestContext:
                                              "[A-Za-z0-9._:-]", param=REQUEST_ID_HEADER))
         if _content_length(headers) > self.max_body_bytes:
             return await reply(APIError(413, str(BodyTooLarge(self.max_body_bytes).detail)))
-        encoding = headers.get("content-encoding", "").strip().lower()
-        if encoding not in ("", "identity"):  # a compressed body was parsed as it came: a 400 blaming its bytes
+        encoding = ", ".join(c for c in codings if c != "identity")
+        if encoding:  # a compressed body was parsed as it came: a 400 blaming its bytes
             return await reply(APIError(415, f"Content-Encoding '{wire.loggable(encoding, 40)}' is not accepted: send "
                                              "the body uncompressed", param="content-encoding",
                                         headers={"Accept-Encoding": "identity"}))

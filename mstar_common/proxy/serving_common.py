@@ -74,7 +74,7 @@ async def read_utf8_form(request: Request) -> FormData:
         return FormData(_urlencoded_pairs(body))
     # the boundary and charset as Starlette's parser reads them (python-multipart's: spaces around ';' and '=', the
     # last of a parameter sent twice), so that what is checked here is what it decodes with
-    from python_multipart.multipart import parse_options_header  # (Starlette's form parser: only forms need it)
+    from starlette.formparsers import parse_options_header  # the parser's own (python-multipart's, either name)
 
     _, params = parse_options_header(request.headers.get("content-type", ""))
     _check_multipart_closed(body, params.get(b"boundary"))

@@ -811,6 +811,10 @@ def test_a_compressed_body_is_415_naming_the_coding(served):
         assert reply.status_code == 415 and reply.headers["accept-encoding"] == "identity", reply.text
         error = reply.json()["error"]
         assert error["param"] == "content-encoding" and f"'{coding}'" in error["message"], error
+    reply = client.post("/v1/completions", content=gzip.compress(body),  # two lines are one list (RFC 9110)
+                        headers=[("content-type", "application/json"), ("content-encoding", "identity"),
+                                 ("content-encoding", "gzip")])
+    assert reply.status_code == 415 and "'gzip'" in reply.json()["error"]["message"], reply.text
     assert fake.requests == []
     reply = client.post("/v1/completions", content=body,
                         headers={"content-type": "application/json", "content-encoding": "identity"})
