@@ -121,7 +121,9 @@ def write_repository(root: Path) -> Path:
 def measure(url: str, requests: int) -> dict[str, tuple[float, float]]:
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(url)
+    from mstar_common.bench.drivers import triton_grpc_client
+
+    client = triton_grpc_client(url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     report = {}

@@ -120,6 +120,8 @@ def measure(url: str, streams: int, rounds: int, count: int, threads: int,
             observe: bool = False) -> tuple[float, float, float]:
     import tritonclient.grpc as grpcclient
 
+    from mstar_common.bench.drivers import triton_grpc_client
+
     clients, finals = [], queue.Queue()
     received = [0]
     lock = threading.Lock()
@@ -137,7 +139,7 @@ def measure(url: str, streams: int, rounds: int, count: int, threads: int,
 
     try:
         for _ in range(streams):
-            client = grpcclient.InferenceServerClient(url)
+            client = triton_grpc_client(url)
             client.start_stream(callback=callback)
             clients.append(client)
         for client in clients:

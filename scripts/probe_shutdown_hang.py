@@ -49,7 +49,7 @@ async def _drive(kind: str, ports: Ports, model: str, entry: str, n: int, concur
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
     triton = TritonStreamClient(ports.grpc_url)
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:  # its own server, on this host
         async def one(index: int) -> None:
             async with gate:
                 own = random.Random(rng.random())

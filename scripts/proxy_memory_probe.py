@@ -33,6 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from soak import client_loop  # noqa: E402
 
+from mstar_common.bench.drivers import is_local  # noqa: E402
 from mstar_common.launcher import free_ports  # noqa: E402
 
 TOKEN_S = 0.002  # fake decode step
@@ -134,7 +135,8 @@ def serve_proxy(port: int, triton_url: str | None) -> None:
 async def drive(url: str, args) -> list[dict]:
     counts: Counter = Counter()
     rng, rows = random.Random(args.seed), []
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=args.concurrency + 4)) as client:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=args.concurrency + 4),
+                                 trust_env=not is_local(url)) as client:
         for round_id in range(args.rounds + 1):
             if round_id:
                 stop_at = time.monotonic() + args.round_s

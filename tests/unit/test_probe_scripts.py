@@ -112,7 +112,10 @@ def test_png_probe(tmp_path, monkeypatch):
 
 @pytest.mark.server
 def test_hop_probe(capsys, monkeypatch):
+    from tests.unit.local_http import behind_unreachable_proxy
+
     probe = _load("probe_hops")
+    behind_unreachable_proxy(monkeypatch)  # its gRPC client to its own server went through http_proxy
     monkeypatch.setattr(sys, "argv", ["probe", "--requests", "1"])
     probe.main()
     printed = capsys.readouterr().out
