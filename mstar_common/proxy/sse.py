@@ -2,13 +2,16 @@
 
 Starlette's StreamingResponse (ASGI >= 2.4) learns of a disconnect only when its next write fails, which can
 be many seconds into a slow generation. `SSEResponse` always listens for `http.disconnect` and then closes
-the body iterator, which closes the Triton stream beneath it, which cancels the request in Triton.
+the body iterator, which closes the Triton stream beneath it, which cancels the request in Triton. A client that
+keeps its connection open but stops reading (its TCP window full) never disconnects, and uvicorn's write waits for
+it without a limit: a stream whose write has waited SEND_STALL_S is ended the same way.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +24,8 @@ from mstar_common.proxy.errors import from_exception
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+SEND_STALL_S = 60.0  # a write the client has not taken in this long ends its stream (nginx's send_timeout)
+STALL_CHECK_S = 5.0
 
 
 # Characters that JSON leaves unescaped and str.splitlines (so httpx's iter_lines, and many clients) ends a line at;
@@ -56,16 +61,36 @@ class SSEResponse(StreamingResponse):
         super().__init__(content, headers={"Cache-Control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writing_since: float | None = None  # when the write in progress began
+
+        async def timed_send(message) -> None:
+            nonlocal writing_since
+            writing_since = time.monotonic()
+            try:
+                await send(message)
+            finally:
+                writing_since = None
+
         async with anyio.create_task_group() as group:
 
             async def stream() -> None:
                 try:
-                    await self.stream_response(send)
+                    await self.stream_response(timed_send)
                 except OSError:  # the client went away while we wrote
                     pass
                 group.cancel_scope.cancel()
 
+            async def watch_writes() -> None:
+                while True:
+                    await anyio.sleep(STALL_CHECK_S)
+                    if writing_since is not None and time.monotonic() - writing_since > SEND_STALL_S:
+                        logger.info("[%s] the client took none of its stream for %.0f s: the stream is ended",
+                                    scope.get("state", {}).get("request_id", "-"), SEND_STALL_S)
+                        group.cancel_scope.cancel()
+                        return
+
             group.start_soon(stream)
+            group.start_soon(watch_writes)
             await self.listen_for_disconnect(receive)
             group.cancel_scope.cancel()
 

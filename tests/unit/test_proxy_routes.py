@@ -419,6 +419,40 @@ async def test_disconnect_before_first_token_and_in_non_stream_cancels():
         assert fake.cancelled == ["gone-1"], (stream, path)
 
 
+@pytest.mark.anyio
+async def test_a_client_that_stops_reading_has_its_stream_ended_and_its_request_cancelled(monkeypatch, caplog):
+    """A client that keeps its connection open but reads nothing (its TCP window full: uvicorn's write waits in
+    drain() without a limit) never disconnects: its stream, and the Triton request beneath it, lived until it did."""
+    from mstar_common.proxy import sse
+
+    monkeypatch.setattr(sse, "SEND_STALL_S", 0.3)
+    monkeypatch.setattr(sse, "STALL_CHECK_S", 0.05)
+    fake = FakeTriton(script=[StreamResponse(text="tok")] * 3 + [HANG])
+    app, _ = make_app(fake)
+    pending = [{"type": "http.request", "body": json.dumps(
+        {"model": "qwen3", "messages": MESSAGES, "stream": True}).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # never a disconnect
+
+    async def send(message):
+        sent.append(message)
+        if sum(1 for m in sent if m["type"] == "http.response.body") >= 2:
+            await asyncio.Event().wait()  # the client takes nothing more
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
+             "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"stalled-1")]}
+    with caplog.at_level(logging.INFO, logger="mstar_common.proxy.sse"):
+        await asyncio.wait_for(app(scope, receive, send), 5)
+    assert fake.cancelled == ["stalled-1"]
+    assert any("took none of its stream" in r.getMessage() and "stalled-1" in r.getMessage() for r in caplog.records)
+
+
 def test_fake_script_helper_ends_with_empty_final():
     assert text_script("a")[-1].is_final and text_script("a")[-2].finish_reason == "stop"
 
