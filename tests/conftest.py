@@ -5,13 +5,22 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Every server a test talks to is on this host, and httpx, urllib, requests and gRPC send even a loopback request
-# through the environment's http_proxy: on a host with one set, the tests' own clients (tritonclient, httpx, the
-# openai package) would fail. Their servers and scripts inherit the exemption.
-_exempt = [os.environ.get(key, "").strip() for key in ("no_proxy", "NO_PROXY")]
-if "*" not in _exempt:  # (urllib honours a `*` only as the whole value)
-    _exempt = [*dict.fromkeys(filter(None, _exempt)), "127.0.0.1,localhost,::1"]
-    os.environ["no_proxy"] = os.environ["NO_PROXY"] = ",".join(_exempt)
+LOOPBACK = "127.0.0.1,localhost,::1"
+
+
+def exempt_loopback(environ) -> None:
+    """Every server a test talks to is on this host, and httpx, urllib, requests and gRPC send even a loopback
+    request through the environment's http_proxy: on a host with one set, the tests' own clients (tritonclient,
+    httpx, the openai package) would fail. Their servers and scripts inherit the exemption."""
+    exempt = [*dict.fromkeys(v for key in ("no_proxy", "NO_PROXY") if (v := environ.get(key, "").strip()))]
+    # urllib honours a `*` only as the whole value, and reads the lower-case spelling first: both get one value
+    environ["no_proxy"] = environ["NO_PROXY"] = "*" if "*" in exempt else ",".join([*exempt, LOOPBACK])
+    # gRPC reads no_grpc_proxy before no_proxy, and knows no `*`
+    environ["no_grpc_proxy"] = ",".join(
+        filter(None, (environ.get("no_grpc_proxy", "").strip(), *(e for e in exempt if e != "*"), LOOPBACK)))
+
+
+exempt_loopback(os.environ)
 
 
 # The test extras (pyproject's [test]) behind `pytest.importorskip` guards: they skip a module on the GPU device,
