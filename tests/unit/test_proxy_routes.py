@@ -371,6 +371,26 @@ def test_clipped_and_loggable_text():
 # client disconnects, driven at the ASGI level so the disconnect lands at a known point
 
 
+def asgi_scope(path: str, request_id: str) -> dict:
+    """An HTTP POST's ASGI scope, JSON body, with this request id."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
+            "headers": [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]}
+
+
+def body_then_stay(body: dict):
+    """An ASGI receive: the body, then a client that stays connected (no disconnect ever)."""
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()
+
+    return receive
+
+
 async def drive(app, path: str, body: dict, disconnect_after_body_chunks: int) -> list[dict]:
     """Run one request; the client disconnects after it has seen `disconnect_after_body_chunks` body chunks."""
     sent: list[dict] = []
@@ -391,11 +411,7 @@ async def drive(app, path: str, body: dict, disconnect_after_body_chunks: int) -
 
     if disconnect_after_body_chunks == 0:
         gone.set()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"gone-1")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
-    await asyncio.wait_for(app(scope, receive, send), 5)
+    await asyncio.wait_for(app(asgi_scope(path, "gone-1"), receive, send), 5)
     return sent
 
 
@@ -429,26 +445,16 @@ async def test_a_client_that_stops_reading_has_its_stream_ended_and_its_request_
     monkeypatch.setattr(sse, "STALL_CHECK_S", 0.05)
     fake = FakeTriton(script=[StreamResponse(text="tok")] * 3 + [HANG])
     app, _ = make_app(fake)
-    pending = [{"type": "http.request", "body": json.dumps(
-        {"model": "qwen3", "messages": MESSAGES, "stream": True}).encode(), "more_body": False}]
     sent: list[dict] = []
-
-    async def receive():
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # never a disconnect
 
     async def send(message):
         sent.append(message)
         if sum(1 for m in sent if m["type"] == "http.response.body") >= 2:
             await asyncio.Event().wait()  # the client takes nothing more
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
-             "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"stalled-1")]}
+    receive = body_then_stay({"model": "qwen3", "messages": MESSAGES, "stream": True})
     with caplog.at_level(logging.INFO, logger="mstar_common.proxy.sse"):
-        await asyncio.wait_for(app(scope, receive, send), 5)
+        await asyncio.wait_for(app(asgi_scope("/v1/chat/completions", "stalled-1"), receive, send), 5)
     assert fake.cancelled == ["stalled-1"]
     assert any("took none of its stream" in r.getMessage() and "stalled-1" in r.getMessage() for r in caplog.records)
 
@@ -480,23 +486,12 @@ async def test_a_request_the_stopping_server_cancels_before_its_answer_gets_a_50
     fake.started = asyncio.Event()
     app, _ = make_app(fake)
     sent: list[dict] = []
-    pending = [{"type": "http.request", "body": json.dumps({"model": "qwen3", "prompt": "hi"}).encode(),
-                "more_body": False}]
-
-    async def receive():
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client stays
 
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                               (b"x-request-id", b"stop-1")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
-    task = asyncio.ensure_future(app(scope, receive, send))
+    receive = body_then_stay({"model": "qwen3", "prompt": "hi"})
+    task = asyncio.ensure_future(app(asgi_scope("/v1/completions", "stop-1"), receive, send))
     await asyncio.wait_for(fake.started.wait(), 5)
     task.cancel()  # as uvicorn does at the end of its drain
     with pytest.raises(asyncio.CancelledError):
