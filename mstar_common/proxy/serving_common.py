@@ -89,15 +89,14 @@ async def read_utf8_form(request: Request) -> FormData:
     for key, value in form.multi_items():
         if not wire.is_unicode_text(key):
             raise invalid_request(f"the form field name '{wire.loggable(key, 100)}' is not UTF-8 text")
-        if isinstance(value, str) and not wire.is_unicode_text(value):
-            raise invalid_request(f"'{key}' is not UTF-8 text", param=key)
+        if isinstance(value, str) and not value.isascii() and (  # decoded as something else, or a lone surrogate
+                not wire.is_unicode_text(value) or value.encode("utf-8") not in body):
+            raise invalid_request(f"'{key}' is not UTF-8 text (an upload needs a filename in its part's "
+                                  f"Content-Disposition)", param=key)
         if isinstance(value, str) and len(value) > MAX_TEXT_FIELD_BYTES // 4 \
                 and len(value.encode("utf-8")) > MAX_TEXT_FIELD_BYTES:
             raise invalid_request(f"'{key}' is a text field of {len(value.encode('utf-8'))} bytes; the limit is "
                                   f"{MAX_TEXT_FIELD_BYTES} (an upload needs a filename in its part's "
-                                  f"Content-Disposition)", param=key)
-        if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in body:
-            raise invalid_request(f"'{key}' is not UTF-8 text (an upload needs a filename in its part's "
                                   f"Content-Disposition)", param=key)
     return form
 

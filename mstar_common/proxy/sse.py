@@ -24,7 +24,7 @@ from mstar_common.proxy.errors import from_exception
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-SEND_STALL_S = 60.0  # a write the client has not taken in this long ends its stream (nginx's send_timeout)
+SEND_STALL_S = 60.0  # a write that has waited this long for the client to take its bytes ends the stream
 STALL_CHECK_S = 5.0
 
 
