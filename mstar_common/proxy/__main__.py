@@ -21,6 +21,7 @@ from uvicorn.supervisors import Multiprocess
 from mstar_common.cli import bind_host_arg, tcp_port_arg
 from mstar_common.config import env_switch
 from mstar_common.proxy.app import MODEL_KINDS, ProxySettings, ServedModel, create_app
+from mstar_common.proxy.sse import SEND_STALL_S
 
 # A multi-worker proxy's settings, from the parent to each worker process (uvicorn starts workers fresh and builds
 # each one's app with `app_from_env`).
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     serve = dict(host=bind_host(args.host), port=args.port, log_level=args.log_level,
                  timeout_graceful_shutdown=args.drain_timeout_s)
     if args.workers == 1:
-        uvicorn.run(create_app(settings), **serve)
+        serve_one(create_app(settings), **serve)
         return
     os.environ[SETTINGS_ENV] = json.dumps({"settings": dataclasses.asdict(settings), "log_level": args.log_level})
     run_workers("mstar_common.proxy.__main__:app_from_env", args.workers, **serve)
@@ -127,6 +128,17 @@ def run_workers(app: str, workers: int, **serve) -> None:
     listening sockets `listening_sockets`' (uvicorn's own is one AF_INET socket unless the host has a ':', so
     "every address" was IPv4 alone with several workers, where one worker's asyncio server listens on IPv6 too)."""
     config = uvicorn.Config(app, factory=True, workers=workers, **serve)
+    _Workers(config, sockets=_listen(config)).run()
+
+
+def serve_one(app: FastAPI, **serve) -> None:
+    """`uvicorn.run(app, **serve)` in this process, on `listening_sockets`' sockets (which `_bound` gives the
+    kernel's write timeout)."""
+    config = uvicorn.Config(app, **serve)
+    uvicorn.Server(config).run(sockets=_listen(config))
+
+
+def _listen(config: uvicorn.Config) -> list[socket.socket]:
     log = logging.getLogger("uvicorn.error")
     try:
         sockets = listening_sockets(config.host, config.port)
@@ -135,8 +147,9 @@ def run_workers(app: str, workers: int, **serve) -> None:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE, as its own bind_socket exits
     for sock in sockets:  # uvicorn logs where it listens only for a socket it bound itself
         host, port = sock.getsockname()[:2]
-        log.info("listening on %s port %d (%d workers)", f"[{host}]" if ":" in host else host, port, workers)
-    _Workers(config, sockets=sockets).run()
+        log.info("listening on %s port %d (%d worker%s)", f"[{host}]" if ":" in host else host, port,
+                 config.workers, "" if config.workers == 1 else "s")
+    return sockets
 
 
 _NO_IPV6 = (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL)
@@ -182,6 +195,11 @@ def _bound(family: int, address: tuple, dual_stack: bool = False) -> socket.sock
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; the connections it accepts inherit it
+            # A peer that takes none of what is sent for this long (its window shut, or gone without a word) is
+            # dropped by the kernel. The stream's own cut (sse.SEND_STALL_S) frees its request but cannot close a
+            # socket whose buffer never drains; without this it stayed until the client left.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(SEND_STALL_S * 1000))
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
         sock.bind(address)

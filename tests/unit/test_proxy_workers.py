@@ -30,7 +30,7 @@ needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs IPv6 loo
 
 def _run(monkeypatch, *args):
     calls = []
-    monkeypatch.setattr(proxy_main.uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.setattr(proxy_main, "serve_one", lambda app, **kw: calls.append((app, kw)))
     monkeypatch.setattr(proxy_main, "run_workers",
                         lambda app, workers, **kw: calls.append((app, {"factory": True, "workers": workers, **kw})))
     monkeypatch.delenv(proxy_main.SETTINGS_ENV, raising=False)
@@ -272,3 +272,52 @@ def test_a_name_listens_where_the_kernel_has_its_family(monkeypatch):
     (only,) = proxy_main.listening_sockets("localhost", 0)
     assert only.getsockname()[0] == "127.0.0.1"
     only.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("socket"), "TCP_USER_TIMEOUT"), reason="Linux's TCP_USER_TIMEOUT")
+def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(monkeypatch):
+    """A served stream whose client keeps the connection but reads nothing: the stream's own cut freed its Triton
+    request, but the socket (its buffer never draining, the peer answering the kernel's zero-window probes) stayed
+    until the client left, and a drain at shutdown waited for it. The listening sockets now carry TCP_USER_TIMEOUT,
+    which the accepted connection inherits: the kernel drops it, and the proxy sees a disconnect."""
+    import asyncio
+    import json
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from mstar_common.proxy import sse
+    from mstar_common.proxy.triton_stream import StreamResponse
+    from tests.unit.proxy_fake_triton import HANG, FakeTriton, make_app
+
+    monkeypatch.setattr(proxy_main, "SEND_STALL_S", 1.0)
+    monkeypatch.setattr(sse, "STALL_CHECK_S", 0.1)
+    fake = FakeTriton(script=[StreamResponse(text="x" * 200_000)] * 100 + [HANG])  # ~20 MB: past every buffer
+    app, _ = make_app(fake)
+    (sock,) = proxy_main.listening_sockets("127.0.0.1", 0)
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1000
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    client = socket.socket()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(sock.getsockname())
+        body = json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       f"x-request-id: stalled-2\r\ncontent-length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 20
+        while (fake.cancelled != ["stalled-2"] or server.server_state.connections) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the client reads nothing
+        assert fake.cancelled == ["stalled-2"]
+        assert not server.server_state.connections, "the stalled connection is still open"
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+        asyncio.set_event_loop(None)
