@@ -135,7 +135,11 @@ def serve_one(app: FastAPI, **serve) -> None:
     """`uvicorn.run(app, **serve)` in this process, on `listening_sockets`' sockets (which `_bound` gives the
     kernel's write timeout)."""
     config = uvicorn.Config(app, **serve)
-    uvicorn.Server(config).run(sockets=_listen(config))
+    sockets = _listen(config)
+    try:
+        uvicorn.Server(config).run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it drained on again; uvicorn.run ends there quietly too
+        pass
 
 
 def _listen(config: uvicorn.Config) -> list[socket.socket]:

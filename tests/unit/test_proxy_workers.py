@@ -274,7 +274,17 @@ def test_a_name_listens_where_the_kernel_has_its_family(monkeypatch):
     only.close()
 
 
-@pytest.mark.skipif(not hasattr(__import__("socket"), "TCP_USER_TIMEOUT"), reason="Linux's TCP_USER_TIMEOUT")
+def _kernel_drops_zero_window_peers() -> bool:
+    import platform
+    import re
+    import socket
+
+    release = re.match(r"(\d+)\.(\d+)", platform.release())
+    return hasattr(socket, "TCP_USER_TIMEOUT") and platform.system() == "Linux" and release is not None \
+        and (int(release[1]), int(release[2])) >= (5, 11)  # before 5.11 each answered zero-window probe reset it
+
+
+@pytest.mark.skipif(not _kernel_drops_zero_window_peers(), reason="needs Linux >= 5.11's TCP_USER_TIMEOUT")
 def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(monkeypatch):
     """A served stream whose client keeps the connection but reads nothing: the stream's own cut freed its Triton
     request, but the socket (its buffer never draining, the peer answering the kernel's zero-window probes) stayed
@@ -321,3 +331,32 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(monkey
         thread.join(10)
         sock.close()
         asyncio.set_event_loop(None)
+
+
+def test_ctrl_c_stops_a_one_worker_proxy_quietly(tmp_path):
+    """Run on the pre-bound sockets, uvicorn's Server raised the SIGINT it had drained on out of `main` (a traceback
+    and a death by SIGINT), where uvicorn.run, which it replaced, ends quietly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mstar_common.launcher import free_ports
+
+    (port,) = free_ports(1)
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mstar_common.proxy", "--triton-url", "127.0.0.1:9",
+                                 "--model", "a=a_llm", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "Application startup complete" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text() and f"listening on 127.0.0.1 port {port} (1 worker)" in log.read_text()
