@@ -296,7 +296,8 @@ def test_a_proxy_that_fails_its_first_start_is_an_error_with_its_log_not_a_trace
             self.stopped = True
 
     def failing_proxy(dep, entry, ports, log_path, host="127.0.0.1"):
-        log_path.write_text("ERROR: [Errno 99] error while attempting to bind on address\n")
+        log_path.write_text("ERROR:    cannot listen on '10.9.9.9' port 8000: [Errno 99] Cannot assign requested "
+                            "address\n")  # as the proxy logs it
         return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], start_new_session=True)
 
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
@@ -308,7 +309,7 @@ def test_a_proxy_that_fails_its_first_start_is_an_error_with_its_log_not_a_trace
     assert cli.main(["serve", "qwen3", "--timeout", "30", *args]) == 1
     err = capsys.readouterr().err
     assert "mstar: error: proxy exited with code 3 before it was ready" in err and "Traceback" not in err, err
-    assert "error while attempting to bind on address" in err  # the proxy log's tail
+    assert "cannot listen on '10.9.9.9' port 8000" in err  # the proxy log's tail
 
 
 def test_serve_refuses_ports_another_serve_holds_while_it_loads(tmp_path, monkeypatch, capsys):
