@@ -84,7 +84,7 @@ class SSEResponse(StreamingResponse):
                 while True:
                     await anyio.sleep(STALL_CHECK_S)
                     if writing_since is not None and time.monotonic() - writing_since > SEND_STALL_S:
-                        logger.info("[%s] the client took none of its stream for %.0f s: the stream is ended",
+                        logger.info("[%s] a write waited %.0f s for the client to read: the stream is ended",
                                     scope.get("state", {}).get("request_id", "-"), SEND_STALL_S)
                         group.cancel_scope.cancel()
                         return
